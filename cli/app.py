@@ -1,0 +1,126 @@
+"""The `tierflow` command: thin wrappers that parse arguments and call the Python API."""
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tierflow.errors import TierflowError
+from tierflow.units import format_size
+
+app = typer.Typer(help="Run language models larger than your GPU.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, add_completion=False)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+ModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M-Instruct)")]
+GpuOpt = Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU weight budget, e.g. 4GiB")]
+CpuOpt = Annotated[Optional[str], typer.Option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads")]
+CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="context length (KV cache size)")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
+TempOpt = Annotated[float, typer.Option("--temperature", help="0 is greedy")]
+TopKOpt = Annotated[int, typer.Option("--top-k")]
+TopPOpt = Annotated[float, typer.Option("--top-p")]
+MinPOpt = Annotated[float, typer.Option("--min-p")]
+PenaltyOpt = Annotated[float, typer.Option("--repeat-penalty")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed")]
+StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="stop string (repeatable)")]
+
+
+def main() -> None:
+    """Console-script entry point: a TierflowError is one line on stderr and exit code 2."""
+    try:
+        app()
+    except TierflowError as error:
+        err.print(f"[red]error:[/red] {error}", soft_wrap=True)
+        sys.exit(2)
+
+
+@contextmanager
+def _loading(path: Optional[Path]):
+    """A progress bar on stderr while weights load."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    name = path.name if path else "SmolLM2-135M-Instruct (bundled)"
+    with Progress(TextColumn(f"loading {name}"), BarColumn(), DownloadColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("load", total=None)
+        yield lambda phase, done, total: bar.update(task, completed=done, total=total)
+
+
+def _load(model, gpu_memory, cpu_memory, threads, ctx):
+    from tierflow.runtime.engine import Engine
+
+    with _loading(model) as progress:
+        return Engine.load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads,
+                           context_length=ctx, progress=progress)
+
+
+@app.command()
+def run(prompt: Annotated[str, typer.Argument(help="text to complete")], model: ModelOpt = None,
+        max_tokens: MaxTokensOpt = 256, temperature: TempOpt = 0.8, top_k: TopKOpt = 40,
+        top_p: TopPOpt = 0.95, min_p: MinPOpt = 0.05, repeat_penalty: PenaltyOpt = 1.0,
+        seed: SeedOpt = None, stop: StopOpt = None,
+        as_json: Annotated[bool, typer.Option("--json", help="print text, tokens and stats as JSON")] = False,
+        gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
+        ctx: CtxOpt = None) -> None:
+    """Complete PROMPT once and print the completion."""
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx)
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                    min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop)
+    if as_json:
+        result = engine.generate(prompt, **sampling)
+        print(json.dumps({"text": result.text, "tokens": result.tokens,
+                          "finish_reason": result.finish_reason, "stats": result.stats.as_dict()}))
+        return
+    try:
+        for piece in engine.stream(prompt, **sampling):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        pass
+    sys.stdout.write("\n")
+
+
+@app.command()
+def chat(model: ModelOpt = None,
+         system: Annotated[Optional[str], typer.Option("--system", help="system prompt")] = None,
+         max_tokens: MaxTokensOpt = 1024, temperature: TempOpt = 0.8, top_k: TopKOpt = 40,
+         top_p: TopPOpt = 0.95, min_p: MinPOpt = 0.05, repeat_penalty: PenaltyOpt = 1.0,
+         seed: SeedOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
+         threads: ThreadsOpt = None, ctx: CtxOpt = None) -> None:
+    """Chat interactively. /reset forgets the conversation, /exit (or Ctrl-D) quits,
+    Ctrl-C stops the current answer."""
+    from tierflow.cli.chat_session import ChatSession
+
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx)
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                    min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+    ChatSession(engine, system, sampling, out).run()
+
+
+@app.command()
+def info(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
+         model_opt: ModelOpt = None) -> None:
+    """Show a model's architecture, sizes, tensor types and bytes per tier (loads no weights)."""
+    from tierflow.offload.model_info import describe_model
+
+    summary = describe_model(model or model_opt)
+    table = Table(title=str(summary.path), show_header=False)
+    for key, value in summary.rows():
+        table.add_row(key, str(value))
+    out.print(table)
+    types = Table("tensor type", "tensors", "bytes in file")
+    for type_name, (count, nbytes) in sorted(summary.tensor_types.items()):
+        types.add_row(type_name, str(count), format_size(nbytes))
+    out.print(types)
+
+
+if __name__ == "__main__":
+    main()

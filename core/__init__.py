@@ -1,0 +1,38 @@
+"""tierflow: run language models larger than your GPU, across SSD, RAM and one GPU.
+
+    from tierflow import Engine
+    engine = Engine.load()              # the bundled SmolLM2-135M-Instruct
+    print(engine.generate("Hello", max_tokens=20).text)
+
+Heavy modules (torch, llama.cpp) load on first use, so `tierflow --help` stays fast.
+"""
+
+from tierflow.errors import (
+    BudgetError,
+    ContextLengthError,
+    ModelFileError,
+    TemplateError,
+    TierflowError,
+    UnsupportedModelError,
+)
+from tierflow.units import parse_size
+
+__all__ = [
+    "Engine",
+    "GenerationResult",
+    "BudgetError",
+    "ContextLengthError",
+    "ModelFileError",
+    "TemplateError",
+    "TierflowError",
+    "UnsupportedModelError",
+    "parse_size",
+]
+
+
+def __getattr__(name: str):
+    if name in ("Engine", "GenerationResult"):
+        from tierflow.runtime import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'tierflow' has no attribute {name!r}")

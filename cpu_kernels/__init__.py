@@ -1,0 +1,1 @@
+"""tierflow.cpu_kernels"""

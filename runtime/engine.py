@@ -1,0 +1,260 @@
+"""Engine: the public Python API. Load a GGUF model, then generate, stream, chat, score.
+
+    engine = Engine.load()                       # bundled SmolLM2-135M-Instruct
+    engine.generate("The capital of France is", max_tokens=8, temperature=0).text
+    for piece in engine.chat_stream([{"role": "user", "content": "Hi"}]):
+        print(piece, end="")
+"""
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentError, ModelFileError
+from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.model_info import read_config
+from tierflow.offload.model_path import resolve_model_path
+from tierflow.offload.resident import LoadProgress, ResidentWeights
+from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.generation import GenerationStats, TokenGenerator, generate_tokens
+from tierflow.runtime.kv_cache import KVCache
+from tierflow.runtime.model import Decoder
+from tierflow.runtime.sampler import Sampler, SamplingParams
+from tierflow.runtime.text_stream import TextStream
+from tierflow.runtime.tokenizer import Tokenizer
+from tierflow.units import parse_size
+
+DEFAULT_CONTEXT_CAP = 4096  # default KV cache length when the model allows more
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]  # generated ids, without the end-of-generation token
+    finish_reason: str  # "stop" (end token or stop string), "length", or "cancelled"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class Engine:
+    """A loaded model with its tokenizer, KV cache and generation lock.
+
+    One generation runs at a time: calls from several threads queue on a lock, so the KV cache is
+    never shared by two generations.
+    """
+
+    def __init__(self, path: Path, config: ModelConfig, weights: ResidentWeights,
+                 tokenizer: Tokenizer, context_length: int, threads: int):
+        self.path = path
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.threads = threads
+        self._generator = TokenGenerator(Decoder(config, weights, context_length),
+                                         KVCache(config, context_length))
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+
+    @classmethod
+    def load(cls, model: str | os.PathLike | None = None, *, gpu_memory: int | str | None = None,
+             cpu_memory: int | str | None = None, threads: int | None = None,
+             context_length: int | None = None, progress: LoadProgress | None = None) -> "Engine":
+        """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
+
+        gpu_memory and cpu_memory bound the bytes of weights held on each tier ("4GiB", "512MB" or
+        an int); threads is the CPU thread count (default: physical cores); context_length the KV
+        cache size (default: the model's, capped at 4096); progress(phase, done, total) is called
+        as bytes load.
+        """
+        path = resolve_model_path(model)
+        threads = _thread_count(threads)
+        cpu_budget = parse_size(cpu_memory) if cpu_memory is not None else None
+        if gpu_memory is not None and parse_size(gpu_memory) > 0 and not torch.cuda.is_available():
+            raise BudgetError("gpu_memory was given but no CUDA GPU is available; omit it or use 0")
+        torch.set_num_threads(threads)
+        with read_gguf(path) as gguf:  # validated before llama.cpp sees the file
+            config = read_config(gguf)
+            tokenizer = Tokenizer.from_gguf(path)
+            if tokenizer.vocab_size > config.vocab_size:
+                raise ModelFileError(
+                    f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens but the "
+                    f"embedding only {config.vocab_size} rows"
+                )
+            weights = ResidentWeights(gguf, config, cpu_budget, progress)
+        context_length = _context_length(context_length, config)
+        return cls(path, config, weights, tokenizer, context_length, threads)
+
+    # -- generation ------------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
+                 stop: Sequence[str] | str | None = None, **sampling) -> GenerationResult:
+        """Completes a prompt (text, or token ids). Sampling keywords: temperature, top_k, top_p,
+        min_p, repeat_penalty, repeat_last_n, seed (see SamplingParams)."""
+        pieces = self._run(self._prompt_ids(prompt), max_tokens, stop, sampling)
+        for _ in pieces:
+            pass
+        return pieces.result
+
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
+               stop: Sequence[str] | str | None = None, **sampling) -> Iterator[str]:
+        """Like generate, yielding text pieces as they are decoded (whole UTF-8 characters)."""
+        yield from self._run(self._prompt_ids(prompt), max_tokens, stop, sampling)
+
+    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        """Generates the assistant's reply to messages, using the model's chat template."""
+        return self.generate(self._chat_prompt(messages), **kwargs)
+
+    def chat_stream(self, messages: list[dict], **kwargs) -> Iterator[str]:
+        return self.stream(self._chat_prompt(messages), **kwargs)
+
+    def cancel(self) -> None:
+        """Stops the running generation (from any thread); it returns what it has so far."""
+        self._cancel.set()
+
+    # -- tokens and scores -----------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(self._check_ids(ids))
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits [len(ids), vocab] float32: the model's next-token scores at every position."""
+        ids = self._check_ids(ids)
+        if not ids:
+            raise InvalidArgumentError("logits() needs at least one token id")
+        self._check_fits(len(ids), 0)
+        with self._lock:
+            self._cancel.clear()
+            logits, _ = self._generator.prefill(ids, self._cancel, all_logits=True,
+                                                reuse_prefix=False)
+        return logits
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.tokenizer.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _run(self, prompt_ids: list[int], max_tokens: int, stop, sampling: dict) -> "_Pieces":
+        if max_tokens < 0:
+            raise InvalidArgumentError(f"max_tokens must be >= 0, got {max_tokens}")
+        self._check_fits(len(prompt_ids), 1)
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        sampler = Sampler(SamplingParams(**sampling))
+        # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
+        max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
+        return _Pieces(self, prompt_ids, sampler, max_tokens, TextStream(stops))
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = self._check_ids(prompt)
+        if not ids:
+            raise InvalidArgumentError("the prompt has no tokens")
+        return ids
+
+    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_bos=None)
+
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise InvalidArgumentError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
+            )
+        return ids
+
+    def _check_fits(self, num_prompt_tokens: int, room: int) -> None:
+        if num_prompt_tokens + room > self.context_length:
+            raise ContextLengthError(
+                f"the prompt has {num_prompt_tokens} tokens but the context holds "
+                f"{self.context_length}" + (" (one more is needed to generate)" if room else "")
+            )
+
+
+class _Pieces:
+    """Iterator of text pieces for one generation; holds the engine lock while it runs and
+    leaves the finished GenerationResult in .result."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
+                 text: TextStream):
+        self.engine, self.prompt_ids, self.sampler = engine, prompt_ids, sampler
+        self.max_tokens, self.text = max_tokens, text
+        self.tokens: list[int] = []
+        self.stats = GenerationStats(peak_weight_bytes=engine.weights.bytes_by_tier())
+        self.result: GenerationResult | None = None
+        self._iterator = self._pieces()
+
+    def __iter__(self) -> "_Pieces":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._iterator)
+
+    def close(self) -> None:
+        self._iterator.close()
+
+    def _pieces(self) -> Iterator[str]:
+        engine = self.engine
+        with engine._lock:
+            engine._cancel.clear()
+            tokens = generate_tokens(engine._generator, self.prompt_ids, self.sampler,
+                                     self.max_tokens, engine.tokenizer.eog_ids, engine._cancel,
+                                     self.stats)
+            finish = "stop"
+            try:
+                for token in tokens:
+                    self.tokens.append(token)
+                    piece = self.text.push(engine.tokenizer.token_bytes(token))
+                    if piece:
+                        yield piece
+                    if self.text.stopped:
+                        break
+                else:
+                    if engine._cancel.is_set():
+                        finish = "cancelled"
+                    elif len(self.tokens) >= self.max_tokens:
+                        finish = "length"
+            finally:
+                tokens.close()
+            tail = self.text.flush()
+            self.result = GenerationResult(self.text.text, self.tokens, finish, self.stats)
+        if tail:
+            yield tail
+
+
+def _thread_count(threads: int | None) -> int:
+    if threads is None:
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
+    return threads
+
+
+def _context_length(requested: int | None, config: ModelConfig) -> int:
+    if requested is None:
+        return min(config.context_length, DEFAULT_CONTEXT_CAP)
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise InvalidArgumentError(f"context_length must be a positive integer, got {requested!r}")
+    if requested > config.context_length:
+        raise ContextLengthError(
+            f"context_length {requested} exceeds the model's {config.context_length}"
+        )
+    return requested

@@ -1,0 +1,125 @@
+"""The token loop: prefill the prompt, then decode one token at a time until a stop condition."""
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tierflow.runtime.kv_cache import KVCache
+from tierflow.runtime.model import Decoder
+from tierflow.runtime.sampler import Sampler
+
+PREFILL_CHUNK = 512  # tokens per prefill pass: bounds activation memory and cancel latency
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt prefix reused from the previous call's KV cache
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    peak_weight_bytes: dict[str, int] = field(default_factory=dict)  # per tier: gpu, cpu, disk
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        computed = self.prompt_tokens - self.cached_prompt_tokens
+        return computed / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # The first generated token comes from the prefill pass; the rest from decode steps.
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "decode_seconds": round(self.decode_seconds, 4),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "peak_weight_bytes": dict(self.peak_weight_bytes),
+        }
+
+
+class TokenGenerator:
+    """Runs the decoder over one KV cache, remembering which tokens the cache holds so that a
+    prompt sharing a prefix with the previous one (a chat's history) skips that prefix."""
+
+    def __init__(self, decoder: Decoder, cache: KVCache):
+        self.decoder = decoder
+        self.cache = cache
+        self.cached_tokens: list[int] = []  # the tokens whose keys/values are in the cache
+
+    def prefill(self, token_ids: list[int], cancel: threading.Event, all_logits: bool = False,
+                reuse_prefix: bool = True) -> tuple[np.ndarray | None, int]:
+        """Feeds token_ids; returns (logits of the last token, or of all new tokens when
+        all_logits; None if cancelled) and how many leading tokens were reused from the cache."""
+        reused = self._reuse_prefix(token_ids) if reuse_prefix else 0
+        self._truncate(reused)
+        chunks = []
+        for start in range(reused, len(token_ids), PREFILL_CHUNK):
+            if cancel.is_set():
+                return None, reused
+            chunks.append(self._forward(token_ids[start:start + PREFILL_CHUNK], all_logits))
+        return np.concatenate(chunks) if all_logits else chunks[-1][-1], reused
+
+    def decode_step(self, token_id: int) -> np.ndarray:
+        """Feeds one token; returns the logits [V] for the next."""
+        return self._forward([token_id], all_logits=False)[-1]
+
+    def _forward(self, token_ids: list[int], all_logits: bool) -> np.ndarray:
+        start = self.cache.length
+        try:
+            logits = self.decoder.forward(torch.tensor(token_ids, dtype=torch.long), self.cache,
+                                          all_logits=all_logits)
+        except BaseException:
+            self._truncate(start)  # a half-written pass (Ctrl-C, error) leaves the cache as before
+            raise
+        self.cached_tokens.extend(token_ids)
+        return logits.numpy()
+
+    def _reuse_prefix(self, token_ids: list[int]) -> int:
+        common = 0
+        for cached, new in zip(self.cached_tokens, token_ids):
+            if cached != new:
+                break
+            common += 1
+        return min(common, len(token_ids) - 1)  # the last prompt token is always recomputed
+
+    def _truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+        del self.cached_tokens[length:]
+
+
+def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: Sampler,
+                    max_tokens: int, stop_ids: frozenset[int], cancel: threading.Event,
+                    stats: GenerationStats) -> Iterator[int]:
+    """Yields generated token ids (an end-of-generation token ends the loop and is not yielded).
+
+    The caller stops early by closing the iterator; stats are filled in as it goes.
+    """
+    stats.prompt_tokens = len(prompt_ids)
+    started = time.perf_counter()
+    logits, stats.cached_prompt_tokens = generator.prefill(prompt_ids, cancel)
+    stats.prefill_seconds = time.perf_counter() - started
+    history = list(prompt_ids)
+    decode_started = time.perf_counter()
+    try:
+        while logits is not None and stats.generated_tokens < max_tokens and not cancel.is_set():
+            token = sampler.sample(logits, history)
+            if token in stop_ids:
+                return
+            stats.generated_tokens += 1
+            history.append(token)
+            yield token
+            if stats.generated_tokens < max_tokens and not cancel.is_set():
+                logits = generator.decode_step(token)
+    finally:
+        stats.decode_seconds = time.perf_counter() - decode_started

@@ -1,0 +1,70 @@
+"""Rotary position embedding tables, with the scaling variants GGUF models use.
+
+The formulas follow llama.cpp's rope so that tierflow matches it as an oracle: linear scaling
+divides positions by the factor; YaRN blends interpolated and extrapolated frequencies with a ramp
+over the "correction dimensions" and scales magnitudes by 1 + 0.1 ln(factor); Llama-3 models carry
+per-frequency divisors in a `rope_freqs.weight` tensor.
+"""
+
+import math
+
+import torch
+
+from tierflow.runtime.config import ModelConfig
+
+
+def rope_tables(
+    config: ModelConfig, num_positions: int, freq_factors: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each [num_positions, rope_dim // 2] float32."""
+    rope_dim, scaling = config.rope_dim, config.rope_scaling
+    pair_idx = torch.arange(rope_dim // 2, dtype=torch.float64)
+    inv_freq = config.rope_theta ** (-2.0 * pair_idx / rope_dim)  # [R/2]
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(torch.float64)
+    positions = torch.arange(num_positions, dtype=torch.float64)
+    extrapolated = torch.outer(positions, inv_freq)  # [P, R/2] angle without scaling
+    magnitude = 1.0
+    if scaling.kind == "none":
+        angles = extrapolated
+    elif scaling.kind == "linear":
+        angles = extrapolated / scaling.factor
+    else:  # yarn
+        original_ctx = scaling.original_context_length or config.context_length
+        low, high = _yarn_correction_range(rope_dim, original_ctx, config.rope_theta, scaling)
+        ramp = 1.0 - torch.clamp((pair_idx - low) / max(0.001, high - low), 0.0, 1.0)
+        angles = extrapolated / scaling.factor * (1.0 - ramp) + extrapolated * ramp
+        magnitude = 1.0 + 0.1 * math.log(scaling.factor)
+    cos = (torch.cos(angles) * magnitude).to(torch.float32)
+    sin = (torch.sin(angles) * magnitude).to(torch.float32)
+    return cos, sin
+
+
+def _yarn_correction_range(rope_dim: int, original_ctx: int, theta: float, scaling) -> tuple[float, float]:
+    """The pair indices between which YaRN moves from extrapolation to interpolation."""
+
+    def dim_for_rotations(num_rotations: float) -> float:
+        return rope_dim * math.log(original_ctx / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = math.floor(dim_for_rotations(scaling.yarn_beta_fast))
+    high = math.ceil(dim_for_rotations(scaling.yarn_beta_slow))
+    return max(0.0, low), min(rope_dim - 1.0, high)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Rotates the first rope_dim features of every head.
+
+    x [H, T, D]; cos, sin [T, R/2] with R = rope_dim <= D. "normal" rotates adjacent pairs
+    (llama), "neox" rotates the halves of the rotary part (qwen2).
+    """
+    rope_dim = cos.shape[-1] * 2
+    rotary, rest = x[..., :rope_dim], x[..., rope_dim:]
+    if style == "normal":
+        pairs = rotary.unflatten(-1, (rope_dim // 2, 2))  # [H, T, R/2, 2]
+        first, second = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
+        rotated = rotated.flatten(-2)
+    else:
+        first, second = rotary[..., : rope_dim // 2], rotary[..., rope_dim // 2 :]
+        rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated

@@ -1,0 +1,39 @@
+"""Maps the repository's top-level folders onto the one import package `tierflow`.
+
+The package list is computed from the folders rather than written out: a nested subpackage
+missing from a hand-written list imports in editable mode but silently drops out of the wheel.
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent
+FOLDERS = {
+    "tierflow": "core",
+    "tierflow.runtime": "runtime",
+    "tierflow.offload": "offload",
+    "tierflow.speculative": "speculative",
+    "tierflow.cpu_kernels": "cpu_kernels",
+    "tierflow.gpu_kernels": "gpu_kernels",
+    "tierflow.cli": "cli",
+}
+
+
+def mapped_packages() -> dict[str, str]:
+    """Every package (folder with an __init__.py) under each mapped folder, with its path."""
+    packages = {}
+    for package, folder in FOLDERS.items():
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            relative = init.parent.relative_to(ROOT / folder)
+            name = ".".join((package, *relative.parts))
+            packages[name] = init.parent.relative_to(ROOT).as_posix()
+    return packages
+
+
+PACKAGES = mapped_packages()
+setup(
+    packages=list(PACKAGES),
+    package_dir=PACKAGES,
+    package_data={"tierflow.cli": ["*.html"]},
+)

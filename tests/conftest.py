@@ -1,0 +1,35 @@
+"""Shared fixtures: the bundled real model, a loaded engine, and llama.cpp as the oracle."""
+
+from pathlib import Path
+
+import pytest
+
+from tierflow.offload.model_path import bundled_model_path
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def engine(model_path):
+    from tierflow import Engine
+
+    with Engine.load(model_path, threads=2, context_length=1024) as engine:
+        yield engine
+
+
+def llama_cpp_model(path: Path, n_ctx: int = 512):
+    """llama.cpp on the same file, with logits kept for every position."""
+    from llama_cpp import Llama
+
+    return Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=2,
+                 verbose=False, seed=0)
+
+
+@pytest.fixture(scope="session")
+def oracle(model_path):
+    llama = llama_cpp_model(model_path)
+    yield llama
+    llama.close()

@@ -1,0 +1,78 @@
+"""The `tierflow` command, run as a user runs it: a subprocess of the installed console script."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TIERFLOW = [sys.executable, "-m", "tierflow.cli.app"]
+
+
+def tierflow(*args: str, input: str | None = None, timeout: float = 120):
+    return subprocess.run([*TIERFLOW, *args], input=input, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_run_json_prints_text_tokens_and_stats():
+    done = tierflow("run", "The capital of France is", "-n", "6", "--temperature", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result) == {"text", "tokens", "finish_reason", "stats"}
+    assert len(result["tokens"]) <= 6 and result["stats"]["generated_tokens"] == len(result["tokens"])
+
+
+def test_run_streams_the_completion_to_stdout():
+    done = tierflow("run", "1, 2, 3, 4,", "-n", "6", "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+
+
+def test_info_shows_architecture_and_tensor_types(model_path):
+    done = tierflow("info", str(model_path))
+    assert done.returncode == 0, done.stderr
+    assert "llama" in done.stdout and "Q4_1" in done.stdout and "30" in done.stdout
+
+
+def test_chat_answers_resets_and_exits():
+    done = tierflow("chat", "--temperature", "0", "-n", "16",
+                    input="What is 2 + 2?\n/reset\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert "4" in done.stdout and "conversation cleared" in done.stdout
+
+
+def test_ctrl_c_stops_the_answer_but_not_the_chat():
+    chat = subprocess.Popen([*TIERFLOW, "chat", "-n", "2000", "--seed", "1"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    chat.stdin.write("Tell me a very long story about a dragon.\n")
+    chat.stdin.flush()
+    chat.stdout.read(80)  # the banner and the start of the answer
+    time.sleep(0.3)
+    chat.send_signal(signal.SIGINT)
+    out, err = chat.communicate("/exit\n", timeout=60)
+    assert chat.returncode == 0, err
+    assert "[stopped]" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "hi", "-m", "/no/such/model.gguf"], "not found"),
+        (["run", "hi", "-m", "/tmp"], "directory"),
+        (["run", "hi", "--cpu-memory", "lots"], "lots"),
+        (["info", "/no/such/model.gguf"], "not found"),
+    ],
+)
+def test_bad_input_is_one_line_on_stderr_and_exit_code_2(args, message):
+    done = tierflow(*args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_longer_than_the_context_is_exit_code_2():
+    done = tierflow("run", "word " * 400, "--ctx", "64")
+    assert done.returncode == 2 and "context" in done.stderr
