@@ -18,7 +18,9 @@ app = typer.Typer(help="Run language models larger than your GPU.", no_args_is_h
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
-ModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M-Instruct)")]
+ModelOpt = Annotated[
+    Optional[Path], typer.Option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M-Instruct)")
+]
 GpuOpt = Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU weight budget, e.g. 4GiB")]
 CpuOpt = Annotated[Optional[str], typer.Option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads")]

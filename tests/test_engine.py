@@ -72,7 +72,7 @@ def test_next_chat_turn_reuses_the_cached_prefix_and_answers_the_same(engine):
     messages += [{"role": "assistant", "content": first.text},
                  {"role": "user", "content": "Now say goodbye."}]
     warm = engine.chat(messages, max_tokens=12, **GREEDY)
-    engine.logits([1, 2])  # replaces the cache
+    engine.logits([50, 60])  # replaces the cache with tokens no chat prompt starts with
     cold = engine.chat(messages, max_tokens=12, **GREEDY)
     assert warm.stats.cached_prompt_tokens > 0 and cold.stats.cached_prompt_tokens == 0
     assert warm.tokens == cold.tokens

@@ -1,0 +1,189 @@
+"""The model's tokenizer: llama.cpp's, loaded from the GGUF file without its weights.
+
+llama.cpp implements every GGUF vocabulary type (SPM, BPE with its pre-tokenizers, WPM, UGM,
+RWKV) exactly as the file describes it, so tierflow uses it rather than re-implementing them; the
+tests check the ids against `llama_cpp.Llama.tokenize`.
+
+The vocabulary is loaded through llama.cpp's C API (`llama_model_load_from_file` with
+`vocab_only`) rather than `llama_cpp.Llama`: `Llama` also creates a context and compiles the
+file's chat template with its own Jinja setup, so a template using a tag it lacks would make the
+tokenizer itself fail to load. Templates are rendered by tierflow's sandbox instead.
+"""
+
+import contextlib
+import ctypes
+import functools
+import logging
+import operator
+import os
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import llama_cpp
+
+from tierflow.errors import InvalidArgumentError, ModelFileError, TierflowError
+from tierflow.runtime.chat_template import CHATML_TEMPLATE, render_chat_template
+
+LLAMA_TOKEN_NULL = -1
+
+
+@functools.cache
+def _init_backend() -> None:
+    llama_cpp.llama_backend_init()
+
+
+@contextlib.contextmanager
+def _quiet_llama_logs() -> Iterator[None]:
+    """Keeps llama.cpp's loading chatter off stderr; errors still show.
+
+    llama-cpp-python routes llama.cpp's log through this logger and checks its level per message,
+    as `Llama(verbose=False)` relies on; the level is restored so the caller's setting stands.
+    """
+    logger = logging.getLogger("llama-cpp-python")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _load_vocab_only(path: str) -> Any:
+    _init_backend()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    with _quiet_llama_logs():
+        model = llama_cpp.llama_model_load_from_file(os.fsencode(path), params)
+    if not model:
+        raise ModelFileError(f"llama.cpp could not load the vocabulary of {path}")
+    return model
+
+
+def _metadata_string(model: Any, key: str) -> str | None:
+    size = 4096
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        length = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, size)
+        if length < 0:
+            return None
+        if length < size:  # the value and its NUL fit
+            return buf.raw[:length].decode("utf-8", errors="replace")
+        size = length + 1
+
+
+def _grow_until_fits(fill: Any, ctype: Any, capacity: int) -> list | bytes:
+    """Calls fill(buffer, capacity), which returns the count written or -(count needed)."""
+    for _ in range(2):
+        buf = (ctype * capacity)()
+        count = fill(buf, capacity)
+        if count >= 0:
+            return buf[:count]
+        capacity = -count
+    raise TierflowError("llama.cpp asked for a larger buffer twice")
+
+
+class Tokenizer:
+    """Text <-> token ids for one model. Build it with `from_gguf`; close it (or use `with`)."""
+
+    def __init__(self, model: Any, path: str) -> None:
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self._free = weakref.finalize(self, llama_cpp.llama_model_free, model)
+        self.path = path
+        self.vocab_size: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.bos_id = self._token_or_none(llama_cpp.llama_vocab_bos(self._vocab))
+        self.eos_id = self._token_or_none(llama_cpp.llama_vocab_eos(self._vocab))
+        # Every token that ends generation (eos, eot, <|im_end|>, ...), as llama.cpp decides it.
+        self.eog_ids: frozenset[int] = frozenset(
+            i for i in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(self._vocab, i))
+        self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.bos_token = self._token_text(self.bos_id)
+        self.eos_token = self._token_text(self.eos_id)
+        self.chat_template: str | None = _metadata_string(model, "tokenizer.chat_template")
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ModelFileError(f"model file not found: {path}")
+        return cls(_load_vocab_only(path), path)
+
+    def encode(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text`.
+
+        add_bos: None follows the model (`self.add_bos`) but never adds a second BOS when the text
+        already starts with one (chat templates often write `bos_token` themselves).
+        special: text such as "<|im_start|>" becomes that special token, as chat templates need.
+        """
+        vocab, data = self._open_vocab(), text.encode("utf-8")
+        ids = _grow_until_fits(
+            lambda buf, n: llama_cpp.llama_tokenize(vocab, data, len(data), buf, n, False, special),
+            llama_cpp.llama_token, len(data) + 8)  # ids never outnumber bytes, bar a space prefix
+        starts_with_bos = bool(ids) and ids[0] == self.bos_id
+        if add_bos is None:
+            add_bos = self.add_bos and not starts_with_bos
+        if add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, special: bool = True) -> str:
+        """The text of `ids`; special tokens are written out unless `special` is False.
+
+        Like llama.cpp, drops the space an SPM vocabulary puts before the first word, so for
+        ordinary text `decode(encode(t, add_bos=False)) == t`. Broken UTF-8 becomes U+FFFD.
+        """
+        vocab, ids = self._open_vocab(), [self._checked_id(i) for i in ids]
+        if not ids:
+            return ""
+        tokens = (llama_cpp.llama_token * len(ids))(*ids)
+        data = _grow_until_fits(
+            lambda buf, n: llama_cpp.llama_detokenize(vocab, tokens, len(ids), buf, n,
+                                                      False, special),
+            ctypes.c_char, 16 * len(ids) + 16)
+        return data.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int, *, special: bool = True) -> bytes:
+        """The raw bytes of one token's piece: may be part of a UTF-8 character, and keeps any
+        leading space (streaming concatenates these; `decode` is the whole-sequence view)."""
+        vocab, token_id = self._open_vocab(), self._checked_id(token_id)
+        return _grow_until_fits(
+            lambda buf, n: llama_cpp.llama_token_to_piece(vocab, token_id, buf, n, 0, special),
+            ctypes.c_char, 64)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        """The prompt text for `messages`, from the file's template (ChatML if it has none)."""
+        return render_chat_template(self.chat_template or CHATML_TEMPLATE, messages,
+                                    bos_token=self.bos_token, eos_token=self.eos_token,
+                                    add_generation_prompt=add_generation_prompt, **extra)
+
+    def close(self) -> None:
+        """Frees llama.cpp's vocabulary; later calls raise instead of touching freed memory."""
+        self._free()
+        self._vocab = None
+
+    def __enter__(self) -> "Tokenizer":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _open_vocab(self) -> Any:
+        if self._vocab is None:
+            raise TierflowError("the tokenizer is closed")
+        return self._vocab
+
+    def _checked_id(self, token_id: int) -> int:
+        token_id = operator.index(token_id)
+        if not 0 <= token_id < self.vocab_size:
+            raise InvalidArgumentError(
+                f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return token_id
+
+    def _token_or_none(self, token_id: int) -> int | None:
+        return None if token_id == LLAMA_TOKEN_NULL else token_id
+
+    def _token_text(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return llama_cpp.llama_vocab_get_text(self._vocab, token_id).decode("utf-8", "replace")

@@ -1,0 +1,256 @@
+"""The random-weight model generator: llama.cpp runs its files, and they hold what the spec says."""
+
+import math
+
+import gguf
+import llama_cpp
+import numpy as np
+import pytest
+from make_model import (
+    ModelSpec,
+    bundled_model_path,
+    file_bytes,
+    main,
+    read_header,
+    spec_for_size,
+    write_model,
+)
+
+TOKENS = [1, 17, 504, 2127, 9090, 30000, 48000, 12]
+VOCAB_SIZE = 49152
+WIDE = {"hidden_size": 256, "ffn_size": 512}  # row lengths that K-quant blocks divide
+
+
+def llama_logits(path, tokens=TOKENS) -> np.ndarray:
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(tokens)
+    return np.array(llm.scores[:len(tokens)])  # [T, vocab]
+
+
+# gguf.GGUFReader takes ~6 s per file here (SmolLM2's vocabulary), so the tests read headers with
+# make_model.read_header, and test_read_header_agrees_with_gguf_reader checks it against gguf's.
+def fields(path) -> dict:
+    return {key: field.value for key, field in read_header(path).fields.items()}
+
+
+def tensors(path) -> dict:
+    """name -> (GGUF shape, i.e. row length first; type name)."""
+    return {name: (t.shape, t.type.name) for name, t in read_header(path).tensors.items()}
+
+
+def tensor_values(path, name, max_rows=None) -> np.ndarray:
+    """The dequantized first `max_rows` rows of a tensor: [rows, row_length]."""
+    tensor = read_header(path).tensors[name]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.type]
+    rows = min(math.prod(tensor.shape[1:]), max_rows or math.inf)
+    row_bytes = tensor.shape[0] // block_size * type_size
+    data = np.fromfile(path, np.uint8, count=rows * row_bytes, offset=tensor.offset)
+    return gguf.quants.dequantize(data.reshape(rows, row_bytes), tensor.type)
+
+
+@pytest.fixture(scope="module")
+def sized_model(tmp_path_factory):
+    spec = spec_for_size(50 * 10**6)
+    return spec, write_model(tmp_path_factory.mktemp("sized") / "m.gguf", spec)
+
+
+@pytest.mark.parametrize("spec", [
+    ModelSpec(arch="llama"),
+    ModelSpec(arch="qwen2"),
+    ModelSpec(arch="llama", weight_type="Q4_K", embedding_type="Q6_K", **WIDE),
+    ModelSpec(arch="qwen2", weight_type="Q5_K", embedding_type="Q4_K", **WIDE),
+    ModelSpec(arch="llama", weight_type="Q6_K", embedding_type="Q8_0", tied_embeddings=False,
+              **WIDE),
+    ModelSpec(arch="qwen2", weight_type="Q4_0", embedding_type="F16"),
+    ModelSpec(arch="llama", weight_type="Q5_1", embedding_type="BF16", rope_scaling="yarn",
+              rope_scaling_factor=4.0),
+    ModelSpec(arch="llama", weight_type="F32", llama3_rope_freqs=True, rope_scaling="linear",
+              rope_scaling_factor=2.0),
+], ids=lambda s: f"{s.arch}-{s.weight_type}-{s.embedding_type}")
+def test_llama_cpp_gives_finite_spread_logits(tmp_path, spec):
+    logits = llama_logits(write_model(tmp_path / "m.gguf", spec))
+    assert logits.shape == (len(TOKENS), VOCAB_SIZE)
+    assert np.isfinite(logits).all()
+    assert logits.std(axis=1).min() > 2.0
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    assert np.median(top2[:, 1] - top2[:, 0]) > 0.05 * logits.std()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_argmax_depends_on_the_layers_not_just_the_input_token(tmp_path, arch):
+    # With tied embeddings a token's own embedding could dominate its logits; the residual
+    # gain keeps the layers' output in charge.
+    tokens = list(range(100, 24100, 1000))
+    argmax = llama_logits(write_model(tmp_path / "m.gguf", ModelSpec(arch=arch)), tokens).argmax(1)
+    assert np.mean(argmax == tokens) < 0.2
+    assert len(set(argmax)) > len(tokens) // 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_architecture_metadata_follows_the_spec(tmp_path, arch):
+    spec = ModelSpec(arch=arch, num_layers=3, hidden_size=128, ffn_size=320, num_heads=8,
+                     num_kv_heads=2, context_length=512, rope_theta=5e5)
+    got = fields(write_model(tmp_path / "m.gguf", spec))
+    assert got["general.architecture"] == arch
+    assert got["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
+    expected = {"block_count": 3, "context_length": 512, "embedding_length": 128,
+                "feed_forward_length": 320, "attention.head_count": 8,
+                "attention.head_count_kv": 2, "rope.freq_base": 5e5,
+                "rope.dimension_count": 16, "vocab_size": VOCAB_SIZE}
+    assert {key: got[f"{arch}.{key}"] for key in expected} == expected
+    assert got[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    assert not any(".rope.scaling." in key for key in got)
+
+
+@pytest.mark.parametrize("scaling, keys", [
+    ("linear", {"type": "linear", "factor": 4.0}),
+    ("yarn", {"type": "yarn", "factor": 4.0, "original_context_length": 64}),
+])
+def test_rope_scaling_writes_its_keys(tmp_path, scaling, keys):
+    spec = ModelSpec(rope_scaling=scaling, rope_scaling_factor=4.0)
+    got = fields(write_model(tmp_path / "m.gguf", spec))
+    written = {key.removeprefix("llama.rope.scaling."): value for key, value in got.items()
+               if key.startswith("llama.rope.scaling.")}
+    assert written == keys
+
+
+def test_tokenizer_metadata_is_copied_from_smollm2(tmp_path):
+    source = fields(bundled_model_path())
+    got = fields(write_model(tmp_path / "m.gguf", ModelSpec()))
+    tokenizer_keys = {key for key in source if key.startswith("tokenizer.")}
+    assert {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.chat_template",
+            "tokenizer.ggml.bos_token_id"} <= tokenizer_keys
+    assert {key: got[key] for key in tokenizer_keys} == {key: source[key] for key in tokenizer_keys}
+
+
+def test_tensors_have_llama_cpp_names_shapes_and_types(tmp_path):
+    spec = ModelSpec(num_layers=2, hidden_size=64, ffn_size=96, num_heads=4, num_kv_heads=1,
+                     weight_type="Q4_1", embedding_type="F16")
+    per_layer = {"attn_norm.weight": ((64,), "F32"), "attn_q.weight": ((64, 64), "Q4_1"),
+                 "attn_k.weight": ((64, 16), "Q4_1"), "attn_v.weight": ((64, 16), "Q4_1"),
+                 "attn_output.weight": ((64, 64), "Q4_1"), "ffn_norm.weight": ((64,), "F32"),
+                 "ffn_gate.weight": ((64, 96), "Q4_1"), "ffn_up.weight": ((64, 96), "Q4_1"),
+                 "ffn_down.weight": ((96, 64), "Q4_1")}
+    expected = {"token_embd.weight": ((64, VOCAB_SIZE), "F16"),
+                "output_norm.weight": ((64,), "F32")}
+    expected |= {f"blk.{i}.{name}": info for i in range(2) for name, info in per_layer.items()}
+    assert tensors(write_model(tmp_path / "m.gguf", spec)) == expected
+
+
+@pytest.mark.parametrize("arch, has_biases", [("llama", False), ("qwen2", True)])
+def test_only_qwen2_has_qkv_biases(tmp_path, arch, has_biases):
+    got = tensors(write_model(tmp_path / "m.gguf", ModelSpec(arch=arch, num_kv_heads=1)))
+    biases = {name: info for name, info in got.items() if name.endswith(".bias")}
+    expected = {f"blk.{i}.attn_{p}.bias": ((size,), "F32") for i in range(2)
+                for p, size in (("q", 64), ("k", 16), ("v", 16))}
+    assert biases == (expected if has_biases else {})
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_output_weight_exists_only_when_untied(tmp_path, tied):
+    got = tensors(write_model(tmp_path / "m.gguf", ModelSpec(tied_embeddings=tied)))
+    assert ("output.weight" in got) != tied
+    if not tied:
+        assert got["output.weight"] == ((64, VOCAB_SIZE), "Q8_0")
+
+
+def test_llama3_rope_freqs_holds_factors_from_1_to_8(tmp_path):
+    path = write_model(tmp_path / "m.gguf", ModelSpec(llama3_rope_freqs=True))
+    (factors,) = tensor_values(path, "rope_freqs.weight")
+    assert factors.shape == (8,)  # head_dim / 2
+    assert factors[0] == 1.0 and factors[-1] == 8.0
+    assert np.all(np.diff(factors) >= 0)
+
+
+def test_weights_are_deterministic_per_seed(tmp_path):
+    first = write_model(tmp_path / "a.gguf", ModelSpec(seed=3)).read_bytes()
+    again = write_model(tmp_path / "b.gguf", ModelSpec(seed=3)).read_bytes()
+    other = write_model(tmp_path / "c.gguf", ModelSpec(seed=4)).read_bytes()
+    assert first == again
+    assert len(first) == len(other) and first != other
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_dequantized_weights_have_std_near_one_over_sqrt_fan_in(tmp_path, weight_type):
+    path = write_model(tmp_path / "m.gguf", ModelSpec(weight_type=weight_type, **WIDE))
+    values = tensor_values(path, "blk.0.ffn_up.weight")
+    assert values.std() == pytest.approx(1 / math.sqrt(256), rel=0.15)
+    assert abs(values.mean()) < 0.1 * values.std()
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                                         "Q6_K"])
+def test_large_tensors_get_random_blocks_with_the_same_spread(tmp_path, weight_type):
+    # The 49152-row embedding is past the quantize limit: its blocks are drawn directly.
+    spec = ModelSpec(embedding_type=weight_type, **WIDE)
+    values = tensor_values(write_model(tmp_path / "m.gguf", spec), "token_embd.weight", 4096)
+    assert np.isfinite(values).all()
+    assert values.std() == pytest.approx(8 / math.sqrt(256), rel=0.1)  # logits get std ~8
+    assert abs(values.mean()) < 0.02 * values.std()
+
+
+def test_spec_for_size_gives_a_file_of_about_the_asked_size(sized_model):
+    spec, path = sized_model
+    assert spec.arch == "llama" and spec.num_layers >= 16
+    assert path.stat().st_size == pytest.approx(50 * 10**6, rel=0.02)
+
+
+def test_file_bytes_is_the_written_size(sized_model):
+    spec, path = sized_model
+    assert file_bytes(spec) == path.stat().st_size
+
+
+@pytest.mark.parametrize("num_bytes", [10**9, 2 * 10**9, 4 * 10**9])
+def test_spec_for_size_estimates_gigabyte_models_closely(num_bytes):
+    spec = spec_for_size(num_bytes, weight_type="Q4_K", embedding_type="Q6_K")
+    assert file_bytes(spec) == pytest.approx(num_bytes, rel=0.02)
+    assert spec.num_layers >= 16 and spec.weight_type == "Q4_K"
+
+
+def test_spec_for_size_refuses_shape_overrides():
+    with pytest.raises(ValueError, match="num_layers"):
+        spec_for_size(10**8, num_layers=4)
+
+
+@pytest.mark.parametrize("fields_", [
+    {"arch": "gpt2"},
+    {"weight_type": "Q4_K"},           # hidden 64 is not a multiple of 256
+    {"embedding_type": "Q3_K"},
+    {"num_heads": 3},
+    {"num_kv_heads": 3},
+    {"rope_scaling": "ntk"},
+    {"rope_scaling_factor": 2.0},      # a factor without a scaling type
+    {"arch": "qwen2", "llama3_rope_freqs": True},
+    {"num_layers": 0},
+])
+def test_invalid_specs_are_rejected(fields_):
+    with pytest.raises(ValueError):
+        ModelSpec(**fields_)
+
+
+def test_cli_writes_the_asked_model(tmp_path, capsys):
+    out = tmp_path / "cli.gguf"
+    main([str(out), "--arch", "qwen2", "--layers", "3", "--hidden", "128", "--untied"])
+    assert capsys.readouterr().out.startswith(f"{out} {out.stat().st_size} bytes")
+    got = fields(out)
+    assert (got["general.architecture"], got["qwen2.block_count"]) == ("qwen2", 3)
+    assert "output.weight" in tensors(out)
+
+
+def test_cli_size_option_picks_the_shape(tmp_path, capsys):
+    out = tmp_path / "sized.gguf"
+    main([str(out), "--size", "20MB", "--weight-type", "Q4_0"])
+    assert out.stat().st_size == pytest.approx(20 * 10**6, rel=0.02)
+    assert tensors(out)["blk.0.attn_q.weight"][1] == "Q4_0"
+
+
+def test_read_header_agrees_with_gguf_reader(tmp_path):
+    path = write_model(tmp_path / "m.gguf", ModelSpec(arch="qwen2", tied_embeddings=False))
+    reference = gguf.GGUFReader(path)
+    header = read_header(path)
+    expected = {key: (field.contents(), sum(part.nbytes for part in field.parts))
+                for key, field in reference.fields.items() if not key.startswith("GGUF.")}
+    assert {key: (f.value, f.nbytes) for key, f in header.fields.items()} == expected
+    expected = {t.name: (tuple(int(n) for n in t.shape), t.tensor_type, t.data_offset)
+                for t in reference.tensors}
+    assert {name: tuple(t) for name, t in header.tensors.items()} == expected
