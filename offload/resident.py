@@ -71,11 +71,13 @@ def resident_bytes(config: ModelConfig, has_rope_freqs: bool) -> int:
 
 
 class ResidentWeights:
-    """A WeightSource holding every weight as a float32 torch tensor in RAM."""
+    """A WeightSource holding every weight as a float32 torch tensor in RAM.
+
+    The file's tensors must have passed `check_tensors` for this config.
+    """
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, cpu_budget_bytes: int | None = None,
                  progress: LoadProgress | None = None):
-        check_tensors(gguf, config)
         self.config = config
         self.num_bytes = resident_bytes(config, "rope_freqs.weight" in gguf.tensors)
         if cpu_budget_bytes is not None and self.num_bytes > cpu_budget_bytes:
@@ -125,7 +127,5 @@ class ResidentWeights:
 
 
 def _dequantize_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
-    if info.ggml_type not in SUPPORTED_TYPES:
-        raise UnsupportedModelError(f"tensor '{info.name}' has unsupported type {info.type_name}")
     array = dequantize(gguf.tensor_data(info.name), info.ggml_type, info.shape)
     return torch.from_numpy(array)

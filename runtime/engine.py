@@ -20,7 +20,7 @@ from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentErro
 from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.model_info import read_config
 from tierflow.offload.model_path import resolve_model_path
-from tierflow.offload.resident import LoadProgress, ResidentWeights
+from tierflow.offload.resident import LoadProgress, ResidentWeights, check_tensors
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import GenerationStats, TokenGenerator, generate_tokens
 from tierflow.runtime.kv_cache import KVCache
@@ -80,6 +80,7 @@ class Engine:
         torch.set_num_threads(threads)
         with read_gguf(path) as gguf:  # validated before llama.cpp sees the file
             config = read_config(gguf)
+            check_tensors(gguf, config)
             tokenizer = Tokenizer.from_gguf(path)
             if tokenizer.vocab_size > config.vocab_size:
                 raise ModelFileError(
@@ -123,7 +124,7 @@ class Engine:
         return self.tokenizer.encode(text, add_bos=add_bos)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(self._check_ids(ids))
+        return self.tokenizer.decode(ids)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] float32: the model's next-token scores at every position."""

@@ -20,12 +20,15 @@ def engine(model_path):
         yield engine
 
 
-def llama_cpp_model(path: Path, n_ctx: int = 512):
-    """llama.cpp on the same file, with logits kept for every position."""
-    from llama_cpp import Llama
+def llama_cpp_model(path: Path, n_ctx: int = 512, f32_kv: bool = False):
+    """llama.cpp on the same file, with logits kept for every position. One thread: ggml's
+    spinning thread barrier slows a hundredfold when another process holds a core. Its KV cache is float16
+    unless f32_kv, which makes float32 weights an exact oracle."""
+    from llama_cpp import GGML_TYPE_F32, Llama
 
-    return Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=2,
-                 verbose=False, seed=0)
+    kv_type = GGML_TYPE_F32 if f32_kv else None
+    return Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=1,
+                 verbose=False, seed=0, type_k=kv_type, type_v=kv_type)
 
 
 @pytest.fixture(scope="session")

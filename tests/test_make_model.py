@@ -1,4 +1,5 @@
-"""The random-weight model generator: llama.cpp runs its files, and they hold what the spec says."""
+"""The model generator: llama.cpp runs its files, they hold what the spec says, and F32 copies
+hold their source's weights exactly."""
 
 import math
 
@@ -6,46 +7,54 @@ import gguf
 import llama_cpp
 import numpy as np
 import pytest
+from gguf_bytes import build_tiny_gguf
 from make_model import (
     ModelSpec,
-    bundled_model_path,
     file_bytes,
     main,
-    read_header,
     spec_for_size,
+    write_f32_copy,
     write_model,
 )
+
+from tierflow.cpu_kernels.dequant import dequantize
+from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.model_path import bundled_model_path
 
 TOKENS = [1, 17, 504, 2127, 9090, 30000, 48000, 12]
 VOCAB_SIZE = 49152
 WIDE = {"hidden_size": 256, "ffn_size": 512}  # row lengths that K-quant blocks divide
 
 
-def llama_logits(path, tokens=TOKENS) -> np.ndarray:
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+def llama_logits(path, tokens=TOKENS, **options) -> np.ndarray:
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False,
+                          **options)
     llm.eval(tokens)
     return np.array(llm.scores[:len(tokens)])  # [T, vocab]
 
 
-# gguf.GGUFReader takes ~6 s per file here (SmolLM2's vocabulary), so the tests read headers with
-# make_model.read_header, and test_read_header_agrees_with_gguf_reader checks it against gguf's.
 def fields(path) -> dict:
-    return {key: field.value for key, field in read_header(path).fields.items()}
+    """Metadata with arrays as lists, so that dicts compare."""
+    with read_gguf(path) as model:
+        return {key: value.tolist() if isinstance(value, np.ndarray) else value
+                for key, value in model.metadata.items()}
 
 
 def tensors(path) -> dict:
-    """name -> (GGUF shape, i.e. row length first; type name)."""
-    return {name: (t.shape, t.type.name) for name, t in read_header(path).tensors.items()}
+    """name -> (GGUF shape, i.e. row length first; type name), in file order."""
+    with read_gguf(path) as model:
+        return {name: (t.shape, t.type_name) for name, t in model.tensors.items()}
 
 
 def tensor_values(path, name, max_rows=None) -> np.ndarray:
-    """The dequantized first `max_rows` rows of a tensor: [rows, row_length]."""
-    tensor = read_header(path).tensors[name]
-    block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.type]
-    rows = min(math.prod(tensor.shape[1:]), max_rows or math.inf)
-    row_bytes = tensor.shape[0] // block_size * type_size
-    data = np.fromfile(path, np.uint8, count=rows * row_bytes, offset=tensor.offset)
-    return gguf.quants.dequantize(data.reshape(rows, row_bytes), tensor.type)
+    """The first `max_rows` rows of a tensor, dequantized by gguf.quants: [rows, row_length]."""
+    with read_gguf(path) as model:
+        tensor = model.tensors[name]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
+        rows = min(math.prod(tensor.shape[1:]), max_rows or math.inf)
+        row_bytes = tensor.shape[0] // block_size * type_size
+        data = np.array(model.tensor_data(name)[:rows * row_bytes]).reshape(rows, row_bytes)
+    return gguf.quants.dequantize(data, tensor.ggml_type)
 
 
 @pytest.fixture(scope="module")
@@ -244,13 +253,92 @@ def test_cli_size_option_picks_the_shape(tmp_path, capsys):
     assert tensors(out)["blk.0.attn_q.weight"][1] == "Q4_0"
 
 
-def test_read_header_agrees_with_gguf_reader(tmp_path):
-    path = write_model(tmp_path / "m.gguf", ModelSpec(arch="qwen2", tied_embeddings=False))
-    reference = gguf.GGUFReader(path)
-    header = read_header(path)
-    expected = {key: (field.contents(), sum(part.nbytes for part in field.parts))
-                for key, field in reference.fields.items() if not key.startswith("GGUF.")}
-    assert {key: (f.value, f.nbytes) for key, f in header.fields.items()} == expected
-    expected = {t.name: (tuple(int(n) for n in t.shape), t.tensor_type, t.data_offset)
-                for t in reference.tensors}
-    assert {name: tuple(t) for name, t in header.tensors.items()} == expected
+def test_cli_f32_copy_of_writes_an_all_f32_copy(tmp_path, capsys):
+    source = write_model(tmp_path / "m.gguf", ModelSpec(weight_type="Q4_0"))
+    out = tmp_path / "f32.gguf"
+    main([str(out), "--f32-copy-of", str(source)])
+    assert capsys.readouterr().out.startswith(f"{out} {out.stat().st_size} bytes")
+    got, expected = tensors(out), tensors(source)
+    assert got == {name: (shape, "F32") for name, (shape, _) in expected.items()}
+
+
+@pytest.mark.parametrize("argv", [["--layers", "3"], ["--size", "20MB"]])
+def test_cli_f32_copy_of_refuses_spec_options(tmp_path, argv):
+    with pytest.raises(SystemExit, match="f32-copy-of takes no other option"):
+        main([str(tmp_path / "f32.gguf"), "--f32-copy-of", str(bundled_model_path()), *argv])
+
+
+# ---------------------------------------------------------------------------------------------
+# F32 copies
+
+
+@pytest.fixture(scope="module", params=["smollm2", "random-kquant"])
+def f32_copy(request, tmp_path_factory):
+    """(source, its F32 copy): the bundled Q4_1/Q8_0 model, and a generated one with K-quant,
+    BF16 and F32 tensors."""
+    folder = tmp_path_factory.mktemp("f32")
+    if request.param == "smollm2":
+        source = bundled_model_path()
+    else:
+        spec = ModelSpec(arch="qwen2", weight_type="Q4_K", embedding_type="BF16",
+                         tied_embeddings=False, **WIDE)
+        source = write_model(folder / "source.gguf", spec)
+    copy = write_f32_copy(source, folder / "f32.gguf")
+    yield source, copy
+    copy.unlink()  # the SmolLM2 copy is 540 MB
+
+
+def test_f32_copy_keeps_the_metadata_but_file_type(f32_copy):
+    source, copy = f32_copy
+    got, expected = fields(copy), fields(source)
+    assert expected["general.file_type"] != 0 and got.pop("general.file_type") == 0
+    assert list(got) == [key for key in expected if key != "general.file_type"]
+    assert got == {key: value for key, value in expected.items() if key != "general.file_type"}
+
+
+def test_f32_copy_has_the_source_tensors_in_f32(f32_copy):
+    source, copy = f32_copy
+    got, expected = tensors(copy), tensors(source)
+    assert list(got) == list(expected)
+    assert got == {name: (shape, "F32") for name, (shape, _) in expected.items()}
+
+
+def test_f32_copy_values_are_the_dequantized_source(f32_copy):
+    source, copy = f32_copy
+    with read_gguf(source) as original, read_gguf(copy) as f32:
+        for name, info in original.tensors.items():
+            expected = dequantize(original.tensor_data(name), info.ggml_type, info.shape)
+            got = f32.tensor_data(name).view(np.float32).reshape(expected.shape)
+            assert np.array_equal(got, expected), name
+
+
+def test_llama_cpp_runs_the_f32_copy_like_its_source(f32_copy):
+    # One token per batch: on this machine llama.cpp takes seconds for batches of SmolLM2.
+    # An F32 KV cache (type 0) makes the copy's run the exact-F32 oracle configuration.
+    source, copy = f32_copy
+    logits = llama_logits(copy, TOKENS[:4], n_batch=1, type_k=0, type_v=0)
+    assert logits.shape == (4, VOCAB_SIZE) and np.isfinite(logits).all()
+    # The source's run differs only by llama.cpp's 8-bit rounding of activations for quantized
+    # weights and its F16 KV cache, so the logits nearly agree.
+    reference = llama_logits(source, TOKENS[:4], n_batch=1)
+    for row, reference_row in zip(logits, reference):
+        assert np.corrcoef(row, reference_row)[0, 1] > 0.99
+
+
+def test_f32_copy_keeps_a_non_default_alignment(tmp_path):
+    source = tmp_path / "tiny.gguf"
+    source.write_bytes(build_tiny_gguf(alignment=64))
+    copy = write_f32_copy(source, tmp_path / "f32.gguf")
+    with read_gguf(copy) as f32:
+        assert f32.alignment == 64 and f32.metadata["general.file_type"] == 0
+        embedding = f32.tensor_data("token_embd.weight").view(np.float32)
+        assert np.array_equal(embedding, np.arange(16, dtype=np.float32))
+
+
+def test_f32_copy_refuses_to_overwrite_its_source(tmp_path):
+    source = write_model(tmp_path / "m.gguf", ModelSpec())
+    before = source.read_bytes()
+    (tmp_path / "link.gguf").symlink_to(source)
+    with pytest.raises(ValueError, match="overwrite"):
+        write_f32_copy(source, tmp_path / "link.gguf")
+    assert source.read_bytes() == before

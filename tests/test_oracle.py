@@ -1,7 +1,22 @@
-"""tierflow against llama.cpp on the same GGUF file: logits and greedy tokens."""
+"""tierflow against llama.cpp (llama-cpp-python) on the same GGUF files: logits and greedy tokens.
+
+Two kinds of comparison:
+- Exact, on float32 weights (a F32 copy of the bundled model, generated models) with llama.cpp's
+  KV cache in float32: llama.cpp then computes in float32 too, so both must agree to rounding and
+  pick the same argmax everywhere but at exact ties (margins under 1e-3).
+- Within quantization noise, on quantized weights: llama.cpp rounds activations to 8 bits before
+  every quantized matmul (Q8_0/Q8_1/Q8_K blocks), which moves a Q4_1 model's logits by ~0.17 on
+  average away from the exact product tierflow computes. Where llama.cpp's own top-2 margin is
+  smaller than that noise its choice is a coin flip, so argmaxes and greedy tokens are compared
+  at every position except such near-ties.
+"""
 
 import numpy as np
 import pytest
+from conftest import llama_cpp_model
+from make_model import ModelSpec, write_f32_copy, write_model
+
+from tierflow import Engine
 
 PROMPTS = [
     "The history of the printing press begins in",
@@ -14,6 +29,8 @@ LONG_TEXT = (
     "light, and the energy splits water molecules, releasing oxygen. The captured energy is "
     "stored in ATP and NADPH, which the Calvin cycle then uses to fix carbon dioxide into sugars."
 )
+NEAR_TIE = 0.5  # logits; llama.cpp's 8-bit activation noise on the bundled Q4_1 model is ~0.17
+EXACT_TIE = 1e-3  # float32 summation order
 
 
 def llama_cpp_logits(llama, ids: list[int]) -> np.ndarray:
@@ -22,30 +39,124 @@ def llama_cpp_logits(llama, ids: list[int]) -> np.ndarray:
     return np.array(llama.scores[: len(ids)], dtype=np.float32)
 
 
-def llama_cpp_greedy(llama, ids: list[int], max_tokens: int, eog_ids) -> list[int]:
-    out = []
-    for token in llama.generate(ids, top_k=1, temp=0.0, reset=True):
-        if token in eog_ids or len(out) == max_tokens:
+def llama_cpp_greedy(llama, ids: list[int], max_tokens: int, eog_ids) -> tuple[list[int], list[float]]:
+    """llama.cpp's greedy tokens, and at each step the margin between its top two logits."""
+    llama.reset()
+    llama.eval(ids)
+    tokens, margins = [], []
+    while len(tokens) < max_tokens:
+        scores = np.array(llama.scores[llama.n_tokens - 1])
+        second, first = np.argsort(scores)[-2:]
+        if first in eog_ids:
             break
-        out.append(token)
-    return out
+        tokens.append(int(first))
+        margins.append(float(scores[first] - scores[second]))
+        llama.eval([int(first)])
+    return tokens, margins
+
+
+def top2_margin(logits: np.ndarray) -> np.ndarray:
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+def assert_logits_agree(engine, llama, ids, max_mean_diff: float, near_tie: float) -> float:
+    ours, theirs = engine.logits(ids), llama_cpp_logits(llama, ids)
+    assert ours.shape == theirs.shape == (len(ids), engine.config.vocab_size)
+    mean_abs_diff = float(np.abs(ours - theirs).mean())
+    decided = top2_margin(theirs) > near_tie
+    assert np.array_equal(ours.argmax(-1)[decided], theirs.argmax(-1)[decided])
+    assert mean_abs_diff < max_mean_diff, mean_abs_diff
+    return mean_abs_diff
+
+
+def assert_greedy_agrees(engine, llama, prompt: str, near_tie: float, max_tokens: int = 64):
+    ids = engine.tokenize(prompt)
+    ours = engine.generate(ids, max_tokens=max_tokens, temperature=0).tokens
+    theirs, margins = llama_cpp_greedy(llama, ids, max_tokens, engine.tokenizer.eog_ids)
+    # Up to llama.cpp's first coin-flip choice the two sequences must be identical.
+    first_tie = next((i for i, m in enumerate(margins) if m <= near_tie), len(theirs))
+    assert ours[:first_tie] == theirs[:first_tie]
+    if first_tie == len(theirs):
+        assert ours == theirs
+
+
+# -- the bundled SmolLM2-135M-Instruct, Q4_1 ------------------------------------------------
 
 
 def test_logits_match_llama_cpp_on_a_64_token_prompt(engine, oracle):
     ids = engine.tokenize(LONG_TEXT)[:64]
     assert len(ids) == 64
-    ours = engine.logits(ids)
-    theirs = llama_cpp_logits(oracle, ids)
-    assert ours.shape == theirs.shape == (64, engine.config.vocab_size)
-    mean_abs_diff = float(np.abs(ours - theirs).mean())
-    print(f"mean |logit difference| vs llama.cpp: {mean_abs_diff:.4f}")
-    assert np.array_equal(ours.argmax(-1), theirs.argmax(-1))
-    assert mean_abs_diff < 0.1
+    diff = assert_logits_agree(engine, oracle, ids, max_mean_diff=0.25, near_tie=NEAR_TIE)
+    print(f"Q4_1: mean |logit difference| vs llama.cpp {diff:.4f}")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_match_llama_cpp(engine, oracle, prompt):
-    ids = engine.tokenize(prompt)
-    ours = engine.generate(ids, max_tokens=64, temperature=0).tokens
-    theirs = llama_cpp_greedy(oracle, ids, 64, engine.tokenizer.eog_ids)
-    assert ours == theirs
+    assert_greedy_agrees(engine, oracle, prompt, near_tie=NEAR_TIE)
+
+
+# -- the same model with float32 weights: an exact oracle --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def f32_pair(tmp_path_factory, model_path):
+    path = write_f32_copy(model_path, tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf")
+    engine = Engine.load(path, threads=2, context_length=512)
+    llama = llama_cpp_model(path, f32_kv=True)
+    yield engine, llama
+    llama.close()
+    engine.close()
+
+
+def test_logits_match_llama_cpp_exactly_on_f32_weights(f32_pair):
+    engine, llama = f32_pair
+    ids = engine.tokenize(LONG_TEXT)[:64]
+    diff = assert_logits_agree(engine, llama, ids, max_mean_diff=0.01, near_tie=EXACT_TIE)
+    print(f"F32: mean |logit difference| vs llama.cpp {diff:.5f}")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_64_tokens_match_llama_cpp_exactly_on_f32_weights(f32_pair, prompt):
+    assert_greedy_agrees(*f32_pair, prompt, near_tie=EXACT_TIE)
+
+
+# -- generated models: qwen2, rope scaling, every weight type ---------------------------------
+
+SMALL = dict(num_layers=2, hidden_size=256, ffn_size=512, num_heads=4, num_kv_heads=2,
+             context_length=512, embedding_type="F32", weight_type="F32")
+
+
+def generated_pair(tmp_path, f32_kv: bool, **spec):
+    path = write_model(tmp_path / "model.gguf", ModelSpec(**(SMALL | spec)))
+    return (Engine.load(path, threads=2, context_length=256),
+            llama_cpp_model(path, n_ctx=256, f32_kv=f32_kv))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(arch="qwen2"),
+        dict(arch="qwen2", tied_embeddings=False),
+        dict(arch="llama", num_kv_heads=1),
+        dict(arch="llama", rope_scaling="linear", rope_scaling_factor=4.0),
+        dict(arch="llama", rope_scaling="yarn", rope_scaling_factor=4.0),
+        dict(arch="llama", llama3_rope_freqs=True),
+    ],
+    ids=["qwen2", "qwen2-untied", "llama-mqa", "rope-linear", "rope-yarn", "rope-llama3"],
+)
+def test_generated_f32_models_match_llama_cpp_exactly(tmp_path, spec):
+    engine, llama = generated_pair(tmp_path, f32_kv=True, **spec)
+    ids = engine.tokenize(LONG_TEXT)[:200]
+    assert_logits_agree(engine, llama, ids, max_mean_diff=0.01, near_tie=EXACT_TIE)
+    assert_greedy_agrees(engine, llama, PROMPTS[0], near_tie=EXACT_TIE, max_tokens=32)
+
+
+@pytest.mark.parametrize("weight_type", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                         "Q4_K", "Q5_K", "Q6_K"])
+def test_generated_models_of_every_weight_type_match_llama_cpp(tmp_path, weight_type):
+    engine, llama = generated_pair(tmp_path, f32_kv=False, arch="qwen2", weight_type=weight_type,
+                                   embedding_type=weight_type)
+    ids = engine.tokenize(LONG_TEXT)[:64]
+    diff = assert_logits_agree(engine, llama, ids, max_mean_diff=0.25, near_tie=1.0)
+    print(f"{weight_type}: mean |logit difference| vs llama.cpp {diff:.4f}")

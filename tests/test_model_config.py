@@ -1,0 +1,78 @@
+"""Reading a model's architecture from GGUF metadata, and refusing what tierflow cannot run."""
+
+import pytest
+from gguf_bytes import build_gguf, build_tiny_gguf, tiny_kvs, tiny_tensors
+
+from tierflow import Engine
+from tierflow.errors import ModelFileError, UnsupportedModelError
+from tierflow.runtime.config import ModelConfig
+
+LLAMA = {
+    "general.architecture": "llama",
+    "llama.block_count": 2,
+    "llama.embedding_length": 64,
+    "llama.feed_forward_length": 128,
+    "llama.attention.head_count": 4,
+    "llama.attention.head_count_kv": 2,
+    "llama.context_length": 256,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5,
+}
+
+
+def config(**changes) -> ModelConfig:
+    metadata = {k: v for k, v in (LLAMA | changes).items() if v is not None}
+    return ModelConfig.from_metadata(metadata, vocab_size=100, tied=True)
+
+
+def test_config_reads_the_llama_hyper_parameters():
+    c = config()
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (2, 64, 4, 2, 16)
+    assert c.rope_style == "normal" and c.rope_scaling.kind == "none"
+
+
+def test_qwen2_rotates_halves():
+    qwen = {k.replace("llama.", "qwen2."): v for k, v in LLAMA.items()}
+    qwen["general.architecture"] = "qwen2"
+    assert ModelConfig.from_metadata(qwen, 100, True).rope_style == "neox"
+
+
+@pytest.mark.parametrize("key", ["llama.block_count", "llama.embedding_length",
+                                 "llama.context_length", "llama.attention.head_count"])
+def test_missing_required_metadata_is_named(key):
+    with pytest.raises(ModelFileError, match=key):
+        config(**{key: None})
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(UnsupportedModelError, match="mamba"):
+        config(**{"general.architecture": "mamba"})
+
+
+def test_heads_not_divisible_by_kv_heads_is_rejected():
+    with pytest.raises(ModelFileError, match="head count"):
+        config(**{"llama.attention.head_count_kv": 3})
+
+
+def test_text_where_a_number_belongs_is_rejected():
+    with pytest.raises(ModelFileError, match="block_count"):
+        config(**{"llama.block_count": "two"})
+
+
+def test_unknown_rope_scaling_is_unsupported():
+    with pytest.raises(UnsupportedModelError, match="rope scaling"):
+        config(**{"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0})
+
+
+def test_engine_names_missing_metadata_in_a_real_file(tmp_path):
+    path = tmp_path / "incomplete.gguf"
+    path.write_bytes(build_tiny_gguf())  # valid GGUF, but no hidden size, heads, ...
+    with pytest.raises(ModelFileError, match="missing required metadata"):
+        Engine.load(path)
+
+
+def test_engine_names_a_missing_tensor(tmp_path):
+    kvs = [kv for kv in tiny_kvs() if kv[0] != "llama.block_count"] + list(LLAMA.items())[1:]
+    path = tmp_path / "no-layers.gguf"
+    path.write_bytes(build_gguf(kvs, tiny_tensors()))
+    with pytest.raises(ModelFileError, match="tensor"):
+        Engine.load(path)
