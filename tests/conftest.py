@@ -21,9 +21,11 @@ def engine(model_path):
 
 
 def llama_cpp_model(path: Path, n_ctx: int = 512, f32_kv: bool = False):
-    """llama.cpp on the same file, with logits kept for every position. One thread: ggml's
-    spinning thread barrier slows a hundredfold when another process holds a core. Its KV cache is float16
-    unless f32_kv, which makes float32 weights an exact oracle."""
+    """llama.cpp on the same file, with logits kept for every position.
+
+    One thread: ggml's spinning thread barrier slows a hundredfold when another process holds a
+    core. Its KV cache is float16 unless f32_kv, which makes float32 weights an exact oracle.
+    """
     from llama_cpp import GGML_TYPE_F32, Llama
 
     kv_type = GGML_TYPE_F32 if f32_kv else None
