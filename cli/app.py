@@ -46,9 +46,12 @@ def main() -> None:
 
 @contextmanager
 def _loading(path: Optional[Path]):
-    """A progress bar on stderr while weights load."""
+    """A progress bar on stderr while weights load (when stderr is a terminal)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
+    if not err.is_terminal:
+        yield None
+        return
     name = path.name if path else "SmolLM2-135M-Instruct (bundled)"
     with Progress(TextColumn(f"loading {name}"), BarColumn(), DownloadColumn(),
                   console=err, transient=True) as bar:
@@ -73,9 +76,10 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete")], model: 
         gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
         ctx: CtxOpt = None) -> None:
     """Complete PROMPT once and print the completion."""
+    sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                         repeat_penalty=repeat_penalty, seed=seed)
+    sampling |= dict(max_tokens=max_tokens, stop=stop)
     engine = _load(model, gpu_memory, cpu_memory, threads, ctx)
-    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                    min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop)
     if as_json:
         result = engine.generate(prompt, **sampling)
         print(json.dumps({"text": result.text, "tokens": result.tokens,
@@ -101,10 +105,18 @@ def chat(model: ModelOpt = None,
     Ctrl-C stops the current answer."""
     from tierflow.cli.chat_session import ChatSession
 
+    sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                         repeat_penalty=repeat_penalty, seed=seed)
     engine = _load(model, gpu_memory, cpu_memory, threads, ctx)
-    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                    min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
-    ChatSession(engine, system, sampling, out).run()
+    ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out).run()
+
+
+def _sampling(**settings) -> dict:
+    """The sampling settings, checked before a model loads so a typo fails fast."""
+    from tierflow.runtime.sampler import SamplingParams
+
+    SamplingParams(**settings)
+    return settings
 
 
 @app.command()

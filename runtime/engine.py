@@ -80,6 +80,7 @@ class Engine:
         torch.set_num_threads(threads)
         with read_gguf(path) as gguf:  # validated before llama.cpp sees the file
             config = read_config(gguf)
+            context_length = _context_length(context_length, config)
             check_tensors(gguf, config)
             tokenizer = Tokenizer.from_gguf(path)
             if tokenizer.vocab_size > config.vocab_size:
@@ -88,7 +89,6 @@ class Engine:
                     f"embedding only {config.vocab_size} rows"
                 )
             weights = ResidentWeights(gguf, config, cpu_budget, progress)
-        context_length = _context_length(context_length, config)
         return cls(path, config, weights, tokenizer, context_length, threads)
 
     # -- generation ------------------------------------------------------------------------

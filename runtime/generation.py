@@ -20,6 +20,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt prefix reused from the previous call's KV cache
     generated_tokens: int = 0
+    decode_steps: int = 0  # single-token passes; the first token comes from the prefill pass
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_weight_bytes: dict[str, int] = field(default_factory=dict)  # per tier: gpu, cpu, disk
@@ -31,15 +32,14 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        # The first generated token comes from the prefill pass; the rest from decode steps.
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds else 0.0
+        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
 
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "generated_tokens": self.generated_tokens,
+            "decode_steps": self.decode_steps,
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_seconds": round(self.decode_seconds, 4),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
@@ -121,5 +121,6 @@ def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: S
             yield token
             if stats.generated_tokens < max_tokens and not cancel.is_set():
                 logits = generator.decode_step(token)
+                stats.decode_steps += 1
     finally:
         stats.decode_seconds = time.perf_counter() - decode_started
