@@ -29,7 +29,10 @@ LONG_TEXT = (
     "light, and the energy splits water molecules, releasing oxygen. The captured energy is "
     "stored in ATP and NADPH, which the Calvin cycle then uses to fix carbon dioxide into sugars."
 )
-NEAR_TIE = 0.5  # logits; llama.cpp's 8-bit activation noise on the bundled Q4_1 model is ~0.17
+# Logits. llama.cpp's 8-bit activations move the bundled Q4_1 model's logits by 0.17 on average;
+# the gap between two candidates moves by 0.12 on average, 0.53 at the 99th percentile and 0.8 at
+# most (measured over 500 positions): a smaller lead than that is llama.cpp's coin flip.
+NEAR_TIE = 0.8
 EXACT_TIE = 1e-3  # float32 summation order
 
 
@@ -71,14 +74,24 @@ def assert_logits_agree(engine, llama, ids, max_mean_diff: float, near_tie: floa
 
 
 def assert_greedy_agrees(engine, llama, prompt: str, near_tie: float, max_tokens: int = 64):
+    """tierflow's greedy tokens are llama.cpp's, but where llama.cpp's choice is a near-tie.
+
+    Along llama.cpp's greedy path, tierflow's next-token argmax (from one batched pass) must be
+    llama.cpp's token at every decided step. tierflow's own greedy generation (the decode path)
+    must follow the same tokens until it first parts from them, which only a near-tie excuses.
+    """
     ids = engine.tokenize(prompt)
-    ours = engine.generate(ids, max_tokens=max_tokens, temperature=0).tokens
     theirs, margins = llama_cpp_greedy(llama, ids, max_tokens, engine.tokenizer.eog_ids)
-    # Up to llama.cpp's first coin-flip choice the two sequences must be identical.
-    first_tie = next((i for i, m in enumerate(margins) if m <= near_tie), len(theirs))
-    assert ours[:first_tie] == theirs[:first_tie]
-    if first_tie == len(theirs):
+    along_path = engine.logits(ids + theirs)[len(ids) - 1 : len(ids) - 1 + len(theirs)].argmax(-1)
+    decided = np.array(margins) > near_tie
+    assert np.array_equal(along_path[decided], np.array(theirs)[decided])
+    ours = engine.generate(ids, max_tokens=max_tokens, temperature=0).tokens
+    parted = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if parted is None:
         assert ours == theirs
+    else:
+        assert not decided[parted], f"parted from llama.cpp at step {parted}, not a near-tie"
+    return int(decided.sum())
 
 
 # -- the bundled SmolLM2-135M-Instruct, Q4_1 ------------------------------------------------
@@ -93,7 +106,9 @@ def test_logits_match_llama_cpp_on_a_64_token_prompt(engine, oracle):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_match_llama_cpp(engine, oracle, prompt):
-    assert_greedy_agrees(engine, oracle, prompt, near_tie=NEAR_TIE)
+    num_decided = assert_greedy_agrees(engine, oracle, prompt, near_tie=NEAR_TIE)
+    print(f"Q4_1: {num_decided} of 64 greedy steps decided beyond llama.cpp's noise, all equal")
+    assert num_decided >= 32  # most steps are decided; a handful of ties is what noise gives
 
 
 # -- the same model with float32 weights: an exact oracle --------------------------------------
