@@ -16,7 +16,13 @@ import numpy as np
 import psutil
 import torch
 
-from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentError, ModelFileError
+from tierflow.errors import (
+    BudgetError,
+    ContextLengthError,
+    InvalidArgumentError,
+    ModelFileError,
+    TierflowError,
+)
 from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.model_info import read_config
 from tierflow.offload.model_path import resolve_model_path
@@ -128,6 +134,7 @@ class Engine:
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] float32: the model's next-token scores at every position."""
+        self._check_open()
         ids = self._check_ids(ids)
         if not ids:
             raise InvalidArgumentError("logits() needs at least one token id")
@@ -141,7 +148,10 @@ class Engine:
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.tokenizer.close()
+        """Releases the weights, the KV cache and the tokenizer; later calls raise TierflowError."""
+        with self._lock:
+            self.tokenizer.close()
+            self.weights = self._generator = None
 
     def __enter__(self) -> "Engine":
         return self
@@ -152,6 +162,7 @@ class Engine:
     # -- internals -------------------------------------------------------------------------
 
     def _run(self, prompt_ids: list[int], max_tokens: int, stop, sampling: dict) -> "_Pieces":
+        self._check_open()
         if max_tokens < 0:
             raise InvalidArgumentError(f"max_tokens must be >= 0, got {max_tokens}")
         self._check_fits(len(prompt_ids), 1)
@@ -181,6 +192,10 @@ class Engine:
                 f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
             )
         return ids
+
+    def _check_open(self) -> None:
+        if self._generator is None:
+            raise TierflowError("the engine is closed")
 
     def _check_fits(self, num_prompt_tokens: int, room: int) -> None:
         if num_prompt_tokens + room > self.context_length:

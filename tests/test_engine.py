@@ -195,3 +195,26 @@ def test_bad_thread_count_is_rejected(model_path, threads):
 def test_every_error_is_a_tierflow_error():
     for error in (BudgetError, ContextLengthError, InvalidArgumentError, ModelFileError):
         assert issubclass(error, TierflowError)
+
+
+def test_load_reports_progress_up_to_the_total(model_path):
+    calls = []
+    with Engine.load(model_path, progress=lambda *call: calls.append(call)):
+        pass
+    done = [d for _, d, _ in calls]
+    assert done == sorted(done) and calls[-1][1] == calls[-1][2] > 0
+
+
+def test_resident_weights_stay_within_the_cpu_budget(model_path):
+    with Engine.load(model_path, cpu_memory="600MB") as engine:
+        stats = engine.generate("Hi", max_tokens=2).stats
+    assert 0 < stats.peak_weight_bytes["cpu"] <= 600_000_000
+
+
+def test_a_closed_engine_raises_a_clear_error(model_path):
+    engine = Engine.load(model_path)
+    engine.close()
+    with pytest.raises(TierflowError, match="closed"):
+        engine.generate("Hi", max_tokens=1)
+    with pytest.raises(TierflowError, match="closed"):
+        engine.logits([1])
