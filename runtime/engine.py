@@ -89,12 +89,16 @@ class Engine:
             context_length = _context_length(context_length, config)
             check_tensors(gguf, config)
             tokenizer = Tokenizer.from_gguf(path)
-            if tokenizer.vocab_size > config.vocab_size:
-                raise ModelFileError(
-                    f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens but the "
-                    f"embedding only {config.vocab_size} rows"
-                )
-            weights = ResidentWeights(gguf, config, cpu_budget, progress)
+            try:
+                if tokenizer.vocab_size > config.vocab_size:
+                    raise ModelFileError(
+                        f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens but the "
+                        f"embedding only {config.vocab_size} rows"
+                    )
+                weights = ResidentWeights(gguf, config, cpu_budget, progress)
+            except BaseException:
+                tokenizer.close()
+                raise
         return cls(path, config, weights, tokenizer, context_length, threads)
 
     # -- generation ------------------------------------------------------------------------
