@@ -8,8 +8,7 @@
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,23 +27,16 @@ from tierflow.offload.model_info import read_config
 from tierflow.offload.model_path import resolve_model_path
 from tierflow.offload.resident import LoadProgress, ResidentWeights, check_tensors
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.generation import GenerationStats, TokenGenerator, generate_tokens
+from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 from tierflow.runtime.sampler import Sampler, SamplingParams
+from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
 from tierflow.units import parse_size
 
 DEFAULT_CONTEXT_CAP = 4096  # default KV cache length when the model allows more
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]  # generated ids, without the end-of-generation token
-    finish_reason: str  # "stop" (end token or stop string), "length", or "cancelled"
-    stats: GenerationStats = field(default_factory=GenerationStats)
 
 
 class Engine:
@@ -64,8 +56,8 @@ class Engine:
         self.threads = threads
         self._generator = TokenGenerator(Decoder(config, weights, context_length),
                                          KVCache(config, context_length))
-        self._lock = threading.Lock()
-        self._cancel = threading.Event()
+        self._lock = threading.Lock()  # held by the one generation that runs
+        self._active: Stream | None = None  # that generation
 
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, *, gpu_memory: int | str | None = None,
@@ -107,26 +99,48 @@ class Engine:
                  stop: Sequence[str] | str | None = None, **sampling) -> GenerationResult:
         """Completes a prompt (text, or token ids). Sampling keywords: temperature, top_k, top_p,
         min_p, repeat_penalty, repeat_last_n, seed (see SamplingParams)."""
-        pieces = self._run(self._prompt_ids(prompt), max_tokens, stop, sampling)
-        for _ in pieces:
+        stream = self.stream(prompt, max_tokens=max_tokens, stop=stop, **sampling)
+        for _ in stream:
             pass
-        return pieces.result
+        return stream.result
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
-               stop: Sequence[str] | str | None = None, **sampling) -> Iterator[str]:
-        """Like generate, yielding text pieces as they are decoded (whole UTF-8 characters)."""
-        yield from self._run(self._prompt_ids(prompt), max_tokens, stop, sampling)
+               stop: Sequence[str] | str | None = None, **sampling) -> Stream:
+        """Like generate, as a Stream of text pieces (whole UTF-8 characters); its .result is
+        set once iterated to the end, and .cancel() stops it."""
+        return self._stream(self._prompt_ids(prompt), max_tokens, stop, sampling)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """Generates the assistant's reply to messages, using the model's chat template."""
         return self.generate(self._chat_prompt(messages), **kwargs)
 
-    def chat_stream(self, messages: list[dict], **kwargs) -> Iterator[str]:
+    def chat_stream(self, messages: list[dict], **kwargs) -> Stream:
         return self.stream(self._chat_prompt(messages), **kwargs)
 
     def cancel(self) -> None:
         """Stops the running generation (from any thread); it returns what it has so far."""
-        self._cancel.set()
+        active = self._active
+        if active is not None:
+            active.cancel()
+
+    # -- async: the model runs on a worker thread, the event loop never waits on it ---------
+
+    async def agenerate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
+        """generate() for asyncio; cancelling the awaiting task cancels the generation."""
+        stream = self.astream(prompt, **kwargs)
+        async for _ in stream:
+            pass
+        return stream.result
+
+    def astream(self, prompt: str | Sequence[int], **kwargs) -> AsyncStream:
+        """stream() for asyncio: `async for piece in engine.astream(...)`."""
+        return AsyncStream(self.stream(prompt, **kwargs))
+
+    async def achat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        return await self.agenerate(self._chat_prompt(messages), **kwargs)
+
+    def achat_stream(self, messages: list[dict], **kwargs) -> AsyncStream:
+        return self.astream(self._chat_prompt(messages), **kwargs)
 
     # -- tokens and scores -----------------------------------------------------------------
 
@@ -144,15 +158,17 @@ class Engine:
             raise InvalidArgumentError("logits() needs at least one token id")
         self._check_fits(len(ids), 0)
         with self._lock:
-            self._cancel.clear()
-            logits, _ = self._generator.prefill(ids, self._cancel, all_logits=True,
+            logits, _ = self._generator.prefill(ids, threading.Event(), all_logits=True,
                                                 reuse_prefix=False)
         return logits
 
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Releases the weights, the KV cache and the tokenizer; later calls raise TierflowError."""
+        """Stops the running generation, then releases the weights, the KV cache and the tokenizer;
+        later calls raise TierflowError. (Not from inside the iteration of the engine's own stream:
+        that stream holds the lock close waits for.)"""
+        self.cancel()
         with self._lock:
             self.tokenizer.close()
             self.weights = self._generator = None
@@ -165,7 +181,7 @@ class Engine:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _run(self, prompt_ids: list[int], max_tokens: int, stop, sampling: dict) -> "_Pieces":
+    def _stream(self, prompt_ids: list[int], max_tokens: int, stop, sampling: dict) -> Stream:
         self._check_open()
         if max_tokens < 0:
             raise InvalidArgumentError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -174,7 +190,7 @@ class Engine:
         sampler = Sampler(SamplingParams(**sampling))
         # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
         max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
-        return _Pieces(self, prompt_ids, sampler, max_tokens, TextStream(stops))
+        return Stream(self, prompt_ids, sampler, max_tokens, TextStream(stops))
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -207,57 +223,6 @@ class Engine:
                 f"the prompt has {num_prompt_tokens} tokens but the context holds "
                 f"{self.context_length}" + (" (one more is needed to generate)" if room else "")
             )
-
-
-class _Pieces:
-    """Iterator of text pieces for one generation; holds the engine lock while it runs and
-    leaves the finished GenerationResult in .result."""
-
-    def __init__(self, engine: Engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
-                 text: TextStream):
-        self.engine, self.prompt_ids, self.sampler = engine, prompt_ids, sampler
-        self.max_tokens, self.text = max_tokens, text
-        self.tokens: list[int] = []
-        self.stats = GenerationStats(peak_weight_bytes=engine.weights.bytes_by_tier())
-        self.result: GenerationResult | None = None
-        self._iterator = self._pieces()
-
-    def __iter__(self) -> "_Pieces":
-        return self
-
-    def __next__(self) -> str:
-        return next(self._iterator)
-
-    def close(self) -> None:
-        self._iterator.close()
-
-    def _pieces(self) -> Iterator[str]:
-        engine = self.engine
-        with engine._lock:
-            engine._cancel.clear()
-            tokens = generate_tokens(engine._generator, self.prompt_ids, self.sampler,
-                                     self.max_tokens, engine.tokenizer.eog_ids, engine._cancel,
-                                     self.stats)
-            finish = "stop"
-            try:
-                for token in tokens:
-                    self.tokens.append(token)
-                    piece = self.text.push(engine.tokenizer.token_bytes(token))
-                    if piece:
-                        yield piece
-                    if self.text.stopped:
-                        break
-                else:
-                    if engine._cancel.is_set():
-                        finish = "cancelled"
-                    elif len(self.tokens) >= self.max_tokens:
-                        finish = "length"
-            finally:
-                tokens.close()
-            tail = self.text.flush()
-            self.result = GenerationResult(self.text.text, self.tokens, finish, self.stats)
-        if tail:
-            yield tail
 
 
 def _thread_count(threads: int | None) -> int:

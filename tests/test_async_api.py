@@ -1,0 +1,112 @@
+"""The API for apps: async generation that never blocks the event loop, per-generation
+cancellation, and engines that give back everything when closed."""
+
+import asyncio
+import threading
+import time
+
+import psutil
+from make_model import ModelSpec, write_model
+
+from tierflow import Engine
+
+GREEDY = dict(temperature=0)
+LONG = dict(max_tokens=2000, temperature=1.0, seed=5)
+
+
+def test_agenerate_gives_the_same_result_as_generate(engine):
+    expected = engine.generate("The sky is", max_tokens=12, **GREEDY)
+    result = asyncio.run(engine.agenerate("The sky is", max_tokens=12, **GREEDY))
+    assert result.tokens == expected.tokens and result.text == expected.text
+
+
+def test_achat_stream_pieces_join_to_the_chat_answer(engine):
+    messages = [{"role": "user", "content": "Name three fruits."}]
+
+    async def collect():
+        stream = engine.achat_stream(messages, max_tokens=24, **GREEDY)
+        pieces = [piece async for piece in stream]
+        return pieces, stream.result
+
+    pieces, result = asyncio.run(collect())
+    assert "".join(pieces) == result.text == engine.chat(messages, max_tokens=24, **GREEDY).text
+    assert len(pieces) > 1
+
+
+def test_the_event_loop_keeps_running_during_generation(engine):
+    async def main():
+        ticks = 0
+        generation = asyncio.create_task(engine.agenerate("Once upon a time", max_tokens=40, **GREEDY))
+        while not generation.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+        return ticks, (await generation).stats
+
+    ticks, stats = asyncio.run(main())
+    seconds = stats.prefill_seconds + stats.decode_seconds
+    assert ticks >= seconds / 0.01 * 0.5  # the loop ran at least half its ticks meanwhile
+
+
+def test_cancelling_the_task_cancels_the_generation(engine):
+    async def main():
+        stream = engine.astream("Tell me a long story.", **LONG)
+
+        async def consume():
+            async for _ in stream:
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()
+        return stream.result
+
+    result = asyncio.run(main())
+    assert result.finish_reason == "cancelled" and len(result.tokens) < 2000
+    assert engine.generate("Hi", max_tokens=2, **GREEDY).tokens  # the engine is free again
+
+
+def test_a_cancelled_waiting_stream_ends_at_once_and_spares_the_running_one(engine):
+    story = [{"role": "user", "content": "Write a long story about a dragon."}]
+    running = engine.chat_stream(story, max_tokens=60, **GREEDY)
+    worker = threading.Thread(target=lambda: [None for _ in running])
+    worker.start()
+    time.sleep(0.3)
+    waiting = engine.stream("Hello", max_tokens=5)
+    waiting.cancel()
+    started = time.perf_counter()
+    assert list(waiting) == []
+    assert time.perf_counter() - started < 0.5 and running.result is None  # still running
+    worker.join()
+    assert waiting.result.finish_reason == "cancelled" and waiting.result.tokens == []
+    assert running.result.finish_reason == "length"
+
+
+def test_concurrent_async_requests_queue_and_each_gets_its_own_answer(engine):
+    prompts = ["Red", "Green", "Blue"]
+    expected = [engine.generate(p, max_tokens=6, **GREEDY).tokens for p in prompts]
+
+    async def main():
+        return await asyncio.gather(*(engine.agenerate(p, max_tokens=6, **GREEDY) for p in prompts))
+
+    assert [r.tokens for r in asyncio.run(main())] == expected
+
+
+def test_loading_and_closing_twenty_times_keeps_memory_flat(tmp_path):
+    path = write_model(tmp_path / "m.gguf", ModelSpec(hidden_size=256, ffn_size=512,
+                                                      weight_type="F32", embedding_type="F32"))
+    process = psutil.Process()
+
+    def load_generate_close():
+        with Engine.load(path, threads=1, context_length=256) as engine:
+            engine.generate("Hi", max_tokens=2)
+
+    for _ in range(3):  # allocator and caches settle
+        load_generate_close()
+    settled = process.memory_info().rss
+    threads = threading.active_count()
+    for _ in range(17):
+        load_generate_close()
+    assert process.memory_info().rss - settled < 60_000_000  # one load holds ~70 MB of weights
+    assert threading.active_count() <= threads
