@@ -111,6 +111,30 @@ def chat(model: ModelOpt = None,
     ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out).run()
 
 
+@app.command()
+def serve(model: ModelOpt = None,
+          host: Annotated[str, typer.Option("--host", help="address to bind; keep loopback unless "
+                                            "other machines must reach it")] = "127.0.0.1",
+          port: Annotated[int, typer.Option("--port")] = 8000,
+          api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TIERFLOW_API_KEY",
+                                                         help="require 'Authorization: Bearer KEY'")] = None,
+          cors_origin: Annotated[Optional[list[str]], typer.Option(
+              "--cors-origin", help="browser origin allowed to call the API (repeatable)")] = None,
+          gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
+          ctx: CtxOpt = None) -> None:
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page."""
+    from tierflow.cli.server import ServerSettings
+    from tierflow.cli.server import serve as serve_forever
+
+    settings = ServerSettings(host=host, port=port, api_key=api_key, cors_origins=tuple(cors_origin or ()))
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx)
+    if not settings.is_loopback and settings.api_key is None:
+        err.print(f"[yellow]warning:[/yellow] {host} is reachable from other machines and no --api-key "
+                  "is set", soft_wrap=True)
+    out.print(f"serving {engine.path.stem} at {settings.url}")
+    serve_forever(engine, settings)
+
+
 def _sampling(**settings) -> dict:
     """The sampling settings, checked before a model loads so a typo fails fast."""
     from tierflow.runtime.sampler import SamplingParams

@@ -9,6 +9,7 @@
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,8 @@ class Engine:
                                          KVCache(config, context_length))
         self._lock = threading.Lock()  # held by the one generation that runs
         self._active: Stream | None = None  # that generation
+        # Async generations run here, one at a time, like the lock runs them (see streams.py).
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-compute")
 
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, *, gpu_memory: int | str | None = None,
@@ -134,7 +137,7 @@ class Engine:
 
     def astream(self, prompt: str | Sequence[int], **kwargs) -> AsyncStream:
         """stream() for asyncio: `async for piece in engine.astream(...)`."""
-        return AsyncStream(self.stream(prompt, **kwargs))
+        return AsyncStream(self.stream(prompt, **kwargs), self._compute)
 
     async def achat(self, messages: list[dict], **kwargs) -> GenerationResult:
         return await self.agenerate(self._chat_prompt(messages), **kwargs)
@@ -169,6 +172,7 @@ class Engine:
         later calls raise TierflowError. (Not from inside the iteration of the engine's own stream:
         that stream holds the lock close waits for.)"""
         self.cancel()
+        self._compute.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self.tokenizer.close()
             self.weights = self._generator = None

@@ -1,0 +1,207 @@
+"""OpenAI's request and response shapes for the local server: parsing, checking, building.
+
+Requests are parsed strictly (a string where a number belongs is a 400, not a guess) but fields
+this server does not know are ignored, since clients send many. Every failure becomes an ApiError
+that the server renders as OpenAI's `{"error": {"message", "type", "param", "code"}}` body.
+"""
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tierflow.errors import ContextLengthError, TierflowError
+from tierflow.runtime.streams import GenerationResult
+
+
+class ApiError(Exception):
+    """An error answered with an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def engine_error(error: TierflowError, prompt_param: str) -> ApiError:
+    """The API error for an engine error raised while starting a generation."""
+    if isinstance(error, ContextLengthError):
+        return ApiError(400, str(error), param=prompt_param, code="context_length_exceeded")
+    if isinstance(error, ValueError):  # InvalidArgumentError, TemplateError: the request's fault
+        return ApiError(400, str(error))
+    return ApiError(500, str(error), type="server_error")
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict:
+        """The plain {"role", "content"} the chat template expects; "developer" is OpenAI's new
+        name for "system"."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # llama-server's extensions, same meaning as the engine's
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = Field(None, ge=-1)  # -1: random, as in llama.cpp
+    stop: str | list[str] | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    def generation_kwargs(self, max_tokens_limit: int) -> dict:
+        """Keyword arguments for Engine.astream; unset sampling fields keep the engine's defaults."""
+        if self.n not in (None, 1):
+            raise ApiError(400, "only n=1 is supported", param="n")
+        max_tokens = self._max_tokens()
+        if max_tokens is not None and max_tokens > max_tokens_limit:
+            raise ApiError(400, f"max_tokens is {max_tokens}; this server allows at most "
+                           f"{max_tokens_limit}", param="max_tokens")
+        kwargs = {"max_tokens": max_tokens_limit if max_tokens is None else max_tokens,
+                  "stop": self.stop}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        if self.seed is not None and self.seed >= 0:
+            kwargs["seed"] = self.seed
+        return kwargs
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatRequest(_GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)  # the newer name for max_tokens
+    logprobs: bool | None = None
+
+    def template_messages(self) -> list[dict]:
+        if self.logprobs:
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        return [message.as_template_message() for message in self.messages]
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str]
+    echo: bool | None = False
+    logprobs: int | None = None
+
+    def engine_prompt(self) -> str | list[int]:
+        """The prompt as text or token ids; a batch of several prompts is refused."""
+        if self.echo or self.logprobs is not None:
+            raise ApiError(400, "echo and logprobs are not supported",
+                           param="echo" if self.echo else "logprobs")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, "only one prompt per request is supported", param="prompt")
+            return prompt[0]
+        return prompt
+
+
+def parse_request(model: type[_Strict], body: bytes) -> _Strict:
+    """The request parsed from a JSON body; bad JSON or a bad field is a 400 naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise ApiError(400, f"the body is not valid JSON: {first['msg']}") from None
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise ApiError(400, f"{where}: {first['msg']}", param=param) from None
+
+
+# -- responses --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Reply:
+    """One answer's id, time and model, shared by its streamed chunks or its one body."""
+
+    chat: bool  # chat.completion, else text_completion
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, chat: bool, model: str) -> "Reply":
+        return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()))
+
+    def response(self, result: GenerationResult) -> dict:
+        """The whole answer of a non-streaming request."""
+        choice = {"index": 0, "logprobs": None, "finish_reason": result.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+        return self._envelope("", [choice], usage=usage(result), tierflow=result.stats.as_dict())
+
+    def role_chunk(self) -> dict:
+        return self._chunk({"delta": {"role": "assistant", "content": ""}})
+
+    def text_chunk(self, text: str) -> dict:
+        return self._chunk({"delta": {"content": text}} if self.chat else {"text": text})
+
+    def final_chunk(self, result: GenerationResult) -> dict:
+        """The chunk that carries the finish reason, and tierflow's timings."""
+        fields = {"delta": {}} if self.chat else {"text": ""}
+        return self._chunk(fields, result.finish_reason, tierflow=result.stats.as_dict())
+
+    def usage_chunk(self, result: GenerationResult) -> dict:
+        return self._envelope(".chunk", [], usage=usage(result))
+
+    def _chunk(self, fields: dict, finish_reason: str | None = None, **extra) -> dict:
+        choice = {"index": 0, **fields, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope(".chunk", [choice], **extra)
+
+    def _envelope(self, suffix: str, choices: list, **extra) -> dict:
+        # OpenAI names the streamed objects chat.completion.chunk but text_completion for both.
+        kind = "chat.completion" + suffix if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+
+def usage(result: GenerationResult) -> dict:
+    prompt, completion = result.stats.prompt_tokens, len(result.tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "tierflow"}

@@ -1,0 +1,308 @@
+"""The OpenAI-compatible server, started for real on loopback: the official `openai` client for
+the happy paths (checked against in-process generation), raw HTTP for every refusal."""
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import uvicorn
+from openai import OpenAI
+from typer.testing import CliRunner
+
+from tierflow.cli.app import app
+from tierflow.cli.server import ServerSettings, create_app
+from tierflow.errors import InvalidArgumentError
+
+KEY = "test-key"
+ORIGIN = "http://app.example"
+HI = [{"role": "user", "content": "Hi, who are you?"}]
+GREEDY = {"temperature": 0, "max_tokens": 6}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(engine, **settings):
+    """A real uvicorn server on a thread; yields its base URL."""
+    config = ServerSettings(port=free_port(), **settings)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host=config.host,
+                                           port=config.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server failed to start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{config.port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with running_server(engine) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def guarded_url(engine):
+    """An API key, CORS for one origin, a small body limit, max_tokens limit, and no queue."""
+    with running_server(engine, api_key=KEY, cors_origins=(ORIGIN,), max_body_bytes=2000,
+                        max_tokens_limit=16, max_queued=0) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def chat_body(**fields) -> dict:
+    return {"messages": HI, **GREEDY, **fields}
+
+
+def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "Traceback" not in error["message"]
+    if code:
+        assert error["code"] == code
+    return error
+
+
+def read_until_text(lines) -> None:
+    """Reads SSE lines until the first chunk with generated text. The caller keeps `lines`
+    referenced: a dropped httpx line iterator closes the connection."""
+    for line in lines:
+        if '"content": "' in line and '"content": ""' not in line or '"text": "' in line:
+            return
+    raise AssertionError("the stream ended without text")
+
+
+# -- the openai client --------------------------------------------------------------------------
+
+def test_chat_completion_matches_in_process_chat(client, engine):
+    expected = engine.chat(HI, **GREEDY)
+    reply = client.chat.completions.create(model="any", messages=HI, **GREEDY)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    assert reply.id.startswith("chatcmpl-") and reply.model == engine.path.stem
+
+
+def test_chat_completion_reports_usage_and_timings(client, engine):
+    reply = client.chat.completions.create(model="any", messages=HI, **GREEDY)
+    prompt_tokens = len(engine.tokenize(engine.tokenizer.apply_chat_template(HI, add_generation_prompt=True)))
+    assert reply.usage.prompt_tokens == prompt_tokens
+    assert reply.usage.completion_tokens == GREEDY["max_tokens"]
+    assert reply.usage.total_tokens == prompt_tokens + GREEDY["max_tokens"]
+    assert reply.model_extra["tierflow"]["decode_seconds"] > 0
+
+
+def test_streamed_chat_completion_matches_in_process_chat(client, engine):
+    expected = engine.chat(HI, **GREEDY)
+    chunks = list(client.chat.completions.create(model="any", messages=HI, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == expected.text
+    assert chunks[-2].choices[0].finish_reason == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.tokens)
+
+
+def test_completion_matches_in_process_generate(client, engine):
+    expected = engine.generate("The capital of France is", **GREEDY)
+    reply = client.completions.create(model="any", prompt="The capital of France is", **GREEDY)
+    assert reply.choices[0].text == expected.text and reply.id.startswith("cmpl-")
+    assert reply.usage.prompt_tokens == expected.stats.prompt_tokens
+
+
+def test_models_lists_the_model_file_stem(client, engine):
+    assert [model.id for model in client.models.list()] == [engine.path.stem]
+
+
+def test_model_card_by_id(client, url, engine):
+    assert client.models.retrieve(engine.path.stem).id == engine.path.stem
+    assert_error(httpx.get(f"{url}/v1/models/other-model"), 404, "model_not_found")
+
+
+def test_stop_string_ends_the_answer(client, engine):
+    full = engine.chat(HI, **GREEDY).text
+    stop = full.split()[2]
+    reply = client.chat.completions.create(model="any", messages=HI, stop=stop, **GREEDY)
+    assert reply.choices[0].message.content == full[:full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_text_parts_read_like_a_string(client, engine):
+    parts = [{"role": "user", "content": [{"type": "text", "text": HI[0]["content"]}]}]
+    reply = client.chat.completions.create(model="any", messages=parts, **GREEDY)
+    assert reply.choices[0].message.content == engine.chat(HI, **GREEDY).text
+
+
+# -- raw HTTP -----------------------------------------------------------------------------------
+
+def test_unknown_fields_are_ignored(url):
+    body = chat_body(frequency_penalty=0, user="me", some_future_field={"x": 1})
+    assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 200
+
+
+def test_stream_is_server_sent_events_ending_in_done(url):
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", **GREEDY, "stream": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in response.text.split("\n\n") if line]
+    assert all(event.startswith("data: ") for event in events) and events[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None),
+    (b'["a list"]', None),
+    (b'{"max_tokens": 4}', "messages"),
+    (b'{"messages": []}', "messages"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', "messages"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', "max_tokens"),
+])
+def test_invalid_request_is_400(url, body, param):
+    response = httpx.post(f"{url}/v1/chat/completions", content=body)
+    assert assert_error(response, 400)["param"] == param
+
+
+@pytest.mark.parametrize("setting", [{"top_p": 2}, {"temperature": -1}, {"seed": -5}])
+def test_out_of_range_sampling_is_400(url, setting):
+    assert_error(httpx.post(f"{url}/v1/chat/completions", json=chat_body(**setting)), 400)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_over_the_context_is_400(url, stream):
+    messages = [{"role": "user", "content": "hello " * 1500}]
+    response = httpx.post(f"{url}/v1/chat/completions", json=chat_body(messages=messages, stream=stream))
+    assert_error(response, 400, "context_length_exceeded")
+
+
+def test_completion_prompt_over_the_context_is_400(url):
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "hello " * 1500, **GREEDY})
+    assert_error(response, 400, "context_length_exceeded")
+
+
+def test_unknown_route_is_404(url):
+    assert_error(httpx.get(f"{url}/v1/nothing"), 404)
+
+
+def test_wrong_method_is_405(url):
+    assert_error(httpx.get(f"{url}/v1/chat/completions"), 405)
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1:1", "localhost"])
+def test_foreign_host_header_is_refused(url, host):
+    port = url.rsplit(":", 1)[1]
+    response = httpx.get(f"{url}/health", headers={"Host": host.format(port=port)})
+    assert_error(response, 403, "host_not_allowed")
+
+
+@pytest.mark.parametrize("name", ["127.0.0.1", "localhost", "[::1]"])
+def test_loopback_host_names_are_accepted(url, name):
+    port = url.rsplit(":", 1)[1]
+    assert httpx.get(f"{url}/v1/models", headers={"Host": f"{name}:{port}"}).status_code == 200
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", KEY])
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
+                                          ("POST", "/v1/completions"), ("GET", "/v1/nothing")])
+def test_missing_or_wrong_api_key_is_401(guarded_url, auth, method, path):
+    headers = {"Authorization": auth} if auth else {}
+    response = httpx.request(method, f"{guarded_url}{path}", headers=headers, json=chat_body())
+    assert_error(response, 401, "invalid_api_key")
+
+
+def test_right_api_key_is_accepted(guarded_url):
+    response = httpx.get(f"{guarded_url}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200
+
+
+def test_health_needs_no_api_key(guarded_url):
+    assert httpx.get(f"{guarded_url}/health").json() == {"status": "ok"}
+
+
+def test_max_tokens_above_the_server_limit_is_400(guarded_url):
+    response = httpx.post(f"{guarded_url}/v1/chat/completions", json=chat_body(max_tokens=17),
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert assert_error(response, 400)["param"] == "max_tokens"
+
+
+def test_body_over_the_limit_is_413(guarded_url):
+    body = chat_body(messages=[{"role": "user", "content": "x" * 3000}])
+    response = httpx.post(f"{guarded_url}/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(response, 413)
+
+
+def test_chunked_body_over_the_limit_is_413(guarded_url):
+    chunks = (b" " * 500 for _ in range(6))  # no Content-Length: the bytes read are counted
+    response = httpx.post(f"{guarded_url}/v1/chat/completions", content=chunks,
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(response, 413)
+
+
+def test_cors_headers_only_for_listed_origins(url, guarded_url):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = httpx.options(f"{guarded_url}/v1/chat/completions", headers=preflight)
+    assert allowed.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(f"{guarded_url}/v1/chat/completions", headers={**preflight, "Origin": "http://x.example"})
+    assert "access-control-allow-origin" not in other.headers
+    assert "access-control-allow-origin" not in httpx.get(f"{url}/health", headers={"Origin": ORIGIN}).headers
+
+
+def test_request_beyond_the_queue_is_503(guarded_url):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = chat_body(max_tokens=16, stream=True)
+    with httpx.stream("POST", f"{guarded_url}/v1/chat/completions", json=body, headers=headers) as running:
+        lines = running.iter_lines()
+        read_until_text(lines)
+        busy = httpx.post(f"{guarded_url}/v1/chat/completions", json=chat_body(), headers=headers)
+    assert_error(busy, 503, "server_busy")
+
+
+def test_health_answers_during_a_generation(url):
+    body = {"prompt": "1, 2, 3, 4,", "max_tokens": 500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as running:
+        lines = running.iter_lines()
+        read_until_text(lines)
+        assert httpx.get(f"{url}/health", timeout=2).status_code == 200
+        read_until_text(lines)  # still generating
+
+
+def test_disconnect_mid_stream_cancels_the_generation(url):
+    body = {"prompt": "1, 2, 3, 4,", "max_tokens": 500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as abandoned:
+        read_until_text(abandoned.iter_lines())
+    start = time.perf_counter()  # 500 tokens take tens of seconds; a cancelled run frees the engine
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
+    assert response.status_code == 200 and time.perf_counter() - start < 5
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_cancels_it(url):
+    body = {"prompt": "1, 2, 3, 4,", "max_tokens": 500, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{url}/v1/completions", json=body, timeout=1)
+    start = time.perf_counter()
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
+    assert response.status_code == 200 and time.perf_counter() - start < 5
+
+
+def test_root_serves_the_chat_page(url):
+    response = httpx.get(f"{url}/")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+
+
+def test_serve_command_checks_settings_before_loading():
+    result = CliRunner().invoke(app, ["serve", "--port", "70000"])
+    assert isinstance(result.exception, InvalidArgumentError)
