@@ -73,6 +73,13 @@ def test_bad_input_is_one_line_on_stderr_and_exit_code_2(args, message):
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_a_file_that_is_not_gguf_is_exit_code_2(tmp_path):
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("these are notes, not a model " * 10)
+    done = tierflow("run", "hi", "-m", str(notes))
+    assert done.returncode == 2 and "notes.gguf" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_prompt_longer_than_the_context_is_exit_code_2():
     done = tierflow("run", "word " * 400, "--ctx", "64")
     assert done.returncode == 2 and "context" in done.stderr

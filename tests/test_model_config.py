@@ -1,7 +1,8 @@
 """Reading a model's architecture from GGUF metadata, and refusing what tierflow cannot run."""
 
+import numpy as np
 import pytest
-from gguf_bytes import build_gguf, build_tiny_gguf, tiny_kvs, tiny_tensors
+from gguf_bytes import TensorSpec, build_gguf, build_tiny_gguf, tiny_kvs, tiny_tensors
 
 from tierflow import Engine
 from tierflow.errors import ModelFileError, UnsupportedModelError
@@ -75,4 +76,29 @@ def test_engine_names_a_missing_tensor(tmp_path):
     path = tmp_path / "no-layers.gguf"
     path.write_bytes(build_gguf(kvs, tiny_tensors()))
     with pytest.raises(ModelFileError, match="tensor"):
+        Engine.load(path)
+
+
+def test_engine_names_an_unsupported_tensor_type(tmp_path):
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    e, vocab = 256, 8
+    metadata = LLAMA | {"llama.embedding_length": e, "llama.feed_forward_length": e,
+                        "llama.block_count": 1}
+
+    def f32(name, *shape):
+        return TensorSpec(name, shape, GGMLQuantizationType.F32, bytes(4 * int(np.prod(shape))))
+
+    q2k = GGMLQuantizationType.Q2_K
+    block_size, block_bytes = GGML_QUANT_SIZES[q2k]
+    kv = e // 2  # 2 of 4 heads
+    tensors = [f32("token_embd.weight", e, vocab), f32("output_norm.weight", e),
+               f32("blk.0.attn_norm.weight", e), f32("blk.0.ffn_norm.weight", e),
+               TensorSpec("blk.0.attn_q.weight", (e, e), q2k, bytes(e // block_size * block_bytes * e)),
+               f32("blk.0.attn_k.weight", e, kv), f32("blk.0.attn_v.weight", e, kv),
+               f32("blk.0.attn_output.weight", e, e), f32("blk.0.ffn_gate.weight", e, e),
+               f32("blk.0.ffn_up.weight", e, e), f32("blk.0.ffn_down.weight", e, e)]
+    path = tmp_path / "q2k.gguf"
+    path.write_bytes(build_gguf(list(metadata.items()), tensors))
+    with pytest.raises(UnsupportedModelError, match="Q2_K"):
         Engine.load(path)
