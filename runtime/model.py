@@ -90,15 +90,20 @@ class Decoder:
         q = apply_rope(q, cos, sin, cfg.rope_style)  # [H, T, D]
         k = apply_rope(k, cos, sin, cfg.rope_style)  # [K, T, D]
         keys, values = cache.write(layer_idx, start_pos, k, v)  # [K, S, D]
-        # Token i (at position start_pos + i) sees cache positions 0 .. start_pos + i.
-        mask = None
+        # The G = H / K query heads that share a key/value head attend as one batch of G*T rows,
+        # so the cached keys and values are never copied per query head. Query head h uses
+        # key/value head h // G, as in llama.cpp.
+        group = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(cfg.num_kv_heads, group * num_tokens, cfg.head_dim)  # [K, G*T, D]
+        scores = (q @ keys.transpose(1, 2)) * cfg.head_dim**-0.5  # [K, G*T, S]
         if num_tokens > 1:
+            # Token i (at position start_pos + i) sees cache positions 0 .. start_pos + i.
             positions = torch.arange(keys.shape[1])
-            mask = positions[None, :] <= (start_pos + torch.arange(num_tokens))[:, None]  # [T, S]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
-        )  # [H, T, D]
-        return F.linear(out.transpose(0, 1).reshape(num_tokens, -1), w.wo)
+            visible = positions[None, :] <= (start_pos + torch.arange(num_tokens))[:, None]  # [T, S]
+            scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ values  # [K, G*T, D]
+        out = out.reshape(cfg.num_heads, num_tokens, cfg.head_dim).transpose(0, 1)  # [T, H, D]
+        return F.linear(out.reshape(num_tokens, -1), w.wo)
 
     @staticmethod
     def _feed_forward(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
