@@ -6,7 +6,7 @@ missing from a hand-written list imports in editable mode but silently drops out
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 ROOT = Path(__file__).parent
 FOLDERS = {
@@ -31,9 +31,20 @@ def mapped_packages() -> dict[str, str]:
     return packages
 
 
+# The CPU kernels: one portable build, with the AVX2 and AVX-512 paths compiled per function
+# (target attributes) and chosen at run time, so no -march flag ties the build to this machine.
+KERNELS = Extension(
+    "tierflow.cpu_kernels._kernels",
+    sources=[f"cpu_kernels/csrc/{name}.c" for name in ("module", "lut", "int8", "ops", "pool")],
+    depends=["cpu_kernels/csrc/kernels.h", "cpu_kernels/csrc/ops.h"],
+    extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wall"],
+    extra_link_args=["-pthread"],
+)
+
 PACKAGES = mapped_packages()
 setup(
     packages=list(PACKAGES),
     package_dir=PACKAGES,
     package_data={"tierflow.cli": ["*.html"]},
+    ext_modules=[KERNELS],
 )

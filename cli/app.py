@@ -45,18 +45,26 @@ def main() -> None:
 
 
 @contextmanager
-def _loading(path: Optional[Path]):
-    """A progress bar on stderr while weights load (when stderr is a terminal)."""
+def _progress_bar(label: str):
+    """A progress bar on stderr (when stderr is a terminal), fed (phase, bytes done, total)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
     if not err.is_terminal:
         yield None
         return
-    name = path.name if path else "SmolLM2-135M-Instruct (bundled)"
-    with Progress(TextColumn(f"loading {name}"), BarColumn(), DownloadColumn(),
+    with Progress(TextColumn(label), BarColumn(), DownloadColumn(),
                   console=err, transient=True) as bar:
-        task = bar.add_task("load", total=None)
+        task = bar.add_task(label, total=None)
         yield lambda phase, done, total: bar.update(task, completed=done, total=total)
+
+
+def _model_name(path: Optional[Path]) -> str:
+    return path.name if path else "SmolLM2-135M-Instruct (bundled)"
+
+
+def _loading(path: Optional[Path]):
+    """A progress bar on stderr while weights load (when stderr is a terminal)."""
+    return _progress_bar(f"loading {_model_name(path)}")
 
 
 def _load(model, gpu_memory, cpu_memory, threads, ctx):
@@ -158,6 +166,31 @@ def info(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (defaul
     for type_name, (count, nbytes) in sorted(summary.tensor_types.items()):
         types.add_row(type_name, str(count), format_size(nbytes))
     out.print(types)
+
+
+@app.command()
+def convert(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
+            bits: Annotated[int, typer.Option("--bits", "-b", help="4 (Q4_1, which llama.cpp loads "
+                                              "too), 3 or 2 (tierflow's TQ3_1, TQ2_1)")] = 4,
+            output: Annotated[Optional[Path], typer.Option("--output", "-o", help="file to write")] = None,
+            method: Annotated[str, typer.Option("--method", help="search (lower error) or rtn "
+                                                "(round to nearest, fast)")] = "search",
+            force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+            model_opt: ModelOpt = None) -> None:
+    """Requantize a model's layer weights to 4, 3 or 2 bits and write them to OUT (-o)."""
+    from tierflow.errors import InvalidArgumentError
+    from tierflow.offload.convert import convert_model
+
+    if output is None:
+        raise InvalidArgumentError("give the file to write with -o/--output")
+    source = model or model_opt
+    with _progress_bar(f"converting {_model_name(source)}") as progress:
+        report = convert_model(source, output, bits, method, progress, force=force)
+    out.print(f"wrote {report.path}: {format_size(report.file_bytes)}, "
+              f"{report.bits_per_weight:.2f} bits per weight overall; {report.num_requantized} "
+              f"layer weights as {report.quant_type} ({report.requantized_bits_per_weight:.1f} bits "
+              f"per weight, {report.method}), {report.num_copied} tensors copied; "
+              f"{report.seconds:.1f} s", soft_wrap=True)
 
 
 if __name__ == "__main__":

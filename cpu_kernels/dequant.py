@@ -8,6 +8,7 @@ Python loop.
 
 Results are bit-exact with ggml's reference dequantizers: every product and sum is done in
 float32 in the same order as ggml's C code (e.g. K-quants compute `(d * sc) * q - dmin * m`).
+tierflow's own TQ2_1 and TQ3_1 (formats in `tierflow.ggml_types`) follow Q4_1's `d * q + m`.
 """
 
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
+from tierflow.ggml_types import TierflowType, type_name
 
 # Weights decoded per chunk: the output chunk (256 KiB) and its uint8 temporaries fit in L2.
 _CHUNK_ELEMENTS = 1 << 16
@@ -35,7 +37,7 @@ class _Format:
 _FORMATS: dict[int, _Format] = {}
 
 
-def _register(ggml_type: T, block_size: int, fields: list[tuple]) -> Callable[[Decoder], Decoder]:
+def _register(ggml_type: int, block_size: int, fields: list[tuple]) -> Callable[[Decoder], Decoder]:
     def add(decode: Decoder) -> Decoder:
         _FORMATS[ggml_type] = _Format(np.dtype(fields), block_size, decode)
         return decode
@@ -196,29 +198,56 @@ def _decode_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     sixteens *= (_half(blocks, "d") * blocks["scales"])[:, :, None]
 
 
+# --- tierflow's 2- and 3-bit types (formats in tierflow.ggml_types): y = d * q + m -------------
+
+_TWO_BIT_SHIFTS = np.array([0, 2, 4, 6], np.uint8)  # weight j is bits 2*(j%4).. of qs[j // 4]
+
+
+def _two_bit_quants(qs: np.ndarray) -> np.ndarray:
+    """[B, n] bytes of four 2-bit codes each, lowest bits first, to codes [B, 4n] uint8."""
+    q = qs[:, :, None] >> _TWO_BIT_SHIFTS
+    q &= 0x03
+    return q.reshape(len(qs), -1)
+
+
+# 12 bytes: y = d * q + m, q in 0..3
+@_register(TierflowType.TQ2_1, 32, [("d", "<f2"), ("m", "<f2"), ("qs", "u1", 8)])
+def _decode_tq2_1(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[:] = _two_bit_quants(blocks["qs"])
+    out *= _half(blocks, "d")
+    out += _half(blocks, "m")
+
+
+# 16 bytes: y = d * q + m, q in 0..7; the third bit of weight j is bit j % 8 of qh[j // 8]
+@_register(TierflowType.TQ3_1, 32, [("d", "<f2"), ("m", "<f2"), ("qh", "u1", 4), ("qs", "u1", 8)])
+def _decode_tq3_1(blocks: np.ndarray, out: np.ndarray) -> None:
+    q = _low_bits_first(blocks["qh"])
+    q <<= 2
+    q |= _two_bit_quants(blocks["qs"])
+    out[:] = q
+    out *= _half(blocks, "d")
+    out += _half(blocks, "m")
+
+
 SUPPORTED_TYPES: frozenset[int] = frozenset(_FORMATS)
 
 
-def _type_name(ggml_type: int) -> str:
-    try:
-        return T(ggml_type).name
-    except ValueError:
-        return str(ggml_type)
+_type_name = type_name  # kept for the modules that import it from here
 
 
 def _format_of(ggml_type: int) -> _Format:
     fmt = _FORMATS.get(ggml_type)
     if fmt is None:
-        supported = ", ".join(_type_name(t) for t in sorted(_FORMATS))
+        supported = ", ".join(type_name(t) for t in sorted(_FORMATS))
         raise UnsupportedModelError(
-            f"tensor type {_type_name(ggml_type)} is not supported; supported: {supported}"
+            f"tensor type {type_name(ggml_type)} is not supported; supported: {supported}"
         )
     return fmt
 
 
 def _check_size(data: np.ndarray, fmt: _Format, ggml_type: int, shape: tuple[int, ...]) -> int:
     """The number of blocks, after checking the shape is whole blocks and the bytes match it."""
-    name = _type_name(ggml_type)
+    name = type_name(ggml_type)
     if any(dim < 0 for dim in shape):
         raise ModelFileError(f"tensor shape {list(shape)} has a negative dimension")
     row_length = shape[0] if shape else 1

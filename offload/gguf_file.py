@@ -18,11 +18,12 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGUFValueType
 
+from tierflow import ggml_types
 from tierflow.errors import ModelFileError
 
 MAGIC = b"GGUF"
@@ -54,19 +55,26 @@ _ARRAY_DTYPES = {vtype: np.dtype(fmt.format) for vtype, fmt in _SCALARS.items()}
 _Entry = tuple[str, tuple[int, ...], int, int]
 
 
+class ValueType(NamedTuple):
+    """A metadata value's GGUF type, and for an array its elements' type (what a copy needs)."""
+
+    type: GGUFValueType
+    element_type: GGUFValueType | None  # arrays only
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One entry of the tensor table, validated against the file."""
 
     name: str
     shape: tuple[int, ...]  # GGUF order: shape[0] is ne0, the contiguous (innermost) dimension
-    ggml_type: int  # a gguf.GGMLQuantizationType value
+    ggml_type: int  # a gguf.GGMLQuantizationType or tierflow.ggml_types.TierflowType value
     offset: int  # absolute byte offset of the data in the file
     nbytes: int
 
     @property
     def type_name(self) -> str:
-        return GGMLQuantizationType(self.ggml_type).name
+        return ggml_types.type_name(self.ggml_type)
 
     @property
     def num_elements(self) -> int:
@@ -181,9 +189,10 @@ def _read_strings(cur: _Cursor, count: int, key: str) -> list[str]:
     return strings
 
 
-def _read_metadata(cur: _Cursor, num_kvs: int) -> tuple[dict[str, Any], int]:
-    """The key-value section, and the data alignment it sets."""
+def _read_metadata(cur: _Cursor, num_kvs: int) -> tuple[dict[str, Any], dict[str, ValueType], int]:
+    """The key-value section, each value's type, and the data alignment it sets."""
     metadata: dict[str, Any] = {}
+    value_types: dict[str, ValueType] = {}
     alignment = DEFAULT_ALIGNMENT
     for index in range(num_kvs):
         key = cur.name(f"metadata key #{index}")
@@ -192,14 +201,18 @@ def _read_metadata(cur: _Cursor, num_kvs: int) -> tuple[dict[str, Any], int]:
         if key in metadata:
             cur.fail(f"duplicate metadata key '{key}'")
         vtype = cur.unpack(_U32, f"value type of '{key}'")
+        start = cur.pos
         metadata[key] = _read_value(cur, vtype, key)
+        # An array's element type is its first field, read (and checked) by _read_value.
+        element_type = _U32.unpack_from(cur.buf, start)[0] if vtype == _T.ARRAY else None
+        value_types[key] = ValueType(_T(vtype), None if element_type is None else _T(element_type))
         if key == "general.alignment":
             alignment = metadata[key]
             if vtype != _T.UINT32:
                 cur.fail(f"general.alignment must be uint32, not {_type_name(vtype)}")
             if alignment == 0 or alignment & (alignment - 1):
                 cur.fail(f"general.alignment must be a power of two, got {alignment}")
-    return metadata, alignment
+    return metadata, value_types, alignment
 
 
 def _read_tensor_info(cur: _Cursor, index: int) -> _Entry:
@@ -222,11 +235,11 @@ def _read_tensor_info(cur: _Cursor, index: int) -> _Entry:
         cur.fail(f"tensor '{name}' has a zero or negative dimension in shape {shape}")
     if math.prod(shape) > 2**63 - 1:
         cur.fail(f"tensor '{name}' shape {shape} overflows int64 in its element count")
-    if ggml_type not in GGML_QUANT_SIZES:
+    if ggml_type not in ggml_types.QUANT_SIZES:
         cur.fail(f"tensor '{name}' has unknown tensor type {ggml_type}")
-    block_size = GGML_QUANT_SIZES[ggml_type][0]
+    block_size = ggml_types.QUANT_SIZES[ggml_type][0]
     if shape[0] % block_size:
-        cur.fail(f"tensor '{name}' of type {GGMLQuantizationType(ggml_type).name} has "
+        cur.fail(f"tensor '{name}' of type {ggml_types.type_name(ggml_type)} has "
                  f"ne0={shape[0]}, not a multiple of its block size {block_size}")
     return name, shape, ggml_type, offset
 
@@ -252,7 +265,7 @@ def _place_tensors(cur: _Cursor, entries: list[_Entry], data_offset: int,
         if offset != expected:
             problem = "overlaps the previous tensor" if offset < expected else "leaves a gap"
             cur.fail(f"tensor '{name}' at data offset {offset} {problem} (expected {expected})")
-        block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+        block_size, block_bytes = ggml_types.QUANT_SIZES[ggml_type]
         nbytes = math.prod(shape) // block_size * block_bytes
         start = data_offset + offset
         if start + nbytes > cur.size:
@@ -267,9 +280,20 @@ class GGUFFile:
     """A parsed GGUF file whose tensor data stays in a read-only memory map until `close()`."""
 
     def __init__(self, path: Path, buf: mmap.mmap, version: int, alignment: int,
-                 data_offset: int, metadata: dict[str, Any], tensors: dict[str, TensorInfo]):
+                 data_offset: int, metadata: dict[str, Any], tensors: dict[str, TensorInfo],
+                 value_types: dict[str, ValueType] | None = None,
+                 metadata_span: tuple[int, int] = (0, 0)):
         self.path, self._buf, self.version, self.alignment = path, buf, version, alignment
         self.data_offset, self.metadata, self.tensors = data_offset, metadata, tensors
+        self.value_types = value_types or {}  # metadata key -> its GGUF value type
+        self.metadata_span = metadata_span  # byte range of the encoded key-value section
+
+    def metadata_bytes(self) -> bytes:
+        """The key-value section exactly as encoded in the file (a copy)."""
+        if self._buf is None:
+            raise ValueError(f"{self.path}: metadata read after close()")
+        start, end = self.metadata_span
+        return self._buf[start:end]
 
     def tensor_data(self, name: str) -> np.ndarray:
         """The tensor's raw bytes as a 1-D uint8 view of the map (no copy, read-only)."""
@@ -338,11 +362,14 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     try:
         cur = _Cursor(buf, str(path))
         version, num_tensors, num_kvs = _read_header(cur)
-        metadata, alignment = _read_metadata(cur, num_kvs)
+        metadata_start = cur.pos
+        metadata, value_types, alignment = _read_metadata(cur, num_kvs)
+        metadata_span = (metadata_start, cur.pos)
         entries = _read_tensor_table(cur, num_tensors)
         data_offset = -cur.pos % alignment + cur.pos
         tensors = _place_tensors(cur, entries, data_offset, alignment)
     except BaseException:
         buf.close()  # parsing exports no buffers, so the map can always be released here
         raise
-    return GGUFFile(path, buf, version, alignment, data_offset, metadata, tensors)
+    return GGUFFile(path, buf, version, alignment, data_offset, metadata, tensors, value_types,
+                    metadata_span)

@@ -55,6 +55,6 @@ def describe_model(model: str | os.PathLike | None) -> ModelSummary:
             count, nbytes = types.get(info.type_name, (0, 0))
             types[info.type_name] = (count + 1, nbytes + info.nbytes)
         num_parameters = sum(info.num_elements for info in gguf.tensors.values())
-        cpu_bytes = resident_bytes(config, "rope_freqs.weight" in gguf.tensors)
+        cpu_bytes = resident_bytes(gguf, config)
     return ModelSummary(path, config, path.stat().st_size, num_parameters, types,
                         {"gpu": 0, "cpu": cpu_bytes, "disk": 0})

@@ -1,30 +1,40 @@
-"""ResidentWeights: every tensor dequantized once into RAM, the simplest placement of a model.
+"""ResidentWeights: every tensor loaded once into RAM, the simplest placement of a model.
 
-Peak memory while loading is the float32 weights plus one tensor's temporaries; the file itself is
-only memory-mapped (its pages are the OS page cache, not tierflow's). Streaming placements under
-tighter budgets build on the same `WeightSource` interface.
+Group-quantized matrices (Q4_0, Q4_K, Q8_0, ...) are packed for the CPU kernels (see
+cpu_kernels/packed.py); float matrices become float32 torch tensors. Projections that read the same
+input (Q, K and V; gate and up) are packed as one matrix when their formats agree, so a decode step
+makes one kernel call for each. Peak memory while loading is the loaded weights plus one matrix's
+temporaries; the file itself is only memory-mapped (its pages are the OS page cache, not
+tierflow's). Streaming placements under tighter budgets build on the same `WeightSource` interface.
 """
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES, dequantize
+from tierflow.cpu_kernels.linear import PackedLinear
+from tierflow.cpu_kernels.packed import PackedMatrix, pack, packed_nbytes
+from tierflow.cpu_kernels.quant_groups import (
+    GROUPED_TYPES,
+    QuantGroups,
+    group_layout,
+    stack_rows,
+    to_quant_groups,
+)
 from tierflow.errors import BudgetError, ModelFileError, UnsupportedModelError
 from tierflow.offload.gguf_file import GGUFFile, TensorInfo
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import LayerWeights
+from tierflow.runtime.model import ConcatLinear, DenseLinear, LayerWeights, Linear
 from tierflow.units import format_size
 
 LoadProgress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 
-_LAYER_TENSORS = {  # LayerWeights field -> GGUF name within blk.N
-    "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
-    "wv": "attn_v.weight", "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight",
-    "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
+# LayerWeights field -> the GGUF matrices (within blk.N) it computes, in output order
+_LAYER_LINEARS = {
+    "qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
+    "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",),
 }
-_LAYER_BIASES = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -64,14 +74,24 @@ def check_tensors(gguf: GGUFFile, config: ModelConfig) -> None:
             )
 
 
-def resident_bytes(config: ModelConfig, has_rope_freqs: bool) -> int:
-    """Bytes of RAM the float32 weights take once loaded."""
-    elements = sum(int(np.prod(s)) for s in expected_shapes(config).values())
-    return 4 * (elements + (config.rope_dim // 2 if has_rope_freqs else 0))
+def held_bytes(info: TensorInfo) -> int:
+    """Bytes of RAM a tensor takes once loaded: packed if group-quantized, else float32."""
+    if info.ggml_type in GROUPED_TYPES and len(info.shape) == 2:
+        layout = group_layout(info.ggml_type)
+        return packed_nbytes(info.shape[1], info.shape[0], layout.bits, layout.group, layout.has_min)
+    return 4 * info.num_elements
+
+
+def resident_bytes(gguf: GGUFFile, config: ModelConfig) -> int:
+    """Bytes of RAM the loaded weights take (an upper bound: fused matrices pad less)."""
+    names = list(expected_shapes(config))
+    if "rope_freqs.weight" in gguf.tensors:
+        names.append("rope_freqs.weight")
+    return sum(held_bytes(gguf.tensors[name]) for name in names)
 
 
 class ResidentWeights:
-    """A WeightSource holding every weight as a float32 torch tensor in RAM.
+    """A WeightSource holding every weight in RAM: packed for the kernels, or float32.
 
     The file's tensors must have passed `check_tensors` for this config.
     """
@@ -79,51 +99,108 @@ class ResidentWeights:
     def __init__(self, gguf: GGUFFile, config: ModelConfig, cpu_budget_bytes: int | None = None,
                  progress: LoadProgress | None = None):
         self.config = config
-        self.num_bytes = resident_bytes(config, "rope_freqs.weight" in gguf.tensors)
+        self.num_bytes = resident_bytes(gguf, config)
         if cpu_budget_bytes is not None and self.num_bytes > cpu_budget_bytes:
             raise BudgetError(
                 f"the weights need {format_size(self.num_bytes)} of RAM but cpu_memory is "
                 f"{format_size(cpu_budget_bytes)}; raise cpu_memory (streaming from disk under "
                 f"smaller budgets is not available yet)"
             )
-        self._tensors = self._load_all(gguf, progress)
+        self._gguf, self._progress = gguf, progress
+        self._done, self._total = 0, sum(gguf.tensors[name].nbytes for name in expected_shapes(config))
+        self._vectors = {name: self._vector(name) for name, shape in expected_shapes(config).items()
+                         if len(shape) == 1}
+        self._rope_freqs = self._vector("rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
+        self._layers = [self._load_layer(i) for i in range(config.num_layers)]
+        embedding = self._matrix("token_embd.weight")
+        self._embedding = embedding if isinstance(embedding, torch.Tensor) else pack(embedding)
+        if config.tied_embeddings:
+            self._output = self._as_linear(self._embedding)
+        else:
+            self._output = self._linear(["output.weight"])
+        linears = [self._output] + [getattr(layer, f) for layer in self._layers for f in _LAYER_LINEARS]
+        self.uses_kernels = any(_computed_by_kernels(linear) for linear in linears)
+        self._gguf = self._progress = None
 
-    def _load_all(self, gguf: GGUFFile, progress: LoadProgress | None) -> dict[str, torch.Tensor]:
-        names = list(expected_shapes(self.config))
-        if "rope_freqs.weight" in gguf.tensors:
-            names.append("rope_freqs.weight")
-        infos = [gguf.tensors[n] for n in names]
-        total = sum(info.nbytes for info in infos)
-        done = 0
-        tensors = {}
-        for info in infos:
-            tensors[info.name] = _dequantize_tensor(gguf, info)
-            done += info.nbytes
-            if progress is not None:
-                progress("load", done, total)
-        return tensors
+    # -- loading ---------------------------------------------------------------------------
+
+    def _advance(self, info: TensorInfo) -> None:
+        self._done += info.nbytes
+        if self._progress is not None:
+            self._progress("load", self._done, self._total)
+
+    def _vector(self, name: str) -> torch.Tensor:
+        info = self._gguf.tensors[name]
+        self._advance(info)
+        return _dequantize_tensor(self._gguf, info)
+
+    def _matrix(self, name: str) -> QuantGroups | torch.Tensor:
+        """A matrix as codes per group when its type has them, else as float32 [out, in]."""
+        info = self._gguf.tensors[name]
+        self._advance(info)
+        if info.ggml_type in GROUPED_TYPES:
+            return to_quant_groups(self._gguf.tensor_data(name), info.ggml_type, info.shape)
+        return _dequantize_tensor(self._gguf, info)
+
+    @staticmethod
+    def _as_linear(matrix: QuantGroups | PackedMatrix | torch.Tensor,
+                   bias: torch.Tensor | None = None) -> Linear:
+        if isinstance(matrix, torch.Tensor):
+            return DenseLinear(matrix, bias)
+        return PackedLinear(matrix if isinstance(matrix, PackedMatrix) else pack(matrix), bias)
+
+    def _linear(self, names: list[str]) -> Linear:
+        """The matrices `names` (and their biases, if any) as one Linear, fused when formats agree."""
+        matrices = [self._matrix(name) for name in names]
+        biases = [self._vectors.get(name.removesuffix(".weight") + ".bias")
+                  for name in names]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(_rows(m)) for b, m in zip(biases, matrices)])
+        if all(isinstance(m, torch.Tensor) for m in matrices):
+            return DenseLinear(torch.cat(matrices), bias)
+        if all(isinstance(m, QuantGroups) for m in matrices) and len(
+                {(m.bits, m.group) for m in matrices}) == 1:
+            return PackedLinear(pack(stack_rows(matrices)), bias)
+        return ConcatLinear([self._as_linear(m, b) for m, b in zip(matrices, biases)])
+
+    def _load_layer(self, layer_idx: int) -> LayerWeights:
+        prefix = f"blk.{layer_idx}."
+        linears = {field: self._linear([f"{prefix}{name}.weight" for name in names])
+                   for field, names in _LAYER_LINEARS.items()}
+        return LayerWeights(attn_norm=self._vectors[prefix + "attn_norm.weight"],
+                            ffn_norm=self._vectors[prefix + "ffn_norm.weight"], **linears)
+
+    # -- the WeightSource interface --------------------------------------------------------
 
     def embedding_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self._tensors["token_embd.weight"][token_ids]
+        if isinstance(self._embedding, torch.Tensor):
+            return self._embedding[token_ids]
+        return torch.from_numpy(self._embedding.row_slice(token_ids.numpy()))
 
     def layer(self, layer_idx: int) -> LayerWeights:
-        prefix = f"blk.{layer_idx}."
-        fields = {field: self._tensors[prefix + name] for field, name in _LAYER_TENSORS.items()}
-        for field, name in _LAYER_BIASES.items():
-            fields[field] = self._tensors.get(prefix + name)
-        return LayerWeights(**fields)
+        return self._layers[layer_idx]
 
     def output_norm(self) -> torch.Tensor:
-        return self._tensors["output_norm.weight"]
+        return self._vectors["output_norm.weight"]
 
-    def output(self) -> torch.Tensor:
-        return self._tensors.get("output.weight", self._tensors["token_embd.weight"])
+    def output(self) -> Linear:
+        return self._output
 
     def rope_freq_factors(self) -> torch.Tensor | None:
-        return self._tensors.get("rope_freqs.weight")
+        return self._rope_freqs
 
     def bytes_by_tier(self) -> dict[str, int]:
         return {"gpu": 0, "cpu": self.num_bytes, "disk": 0}
+
+
+def _computed_by_kernels(linear: Linear) -> bool:
+    if isinstance(linear, ConcatLinear):
+        return any(_computed_by_kernels(part) for part in linear.parts)
+    return isinstance(linear, PackedLinear)
+
+
+def _rows(matrix: QuantGroups | torch.Tensor) -> int:
+    return matrix.q.shape[0] if isinstance(matrix, QuantGroups) else matrix.shape[0]
 
 
 def _dequantize_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:

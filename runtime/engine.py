@@ -16,6 +16,7 @@ import numpy as np
 import psutil
 import torch
 
+from tierflow.cpu_kernels import matmul as kernels
 from tierflow.errors import (
     BudgetError,
     ContextLengthError,
@@ -24,6 +25,7 @@ from tierflow.errors import (
     TierflowError,
 )
 from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.llama_vocab import llama_vocab_file
 from tierflow.offload.model_info import read_config
 from tierflow.offload.model_path import resolve_model_path
 from tierflow.offload.resident import LoadProgress, ResidentWeights, check_tensors
@@ -78,12 +80,12 @@ class Engine:
         cpu_budget = parse_size(cpu_memory) if cpu_memory is not None else None
         if gpu_memory is not None and parse_size(gpu_memory) > 0 and not torch.cuda.is_available():
             raise BudgetError("gpu_memory was given but no CUDA GPU is available; omit it or use 0")
-        torch.set_num_threads(threads)
         with read_gguf(path) as gguf:  # validated before llama.cpp sees the file
             config = read_config(gguf)
             context_length = _context_length(context_length, config)
             check_tensors(gguf, config)
-            tokenizer = Tokenizer.from_gguf(path)
+            with llama_vocab_file(gguf) as vocab_path:
+                tokenizer = Tokenizer.from_gguf(vocab_path)
             try:
                 if tokenizer.vocab_size > config.vocab_size:
                     raise ModelFileError(
@@ -161,6 +163,7 @@ class Engine:
             raise InvalidArgumentError("logits() needs at least one token id")
         self._check_fits(len(ids), 0)
         with self._lock:
+            self._claim_threads()
             logits, _ = self._generator.prefill(ids, threading.Event(), all_logits=True,
                                                 reuse_prefix=False)
         return logits
@@ -184,6 +187,13 @@ class Engine:
         self.close()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _claim_threads(self) -> None:
+        """Called by each generation under the lock: the kernels' pool runs on the engine's
+        threads, and torch's pool does too unless the kernels do the matmuls (then torch keeps
+        one thread: two pools spinning on the same cores slow each other down)."""
+        kernels.set_threads(self.threads)
+        torch.set_num_threads(1 if self.weights.uses_kernels else self.threads)
 
     def _stream(self, prompt_ids: list[int], max_tokens: int, stop, sampling: dict) -> Stream:
         self._check_open()

@@ -19,13 +19,6 @@ class KVCache:
     def num_bytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def write(self, layer_idx: int, start_pos: int, k: torch.Tensor, v: torch.Tensor):
-        """Stores k, v [KvH, T, D] at positions start_pos.. and returns the layer's cache so far."""
-        end = start_pos + k.shape[1]
-        self.keys[layer_idx, :, start_pos:end] = k
-        self.values[layer_idx, :, start_pos:end] = v
-        return self.keys[layer_idx, :, :end], self.values[layer_idx, :, :end]
-
     def truncate(self, length: int) -> None:
         """Forgets positions >= length (the entries are overwritten by the next write)."""
         self.length = max(0, min(length, self.length))

@@ -49,22 +49,3 @@ def _yarn_correction_range(rope_dim: int, original_ctx: int, theta: float, scali
     low = math.floor(dim_for_rotations(scaling.yarn_beta_fast))
     high = math.ceil(dim_for_rotations(scaling.yarn_beta_slow))
     return max(0.0, low), min(rope_dim - 1.0, high)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-    """Rotates the first rope_dim features of every head.
-
-    x [H, T, D]; cos, sin [T, R/2] with R = rope_dim <= D. "normal" rotates adjacent pairs
-    (llama), "neox" rotates the halves of the rotary part (qwen2).
-    """
-    rope_dim = cos.shape[-1] * 2
-    rotary, rest = x[..., :rope_dim], x[..., rope_dim:]
-    if style == "normal":
-        pairs = rotary.unflatten(-1, (rope_dim // 2, 2))  # [H, T, R/2, 2]
-        first, second = pairs[..., 0], pairs[..., 1]
-        rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
-        rotated = rotated.flatten(-2)
-    else:
-        first, second = rotary[..., : rope_dim // 2], rotary[..., rope_dim // 2 :]
-        rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
-    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated

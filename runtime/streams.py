@@ -67,6 +67,7 @@ class Stream:
                 return
         try:
             self.engine._active = self
+            self.engine._claim_threads()
             yield from self._generate()
         finally:
             self.engine._active = None

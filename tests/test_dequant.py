@@ -2,20 +2,22 @@
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as reference_dequantize
 
 from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES, dequantize
 from tierflow.errors import ModelFileError, UnsupportedModelError
+from tierflow.ggml_types import QUANT_SIZES, TierflowType, type_name
 from tierflow.offload.model_path import bundled_model_path
 
 T = GGMLQuantizationType
-ALL_TYPES = sorted(SUPPORTED_TYPES, key=lambda t: T(t).name)
+# ggml's types, which gguf-py can decode; tierflow's own are tested in test_quantize.py.
+ALL_TYPES = sorted(SUPPORTED_TYPES - set(TierflowType), key=lambda t: T(t).name)
 
 # Byte offsets of the float16 scale fields inside one block; random bits there could be inf/NaN.
 HALF_FIELD_OFFSETS = {
     T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2],
-    T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+    T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], TierflowType.TQ2_1: [0, 2], TierflowType.TQ3_1: [0, 2],
 }
 SHAPES = [(256,), (512, 3), (256, 2, 3)]  # GGUF order: ne0 first
 
@@ -23,7 +25,7 @@ SHAPES = [(256,), (512, 3), (256, 2, 3)]  # GGUF order: ne0 first
 def random_tensor(ggml_type: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     """Random read-only bytes for a tensor: quant bits fully random, f16 scales finite."""
     rng = np.random.default_rng(seed)
-    block_size, block_bytes = GGML_QUANT_SIZES[T(ggml_type)]
+    block_size, block_bytes = QUANT_SIZES[ggml_type]
     num_blocks = int(np.prod(shape)) // block_size
     raw = rng.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8)
     for offset in HALF_FIELD_OFFSETS.get(ggml_type, []):
@@ -46,9 +48,9 @@ def assert_bit_exact(actual: np.ndarray, expected: np.ndarray) -> None:
 
 
 def test_supported_types_are_the_documented_ones():
-    names = {T(t).name for t in SUPPORTED_TYPES}
+    names = {type_name(t) for t in SUPPORTED_TYPES}
     assert names == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
-                     "Q6_K"}
+                     "Q6_K", "TQ2_1", "TQ3_1"}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

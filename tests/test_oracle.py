@@ -100,8 +100,20 @@ def assert_greedy_agrees(engine, llama, prompt: str, near_tie: float, max_tokens
 def test_logits_match_llama_cpp_on_a_64_token_prompt(engine, oracle):
     ids = engine.tokenize(LONG_TEXT)[:64]
     assert len(ids) == 64
-    diff = assert_logits_agree(engine, oracle, ids, max_mean_diff=0.25, near_tie=NEAR_TIE)
+    # Both quantize activations to int8 (llama.cpp per value, tierflow's kernels per table of
+    # partial sums), each adding its own noise of about 0.17-0.19: so the two differ by more.
+    diff = assert_logits_agree(engine, oracle, ids, max_mean_diff=0.35, near_tie=NEAR_TIE)
     print(f"Q4_1: mean |logit difference| vs llama.cpp {diff:.4f}")
+
+
+def test_quantized_logits_are_as_close_to_exact_as_llama_cpps(engine, oracle, f32_pair):
+    """The exact result of the Q4_1 weights is the same model run in float32 (its F32 copy)."""
+    ids = engine.tokenize(LONG_TEXT)[:64]
+    exact = f32_pair[0].logits(ids)
+    ours = float(np.abs(engine.logits(ids) - exact).mean())
+    theirs = float(np.abs(llama_cpp_logits(oracle, ids) - exact).mean())
+    print(f"Q4_1 mean |logit error|: tierflow {ours:.4f}, llama.cpp {theirs:.4f}")
+    assert ours < 1.2 * theirs
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -1,0 +1,84 @@
+/* Shared declarations of tierflow's CPU matmul kernels.
+ *
+ * Both kernels multiply float activations x [M, K] by a packed weight matrix W [N, K] into
+ * y [M, N]. The packed layouts are documented in cpu_kernels/packed.py; in short, rows come in
+ * tiles of TILE_ROWS, and every group of `group` columns of a row has a float16 scale and
+ * (optionally) a float16 min, so that w = scale * q + min.
+ *
+ * Activations are quantized per group before the integer work: into 16-entry int8 look-up
+ * tables of partial sums (LUT kernel, weights of 1..4 bits as bit planes) or into int8 values
+ * (int8 kernel). Each ISA path performs exactly the same integer arithmetic; only the order of
+ * the float accumulation differs.
+ */
+#ifndef TIERFLOW_KERNELS_H
+#define TIERFLOW_KERNELS_H
+
+#include <stdint.h>
+
+#define TILE_ROWS 64
+#define MAX_TOKEN_BLOCK 4 /* tokens that share one pass over a weight tile */
+
+typedef enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } isa_t;
+
+typedef struct {
+    int bits;               /* 1..4: LUT kernel; 8: int8 kernel */
+    int64_t group;          /* columns per scale group */
+    int64_t tiles;          /* row tiles; rows are padded to tiles * TILE_ROWS */
+    int64_t cols;           /* K */
+    const uint8_t *data;    /* bit planes or int8 quads, see packed.py */
+    const uint16_t *scales; /* float16 [tiles][K / group][TILE_ROWS] */
+    const uint16_t *mins;   /* float16 [tiles][K / group][TILE_ROWS], or NULL (all zero) */
+} packed_matrix;
+
+typedef struct {
+    int64_t tokens;
+    int64_t codes_per_token; /* LUT: K / 4 * 16 table entries; int8: K values */
+    int8_t *codes;           /* quantized tables or activations */
+    float *scales;           /* [tokens][K / group]: the float value of one code step */
+    float *sums;             /* [tokens][K / group]: the exact sum of x over the group */
+} prepared_acts;
+
+/* One tile of TILE_ROWS rows times `count` tokens (count <= MAX_TOKEN_BLOCK) starting at
+ * `token`, accumulated into out[count][TILE_ROWS] (which the caller zeroes). */
+typedef void (*tile_kernel)(const packed_matrix *w, const prepared_acts *a, int64_t tile,
+                            int64_t token, int count, float *out);
+
+void lut_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *tables,
+                       float *scales, float *sums);
+void int8_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *codes,
+                        float *scales, float *sums);
+
+tile_kernel lut_tile_kernel(isa_t isa);
+tile_kernel int8_tile_kernel(isa_t isa);
+
+/* Largest group the LUT kernel accepts at `bits`: its int16 accumulators must not overflow. */
+int64_t lut_max_group(int bits);
+
+/* The thread pool: fn(ctx, item) for item in [0, items), spread over the pool's threads and the
+ * caller. Calls from several threads are serialized. */
+typedef void (*pool_fn)(void *ctx, int64_t item);
+int pool_set_threads(int threads);
+int pool_threads(void);
+void pool_run(pool_fn fn, void *ctx, int64_t items);
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    union { uint32_t u; float f; } v = {bits};
+    return v.f;
+}
+
+#endif

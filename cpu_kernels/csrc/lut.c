@@ -1,0 +1,262 @@
+/* The LUT kernel (T-MAC's method): weights of 1..4 bits as bit planes, activations as tables.
+ *
+ * For every 4 consecutive activations x[4t .. 4t+3], a table holds the 16 partial sums
+ * T[i] = sum of x[4t + j] over the bits j set in i (centred, see centred_entries), quantized to
+ * int8 with one step per group.
+ * A weight row's bit plane p over those 4 columns is a 4-bit index into that table, so one byte
+ * shuffle performs 16 (SSE lane) table look-ups at once, and a product with b-bit weights costs
+ * b look-ups per 4 weights: time linear in the number of bits.
+ *
+ * Packed byte (tile, octet o, plane p, row r): the low nibble holds plane p of the row's weights
+ * in columns 8o .. 8o+3 (bit j = column 8o+j), the high nibble columns 8o+4 .. 8o+7. The two
+ * look-ups of a byte use tables 2o and 2o+1; interleaving their results per row lets one
+ * multiply-add (maddubs) weight them by 2^p and sum them into an int16 per row.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define HAVE_X86 1
+#endif
+
+int64_t lut_max_group(int bits) {
+    /* Per group each row's int16 accumulates (group / 8) octets * 254 * (2^bits - 1). */
+    int64_t per_octet = 254 * ((1 << bits) - 1);
+    return 8 * (32767 / per_octet);
+}
+
+/* The 16 entries of table t, centred: entry i = sum over j of (bit j of i - 1/2) * x[4t + j],
+ * computed as the plain subset sum less half the sum of all four. Centring halves the range of
+ * tables whose activations share a sign, and so the quantization step; the kernels add the
+ * half-sums back through each row's mid-range value (see the epilogues). */
+static void centred_entries(const float *x4, float entries[16]) {
+    entries[0] = 0.0f;
+    for (int j = 0; j < 4; j++) {
+        for (int i = 0; i < (1 << j); i++) {
+            entries[(1 << j) + i] = entries[i] + x4[j];
+        }
+    }
+    float half = 0.5f * entries[15];
+    for (int i = 0; i < 16; i++) entries[i] -= half;
+}
+
+void lut_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *tables,
+                       float *scales, float *sums) {
+    float entries[16];
+    for (int64_t g = 0; g < cols / group; g++) {
+        const float *xg = x + g * group;
+        float maxabs = 0.0f, sum = 0.0f;
+        for (int64_t i = 0; i < group; i++) {
+            sum += xg[i];
+        }
+        /* First pass: the float tables' largest magnitude fixes the group's step. */
+        for (int64_t t = 0; t < group / 4; t++) {
+            centred_entries(xg + 4 * t, entries);
+            for (int i = 0; i < 16; i++) {
+                maxabs = fmaxf(maxabs, fabsf(entries[i]));
+            }
+        }
+        float inv = maxabs > 0.0f ? 127.0f / maxabs : 0.0f;
+        for (int64_t t = 0; t < group / 4; t++) {
+            int8_t *out = tables + (g * group / 4 + t) * 16;
+            centred_entries(xg + 4 * t, entries);
+            for (int i = 0; i < 16; i++) {
+                out[i] = (int8_t)nearbyintf(entries[i] * inv);
+            }
+        }
+        scales[g] = maxabs / 127.0f;
+        sums[g] = sum;
+    }
+}
+
+/* Pointers into a packed matrix and the prepared activations for one tile. */
+#define TILE_SETUP                                                                 \
+    const int bits = w->bits;                                                     \
+    const int64_t groups = w->cols / w->group, octets = w->group / 8;             \
+    const uint8_t *planes = w->data + tile * (w->cols / 8) * bits * TILE_ROWS;    \
+    const uint16_t *scales = w->scales + tile * groups * TILE_ROWS;               \
+    const uint16_t *mins = w->mins + tile * groups * TILE_ROWS;                   \
+    const int64_t table_stride = a->codes_per_token;                              \
+    const float half_range = 0.5f * (float)((1 << bits) - 1); /* centre of the codes */
+
+static void lut_tile_scalar(const packed_matrix *w, const prepared_acts *a, int64_t tile,
+                            int64_t token, int count, float *out) {
+    TILE_SETUP
+    for (int64_t g = 0; g < groups; g++) {
+        for (int c = 0; c < count; c++) {
+            const int8_t *tables = a->codes + (token + c) * table_stride;
+            float step = a->scales[(token + c) * groups + g], sum = a->sums[(token + c) * groups + g];
+            for (int r = 0; r < TILE_ROWS; r++) {
+                int32_t acc = 0;
+                for (int64_t o = g * octets; o < (g + 1) * octets; o++) {
+                    const int8_t *lo_table = tables + 32 * o, *hi_table = lo_table + 16;
+                    for (int p = 0; p < bits; p++) {
+                        uint8_t byte = planes[(o * bits + p) * TILE_ROWS + r];
+                        acc += (lo_table[byte & 15] + hi_table[byte >> 4]) * (1 << p);
+                    }
+                }
+                float scale = half_to_float(scales[g * TILE_ROWS + r]);
+                float mid = half_to_float(mins[g * TILE_ROWS + r]) + scale * half_range;
+                out[c * TILE_ROWS + r] += (float)acc * (scale * step) + mid * sum;
+            }
+        }
+    }
+}
+
+#ifdef HAVE_X86
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+
+AVX2_TARGET void lut_tile_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
+                                 int64_t token, const int count, float *out) {
+    TILE_SETUP
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        /* acc[c][h][u]: token c, rows 32h .. 32h+31, u = unpacklo / unpackhi rows. */
+        __m256i acc[MAX_TOKEN_BLOCK][2][2];
+        for (int c = 0; c < count; c++) {
+            acc[c][0][0] = acc[c][0][1] = acc[c][1][0] = acc[c][1][1] = _mm256_setzero_si256();
+        }
+        for (int64_t o = g * octets; o < (g + 1) * octets; o++) {
+            __m256i lo_table[MAX_TOKEN_BLOCK], hi_table[MAX_TOKEN_BLOCK];
+            for (int c = 0; c < count; c++) {
+                const int8_t *t = a->codes + (token + c) * table_stride + 32 * o;
+                lo_table[c] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+                hi_table[c] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t + 16)));
+            }
+            for (int p = 0; p < bits; p++) {
+                const __m256i weight = _mm256_set1_epi8((char)(1 << p));
+                for (int h = 0; h < 2; h++) {
+                    __m256i v = _mm256_loadu_si256(
+                        (const __m256i *)(planes + (o * bits + p) * TILE_ROWS + 32 * h));
+                    __m256i lo = _mm256_and_si256(v, low4);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    for (int c = 0; c < count; c++) {
+                        __m256i x = _mm256_shuffle_epi8(lo_table[c], lo);
+                        __m256i y = _mm256_shuffle_epi8(hi_table[c], hi);
+                        acc[c][h][0] = _mm256_add_epi16(
+                            acc[c][h][0], _mm256_maddubs_epi16(weight, _mm256_unpacklo_epi8(x, y)));
+                        acc[c][h][1] = _mm256_add_epi16(
+                            acc[c][h][1], _mm256_maddubs_epi16(weight, _mm256_unpackhi_epi8(x, y)));
+                    }
+                }
+            }
+        }
+        /* Lane l of acc[h][u] holds rows 32h + 16l + 8u .. +7. */
+        for (int c = 0; c < count; c++) {
+            __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + g]);
+            __m256 sum = _mm256_set1_ps(a->sums[(token + c) * groups + g]);
+            for (int h = 0; h < 2; h++) {
+                __m256i rows[2] = {_mm256_permute2x128_si256(acc[c][h][0], acc[c][h][1], 0x20),
+                                   _mm256_permute2x128_si256(acc[c][h][0], acc[c][h][1], 0x31)};
+                for (int i = 0; i < 4; i++) { /* rows 32h + 8i .. +7 */
+                    int64_t r = 32 * h + 8 * i;
+                    __m128i half16 = i & 1 ? _mm256_extracti128_si256(rows[i >> 1], 1)
+                                           : _mm256_castsi256_si128(rows[i >> 1]);
+                    __m256 value = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half16));
+                    __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * TILE_ROWS + r)));
+                    __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g * TILE_ROWS + r)));
+                    __m256 mid = _mm256_fmadd_ps(scale, _mm256_set1_ps(half_range), min);
+                    float *dst = out + c * TILE_ROWS + r;
+                    __m256 total = _mm256_fmadd_ps(value, _mm256_mul_ps(scale, step), _mm256_loadu_ps(dst));
+                    _mm256_storeu_ps(dst, _mm256_fmadd_ps(mid, sum, total));
+                }
+            }
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void lut_tile_avx2(
+    const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token, int count,
+    float *out) {
+    switch (count) {
+    case 1: lut_tile_avx2_n(w, a, tile, token, 1, out); break;
+    case 2: lut_tile_avx2_n(w, a, tile, token, 2, out); break;
+    case 3: lut_tile_avx2_n(w, a, tile, token, 3, out); break;
+    default: lut_tile_avx2_n(w, a, tile, token, 4, out); break;
+    }
+}
+
+#define AVX512_TARGET \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"), always_inline)) static inline
+
+AVX512_TARGET void lut_tile_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
+                                     int64_t token, const int count, float *out) {
+    TILE_SETUP
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    /* Lane l of unpacklo holds rows 16l .. 16l+7, of unpackhi rows 16l+8 .. 16l+15: these
+     * qword indices gather rows 0..31 and 32..63 in order. */
+    const __m512i first_rows = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    const __m512i last_rows = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i acc[MAX_TOKEN_BLOCK][2];
+        for (int c = 0; c < count; c++) {
+            acc[c][0] = acc[c][1] = _mm512_setzero_si512();
+        }
+        for (int64_t o = g * octets; o < (g + 1) * octets; o++) {
+            __m512i lo_table[MAX_TOKEN_BLOCK], hi_table[MAX_TOKEN_BLOCK];
+            for (int c = 0; c < count; c++) {
+                const int8_t *t = a->codes + (token + c) * table_stride + 32 * o;
+                lo_table[c] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t));
+                hi_table[c] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t + 16)));
+            }
+            for (int p = 0; p < bits; p++) {
+                const __m512i weight = _mm512_set1_epi8((char)(1 << p));
+                __m512i v = _mm512_loadu_si512((const void *)(planes + (o * bits + p) * TILE_ROWS));
+                __m512i lo = _mm512_and_si512(v, low4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                for (int c = 0; c < count; c++) {
+                    __m512i x = _mm512_shuffle_epi8(lo_table[c], lo);
+                    __m512i y = _mm512_shuffle_epi8(hi_table[c], hi);
+                    acc[c][0] = _mm512_add_epi16(acc[c][0], _mm512_maddubs_epi16(weight, _mm512_unpacklo_epi8(x, y)));
+                    acc[c][1] = _mm512_add_epi16(acc[c][1], _mm512_maddubs_epi16(weight, _mm512_unpackhi_epi8(x, y)));
+                }
+            }
+        }
+        __m512 scale[4], mid[4]; /* mid: the row's value at the centre code, min + scale * half_range */
+        for (int i = 0; i < 4; i++) {
+            scale[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * TILE_ROWS + 16 * i)));
+            mid[i] = _mm512_fmadd_ps(scale[i], _mm512_set1_ps(half_range),
+                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * TILE_ROWS + 16 * i))));
+        }
+        for (int c = 0; c < count; c++) {
+            __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);
+            __m512 sum = _mm512_set1_ps(a->sums[(token + c) * groups + g]);
+            __m512i rows[2] = {_mm512_permutex2var_epi64(acc[c][0], first_rows, acc[c][1]),
+                               _mm512_permutex2var_epi64(acc[c][0], last_rows, acc[c][1])};
+            for (int i = 0; i < 4; i++) { /* rows 16i .. 16i+15 */
+                __m256i half16 = i & 1 ? _mm512_extracti64x4_epi64(rows[i >> 1], 1)
+                                       : _mm512_castsi512_si256(rows[i >> 1]);
+                __m512 value = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half16));
+                float *dst = out + c * TILE_ROWS + 16 * i;
+                __m512 total = _mm512_fmadd_ps(value, _mm512_mul_ps(scale[i], step), _mm512_loadu_ps(dst));
+                _mm512_storeu_ps(dst, _mm512_fmadd_ps(mid[i], sum, total));
+            }
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))) static void
+lut_tile_avx512(const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token,
+                int count, float *out) {
+    switch (count) {
+    case 1: lut_tile_avx512_n(w, a, tile, token, 1, out); break;
+    case 2: lut_tile_avx512_n(w, a, tile, token, 2, out); break;
+    case 3: lut_tile_avx512_n(w, a, tile, token, 3, out); break;
+    default: lut_tile_avx512_n(w, a, tile, token, 4, out); break;
+    }
+}
+
+#endif /* HAVE_X86 */
+
+tile_kernel lut_tile_kernel(isa_t isa) {
+#ifdef HAVE_X86
+    if (isa == ISA_AVX512) return lut_tile_avx512;
+    if (isa == ISA_AVX2) return lut_tile_avx2;
+#endif
+    (void)isa;
+    return lut_tile_scalar;
+}

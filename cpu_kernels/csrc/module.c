@@ -1,0 +1,376 @@
+/* Python bindings of the kernels: argument checks, run-time ISA choice, the GIL released.
+ *
+ * Every array arrives through the buffer protocol and is checked here (item size, format,
+ * contiguity, exact length) before any pointer is used, so a wrong argument is a Python
+ * exception and never a crash.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "ops.h"
+
+#define TOKEN_CHUNK 32 /* tokens per work item in a many-token product */
+
+static const char *ISA_NAMES[] = {"scalar", "avx2", "avx512"};
+static isa_t best_isa = ISA_SCALAR, active_isa = ISA_SCALAR;
+
+static isa_t detect_isa(void) {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma"))
+        return ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} buffer_arg;
+
+static void release(buffer_arg *args, int count) {
+    for (int i = 0; i < count; i++) {
+        if (args[i].held) PyBuffer_Release(&args[i].view);
+    }
+}
+
+/* Takes obj's buffer, C-contiguous, with the given item size and one of the formats. */
+static int get_buffer(PyObject *obj, buffer_arg *arg, const char *name, Py_ssize_t itemsize,
+                      const char *formats, int writable) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &arg->view, flags) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s array", name,
+                     writable ? ", writable" : "");
+        return -1;
+    }
+    arg->held = 1;
+    const char *format = arg->view.format ? arg->view.format : "B";
+    if (format[0] == '<' || format[0] == '=' || format[0] == '@') format++;
+    if (arg->view.itemsize != itemsize || strlen(format) != 1 || !strchr(formats, format[0])) {
+        PyErr_Format(PyExc_TypeError, "%s has item format '%s'; expected one of '%s' (%zd bytes)",
+                     name, arg->view.format, formats, itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_length(buffer_arg *arg, const char *name, Py_ssize_t items) {
+    if (arg->view.len != items * arg->view.itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd items; the packed shape needs %zd", name,
+                     arg->view.len / arg->view.itemsize, items);
+        return -1;
+    }
+    return 0;
+}
+
+typedef struct {
+    packed_matrix w;
+    prepared_acts acts;
+    tile_kernel kernel;
+    const float *x;
+    float *y;
+    int64_t rows, chunks;
+    int accumulate; /* y += x @ W.T instead of y = */
+} matmul_job;
+
+static void prepare_item(void *ctx, int64_t token) {
+    matmul_job *job = ctx;
+    const int64_t groups = job->w.cols / job->w.group;
+    const float *x = job->x + token * job->w.cols;
+    int8_t *codes = job->acts.codes + token * job->acts.codes_per_token;
+    float *scales = job->acts.scales + token * groups, *sums = job->acts.sums + token * groups;
+    if (job->w.bits == 8) {
+        int8_prepare_token(x, job->w.cols, job->w.group, codes, scales, sums);
+    } else {
+        lut_prepare_token(x, job->w.cols, job->w.group, codes, scales, sums);
+    }
+}
+
+static void tile_item(void *ctx, int64_t item) {
+    matmul_job *job = ctx;
+    const int64_t tile = item / job->chunks, first = (item % job->chunks) * TOKEN_CHUNK;
+    const int64_t last = first + TOKEN_CHUNK < job->acts.tokens ? first + TOKEN_CHUNK : job->acts.tokens;
+    const int64_t row0 = tile * TILE_ROWS;
+    const int64_t valid = job->rows - row0 < TILE_ROWS ? job->rows - row0 : TILE_ROWS;
+    float out[MAX_TOKEN_BLOCK * TILE_ROWS];
+    for (int64_t token = first; token < last; token += MAX_TOKEN_BLOCK) {
+        int count = last - token < MAX_TOKEN_BLOCK ? (int)(last - token) : MAX_TOKEN_BLOCK;
+        memset(out, 0, sizeof out);
+        job->kernel(&job->w, &job->acts, tile, token, count, out);
+        for (int c = 0; c < count; c++) {
+            float *dst = job->y + (token + c) * job->rows + row0;
+            if (job->accumulate) {
+                for (int64_t r = 0; r < valid; r++) dst[r] += out[c * TILE_ROWS + r];
+            } else {
+                memcpy(dst, out + c * TILE_ROWS, valid * sizeof(float));
+            }
+        }
+    }
+}
+
+PyDoc_STRVAR(matmul_doc,
+"matmul(bits, group, rows, data, scales, mins, x, y, accumulate=False)\n--\n\n"
+"y[M, rows] = x[M, K] @ W.T for a packed W (see tierflow.cpu_kernels.packed); y += with accumulate.\n"
+"bits 1..4 uses the LUT kernel, 8 the int8 kernel; mins may be None only for bits 8.");
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    int bits;
+    Py_ssize_t group, rows;
+    PyObject *objs[5], *mins_obj;
+    int accumulate = 0;
+    if (!PyArg_ParseTuple(args, "innOOOOO|p:matmul", &bits, &group, &rows, &objs[0], &objs[1],
+                          &mins_obj, &objs[3], &objs[4], &accumulate))
+        return NULL;
+    objs[2] = mins_obj;
+    if (!(bits >= 1 && bits <= 4) && bits != 8)
+        return PyErr_Format(PyExc_ValueError, "bits must be 1, 2, 3, 4 or 8, not %d", bits);
+    if (rows < 1) return PyErr_Format(PyExc_ValueError, "rows must be positive, not %zd", rows);
+    if (bits == 8 ? (group < 4 || group % 4) : (group < 8 || group % 8 || group > lut_max_group(bits)))
+        return PyErr_Format(PyExc_ValueError, "group %zd is not supported with %d-bit weights", group, bits);
+    if (mins_obj == Py_None && bits != 8)
+        return PyErr_Format(PyExc_ValueError, "%d-bit weights need mins", bits);
+
+    buffer_arg buf[5] = {{.held = 0}};
+    if (get_buffer(objs[0], &buf[0], "data", 1, "Bb", 0) ||
+        get_buffer(objs[1], &buf[1], "scales", 2, "He", 0) ||
+        (mins_obj != Py_None && get_buffer(mins_obj, &buf[2], "mins", 2, "He", 0)) ||
+        get_buffer(objs[3], &buf[3], "x", 4, "f", 0) ||
+        get_buffer(objs[4], &buf[4], "y", 4, "f", 1)) {
+        release(buf, 5);
+        return NULL;
+    }
+    Py_buffer *x = &buf[3].view, *y = &buf[4].view;
+    if (x->ndim != 2 || y->ndim != 2) {
+        release(buf, 5);
+        return PyErr_Format(PyExc_ValueError, "x and y must be 2-D, not %d-D and %d-D", x->ndim, y->ndim);
+    }
+    const int64_t tokens = x->shape[0], cols = x->shape[1], tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    if (cols < 1 || cols % group) {
+        release(buf, 5);
+        return PyErr_Format(PyExc_ValueError, "x has %zd columns, not a positive multiple of group %zd",
+                            (Py_ssize_t)cols, group);
+    }
+    if (y->shape[0] != tokens || y->shape[1] != rows) {
+        release(buf, 5);
+        return PyErr_Format(PyExc_ValueError, "y has shape [%zd, %zd]; expected [%zd, %zd]", y->shape[0],
+                            y->shape[1], (Py_ssize_t)tokens, rows);
+    }
+    const int64_t scale_items = tiles * (cols / group) * TILE_ROWS;
+    const int64_t data_bytes = bits == 8 ? tiles * TILE_ROWS * cols : tiles * TILE_ROWS * cols / 8 * bits;
+    if (check_length(&buf[0], "data", data_bytes) || check_length(&buf[1], "scales", scale_items) ||
+        (buf[2].held && check_length(&buf[2], "mins", scale_items))) {
+        release(buf, 5);
+        return NULL;
+    }
+    if (tokens == 0) {
+        release(buf, 5);
+        Py_RETURN_NONE;
+    }
+
+    matmul_job job = {
+        .w = {bits, group, tiles, cols, buf[0].view.buf, buf[1].view.buf,
+              buf[2].held ? buf[2].view.buf : NULL},
+        .kernel = bits == 8 ? int8_tile_kernel(active_isa) : lut_tile_kernel(active_isa),
+        .x = x->buf, .y = y->buf, .rows = rows,
+        .chunks = (tokens + TOKEN_CHUNK - 1) / TOKEN_CHUNK, .accumulate = accumulate,
+    };
+    job.acts.tokens = tokens;
+    job.acts.codes_per_token = bits == 8 ? cols : cols / 4 * 16;
+    job.acts.codes = malloc((size_t)(tokens * job.acts.codes_per_token));
+    job.acts.scales = malloc((size_t)(tokens * (cols / group) * 2) * sizeof(float));
+    if (!job.acts.codes || !job.acts.scales) {
+        free(job.acts.codes);
+        free(job.acts.scales);
+        release(buf, 5);
+        return PyErr_NoMemory();
+    }
+    job.acts.sums = job.acts.scales + tokens * (cols / group);
+
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(prepare_item, &job, tokens);
+    pool_run(tile_item, &job, tiles * job.chunks);
+    Py_END_ALLOW_THREADS
+
+    free(job.acts.codes);
+    free(job.acts.scales);
+    release(buf, 5);
+    Py_RETURN_NONE;
+}
+
+/* A float32 C-contiguous array of `ndim` dimensions (any shape). */
+static int get_floats(PyObject *obj, buffer_arg *arg, const char *name, int ndim, int writable) {
+    if (get_buffer(obj, arg, name, 4, "f", writable)) return -1;
+    if (arg->view.ndim != ndim) {
+        PyErr_Format(PyExc_ValueError, "%s must be %d-D, not %d-D", name, ndim, arg->view.ndim);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    PyObject *x_obj, *w_obj, *out_obj;
+    float eps;
+    if (!PyArg_ParseTuple(args, "OOfO:rms_norm", &x_obj, &w_obj, &eps, &out_obj)) return NULL;
+    buffer_arg buf[3] = {{.held = 0}};
+    if (get_floats(x_obj, &buf[0], "x", 2, 0) || get_floats(w_obj, &buf[1], "weight", 1, 0) ||
+        get_floats(out_obj, &buf[2], "out", 2, 1)) {
+        release(buf, 3);
+        return NULL;
+    }
+    Py_ssize_t rows = buf[0].view.shape[0], size = buf[0].view.shape[1];
+    if (buf[1].view.shape[0] != size || buf[2].view.shape[0] != rows || buf[2].view.shape[1] != size) {
+        release(buf, 3);
+        return PyErr_Format(PyExc_ValueError, "rms_norm: x [%zd, %zd] needs weight [%zd] and out of x's shape",
+                            rows, size, size);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rms_norm_rows(buf[0].view.buf, buf[1].view.buf, rows, size, eps, buf[2].view.buf);
+    Py_END_ALLOW_THREADS
+    release(buf, 3);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
+    PyObject *in_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "OO:silu_mul", &in_obj, &out_obj)) return NULL;
+    buffer_arg buf[2] = {{.held = 0}};
+    if (get_floats(in_obj, &buf[0], "gate_up", 2, 0) || get_floats(out_obj, &buf[1], "out", 2, 1)) {
+        release(buf, 2);
+        return NULL;
+    }
+    Py_ssize_t rows = buf[0].view.shape[0], size = buf[1].view.shape[1];
+    if (buf[1].view.shape[0] != rows || buf[0].view.shape[1] != 2 * size) {
+        release(buf, 2);
+        return PyErr_Format(PyExc_ValueError, "silu_mul: gate_up [M, 2F] needs out [M, F]");
+    }
+    Py_BEGIN_ALLOW_THREADS
+    silu_mul_rows(buf[0].view.buf, rows, size, buf[1].view.buf);
+    Py_END_ALLOW_THREADS
+    release(buf, 2);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(attention_doc,
+"attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale)\n--\n\n"
+"Causal attention of T new tokens at positions start ..: rotates q and k in qkv\n"
+"[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache\n"
+"keys/values [kv_heads, capacity, head_dim], and writes out [T, heads * head_dim].");
+
+static PyObject *py_attention(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    Py_ssize_t heads, start, rope_dim;
+    int neox;
+    float scale;
+    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf:attention", &objs[0], &objs[1], &objs[2], &objs[3],
+                          &objs[4], &objs[5], &heads, &start, &rope_dim, &neox, &scale))
+        return NULL;
+    buffer_arg buf[6] = {{.held = 0}};
+    if (get_floats(objs[0], &buf[0], "qkv", 2, 1) || get_floats(objs[1], &buf[1], "keys", 3, 1) ||
+        get_floats(objs[2], &buf[2], "values", 3, 1) || get_floats(objs[3], &buf[3], "cos", 2, 0) ||
+        get_floats(objs[4], &buf[4], "sin", 2, 0) || get_floats(objs[5], &buf[5], "out", 2, 1)) {
+        release(buf, 6);
+        return NULL;
+    }
+    const Py_ssize_t *ks = buf[1].view.shape, *vs = buf[2].view.shape, tokens = buf[0].view.shape[0];
+    attention_shape shape = {heads, ks[0], ks[2], rope_dim, ks[1], neox};
+    const char *problem = NULL;
+    if (vs[0] != ks[0] || vs[1] != ks[1] || vs[2] != ks[2]) problem = "keys and values differ in shape";
+    else if (heads < 1 || shape.kv_heads < 1 || heads % shape.kv_heads) problem = "heads is not a multiple of kv_heads";
+    else if (rope_dim < 0 || rope_dim % 2 || rope_dim > shape.head_dim) problem = "rope_dim must be even and <= head_dim";
+    else if (buf[3].view.shape[0] != tokens || buf[3].view.shape[1] != rope_dim / 2 ||
+             buf[4].view.shape[0] != tokens || buf[4].view.shape[1] != rope_dim / 2)
+        problem = "cos and sin must be [T, rope_dim / 2]";
+    else if (start < 0 || start + tokens > shape.capacity) problem = "the tokens do not fit in the cache";
+    else if (buf[0].view.shape[1] != (heads + 2 * shape.kv_heads) * shape.head_dim) problem = "qkv has the wrong width";
+    else if (buf[5].view.shape[0] != tokens || buf[5].view.shape[1] != heads * shape.head_dim)
+        problem = "out must be [T, heads * head_dim]";
+    if (problem) {
+        release(buf, 6);
+        return PyErr_Format(PyExc_ValueError, "attention: %s", problem);
+    }
+    float *scores = malloc((size_t)(tokens * heads * (start + tokens) + 1) * sizeof(float));
+    if (!scores) {
+        release(buf, 6);
+        return PyErr_NoMemory();
+    }
+    attention_job job = {shape, buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, buf[3].view.buf,
+                         buf[4].view.buf, tokens, start, scale, scores, buf[5].view.buf};
+    Py_BEGIN_ALLOW_THREADS
+    attention_prepare(&job);
+    /* Short contexts take microseconds: waking the pool would cost more than it saves. */
+    if (tokens * heads * (start + tokens) * shape.head_dim >= (1 << 16)) {
+        pool_run(attention_item, &job, tokens * heads);
+    } else {
+        for (Py_ssize_t item = 0; item < tokens * heads; item++) attention_item(&job, item);
+    }
+    Py_END_ALLOW_THREADS
+    free(scores);
+    release(buf, 6);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
+    long threads = PyLong_AsLong(arg);
+    if (threads == -1 && PyErr_Occurred()) return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = threads >= 1 && threads <= 256 ? pool_set_threads((int)threads) : -1;
+    Py_END_ALLOW_THREADS
+    if (status == -1) return PyErr_Format(PyExc_ValueError, "threads must be 1..256, not %ld", threads);
+    if (status == -2) return PyErr_Format(PyExc_OSError, "could not start %ld kernel threads", threads);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_threads(PyObject *self, PyObject *unused) { return PyLong_FromLong(pool_threads()); }
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(ISA_NAMES[active_isa]); }
+
+static PyObject *py_supported_isas(PyObject *self, PyObject *unused) {
+    PyObject *names = PyTuple_New(best_isa + 1);
+    for (int i = 0; names && i <= (int)best_isa; i++) {
+        PyTuple_SET_ITEM(names, i, PyUnicode_FromString(ISA_NAMES[i]));
+    }
+    return names;
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    for (int i = 0; i <= (int)best_isa; i++) {
+        if (strcmp(name, ISA_NAMES[i]) == 0) {
+            active_isa = (isa_t)i;
+            Py_RETURN_NONE;
+        }
+    }
+    return PyErr_Format(PyExc_ValueError, "ISA '%s' is not one this CPU supports (best: %s)", name,
+                        ISA_NAMES[best_isa]);
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS, matmul_doc},
+    {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, weight, eps, out): out = x / rms(x) * weight, per row."},
+    {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, out): out = silu(gate) * up, gate_up = [gate, up] per row."},
+    {"attention", py_attention, METH_VARARGS, attention_doc},
+    {"set_threads", py_set_threads, METH_O, "Threads the kernels use, the caller included."},
+    {"threads", py_threads, METH_NOARGS, "Threads the kernels use."},
+    {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use now."},
+    {"supported_isas", py_supported_isas, METH_NOARGS, "Instruction sets this CPU runs, slowest first."},
+    {"set_isa", py_set_isa, METH_O, "Use a slower instruction set (for tests and benchmarks)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "tierflow's CPU matmul kernels.", -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    best_isa = active_isa = detect_isa();
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,32 @@
+/* Declarations of the fused decode-step operations (ops.c). */
+#ifndef TIERFLOW_OPS_H
+#define TIERFLOW_OPS_H
+
+#include <stdint.h>
+
+void rms_norm_rows(const float *x, const float *weight, int64_t rows, int64_t size, float eps,
+                   float *out);
+void silu_mul_rows(const float *gate_up, int64_t rows, int64_t size, float *out);
+
+typedef struct {
+    int64_t heads, kv_heads, head_dim, rope_dim, capacity; /* capacity: cache positions */
+    int neox;
+} attention_shape;
+
+typedef struct {
+    attention_shape shape;
+    float *qkv;             /* [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place */
+    float *keys, *values;   /* one layer's cache [kv_heads, capacity, head_dim] */
+    const float *cos, *sin; /* [tokens, rope_dim / 2] */
+    int64_t tokens, start;  /* the tokens sit at positions start .. start + tokens - 1 */
+    float scale;
+    float *scores; /* scratch [tokens * heads, start + tokens] */
+    float *out;    /* [tokens, heads * head_dim] */
+} attention_job;
+
+/* Rotates q and k and writes k and v of every token into the cache. */
+void attention_prepare(attention_job *job);
+/* Attention of one (token, query head) pair, item = token * heads + head: a pool item. */
+void attention_item(void *ctx, int64_t item);
+
+#endif

@@ -1,0 +1,155 @@
+"""The packed weight format: the bytes the CPU kernels read directly, one layout for every tier.
+
+A weight matrix W [N rows, K columns] with, per row and per group of `group` columns,
+`w = scale * q + min` (see quant_groups.py) is stored as three arrays. Rows are padded with zero
+weights to whole tiles of 64 (TILE_ROWS); T = ceil(N / 64) tiles, G = K / group groups.
+
+    scales  float16 [T, G, 64]    scale of (tile t, group g, row r)
+    mins    float16 [T, G, 64]    min of the same; absent (None) for int8 codes with no offset
+    data    one of two layouts, chosen by `bits`:
+
+bits 1..4, the LUT kernel (codes unsigned, 0 .. 2**bits - 1), uint8 [T, K / 8, bits, 64]:
+    byte (t, o, p, r) holds bit p of the codes of row 64t + r in the 8 columns 8o .. 8o+7:
+    bit j of the byte is bit p of column 8o + j. So each byte is two 4-bit table indices (low
+    nibble: columns 8o..8o+3, high nibble: 8o+4..8o+7), and a tile is read front to back once.
+    Requires group % 8 == 0 and group <= the kernel's int16 overflow limit (LUT_MAX_GROUP: 1032,
+    344, 144 and 64 columns at 1, 2, 3 and 4 bits).
+
+bits 8, the int8 kernel (codes signed), int8 [T, K / 4, 64, 4]:
+    byte (t, c, r, j) is the code of row 64t + r, column 4c + j. Requires group % 4 == 0.
+
+How GGUF types land here (quant_groups.py does the decoding):
+    Q4_0, Q4_1          4 bits, group 32: lossless
+    Q4_K                4 bits, group 32: scales d*sc and mins dmin*m rounded to float16
+    Q8_0, Q5_0          int8, group 32, no mins: lossless
+    Q5_1                int8, group 32, with mins: lossless
+    Q5_K                int8, group 32, with mins: d*sc and dmin*m rounded to float16
+    Q6_K                int8, group 16, no mins: d*sc rounded to float16
+Float16 holds d (a float16) times a 6- or 8-bit integer sub-scale to within 2^-11 relative, far
+below the quantization step itself; the Q4_0/Q4_1/Q8_0/Q5_x mappings are exact.
+
+Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierflow.cpu_kernels.quant_groups import QuantGroups
+
+TILE_ROWS = 64
+LUT_BITS = (1, 2, 3, 4)
+# Per group, a row's int16 accumulator sums group/8 look-up pairs of up to 2*127, times 2^bits - 1.
+LUT_MAX_GROUP = {bits: 8 * (32767 // (254 * ((1 << bits) - 1))) for bits in LUT_BITS}
+
+
+@dataclass(frozen=True)
+class PackedMatrix:
+    rows: int  # N, before padding
+    cols: int  # K
+    bits: int  # 1..4 (LUT kernel) or 8 (int8 kernel)
+    group: int
+    data: np.ndarray  # see the module docstring
+    scales: np.ndarray  # float16 [T, G, 64]
+    mins: np.ndarray | None  # float16 [T, G, 64]
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.rows // TILE_ROWS)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
+
+    def codes(self) -> np.ndarray:
+        """The codes q [N, K] (uint8 for LUT bits, int8 for 8), undoing the layout."""
+        if self.bits == 8:
+            q = self.data.transpose(0, 2, 1, 3).reshape(self.tiles * TILE_ROWS, self.cols)
+        else:
+            bits = np.unpackbits(self.data[..., None], axis=-1, bitorder="little")  # [T, K/8, b, 64, 8]
+            weights = (1 << np.arange(self.bits, dtype=np.uint8))[None, None, :, None, None]
+            q = (bits * weights).sum(axis=2, dtype=np.uint8)  # [T, K/8, 64, 8]
+            q = q.transpose(0, 2, 1, 3).reshape(self.tiles * TILE_ROWS, self.cols)
+        return q[: self.rows]
+
+    def group_params(self) -> tuple[np.ndarray, np.ndarray]:
+        """Float32 scales and mins [N, G] (mins zero where absent)."""
+        def unpad(a: np.ndarray) -> np.ndarray:
+            return a.transpose(0, 2, 1).reshape(-1, self.cols // self.group)[: self.rows].astype(np.float32)
+
+        scales = unpad(self.scales)
+        return scales, (np.zeros_like(scales) if self.mins is None else unpad(self.mins))
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weights [N, K] the kernels compute with."""
+        scales, mins = self.group_params()
+        q = self.codes().astype(np.float32).reshape(self.rows, -1, self.group)
+        return (q * scales[..., None] + mins[..., None]).reshape(self.rows, self.cols)
+
+    def row_slice(self, ids: np.ndarray) -> np.ndarray:
+        """Float32 weights of the rows `ids` [n] -> [n, K]: an embedding look-up."""
+        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
+            raise IndexError(f"row ids must be in 0..{self.rows - 1}")
+        tile, row = np.divmod(ids, TILE_ROWS)
+        groups = self.cols // self.group
+        if self.bits == 8:
+            q = self.data[tile, :, row, :].reshape(len(ids), self.cols).astype(np.float32)
+        else:
+            planes = self.data[tile, :, :, row]  # [n, K/8, bits]
+            bits = np.unpackbits(planes[..., None], axis=-1, bitorder="little")  # [n, K/8, b, 8]
+            weights = (1 << np.arange(self.bits, dtype=np.uint8))[None, None, :, None]
+            q = (bits * weights).sum(axis=2, dtype=np.uint8).reshape(len(ids), self.cols).astype(np.float32)
+        scales = self.scales[tile, :, row].astype(np.float32)
+        mins = 0.0 if self.mins is None else self.mins[tile, :, row].astype(np.float32)[..., None]
+        q = q.reshape(len(ids), groups, self.group) * scales[..., None] + mins
+        return q.reshape(len(ids), self.cols)
+
+
+def packed_nbytes(rows: int, cols: int, bits: int, group: int, has_min: bool) -> int:
+    """Bytes of a packed matrix (an upper bound where int8 mins turn out all zero)."""
+    padded = -(-rows // TILE_ROWS) * TILE_ROWS
+    params = padded * (cols // group) * 2 * (2 if has_min or bits != 8 else 1)
+    return padded * cols * bits // 8 + params
+
+
+def _to_half(values: np.ndarray, what: str) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        half = values.astype(np.float16)
+    if not np.isfinite(half).all():
+        raise ValueError(f"a {what} is outside the float16 range")
+    return half
+
+
+def _tiled_params(values: np.ndarray, tiles: int) -> np.ndarray:
+    """[N, G] -> [T, G, 64], padded rows zero."""
+    padded = np.zeros((tiles * TILE_ROWS, values.shape[1]), values.dtype)
+    padded[: values.shape[0]] = values
+    return np.ascontiguousarray(padded.reshape(tiles, TILE_ROWS, -1).transpose(0, 2, 1))
+
+
+def pack(groups: QuantGroups) -> PackedMatrix:
+    """Lays out codes, scales and mins for the kernels."""
+    rows, cols = groups.q.shape
+    tiles = -(-rows // TILE_ROWS)
+    if groups.bits == 8:
+        if groups.group % 4:
+            raise ValueError(f"int8 codes need a group that is a multiple of 4, not {groups.group}")
+        q = np.zeros((tiles * TILE_ROWS, cols), np.int8)
+        q[:rows] = groups.q
+        data = q.reshape(tiles, TILE_ROWS, cols // 4, 4).transpose(0, 2, 1, 3)
+        has_mins = bool(np.any(groups.min != 0))
+    elif groups.bits in LUT_BITS:
+        if groups.group % 8 or groups.group > LUT_MAX_GROUP[groups.bits]:
+            raise ValueError(f"{groups.bits}-bit codes need a group that is a multiple of 8 and at most "
+                             f"{LUT_MAX_GROUP[groups.bits]}, not {groups.group}")
+        q = np.zeros((tiles * TILE_ROWS, cols), np.uint8)
+        q[:rows] = groups.q
+        q = q.reshape(tiles, TILE_ROWS, cols // 8, 8).transpose(0, 2, 1, 3)  # [T, K/8, 64, 8]
+        planes = (q[:, :, None] >> np.arange(groups.bits, dtype=np.uint8)[None, None, :, None, None]) & 1
+        data = np.packbits(planes, axis=-1, bitorder="little")[..., 0]  # [T, K/8, bits, 64]
+        has_mins = True
+    else:
+        raise ValueError(f"cannot pack {groups.bits}-bit codes")
+    scales = _tiled_params(_to_half(groups.scale, "scale"), tiles)
+    mins = _tiled_params(_to_half(groups.min, "min"), tiles) if has_mins else None
+    return PackedMatrix(rows, cols, groups.bits, groups.group, np.ascontiguousarray(data), scales, mins)

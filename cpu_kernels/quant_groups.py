@@ -1,0 +1,271 @@
+"""GGUF quantized tensors decoded to one uniform form: codes plus a scale and an offset per group.
+
+The fast CPU kernels read every quant format the same way: per row n and per group of `group`
+consecutive columns, `w[n, k] = scale[n, k // group] * q[n, k] + min[n, k // group]` in float32.
+Formats whose codes fit in 4 bits keep them as uint8 in [0, 16) (for the LUT kernels); the others
+become int8 codes (for the int8 kernel).
+
+Every mapping below is lossless: `QuantGroups.dequantize` reproduces `dequant.dequantize` bit for
+bit, save the sign of Q4_0's zeros. Three facts make that hold:
+- ggml computes Q4_0 as `(q - 8) * d`; here it is `d * q + (-8 * d)`. `-8 * d` is exact (a
+  power-of-two multiple of a float16), `d * q` is exact (11 + 4 significant bits), and so is
+  their sum, `d * (q - 8)`, which is the very value ggml rounds to: no rounding anywhere. Only
+  where that value is zero can the bits differ: `x + -x` is always +0.0, while ggml gets -0.0
+  from a negative d with q = 8 (or a zero d times a code of the other sign). No choice of scale
+  and min fixes that with q the raw nibble; a zero of either sign contributes nothing to a dot
+  product of finite activations.
+- K-quants keep ggml's float32 products as they are: scale = `d * sc` and min = `-(dmin * m)`, so
+  `scale * q + min` is ggml's `(d * sc) * q - dmin * m` (negation is exact, `a + -b` is `a - b`).
+- Formats without an offset get min = -0.0, not +0.0: `x + -0.0` is `x` for every x, whereas
+  `-0.0 + 0.0` would turn ggml's negative zeros (negative scale times a zero code) positive.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from tierflow.cpu_kernels.dequant import (
+    _CHUNK_ELEMENTS,
+    _GROUP_SHIFTS,
+    _Q6_HIGH_SHIFTS,
+    _check_size,
+    _five_bit_quants,
+    _format_of,
+    _half,
+    _k_scales_and_mins,
+    _low_bits_first,
+    _two_bit_quants,
+    _type_name,
+    _unpack_nibbles,
+)
+from tierflow.errors import UnsupportedModelError
+from tierflow.ggml_types import TierflowType
+
+
+@dataclass(frozen=True)
+class QuantGroups:
+    """w[n, k] = scale[n, k // group] * q[n, k] + min[n, k // group], in float32.
+
+    N rows, K columns, G = K // group groups per row.
+    """
+
+    q: np.ndarray  # [N, K]: uint8 codes in [0, 2**bits) when bits <= 4; int8 when bits == 8
+    scale: np.ndarray  # [N, G] float32
+    min: np.ndarray  # [N, G] float32; -0.0 where the format has no offset (see module docstring)
+    group: int  # consecutive columns sharing one scale and min
+    bits: int  # 1..4: unsigned codes for the LUT kernels; 8: signed codes for the int8 kernel
+
+    def __post_init__(self) -> None:
+        if self.q.ndim != 2 or self.group <= 0 or self.q.shape[1] % self.group:
+            raise ValueError(f"q of shape {self.q.shape} is not whole groups of {self.group}")
+        groups_shape = (self.q.shape[0], self.q.shape[1] // self.group)
+        for name in ("scale", "min"):
+            array = getattr(self, name)
+            if array.shape != groups_shape or array.dtype != np.float32:
+                raise ValueError(
+                    f"{name} must be float32 {groups_shape}, got {array.dtype} {array.shape}"
+                )
+        expected = np.int8 if self.bits == 8 else np.uint8 if 1 <= self.bits <= 4 else None
+        if expected is None or self.q.dtype != expected:
+            raise ValueError(f"{self.bits}-bit codes cannot be {self.q.dtype}")
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weights [N, K], exactly `scale * q + min` (a new array)."""
+        num_rows, row_length = self.q.shape
+        weights = self.q.reshape(num_rows, -1, self.group).astype(np.float32)  # N, G, group
+        weights *= self.scale[:, :, None]
+        weights += self.min[:, :, None]
+        return weights.reshape(num_rows, row_length)
+
+
+# (blocks [B], q [B, block_size], scale [B, block_size // group], min [same]) -> None
+Splitter = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    group: int
+    bits: int
+    has_min: bool  # False: min is -0.0 throughout
+    split: Splitter
+
+
+_LAYOUTS: dict[int, GroupLayout] = {}
+
+
+def _register(ggml_type: T, group: int, bits: int, has_min: bool = True) -> Callable[[Splitter], Splitter]:
+    def add(split: Splitter) -> Splitter:
+        _LAYOUTS[ggml_type] = GroupLayout(group, bits, has_min, split)
+        return split
+
+    return add
+
+
+# --- 32-weight blocks, one group each ---------------------------------------------------------
+
+# Lossless but for the sign of zero weights: q = nibble, scale = d, min = -8 * d.
+@_register(T.Q4_0, group=32, bits=4)
+def _split_q4_0(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    _unpack_nibbles(blocks["qs"], q[:, :16], q[:, 16:])
+    scale[:] = _half(blocks, "d")
+    np.multiply(scale, -8, out=min_)
+
+
+@_register(T.Q4_1, group=32, bits=4)  # lossless: q = nibble, scale = d, min = m
+def _split_q4_1(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    _unpack_nibbles(blocks["qs"], q[:, :16], q[:, 16:])
+    scale[:] = _half(blocks, "d")
+    min_[:] = _half(blocks, "m")
+
+
+@_register(T.Q8_0, group=32, bits=8, has_min=False)  # lossless: q = qs, scale = d, no offset
+def _split_q8_0(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = blocks["qs"]
+    scale[:] = _half(blocks, "d")
+    min_[:] = -0.0
+
+
+# lossless: q = q5 - 16 in [-16, 16), scale = d, no offset
+@_register(T.Q5_0, group=32, bits=8, has_min=False)
+def _split_q5_0(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = _five_bit_quants(blocks)
+    q -= 16
+    scale[:] = _half(blocks, "d")
+    min_[:] = -0.0
+
+
+@_register(T.Q5_1, group=32, bits=8)  # lossless: q = q5 in [0, 32), scale = d, min = m
+def _split_q5_1(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = _five_bit_quants(blocks)
+    scale[:] = _half(blocks, "d")
+    min_[:] = _half(blocks, "m")
+
+
+# --- 256-weight super-blocks: the sub-blocks become the groups ----------------------------------
+
+def _k_scale_and_min(blocks: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    """Q4_K/Q5_K per group [B, 8]: scale = d * sc, min = -(dmin * m), ggml's float32 products."""
+    sc, mins = _k_scales_and_mins(blocks["scales"])
+    np.multiply(_half(blocks, "d"), sc, out=scale)
+    np.multiply(_half(blocks, "dmin"), mins, out=min_)
+    np.negative(min_, out=min_)
+
+
+# Lossless: q = 4-bit code, scale = d * sc, min = -(dmin * m). Groups 2c and 2c+1 are the low and
+# high nibbles of qs[32c:32c+32].
+@_register(T.Q4_K, group=32, bits=4)
+def _split_q4_k(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    nibbles = q.reshape(-1, 4, 2, 32)  # B, chunk c, low/high, 32
+    _unpack_nibbles(blocks["qs"].reshape(-1, 4, 32), nibbles[:, :, 0], nibbles[:, :, 1])
+    _k_scale_and_min(blocks, scale, min_)
+
+
+# Lossless: q = 5-bit code in [0, 32), scale = d * sc, min = -(dmin * m). As Q4_K, plus weight l
+# of group g takes its fifth bit from bit g of qh[l].
+@_register(T.Q5_K, group=32, bits=8)
+def _split_q5_k(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    codes = blocks["qh"][:, None, :] >> _GROUP_SHIFTS  # B, group g, l
+    codes &= 0x01
+    codes <<= 4
+    nibbles = codes.reshape(-1, 4, 2, 32)  # B, chunk c, low/high, 32
+    qs = blocks["qs"].reshape(-1, 4, 32)
+    nibbles[:, :, 0] |= qs & 0x0F
+    nibbles[:, :, 1] |= qs >> 4
+    q[:] = codes.reshape(-1, 256)
+    _k_scale_and_min(blocks, scale, min_)
+
+
+# Lossless: q = q6 - 32 in [-32, 32), scale = d * sc (sc int8, one per 16 weights), no offset.
+# The bit layout is dequant.py's _decode_q6_k.
+@_register(T.Q6_K, group=16, bits=8, has_min=False)
+def _split_q6_k(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    codes = np.empty((len(blocks), 2, 4, 32), np.uint8)  # B, half h, group g, l
+    _unpack_nibbles(blocks["ql"].reshape(-1, 2, 2, 32), codes[:, :, 0:2], codes[:, :, 2:4])
+    high = blocks["qh"].reshape(-1, 2, 1, 32) >> _Q6_HIGH_SHIFTS
+    high &= 0x03
+    high <<= 4
+    codes |= high
+    q[:] = codes.reshape(-1, 256)
+    q -= 32
+    np.multiply(_half(blocks, "d"), blocks["scales"], out=scale)
+    min_[:] = -0.0
+
+
+# --- tierflow's own low-bit types (tierflow.ggml_types): y = d * q + m, lossless -----------------
+
+@_register(TierflowType.TQ2_1, group=32, bits=2)
+def _split_tq2_1(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = _two_bit_quants(blocks["qs"])
+    scale[:] = _half(blocks, "d")
+    min_[:] = _half(blocks, "m")
+
+
+@_register(TierflowType.TQ3_1, group=32, bits=3)
+def _split_tq3_1(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = _low_bits_first(blocks["qh"])
+    q <<= 2
+    q |= _two_bit_quants(blocks["qs"])
+    scale[:] = _half(blocks, "d")
+    min_[:] = _half(blocks, "m")
+
+
+GROUPED_TYPES: frozenset[int] = frozenset(_LAYOUTS)
+
+
+def group_layout(ggml_type: int) -> GroupLayout:
+    """Group size, code bits and whether mins exist, for a group-quantized type."""
+    layout = _LAYOUTS.get(ggml_type)
+    if layout is None:
+        supported = ", ".join(_type_name(t) for t in sorted(_LAYOUTS))
+        raise UnsupportedModelError(
+            f"tensor type {_type_name(ggml_type)} is not group-quantized; supported: {supported}"
+        )
+    return layout
+
+
+def to_quant_groups(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> QuantGroups:
+    """Decode a 2-D quantized tensor's raw bytes to codes, scales and offsets per group.
+
+    Arguments are those of `dequant.dequantize`: 1-D uint8 bytes (only read), the GGML type, and
+    the GGUF-order shape (K = shape[0] columns, N = shape[1] rows). Float types are not
+    group-quantized and raise UnsupportedModelError, as does a tensor that is not 2-D.
+    Peak memory is the result (K bytes per row for q, plus 8 bytes per group) plus about one
+    chunk of temporaries.
+    """
+    data = np.asarray(data)  # a plain ndarray view, so ufuncs do not return memmaps
+    if data.dtype != np.uint8 or data.ndim != 1:
+        raise TypeError(f"expected 1-D uint8 bytes, got {data.dtype} of shape {data.shape}")
+    shape = tuple(int(dim) for dim in shape)
+    layout = group_layout(ggml_type)
+    if len(shape) != 2:
+        raise UnsupportedModelError(
+            f"{_type_name(ggml_type)} tensor of shape {list(shape)} is not a 2-D matrix"
+        )
+    fmt = _format_of(ggml_type)
+    num_blocks = _check_size(data, fmt, ggml_type, shape)
+    row_length, num_rows = shape
+    groups_per_block = fmt.block_size // layout.group
+    q = np.empty((num_rows, row_length), np.int8 if layout.bits == 8 else np.uint8)
+    scale = np.empty((num_rows, row_length // layout.group), np.float32)
+    min_ = np.empty_like(scale)
+    # A row is whole blocks and a block whole groups, so all three views run block by block.
+    block_q = q.reshape(num_blocks, fmt.block_size)
+    block_scale = scale.reshape(num_blocks, groups_per_block)
+    block_min = min_.reshape(num_blocks, groups_per_block)
+    blocks = np.ascontiguousarray(data).view(fmt.block_dtype)
+    step = max(1, _CHUNK_ELEMENTS // fmt.block_size)
+    for start in range(0, num_blocks, step):
+        chunk = slice(start, start + step)
+        layout.split(blocks[chunk], block_q[chunk], block_scale[chunk], block_min[chunk])
+    return QuantGroups(q, scale, min_, layout.group, layout.bits)
+
+
+def stack_rows(parts: list[QuantGroups]) -> QuantGroups:
+    """One matrix of the parts' rows in order (e.g. Q, K and V as one projection)."""
+    first = parts[0]
+    if any((p.group, p.bits, p.q.shape[1]) != (first.group, first.bits, first.q.shape[1]) for p in parts):
+        raise ValueError("only matrices with the same columns, group and bits stack")
+    return QuantGroups(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]),
+                       np.concatenate([p.min for p in parts]), first.group, first.bits)

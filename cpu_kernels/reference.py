@@ -1,0 +1,132 @@
+"""References of the C kernels: the quantized matmuls in numpy, the fused layer ops in torch.
+
+`matmul_reference` reproduces every step of a kernel (how activations become int8 tables or
+int8 codes, which integers are summed per group) from the packed bytes, in float64 for the final
+sums, so a kernel must match it to float32 rounding. `matmul_exact` is the product with the
+dequantized weights and unquantized activations: the gap between the two is the kernels' one
+approximation, the int8 quantization of activations (as in ggml's Q8 dot products).
+"""
+
+import numpy as np
+import torch
+
+from tierflow.cpu_kernels.packed import PackedMatrix
+
+
+def _group_scales(maxabs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(inverse step, step) per group, float32 as the C code computes them."""
+    maxabs = maxabs.astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(maxabs > 0, np.float32(127) / maxabs, np.float32(0)).astype(np.float32)
+    return inverse, (maxabs / np.float32(127)).astype(np.float32)
+
+
+def lut_tables(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] -> int8 tables [M, K/4, 16], steps [M, K/group], sums [M, K/group].
+
+    Entry i of table t is the sum of x[4t + j] over the bits j set in i, built in the C code's
+    order (entry 2^j + i = entry i + x[4t + j]), centred (less half of entry 15, the sum of all
+    four) and quantized with one step per group.
+    """
+    tokens, cols = x.shape
+    fours = x.reshape(tokens, cols // 4, 4).astype(np.float32)
+    entries = np.zeros((tokens, cols // 4, 16), np.float32)
+    for j in range(4):
+        entries[..., 1 << j: 2 << j] = entries[..., : 1 << j] + fours[..., j: j + 1]
+    entries -= np.float32(0.5) * entries[..., 15:16]
+    per_group = entries.reshape(tokens, cols // group, -1)
+    inverse, steps = _group_scales(np.abs(per_group).max(axis=-1))
+    codes = np.rint(per_group * inverse[..., None]).astype(np.int8).reshape(tokens, cols // 4, 16)
+    return codes, steps, x.reshape(tokens, cols // group, group).sum(axis=-1, dtype=np.float64)
+
+
+def int8_codes(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] -> int8 codes [M, K], steps [M, K/group], sums [M, K/group]."""
+    tokens, cols = x.shape
+    groups = x.reshape(tokens, cols // group, group).astype(np.float32)
+    inverse, steps = _group_scales(np.abs(groups).max(axis=-1))
+    codes = np.rint(groups * inverse[..., None]).astype(np.int8).reshape(tokens, cols)
+    return codes, steps, groups.sum(axis=-1, dtype=np.float64)
+
+
+def _integer_sums(w: PackedMatrix, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per token, row and group, the kernel's integer accumulator [M, N, G], plus steps and sums."""
+    q = w.codes()
+    if w.bits == 8:
+        codes, steps, sums = int8_codes(x, w.group)
+        products = codes.astype(np.int64)[:, None, :] * q.astype(np.int64)[None, :, :]  # [M, N, K]
+        return products.reshape(*products.shape[:2], -1, w.group).sum(-1), steps, sums
+    tables, steps, sums = lut_tables(x, w.group)
+    fours = q.reshape(w.rows, -1, 4).astype(np.int64)  # [N, K/4, 4]
+    acc = np.zeros((x.shape[0], w.rows, w.cols // 4), np.int64)
+    table_idx = np.arange(w.cols // 4)
+    for p in range(w.bits):
+        index = (((fours >> p) & 1) << np.arange(4)).sum(-1)  # [N, K/4] nibble of plane p
+        acc += tables[:, table_idx[None, :], index].astype(np.int64) << p  # [M, N, K/4]
+    return acc.reshape(*acc.shape[:2], -1, w.group // 4).sum(-1), steps, sums
+
+
+def matmul_reference(w: PackedMatrix, x: np.ndarray) -> np.ndarray:
+    """What the kernels compute for x [M, K] float32: [M, N] float64."""
+    acc, steps, sums = _integer_sums(w, x)
+    scales, mins = w.group_params()
+    if w.bits != 8:  # centred tables: each row's offset is its value at the centre code
+        mins = mins + scales * np.float32(((1 << w.bits) - 1) / 2)
+    scaled = acc * (scales[None].astype(np.float64) * steps[:, None, :])
+    return (scaled + mins[None].astype(np.float64) * sums[:, None, :]).sum(-1)
+
+
+def matmul_exact(w: PackedMatrix, x: np.ndarray) -> np.ndarray:
+    """x @ W.T with the packed weights and unquantized activations, float64."""
+    return x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+
+
+# -- the fused layer operations (csrc/ops.c), as plain torch -----------------------------------
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Rotates the first rope_dim features of every head.
+
+    x [H, T, D]; cos, sin [T, R/2] with R = rope_dim <= D. "normal" rotates adjacent pairs
+    (llama), "neox" rotates the halves of the rotary part (qwen2).
+    """
+    rope_dim = cos.shape[-1] * 2
+    rotary, rest = x[..., :rope_dim], x[..., rope_dim:]
+    if style == "normal":
+        pairs = rotary.unflatten(-1, (rope_dim // 2, 2))  # [H, T, R/2, 2]
+        first, second = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
+        rotated = rotated.flatten(-2)
+    else:
+        first, second = rotary[..., : rope_dim // 2], rotary[..., rope_dim // 2 :]
+        rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+
+def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, heads: int, start: int, neox: bool) -> torch.Tensor:
+    """ops.attention in torch: the same cache writes, [T, H * D] out."""
+    kv_heads, _, head_dim = keys.shape
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    style = "neox" if neox else "normal"
+    q = apply_rope(q.reshape(tokens, heads, head_dim).transpose(0, 1), cos, sin, style)  # [H, T, D]
+    k = apply_rope(k.reshape(tokens, kv_heads, head_dim).transpose(0, 1), cos, sin, style)
+    keys[:, start: start + tokens] = k
+    values[:, start: start + tokens] = v.reshape(tokens, kv_heads, head_dim).transpose(0, 1)
+    group = heads // kv_heads  # query head h uses key/value head h // group
+    q = q.reshape(kv_heads, group * tokens, head_dim)
+    scores = q @ keys[:, : start + tokens].transpose(1, 2) * head_dim**-0.5  # [K, G*T, S]
+    visible = torch.arange(start + tokens)[None, :] <= (start + torch.arange(tokens))[:, None]
+    scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ values[:, : start + tokens]  # [K, G*T, D]
+    return out.reshape(heads, tokens, head_dim).transpose(0, 1).reshape(tokens, heads * head_dim)

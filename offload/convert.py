@@ -1,0 +1,234 @@
+"""`tierflow convert`: a GGUF model with its layer weights requantized to 4, 3 or 2 bits.
+
+Every 2-D weight of a transformer block (blk.N.attn_q/k/v/output and ffn_gate/up/down) is
+dequantized to float32 and re-encoded (`tierflow.cpu_kernels.quantize`): 4 bits as standard Q4_1,
+which llama.cpp loads too, 3 and 2 bits as tierflow's TQ3_1 and TQ2_1 (see `tierflow.ggml_types`),
+which only tierflow loads. Everything else (token_embd, output, norms, biases, rope_freqs) is
+copied byte for byte, and so is the metadata, value types included, with two changes:
+general.file_type becomes MOSTLY_Q4_1 at 4 bits and is dropped at 3 and 2 (llama.cpp has no file
+type for them), and `tierflow.quantization` says what was done, e.g. "TQ2_1 g32, scale search".
+
+The file is written by gguf-py's GGUFWriter to a temporary file beside the destination, read
+back with the validating reader, and only then renamed into place: a failure or an interrupt
+never leaves a half-written model. Peak memory is about three times the largest requantized
+tensor in float32; the source stays memory-mapped.
+"""
+
+import numbers
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter, LlamaFileType
+
+from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES, dequantize
+from tierflow.cpu_kernels.quantize import GROUP, METHODS, TYPE_FOR_BITS, quantize
+from tierflow.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError
+from tierflow.ggml_types import QUANT_SIZES, type_name
+from tierflow.offload.gguf_file import GGUFFile, TensorInfo, read_gguf
+from tierflow.offload.model_path import resolve_model_path
+
+ConvertProgress = Callable[[str, int, int], None]  # ("convert", source bytes done, total)
+
+QUANTIZATION_KEY = "tierflow.quantization"
+_REQUANTIZED = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
+                          r"\.weight")
+_METHOD_NAMES = {"search": "scale search", "rtn": "round to nearest"}
+# Keys the writer sets itself, or that this conversion replaces.
+_DROPPED_KEYS = {"general.architecture", "general.file_type", QUANTIZATION_KEY}
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What `convert_model` wrote."""
+
+    path: Path
+    bits: int  # bits per code of the requantized weights
+    method: str  # "search" or "rtn"
+    quant_type: str  # "Q4_1", "TQ3_1" or "TQ2_1"
+    num_requantized: int  # tensors re-encoded
+    num_copied: int  # tensors copied byte for byte
+    requantized_weights: int  # weights in the re-encoded tensors
+    requantized_bytes: int  # their bytes in the new file
+    num_weights: int  # weights in every tensor of the file
+    file_bytes: int
+    seconds: float
+
+    @property
+    def bits_per_weight(self) -> float:
+        """The whole file's bits over all its weights (embedding and metadata included)."""
+        return 8 * self.file_bytes / self.num_weights
+
+    @property
+    def requantized_bits_per_weight(self) -> float:
+        """Bits per weight of the re-encoded tensors, codes plus scales: 5.0 (Q4_1), 4.0 (TQ3_1)
+        or 3.0 (TQ2_1)."""
+        return 8 * self.requantized_bytes / self.requantized_weights
+
+
+def convert_model(src: str | os.PathLike | None, dst: str | os.PathLike, bits: int,
+                  method: str = "search", progress: ConvertProgress | None = None, *,
+                  force: bool = False) -> ConvertReport:
+    """Write `src` (default: the bundled model) to `dst` with its block weights requantized to
+    `bits` (4, 3 or 2) by `method` ("search", the default, or "rtn"). An existing `dst` is
+    replaced only with force=True; `dst` is never the source. progress(phase, done, total) is
+    called after each tensor with the source bytes done.
+
+    Raises InvalidArgumentError for bad settings or destination, ModelFileError for a missing or
+    malformed source, UnsupportedModelError for weights that cannot be requantized."""
+    started = time.perf_counter()
+    quant_type = _check_settings(bits, method)
+    bits = int(bits)
+    src, dst = resolve_model_path(src), Path(dst).expanduser()
+    _check_destination(src, dst, force)
+    with read_gguf(src) as model:
+        plan = _plan(model)
+        tmp = _temporary_beside(dst)
+        try:
+            requantized_bytes = _write(model, plan, tmp, bits, method, progress)
+            read_gguf(tmp).close()  # what was written parses and validates
+            os.replace(tmp, dst)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    requantized = [info for info, requantize in plan if requantize]
+    return ConvertReport(
+        path=dst, bits=bits, method=method, quant_type=type_name(quant_type),
+        num_requantized=len(requantized), num_copied=len(plan) - len(requantized),
+        requantized_weights=sum(info.num_elements for info in requantized),
+        requantized_bytes=requantized_bytes,
+        num_weights=sum(info.num_elements for info, _ in plan),
+        file_bytes=dst.stat().st_size, seconds=time.perf_counter() - started,
+    )
+
+
+def _check_settings(bits: int, method: str) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in TYPE_FOR_BITS:
+        raise InvalidArgumentError(f"bits must be 2, 3 or 4, got {bits!r}")
+    if method not in METHODS:
+        raise InvalidArgumentError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    return TYPE_FOR_BITS[bits]
+
+
+def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    if dst.resolve() == src.resolve():
+        raise InvalidArgumentError(f"{dst}: the output would overwrite the source model")
+    if dst.is_dir():
+        raise InvalidArgumentError(f"{dst} is a directory; give the output file's name")
+    if dst.exists() and not force:
+        raise InvalidArgumentError(f"{dst} already exists (use --force to replace it)")
+    if not dst.parent.is_dir():
+        raise InvalidArgumentError(f"{dst.parent}: no such directory")
+
+
+def _plan(model: GGUFFile) -> list[tuple[TensorInfo, bool]]:
+    """Every tensor in file order and whether it is requantized, checked before writing."""
+    plan = []
+    for info in model.tensors.values():
+        requantize = len(info.shape) == 2 and _REQUANTIZED.fullmatch(info.name) is not None
+        if requantize and info.shape[0] % GROUP:
+            raise UnsupportedModelError(
+                f"{model.path.name}: tensor '{info.name}' has rows of {info.shape[0]} weights, "
+                f"not a multiple of {GROUP}, so it cannot be requantized"
+            )
+        if requantize and info.ggml_type not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"{model.path.name}: tensor '{info.name}' has type {info.type_name}, which "
+                f"tierflow cannot decode"
+            )
+        plan.append((info, requantize))
+    if not any(requantize for _, requantize in plan):
+        raise UnsupportedModelError(f"{model.path.name}: no transformer block weights to requantize")
+    return plan
+
+
+def _temporary_beside(dst: Path) -> Path:
+    """A new empty file in dst's directory (so the final rename stays on one file system),
+    created like any other file (tempfile's are private to the user)."""
+    while True:
+        path = dst.with_name(f".{dst.name}.{secrets.token_hex(4)}.partial")
+        try:
+            path.open("xb").close()
+            return path
+        except FileExistsError:
+            continue
+
+
+def _write(model: GGUFFile, plan: list[tuple[TensorInfo, bool]], path: Path, bits: int,
+           method: str, progress: ConvertProgress | None) -> int:
+    """Write the converted model to `path`; returns the requantized tensors' bytes."""
+    quant_type = TYPE_FOR_BITS[bits]
+    arch = model.metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{model.path.name}: no general.architecture in the metadata")
+    writer = GGUFWriter(path, arch)
+    try:
+        _copy_metadata(model, writer)
+        if bits == 4:
+            writer.add_uint32("general.file_type", LlamaFileType.MOSTLY_Q4_1)
+        writer.add_string(QUANTIZATION_KEY, f"{type_name(quant_type)} g{GROUP}, "
+                                            f"{_METHOD_NAMES[method]}")
+        for info, requantize in plan:
+            ggml_type = quant_type if requantize else info.ggml_type
+            block_size, block_bytes = QUANT_SIZES[ggml_type]
+            # The logical shape, numpy order; any dtype but uint8 (which would make gguf-py
+            # read the shape as a byte count) tells it so.
+            writer.add_tensor_info(info.name, tuple(reversed(info.shape)), np.dtype(np.float32),
+                                   info.num_elements // block_size * block_bytes,
+                                   raw_dtype=ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        return _write_tensors(model, plan, writer, quant_type, method, progress)
+    finally:
+        writer.close()
+
+
+def _write_tensors(model: GGUFFile, plan: list[tuple[TensorInfo, bool]], writer: GGUFWriter,
+                   quant_type: int, method: str, progress: ConvertProgress | None) -> int:
+    total = sum(info.nbytes for info, _ in plan)
+    done = requantized_bytes = 0
+    for info, requantize in plan:
+        data = model.tensor_data(info.name)
+        if requantize:
+            data = _requantize(model, info, quant_type, method)
+            requantized_bytes += data.nbytes
+        writer.write_tensor_data(data)
+        done += info.nbytes
+        if progress is not None:
+            progress("convert", done, total)
+    return requantized_bytes
+
+
+def _requantize(model: GGUFFile, info: TensorInfo, quant_type: int, method: str) -> np.ndarray:
+    weights = dequantize(model.tensor_data(info.name), info.ggml_type, info.shape)
+    try:
+        return quantize(weights, quant_type, method)
+    except InvalidArgumentError as error:  # weights that cannot be encoded: a bad source file
+        raise ModelFileError(f"{model.path.name}: tensor '{info.name}': {error}") from None
+
+
+def _copy_metadata(model: GGUFFile, writer: GGUFWriter) -> None:
+    """Every key but _DROPPED_KEYS, with its value type (a uint32 stays a uint32).
+
+    Strings are copied as read_gguf decoded them, so a byte sequence that is not UTF-8 becomes
+    U+FFFD. general.alignment also sets the writer's data alignment."""
+    for key, value in model.metadata.items():
+        if key in _DROPPED_KEYS:
+            continue
+        vtype, element_type = model.value_types[key]
+        if vtype == GGUFValueType.ARRAY:
+            if element_type == GGUFValueType.ARRAY or len(value) == 0:
+                raise UnsupportedModelError(
+                    f"{model.path.name}: metadata '{key}' is an empty or nested array, which "
+                    f"gguf-py's writer cannot copy"
+                )
+            value = value.tolist() if isinstance(value, np.ndarray) else value
+        writer.add_key_value(key, value, vtype, sub_type=element_type)
+        if key == "general.alignment":
+            writer.data_alignment = value

@@ -1,0 +1,298 @@
+"""`tierflow convert`: requantized models load and run, in tierflow and (at 4 bits) llama.cpp."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import llama_cpp_model
+from gguf import GGUFWriter, LlamaFileType
+from make_model import ModelSpec, write_model
+from test_oracle import LONG_TEXT, NEAR_TIE, assert_logits_agree, top2_margin
+
+from tierflow import Engine
+from tierflow.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError
+from tierflow.offload.convert import QUANTIZATION_KEY, convert_model
+from tierflow.offload.gguf_file import read_gguf
+
+BLOCK_WEIGHTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+QUANT_TYPE = {4: "Q4_1", 3: "TQ3_1", 2: "TQ2_1"}
+# The bundled model takes ~10 s to convert with the scale search, ~3 s round to nearest: search
+# where llama.cpp can check the result (4 bits), rtn elsewhere; tiny models cover search at 2, 3.
+BUNDLED_METHOD = {4: "search", 3: "rtn", 2: "rtn"}
+
+
+def is_block_weight(name: str) -> bool:
+    parts = name.split(".")
+    return parts[0] == "blk" and parts[2] in BLOCK_WEIGHTS and parts[3] == "weight"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, model_path):
+    """bits -> the bundled model converted to that many bits, each written once, on first use."""
+    directory, files = tmp_path_factory.mktemp("converted"), {}
+
+    def convert(bits: int):
+        if bits not in files:
+            files[bits] = convert_model(model_path, directory / f"smollm2-{bits}bit.gguf", bits,
+                                        BUNDLED_METHOD[bits])
+        return files[bits]
+
+    return convert
+
+
+@pytest.fixture(scope="module", params=[4, 3, 2], ids=lambda bits: f"{bits}bit")
+def converted_engine(request, converted):
+    report = converted(request.param)
+    with Engine.load(report.path, threads=2, context_length=256) as engine:
+        yield report, engine
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-layer random llama with SmolLM2's tokenizer, Q8_0 weights: converts in a blink."""
+    return write_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", ModelSpec(num_layers=2))
+
+
+# -- the bundled model at each bit width ---------------------------------------------------------
+
+
+def test_converted_model_loads_and_generates(converted_engine):
+    report, engine = converted_engine
+    result = engine.generate("The capital of France is", max_tokens=8, temperature=0)
+    assert result.tokens and result.text.strip()
+    assert np.isfinite(engine.logits(engine.tokenize("Hello, world"))).all()
+    print(f"{report.bits} bits ({report.method}): {result.text!r}")
+
+
+def test_converted_file_holds_the_source_with_requantized_block_weights(converted, model_path):
+    for bits in (4, 3, 2):
+        report = converted(bits)
+        with read_gguf(model_path) as source, read_gguf(report.path) as result:
+            assert list(result.tensors) == list(source.tensors)
+            for name, info in source.tensors.items():
+                new = result.tensors[name]
+                assert new.shape == info.shape
+                if is_block_weight(name):
+                    assert new.type_name == QUANT_TYPE[bits], name
+                else:  # token_embd, norms: byte for byte
+                    assert new.ggml_type == info.ggml_type, name
+                    assert np.array_equal(result.tensor_data(name), source.tensor_data(name)), name
+            _assert_same_metadata(source, result, bits)
+        assert report.num_requantized == 30 * len(BLOCK_WEIGHTS)
+        assert report.requantized_bits_per_weight == {4: 5.0, 3: 4.0, 2: 3.0}[bits]
+        assert report.file_bytes == report.path.stat().st_size
+
+
+def _assert_same_metadata(source, result, bits: int) -> None:
+    expected = dict(source.metadata)
+    del expected["general.file_type"]
+    if bits == 4:
+        expected["general.file_type"] = LlamaFileType.MOSTLY_Q4_1
+    method = "scale search" if BUNDLED_METHOD[bits] == "search" else "round to nearest"
+    expected[QUANTIZATION_KEY] = f"{QUANT_TYPE[bits]} g32, {method}"
+    assert result.metadata.keys() == expected.keys()
+    for key, value in expected.items():
+        assert np.array_equal(result.metadata[key], value), key
+        if key in source.value_types and key != "general.file_type":
+            assert result.value_types[key] == source.value_types[key], key
+
+
+@pytest.mark.slow  # the search takes ~10 s over the bundled model
+@pytest.mark.parametrize("converted_engine", [4], indirect=True, ids=["4bit"])
+def test_4_bit_file_runs_in_llama_cpp_like_in_tierflow(converted_engine):
+    report, engine = converted_engine
+    llama = llama_cpp_model(report.path)
+    try:
+        ids = engine.tokenize(LONG_TEXT)[:64]
+        diff = assert_logits_agree(engine, llama, ids, max_mean_diff=0.35, near_tie=NEAR_TIE)
+        prompt = engine.tokenize("The capital of France is")
+        llama.reset()
+        llama.eval(prompt)
+        theirs = np.array(llama.scores[len(prompt) - 1])[None]
+        ours = engine.logits(prompt)[-1:]
+        if top2_margin(theirs)[0] > NEAR_TIE:
+            assert ours.argmax() == theirs.argmax()
+    finally:
+        llama.close()
+    print(f"4-bit search: mean |logit difference| vs llama.cpp {diff:.4f}")
+
+
+def test_4_bit_rtn_rebuilds_the_bundled_q4_1_file_exactly(model_path, tmp_path):
+    # The bundled weights were made by ggml's round to nearest, which rtn is bit for bit.
+    report = convert_model(model_path, tmp_path / "q4_1.gguf", 4, "rtn")
+    with read_gguf(model_path) as source, read_gguf(report.path) as result:
+        for name in source.tensors:
+            assert np.array_equal(result.tensor_data(name), source.tensor_data(name)), name
+
+
+def test_llama_cpp_reads_the_vocabulary_of_a_tq_file_from_a_metadata_copy(converted, model_path):
+    from tierflow.offload.llama_vocab import llama_vocab_file
+    from tierflow.runtime.tokenizer import Tokenizer
+
+    with read_gguf(model_path) as source, llama_vocab_file(source) as path:
+        assert path == model_path  # llama.cpp parses ggml's types itself
+    with read_gguf(converted(2).path) as model, llama_vocab_file(model) as path:
+        with read_gguf(path) as copy:
+            assert not copy.tensors
+            assert copy.value_types == model.value_types
+            assert copy.metadata_bytes() == model.metadata_bytes()
+        tokenizer = Tokenizer.from_gguf(path)
+    assert not path.exists()
+    with Tokenizer.from_gguf(model_path) as original:
+        text = "The capital of France is Paris. <|im_start|>"
+        assert tokenizer.encode(text) == original.encode(text)
+        assert tokenizer.chat_template == original.chat_template
+    tokenizer.close()
+
+
+# -- the scale search end to end, on a tiny model ---------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_search_converted_tiny_model_runs(tiny_model, tmp_path, bits):
+    report = convert_model(tiny_model, tmp_path / "out.gguf", bits)
+    assert (report.method, report.quant_type) == ("search", QUANT_TYPE[bits])
+    with read_gguf(report.path) as result:
+        assert result.metadata[QUANTIZATION_KEY] == f"{QUANT_TYPE[bits]} g32, scale search"
+        assert "general.file_type" not in result.metadata
+    with Engine.load(report.path, threads=2, context_length=64) as engine:
+        assert len(engine.generate("Hello", max_tokens=4, temperature=0).tokens) == 4
+
+
+def test_progress_counts_every_source_byte(tiny_model, tmp_path):
+    calls = []
+    convert_model(tiny_model, tmp_path / "out.gguf", 4, "rtn",
+                  progress=lambda *args: calls.append(args))
+    with read_gguf(tiny_model) as source:
+        total = sum(info.nbytes for info in source.tensors.values())
+    assert {phase for phase, _, _ in calls} == {"convert"}
+    assert [done for _, done, _ in calls] == sorted(done for _, done, _ in calls)
+    assert calls[-1] == ("convert", total, total)
+
+
+def test_a_failed_conversion_leaves_no_file(tiny_model, tmp_path):
+    def interrupt(phase, done, total):
+        if done > total // 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert_model(tiny_model, tmp_path / "out.gguf", 2, progress=interrupt)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [1, 5, 8, True, "4", 4.0])
+def test_bits_other_than_2_3_4_are_refused(tiny_model, tmp_path, bits):
+    with pytest.raises(InvalidArgumentError, match="bits must be 2, 3 or 4"):
+        convert_model(tiny_model, tmp_path / "out.gguf", bits)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_method_is_refused(tiny_model, tmp_path):
+    with pytest.raises(InvalidArgumentError, match="method must be one of search, rtn"):
+        convert_model(tiny_model, tmp_path / "out.gguf", 4, "gptq")
+
+
+def test_the_source_is_never_the_output(tiny_model):
+    before = tiny_model.read_bytes()
+    with pytest.raises(InvalidArgumentError, match="overwrite the source"):
+        convert_model(tiny_model, tiny_model, 4, force=True)
+    assert tiny_model.read_bytes() == before
+
+
+def test_an_existing_output_needs_force(tiny_model, tmp_path):
+    out = tmp_path / "out.gguf"
+    out.write_bytes(b"keep me")
+    with pytest.raises(InvalidArgumentError, match="already exists .*--force"):
+        convert_model(tiny_model, out, 4)
+    assert out.read_bytes() == b"keep me"
+    convert_model(tiny_model, out, 4, "rtn", force=True)
+    with read_gguf(out) as result:
+        assert result.metadata[QUANTIZATION_KEY] == "Q4_1 g32, round to nearest"
+
+
+@pytest.mark.parametrize("name, message", [(".", "is a directory"), ("no/such/dir/out.gguf",
+                                                                     "no such directory")])
+def test_an_output_path_that_cannot_be_written_is_refused(tiny_model, tmp_path, name, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        convert_model(tiny_model, tmp_path / name, 4)
+
+
+def test_a_malformed_source_is_a_model_file_error(tmp_path):
+    source = tmp_path / "broken.gguf"
+    source.write_bytes(b"GGUF" + bytes(20))
+    with pytest.raises(ModelFileError, match="broken.gguf"):
+        convert_model(source, tmp_path / "out.gguf", 4)
+    with pytest.raises(ModelFileError, match="not found"):
+        convert_model(tmp_path / "missing.gguf", tmp_path / "out.gguf", 4)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["broken.gguf"]
+
+
+def _write_gguf(path, tensors: dict[str, np.ndarray]):
+    writer = GGUFWriter(path, "llama")
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_rows_that_are_not_whole_groups_are_named(tmp_path):
+    source = _write_gguf(tmp_path / "odd.gguf", {"blk.0.attn_q.weight": np.ones((4, 48), np.float32)})
+    with pytest.raises(UnsupportedModelError, match="'blk.0.attn_q.weight' has rows of 48 weights"):
+        convert_model(source, tmp_path / "out.gguf", 3)
+
+
+def test_a_file_without_block_weights_is_refused(tmp_path):
+    source = _write_gguf(tmp_path / "norms.gguf", {"output_norm.weight": np.ones(64, np.float32)})
+    with pytest.raises(UnsupportedModelError, match="no transformer block weights"):
+        convert_model(source, tmp_path / "out.gguf", 3)
+
+
+def test_non_finite_weights_are_named(tmp_path):
+    weights = np.ones((4, 64), np.float32)
+    weights[2, 5] = np.nan
+    source = _write_gguf(tmp_path / "nan.gguf", {"blk.3.ffn_up.weight": weights})
+    with pytest.raises(ModelFileError, match="'blk.3.ffn_up.weight'.*non-finite"):
+        convert_model(source, tmp_path / "out.gguf", 2)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def tierflow(*args: str):
+    return subprocess.run([sys.executable, "-m", "tierflow.cli.app", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_converts_and_says_what_it_wrote(tiny_model, tmp_path):
+    out = tmp_path / "tiny-3bit.gguf"
+    done = tierflow("convert", str(tiny_model), "--bits", "3", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.exists()
+    assert str(out) in done.stdout and "TQ3_1" in done.stdout and "bits per weight" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bits", "7"], "bits must be 2, 3 or 4"),
+    (["--method", "gptq"], "method must be"),
+    ([], "already exists"),
+])
+def test_cli_bad_input_is_one_line_and_exit_code_2(tiny_model, tmp_path, args, message):
+    out = tmp_path / "exists.gguf"
+    out.write_bytes(b"")
+    done = tierflow("convert", str(tiny_model), "-o", str(out), *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_cli_needs_an_output_file(tiny_model):
+    done = tierflow("convert", str(tiny_model), "--bits", "2")
+    assert done.returncode == 2 and "-o/--output" in done.stderr

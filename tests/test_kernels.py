@@ -1,0 +1,407 @@
+"""The C kernels against their numpy reference, on every ISA path, and their guard rails."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from test_packed import KINDS, kind_id, random_groups
+
+from tierflow.cpu_kernels import _kernels
+from tierflow.cpu_kernels.linear import PackedLinear
+from tierflow.cpu_kernels.matmul import matmul
+from tierflow.cpu_kernels.packed import LUT_MAX_GROUP, PackedMatrix, pack
+from tierflow.cpu_kernels.quant_groups import QuantGroups
+from tierflow.cpu_kernels.reference import matmul_exact, matmul_reference
+
+ISAS = _kernels.supported_isas()
+# M tokens, N rows, K columns, group. Together they cover: token blocks of 1..4 and a remainder
+# (5, 9), chunks of 32 with a remainder (33, 70); one tile, a partial tile and several (1, 63,
+# 64, 65, 200); one group and many; every group size.
+SHAPES = [
+    (1, 1, 32, 16),
+    (2, 63, 96, 32),
+    (3, 64, 256, 64),
+    (4, 65, 32, 32),
+    (5, 200, 96, 16),
+    (9, 65, 256, 64),
+    (33, 64, 96, 32),
+    (70, 63, 256, 16),
+]
+shape_id = lambda s: "M{}-N{}-K{}-g{}".format(*s)  # noqa: E731
+
+
+def lut_max_group(bits: int) -> int:
+    return LUT_MAX_GROUP[bits]
+
+
+@pytest.fixture(autouse=True)
+def restore_kernel_settings():
+    isa, threads = _kernels.isa(), _kernels.threads()
+    yield
+    _kernels.set_isa(isa)
+    _kernels.set_threads(threads)
+
+
+def packed_and_acts(kind, tokens: int, rows: int, cols: int, group: int, seed: int = 0):
+    bits, has_min = kind
+    w = pack(random_groups(rows, cols, bits, group, has_min=has_min, seed=seed))
+    x = np.random.default_rng(seed + 1).standard_normal((tokens, cols)).astype(np.float32)
+    return w, x
+
+
+def assert_matches_reference(y: np.ndarray, w: PackedMatrix, x: np.ndarray) -> None:
+    """|y - reference| <= 1e-5 * magnitude + 1e-6, elementwise.
+
+    The kernel and the reference do the same integer arithmetic (same int8 activation codes, same
+    integer sums per group); they differ only in float rounding: the kernel rounds scale * step
+    and the group sums of x to float32 and accumulates its G = K / group terms in float32, the
+    reference works in float64. That error is at most about (G + group + 3) * 2**-24 times the
+    size of the terms added, which is <= 1e-5 for every shape here (G + group <= 80).
+
+    The size of the terms is |x| @ (|scale| |q| + |min|).T, not |x| @ |W|.T: the scale and min
+    terms can cancel (a Q4_0 row of 8s has W = 0 but terms of 8 * scale * sum(x)), and each is
+    rounded on its own.
+    """
+    scales, mins = w.group_params()
+    q = w.codes().astype(np.float32).reshape(w.rows, -1, w.group)
+    terms = (np.abs(q) * np.abs(scales[..., None]) + np.abs(mins[..., None])).reshape(w.rows, w.cols)
+    bound = 1e-5 * (np.abs(x.astype(np.float64)) @ terms.T.astype(np.float64)) + 1e-6
+    error = np.abs(y - matmul_reference(w, x))
+    assert y.dtype == np.float32 and y.shape == (x.shape[0], w.rows)
+    assert np.all(error <= bound), f"worst error / bound: {(error / bound).max():.3g}"
+
+
+# --- agreement with the reference ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_matches_reference(isa, kind, shape):
+    tokens, rows, cols, group = shape
+    w, x = packed_and_acts(kind, tokens, rows, cols, group, seed=tokens)
+    _kernels.set_isa(isa)
+    assert_matches_reference(matmul(w, x), w, x)
+
+
+@pytest.mark.parametrize("bits", (1, 2, 3, 4))
+@pytest.mark.parametrize("isa", ISAS)
+def test_largest_lut_group_does_not_overflow(isa, bits):
+    # Every table entry +127 (all x equal and positive) and every code at its maximum: the
+    # int16 accumulators reach their largest value.
+    group = lut_max_group(bits)
+    q = np.full((64, group), (1 << bits) - 1, np.uint8)
+    ones = np.ones((64, 1), np.float32)
+    w = pack(QuantGroups(q, ones, ones, group, bits))
+    x = np.full((2, group), 0.5, np.float32)
+    x[1] = -0.5
+    _kernels.set_isa(isa)
+    assert_matches_reference(matmul(w, x), w, x)
+
+
+@pytest.mark.parametrize("bits", (1, 2, 3, 4))
+def test_group_past_the_lut_limit_is_refused(bits):
+    group = lut_max_group(bits) + 8
+    with pytest.raises(ValueError, match=f"at most {lut_max_group(bits)}, not {group}"):
+        pack(random_groups(64, group, bits, group))
+    w = pack(random_groups(64, lut_max_group(bits), bits, lut_max_group(bits)))
+    x = np.zeros((1, group), np.float32)
+    with pytest.raises(ValueError, match=f"group {group} is not supported with {bits}-bit"):
+        _kernels.matmul(bits, group, 64, w.data, w.scales, w.mins, x, np.empty((1, 64), np.float32))
+
+
+def test_int8_extremes_match_reference():
+    # -128 codes have no positive int8 twin: the sign trick must treat |-128| as unsigned 128.
+    q = np.full((64, 64), -128, np.int8)
+    q[::2] = 127
+    ones = np.ones((64, 2), np.float32)
+    w = pack(QuantGroups(q, ones, -ones, 32, 8))
+    x = np.linspace(-3, 3, 3 * 64, dtype=np.float32).reshape(3, 64)
+    for isa in ISAS:
+        _kernels.set_isa(isa)
+        assert_matches_reference(matmul(w, x), w, x)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[7]], ids=shape_id)
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_isa_paths_agree(kind, shape):
+    w, x = packed_and_acts(kind, *shape)
+    results = {}
+    for isa in ISAS:
+        _kernels.set_isa(isa)
+        results[isa] = matmul(w, x)
+        assert_matches_reference(results[isa], w, x)
+    # The SIMD paths round in the same order, the scalar path differs only by float rounding.
+    if {"avx2", "avx512"} <= set(ISAS):
+        assert np.array_equal(results["avx2"], results["avx512"])
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+@pytest.mark.parametrize("isa", ISAS)
+def test_thread_count_does_not_change_results(isa, kind):
+    # Each output tile and token chunk is one work item computed by one thread: bit-identical.
+    w, x = packed_and_acts(kind, 70, 200, 96, 32)
+    _kernels.set_isa(isa)
+    _kernels.set_threads(1)
+    single = matmul(w, x)
+    _kernels.set_threads(2)
+    assert np.array_equal(matmul(w, x), single)
+
+
+# --- the one approximation: int8 activations ----------------------------------------------------
+
+
+def quantize_gaussian(rows: int, cols: int, bits: int, group: int, seed: int) -> QuantGroups:
+    """Gaussian weights quantized as GGUF does: min/max per group (LUT), or absmax (int8)."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols // group, group)).astype(np.float32)
+    if bits == 8:
+        scale, low = np.abs(w).max(-1) / 127, np.zeros((rows, cols // group), np.float32)
+        q = np.rint(w / scale[..., None]).astype(np.int8)
+    else:
+        low = w.min(-1)
+        scale = (w.max(-1) - low) / ((1 << bits) - 1)
+        q = np.rint((w - low[..., None]) / scale[..., None]).astype(np.uint8)
+    half = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    return QuantGroups(q.reshape(rows, cols), half(scale), half(low), group, bits)
+
+
+# Measured worst over seeds 0..4 (M=16, N=128, K=512, group 64): 1.0% (1 bit) to 1.6% (2 bits)
+# for the LUT kernel, whose int8 tables step by a 127th of a sum of four activations; 0.6% for
+# int8, which steps by a 127th of one activation.
+EXACT_GAP = {1: 0.02, 2: 0.025, 3: 0.025, 4: 0.025, 8: 0.01}
+
+
+@pytest.mark.parametrize("bits", sorted(EXACT_GAP))
+def test_gap_to_exact_product_is_small(bits):
+    w = pack(quantize_gaussian(128, 512, bits, 64, seed=bits))
+    x = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
+    exact = matmul_exact(w, x)
+    gap = np.linalg.norm(matmul(w, x) - exact) / np.linalg.norm(exact)
+    assert gap < EXACT_GAP[bits]
+
+
+# --- zeros --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+@pytest.mark.parametrize("isa", ISAS)
+def test_zero_activations_give_exact_zeros(isa, kind):
+    w, x = packed_and_acts(kind, 5, 65, 96, 32)
+    x[2] = 0.0
+    _kernels.set_isa(isa)
+    y = matmul(w, x)
+    assert not np.isnan(y).any()
+    assert np.all(y[2] == 0.0)  # step 0 and sum 0: every term, min * 0 included, is zero
+    assert_matches_reference(y, w, x)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_group_of_zero_activations_is_fine(isa, kind):
+    w, x = packed_and_acts(kind, 5, 65, 96, 32)
+    x[:, 32:64] = 0.0
+    _kernels.set_isa(isa)
+    y = matmul(w, x)
+    assert not np.isnan(y).any()
+    assert_matches_reference(y, w, x)
+
+
+def test_no_tokens_is_an_empty_product():
+    w, _ = packed_and_acts((4, True), 1, 65, 64, 32)
+    assert matmul(w, np.zeros((0, 64), np.float32)).shape == (0, 65)
+
+
+# --- bad arguments are exceptions, never crashes ------------------------------------------------
+
+
+def valid_args(bits: int = 4) -> dict:
+    """Arguments of _kernels.matmul, in order: a [65, 64] matrix of `bits`-bit codes, group 32, 3 tokens."""
+    w, x = packed_and_acts((bits, True), 3, 65, 64, 32)
+    return dict(bits=bits, group=32, rows=65, data=w.data, scales=w.scales, mins=w.mins, x=x,
+                y=np.zeros((3, 65), np.float32))
+
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+good_x = np.zeros((3, 64), np.float32)
+# (argument changed, its bad value, the error, what its message says)
+BAD_ARGUMENTS = [
+    ("x", good_x.astype(np.float64), TypeError, "x has item format 'd'"),
+    ("x", good_x.astype(np.int32), TypeError, "x has item format 'i'"),
+    ("x", np.zeros((64, 3), np.float32).T, TypeError, "x must be a C-contiguous"),
+    ("x", np.zeros((3, 128), np.float32)[:, ::2], TypeError, "x must be a C-contiguous"),
+    ("x", good_x.astype(">f4"), TypeError, "x has item format"),
+    ("x", np.zeros(64, np.float32), ValueError, "x and y must be 2-D, not 1-D"),
+    ("x", np.zeros((1, 3, 64), np.float32), ValueError, "x and y must be 2-D, not 3-D"),
+    ("x", np.zeros((3, 48), np.float32), ValueError, "x has 48 columns, not a positive multiple of group 32"),
+    ("x", np.zeros((3, 0), np.float32), ValueError, "x has 0 columns"),
+    # K a multiple of the group but not the packed K: only the data's length can tell.
+    ("x", np.zeros((3, 96), np.float32), ValueError, "data holds 4096 items; the packed shape needs 6144"),
+    ("y", np.zeros((3, 64), np.float32), ValueError, r"y has shape \[3, 64\]; expected \[3, 65\]"),
+    ("y", np.zeros((4, 65), np.float32), ValueError, r"y has shape \[4, 65\]"),
+    ("y", np.zeros((3, 65), np.float64), TypeError, "y has item format 'd'"),
+    ("y", read_only(np.zeros((3, 65), np.float32)), TypeError, "y must be a C-contiguous, writable"),
+    ("y", np.zeros((3, 130), np.float32)[:, ::2], TypeError, "y must be a C-contiguous"),
+    ("data", np.zeros(4095, np.uint8), ValueError, "data holds 4095 items; the packed shape needs 4096"),
+    ("data", np.zeros(2048, np.int16), TypeError, "data has item format 'h'"),
+    ("scales", np.zeros(255, np.float16), ValueError, "scales holds 255 items; the packed shape needs 256"),
+    ("scales", np.zeros(256, np.float32), TypeError, "scales has item format 'f'"),
+    ("scales", np.zeros(256, np.int16), TypeError, "scales has item format 'h'"),
+    ("mins", np.zeros(257, np.float16), ValueError, "mins holds 257 items"),
+    ("mins", np.zeros(256, np.float32), TypeError, "mins has item format 'f'"),
+    ("mins", None, ValueError, "4-bit weights need mins"),
+    ("mins", [0.0] * 256, TypeError, "mins must be a C-contiguous"),
+    ("bits", 0, ValueError, "bits must be 1, 2, 3, 4 or 8, not 0"),
+    ("bits", 5, ValueError, "bits must be 1, 2, 3, 4 or 8, not 5"),
+    ("bits", 9, ValueError, "bits must be 1, 2, 3, 4 or 8, not 9"),
+    ("group", 12, ValueError, "group 12 is not supported with 4-bit weights"),
+    ("group", 72, ValueError, "group 72 is not supported with 4-bit weights"),  # past lut_max_group
+    ("group", 0, ValueError, "group 0 is not supported"),
+    ("rows", 0, ValueError, "rows must be positive, not 0"),
+    ("rows", 64, ValueError, r"y has shape \[3, 65\]; expected \[3, 64\]"),
+]
+
+
+@pytest.mark.parametrize("name, value, error, message", BAD_ARGUMENTS,
+                         ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_ARGUMENTS)])
+def test_bad_argument_is_an_exception_naming_it(name, value, error, message):
+    args = valid_args()
+    args[name] = value
+    with pytest.raises(error, match=message):
+        _kernels.matmul(*args.values())
+
+
+@pytest.mark.parametrize("group", [2, 6, 0])
+def test_int8_group_not_a_multiple_of_four_is_refused(group):
+    args = valid_args(bits=8)
+    args["group"] = group
+    with pytest.raises(ValueError, match=f"group {group} is not supported with 8-bit weights"):
+        _kernels.matmul(*args.values())
+
+
+def test_valid_arguments_work():
+    args = valid_args()
+    _kernels.matmul(*args.values())
+    assert args["y"].any()
+
+
+@pytest.mark.parametrize("threads", [0, -1, 257, 10**6])
+def test_thread_count_out_of_range_is_refused(threads):
+    with pytest.raises(ValueError, match=f"threads must be 1..256, not {threads}"):
+        _kernels.set_threads(threads)
+
+
+def test_unknown_isa_is_refused():
+    with pytest.raises(ValueError, match="ISA 'sse9' is not one this CPU supports"):
+        _kernels.set_isa("sse9")
+
+
+def test_supported_isas_start_with_scalar_and_include_the_active_one():
+    assert ISAS[0] == "scalar" and _kernels.isa() in ISAS
+
+
+# --- threads ------------------------------------------------------------------------------------
+
+
+def test_gil_is_released_during_a_product():
+    # A pure-Python thread keeps stamping the time; with the GIL held through the call, no stamp
+    # could fall inside it. The middle half of the call is clear of Python work on either side.
+    w = PackedMatrix(1024, 1024, 4, 32, np.full((16, 128, 4, 64), 0x5A, np.uint8),
+                     np.ones((16, 32, 64), np.float16), np.zeros((16, 32, 64), np.float16))
+    x = np.ones((2048, 1024), np.float32)
+    out = np.empty((2048, 1024), np.float32)
+    _kernels.set_threads(1)
+    stamps, stop = [], threading.Event()
+
+    def stamp():
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            sum(range(200))
+
+    thread = threading.Thread(target=stamp)
+    thread.start()
+    while not stamps:
+        time.sleep(0.001)
+    start = time.perf_counter()
+    matmul(w, x, out)
+    end = time.perf_counter()
+    stop.set()
+    thread.join()
+    quarter = (end - start) / 4
+    assert quarter > 0.01, "the product was too short to tell"
+    assert any(start + quarter < s < end - quarter for s in stamps)
+
+
+def test_pool_survives_resizing():
+    w, x = packed_and_acts((4, True), 70, 200, 96, 32)
+    _kernels.set_threads(1)
+    expected = matmul(w, x)
+    assert_matches_reference(expected, w, x)
+    for threads in (3, 2, 1, 2):
+        _kernels.set_threads(threads)
+        assert _kernels.threads() == threads
+        assert np.array_equal(matmul(w, x), expected)
+
+
+def test_concurrent_callers_each_get_their_own_product():
+    # Four Python threads share a two-thread pool: the call lock must keep their jobs apart.
+    kinds = [(4, True), (8, False), (2, True), (8, True)]
+    problems = [packed_and_acts(kind, 33, 130, 96, 32, seed=i) for i, kind in enumerate(kinds)]
+    _kernels.set_threads(1)
+    expected = [matmul(w, x) for w, x in problems]
+    _kernels.set_threads(2)
+
+    def run(i: int) -> bool:
+        w, x = problems[i]
+        return all(np.array_equal(matmul(w, x), expected[i]) for _ in range(20))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(run, range(4)))
+
+
+# --- PackedLinear -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def linear_and_matrix():
+    w = pack(random_groups(65, 96, 4, 32))
+    return PackedLinear(w), w
+
+
+@pytest.mark.parametrize("lead", [(), (5,), (2, 3)], ids=["K", "T,K", "B,T,K"])
+def test_packed_linear_keeps_leading_dims(linear_and_matrix, lead):
+    linear, w = linear_and_matrix
+    x = torch.randn(*lead, 96, generator=torch.Generator().manual_seed(0))
+    y = linear(x)
+    assert y.shape == (*lead, 65) and y.dtype == torch.float32
+    expected = matmul(w, x.reshape(-1, 96).numpy())
+    assert np.array_equal(y.reshape(-1, 65).numpy(), expected)
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: x.t().contiguous().t(),  # transposed storage
+    lambda x: torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0],  # every other float
+    lambda x: x.double(),
+], ids=["transposed", "strided", "float64"])
+def test_packed_linear_takes_any_layout(linear_and_matrix, make):
+    linear, w = linear_and_matrix
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    odd = make(x)
+    assert not odd.is_contiguous() or odd.dtype != torch.float32
+    assert torch.equal(linear(odd), linear(x))
+
+
+def test_packed_linear_adds_bias(linear_and_matrix):
+    _, w = linear_and_matrix
+    bias = torch.linspace(-1, 1, 65)
+    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(2))
+    y = PackedLinear(w, bias)(x)
+    assert torch.equal(y, PackedLinear(w)(x) + bias)
+    assert PackedLinear(w, bias).nbytes == w.nbytes + 65 * 4

@@ -1,0 +1,101 @@
+"""The fused layer operations match their torch formulations, and give every token the same bits
+whether it is computed alone or in a batch."""
+
+import pytest
+import torch
+
+from tierflow.cpu_kernels import _kernels
+from tierflow.cpu_kernels.ops import attention, rms_norm, silu_mul
+from tierflow.cpu_kernels.reference import attention_reference, rms_norm_reference, silu_mul_reference
+from tierflow.runtime.kv_cache import KVCache
+from tierflow.runtime.model import Decoder
+
+HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 16, 40
+
+
+def random_qkv(tokens: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator)
+
+
+def rope_rows(tokens: int, start: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.outer(torch.arange(start, start + tokens, dtype=torch.float32),
+                         10000.0 ** (-torch.arange(rope_dim // 2) * 2.0 / rope_dim))
+    return torch.cos(angles), torch.sin(angles)
+
+
+def empty_cache() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(KV_HEADS, CAPACITY, HEAD_DIM), torch.zeros(KV_HEADS, CAPACITY, HEAD_DIM)
+
+
+def test_rms_norm_matches_torch():
+    x, weight = torch.randn(5, 96), torch.randn(96)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5))
+
+
+def test_silu_mul_matches_torch():
+    gate_up = torch.randn(3, 2 * 80) * 4
+    torch.testing.assert_close(silu_mul(gate_up), silu_mul_reference(gate_up))
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("rope_dim", [HEAD_DIM, HEAD_DIM // 2])
+@pytest.mark.parametrize("tokens,start", [(1, 0), (1, 17), (7, 0), (5, 11)])
+def test_attention_matches_torch_and_fills_the_cache(neox, rope_dim, tokens, start):
+    qkv = random_qkv(start + tokens)
+    cos, sin = rope_rows(start + tokens, 0, rope_dim)
+    ours, theirs = empty_cache(), empty_cache()
+    if start:  # an earlier prompt fills positions 0 .. start - 1
+        attention(qkv[:start].clone(), *ours, cos[:start], sin[:start], HEADS, 0, neox)
+        attention_reference(qkv[:start].clone(), *theirs, cos[:start], sin[:start], HEADS, 0, neox)
+    new = slice(start, start + tokens)
+    out = attention(qkv[new].clone(), *ours, cos[new], sin[new], HEADS, start, neox)
+    expected = attention_reference(qkv[new].clone(), *theirs, cos[new], sin[new], HEADS, start, neox)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1])
+
+
+def test_attention_of_a_batch_equals_token_by_token_bit_for_bit():
+    qkv = random_qkv(9)
+    cos, sin = rope_rows(9, 0, HEAD_DIM)
+    batch = attention(qkv.clone(), *empty_cache(), cos, sin, HEADS, 0, False)
+    cache = empty_cache()
+    steps = [attention(qkv[i: i + 1].clone(), *cache, cos[i: i + 1], sin[i: i + 1], HEADS, i, False)
+             for i in range(9)]
+    assert torch.equal(batch, torch.cat(steps))
+
+
+def test_model_logits_of_a_prefill_equal_those_of_decoding_token_by_token(engine):
+    """So greedy output never depends on how a prompt was split (prefix reuse, verify batches)."""
+    decoder = Decoder(engine.config, engine.weights, 64)
+    ids = torch.tensor(engine.tokenize("Batches and single steps agree."))
+    all_at_once = decoder.forward(ids, KVCache(engine.config, 64), all_logits=True)
+    cache = KVCache(engine.config, 64)
+    one_by_one = torch.cat([decoder.forward(ids[i: i + 1], cache) for i in range(len(ids))])
+    assert torch.equal(all_at_once, one_by_one)
+
+
+@pytest.mark.parametrize("problem,heads,start,rope_dim,cos_width,out_width", [
+    ("heads is not a multiple", 5, 0, 16, 8, HEADS * HEAD_DIM),
+    ("do not fit in the cache", 6, 39, 16, 8, HEADS * HEAD_DIM),
+    ("rope_dim must be even", 6, 0, 15, 8, HEADS * HEAD_DIM),
+    ("cos and sin must be", 6, 0, 16, 4, HEADS * HEAD_DIM),
+    ("out must be", 6, 0, 16, 8, 8),
+])
+def test_attention_refuses_inconsistent_arguments(problem, heads, start, rope_dim, cos_width, out_width):
+    keys, values = (t.numpy() for t in empty_cache())
+    cos, sin = (t[:, :cos_width].contiguous().numpy() for t in rope_rows(2, 0, HEAD_DIM))
+    with pytest.raises(ValueError, match=problem):
+        _kernels.attention(random_qkv(2).numpy(), keys, values, cos, sin, torch.empty(2, out_width).numpy(),
+                           heads, start, rope_dim, False, 1.0)
+
+
+def test_ops_refuse_wrong_dtypes_and_shapes():
+    with pytest.raises(TypeError, match="x"):
+        _kernels.rms_norm(torch.zeros(2, 4, dtype=torch.float64).numpy(), torch.ones(4).numpy(), 1e-5,
+                          torch.empty(2, 4).numpy())
+    with pytest.raises(ValueError, match="rms_norm"):
+        _kernels.rms_norm(torch.zeros(2, 4).numpy(), torch.ones(3).numpy(), 1e-5, torch.empty(2, 4).numpy())
+    with pytest.raises(ValueError, match="silu_mul"):
+        _kernels.silu_mul(torch.zeros(2, 6).numpy(), torch.empty(2, 4).numpy())

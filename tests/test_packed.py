@@ -1,0 +1,186 @@
+"""The packed weight layout: what pack() writes is what codes(), dequantize() and the kernels read."""
+
+import numpy as np
+import pytest
+
+from tierflow.cpu_kernels.matmul import matmul
+from tierflow.cpu_kernels.packed import TILE_ROWS, pack, packed_nbytes
+from tierflow.cpu_kernels.quant_groups import QuantGroups, stack_rows
+
+ALL_BITS = (1, 2, 3, 4, 8)
+ROW_COUNTS = (1, 63, 65, 130)  # within one tile, one short of it, just past it, past two
+COLS_AND_GROUPS = [(32, 16), (96, 32), (128, 64)]  # every group here is within lut_max_group
+# (bits, has_min): the LUT formats always carry mins; int8 with and without an offset.
+KINDS = [(1, True), (2, True), (3, True), (4, True), (8, True), (8, False)]
+kind_id = lambda kind: f"{kind[0]}bit" + ("" if kind[1] else "-nomin")  # noqa: E731
+
+
+def random_codes(rng: np.random.Generator, rows: int, cols: int, bits: int) -> np.ndarray:
+    """Uniform codes over the whole range: [0, 2**bits) uint8, or all of int8 for 8 bits."""
+    if bits == 8:
+        return rng.integers(-128, 128, (rows, cols), dtype=np.int8)
+    return rng.integers(0, 1 << bits, (rows, cols), dtype=np.uint8)
+
+
+def random_groups(rows: int, cols: int, bits: int, group: int, *, has_min: bool = True,
+                  seed: int = 0, half_exact: bool = True) -> QuantGroups:
+    """Random codes with Gaussian scales and mins (float16-representable when half_exact).
+
+    Without has_min the mins are -0.0, as quant_groups makes them for formats with no offset.
+    """
+    rng = np.random.default_rng(seed)
+    scale = rng.standard_normal((rows, cols // group)).astype(np.float32)
+    min_ = rng.standard_normal((rows, cols // group)).astype(np.float32) if has_min else None
+    if half_exact:
+        scale = scale.astype(np.float16).astype(np.float32)
+        min_ = None if min_ is None else min_.astype(np.float16).astype(np.float32)
+    if min_ is None:
+        min_ = np.full_like(scale, -0.0)
+    return QuantGroups(random_codes(rng, rows, cols, bits), scale, min_, group, bits)
+
+
+def to_half(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("cols, group", COLS_AND_GROUPS, ids=lambda v: str(v))
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_codes_round_trip_through_the_layout(bits, rows, cols, group):
+    groups = random_groups(rows, cols, bits, group, seed=rows + cols)
+    packed = pack(groups)
+    assert packed.codes().dtype == groups.q.dtype
+    assert np.array_equal(packed.codes(), groups.q)
+
+
+@pytest.mark.parametrize("bits", (1, 2, 3, 4))
+def test_lut_byte_holds_one_bit_plane_of_eight_columns(bits):
+    # Byte (t, o, p, r): bit j is bit p of the code of row 64t + r in column 8o + j.
+    groups = random_groups(130, 64, bits, 32, seed=bits)
+    data = pack(groups).data
+    assert data.shape == (3, 64 // 8, bits, TILE_ROWS) and data.dtype == np.uint8
+    row, col = 129, 8 * 5 + 6
+    tile, r = divmod(row, TILE_ROWS)
+    octet, j = divmod(col, 8)
+    for plane in range(bits):
+        assert (data[tile, octet, plane, r] >> j) & 1 == (groups.q[row, col] >> plane) & 1
+
+
+def test_int8_layout_is_quads_of_columns_per_row():
+    # Byte (t, c, r, j) is the code of row 64t + r, column 4c + j.
+    groups = random_groups(130, 64, 8, 32)
+    data = pack(groups).data
+    assert data.shape == (3, 64 // 4, TILE_ROWS, 4) and data.dtype == np.int8
+    assert data[2, 7, 1, 3] == groups.q[129, 31]
+    assert data[1, 0, 0, 0] == groups.q[64, 0]
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_padding_rows_are_zero_with_zero_params(bits):
+    packed = pack(random_groups(65, 64, bits, 32))
+    padded_codes = (packed.data[1, :, 1:] if bits == 8 else packed.data[1, ..., 1:])
+    assert not padded_codes.any()
+    assert not packed.scales[1, :, 1:].any() and not packed.mins[1, :, 1:].any()
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_group_params_are_the_float16_rounded_scales_and_mins(kind):
+    bits, has_min = kind
+    groups = random_groups(65, 96, bits, 32, has_min=has_min, half_exact=False)
+    scales, mins = pack(groups).group_params()
+    assert scales.dtype == mins.dtype == np.float32
+    assert np.array_equal(scales, to_half(groups.scale))
+    assert np.array_equal(mins, to_half(groups.min))  # -0.0 mins read back as +0.0: equal values
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_dequantize_equals_quant_groups_when_params_are_half_exact(kind):
+    bits, has_min = kind
+    groups = random_groups(130, 96, bits, 32, has_min=has_min)
+    assert np.array_equal(pack(groups).dequantize(), groups.dequantize())
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_dequantize_differs_from_quant_groups_only_by_float16_params(kind):
+    bits, has_min = kind
+    groups = random_groups(65, 96, bits, 32, has_min=has_min, half_exact=False)
+    rounded = QuantGroups(groups.q, to_half(groups.scale), to_half(groups.min), groups.group, bits)
+    assert np.array_equal(pack(groups).dequantize(), rounded.dequantize())
+    assert not np.array_equal(rounded.dequantize(), groups.dequantize())  # the rounding is real
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_row_slice_equals_dequantized_rows(kind):
+    bits, has_min = kind
+    groups = random_groups(130, 96, bits, 16, has_min=has_min, seed=bits)
+    packed = pack(groups)
+    rng = np.random.default_rng(1)
+    ids = np.concatenate([[129, 0, 63, 64, 64, 129, 7], rng.integers(0, 130, 20)])  # repeats, tile edges
+    sliced = packed.row_slice(ids)
+    assert sliced.shape == (len(ids), 96) and sliced.dtype == np.float32
+    assert np.array_equal(sliced, packed.dequantize()[ids])
+
+
+def test_int8_with_all_zero_mins_packs_without_mins():
+    for zero in (0.0, -0.0):  # quant_groups writes -0.0 for formats without an offset
+        groups = random_groups(65, 64, 8, 32, has_min=False)
+        groups.min[:] = zero
+        assert pack(groups).mins is None
+
+
+def test_int8_with_one_nonzero_min_packs_mins():
+    groups = random_groups(65, 64, 8, 32, has_min=False)
+    groups.min[64, 1] = 0.5
+    packed = pack(groups)
+    assert packed.mins is not None and packed.group_params()[1][64, 1] == 0.5
+
+
+@pytest.mark.parametrize("bits", (1, 2, 3, 4))
+def test_lut_always_has_mins(bits):
+    groups = random_groups(65, 64, bits, 32, has_min=False)
+    assert pack(groups).mins is not None
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_packed_nbytes_is_the_real_size(kind, rows):
+    bits, has_min = kind
+    packed = pack(random_groups(rows, 96, bits, 32, has_min=has_min))
+    assert packed.nbytes == packed_nbytes(rows, 96, bits, 32, has_min)
+
+
+def test_packed_nbytes_is_an_upper_bound_when_int8_mins_turn_out_zero():
+    packed = pack(random_groups(65, 96, 8, 32, has_min=False))
+    assert packed.mins is None
+    assert packed.nbytes < packed_nbytes(65, 96, 8, 32, has_min=True)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_stacked_rows_multiply_like_the_parts_concatenated(kind):
+    bits, has_min = kind
+    parts = [random_groups(rows, 96, bits, 32, has_min=has_min, seed=rows) for rows in (65, 1, 63)]
+    x = np.random.default_rng(2).standard_normal((5, 96)).astype(np.float32)
+    stacked = matmul(pack(stack_rows(parts)), x)
+    # Each output is computed from its own row alone, in the same order: bit-identical.
+    assert np.array_equal(stacked, np.concatenate([matmul(pack(p), x) for p in parts], axis=1))
+
+
+@pytest.mark.parametrize("bits", (1, 2, 3, 4))
+def test_lut_group_not_a_multiple_of_eight_is_refused(bits):
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack(random_groups(3, 48, bits, 12))
+
+
+def test_int8_group_not_a_multiple_of_four_is_refused():
+    with pytest.raises(ValueError, match="multiple of 4, not 6"):
+        pack(random_groups(3, 48, 8, 6))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("param", ["scale", "min"])
+@pytest.mark.parametrize("bits", (4, 8))
+def test_param_outside_float16_is_refused(bits, param):
+    groups = random_groups(3, 64, bits, 32)
+    getattr(groups, param)[1, 1] = 1e5  # float16 tops out at 65504
+    with pytest.raises(ValueError, match=f"a {param} is outside the float16 range"):
+        pack(groups)
