@@ -37,7 +37,7 @@ KERNELS = Extension(
     "tierflow.cpu_kernels._kernels",
     sources=[f"cpu_kernels/csrc/{name}.c" for name in ("module", "lut", "int8", "ops", "pool")],
     depends=["cpu_kernels/csrc/kernels.h", "cpu_kernels/csrc/ops.h"],
-    extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wall"],
+    extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wall", "-Wno-psabi"],
     extra_link_args=["-pthread"],
 )
 

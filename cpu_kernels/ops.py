@@ -33,11 +33,11 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
               sin: torch.Tensor, heads: int, start: int, neox: bool) -> torch.Tensor:
     """Causal attention of T new tokens at positions start .. start + T - 1.
 
-    qkv [T, (H + 2K) * D] (rotated in place); keys, values [K, C, D], one layer's cache, into which
-    the tokens' keys and values are written; cos, sin [T, R/2]. Token i sees cache positions
+    qkv [T, (H + 2K) * D] (rotated in place); keys [K, D, C] (transposed) and values [K, C, D],
+    one layer's cache, into which the tokens' keys and values are written; cos, sin [T, R/2]. Token i sees cache positions
     0 .. start + i; query head h uses key/value head h // (H / K). Returns [T, H * D].
     """
-    head_dim = keys.shape[-1]
+    head_dim = values.shape[-1]
     out = torch.empty(qkv.shape[0], heads * head_dim)
     _kernels.attention(_floats(qkv).numpy(), keys.numpy(), values.numpy(), cos.numpy(), sin.numpy(),
                        out.numpy(), heads, start, 2 * cos.shape[-1], neox, head_dim**-0.5)

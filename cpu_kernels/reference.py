@@ -24,16 +24,14 @@ def _group_scales(maxabs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def lut_tables(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [M, K] -> int8 tables [M, K/4, 16], steps [M, K/group], sums [M, K/group].
 
-    Entry i of table t is the sum of x[4t + j] over the bits j set in i, built in the C code's
-    order (entry 2^j + i = entry i + x[4t + j]), centred (less half of entry 15, the sum of all
-    four) and quantized with one step per group.
+    Entry i of table t is the sum over j of (bit j of i - 1/2) * x[4t + j] (the subset sum less
+    half the sum of all four), added in the C code's order and quantized with one step per group.
     """
     tokens, cols = x.shape
-    fours = x.reshape(tokens, cols // 4, 4).astype(np.float32)
-    entries = np.zeros((tokens, cols // 4, 16), np.float32)
-    for j in range(4):
-        entries[..., 1 << j: 2 << j] = entries[..., : 1 << j] + fours[..., j: j + 1]
-    entries -= np.float32(0.5) * entries[..., 15:16]
+    fours = x.reshape(tokens, cols // 4, 4, 1).astype(np.float32)
+    signs = (((np.arange(16)[None, :] >> np.arange(4)[:, None]) & 1) - np.float32(0.5)).astype(np.float32)
+    terms = fours * signs  # [M, K/4, 4, 16], exact
+    entries = ((terms[:, :, 0] + terms[:, :, 1]) + terms[:, :, 2]) + terms[:, :, 3]
     per_group = entries.reshape(tokens, cols // group, -1)
     inverse, steps = _group_scales(np.abs(per_group).max(axis=-1))
     codes = np.rint(per_group * inverse[..., None]).astype(np.int8).reshape(tokens, cols // 4, 16)
@@ -114,18 +112,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 
 def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, heads: int, start: int, neox: bool) -> torch.Tensor:
-    """ops.attention in torch: the same cache writes, [T, H * D] out."""
-    kv_heads, _, head_dim = keys.shape
+    """ops.attention in torch: the same cache writes (keys [K, D, C], values [K, C, D]), [T, H*D] out."""
+    kv_heads, head_dim, _ = keys.shape
     tokens = qkv.shape[0]
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     style = "neox" if neox else "normal"
     q = apply_rope(q.reshape(tokens, heads, head_dim).transpose(0, 1), cos, sin, style)  # [H, T, D]
     k = apply_rope(k.reshape(tokens, kv_heads, head_dim).transpose(0, 1), cos, sin, style)
-    keys[:, start: start + tokens] = k
+    keys[:, :, start: start + tokens] = k.transpose(1, 2)
     values[:, start: start + tokens] = v.reshape(tokens, kv_heads, head_dim).transpose(0, 1)
     group = heads // kv_heads  # query head h uses key/value head h // group
     q = q.reshape(kv_heads, group * tokens, head_dim)
-    scores = q @ keys[:, : start + tokens].transpose(1, 2) * head_dim**-0.5  # [K, G*T, S]
+    scores = q @ keys[:, :, : start + tokens] * head_dim**-0.5  # [K, G*T, S]
     visible = torch.arange(start + tokens)[None, :] <= (start + torch.arange(tokens))[:, None]
     scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ values[:, : start + tokens]  # [K, G*T, D]

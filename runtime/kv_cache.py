@@ -6,12 +6,18 @@ from tierflow.runtime.config import ModelConfig
 
 
 class KVCache:
-    """Keys and values of every layer: [L, KvH, C, D] each, filled up to `length` positions."""
+    """Keys and values of every layer, float32, filled up to `length` positions.
 
-    def __init__(self, config: ModelConfig, context_length: int, dtype: torch.dtype = torch.float32):
-        shape = (config.num_layers, config.num_kv_heads, context_length, config.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
+    Keys are stored transposed, [L, KvH, D, C], so that the attention kernel scores 16
+    positions with vertical multiply-adds; values are [L, KvH, C, D]. C is the context length
+    rounded up to a multiple of 16 (the kernel's block of positions).
+    """
+
+    def __init__(self, config: ModelConfig, context_length: int):
+        capacity = -(-context_length // 16) * 16
+        heads, dim = config.num_kv_heads, config.head_dim
+        self.keys = torch.zeros(config.num_layers, heads, dim, capacity)
+        self.values = torch.zeros(config.num_layers, heads, capacity, dim)
         self.context_length = context_length
         self.length = 0  # positions holding valid entries, the same for every layer
 

@@ -50,13 +50,14 @@ def test_the_event_loop_keeps_running_during_generation(engine):
 def test_cancelling_the_task_cancels_the_generation(engine):
     async def main():
         stream = engine.astream("Tell me a long story.", **LONG)
+        started = asyncio.Event()
 
         async def consume():
             async for _ in stream:
-                pass
+                started.set()
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.5)
+        await started.wait()  # cancelled mid-generation, however fast the model writes
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await stream.aclose()

@@ -10,7 +10,7 @@ from tierflow.cpu_kernels.reference import attention_reference, rms_norm_referen
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 
-HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 16, 40
+HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 16, 40  # 40: a last block of 8 positions
 
 
 def random_qkv(tokens: int, seed: int = 0) -> torch.Tensor:
@@ -25,7 +25,8 @@ def rope_rows(tokens: int, start: int, rope_dim: int) -> tuple[torch.Tensor, tor
 
 
 def empty_cache() -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(KV_HEADS, CAPACITY, HEAD_DIM), torch.zeros(KV_HEADS, CAPACITY, HEAD_DIM)
+    """One layer's keys [K, D, C] (transposed) and values [K, C, D]."""
+    return torch.zeros(KV_HEADS, HEAD_DIM, CAPACITY), torch.zeros(KV_HEADS, CAPACITY, HEAD_DIM)
 
 
 def test_rms_norm_matches_torch():

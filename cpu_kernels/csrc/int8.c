@@ -17,19 +17,22 @@
 #define HAVE_X86 1
 #endif
 
-void int8_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *codes,
-                        float *scales, float *sums) {
+/* Vectorizable (see lut_prepare_token): the group's peak |x| is kept per lane, then reduced. */
+TARGET_CLONES void int8_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *codes,
+                                      float *scales, float *sums) {
+    float peak[16];
     for (int64_t g = 0; g < cols / group; g++) {
         const float *xg = x + g * group;
-        float maxabs = 0.0f, sum = 0.0f;
+        float sum = 0.0f, maxabs = 0.0f;
+        for (int i = 0; i < 16; i++) peak[i] = 0.0f;
         for (int64_t i = 0; i < group; i++) {
-            maxabs = fmaxf(maxabs, fabsf(xg[i]));
+            float magnitude = xg[i] < 0.0f ? -xg[i] : xg[i];
+            peak[i & 15] = magnitude > peak[i & 15] ? magnitude : peak[i & 15];
             sum += xg[i];
         }
+        for (int i = 0; i < 16; i++) maxabs = peak[i] > maxabs ? peak[i] : maxabs;
         float inv = maxabs > 0.0f ? 127.0f / maxabs : 0.0f;
-        for (int64_t i = 0; i < group; i++) {
-            codes[g * group + i] = (int8_t)nearbyintf(xg[i] * inv);
-        }
+        for (int64_t i = 0; i < group; i++) codes[g * group + i] = (int8_t)round_even(xg[i] * inv);
         scales[g] = maxabs / 127.0f;
         sums[g] = sum;
     }
@@ -152,6 +155,10 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
                 memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
                 x[c] = _mm512_set1_epi32(four);
             }
+            _mm_prefetch((const char *)(data + q * TILE_ROWS * 4 + PREFETCH_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(data + q * TILE_ROWS * 4 + PREFETCH_BYTES + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(data + q * TILE_ROWS * 4 + PREFETCH_BYTES + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(data + q * TILE_ROWS * 4 + PREFETCH_BYTES + 192), _MM_HINT_T0);
             for (int v = 0; v < 4; v++) {
                 __m512i wv = _mm512_loadu_si512((const void *)(data + (q * TILE_ROWS + 16 * v) * 4));
                 __m512i magnitude = _mm512_abs_epi8(wv);

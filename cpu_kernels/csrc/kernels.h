@@ -16,7 +16,23 @@
 #include <stdint.h>
 
 #define TILE_ROWS 64
+#define LUT_MAX_TABLES 258 /* tables per group: lut_max_group(1) / 4 */
+
+/* Plain C loops compiled once per x86 ISA and picked at load time (glibc ifunc). */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define TARGET_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define TARGET_CLONES
+#endif
+
+/* Round to nearest, ties to even (as rint in the default mode) for |v| < 2^22, in plain
+ * arithmetic that vectorizes: adding 1.5 * 2^23 pushes the fraction out of the mantissa. */
+static inline float round_even(float v) {
+    const float magic = 12582912.0f;
+    return (v + magic) - magic;
+}
 #define MAX_TOKEN_BLOCK 4 /* tokens that share one pass over a weight tile */
+#define PREFETCH_BYTES 2048 /* how far ahead of the weight stream the kernels prefetch */
 
 typedef enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } isa_t;
 

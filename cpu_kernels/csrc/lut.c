@@ -23,49 +23,49 @@
 #endif
 
 int64_t lut_max_group(int bits) {
+    /* (Also bounded by LUT_MAX_TABLES * 4, the prepare step's scratch.) */
     /* Per group each row's int16 accumulates (group / 8) octets * 254 * (2^bits - 1). */
     int64_t per_octet = 254 * ((1 << bits) - 1);
     return 8 * (32767 / per_octet);
 }
 
-/* The 16 entries of table t, centred: entry i = sum over j of (bit j of i - 1/2) * x[4t + j],
- * computed as the plain subset sum less half the sum of all four. Centring halves the range of
- * tables whose activations share a sign, and so the quantization step; the kernels add the
- * half-sums back through each row's mid-range value (see the epilogues). */
-static void centred_entries(const float *x4, float entries[16]) {
-    entries[0] = 0.0f;
-    for (int j = 0; j < 4; j++) {
-        for (int i = 0; i < (1 << j); i++) {
-            entries[(1 << j) + i] = entries[i] + x4[j];
-        }
-    }
-    float half = 0.5f * entries[15];
-    for (int i = 0; i < 16; i++) entries[i] -= half;
-}
+/* SIGN[j][i] = (bit j of i) - 1/2: entry i of a table is the sum over j of SIGN[j][i] * x[j].
+ * Centring (the -1/2) halves the range of tables whose activations share a sign, and so the
+ * quantization step; the kernels add the half-sums back through each row's mid-range value. */
+static const float SIGN[4][16] = {
+    {-.5f, .5f, -.5f, .5f, -.5f, .5f, -.5f, .5f, -.5f, .5f, -.5f, .5f, -.5f, .5f, -.5f, .5f},
+    {-.5f, -.5f, .5f, .5f, -.5f, -.5f, .5f, .5f, -.5f, -.5f, .5f, .5f, -.5f, -.5f, .5f, .5f},
+    {-.5f, -.5f, -.5f, -.5f, .5f, .5f, .5f, .5f, -.5f, -.5f, -.5f, -.5f, .5f, .5f, .5f, .5f},
+    {-.5f, -.5f, -.5f, -.5f, -.5f, -.5f, -.5f, -.5f, .5f, .5f, .5f, .5f, .5f, .5f, .5f, .5f},
+};
 
-void lut_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *tables,
-                       float *scales, float *sums) {
-    float entries[16];
+/* Written for the auto-vectorizer (16 entries are one AVX-512 vector) and compiled once per ISA:
+ * every product by +-1/2 is exact and the additions run in a fixed order, so each clone gives
+ * the same bits, and reference.py reproduces them. */
+TARGET_CLONES void lut_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *tables,
+                                     float *scales, float *sums) {
+    float entries[LUT_MAX_TABLES][16], peak[16];
     for (int64_t g = 0; g < cols / group; g++) {
         const float *xg = x + g * group;
-        float maxabs = 0.0f, sum = 0.0f;
-        for (int64_t i = 0; i < group; i++) {
-            sum += xg[i];
-        }
-        /* First pass: the float tables' largest magnitude fixes the group's step. */
-        for (int64_t t = 0; t < group / 4; t++) {
-            centred_entries(xg + 4 * t, entries);
+        const int64_t count = group / 4;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < group; i++) sum += xg[i];
+        for (int i = 0; i < 16; i++) peak[i] = 0.0f;
+        for (int64_t t = 0; t < count; t++) {
+            const float *x4 = xg + 4 * t;
             for (int i = 0; i < 16; i++) {
-                maxabs = fmaxf(maxabs, fabsf(entries[i]));
+                float e = ((x4[0] * SIGN[0][i] + x4[1] * SIGN[1][i]) + x4[2] * SIGN[2][i]) + x4[3] * SIGN[3][i];
+                float magnitude = e < 0.0f ? -e : e;
+                entries[t][i] = e;
+                peak[i] = magnitude > peak[i] ? magnitude : peak[i];
             }
         }
+        float maxabs = 0.0f;
+        for (int i = 0; i < 16; i++) maxabs = peak[i] > maxabs ? peak[i] : maxabs;
         float inv = maxabs > 0.0f ? 127.0f / maxabs : 0.0f;
-        for (int64_t t = 0; t < group / 4; t++) {
-            int8_t *out = tables + (g * group / 4 + t) * 16;
-            centred_entries(xg + 4 * t, entries);
-            for (int i = 0; i < 16; i++) {
-                out[i] = (int8_t)nearbyintf(entries[i] * inv);
-            }
+        int8_t *out = tables + g * count * 16;
+        for (int64_t t = 0; t < count; t++) {
+            for (int i = 0; i < 16; i++) out[t * 16 + i] = (int8_t)round_even(entries[t][i] * inv);
         }
         scales[g] = maxabs / 127.0f;
         sums[g] = sum;
@@ -129,6 +129,7 @@ AVX2_TARGET void lut_tile_avx2_n(const packed_matrix *w, const prepared_acts *a,
             }
             for (int p = 0; p < bits; p++) {
                 const __m256i weight = _mm256_set1_epi8((char)(1 << p));
+                _mm_prefetch((const char *)(planes + (o * bits + p) * TILE_ROWS + PREFETCH_BYTES), _MM_HINT_T0);
                 for (int h = 0; h < 2; h++) {
                     __m256i v = _mm256_loadu_si256(
                         (const __m256i *)(planes + (o * bits + p) * TILE_ROWS + 32 * h));
@@ -205,6 +206,7 @@ AVX512_TARGET void lut_tile_avx512_n(const packed_matrix *w, const prepared_acts
             }
             for (int p = 0; p < bits; p++) {
                 const __m512i weight = _mm512_set1_epi8((char)(1 << p));
+                _mm_prefetch((const char *)(planes + (o * bits + p) * TILE_ROWS + PREFETCH_BYTES), _MM_HINT_T0);
                 __m512i v = _mm512_loadu_si512((const void *)(planes + (o * bits + p) * TILE_ROWS));
                 __m512i lo = _mm512_and_si512(v, low4);
                 __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);

@@ -262,8 +262,9 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
 PyDoc_STRVAR(attention_doc,
 "attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale)\n--\n\n"
 "Causal attention of T new tokens at positions start ..: rotates q and k in qkv\n"
-"[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache\n"
-"keys/values [kv_heads, capacity, head_dim], and writes out [T, heads * head_dim].");
+"[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache (keys\n"
+"transposed, [kv_heads, head_dim, capacity]; values [kv_heads, capacity, head_dim]), and writes\n"
+"out [T, heads * head_dim].");
 
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     PyObject *objs[6];
@@ -281,10 +282,12 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_ssize_t *ks = buf[1].view.shape, *vs = buf[2].view.shape, tokens = buf[0].view.shape[0];
-    attention_shape shape = {heads, ks[0], ks[2], rope_dim, ks[1], neox};
+    attention_shape shape = {heads, ks[0], ks[1], rope_dim, ks[2], neox};
     const char *problem = NULL;
-    if (vs[0] != ks[0] || vs[1] != ks[1] || vs[2] != ks[2]) problem = "keys and values differ in shape";
+    if (vs[0] != ks[0] || vs[1] != ks[2] || vs[2] != ks[1])
+        problem = "keys must be [kv_heads, head_dim, capacity] and values [kv_heads, capacity, head_dim]";
     else if (heads < 1 || shape.kv_heads < 1 || heads % shape.kv_heads) problem = "heads is not a multiple of kv_heads";
+    else if (heads / shape.kv_heads > 64) problem = "more than 64 query heads per key/value head";
     else if (rope_dim < 0 || rope_dim % 2 || rope_dim > shape.head_dim) problem = "rope_dim must be even and <= head_dim";
     else if (buf[3].view.shape[0] != tokens || buf[3].view.shape[1] != rope_dim / 2 ||
              buf[4].view.shape[0] != tokens || buf[4].view.shape[1] != rope_dim / 2)
@@ -297,7 +300,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         release(buf, 6);
         return PyErr_Format(PyExc_ValueError, "attention: %s", problem);
     }
-    float *scores = malloc((size_t)(tokens * heads * (start + tokens) + 1) * sizeof(float));
+    float *scores = malloc((size_t)(tokens * heads * ((start + tokens + 15) / 16 * 16)) * sizeof(float));
     if (!scores) {
         release(buf, 6);
         return PyErr_NoMemory();
@@ -308,9 +311,9 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     attention_prepare(&job);
     /* Short contexts take microseconds: waking the pool would cost more than it saves. */
     if (tokens * heads * (start + tokens) * shape.head_dim >= (1 << 16)) {
-        pool_run(attention_item, &job, tokens * heads);
+        pool_run(attention_item, &job, tokens * shape.kv_heads);
     } else {
-        for (Py_ssize_t item = 0; item < tokens * heads; item++) attention_item(&job, item);
+        for (Py_ssize_t item = 0; item < tokens * shape.kv_heads; item++) attention_item(&job, item);
     }
     Py_END_ALLOW_THREADS
     free(scores);

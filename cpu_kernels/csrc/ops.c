@@ -13,7 +13,59 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "ops.h"
+
+/* 16 floats as one value: GCC/Clang vector extensions, compiled to each clone's widest vectors. */
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+
+static inline v16f load16(const float *p) { return *(const v16f *)p; }
+static inline void store16(float *p, v16f v) { *(v16f *)p = v; }
+
+/* e^x for x <= 88 (below -87, 0), to about 2 ulp: x = n ln2 + r, e^r by a degree-6 polynomial
+ * (Cephes' coefficients), times 2^n built in the exponent bits. Plain + and * in a fixed order,
+ * so every ISA clone gives the same bits. */
+/* Lanes of a where mask is set (all ones), else of b. */
+static inline v16f select16(v16i mask, v16f a, v16f b) {
+    v16i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    v16i chosen = (mask & ai) | (~mask & bi);
+    v16f result;
+    memcpy(&result, &chosen, sizeof result);
+    return result;
+}
+
+static inline v16f exp16(v16f x) {
+    const v16i underflow = x < -87.0f;
+    x = select16(underflow, (v16f){0} - 87.0f, x);
+    v16f n = x * 1.44269504088896341f;
+    n = (n + 12582912.0f) - 12582912.0f; /* round to nearest (see round_even) */
+    v16f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    v16f p = (v16f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * r) * r + r + 1.0f;
+    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    v16f result = p * scale;
+    return select16(underflow, (v16f){0}, result);
+}
+
+static inline float sum16(v16f v) {
+    float lanes[16];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int width = 8; width >= 1; width /= 2) {
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    }
+    return lanes[0];
+}
+
 
 void rms_norm_rows(const float *x, const float *weight, int64_t rows, int64_t size, float eps,
                    float *out) {
@@ -26,11 +78,18 @@ void rms_norm_rows(const float *x, const float *weight, int64_t rows, int64_t si
     }
 }
 
-void silu_mul_rows(const float *gate_up, int64_t rows, int64_t size, float *out) {
+TARGET_CLONES void silu_mul_rows(const float *gate_up, int64_t rows, int64_t size, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * size, *up = gate + size;
-        for (int64_t i = 0; i < size; i++) {
-            out[r * size + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        int64_t i = 0;
+        for (; i + 16 <= size; i += 16) {
+            v16f g = load16(gate + i);
+            store16(out + r * size + i, g / (1.0f + exp16(-g)) * load16(up + i));
+        }
+        for (; i < size; i++) { /* the tail, through the same vector code */
+            float g[16] = {gate[i]}, u[16] = {up[i]}, o[16];
+            store16(o, load16(g) / (1.0f + exp16(-load16(g))) * load16(u));
+            out[r * size + i] = o[0];
         }
     }
 }
@@ -47,43 +106,72 @@ static void rotate(float *head, const float *cos, const float *sin, int64_t rope
     }
 }
 
-/* Dot product with 16 running sums in a fixed order (vectorizable without reassociation), so a
- * query's scores never depend on how many other queries share the call. */
-static float dot(const float *a, const float *b, int64_t n) {
-    float lanes[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        for (int l = 0; l < 16; l++) lanes[l] += a[i + l] * b[i + l];
+#define MAX_GROUP 64 /* query heads per key/value head */
+#define HEAD_BLOCK 4 /* query heads scored together (accumulators kept in registers) */
+
+/* Scores of query heads q[0 .. count) (count <= HEAD_BLOCK) at positions [t, t + 16): keys are
+ * stored transposed, [head_dim][capacity], so each score is a lane summed over d in order. */
+static inline void score16(const float *q, int count, int64_t dim, const float *keys_t, int64_t capacity,
+                           int64_t t, v16f out[HEAD_BLOCK]) {
+    for (int g = 0; g < count; g++) out[g] = (v16f){0};
+    for (int64_t d = 0; d < dim; d++) {
+        v16f k = load16(keys_t + d * capacity + t);
+        for (int g = 0; g < count; g++) out[g] += q[g * dim + d] * k;
     }
-    for (; i < n; i++) lanes[i & 15] += a[i] * b[i];
-    float total = 0.0f;
-    for (int l = 0; l < 16; l++) total += lanes[l];
-    return total;
 }
 
-/* Query head `head` of token `token` over cache positions 0 .. start + token (causal). */
-static void attend(const attention_job *job, int64_t token, int64_t head, float *scores) {
+/* The query heads of key/value head `kv_head` for token `token`, over cache positions
+ * 0 .. start + token (causal): each key and value is read once for the whole group. */
+TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_t kv_head, float *scores) {
     const attention_shape *s = &job->shape;
-    const int64_t kv_head = head / (s->heads / s->kv_heads), length = job->start + token + 1;
-    const int64_t row = (s->heads + 2 * s->kv_heads) * s->head_dim;
-    const float *q = job->qkv + token * row + head * s->head_dim;
-    const float *keys = job->keys + kv_head * s->capacity * s->head_dim;
-    const float *values = job->values + kv_head * s->capacity * s->head_dim;
-    float best = -INFINITY;
-    for (int64_t t = 0; t < length; t++) {
-        scores[t] = dot(q, keys + t * s->head_dim, s->head_dim) * job->scale;
-        best = fmaxf(best, scores[t]);
+    const int64_t group = s->heads / s->kv_heads, length = job->start + token + 1, dim = s->head_dim;
+    const int64_t padded = (length + 15) / 16 * 16, row = (s->heads + 2 * s->kv_heads) * dim;
+    const float *q = job->qkv + token * row + kv_head * group * dim;
+    const float *keys_t = job->keys + kv_head * dim * s->capacity;
+    const float *values = job->values + kv_head * s->capacity * dim;
+    /* Scores, 16 positions at a time; the last block's extra lanes read cache slots past the
+     * token (allocated, maybe stale) and are set to -inf. */
+    for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
+        const int count = group - g0 < HEAD_BLOCK ? (int)(group - g0) : HEAD_BLOCK;
+        for (int64_t t = 0; t < padded; t += 16) {
+            v16f block[HEAD_BLOCK];
+            if (t + 16 <= s->capacity) {
+                score16(q + g0 * dim, count, dim, keys_t, s->capacity, t, block);
+            } else { /* the cache's last partial block: lane by lane, in the same order */
+                float lanes[HEAD_BLOCK][16] = {{0}};
+                for (int64_t d = 0; d < dim; d++) {
+                    for (int g = 0; g < count; g++) {
+                        for (int64_t l = 0; t + l < length; l++) {
+                            lanes[g][l] += q[(g0 + g) * dim + d] * keys_t[d * s->capacity + t + l];
+                        }
+                    }
+                }
+                memcpy(block, lanes, sizeof block);
+            }
+            for (int g = 0; g < count; g++) store16(scores + (g0 + g) * padded + t, block[g] * job->scale);
+        }
     }
-    float total = 0.0f;
-    for (int64_t t = 0; t < length; t++) {
-        scores[t] = expf(scores[t] - best);
-        total += scores[t];
-    }
-    float *out = job->out + (token * s->heads + head) * s->head_dim;
-    memset(out, 0, s->head_dim * sizeof(float));
-    for (int64_t t = 0; t < length; t++) {
-        float p = scores[t] / total;
-        for (int64_t d = 0; d < s->head_dim; d++) out[d] += p * values[t * s->head_dim + d];
+    float *out = job->out + (token * s->heads + kv_head * group) * dim;
+    memset(out, 0, group * dim * sizeof(float));
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * padded;
+        for (int64_t t = length; t < padded; t++) sg[t] = -INFINITY;
+        float best = -INFINITY;
+        for (int64_t t = 0; t < length; t++) best = sg[t] > best ? sg[t] : best;
+        v16f total = {0};
+        for (int64_t t = 0; t < padded; t += 16) {
+            v16f e = exp16(load16(sg + t) - best);
+            store16(sg + t, e);
+            total += e;
+        }
+        const float inv_total = 1.0f / sum16(total);
+        for (int64_t t = 0; t < length; t++) {
+            const float p = sg[t] * inv_total;
+            const float *v = values + t * dim;
+            int64_t d = 0;
+            for (; d + 16 <= dim; d += 16) store16(out + g * dim + d, load16(out + g * dim + d) + p * load16(v + d));
+            for (; d < dim; d++) out[g * dim + d] += p * v[d];
+        }
     }
 }
 
@@ -96,15 +184,19 @@ void attention_prepare(attention_job *job) {
         for (int64_t h = 0; h < s->heads; h++) rotate(q + h * s->head_dim, cos, sin, s->rope_dim, s->neox);
         for (int64_t h = 0; h < s->kv_heads; h++) {
             rotate(k + h * s->head_dim, cos, sin, s->rope_dim, s->neox);
-            const int64_t slot = (h * s->capacity + job->start + token) * s->head_dim;
-            memcpy(job->keys + slot, k + h * s->head_dim, s->head_dim * sizeof(float));
-            memcpy(job->values + slot, v + h * s->head_dim, s->head_dim * sizeof(float));
+            const int64_t position = job->start + token;
+            for (int64_t d = 0; d < s->head_dim; d++) {
+                job->keys[(h * s->head_dim + d) * s->capacity + position] = k[h * s->head_dim + d];
+            }
+            memcpy(job->values + (h * s->capacity + position) * s->head_dim, v + h * s->head_dim,
+                   s->head_dim * sizeof(float));
         }
     }
 }
 
 void attention_item(void *ctx, int64_t item) {
     attention_job *job = ctx;
-    const int64_t token = item / job->shape.heads, head = item % job->shape.heads;
-    attend(job, token, head, job->scores + item * (job->start + job->tokens));
+    const int64_t kv_heads = job->shape.kv_heads, group = job->shape.heads / kv_heads;
+    const int64_t padded = (job->start + job->tokens + 15) / 16 * 16;
+    attend(job, item / kv_heads, item % kv_heads, job->scores + item * group * padded);
 }

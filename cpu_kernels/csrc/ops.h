@@ -16,17 +16,19 @@ typedef struct {
 typedef struct {
     attention_shape shape;
     float *qkv;             /* [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place */
-    float *keys, *values;   /* one layer's cache [kv_heads, capacity, head_dim] */
+    float *keys;            /* one layer's keys, transposed: [kv_heads, head_dim, capacity] */
+    float *values;          /* one layer's values [kv_heads, capacity, head_dim] */
     const float *cos, *sin; /* [tokens, rope_dim / 2] */
     int64_t tokens, start;  /* the tokens sit at positions start .. start + tokens - 1 */
     float scale;
-    float *scores; /* scratch [tokens * heads, start + tokens] */
+    float *scores; /* scratch: 16-padded [start + tokens] per query head and token */
     float *out;    /* [tokens, heads * head_dim] */
 } attention_job;
 
 /* Rotates q and k and writes k and v of every token into the cache. */
 void attention_prepare(attention_job *job);
-/* Attention of one (token, query head) pair, item = token * heads + head: a pool item. */
+/* Attention of one token's query heads that share key/value head k, item = token * kv_heads + k:
+ * a pool item. */
 void attention_item(void *ctx, int64_t item);
 
 #endif
