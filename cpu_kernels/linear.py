@@ -1,26 +1,23 @@
-"""A packed matrix as a torch linear layer: y = x @ W.T (+ bias), computed by the C kernels."""
+"""A packed matrix as a linear layer: y = x @ W.T (+ bias), computed by the C kernels."""
 
-import torch
+import numpy as np
 
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.packed import PackedMatrix
 
 
 class PackedLinear:
-    def __init__(self, matrix: PackedMatrix, bias: torch.Tensor | None = None):
+    def __init__(self, matrix: PackedMatrix, bias: np.ndarray | None = None):
         self.matrix = matrix
         self.bias = bias
         self.out_features, self.in_features = matrix.rows, matrix.cols
-        self.nbytes = matrix.nbytes + (0 if bias is None else bias.numel() * bias.element_size())
+        self.nbytes = matrix.nbytes + (0 if bias is None else bias.nbytes)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] float32 -> [..., N]."""
-        rows = x.detach().reshape(-1, self.in_features)
-        if not rows.is_contiguous() or rows.dtype != torch.float32:
-            rows = rows.contiguous().float()
-        out = torch.empty(rows.shape[0], self.out_features)
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x [T, K] float32, C-contiguous -> [T, N]."""
+        out = np.empty((x.shape[0], self.out_features), np.float32)
         m = self.matrix
-        _kernels.matmul(m.bits, m.group, m.rows, m.data, m.scales, m.mins, rows.numpy(), out.numpy())
+        _kernels.matmul(m.bits, m.group, m.rows, m.data, m.scales, m.mins, x, out)
         if self.bias is not None:
             out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return out

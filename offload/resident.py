@@ -10,6 +10,7 @@ tierflow's). Streaming placements under tighter budgets build on the same `Weigh
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES, dequantize
@@ -110,7 +111,8 @@ class ResidentWeights:
         self._done, self._total = 0, sum(gguf.tensors[name].nbytes for name in expected_shapes(config))
         self._vectors = {name: self._vector(name) for name, shape in expected_shapes(config).items()
                          if len(shape) == 1}
-        self._rope_freqs = self._vector("rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
+        self._rope_freqs = (torch.from_numpy(self._vector("rope_freqs.weight"))
+                            if "rope_freqs.weight" in gguf.tensors else None)
         self._layers = [self._load_layer(i) for i in range(config.num_layers)]
         embedding = self._matrix("token_embd.weight")
         self._embedding = embedding if isinstance(embedding, torch.Tensor) else pack(embedding)
@@ -129,10 +131,10 @@ class ResidentWeights:
         if self._progress is not None:
             self._progress("load", self._done, self._total)
 
-    def _vector(self, name: str) -> torch.Tensor:
+    def _vector(self, name: str) -> np.ndarray:
         info = self._gguf.tensors[name]
         self._advance(info)
-        return _dequantize_tensor(self._gguf, info)
+        return dequantize(self._gguf.tensor_data(name), info.ggml_type, info.shape)
 
     def _matrix(self, name: str) -> QuantGroups | torch.Tensor:
         """A matrix as codes per group when its type has them, else as float32 [out, in]."""
@@ -144,7 +146,7 @@ class ResidentWeights:
 
     @staticmethod
     def _as_linear(matrix: QuantGroups | PackedMatrix | torch.Tensor,
-                   bias: torch.Tensor | None = None) -> Linear:
+                   bias: np.ndarray | None = None) -> Linear:
         if isinstance(matrix, torch.Tensor):
             return DenseLinear(matrix, bias)
         return PackedLinear(matrix if isinstance(matrix, PackedMatrix) else pack(matrix), bias)
@@ -154,8 +156,8 @@ class ResidentWeights:
         matrices = [self._matrix(name) for name in names]
         biases = [self._vectors.get(name.removesuffix(".weight") + ".bias")
                   for name in names]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(_rows(m)) for b, m in zip(biases, matrices)])
+        bias = None if all(b is None for b in biases) else np.concatenate(
+            [b if b is not None else np.zeros(_rows(m), np.float32) for b, m in zip(biases, matrices)])
         if all(isinstance(m, torch.Tensor) for m in matrices):
             return DenseLinear(torch.cat(matrices), bias)
         if all(isinstance(m, QuantGroups) for m in matrices) and len(
@@ -172,15 +174,15 @@ class ResidentWeights:
 
     # -- the WeightSource interface --------------------------------------------------------
 
-    def embedding_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
         if isinstance(self._embedding, torch.Tensor):
-            return self._embedding[token_ids]
-        return torch.from_numpy(self._embedding.row_slice(token_ids.numpy()))
+            return self._embedding.numpy()[token_ids]
+        return self._embedding.row_slice(token_ids)
 
     def layer(self, layer_idx: int) -> LayerWeights:
         return self._layers[layer_idx]
 
-    def output_norm(self) -> torch.Tensor:
+    def output_norm(self) -> np.ndarray:
         return self._vectors["output_norm.weight"]
 
     def output(self) -> Linear:

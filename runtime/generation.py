@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
@@ -77,13 +76,12 @@ class TokenGenerator:
     def _forward(self, token_ids: list[int], all_logits: bool) -> np.ndarray:
         start = self.cache.length
         try:
-            logits = self.decoder.forward(torch.tensor(token_ids, dtype=torch.long), self.cache,
-                                          all_logits=all_logits)
+            logits = self.decoder.forward(np.array(token_ids, np.int64), self.cache, all_logits=all_logits)
         except BaseException:
             self._truncate(start)  # a half-written pass (Ctrl-C, error) leaves the cache as before
             raise
         self.cached_tokens.extend(token_ids)
-        return logits.numpy()
+        return logits
 
     def _reuse_prefix(self, token_ids: list[int]) -> int:
         common = 0

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -19,18 +20,19 @@ from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.rope import rope_tables
 
-Linear = Callable[[torch.Tensor], torch.Tensor]  # x [T, in] -> [T, out], bias included
+Linear = Callable[[np.ndarray], np.ndarray]  # x [T, in] float32 -> [T, out], bias included
 
 
 class DenseLinear:
     """A float32 weight [out, in] (and bias) as a Linear, computed by torch."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight, self.bias = weight, bias
-        self.nbytes = 4 * (weight.numel() + (0 if bias is None else bias.numel()))
+    def __init__(self, weight: torch.Tensor, bias: np.ndarray | None = None):
+        self.weight = weight
+        self.bias = None if bias is None else torch.from_numpy(bias)
+        self.nbytes = 4 * (weight.numel() + (0 if bias is None else bias.size))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return F.linear(torch.from_numpy(x), self.weight, self.bias).numpy()
 
 
 class ConcatLinear:
@@ -40,28 +42,28 @@ class ConcatLinear:
         self.parts = parts
         self.nbytes = sum(part.nbytes for part in parts)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([part(x) for part in self.parts], dim=-1)
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([part(x) for part in self.parts], axis=-1)
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     """One transformer block. Projections that read the same input are one Linear each."""
 
-    attn_norm: torch.Tensor  # [E]
+    attn_norm: np.ndarray  # [E]
     qkv: Linear  # [E] -> [H*D + 2*K*D]: queries, keys, values (with qwen2's biases)
     wo: Linear  # [H*D] -> [E]
-    ffn_norm: torch.Tensor  # [E]
+    ffn_norm: np.ndarray  # [E]
     gate_up: Linear  # [E] -> [2*F]: gate, then up
     down: Linear  # [F] -> [E]
 
 
 class WeightSource(Protocol):
-    def embedding_rows(self, token_ids: torch.Tensor) -> torch.Tensor: ...  # [T] -> [T, E]
+    def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray: ...  # [T] -> new [T, E]
 
     def layer(self, layer_idx: int) -> LayerWeights: ...
 
-    def output_norm(self) -> torch.Tensor: ...  # [E]
+    def output_norm(self) -> np.ndarray: ...  # [E]
 
     def output(self) -> Linear: ...  # [E] -> [V]
 
@@ -74,10 +76,11 @@ class Decoder:
     def __init__(self, config: ModelConfig, weights: WeightSource, max_positions: int):
         self.config = config
         self.weights = weights
-        self.cos, self.sin = rope_tables(config, max_positions, weights.rope_freq_factors())
+        cos, sin = rope_tables(config, max_positions, weights.rope_freq_factors())
+        self.cos, self.sin = cos.numpy(), sin.numpy()
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, token_ids: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Logits [T, V] for every new token if all_logits, else [1, V] for the last one.
 
         token_ids [T] are placed at positions cache.length .. cache.length + T - 1.
@@ -97,7 +100,7 @@ class Decoder:
         x = rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)
         return self.weights.output()(x)  # [T or 1, V]
 
-    def _attention(self, x, w: LayerWeights, layer_idx, cache, start_pos, cos, sin) -> torch.Tensor:
+    def _attention(self, x, w: LayerWeights, layer_idx, cache, start_pos, cos, sin) -> np.ndarray:
         cfg = self.config
         out = attention(w.qkv(x), cache.keys[layer_idx], cache.values[layer_idx], cos, sin,
                         cfg.num_heads, start_pos, cfg.rope_style == "neox")  # [T, H*D]

@@ -1,6 +1,7 @@
 """The fused layer operations match their torch formulations, and give every token the same bits
 whether it is computed alone or in a batch."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,18 +26,26 @@ def rope_rows(tokens: int, start: int, rope_dim: int) -> tuple[torch.Tensor, tor
 
 
 def empty_cache() -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's keys [K, D, C] (transposed) and values [K, C, D]."""
+    """One layer's keys [K, D, C] (transposed) and values [K, C, D] (ops take their .numpy())."""
     return torch.zeros(KV_HEADS, HEAD_DIM, CAPACITY), torch.zeros(KV_HEADS, CAPACITY, HEAD_DIM)
+
+
+def run_attention(qkv, cache, cos, sin, start, neox) -> torch.Tensor:
+    keys, values = cache
+    out = attention(qkv.clone().numpy(), keys.numpy(), values.numpy(), cos.contiguous().numpy(),
+                    sin.contiguous().numpy(), HEADS, start, neox)
+    return torch.from_numpy(out)
 
 
 def test_rms_norm_matches_torch():
     x, weight = torch.randn(5, 96), torch.randn(96)
-    torch.testing.assert_close(rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5))
+    out = rms_norm(x.numpy(), weight.numpy(), 1e-5)
+    torch.testing.assert_close(torch.from_numpy(out), rms_norm_reference(x, weight, 1e-5))
 
 
 def test_silu_mul_matches_torch():
     gate_up = torch.randn(3, 2 * 80) * 4
-    torch.testing.assert_close(silu_mul(gate_up), silu_mul_reference(gate_up))
+    torch.testing.assert_close(torch.from_numpy(silu_mul(gate_up.numpy())), silu_mul_reference(gate_up))
 
 
 @pytest.mark.parametrize("neox", [False, True])
@@ -47,10 +56,10 @@ def test_attention_matches_torch_and_fills_the_cache(neox, rope_dim, tokens, sta
     cos, sin = rope_rows(start + tokens, 0, rope_dim)
     ours, theirs = empty_cache(), empty_cache()
     if start:  # an earlier prompt fills positions 0 .. start - 1
-        attention(qkv[:start].clone(), *ours, cos[:start], sin[:start], HEADS, 0, neox)
+        run_attention(qkv[:start], ours, cos[:start], sin[:start], 0, neox)
         attention_reference(qkv[:start].clone(), *theirs, cos[:start], sin[:start], HEADS, 0, neox)
     new = slice(start, start + tokens)
-    out = attention(qkv[new].clone(), *ours, cos[new], sin[new], HEADS, start, neox)
+    out = run_attention(qkv[new], ours, cos[new], sin[new], start, neox)
     expected = attention_reference(qkv[new].clone(), *theirs, cos[new], sin[new], HEADS, start, neox)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours[0], theirs[0])
@@ -60,21 +69,20 @@ def test_attention_matches_torch_and_fills_the_cache(neox, rope_dim, tokens, sta
 def test_attention_of_a_batch_equals_token_by_token_bit_for_bit():
     qkv = random_qkv(9)
     cos, sin = rope_rows(9, 0, HEAD_DIM)
-    batch = attention(qkv.clone(), *empty_cache(), cos, sin, HEADS, 0, False)
+    batch = run_attention(qkv, empty_cache(), cos, sin, 0, False)
     cache = empty_cache()
-    steps = [attention(qkv[i: i + 1].clone(), *cache, cos[i: i + 1], sin[i: i + 1], HEADS, i, False)
-             for i in range(9)]
+    steps = [run_attention(qkv[i: i + 1], cache, cos[i: i + 1], sin[i: i + 1], i, False) for i in range(9)]
     assert torch.equal(batch, torch.cat(steps))
 
 
 def test_model_logits_of_a_prefill_equal_those_of_decoding_token_by_token(engine):
     """So greedy output never depends on how a prompt was split (prefix reuse, verify batches)."""
     decoder = Decoder(engine.config, engine.weights, 64)
-    ids = torch.tensor(engine.tokenize("Batches and single steps agree."))
+    ids = np.array(engine.tokenize("Batches and single steps agree."))
     all_at_once = decoder.forward(ids, KVCache(engine.config, 64), all_logits=True)
     cache = KVCache(engine.config, 64)
-    one_by_one = torch.cat([decoder.forward(ids[i: i + 1], cache) for i in range(len(ids))])
-    assert torch.equal(all_at_once, one_by_one)
+    one_by_one = np.concatenate([decoder.forward(ids[i: i + 1], cache) for i in range(len(ids))])
+    assert np.array_equal(all_at_once, one_by_one)
 
 
 @pytest.mark.parametrize("problem,heads,start,rope_dim,cos_width,out_width", [
