@@ -27,8 +27,9 @@ def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.nda
               heads: int, start: int, neox: bool) -> np.ndarray:
     """Causal attention of T new tokens at positions start .. start + T - 1.
 
-    qkv [T, (H + 2K) * D] (rotated in place); keys [K, D, C] (transposed) and values [K, C, D],
-    one layer's cache, into which the tokens' keys and values are written; cos, sin [T, R/2].
+    qkv [T, (H + 2K) * D] (rotated in place); keys [K, C/16, D, 16] (blocks of 16 positions,
+    transposed) and values [K, C, D], one layer's cache, into which the tokens' keys and values
+    are written; cos, sin [T, R/2].
     Token i sees cache positions 0 .. start + i; query head h uses key/value head h // (H / K).
     Returns [T, H * D].
     """

@@ -112,18 +112,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 
 def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, heads: int, start: int, neox: bool) -> torch.Tensor:
-    """ops.attention in torch: the same cache writes (keys [K, D, C], values [K, C, D]), [T, H*D] out."""
-    kv_heads, head_dim, _ = keys.shape
+    """ops.attention in torch: the same cache writes (keys [K, C/16, D, 16], values [K, C, D]).
+
+    Returns [T, H * D].
+    """
+    kv_heads, _, head_dim = values.shape
     tokens = qkv.shape[0]
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     style = "neox" if neox else "normal"
     q = apply_rope(q.reshape(tokens, heads, head_dim).transpose(0, 1), cos, sin, style)  # [H, T, D]
     k = apply_rope(k.reshape(tokens, kv_heads, head_dim).transpose(0, 1), cos, sin, style)
-    keys[:, :, start: start + tokens] = k.transpose(1, 2)
+    flat_keys = keys.transpose(2, 3).reshape(kv_heads, -1, head_dim)  # [K, C, D], a copy
+    flat_keys[:, start: start + tokens] = k
+    keys.copy_(flat_keys.reshape(kv_heads, -1, 16, head_dim).transpose(2, 3))
     values[:, start: start + tokens] = v.reshape(tokens, kv_heads, head_dim).transpose(0, 1)
     group = heads // kv_heads  # query head h uses key/value head h // group
     q = q.reshape(kv_heads, group * tokens, head_dim)
-    scores = q @ keys[:, :, : start + tokens] * head_dim**-0.5  # [K, G*T, S]
+    scores = q @ flat_keys[:, : start + tokens].transpose(1, 2) * head_dim**-0.5  # [K, G*T, S]
     visible = torch.arange(start + tokens)[None, :] <= (start + torch.arange(tokens))[:, None]
     scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ values[:, : start + tokens]  # [K, G*T, D]

@@ -11,7 +11,7 @@ from tierflow.cpu_kernels.reference import attention_reference, rms_norm_referen
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 
-HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 16, 40  # 40: a last block of 8 positions
+HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 16, 48
 
 
 def random_qkv(tokens: int, seed: int = 0) -> torch.Tensor:
@@ -26,8 +26,8 @@ def rope_rows(tokens: int, start: int, rope_dim: int) -> tuple[torch.Tensor, tor
 
 
 def empty_cache() -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's keys [K, D, C] (transposed) and values [K, C, D] (ops take their .numpy())."""
-    return torch.zeros(KV_HEADS, HEAD_DIM, CAPACITY), torch.zeros(KV_HEADS, CAPACITY, HEAD_DIM)
+    """One layer's keys [K, C/16, D, 16] and values [K, C, D] (ops take their .numpy())."""
+    return torch.zeros(KV_HEADS, CAPACITY // 16, HEAD_DIM, 16), torch.zeros(KV_HEADS, CAPACITY, HEAD_DIM)
 
 
 def run_attention(qkv, cache, cos, sin, start, neox) -> torch.Tensor:
@@ -87,7 +87,7 @@ def test_model_logits_of_a_prefill_equal_those_of_decoding_token_by_token(engine
 
 @pytest.mark.parametrize("problem,heads,start,rope_dim,cos_width,out_width", [
     ("heads is not a multiple", 5, 0, 16, 8, HEADS * HEAD_DIM),
-    ("do not fit in the cache", 6, 39, 16, 8, HEADS * HEAD_DIM),
+    ("do not fit in the cache", 6, 47, 16, 8, HEADS * HEAD_DIM),
     ("rope_dim must be even", 6, 0, 15, 8, HEADS * HEAD_DIM),
     ("cos and sin must be", 6, 0, 16, 4, HEADS * HEAD_DIM),
     ("out must be", 6, 0, 16, 8, 8),

@@ -262,9 +262,9 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
 PyDoc_STRVAR(attention_doc,
 "attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale)\n--\n\n"
 "Causal attention of T new tokens at positions start ..: rotates q and k in qkv\n"
-"[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache (keys\n"
-"transposed, [kv_heads, head_dim, capacity]; values [kv_heads, capacity, head_dim]), and writes\n"
-"out [T, heads * head_dim].");
+"[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache (keys in\n"
+"blocks of 16 positions, [kv_heads, capacity / 16, head_dim, 16]; values [kv_heads, capacity,\n"
+"head_dim]), and writes out [T, heads * head_dim].");
 
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     PyObject *objs[6];
@@ -275,17 +275,17 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
                           &objs[4], &objs[5], &heads, &start, &rope_dim, &neox, &scale))
         return NULL;
     buffer_arg buf[6] = {{.held = 0}};
-    if (get_floats(objs[0], &buf[0], "qkv", 2, 1) || get_floats(objs[1], &buf[1], "keys", 3, 1) ||
+    if (get_floats(objs[0], &buf[0], "qkv", 2, 1) || get_floats(objs[1], &buf[1], "keys", 4, 1) ||
         get_floats(objs[2], &buf[2], "values", 3, 1) || get_floats(objs[3], &buf[3], "cos", 2, 0) ||
         get_floats(objs[4], &buf[4], "sin", 2, 0) || get_floats(objs[5], &buf[5], "out", 2, 1)) {
         release(buf, 6);
         return NULL;
     }
     const Py_ssize_t *ks = buf[1].view.shape, *vs = buf[2].view.shape, tokens = buf[0].view.shape[0];
-    attention_shape shape = {heads, ks[0], ks[1], rope_dim, ks[2], neox};
+    attention_shape shape = {heads, vs[0], vs[2], rope_dim, vs[1], neox};
     const char *problem = NULL;
-    if (vs[0] != ks[0] || vs[1] != ks[2] || vs[2] != ks[1])
-        problem = "keys must be [kv_heads, head_dim, capacity] and values [kv_heads, capacity, head_dim]";
+    if (buf[1].view.ndim != 4 || ks[0] != vs[0] || ks[1] * 16 != vs[1] || ks[2] != vs[2] || ks[3] != 16)
+        problem = "keys must be [kv_heads, capacity / 16, head_dim, 16] and values [kv_heads, capacity, head_dim]";
     else if (heads < 1 || shape.kv_heads < 1 || heads % shape.kv_heads) problem = "heads is not a multiple of kv_heads";
     else if (heads / shape.kv_heads > 64) problem = "more than 64 query heads per key/value head";
     else if (rope_dim < 0 || rope_dim % 2 || rope_dim > shape.head_dim) problem = "rope_dim must be even and <= head_dim";

@@ -109,13 +109,12 @@ static void rotate(float *head, const float *cos, const float *sin, int64_t rope
 #define MAX_GROUP 64 /* query heads per key/value head */
 #define HEAD_BLOCK 4 /* query heads scored together (accumulators kept in registers) */
 
-/* Scores of query heads q[0 .. count) (count <= HEAD_BLOCK) at positions [t, t + 16): keys are
- * stored transposed, [head_dim][capacity], so each score is a lane summed over d in order. */
-static inline void score16(const float *q, int count, int64_t dim, const float *keys_t, int64_t capacity,
-                           int64_t t, v16f out[HEAD_BLOCK]) {
+/* Scores of query heads q[0 .. count) (count <= HEAD_BLOCK) at the 16 positions of one block
+ * of keys, stored [head_dim][16]: each score is one lane, summed over d in order. */
+static inline void score16(const float *q, int count, int64_t dim, const float *block, v16f out[HEAD_BLOCK]) {
     for (int g = 0; g < count; g++) out[g] = (v16f){0};
     for (int64_t d = 0; d < dim; d++) {
-        v16f k = load16(keys_t + d * capacity + t);
+        v16f k = load16(block + 16 * d);
         for (int g = 0; g < count; g++) out[g] += q[g * dim + d] * k;
     }
 }
@@ -127,27 +126,15 @@ TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_
     const int64_t group = s->heads / s->kv_heads, length = job->start + token + 1, dim = s->head_dim;
     const int64_t padded = (length + 15) / 16 * 16, row = (s->heads + 2 * s->kv_heads) * dim;
     const float *q = job->qkv + token * row + kv_head * group * dim;
-    const float *keys_t = job->keys + kv_head * dim * s->capacity;
+    const float *keys = job->keys + kv_head * s->capacity * dim; /* [capacity / 16][dim][16] */
     const float *values = job->values + kv_head * s->capacity * dim;
-    /* Scores, 16 positions at a time; the last block's extra lanes read cache slots past the
-     * token (allocated, maybe stale) and are set to -inf. */
+    /* Scores, a block of 16 positions at a time; the last block's lanes past the token read
+     * slots not yet written (zeros or an older sequence's) and are set to -inf below. */
     for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
         const int count = group - g0 < HEAD_BLOCK ? (int)(group - g0) : HEAD_BLOCK;
         for (int64_t t = 0; t < padded; t += 16) {
             v16f block[HEAD_BLOCK];
-            if (t + 16 <= s->capacity) {
-                score16(q + g0 * dim, count, dim, keys_t, s->capacity, t, block);
-            } else { /* the cache's last partial block: lane by lane, in the same order */
-                float lanes[HEAD_BLOCK][16] = {{0}};
-                for (int64_t d = 0; d < dim; d++) {
-                    for (int g = 0; g < count; g++) {
-                        for (int64_t l = 0; t + l < length; l++) {
-                            lanes[g][l] += q[(g0 + g) * dim + d] * keys_t[d * s->capacity + t + l];
-                        }
-                    }
-                }
-                memcpy(block, lanes, sizeof block);
-            }
+            score16(q + g0 * dim, count, dim, keys + t * dim, block);
             for (int g = 0; g < count; g++) store16(scores + (g0 + g) * padded + t, block[g] * job->scale);
         }
     }
@@ -185,9 +172,8 @@ void attention_prepare(attention_job *job) {
         for (int64_t h = 0; h < s->kv_heads; h++) {
             rotate(k + h * s->head_dim, cos, sin, s->rope_dim, s->neox);
             const int64_t position = job->start + token;
-            for (int64_t d = 0; d < s->head_dim; d++) {
-                job->keys[(h * s->head_dim + d) * s->capacity + position] = k[h * s->head_dim + d];
-            }
+            float *block = job->keys + (h * s->capacity + position / 16 * 16) * s->head_dim;
+            for (int64_t d = 0; d < s->head_dim; d++) block[16 * d + position % 16] = k[h * s->head_dim + d];
             memcpy(job->values + (h * s->capacity + position) * s->head_dim, v + h * s->head_dim,
                    s->head_dim * sizeof(float));
         }

@@ -16,7 +16,7 @@ typedef struct {
 typedef struct {
     attention_shape shape;
     float *qkv;             /* [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place */
-    float *keys;            /* one layer's keys, transposed: [kv_heads, head_dim, capacity] */
+    float *keys;            /* one layer's keys in blocks of 16 positions: [kv_heads, capacity / 16, head_dim, 16] */
     float *values;          /* one layer's values [kv_heads, capacity, head_dim] */
     const float *cos, *sin; /* [tokens, rope_dim / 2] */
     int64_t tokens, start;  /* the tokens sit at positions start .. start + tokens - 1 */
