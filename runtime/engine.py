@@ -28,7 +28,9 @@ from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.llama_vocab import llama_vocab_file
 from tierflow.offload.model_info import read_config
 from tierflow.offload.model_path import resolve_model_path
-from tierflow.offload.resident import LoadProgress, ResidentWeights, check_tensors
+from tierflow.offload.packed_file import PackedFile, open_pack
+from tierflow.offload.resident import check_tensors
+from tierflow.offload.tiered import LoadProgress, TieredWeights
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.kv_cache import KVCache
@@ -37,7 +39,7 @@ from tierflow.runtime.sampler import Sampler, SamplingParams
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
-from tierflow.units import parse_size
+from tierflow.units import format_size, parse_size
 
 DEFAULT_CONTEXT_CAP = 4096  # default KV cache length when the model allows more
 
@@ -49,7 +51,7 @@ class Engine:
     never shared by two generations.
     """
 
-    def __init__(self, path: Path, config: ModelConfig, weights: ResidentWeights,
+    def __init__(self, path: Path, config: ModelConfig, weights: TieredWeights,
                  tokenizer: Tokenizer, context_length: int, threads: int):
         self.path = path
         self.config = config
@@ -92,7 +94,7 @@ class Engine:
                         f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens but the "
                         f"embedding only {config.vocab_size} rows"
                     )
-                weights = ResidentWeights(gguf, config, cpu_budget, progress)
+                weights = _load_weights(gguf, config, cpu_budget, progress)
             except BaseException:
                 tokenizer.close()
                 raise
@@ -178,6 +180,7 @@ class Engine:
         self._compute.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self.tokenizer.close()
+            self.weights.close()
             self.weights = self._generator = None
 
     def __enter__(self) -> "Engine":
@@ -237,6 +240,40 @@ class Engine:
                 f"the prompt has {num_prompt_tokens} tokens but the context holds "
                 f"{self.context_length}" + (" (one more is needed to generate)" if room else "")
             )
+
+
+def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, progress) -> TieredWeights:
+    """The model's pack (built on first use) placed under the budget. A pack found damaged while
+    loading is rebuilt once."""
+    packed = open_pack(gguf, config, progress)
+    try:
+        return TieredWeights(packed, *_placement(packed, cpu_budget), progress)
+    except ModelFileError:
+        packed.path.unlink(missing_ok=True)
+        packed = open_pack(gguf, config, progress)
+        return TieredWeights(packed, *_placement(packed, cpu_budget), progress)
+
+
+def _placement(packed: PackedFile, cpu_budget: int | None, depth: int = 2) -> tuple[list[int], int]:
+    """(streamed layers, prefetch depth): the earliest layers stay in RAM, as many as the budget
+    holds beside the globals and a ring of depth + 1 streaming buffers."""
+    sizes = [extent.nbytes for extent in packed.layers]
+    if cpu_budget is None or packed.globals.nbytes + sum(sizes) <= cpu_budget:
+        return [], 0
+    slot = packed.largest_layer_bytes
+    smallest = packed.globals.nbytes + 2 * slot
+    if cpu_budget < smallest:
+        raise BudgetError(f"cpu_memory {format_size(cpu_budget)} cannot hold the embeddings and output "
+                          f"head ({format_size(packed.globals.nbytes)}) and two streaming buffers "
+                          f"({format_size(2 * slot)}): at least {format_size(smallest)} is needed")
+    while depth > 1 and packed.globals.nbytes + (depth + 1) * slot > cpu_budget:
+        depth -= 1
+    room = cpu_budget - packed.globals.nbytes - (depth + 1) * slot
+    resident = 0
+    while resident < len(sizes) and sizes[resident] <= room:
+        room -= sizes[resident]
+        resident += 1
+    return list(range(resident, len(sizes))), depth
 
 
 def _thread_count(threads: int | None) -> int:

@@ -1,8 +1,17 @@
 """Shared fixtures: the bundled real model, a loaded engine, and llama.cpp as the oracle."""
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Packs and profiles that tests write go to a folder of this run, never the user's cache (set at
+# import, before any test or subprocess, so the CLI and server processes inherit it).
+os.environ["TIERFLOW_CACHE"] = tempfile.mkdtemp(prefix="tierflow-test-cache-")
+atexit.register(shutil.rmtree, os.environ["TIERFLOW_CACHE"], ignore_errors=True)
 
 from tierflow.offload.model_path import bundled_model_path
 

@@ -1,0 +1,309 @@
+"""The packed model file: a GGUF's weights in the kernels' layout, layer-major, built once.
+
+Loading a GGUF means decoding every tensor into the kernels' packed layout (cpu_kernels/packed.py),
+which takes seconds; streaming a layer from disk must be one sequential read of exactly the bytes
+the kernels use. So the first load of a model writes those bytes to a file in the user's cache
+directory, and every later load (and every streamed read) uses it.
+
+Layout (all offsets in bytes, every extent 4 KiB-aligned and padded to 4 KiB, so O_DIRECT can
+read it):
+
+    extent "globals"   the token embeddings, the output norm, the output head, rope factors
+    extent layer 0     its norms and its four linears (QKV, output, gate+up, down), packed
+    ...
+    extent layer L-1
+    manifest           JSON: the source's identity, and per extent its offset, size, CRC-32
+                       and the arrays in it (offset within the extent, size) with how they
+                       form each weight (packed: rows, cols, bits, group, data, scales, mins,
+                       bias; dense float32: weight, bias; or a concatenation of either)
+    trailer            MAGIC, manifest offset, manifest size, manifest CRC-32 (28 bytes)
+
+The file is written under a temporary name, synced, then renamed: a pack either exists whole or
+not at all. It is keyed by the source's absolute path; its manifest records the source's size and
+modification time and the format version, and a pack that disagrees (stale) or whose trailer,
+manifest or size is wrong (damaged) is rebuilt. Extents carry CRC-32s, checked whenever an extent
+is first read in a process, so damage inside the data is found too.
+"""
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierflow.cpu_kernels.dequant import dequantize
+from tierflow.cpu_kernels.linear import PackedLinear
+from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, pack
+from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, QuantGroups, stack_rows, to_quant_groups
+from tierflow.errors import ModelFileError
+from tierflow.offload.disk import ALIGNMENT
+from tierflow.offload.gguf_file import GGUFFile
+from tierflow.offload.profile import cache_dir
+from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.model import ConcatLinear, DenseLinear, LayerWeights, Linear
+
+PACK_VERSION = 1
+MAGIC = b"TFPACK01"
+TRAILER = struct.Struct("<8sQQI")
+ARRAY_ALIGNMENT = 64
+
+LoadProgress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
+
+# LayerWeights field -> the GGUF matrices (within blk.N) it computes, in output order
+LAYER_LINEARS = {
+    "qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
+    "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",),
+}
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def pack_path(source: Path) -> Path:
+    """Where the pack of `source` lives: keyed by its absolute path."""
+    digest = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:16]
+    folder = cache_dir() / "packed"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{Path(source).stem}.{digest}.tfpack"
+
+
+def source_identity(source: Path) -> dict:
+    stat = Path(source).stat()
+    return {"path": str(Path(source).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "version": PACK_VERSION}
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Extent:
+    offset: int
+    nbytes: int
+    crc32: int
+    weights: dict  # how the arrays in it form the weights (see the module docstring)
+
+
+class PackedFile:
+    """A pack's manifest; the extents' bytes are read by the caller (see offload/disk.py)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        manifest = _read_manifest(self.path)
+        self.source = manifest["source"]
+        self.globals = Extent(**manifest["globals"])
+        self.layers = [Extent(**extent) for extent in manifest["layers"]]
+
+    @property
+    def largest_layer_bytes(self) -> int:
+        return max((extent.nbytes for extent in self.layers), default=0)
+
+    def check(self, extent: Extent, data: memoryview) -> None:
+        if zlib.crc32(data) != extent.crc32:
+            raise ModelFileError(f"{self.path.name}: the packed weights at byte {extent.offset} are "
+                                 f"damaged (checksum mismatch); it is rebuilt on the next load")
+
+    def layer_weights(self, index: int, data: memoryview) -> LayerWeights:
+        """LayerWeights viewing the bytes of layer `index`'s extent (held by the caller)."""
+        spec = self.layers[index].weights
+        return LayerWeights(attn_norm=_array(data, spec["attn_norm"], np.float32),
+                            ffn_norm=_array(data, spec["ffn_norm"], np.float32),
+                            **{field: _linear(data, spec[field]) for field in LAYER_LINEARS})
+
+    def global_weights(self, data: memoryview) -> dict:
+        """embedding (PackedMatrix or float32 [V, E]), output_norm, output (Linear), rope_freqs."""
+        spec = self.globals.weights
+        embedding = _matrix(data, spec["token_embd"])
+        output = (_as_linear(embedding, None) if spec["output"] == "tied" else _linear(data, spec["output"]))
+        rope = spec.get("rope_freqs")
+        return {"embedding": embedding, "output_norm": _array(data, spec["output_norm"], np.float32),
+                "output": output,
+                "rope_freqs": None if rope is None else torch.from_numpy(_array(data, rope, np.float32))}
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < TRAILER.size:
+                raise ValueError("too short")
+            f.seek(size - TRAILER.size)
+            magic, offset, length, crc = TRAILER.unpack(f.read(TRAILER.size))
+            if magic != MAGIC or offset + length + TRAILER.size != size:
+                raise ValueError("bad trailer")
+            f.seek(offset)
+            raw = f.read(length)
+        if zlib.crc32(raw) != crc:
+            raise ValueError("manifest checksum mismatch")
+        manifest = json.loads(raw)
+        if manifest.get("version") != PACK_VERSION:
+            raise ValueError(f"format version {manifest.get('version')}")
+        return manifest
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelFileError(f"{path.name}: not a valid tierflow pack ({error})") from error
+
+
+def _array(data: memoryview, spec: list, dtype) -> np.ndarray:
+    at, nbytes = spec
+    return np.frombuffer(data, dtype, nbytes // np.dtype(dtype).itemsize, at)
+
+
+def _matrix(data: memoryview, spec: dict) -> PackedMatrix | torch.Tensor:
+    rows, cols = spec["rows"], spec["cols"]
+    if spec["kind"] == "dense":
+        return torch.from_numpy(_array(data, spec["weight"], np.float32).reshape(rows, cols))
+    bits, group = spec["bits"], spec["group"]
+    tiles = -(-rows // TILE_ROWS)
+    if bits == 8:
+        codes = _array(data, spec["data"], np.int8).reshape(tiles, cols // 4, TILE_ROWS, 4)
+    else:
+        codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols // 8, bits, TILE_ROWS)
+    params = (tiles, cols // group, TILE_ROWS)
+    mins = None if spec["mins"] is None else _array(data, spec["mins"], np.float16).reshape(params)
+    scales = _array(data, spec["scales"], np.float16).reshape(params)
+    return PackedMatrix(rows, cols, bits, group, codes, scales, mins)
+
+
+def _as_linear(matrix: PackedMatrix | torch.Tensor, bias: np.ndarray | None) -> Linear:
+    if isinstance(matrix, torch.Tensor):
+        return DenseLinear(matrix, bias)
+    return PackedLinear(matrix, bias)
+
+
+def _linear(data: memoryview, spec: dict) -> Linear:
+    if spec["kind"] == "concat":
+        return ConcatLinear([_linear(data, part) for part in spec["parts"]])
+    bias = None if spec["bias"] is None else _array(data, spec["bias"], np.float32)
+    return _as_linear(_matrix(data, spec), bias)
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+class _ExtentBuilder:
+    """Collects the arrays of one extent, each 64-byte aligned, and describes them."""
+
+    def __init__(self):
+        self.chunks: list[tuple[int, bytes]] = []
+        self.size = 0
+
+    def add(self, array: np.ndarray) -> list[int]:
+        at = _align(self.size, ARRAY_ALIGNMENT)
+        raw = np.ascontiguousarray(array).tobytes()
+        self.chunks.append((at, raw))
+        self.size = at + len(raw)
+        return [at, len(raw)]
+
+    def matrix(self, matrix: QuantGroups | np.ndarray, bias: np.ndarray | None) -> dict:
+        rows = matrix.q.shape[0] if isinstance(matrix, QuantGroups) else matrix.shape[0]
+        spec = {"rows": rows, "bias": None if bias is None else self.add(bias.astype(np.float32))}
+        if isinstance(matrix, np.ndarray):
+            return spec | {"kind": "dense", "cols": matrix.shape[1], "weight": self.add(matrix)}
+        packed = pack(matrix)
+        return spec | {"kind": "packed", "cols": packed.cols, "bits": packed.bits, "group": packed.group,
+                       "data": self.add(packed.data), "scales": self.add(packed.scales),
+                       "mins": None if packed.mins is None else self.add(packed.mins)}
+
+    def bytes(self) -> bytes:
+        out = bytearray(_align(self.size, ALIGNMENT))
+        for at, raw in self.chunks:
+            out[at: at + len(raw)] = raw
+        return bytes(out)
+
+
+class _PackWriter:
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, progress: LoadProgress | None):
+        self.gguf, self.config, self.progress = gguf, config, progress
+        self.done = 0
+        self.total = sum(info.nbytes for info in gguf.tensors.values())
+
+    def _tensor(self, name: str) -> QuantGroups | np.ndarray:
+        info = self.gguf.tensors[name]
+        self.done += info.nbytes
+        if self.progress is not None:
+            self.progress("pack", self.done, self.total)
+        data = self.gguf.tensor_data(name)
+        if info.ggml_type in GROUPED_TYPES and len(info.shape) == 2:
+            return to_quant_groups(data, info.ggml_type, info.shape)
+        array = dequantize(data, info.ggml_type, info.shape)
+        return array
+
+    def _linear(self, extent: _ExtentBuilder, names: list[str]) -> dict:
+        """Matrices that read the same input, fused into one when their formats agree."""
+        matrices = [self._tensor(f"{name}.weight") for name in names]
+        biases = [self._tensor(f"{name}.bias") if f"{name}.bias" in self.gguf.tensors else None
+                  for name in names]
+        rows = [m.q.shape[0] if isinstance(m, QuantGroups) else m.shape[0] for m in matrices]
+        bias = None if all(b is None for b in biases) else np.concatenate(
+            [np.zeros(n, np.float32) if b is None else b for b, n in zip(biases, rows)])
+        if all(isinstance(m, np.ndarray) for m in matrices):
+            return extent.matrix(np.concatenate(matrices), bias)
+        formats = {(m.bits, m.group) for m in matrices if isinstance(m, QuantGroups)}
+        if all(isinstance(m, QuantGroups) for m in matrices) and len(formats) == 1:
+            return extent.matrix(stack_rows(matrices), bias)
+        return {"kind": "concat", "parts": [extent.matrix(m, b) for m, b in zip(matrices, biases)]}
+
+    def globals_extent(self) -> tuple[_ExtentBuilder, dict]:
+        extent = _ExtentBuilder()
+        embedding = self._tensor("token_embd.weight")
+        spec = {"token_embd": extent.matrix(embedding, None),
+                "output_norm": extent.add(self._tensor("output_norm.weight")),
+                "output": "tied" if self.config.tied_embeddings else self._linear(extent, ["output"])}
+        if "rope_freqs.weight" in self.gguf.tensors:
+            spec["rope_freqs"] = extent.add(self._tensor("rope_freqs.weight"))
+        return extent, spec
+
+    def layer_extent(self, index: int) -> tuple[_ExtentBuilder, dict]:
+        extent, prefix = _ExtentBuilder(), f"blk.{index}."
+        spec = {"attn_norm": extent.add(self._tensor(prefix + "attn_norm.weight")),
+                "ffn_norm": extent.add(self._tensor(prefix + "ffn_norm.weight"))}
+        for field, names in LAYER_LINEARS.items():
+            spec[field] = self._linear(extent, [prefix + name for name in names])
+        return extent, spec
+
+
+def build_pack(gguf: GGUFFile, config: ModelConfig, path: Path, progress: LoadProgress | None = None) -> None:
+    """Writes the pack of `gguf` (whose tensors passed check_tensors) to path, atomically."""
+    writer = _PackWriter(gguf, config, progress)
+    temporary = path.with_name(path.name + f".{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            def write(builder: _ExtentBuilder, spec: dict) -> dict:
+                data = builder.bytes()
+                entry = {"offset": f.tell(), "nbytes": len(data), "crc32": zlib.crc32(data), "weights": spec}
+                f.write(data)
+                return entry
+
+            manifest = {"version": PACK_VERSION, "source": source_identity(gguf.path),
+                        "globals": write(*writer.globals_extent()),
+                        "layers": [write(*writer.layer_extent(i)) for i in range(config.num_layers)]}
+            raw = json.dumps(manifest).encode()
+            offset = f.tell()
+            f.write(raw)
+            f.write(TRAILER.pack(MAGIC, offset, len(raw), zlib.crc32(raw)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def open_pack(gguf: GGUFFile, config: ModelConfig, progress: LoadProgress | None = None) -> PackedFile:
+    """The model's pack from the cache, built first if it is missing, stale or damaged."""
+    path = pack_path(gguf.path)
+    if path.exists():
+        try:
+            packed = PackedFile(path)
+            if packed.source == source_identity(gguf.path) and len(packed.layers) == config.num_layers:
+                return packed
+        except ModelFileError:
+            pass  # damaged: rebuilt below
+    build_pack(gguf, config, path, progress)
+    return PackedFile(path)

@@ -1,0 +1,97 @@
+"""The layer streamer: reads the streamed layers into a ring of RAM buffers ahead of their use.
+
+The decoder asks for layers in order, every step, so the streamer knows what comes next: while
+layer n computes, layers n+1 .. n+depth are being read, one after the other (sequential reads are
+what disks are fastest at), each into its own slot of a ring of depth + 1 page-aligned buffers.
+The last streamed layers of one step are followed by the first ones of the next, so reading
+continues across tokens. Reads run on one thread with os.preadv, which releases the GIL.
+
+Plain threads rather than aiofiles: aiofiles runs each blocking read on a thread pool anyway, and
+an asyncio loop in between would add a hop per read and a loop to keep alive, for nothing. One
+thread with a queue is the whole scheduler.
+
+A read that fails (an I/O error, a truncated file, a damaged extent) ends the generation that
+needed it with that error; the ring is then emptied and restarts cleanly on the next request.
+"""
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from tierflow.offload.disk import DiskFile, aligned_buffer
+from tierflow.offload.packed_file import PackedFile
+from tierflow.runtime.model import LayerWeights
+
+
+@dataclass
+class _Read:
+    layer: int
+    slot: int
+    done: threading.Event = field(default_factory=threading.Event)
+    weights: LayerWeights | None = None
+    error: BaseException | None = None
+
+
+class LayerStreamer:
+    def __init__(self, disk: DiskFile, packed: PackedFile, layers: list[int], depth: int):
+        self.disk, self.packed, self.order = disk, packed, layers
+        self.slots = [aligned_buffer(packed.largest_layer_bytes) for _ in range(min(depth + 1, len(layers)))]
+        self.slot_bytes = len(self.slots[0]) if self.slots else 0
+        self._position = {layer: k for k, layer in enumerate(layers)}
+        self._checked: set[int] = set()  # extents whose checksum this process has verified
+        self._reads: dict[int, _Read] = {}  # by sequence number
+        self._scheduled = self._consumed = 0  # sequence numbers: read n is of layer order[n % S]
+        self._queue: queue.Queue[_Read | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="tierflow-streamer", daemon=True)
+        self._thread.start()
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * len(self.slots)
+
+    def get(self, layer: int) -> LayerWeights:
+        """The weights of `layer`, valid until the next call (its buffer is then reused)."""
+        expected = self.order[self._consumed % len(self.order)]
+        if layer != expected:  # a step ended early (an error, a cancel): restart at this layer
+            self._restart(self._position[layer])
+        # The previous layer is done with: its slot may take the next read.
+        while self._scheduled < self._consumed + len(self.slots):
+            n = self._scheduled
+            read = _Read(self.order[n % len(self.order)], n % len(self.slots))
+            self._reads[n] = read
+            self._queue.put(read)
+            self._scheduled += 1
+        read = self._reads.pop(self._consumed)
+        read.done.wait()
+        if read.error is not None:
+            self._restart(self._position[layer])
+            raise read.error
+        self._consumed += 1
+        return read.weights
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._reads.clear()
+
+    def _restart(self, position: int) -> None:
+        """Waits out the reads in flight, then continues the order from `position`."""
+        for read in self._reads.values():
+            read.done.wait()
+        self._reads.clear()
+        start = self._consumed - self._consumed % len(self.order) + position
+        self._scheduled = self._consumed = start
+
+    def _run(self) -> None:
+        while (read := self._queue.get()) is not None:
+            try:
+                extent = self.packed.layers[read.layer]
+                data = self.disk.read_into(self.slots[read.slot], extent.offset, extent.nbytes)
+                if read.layer not in self._checked:
+                    self.packed.check(extent, data)
+                    self._checked.add(read.layer)
+                read.weights = self.packed.layer_weights(read.layer, data)
+            except BaseException as error:  # handed to the compute thread, which raises it
+                read.error = error
+            finally:
+                read.done.set()

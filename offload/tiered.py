@@ -1,0 +1,94 @@
+"""TieredWeights: the WeightSource of a placement: some layers held in RAM, the rest streamed.
+
+Everything comes from the model's pack (packed_file.py): the globals (embeddings, output head,
+norms) and the resident layers are read once into RAM at load; the streamed layers are read
+from disk every step by the LayerStreamer into its ring of buffers. RAM held for weights is the
+globals, the resident layers and the ring, which is what the cpu_memory budget bounds.
+"""
+
+import numpy as np
+import torch
+
+from tierflow.cpu_kernels.linear import PackedLinear
+from tierflow.cpu_kernels.packed import PackedMatrix
+from tierflow.offload.disk import DiskFile, aligned_buffer
+from tierflow.offload.packed_file import LAYER_LINEARS, Extent, LoadProgress, PackedFile
+from tierflow.offload.streamer import LayerStreamer
+from tierflow.runtime.model import ConcatLinear, LayerWeights, Linear
+
+
+class TieredWeights:
+    def __init__(self, packed: PackedFile, streamed_layers: list[int], depth: int,
+                 progress: LoadProgress | None = None):
+        self.packed = packed
+        self.disk = DiskFile(packed.path)
+        self._buffers = []  # the resident extents' memory, alive as long as the weights
+        streamed = set(streamed_layers)
+        resident = [i for i in range(len(packed.layers)) if i not in streamed]
+        total = packed.globals.nbytes + sum(packed.layers[i].nbytes for i in resident)
+        self._loaded, self._progress = 0, progress
+        try:
+            globals_ = packed.global_weights(self._read(packed.globals, total))
+            self._layers = {i: packed.layer_weights(i, self._read(packed.layers[i], total)) for i in resident}
+            self.streamer = (LayerStreamer(self.disk, packed, sorted(streamed), depth) if streamed else None)
+        except BaseException:
+            self.disk.close()
+            raise
+        self._embedding: PackedMatrix | torch.Tensor = globals_["embedding"]
+        self._output_norm, self._output = globals_["output_norm"], globals_["output"]
+        self._rope_freqs = globals_["rope_freqs"]
+        self.streamed_layers = sorted(streamed)
+        ring = self.streamer.nbytes if self.streamer else 0
+        self._bytes = {"gpu": 0, "cpu": total + ring,
+                       "disk": sum(packed.layers[i].nbytes for i in self.streamed_layers)}
+        layer_specs = [extent.weights[field] for extent in packed.layers for field in LAYER_LINEARS]
+        self.uses_kernels = _computed_by_kernels(self._output) or any(map(_packed_spec, layer_specs))
+
+    def _read(self, extent: Extent, total: int) -> memoryview:
+        buffer = aligned_buffer(extent.nbytes)
+        data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
+        self.packed.check(extent, data)
+        self._buffers.append(buffer)
+        self._loaded += extent.nbytes
+        if self._progress is not None:
+            self._progress("load", self._loaded, total)
+        return data
+
+    # -- the WeightSource interface --------------------------------------------------------
+
+    def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        if isinstance(self._embedding, torch.Tensor):
+            return self._embedding.numpy()[token_ids]
+        return self._embedding.row_slice(token_ids)
+
+    def layer(self, layer_idx: int) -> LayerWeights:
+        weights = self._layers.get(layer_idx)
+        return weights if weights is not None else self.streamer.get(layer_idx)
+
+    def output_norm(self) -> np.ndarray:
+        return self._output_norm
+
+    def output(self) -> Linear:
+        return self._output
+
+    def rope_freq_factors(self) -> torch.Tensor | None:
+        return self._rope_freqs
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """Weight bytes held in RAM (globals, resident layers, the ring) and read from disk."""
+        return dict(self._bytes)
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+        self.disk.close()
+
+
+def _packed_spec(spec: dict) -> bool:
+    return spec["kind"] == "packed" or (spec["kind"] == "concat" and any(map(_packed_spec, spec["parts"])))
+
+
+def _computed_by_kernels(linear: Linear) -> bool:
+    if isinstance(linear, ConcatLinear):
+        return any(_computed_by_kernels(part) for part in linear.parts)
+    return isinstance(linear, PackedLinear)
