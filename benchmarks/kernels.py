@@ -35,7 +35,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,15 +42,20 @@ import llama_cpp
 import numpy as np
 
 from tierflow.cpu_kernels import matmul as kernels
-from tierflow.cpu_kernels.packed import PackedMatrix, pack
-from tierflow.cpu_kernels.quant_groups import QuantGroups
+from tierflow.cpu_kernels.packed import PackedMatrix
+from tierflow.offload.probe import (
+    ReadBandwidth,
+    cold_ring,
+    l3_cache_bytes,
+    random_packed,
+    seconds_per_call,
+)
 
 BITS = (1, 2, 3, 4, 8)
 GROUP = 32
 VERIFY_BATCH = 8  # M of a speculative verify step
 GOAL_FRACTION, GOAL_BITS = 0.8, (2, 4)
 BASELINE_TYPES = {4: "Q4_0", 8: "Q8_0"}  # ggml type run beside each bit width
-FALLBACK_L3_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -71,55 +75,7 @@ FULL_SHAPES = Shapes(hidden=4096, ffn=11008, num_heads=32)
 QUICK_SHAPES = Shapes(hidden=1024, ffn=2752, num_heads=8)
 
 
-def l3_cache_bytes() -> tuple[int, str]:
-    """The L3 size from sysfs, and where it came from."""
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            if (index / "level").read_text().strip() == "3":
-                size = (index / "size").read_text().strip()
-                units = {"K": 2**10, "M": 2**20, "G": 2**30}
-                return int(size.rstrip("KMG")) * units.get(size[-1], 1), f"{index}/size"
-        except (OSError, ValueError):
-            break
-    return FALLBACK_L3_BYTES, "not found in sysfs: assumed 64 MiB"
-
-
 # --- what is timed ------------------------------------------------------------------------------
-
-class ReadBandwidth:
-    """Read-only passes over a buffer far larger than L3."""
-
-    # (view dtype, reduction): numpy's SIMD max over int32 reads ~20% faster with 2 threads here
-    # than the plain add over uint64 words; a sample is the faster of the two.
-    READERS = ((np.uint64, np.add.reduce), (np.int32, np.maximum.reduce))
-
-    def __init__(self, num_bytes: int, max_threads: int):
-        self.buffer = np.ones(num_bytes, np.uint8)  # written once, so every page is mapped
-        self.pool = ThreadPoolExecutor(max_threads)
-
-    def gb_per_s(self, threads: int, passes: int) -> float:
-        best = math.inf
-        for _ in range(passes):
-            for dtype, reduce in self.READERS:
-                parts = np.array_split(self.buffer.view(dtype), threads)
-                started = time.perf_counter()
-                list(self.pool.map(reduce, parts))
-                best = min(best, time.perf_counter() - started)
-        return self.buffer.nbytes / best / 1e9
-
-
-def random_packed(rng: np.random.Generator, bits: int, rows: int, cols: int) -> PackedMatrix:
-    """Random codes with sane scales; int8 codes get no mins, as Q8_0."""
-    groups = (rows, cols // GROUP)
-    scale = rng.uniform(0.005, 0.015, groups).astype(np.float32)
-    if bits == 8:
-        q = rng.integers(-128, 128, (rows, cols), dtype=np.int8)
-        min_ = np.full(groups, -0.0, np.float32)
-    else:
-        q = rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8)
-        min_ = -scale * (2**bits - 1) / 2
-    return pack(QuantGroups(q, scale, min_, GROUP, bits))
-
 
 @dataclass
 class KernelCase:
@@ -135,25 +91,13 @@ class KernelCase:
 
     def seconds_per_call(self, batch: int, passes: int) -> float:
         """Best over `passes` passes through the ring of the mean time of one call."""
-        x = np.random.default_rng(batch).standard_normal((batch, self.cols), dtype=np.float32)
-        out = np.empty((batch, self.rows), np.float32)
-        best = math.inf
-        for _ in range(passes):
-            started = time.perf_counter()
-            for w in self.ring:
-                kernels.matmul(w, x, out)
-            best = min(best, (time.perf_counter() - started) / len(self.ring))
-        return best
+        return seconds_per_call(self.ring, batch, passes)
 
 
 def make_case(rng: np.random.Generator, bits: int, label: str, rows: int, cols: int,
               cold_bytes: int) -> KernelCase:
-    first = random_packed(rng, bits, rows, cols)
-    copies = cold_bytes // first.nbytes + 1
-    ring = [first] + [replace(first, data=first.data.copy(), scales=first.scales.copy(),
-                              mins=None if first.mins is None else first.mins.copy())
-                      for _ in range(copies - 1)]
-    return KernelCase(bits, label, rows, cols, ring)
+    first = random_packed(rng, bits, rows, cols, GROUP)
+    return KernelCase(bits, label, rows, cols, cold_ring(first, cold_bytes))
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 import json
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
@@ -166,6 +167,107 @@ def info(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (defaul
     for type_name, (count, nbytes) in sorted(summary.tensor_types.items()):
         types.add_row(type_name, str(count), format_size(nbytes))
     out.print(types)
+
+
+@app.command()
+def plan(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
+         model_opt: ModelOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
+         threads: ThreadsOpt = None, ctx: CtxOpt = None,
+         prompt_tokens: Annotated[Optional[int], typer.Option(
+             "--prompt-tokens", help="prompt length of the prefill prediction, and the position of "
+             "the decode one (default: 512, at most the context)")] = None,
+         as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False) -> None:
+    """Show where each layer would live and compute, the memory it takes and the predicted
+    tokens/s, before anything loads (reads the header and the cached hardware profile)."""
+    from tierflow.offload.planner import plan_model
+    from tierflow.offload.probe import load_profile
+    from tierflow.offload.profile import profile_path
+
+    if threads is None:
+        from tierflow.runtime.engine import _thread_count
+
+        threads = _thread_count(None)
+
+    def profile():
+        if not profile_path(threads).exists():
+            err.print("measuring this machine once for the planner (tierflow probe), about 20 s",
+                      soft_wrap=True)
+        return load_profile(threads)
+
+    result = plan_model(model or model_opt, profile, gpu_memory=gpu_memory, cpu_memory=cpu_memory,
+                        context_length=ctx, prompt_tokens=prompt_tokens)
+    if as_json:
+        print(json.dumps(result.as_dict()))
+        return
+    groups = Table("group", "bytes", "home", "compute", title=f"{result.model}: placement")
+    for label, nbytes, home, compute in result.rows():
+        groups.add_row(label, format_size(nbytes), home, compute)
+    out.print(groups)
+    summary = Table(show_header=False)
+    for key, value in result.summary():
+        summary.add_row(key, value)
+    out.print(summary)
+
+
+@app.command()
+def probe(threads: ThreadsOpt = None,
+          refresh: Annotated[bool, typer.Option("--refresh", help="measure again, replacing the "
+                                                "cached profile")] = False,
+          as_json: Annotated[bool, typer.Option("--json", help="print the profile as JSON")] = False) -> None:
+    """Measure disk, RAM and kernel speeds: the hardware profile the planner predicts with.
+
+    Measured once (about 20 s) and cached; --refresh measures again."""
+    from tierflow.offload.probe import ProbeWarning, load_profile
+    from tierflow.offload.profile import profile_path
+
+    if threads is None:
+        from tierflow.runtime.engine import _thread_count
+
+        threads = _thread_count(None)
+    with warnings.catch_warnings(record=True) as caught, _status("measuring") as progress:
+        warnings.simplefilter("always", ProbeWarning)
+        profile = load_profile(threads, refresh=refresh, progress=progress)
+    for warning in caught:
+        if issubclass(warning.category, ProbeWarning):
+            err.print(f"[yellow]warning:[/yellow] {warning.message}", soft_wrap=True)
+    if as_json:
+        print(profile.to_json())
+        return
+    _print_profile(profile)
+    out.print(f"cached in {profile_path(threads)} (--refresh measures again)", soft_wrap=True)
+
+
+@contextmanager
+def _status(label: str):
+    """A spinner on stderr (when stderr is a terminal) naming the step, fed step names."""
+    if not err.is_terminal:
+        yield None
+        return
+    with err.status(label) as status:
+        yield lambda step: status.update(f"{label} {step}")
+
+
+def _print_profile(profile) -> None:
+    gbps = "{:.1f} GB/s".format
+    table = Table(title=f"hardware profile, {profile.threads} threads", show_header=False)
+    table.add_row("CPU", profile.cpu_name)
+    table.add_row("disk read", f"{gbps(profile.disk_read_gbps)} "
+                  f"({'O_DIRECT' if profile.disk_direct_io else 'buffered, page cache dropped'})")
+    table.add_row("RAM read", gbps(profile.ram_read_gbps))
+    table.add_row("decode overhead", f"{profile.layer_overhead_s * 1e6:.1f} µs per layer per token")
+    gpu = profile.gpu
+    table.add_row("GPU", "none" if gpu is None else
+                  f"{gpu.name}, {format_size(gpu.memory_bytes)}, host to device {gbps(gpu.h2d_gbps)}")
+    out.print(table)
+    kernels = Table("bits", "decode GB/s", "of RAM read", "prefill GB/s per token", title="CPU kernels",
+                    caption="packed weight bytes per second: 1-token products, and 32-token products "
+                            "x 32 per token")
+    for bits, rate in sorted(profile.kernel_gbps.items()):
+        kernels.add_row(str(bits), f"{rate:.1f}", f"{rate / profile.ram_read_gbps:.0%}",
+                        f"{profile.kernel_batch_gbps.get(bits, 0.0):.1f}")
+    out.print(kernels)
+    if gpu is not None and not gpu.kernel_gbps:
+        out.print("GPU kernels: not measured (none exist yet)")
 
 
 @app.command()

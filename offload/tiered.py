@@ -63,7 +63,11 @@ class TieredWeights:
 
     def layer(self, layer_idx: int) -> LayerWeights:
         weights = self._layers.get(layer_idx)
-        return weights if weights is not None else self.streamer.get(layer_idx)
+        if weights is None:
+            return self.streamer.get(layer_idx)
+        if self.streamer is not None:
+            self.streamer.release()  # the streamed layer before this one is done with
+        return weights
 
     def output_norm(self) -> np.ndarray:
         return self._output_norm

@@ -28,7 +28,15 @@ from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.llama_vocab import llama_vocab_file
 from tierflow.offload.model_info import read_config
 from tierflow.offload.model_path import resolve_model_path
-from tierflow.offload.packed_file import PackedFile, open_pack
+from tierflow.offload.packed_file import open_pack
+from tierflow.offload.planner import (
+    DEFAULT_CONTEXT_CAP,
+    default_cpu_budget,
+    kv_cache_bytes,
+    make_plan,
+    model_extents,
+)
+from tierflow.offload.probe import load_profile
 from tierflow.offload.resident import check_tensors
 from tierflow.offload.tiered import LoadProgress, TieredWeights
 from tierflow.runtime.config import ModelConfig
@@ -39,9 +47,7 @@ from tierflow.runtime.sampler import Sampler, SamplingParams
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
-from tierflow.units import format_size, parse_size
-
-DEFAULT_CONTEXT_CAP = 4096  # default KV cache length when the model allows more
+from tierflow.units import parse_size
 
 
 class Engine:
@@ -94,7 +100,7 @@ class Engine:
                         f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens but the "
                         f"embedding only {config.vocab_size} rows"
                     )
-                weights = _load_weights(gguf, config, cpu_budget, progress)
+                weights = _load_weights(gguf, config, cpu_budget, threads, context_length, progress)
             except BaseException:
                 tokenizer.close()
                 raise
@@ -242,38 +248,33 @@ class Engine:
             )
 
 
-def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, progress) -> TieredWeights:
+def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, threads: int, context_length: int,
+                  progress) -> TieredWeights:
     """The model's pack (built on first use) placed under the budget. A pack found damaged while
     loading is rebuilt once."""
+    streamed, depth = _placement(gguf, config, cpu_budget, threads, context_length)
     packed = open_pack(gguf, config, progress)
     try:
-        return TieredWeights(packed, *_placement(packed, cpu_budget), progress)
+        return TieredWeights(packed, streamed, depth, progress)
     except ModelFileError:
         packed.path.unlink(missing_ok=True)
-        packed = open_pack(gguf, config, progress)
-        return TieredWeights(packed, *_placement(packed, cpu_budget), progress)
+        return TieredWeights(open_pack(gguf, config, progress), streamed, depth, progress)
 
 
-def _placement(packed: PackedFile, cpu_budget: int | None, depth: int = 2) -> tuple[list[int], int]:
-    """(streamed layers, prefetch depth): the earliest layers stay in RAM, as many as the budget
-    holds beside the globals and a ring of depth + 1 streaming buffers."""
-    sizes = [extent.nbytes for extent in packed.layers]
-    if cpu_budget is None or packed.globals.nbytes + sum(sizes) <= cpu_budget:
-        return [], 0
-    slot = packed.largest_layer_bytes
-    smallest = packed.globals.nbytes + 2 * slot
-    if cpu_budget < smallest:
-        raise BudgetError(f"cpu_memory {format_size(cpu_budget)} cannot hold the embeddings and output "
-                          f"head ({format_size(packed.globals.nbytes)}) and two streaming buffers "
-                          f"({format_size(2 * slot)}): at least {format_size(smallest)} is needed")
-    while depth > 1 and packed.globals.nbytes + (depth + 1) * slot > cpu_budget:
-        depth -= 1
-    room = cpu_budget - packed.globals.nbytes - (depth + 1) * slot
-    resident = 0
-    while resident < len(sizes) and sizes[resident] <= room:
-        room -= sizes[resident]
-        resident += 1
-    return list(range(resident, len(sizes))), depth
+def _placement(gguf, config: ModelConfig, cpu_budget: int | None, threads: int,
+               context_length: int) -> tuple[tuple[int, ...], int]:
+    """(streamed layers, prefetch depth). Everything stays in RAM when it fits the budget (default:
+    available RAM less a margin); otherwise the planner, with this machine's measured profile
+    (probed once and cached), chooses what streams."""
+    globals_, layers = model_extents(gguf, config)
+    budget = cpu_budget
+    if budget is None:
+        budget = default_cpu_budget(kv_cache_bytes(config, context_length))
+    if globals_.nbytes + sum(layer.nbytes for layer in layers) <= budget:
+        return (), 0
+    plan = make_plan(gguf, config, load_profile(threads), gpu_budget=0, cpu_budget=budget,
+                     context_length=context_length)
+    return plan.streamed_layers, plan.prefetch_depth
 
 
 def _thread_count(threads: int | None) -> int:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from tierflow.offload.model_path import bundled_model_path
+
 # Packs and profiles that tests write go to a folder of this run, never the user's cache (set at
 # import, before any test or subprocess, so the CLI and server processes inherit it).
 os.environ["TIERFLOW_CACHE"] = tempfile.mkdtemp(prefix="tierflow-test-cache-")
 atexit.register(shutil.rmtree, os.environ["TIERFLOW_CACHE"], ignore_errors=True)
-
-from tierflow.offload.model_path import bundled_model_path
 
 
 @pytest.fixture(scope="session")

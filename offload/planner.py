@@ -1,0 +1,582 @@
+"""The planner: from the GGUF header, the hardware profile and the budgets, a `Plan`.
+
+    plan = make_plan(gguf, config, profile, gpu_budget=0, cpu_budget=2 << 30, context_length=4096)
+    print(plan.table())
+
+No weight is read. A Plan gives every tensor group (the embeddings, each layer's attention and
+FFN, the output head) a home tier and a compute device, the prefetch depth, the KV cache's tier,
+peak memory per tier and the predicted prefill and decode tokens/s.
+
+Bytes. Weights are counted as the model's pack lays them out (offload/packed_file.py), which is
+what TieredWeights holds and the streamer reads: one extent for the globals (embeddings, output
+norm and head, rope factors), one per layer (its norms and packed linears), arrays 64-byte aligned,
+extents padded to 4 KiB. `model_extents` recomputes those sizes from shapes alone (int8 mins that
+turn out all zero make a pack smaller: an upper bound). A layer's attention and FFN share its
+extent, so they share a home; the groups split the extent after the attention output.
+
+Placement, in order:
+1. GPU (only when the profile has a GPU and gpu_budget > 0): layers from 0 up while they fit.
+2. The globals stay in RAM (every token needs them) and count against cpu_budget.
+3. If the other layers fit beside them, all are resident: no ring, depth 0.
+4. Else the rest stream from disk through a ring of depth + 1 slots of the largest layer's extent,
+   depth 1..4, the ring counted against cpu_budget. For each affordable depth, the layers that fit
+   in what is left stay resident: first fit in layer order, or as many spread evenly (resident
+   layers between streamed ones give the disk time to read ahead). The (depth, layout) with the
+   lowest predicted decode time wins; ties go to fewer streamed bytes, a deeper ring, then the
+   earliest layers. Below globals + min(the other layers, two slots), BudgetError names that size.
+
+Cost model (GB = 1e9 bytes; speeds from the HardwareProfile). A pass (a decode step at position
+p = prompt_tokens, or a prefill chunk of T <= 512 tokens at positions s .. s + T - 1) is a chain of
+stages, one per layer and one for the output head:
+    compute = sum over linears of T * bytes / rate(bits)            matmuls
+              + layer_overhead_s                                    norms, rope, Python (per pass)
+              + decode: 2 * K * D * 4 * p cache bytes / ram_read_gbps       attention reads
+                prefill: 4 * H * D * T * (s + (T + 1) / 2) flops / (2e9 * kernel_batch_gbps[8])
+    read    = extent bytes / disk_read_gbps                         streamed layers only
+  rate(bits): decode kernel_gbps[bits], prefill kernel_batch_gbps[bits] (bytes x tokens per
+  second); float32 linears (torch) decode at ram_read_gbps and prefill at 4 x the int8 batch
+  rate (as many weights per second); bits not measured: the nearest that is. The head computes
+  one token even in prefill. GPU layers use GpuProfile.kernel_gbps (PLACEHOLDER_GPU_GBPS while
+  unmeasured) and, in prefill, read their weights once per GPU_TOKENS_PER_READ tokens.
+Stages compute one after another. One reader reads the streamed layers in order, cycling across
+passes, as LayerStreamer does: read n is issued once streamed layer n - depth - 1 has computed
+(the decoder moving on frees its slot), and layer n computes once its read is done. The time of a
+pass is that pipeline's makespan, stepped through stage by stage: decode is the steady-state
+period (mean of passes 5-8), prefill is P tokens from a cold ring. It lies between
+max(compute, io) and compute + io (the sums over the pass): disk-bound, a decode step is io plus
+any run of unstreamed compute longer than the ring lets the disk read ahead.
+Left out: reads slowing compute (O_DIRECT DMA costs little CPU), the first pass's checksums,
+CPU-GPU activation copies, prefill attention on the GPU.
+"""
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from tierflow.cpu_kernels.packed import TILE_ROWS
+from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, group_layout
+from tierflow.errors import BudgetError, ContextLengthError
+from tierflow.offload.disk import ALIGNMENT
+from tierflow.offload.gguf_file import GGUFFile, TensorInfo, read_gguf
+from tierflow.offload.model_info import read_config
+from tierflow.offload.model_path import resolve_model_path
+from tierflow.offload.packed_file import ARRAY_ALIGNMENT, LAYER_LINEARS
+from tierflow.offload.profile import HardwareProfile
+from tierflow.offload.resident import check_tensors
+from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.generation import PREFILL_CHUNK
+from tierflow.units import format_size, parse_size
+
+MAX_PREFETCH_DEPTH = 4
+DEFAULT_CONTEXT_CAP = 4096  # the KV cache length Engine.load defaults to
+DEFAULT_PROMPT_TOKENS = 512
+CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # default cpu_budget keeps this much RAM free
+GPU_MARGIN = 512 << 20  # CUDA context and allocator slack under the default gpu_budget
+PLACEHOLDER_GPU_GBPS = 300.0  # a mid-range consumer GPU's memory bandwidth, until GPU kernels exist
+GPU_TOKENS_PER_READ = 128  # prefill tokens a GPU serves per read of its weights (placeholder)
+_DECODE_PASSES, _STEADY_PASSES = 8, 4
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    name: str  # "embeddings", "attention", "ffn" or "output" (head, its norm, rope factors)
+    layer: int | None
+    nbytes: int  # bytes in the pack; a layer's two groups add up to its extent
+    home: str  # "gpu", "cpu" or "disk" (streamed into the RAM ring every pass)
+    compute: str  # "gpu" or "cpu"
+
+
+@dataclass(frozen=True)
+class Timing:
+    tokens: int  # computed in `seconds`: 1 for a decode step, the prompt for prefill
+    seconds: float  # predicted wall time
+    compute_s: float  # compute alone, as if no read were waited for
+    io_s: float  # disk reads alone
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    num_layers: int
+    groups: tuple[GroupPlacement, ...]
+    gpu_layers: tuple[int, ...]
+    resident_layers: tuple[int, ...]  # held in RAM
+    streamed_layers: tuple[int, ...]  # read from disk into the ring every pass
+    prefetch_depth: int  # layers read ahead of the one computing; 0 when nothing streams
+    ring_slot_bytes: int
+    ring_bytes: int  # (prefetch_depth + 1) slots
+    kv_tier: str
+    kv_bytes: int
+    budget_bytes: dict[str, int]  # gpu_budget, cpu_budget as used (defaults resolved)
+    used_bytes: dict[str, int]  # against the budgets: gpu layers; globals + RAM layers + ring.
+    # "disk": the streamed layers' bytes, read from disk every pass
+    peak_bytes: dict[str, dict[str, int]]  # "prefill"/"decode" -> "gpu"/"cpu" -> bytes
+    prefill: Timing
+    decode: Timing  # one step at position prompt_tokens
+    context_length: int
+    prompt_tokens: int
+    notes: tuple[str, ...]  # assumptions behind the figures
+
+    @property
+    def predicted_prefill_tps(self) -> float:
+        return self.prefill.tokens_per_s
+
+    @property
+    def predicted_decode_tps(self) -> float:
+        return self.decode.tokens_per_s
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"predicted_prefill_tps": self.predicted_prefill_tps,
+                               "predicted_decode_tps": self.predicted_decode_tps}
+
+    def rows(self) -> list[tuple[str, int, str, str]]:
+        """(group, bytes, home, compute): the layers placed alike in one row, e.g. "layers 0-11,
+        14 attention+ffn"; rows in the order of their first layer."""
+        runs: dict[tuple, list[GroupPlacement]] = {}
+        for g in self.groups:
+            if g.layer is not None:
+                runs.setdefault((g.home, g.compute), []).append(g)
+        rows = [(_GLOBAL_LABELS[g.name], g.nbytes, g.home, g.compute)
+                for g in self.groups if g.name == "embeddings"]
+        for (home, compute), groups in runs.items():
+            names = "+".join(dict.fromkeys(g.name for g in groups))
+            layers = sorted({g.layer for g in groups})
+            noun = "layer" if len(layers) == 1 else "layers"
+            rows.append((f"{noun} {_ranges(layers)} {names}", sum(g.nbytes for g in groups), home, compute))
+        return rows + [(_GLOBAL_LABELS[g.name], g.nbytes, g.home, g.compute)
+                       for g in self.groups if g.name == "output"]
+
+    def summary(self) -> list[tuple[str, str]]:
+        size, d, p = format_size, self.decode, self.prefill
+        ring = (f"depth {self.prefetch_depth}: {self.prefetch_depth + 1} x {size(self.ring_slot_bytes)}"
+                f" = {size(self.ring_bytes)} in RAM" if self.prefetch_depth else "none (nothing streams)")
+        rows = [
+            ("budgets", f"gpu_memory {size(self.budget_bytes['gpu'])}, "
+                        f"cpu_memory {size(self.budget_bytes['cpu'])}"),
+            ("weights held", f"gpu {size(self.used_bytes['gpu'])}, cpu {size(self.used_bytes['cpu'])} "
+                             f"(ring included); streamed per token {size(self.used_bytes['disk'])}"),
+            ("layers", f"{len(self.gpu_layers)} on GPU, {len(self.resident_layers)} in RAM, "
+                       f"{len(self.streamed_layers)} streamed from disk"),
+            ("prefetch ring", ring),
+            ("KV cache", f"{size(self.kv_bytes)} in {self.kv_tier.upper()} RAM "
+                         f"({self.context_length} positions, float32)"),
+        ]
+        for phase in ("prefill", "decode"):
+            peak = self.peak_bytes[phase]
+            rows.append((f"peak ({phase})", f"gpu {size(peak['gpu'])}, cpu {size(peak['cpu'])}"))
+        rows += [
+            ("prefill", f"{p.tokens_per_s:,.0f} tok/s for {p.tokens} tokens ({p.seconds:.3g} s: "
+                        f"compute {p.compute_s:.3g} s, disk {p.io_s:.3g} s)"),
+            ("decode", f"{d.tokens_per_s:,.1f} tok/s at position {self.prompt_tokens} "
+                       f"({d.seconds * 1e3:.3g} ms/token: compute {d.compute_s * 1e3:.3g} ms, "
+                       f"disk {d.io_s * 1e3:.3g} ms)"),
+        ]
+        return rows + [("note", note) for note in self.notes]
+
+    def table(self) -> str:
+        """The plan as plain text: the groups, then the summary."""
+        rows = self.rows()
+        width = max(len(label) for label, *_ in rows)
+        lines = [f"{'group':<{width}} {'bytes':>10}  {'home':<5} compute"]
+        lines += [f"{label:<{width}} {format_size(n):>10}  {home:<5} {compute}"
+                  for label, n, home, compute in rows]
+        return "\n".join(lines + [""] + [f"{key}: {value}" for key, value in self.summary()])
+
+
+_GLOBAL_LABELS = {"embeddings": "embeddings", "output": "output head"}
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+# -- bytes: the pack's extents, from shapes alone -------------------------------------------------
+
+@dataclass(frozen=True)
+class _Linear:
+    nbytes: int
+    bits: int | None  # None: a float32 matrix, computed by torch
+
+
+@dataclass(frozen=True)
+class Extent:
+    nbytes: int  # padded to ALIGNMENT
+    groups: tuple[tuple[str, int], ...]  # (group, bytes), adding up to nbytes
+    linears: tuple[_Linear, ...]  # what a pass computes with it (none for the embeddings)
+
+
+class _ExtentSizer:
+    """Mirrors packed_file._ExtentBuilder: arrays 64-byte aligned in the order the pack writes them."""
+
+    def __init__(self):
+        self.size, self.groups, self.linears, self._mark = 0, [], [], 0
+
+    def add(self, nbytes: int) -> None:
+        self.size = -(-self.size // ARRAY_ALIGNMENT) * ARRAY_ALIGNMENT + nbytes
+
+    def matrix(self, rows: int, cols: int, ggml_type: int, bias: bool) -> _Linear:
+        if bias:
+            self.add(4 * rows)
+        if ggml_type not in GROUPED_TYPES:
+            self.add(4 * rows * cols)
+            return _Linear(4 * rows * cols, None)
+        layout = group_layout(ggml_type)
+        padded = -(-rows // TILE_ROWS) * TILE_ROWS
+        arrays = [padded * cols * layout.bits // 8, padded * (cols // layout.group) * 2]
+        arrays += arrays[1:] if layout.has_min or layout.bits != 8 else []
+        for nbytes in arrays:
+            self.add(nbytes)
+        return _Linear(sum(arrays), layout.bits)
+
+    def linear(self, gguf: GGUFFile, names: list[str]) -> None:
+        """Matrices reading one input: one fused matrix when their formats agree (as the pack)."""
+        infos = [gguf.tensors[f"{name}.weight"] for name in names]
+        biased = [f"{name}.bias" in gguf.tensors for name in names]
+        rows, cols = sum(info.shape[1] for info in infos), infos[0].shape[0]
+        formats = {(group_layout(i.ggml_type).bits, group_layout(i.ggml_type).group)
+                   if i.ggml_type in GROUPED_TYPES else None for i in infos}
+        if len(formats) == 1:
+            self.linears.append(self.matrix(rows, cols, infos[0].ggml_type, any(biased)))
+        else:
+            self.linears += [self.matrix(i.shape[1], i.shape[0], i.ggml_type, b)
+                             for i, b in zip(infos, biased)]
+
+    def vector(self, info: TensorInfo) -> None:
+        self.add(4 * info.num_elements)
+
+    def close_group(self, name: str) -> None:
+        self.groups.append((name, self.size - self._mark))
+        self._mark = self.size
+
+    def extent(self, last_group: str, linears: list[_Linear] | None = None) -> Extent:
+        padded = -(-self.size // ALIGNMENT) * ALIGNMENT
+        self.groups.append((last_group, padded - self._mark))
+        return Extent(padded, tuple(self.groups), tuple(self.linears if linears is None else linears))
+
+
+def model_extents(gguf: GGUFFile, config: ModelConfig) -> tuple[Extent, list[Extent]]:
+    """The pack's globals extent and layer extents, sized from the header (tensors checked)."""
+    sizer = _ExtentSizer()
+    embd = gguf.tensors["token_embd.weight"]
+    head = [sizer.matrix(embd.shape[1], embd.shape[0], embd.ggml_type, False)]
+    sizer.close_group("embeddings")
+    sizer.vector(gguf.tensors["output_norm.weight"])
+    if not config.tied_embeddings:
+        sizer.linear(gguf, ["output"])
+        head = sizer.linears
+    if "rope_freqs.weight" in gguf.tensors:
+        sizer.vector(gguf.tensors["rope_freqs.weight"])
+    globals_ = sizer.extent("output", head)
+    layers = []
+    for i in range(config.num_layers):
+        sizer, prefix = _ExtentSizer(), f"blk.{i}."
+        sizer.vector(gguf.tensors[prefix + "attn_norm.weight"])
+        sizer.vector(gguf.tensors[prefix + "ffn_norm.weight"])
+        for field, names in LAYER_LINEARS.items():
+            sizer.linear(gguf, [prefix + name for name in names])
+            if field == "wo":
+                sizer.close_group("attention")
+        layers.append(sizer.extent("ffn"))
+    return globals_, layers
+
+
+# -- the cost model (see the module docstring) ----------------------------------------------------
+
+def _nearest(table: dict[int, float], bits: int, fallback: float) -> float:
+    if not table:
+        return fallback
+    return table[min(table, key=lambda b: (abs(b - bits), -b))]
+
+
+@dataclass(frozen=True)
+class _Stage:
+    compute_s: float
+    read_s: float = 0.0  # > 0: streamed
+
+
+class _Costs:
+    """Seconds per stage under the profile; see the module docstring for each formula."""
+
+    def __init__(self, profile: HardwareProfile, config: ModelConfig):
+        self.p, self.c = profile, config
+        gpu = profile.gpu
+        self.gpu_gbps = dict(gpu.kernel_gbps) if gpu is not None else {}
+        self.notes = []
+        if gpu is not None and not self.gpu_gbps:
+            self.notes.append(f"GPU kernel speed not measured: assumed {PLACEHOLDER_GPU_GBPS:g} GB/s "
+                              f"(a placeholder until GPU kernels exist)")
+
+    def matmul_s(self, linears, tokens: int, device: str, batch: bool) -> float:
+        p, total = self.p, 0.0
+        for linear in linears:
+            if device == "gpu":
+                rate = _nearest(self.gpu_gbps, linear.bits or 8, PLACEHOLDER_GPU_GBPS)
+                total += math.ceil(tokens / GPU_TOKENS_PER_READ) * linear.nbytes / (rate * 1e9)
+            elif linear.bits is None:
+                rate = 4 * _nearest(p.kernel_batch_gbps, 8, p.ram_read_gbps) if batch else p.ram_read_gbps
+                total += tokens * linear.nbytes / (rate * 1e9)
+            else:
+                rate = _nearest(p.kernel_batch_gbps if batch else p.kernel_gbps, linear.bits, p.ram_read_gbps)
+                total += tokens * linear.nbytes / (rate * 1e9)
+        return total
+
+    def layer_s(self, extent: Extent, device: str, tokens: int, start: int) -> float:
+        """One layer over `tokens` new tokens at positions start..; tokens == 1 is decode."""
+        c = self.c
+        seconds = self.matmul_s(extent.linears, tokens, device, tokens > 1) + self.p.layer_overhead_s
+        if tokens == 1:
+            cache_bytes = 2 * c.num_kv_heads * c.head_dim * 4 * start
+            rate = (self.p.ram_read_gbps if device == "cpu"
+                    else _nearest(self.gpu_gbps, 8, PLACEHOLDER_GPU_GBPS))
+            return seconds + cache_bytes / (rate * 1e9)
+        if device == "cpu":
+            flops = 4 * c.num_heads * c.head_dim * tokens * (start + (tokens + 1) / 2)
+            seconds += flops / (2e9 * _nearest(self.p.kernel_batch_gbps, 8, self.p.ram_read_gbps))
+        return seconds
+
+    def read_s(self, extent: Extent) -> float:
+        return extent.nbytes / (self.p.disk_read_gbps * 1e9)
+
+
+def _run_pipeline(passes: list[list[_Stage]], depth: int) -> list[float]:
+    """End time of each pass: stages compute in order; one reader reads streamed stages in order,
+    read n issued once streamed stage n - depth - 1 has computed and freed its ring slot
+    (LayerStreamer's rule)."""
+    clock = reader = 0.0
+    freed: list[float] = []  # when each streamed stage finished computing
+    ends = []
+    for stages in passes:
+        for stage in stages:
+            if stage.read_s:
+                n = len(freed)
+                issued = freed[n - depth - 1] if n > depth else 0.0
+                reader = max(reader, issued) + stage.read_s
+                clock = max(clock, reader) + stage.compute_s
+                freed.append(clock)
+            else:
+                clock += stage.compute_s
+        ends.append(clock)
+    return ends
+
+
+@dataclass(frozen=True)
+class _Layout:
+    gpu: tuple[int, ...]
+    streamed: tuple[int, ...]
+    depth: int
+
+
+def _timings(layout: _Layout, globals_: Extent, layers: list[Extent], costs: _Costs,
+             prompt_tokens: int) -> tuple[Timing, Timing]:
+    def device(i: int) -> str:
+        return "gpu" if i in layout.gpu else "cpu"
+
+    def pass_(tokens: int, start: int) -> list[_Stage]:
+        stages = [_Stage(costs.layer_s(x, device(i), tokens, start),
+                         costs.read_s(x) if i in layout.streamed else 0.0) for i, x in enumerate(layers)]
+        return stages + [_Stage(costs.matmul_s(globals_.linears, 1, "cpu", False))]
+
+    step = pass_(1, prompt_tokens)
+    ends = _run_pipeline([step] * _DECODE_PASSES, layout.depth)
+    period = (ends[-1] - ends[-1 - _STEADY_PASSES]) / _STEADY_PASSES
+    decode = Timing(1, period, sum(s.compute_s for s in step), sum(s.read_s for s in step))
+    chunks = [pass_(min(PREFILL_CHUNK, prompt_tokens - s), s) for s in range(0, prompt_tokens, PREFILL_CHUNK)]
+    stages = [s for chunk in chunks for s in chunk]
+    prefill = Timing(prompt_tokens, _run_pipeline(chunks, layout.depth)[-1],
+                     sum(s.compute_s for s in stages), sum(s.read_s for s in stages))
+    return prefill, decode
+
+
+# -- placement ------------------------------------------------------------------------------------
+
+class PlanBudgetError(BudgetError):
+    """cpu_memory cannot work; `minimum_bytes` is the smallest that would (rounded up as printed)."""
+
+    def __init__(self, message: str, minimum_bytes: int):
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+
+
+def _round_up_as_printed(num_bytes: int) -> int:
+    """The smallest size >= num_bytes that format_size prints exactly (a tenth of its unit), so
+    that the printed figure, parsed back, is enough."""
+    unit = max([1] + [step for step in (1 << 10, 1 << 20, 1 << 30) if num_bytes >= step])
+    if unit == 1:
+        return num_bytes
+    tenths = -(-num_bytes * 10 // unit)
+    return -(-tenths * unit // 10)
+
+
+def _resident_choices(candidates: list[int], sizes: list[int], room: int) -> list[tuple[int, ...]]:
+    """Resident sets for `room` bytes: first fit in layer order; then as many spread evenly."""
+    first_fit, left = [], room
+    for i in candidates:
+        if sizes[i] <= left:
+            first_fit.append(i)
+            left -= sizes[i]
+    m, k = len(candidates), len(first_fit)
+    spread = [candidates[j] for j in range(m) if (j + 1) * k // m > j * k // m]
+    fits = sum(sizes[i] for i in spread) <= room
+    return [tuple(first_fit)] + ([tuple(spread)] if fits and spread != first_fit else [])
+
+
+def _choose_layout(globals_: Extent, layers: list[Extent], gpu: tuple[int, ...], cpu_budget: int,
+                   costs: _Costs, prompt_tokens: int) -> _Layout:
+    sizes = [x.nbytes for x in layers]
+    candidates = [i for i in range(len(layers)) if i not in gpu]
+    everything = globals_.nbytes + sum(sizes[i] for i in candidates)
+    if everything <= cpu_budget:
+        return _Layout(gpu, (), 0)
+    slot = max(sizes)  # the streamer's slots hold the largest extent (already 4 KiB-aligned)
+    if cpu_budget < globals_.nbytes + 2 * slot:
+        need = f"the embeddings and output head ({format_size(globals_.nbytes)})"
+        if everything < globals_.nbytes + 2 * slot:  # cheaper to hold every layer than to stream
+            if candidates:
+                need += f" and {len(candidates)} layers ({format_size(everything - globals_.nbytes)})"
+        else:
+            need += f" plus two streaming buffers of the largest layer ({format_size(slot)} each)"
+        minimum = _round_up_as_printed(min(everything, globals_.nbytes + 2 * slot))
+        raise PlanBudgetError(f"cpu_memory {format_size(cpu_budget)} cannot hold {need}: at least "
+                              f"{format_size(minimum)} is needed", minimum)
+    best, best_key = None, None
+    for depth in range(1, MAX_PREFETCH_DEPTH + 1):
+        room = cpu_budget - globals_.nbytes - (depth + 1) * slot
+        if room < 0:
+            break
+        for order, resident in enumerate(_resident_choices(candidates, sizes, room)):
+            streamed = tuple(i for i in candidates if i not in resident)
+            if len(streamed) < depth + 1:
+                continue  # the ring would hold every streamed layer: a smaller depth does that
+            layout = _Layout(gpu, streamed, depth)
+            seconds = _timings(layout, globals_, layers, costs, prompt_tokens)[1].seconds
+            key = (round(seconds * 1e9), sum(sizes[i] for i in streamed), -depth, order)
+            if best_key is None or key < best_key:
+                best, best_key = layout, key
+    return best
+
+
+def _gpu_layers(layers: list[Extent], profile: HardwareProfile, gpu_budget: int) -> tuple[int, ...]:
+    if gpu_budget > 0 and profile.gpu is None:
+        raise BudgetError("gpu_memory was given but the hardware profile has no GPU; omit it or use 0")
+    chosen, used = [], 0
+    for i, extent in enumerate(layers):
+        if used + extent.nbytes > gpu_budget:
+            break
+        chosen.append(i)
+        used += extent.nbytes
+    return tuple(chosen)
+
+
+def _scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
+    """Activations of a pass of `tokens` tokens attending to `keys` positions (an estimate)."""
+    c = config
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    return 4 * (tokens * (c.hidden_size + 2 * c.ffn_size + qkv) + tokens * keys * c.num_heads + c.vocab_size)
+
+
+def kv_cache_bytes(config: ModelConfig, context_length: int) -> int:
+    """KVCache's float32 keys and values, capacity rounded up to 16 positions as it allocates."""
+    capacity = -(-context_length // 16) * 16
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 * capacity
+
+
+def default_cpu_budget(reserved_bytes: int = 0) -> int:
+    """Available RAM less max(10% of total, 1 GiB) and `reserved_bytes` (KV cache, activations)."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    margin = max(int(CPU_MARGIN_FRACTION * memory.total), CPU_MARGIN_MIN)
+    return max(0, memory.available - margin - reserved_bytes)
+
+
+def default_gpu_budget(profile: HardwareProfile) -> int:
+    """Free VRAM less GPU_MARGIN when the profile has a GPU and CUDA is there; else 0."""
+    if profile.gpu is None:
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, _ = torch.cuda.mem_get_info()
+    return max(0, free - GPU_MARGIN)
+
+
+def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
+              gpu_budget: int | None, cpu_budget: int | None, context_length: int,
+              prompt_tokens: int | None = None) -> Plan:
+    """The plan for a model whose tensors passed check_tensors. A None budget is the default
+    (default_gpu_budget, default_cpu_budget); a cpu_budget that cannot work raises
+    PlanBudgetError (a BudgetError) naming the smallest that would. prompt_tokens (default 512,
+    at most the context) is the prefill prediction's prompt and the decode prediction's position."""
+    if not 1 <= context_length <= config.context_length:
+        raise ContextLengthError(f"context_length must be 1..{config.context_length}, got {context_length}")
+    if prompt_tokens is None:
+        prompt_tokens = min(DEFAULT_PROMPT_TOKENS, context_length)
+    if not 1 <= prompt_tokens <= context_length:
+        raise ContextLengthError(f"prompt_tokens must be 1..{context_length} (the context), "
+                                 f"got {prompt_tokens}")
+    kv_bytes = kv_cache_bytes(config, context_length)
+    scratch = {"prefill": _scratch_bytes(config, min(prompt_tokens, PREFILL_CHUNK), prompt_tokens),
+               "decode": _scratch_bytes(config, 1, context_length)}
+    if cpu_budget is None:
+        cpu_budget = default_cpu_budget(kv_bytes + scratch["prefill"])
+    if gpu_budget is None:
+        gpu_budget = default_gpu_budget(profile)
+    globals_, layers = model_extents(gguf, config)
+    costs = _Costs(profile, config)
+    gpu = _gpu_layers(layers, profile, gpu_budget)
+    layout = _choose_layout(globals_, layers, gpu, cpu_budget, costs, prompt_tokens)
+    prefill, decode = _timings(layout, globals_, layers, costs, prompt_tokens)
+    resident = tuple(i for i in range(len(layers)) if i not in gpu and i not in layout.streamed)
+    slot = max(x.nbytes for x in layers) if layout.depth else 0
+    ring = (layout.depth + 1) * slot if layout.depth else 0
+
+    def home(i: int) -> str:
+        return "gpu" if i in gpu else "disk" if i in layout.streamed else "cpu"
+
+    groups = [GroupPlacement(globals_.groups[0][0], None, globals_.groups[0][1], "cpu", "cpu")]
+    groups += [GroupPlacement(name, i, nbytes, home(i), "gpu" if i in gpu else "cpu")
+               for i, extent in enumerate(layers) for name, nbytes in extent.groups]
+    groups.append(GroupPlacement(globals_.groups[1][0], None, globals_.groups[1][1], "cpu", "cpu"))
+    used = {"gpu": sum(layers[i].nbytes for i in gpu),
+            "cpu": globals_.nbytes + sum(layers[i].nbytes for i in resident) + ring,
+            "disk": sum(layers[i].nbytes for i in layout.streamed)}
+    peak = {phase: {"gpu": used["gpu"] + (scratch[phase] if gpu else 0),
+                    "cpu": used["cpu"] + kv_bytes + scratch[phase]} for phase in scratch}
+    return Plan(model=gguf.path.name, num_layers=config.num_layers, groups=tuple(groups), gpu_layers=gpu,
+                resident_layers=resident, streamed_layers=layout.streamed, prefetch_depth=layout.depth,
+                ring_slot_bytes=slot, ring_bytes=ring, kv_tier="cpu", kv_bytes=kv_bytes,
+                budget_bytes={"gpu": gpu_budget, "cpu": cpu_budget}, used_bytes=used, peak_bytes=peak,
+                prefill=prefill, decode=decode, context_length=context_length,
+                prompt_tokens=prompt_tokens, notes=tuple(costs.notes))
+
+
+def plan_model(model: str | os.PathLike | None, profile: HardwareProfile | Callable[[], HardwareProfile], *,
+               gpu_memory: int | str | None = None, cpu_memory: int | str | None = None,
+               context_length: int | None = None, prompt_tokens: int | None = None) -> Plan:
+    """The plan for a GGUF file (default: the bundled model), from its header alone. Budgets as
+    Engine.load takes them; context_length defaults like Engine.load's. `profile` may be a
+    function: it is called only once the budgets and the file have checked out."""
+    gpu_budget = None if gpu_memory is None else parse_size(gpu_memory)
+    cpu_budget = None if cpu_memory is None else parse_size(cpu_memory)
+    with read_gguf(resolve_model_path(model)) as gguf:
+        config = read_config(gguf)
+        check_tensors(gguf, config)
+        if context_length is None:
+            context_length = min(config.context_length, DEFAULT_CONTEXT_CAP)
+        if callable(profile):
+            profile = profile()
+        return make_plan(gguf, config, profile, gpu_budget=gpu_budget, cpu_budget=cpu_budget,
+                         context_length=context_length, prompt_tokens=prompt_tokens)

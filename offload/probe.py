@@ -1,0 +1,475 @@
+"""Measures the hardware profile (profile.py): disk, RAM and kernel speeds, the decoder's fixed cost.
+
+    profile = load_profile(threads=2)      # cached in cache_dir(); measured on first use (~20 s)
+    profile = probe(threads=2, quick=True) # a fresh, smaller measurement (tests)
+
+What is timed, each the best of a few passes unless said otherwise (the machine may be shared,
+so the best is the least disturbed figure; GB = 1e9 bytes):
+- disk: sequential 4 MiB `preadv` requests into a page-aligned (mmap) buffer over a scratch file
+  written in the cache directory, opened with O_DIRECT so that the page cache is bypassed. Where
+  the file system refuses O_DIRECT (EINVAL), buffered reads after the file's cached pages are
+  dropped (fsync, then POSIX_FADV_DONTNEED). The scratch file is removed in every case.
+- RAM: numpy reductions over a buffer far larger than L3, one slice per thread (`ReadBandwidth`).
+- kernels: M = 1 and M = 32 products of the C kernels on random packed matrices (group 32),
+  cycling through copies that together exceed 4x L3, so that the weights come from RAM (1x L3
+  when quick: partly cached, so rougher). RAM and kernels are timed in interleaved rounds.
+- layer overhead: a decode step of the bundled model minus its matmuls alone, per layer (the
+  median of pairs taken back to back).
+- GPU (only with CUDA): pinned host to device copy speed.
+
+On a shared machine another process holding a core for a while can halve a figure even so:
+`probe` warns (ProbeWarning) when other processes kept more than BUSY_CORES cores busy meanwhile.
+
+The measuring helpers here (`l3_cache_bytes`, `ReadBandwidth`, `random_packed`, `cold_ring`,
+`seconds_per_call`) are shared with benchmarks/kernels.py.
+"""
+
+import errno
+import math
+import mmap
+import os
+import platform
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from tierflow.cpu_kernels import matmul as kernels
+from tierflow.cpu_kernels.packed import PackedMatrix, pack
+from tierflow.cpu_kernels.quant_groups import QuantGroups
+from tierflow.errors import InvalidArgumentError, TierflowError
+from tierflow.offload.profile import GpuProfile, HardwareProfile, cache_dir, profile_path
+
+Progress = Callable[[str], None]  # told what is being measured now
+
+KERNEL_BITS = (1, 2, 3, 4, 8)
+GROUP = 32
+BATCH = 32  # M of the batched (prefill) products
+READ_REQUEST_BYTES = 4 * 2**20
+FALLBACK_L3_BYTES = 64 * 2**20
+BUSY_CORES = 0.3  # other processes' average load above which a measurement is suspect
+
+
+@dataclass(frozen=True)
+class ProbeSizes:
+    scratch_bytes: int  # the disk's scratch file
+    read_buffer_l3: int  # the RAM read buffer, in multiples of L3
+    kernel_shape: tuple[int, int]  # N rows x K columns of the kernels' matrices
+    kernel_ring_l3: int  # the kernels' copies of a matrix together exceed this many L3 sizes
+    disk_passes: int
+    rounds: int  # of the RAM and kernel timings, after a warm-up round
+    decode_steps: int
+    h2d_bytes: int
+
+
+FULL = ProbeSizes(256 * 2**20, 16, (4096, 4096), 4, disk_passes=3, rounds=5, decode_steps=24,
+                  h2d_bytes=256 * 2**20)
+QUICK = ProbeSizes(32 * 2**20, 4, (1024, 1024), 1, disk_passes=2, rounds=1, decode_steps=6,
+                   h2d_bytes=64 * 2**20)
+
+
+def probe(threads: int, directory: Path | None = None, quick: bool = False,
+          progress: Progress | None = None) -> HardwareProfile:
+    """Measures this machine with `threads` CPU threads; the disk is the one holding `directory`
+    (default: the cache directory). quick: smaller sizes, a few seconds, rougher figures."""
+    _check_threads(threads)
+    sizes = QUICK if quick else FULL
+    say = progress or (lambda step: None)
+    l3_bytes, _ = l3_cache_bytes()
+    say("disk read speed")
+    disk_gbps, direct = disk_read_gbps(directory or cache_dir(), sizes.scratch_bytes, sizes.disk_passes)
+    previous_threads = kernels.threads()
+    try:
+        kernels.set_threads(threads)
+        with OtherProcesses() as others:
+            say("RAM and kernel speeds")
+            ram_gbps, single, batch = cpu_speeds(threads, sizes, l3_bytes)
+            say("decoder overhead per layer")
+            overhead = layer_overhead_s(threads, sizes.decode_steps)
+    finally:
+        kernels.set_threads(previous_threads)
+    if others.busy_cores > BUSY_CORES:
+        warnings.warn(ProbeWarning(
+            f"other processes kept {others.busy_cores:.1f} cores busy on average while the CPU was "
+            f"measured, so its speeds are probably low; measure again on an idle machine "
+            f"(tierflow probe --refresh)"), stacklevel=2)
+    say("GPU")
+    return HardwareProfile(threads=threads, cpu_name=cpu_name(), disk_read_gbps=disk_gbps,
+                           disk_direct_io=direct, ram_read_gbps=ram_gbps, kernel_gbps=single,
+                           kernel_batch_gbps=batch, layer_overhead_s=overhead,
+                           gpu=gpu_profile(sizes.h2d_bytes))
+
+
+class ProbeWarning(UserWarning):
+    """The machine was busy while it was measured: the figures are probably low."""
+
+
+class OtherProcesses:
+    """`busy_cores`: how many cores other processes (and the hypervisor, as steal time) kept busy
+    on average while the block ran."""
+
+    def __enter__(self) -> "OtherProcesses":
+        self._start = (_busy_seconds(psutil.cpu_times()), _own_seconds(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, own, started = self._start
+        others = (_busy_seconds(psutil.cpu_times()) - busy) - (_own_seconds() - own)
+        self.busy_cores = max(0.0, others / max(time.perf_counter() - started, 1e-9))
+
+
+def _busy_seconds(times) -> float:
+    return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def _own_seconds() -> float:
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def load_profile(threads: int, refresh: bool = False, progress: Progress | None = None) -> HardwareProfile:
+    """The cached profile for `threads`, measured (full) and cached first when there is none, when
+    it is unreadable or of another version, or when refresh is set."""
+    _check_threads(threads)
+    path = profile_path(threads)
+    if not refresh:
+        cached = read_profile(path)
+        if cached is not None and cached.threads == threads:
+            return cached
+    profile = probe(threads, progress=progress)
+    _write_atomically(path, profile.to_json())
+    return profile
+
+
+def read_profile(path: Path) -> HardwareProfile | None:
+    """The profile in `path`, or None if it is missing, corrupt or of another version."""
+    try:
+        return HardwareProfile.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never half of one."""
+    fd, temp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def _check_threads(threads: int) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
+
+
+# --- disk ----------------------------------------------------------------------------------------
+
+def disk_read_gbps(directory: Path, size_bytes: int, passes: int = 3) -> tuple[float, bool]:
+    """(GB/s, whether O_DIRECT bypassed the page cache): the best of `passes` sequential reads of
+    a scratch file of size_bytes (whole 4 MiB requests) written in `directory`, then removed."""
+    size_bytes = max(1, size_bytes // READ_REQUEST_BYTES) * READ_REQUEST_BYTES
+    buffer = mmap.mmap(-1, READ_REQUEST_BYTES)  # page-aligned, as O_DIRECT requires
+    path = None
+    try:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=".tierflow-probe-", suffix=".tmp", dir=directory)
+            path = Path(name)
+            try:
+                _write_scratch(fd, buffer, size_bytes)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            raise TierflowError(f"cannot measure the disk: writing {size_bytes >> 20} MiB to "
+                                f"{directory} failed: {error.strerror or error}") from error
+        read_fd, direct = _open_for_reading(path, buffer)
+        try:
+            best = min(_read_seconds(read_fd, buffer, size_bytes, direct) for _ in range(passes))
+        finally:
+            os.close(read_fd)
+        return size_bytes / best / 1e9, direct
+    finally:
+        if path is not None:
+            path.unlink(missing_ok=True)
+        buffer.close()
+
+
+def _write_scratch(fd: int, buffer: mmap.mmap, size_bytes: int) -> None:
+    """Random bytes (a compressing or deduplicating file system must not shrink them), synced."""
+    rng = np.random.default_rng()
+    for _ in range(size_bytes // READ_REQUEST_BYTES):
+        buffer[:] = rng.bytes(READ_REQUEST_BYTES)
+        if os.write(fd, buffer) != READ_REQUEST_BYTES:  # a regular file's writes stop short only when full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    os.fsync(fd)
+
+
+def _open_for_reading(path: Path, buffer: mmap.mmap) -> tuple[int, bool]:
+    """An O_DIRECT descriptor if the file system takes O_DIRECT reads, else a buffered one.
+
+    Some file systems refuse O_DIRECT at open, others only at the first read (EINVAL either way).
+    """
+    direct_flag = getattr(os, "O_DIRECT", 0)
+    if direct_flag:
+        try:
+            fd = os.open(path, os.O_RDONLY | direct_flag)
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+        else:
+            try:
+                os.preadv(fd, [buffer], 0)
+                return fd, True
+            except OSError as error:
+                os.close(fd)
+                if error.errno != errno.EINVAL:
+                    raise
+    return os.open(path, os.O_RDONLY), False
+
+
+def _read_seconds(fd: int, buffer: mmap.mmap, size_bytes: int, direct: bool) -> float:
+    if not direct and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the file is synced: its pages go
+    started = time.perf_counter()
+    offset = 0
+    while offset < size_bytes:
+        done = os.preadv(fd, [buffer], offset)
+        if done <= 0:
+            raise TierflowError(f"cannot measure the disk: the scratch file ended at {offset} bytes")
+        offset += done
+    return time.perf_counter() - started
+
+
+# --- RAM -----------------------------------------------------------------------------------------
+
+def l3_cache_bytes() -> tuple[int, str]:
+    """The L3 size from sysfs, and where it came from."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "3":
+                size = (index / "size").read_text().strip()
+                units = {"K": 2**10, "M": 2**20, "G": 2**30}
+                return int(size.rstrip("KMG")) * units.get(size[-1], 1), f"{index}/size"
+        except (OSError, ValueError):
+            break
+    return FALLBACK_L3_BYTES, "not found in sysfs: assumed 64 MiB"
+
+
+class ReadBandwidth:
+    """Read-only passes over a buffer far larger than L3 (numpy releases the GIL inside a
+    reduction, so the threads' slices are read in parallel)."""
+
+    # (view dtype, reduction): numpy's SIMD max over int32 reads ~20% faster with 2 threads here
+    # than the plain add over uint64 words; a sample is the faster of the two.
+    READERS = ((np.uint64, np.add.reduce), (np.int32, np.maximum.reduce))
+
+    def __init__(self, num_bytes: int, max_threads: int):
+        self.buffer = np.ones(num_bytes // 8 * 8, np.uint8)  # written once, so every page is mapped
+        self.pool = ThreadPoolExecutor(max_threads)
+
+    def gb_per_s(self, threads: int, passes: int) -> float:
+        best = math.inf
+        for _ in range(passes):
+            for dtype, reduce in self.READERS:
+                parts = np.array_split(self.buffer.view(dtype), threads)
+                started = time.perf_counter()
+                list(self.pool.map(reduce, parts))
+                best = min(best, time.perf_counter() - started)
+        return self.buffer.nbytes / best / 1e9
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.buffer = None
+
+    def __enter__(self) -> "ReadBandwidth":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --- kernels -------------------------------------------------------------------------------------
+
+def random_packed(rng: np.random.Generator, bits: int, rows: int, cols: int,
+                  group: int = GROUP) -> PackedMatrix:
+    """Random codes with sane scales; int8 codes get no mins, as Q8_0."""
+    groups = (rows, cols // group)
+    scale = rng.uniform(0.005, 0.015, groups).astype(np.float32)
+    if bits == 8:
+        q = rng.integers(-128, 128, (rows, cols), dtype=np.int8)
+        min_ = np.full(groups, -0.0, np.float32)
+    else:
+        q = rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8)
+        min_ = -scale * (2**bits - 1) / 2
+    return pack(QuantGroups(q, scale, min_, group, bits))
+
+
+def cold_ring(first: PackedMatrix, cold_bytes: int) -> list[PackedMatrix]:
+    """`first` and distinct copies of it, together more than cold_bytes: cycling through them, no
+    call finds its matrix in the cache when cold_bytes is a few times the L3 size."""
+    copies = cold_bytes // first.nbytes + 1
+    return [first] + [replace(first, data=first.data.copy(), scales=first.scales.copy(),
+                              mins=None if first.mins is None else first.mins.copy())
+                      for _ in range(copies - 1)]
+
+
+def seconds_per_call(ring: list[PackedMatrix], batch: int, passes: int) -> float:
+    """Best over `passes` passes through the ring of the mean time of one [batch, K] product."""
+    x = np.random.default_rng(batch).standard_normal((batch, ring[0].cols), dtype=np.float32)
+    out = np.empty((batch, ring[0].rows), np.float32)
+    best = math.inf
+    for _ in range(passes):
+        started = time.perf_counter()
+        for w in ring:
+            kernels.matmul(w, x, out)
+        best = min(best, (time.perf_counter() - started) / len(ring))
+    return best
+
+
+def cpu_speeds(threads: int, sizes: ProbeSizes,
+               l3_bytes: int) -> tuple[float, dict[int, float], dict[int, float]]:
+    """(RAM read GB/s, bits -> kernel GB/s at M = 1, bits -> packed bytes x 32 / time at M = 32),
+    with the kernels' current thread count.
+
+    Timed in rounds, as benchmarks/kernels.py does: after a warm-up round each timing runs once a
+    round, the order reversed every round, and each keeps its best. A quiet moment anywhere in the
+    run then serves every figure; timing each figure's passes back to back lets another process
+    that holds a core for a second halve one figure and not the next. Peak memory: the read
+    buffer plus every bit width's ring (16 + 5 x 4 L3 sizes, 1.3 GiB with a 36 MiB L3), capped
+    at a quarter of the available RAM.
+    """
+    budget = psutil.virtual_memory().available // 4
+    rows, cols = sizes.kernel_shape
+    ring_bytes = min(sizes.kernel_ring_l3 * l3_bytes, budget // 2 // len(KERNEL_BITS))
+    rng = np.random.default_rng(0)
+    rings = {bits: cold_ring(random_packed(rng, bits, rows, cols), ring_bytes) for bits in KERNEL_BITS}
+    with ReadBandwidth(min(sizes.read_buffer_l3 * l3_bytes, budget // 2), threads) as bandwidth:
+        tasks: dict[object, Callable[[], float]] = {"ram": lambda: bandwidth.gb_per_s(threads, 1)}
+        for bits, ring in rings.items():
+            for batch in (1, BATCH):
+                tasks[bits, batch] = (lambda ring=ring, batch=batch:
+                                      ring[0].nbytes * batch / seconds_per_call(ring, batch, 1) / 1e9)
+        best = best_of_rounds(tasks, sizes.rounds)
+    return (best["ram"], {bits: best[bits, 1] for bits in KERNEL_BITS},
+            {bits: best[bits, BATCH] for bits in KERNEL_BITS})
+
+
+def best_of_rounds(tasks: dict[object, Callable[[], float]], rounds: int) -> dict[object, float]:
+    """The highest of each task's samples (a rate) over `rounds` rounds after a warm-up round."""
+    best = {name: 0.0 for name in tasks}
+    order = list(tasks)
+    for round_idx in range(rounds + 1):
+        for name in order:
+            time.sleep(0.02)  # the last task's spinning threads go to sleep, off the cores
+            sample = tasks[name]()
+            if round_idx:
+                best[name] = max(best[name], sample)
+        order.reverse()
+    return best
+
+
+# --- the decoder's fixed cost --------------------------------------------------------------------
+
+def layer_overhead_s(threads: int, steps: int) -> float:
+    """Seconds per layer per decode step beyond the matmuls (norms, rotary, attention over a short
+    context, activations, Python, waking the kernels' threads), on the bundled model, clamped at 0.
+
+    Each decode step is followed by the same model's matmuls alone, and the figure is the median of
+    the `steps` differences: the overhead is a fraction of a step, so the difference of two
+    separate best times swings with a shared machine's noise, while a pair taken back to back
+    mostly sees the same conditions. The context stays short (a few dozen positions): attention's
+    growth with the context is not part of this figure.
+    """
+    import torch
+
+    from tierflow.runtime.engine import Engine
+
+    torch_threads = torch.get_num_threads()
+    try:
+        with Engine.load(threads=threads, context_length=256) as engine, torch.inference_mode():
+            engine._claim_threads()
+            differences = _step_minus_matmul_seconds(engine, steps)
+            return max(0.0, float(np.median(differences)) / engine.config.num_layers)
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
+def _step_minus_matmul_seconds(engine, steps: int) -> list[float]:
+    generator, matmuls = engine._generator, _matmul_calls(engine)
+    logits, _ = generator.prefill(engine.tokenize("The quick brown fox"), threading.Event(),
+                                  reuse_prefix=False)
+    differences = []
+    for step in range(steps + 1):  # the first pair warms up
+        token = int(np.argmax(logits))
+        started = time.perf_counter()
+        logits = generator.decode_step(token)
+        step_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        for linear, x in matmuls:
+            linear(x)
+        if step:
+            differences.append(step_seconds - (time.perf_counter() - started))
+    return differences
+
+
+def _matmul_calls(engine) -> list[tuple[Callable, np.ndarray]]:
+    """One token's matmuls, (linear, random input [1, in]): every layer's projections and the
+    output head."""
+    cfg, weights = engine.config, engine.weights
+    rng = np.random.default_rng(0)
+    hidden, attn, ffn = (rng.standard_normal((1, size), dtype=np.float32)
+                         for size in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.ffn_size))
+    calls = [(weights.output(), hidden)]
+    for layer_idx in range(cfg.num_layers):
+        w = weights.layer(layer_idx)
+        calls += [(w.qkv, hidden), (w.wo, attn), (w.gate_up, hidden), (w.down, ffn)]
+    return calls
+
+
+# --- the rest ------------------------------------------------------------------------------------
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def gpu_profile(h2d_bytes: int, passes: int = 3) -> GpuProfile | None:
+    """The first CUDA GPU's name, memory and pinned host to device copy speed; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    properties = torch.cuda.get_device_properties(0)
+    host = torch.empty(h2d_bytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(h2d_bytes, dtype=torch.uint8, device="cuda")
+    device.copy_(host, non_blocking=True)  # warm-up: context, allocator, DMA mappings
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(passes):
+        started = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    # The GPU matmul kernels (gpu_kernels/) do not exist yet: nothing to time, so kernel_gbps stays
+    # empty until they do.
+    return GpuProfile(name=properties.name, memory_bytes=properties.total_memory,
+                      h2d_gbps=h2d_bytes / best / 1e9, kernel_gbps={})

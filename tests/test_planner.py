@@ -1,0 +1,267 @@
+"""The planner: placements within budgets, the minimum budget, the cost model's trends, the CLI."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import psutil
+import pytest
+from make_model import ModelSpec, write_model
+from typer.testing import CliRunner
+
+from tierflow.cli.app import app
+from tierflow.errors import BudgetError
+from tierflow.offload import planner
+from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.model_info import read_config
+from tierflow.offload.packed_file import PackedFile, build_pack
+from tierflow.offload.planner import (
+    MAX_PREFETCH_DEPTH,
+    PlanBudgetError,
+    kv_cache_bytes,
+    make_plan,
+    model_extents,
+)
+from tierflow.offload.profile import GpuProfile, HardwareProfile, profile_path
+from tierflow.runtime.kv_cache import KVCache
+from tierflow.units import format_size, parse_size
+
+BITS = (1, 2, 3, 4, 8)
+PROFILE = HardwareProfile(threads=2, cpu_name="Test CPU", disk_read_gbps=1.3, disk_direct_io=True,
+                          ram_read_gbps=25.0, kernel_gbps={b: 20.0 for b in BITS},
+                          kernel_batch_gbps={b: 60.0 for b in BITS}, layer_overhead_s=3e-5)
+FAKE_GPU = GpuProfile(name="Fake GPU", memory_bytes=8 << 30, h2d_gbps=25.0, kernel_gbps={})
+CTX = 256
+DEEP = ModelSpec(num_layers=16, hidden_size=128, ffn_size=256, num_heads=4, num_kv_heads=2,
+                 context_length=CTX)
+
+
+@pytest.fixture(scope="module")
+def deep_path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("planner") / "deep.gguf", DEEP)
+
+
+@pytest.fixture(scope="module")
+def deep(deep_path):
+    """(gguf, config, globals extent bytes, layer extent bytes) of a 16-layer model."""
+    with read_gguf(deep_path) as gguf:
+        config = read_config(gguf)
+        globals_, layers = model_extents(gguf, config)
+        yield gguf, config, globals_.nbytes, [x.nbytes for x in layers]
+
+
+def plan_for(model, cpu_budget, profile=PROFILE, gpu_budget=0, **kwargs):
+    gguf, config, *_ = model
+    return make_plan(gguf, config, profile, gpu_budget=gpu_budget, cpu_budget=cpu_budget,
+                     context_length=CTX, **kwargs)
+
+
+def smallest_budget(model) -> int:
+    _, _, globals_bytes, layers = model
+    return globals_bytes + 2 * max(layers)
+
+
+@pytest.mark.parametrize("spec", [
+    ModelSpec(),
+    ModelSpec(arch="qwen2", weight_type="Q4_1", embedding_type="Q4_0", tied_embeddings=False),
+    ModelSpec(weight_type="F16", embedding_type="Q6_K", llama3_rope_freqs=True, hidden_size=256, num_heads=4),
+    ModelSpec(weight_type="Q5_K", hidden_size=256, ffn_size=512, num_heads=4),
+], ids=["q8_0", "qwen2-q4_1-untied", "f16-rope-freqs", "q5_k"])
+def test_extents_match_the_pack_byte_for_byte(tmp_path, spec):
+    with read_gguf(write_model(tmp_path / "m.gguf", spec)) as gguf:
+        config = read_config(gguf)
+        globals_, layers = model_extents(gguf, config)
+        build_pack(gguf, config, tmp_path / "m.tfpack")
+    pack = PackedFile(tmp_path / "m.tfpack")
+    assert globals_.nbytes == pack.globals.nbytes
+    assert [x.nbytes for x in layers] == [x.nbytes for x in pack.layers]
+    assert all(sum(n for _, n in x.groups) == x.nbytes for x in [globals_, *layers])
+
+
+def test_when_everything_fits_nothing_streams(deep):
+    _, _, globals_bytes, layers = deep
+    plan = plan_for(deep, globals_bytes + sum(layers))
+    assert plan.streamed_layers == () and plan.prefetch_depth == 0 and plan.ring_bytes == 0
+    assert plan.resident_layers == tuple(range(16)) and plan.decode.io_s == 0
+    assert plan.used_bytes["cpu"] == globals_bytes + sum(layers)
+    assert {g.home for g in plan.groups} == {"cpu"}
+
+
+def test_half_the_layer_bytes_streams_about_half_the_layers(deep):
+    _, _, globals_bytes, layers = deep
+    budget = globals_bytes + sum(layers) // 2
+    plan = plan_for(deep, budget)
+    assert 8 <= len(plan.streamed_layers) <= 8 + MAX_PREFETCH_DEPTH + 1
+    assert plan.ring_slot_bytes == max(layers)
+    assert plan.ring_bytes == (plan.prefetch_depth + 1) * plan.ring_slot_bytes
+    held = globals_bytes + sum(layers[i] for i in plan.resident_layers) + plan.ring_bytes
+    assert plan.used_bytes["cpu"] == held <= budget
+    assert plan.used_bytes["disk"] == sum(layers[i] for i in plan.streamed_layers)
+    streamed = {g.layer for g in plan.groups if g.home == "disk"}
+    assert streamed == set(plan.streamed_layers)
+
+
+@pytest.fixture(scope="module")
+def sweep(deep):
+    """Plans for budgets from the smallest workable to everything resident, largest first."""
+    _, _, globals_bytes, layers = deep
+    low, high = smallest_budget(deep), globals_bytes + sum(layers) + 4096
+    budgets = sorted({low + (high - low) * k // 40 for k in range(41)}, reverse=True)
+    return [(budget, plan_for(deep, budget)) for budget in budgets]
+
+
+def test_plans_never_exceed_the_budget(sweep, deep):
+    _, config, globals_bytes, layers = deep
+    for budget, plan in sweep:
+        assert plan.used_bytes["cpu"] <= budget
+        placed = sorted(plan.gpu_layers + plan.resident_layers + plan.streamed_layers)
+        assert placed == list(range(config.num_layers))
+        assert (plan.prefetch_depth == 0) == (plan.streamed_layers == ())
+        assert plan.peak_bytes["decode"]["cpu"] >= plan.used_bytes["cpu"] + plan.kv_bytes
+
+
+def test_predictions_never_rise_as_the_budget_shrinks(sweep):
+    decode = [plan.predicted_decode_tps for _, plan in sweep]
+    prefill = [plan.predicted_prefill_tps for _, plan in sweep]
+    assert all(a >= b * (1 - 1e-9) for a, b in zip(decode, decode[1:])), decode
+    assert all(a >= b * (1 - 1e-9) for a, b in zip(prefill, prefill[1:])), prefill
+    assert decode[0] > 2 * decode[-1]  # streaming most layers costs, on this disk
+
+
+def test_decode_time_lies_between_full_overlap_and_none(sweep):
+    for _, plan in sweep:
+        d = plan.decode
+        assert max(d.compute_s, d.io_s) * (1 - 1e-9) <= d.seconds <= (d.compute_s + d.io_s) * (1 + 1e-9)
+
+
+def test_too_small_a_budget_names_the_smallest_that_works(deep):
+    exact = smallest_budget(deep)
+    plan_for(deep, exact)  # the smallest itself is accepted
+    with pytest.raises(PlanBudgetError) as refused:
+        plan_for(deep, exact - 1)
+    error = refused.value
+    assert isinstance(error, BudgetError) and error.minimum_bytes >= exact
+    printed = format_size(error.minimum_bytes)
+    assert f"at least {printed} is needed" in str(error) and "cpu_memory" in str(error)
+    assert parse_size(printed.replace(" ", "")) >= exact
+    plan_for(deep, error.minimum_bytes)
+
+
+def test_a_slower_disk_predicts_slower_decode(deep):
+    _, _, globals_bytes, layers = deep
+    budget = globals_bytes + sum(layers) // 2
+    fast = plan_for(deep, budget, replace(PROFILE, disk_read_gbps=3.0))
+    slow = plan_for(deep, budget, replace(PROFILE, disk_read_gbps=0.3))
+    assert slow.predicted_decode_tps < fast.predicted_decode_tps
+    # each may choose its own ring depth, so compare the seconds per streamed byte
+    assert slow.decode.io_s / slow.used_bytes["disk"] == pytest.approx(
+        10 * fast.decode.io_s / fast.used_bytes["disk"])
+
+
+def test_the_gpu_takes_the_first_layers_that_fit(deep):
+    _, _, globals_bytes, layers = deep
+    profile = replace(PROFILE, gpu=FAKE_GPU)
+    budget = globals_bytes + sum(layers) // 2
+    plan = plan_for(deep, budget, profile, gpu_budget=sum(layers[:3]) + 100)
+    assert plan.gpu_layers == (0, 1, 2) and plan.used_bytes["gpu"] == sum(layers[:3])
+    assert {(g.home, g.compute) for g in plan.groups if g.layer in (0, 1, 2)} == {("gpu", "gpu")}
+    assert all(g.compute == "cpu" for g in plan.groups if g.layer not in (0, 1, 2))
+    assert any("placeholder" in note for note in plan.notes)
+    assert plan.peak_bytes["decode"]["gpu"] >= plan.used_bytes["gpu"]
+    assert plan.predicted_decode_tps > plan_for(deep, budget, profile).predicted_decode_tps
+    measured = replace(profile, gpu=replace(FAKE_GPU, kernel_gbps={4: 500.0, 8: 800.0}))
+    assert plan_for(deep, budget, measured, gpu_budget=sum(layers)).notes == ()
+
+
+def test_gpu_memory_without_a_gpu_is_refused(deep):
+    with pytest.raises(BudgetError, match="no GPU"):
+        plan_for(deep, None, gpu_budget=1 << 30)
+
+
+def test_a_deeper_ring_hides_reads_behind_a_long_unstreamed_stretch():
+    # per pass: 5 s of compute without reads, then three streamed layers of a 2 s read each
+    stages = [planner._Stage(5.0)] + [planner._Stage(0.0, 2.0)] * 3
+
+    def period(depth: int) -> float:
+        ends = planner._run_pipeline([stages] * 8, depth)
+        return (ends[-1] - ends[-5]) / 4
+
+    assert period(1) == pytest.approx(7.0)  # two slots: two reads run during the 5 s, one after
+    assert period(2) == pytest.approx(6.0)  # all three do: disk-bound
+    assert planner._run_pipeline([[planner._Stage(1.0), planner._Stage(2.0)]] * 2, 1) == [3.0, 6.0]
+
+
+def test_the_chosen_layout_is_no_slower_than_the_earliest_layers(deep, sweep):
+    gguf, config, *_ = deep
+    globals_, layers = model_extents(gguf, config)
+    costs = planner._Costs(PROFILE, config)
+    for _, plan in sweep:
+        if plan.streamed_layers:
+            count = len(plan.resident_layers)
+            earliest = planner._Layout((), tuple(range(count, 16)), plan.prefetch_depth)
+            _, decode = planner._timings(earliest, globals_, layers, costs, plan.prompt_tokens)
+            assert plan.decode.seconds <= decode.seconds * (1 + 1e-9)
+
+
+def test_kv_bytes_are_the_caches(deep):
+    _, config, *_ = deep
+    assert kv_cache_bytes(config, CTX) == KVCache(config, CTX).num_bytes
+    assert kv_cache_bytes(config, 100) == KVCache(config, 100).num_bytes
+
+
+def test_the_default_cpu_budget_is_available_ram_less_a_margin(deep, monkeypatch):
+    class Memory:
+        total, available = 16 << 30, 8 << 30
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    plan = plan_for(deep, None)
+    margin = max(int(0.1 * Memory.total), 1 << 30)
+    reserved = plan.peak_bytes["prefill"]["cpu"] - plan.used_bytes["cpu"]  # KV cache, activations
+    assert plan.budget_bytes == {"gpu": 0, "cpu": Memory.available - margin - reserved}
+
+
+def test_rows_collapse_layers_placed_alike(deep):
+    _, _, globals_bytes, layers = deep
+    rows = plan_for(deep, globals_bytes + sum(layers)).rows()
+    assert [label for label, *_ in rows] == ["embeddings", "layers 0-15 attention+ffn", "output head"]
+    assert sum(n for _, n, *_ in rows) == globals_bytes + sum(layers)
+    streaming = plan_for(deep, smallest_budget(deep) + 3 * max(layers)).rows()
+    assert {home for _, _, home, _ in streaming} == {"cpu", "disk"}
+    assert sum(n for _, n, *_ in streaming) == globals_bytes + sum(layers)
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_profile(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path))
+    profile_path(2).write_text(PROFILE.to_json())
+    monkeypatch.setattr("tierflow.offload.probe.load_profile", lambda threads, **kwargs: PROFILE)
+
+
+def test_plan_command_prints_the_groups_and_the_summary(deep_path, deep, fake_profile):
+    budget = str(smallest_budget(deep) + 3 * max(deep[3]))
+    done = CliRunner().invoke(app, ["plan", str(deep_path), "--cpu-memory", budget, "--threads", "2"])
+    assert done.exit_code == 0, done.output
+    for text in ("embeddings", "attention+ffn", "disk", "prefetch ring", "decode", "tok/s"):
+        assert text in done.output
+
+
+def test_plan_command_json_parses(deep_path, fake_profile):
+    done = CliRunner().invoke(app, ["plan", "-m", str(deep_path), "--threads", "2", "--cpu-memory", "1GiB",
+                                    "--ctx", "128", "--prompt-tokens", "64", "--json"])
+    assert done.exit_code == 0, done.output
+    plan = json.loads(done.stdout)
+    assert plan["streamed_layers"] == [] and plan["resident_layers"] == list(range(16))
+    assert plan["context_length"] == 128 and plan["prefill"]["tokens"] == 64
+    assert plan["predicted_decode_tps"] > 0 and len(plan["groups"]) == 2 + 2 * 16
+
+
+def test_plan_command_refuses_a_budget_that_cannot_work(deep_path, tmp_path):
+    (tmp_path / "profile-2-threads.json").write_text(PROFILE.to_json())
+    done = subprocess.run([sys.executable, "-m", "tierflow.cli.app", "plan", str(deep_path), "--threads", "2",
+                           "--cpu-memory", "1MiB"], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "TIERFLOW_CACHE": str(tmp_path)})
+    assert done.returncode == 2
+    assert "at least" in done.stderr and len(done.stderr.strip().splitlines()) == 1
