@@ -1,7 +1,7 @@
 """Layer streaming: decode speed under cpu_memory budgets against the disk-bound limit, in one run.
 
-    python benchmarks/streaming.py [--size 2GB] [--type Q4_0] [--threads 2] [--tokens 24]
-                                   [--fractions 0.25,0.5] [--json]
+    python benchmarks/streaming.py [--size 2GB] [--type Q4_0] [--model PATH] [--threads 2]
+                                   [--tokens 24] [--fractions 0.25,0.5] [--json]
 
 A `llama` model of about --size, written once by the project's generator (tests/make_model.py)
 into the cache directory, is loaded with --cpu-memory set to each fraction of its weight bytes, so
@@ -13,7 +13,8 @@ that the rest streams from disk every token. For each budget the script reports:
 - the fraction of I/O hidden: of the shorter of reading and computing (the most that can overlap),
   how much ran at the same time as the other: (reading - waiting) / min(reading, computing),
   where waiting is the decoder's time blocked on reads and computing is the rest of its time;
-- the planner's prediction, where the planner exists.
+- the planner's predicted decode tokens/s for the same budget (with this machine's cached
+  profile: run `tierflow probe --refresh` on a quiet machine first), and its error.
 Fully resident decode speed is printed first, as the compute-bound reference.
 """
 
@@ -25,8 +26,14 @@ from pathlib import Path
 
 from tierflow import Engine
 from tierflow.offload.disk import DiskFile, aligned_buffer
+from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.model_info import read_config
+from tierflow.offload.planner import make_plan
+from tierflow.offload.probe import load_profile
 from tierflow.offload.profile import cache_dir
 from tierflow.units import format_size, parse_size
+
+CONTEXT = 256
 
 PROMPT = "The history of the river valley is long, and the records that survive describe"
 
@@ -83,20 +90,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="2GB")
     parser.add_argument("--type", default="Q4_0", help="weight type of the generated model")
+    parser.add_argument("--model", type=Path, help="a GGUF file instead of the generated model")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--fractions", default="0.25,0.5", help="cpu_memory as fractions of the weights")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    path = model_file(parse_size(args.size), args.type)
+    path = args.model or model_file(parse_size(args.size), args.type)
+    profile = load_profile(args.threads)
     rows = []
-    with Engine.load(path, threads=args.threads, context_length=256) as engine:
+    with Engine.load(path, threads=args.threads, context_length=CONTEXT) as engine:
         weight_bytes = engine.weights.bytes_by_tier()["cpu"]
         rows.append({"budget": "all", "cpu_memory": weight_bytes} | decode(engine, args.tokens))
     for fraction in (float(f) for f in args.fractions.split(",")):
         budget = int(weight_bytes * fraction)
-        with Engine.load(path, threads=args.threads, context_length=256, cpu_memory=budget) as engine:
+        with Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=budget) as engine:
             row = {"budget": f"{fraction:.0%}", "cpu_memory": budget,
                    "streamed_layers": len(engine.weights.streamed_layers),
                    "layers": engine.config.num_layers, "depth": len(engine.weights.streamer.slots) - 1}
@@ -104,6 +113,10 @@ def main() -> None:
             row["disk_gbps"] = disk_read_gbps(engine)
             row["limit_tok_s"] = row["disk_gbps"] * 1e9 / row["bytes_per_token"]
             row["of_limit"] = row["decode_tok_s"] / row["limit_tok_s"]
+            with read_gguf(path) as gguf:
+                plan = make_plan(gguf, read_config(gguf), profile, gpu_budget=0, cpu_budget=budget,
+                                 context_length=CONTEXT, prompt_tokens=16)
+            row["predicted_tok_s"] = plan.predicted_decode_tps
             rows.append(row)
 
     if args.json:
@@ -111,7 +124,7 @@ def main() -> None:
         return
     print(f"model: {path.name} ({format_size(weight_bytes)} of packed weights), threads {args.threads}")
     print(f"{'budget':>7} {'cpu_memory':>11} {'streamed':>9} {'tok/s':>7} {'read/token':>11} "
-          f"{'disk GB/s':>9} {'limit':>7} {'of limit':>8} {'I/O hidden':>10}")
+          f"{'disk GB/s':>9} {'limit':>7} {'of limit':>8} {'I/O hidden':>10} {'predicted':>9} {'error':>6}")
     for row in rows:
         if row["budget"] == "all":
             print(f"{'all':>7} {format_size(row['cpu_memory']):>11} {'0':>9} {row['decode_tok_s']:>7.2f}")
@@ -119,7 +132,8 @@ def main() -> None:
         print(f"{row['budget']:>7} {format_size(row['cpu_memory']):>11} "
               f"{row['streamed_layers']:>4}/{row['layers']:<4} {row['decode_tok_s']:>7.2f} "
               f"{format_size(row['bytes_per_token']):>11} {row['disk_gbps']:>9.2f} "
-              f"{row['limit_tok_s']:>7.2f} {row['of_limit']:>8.0%} {row['hidden']:>10.0%}")
+              f"{row['limit_tok_s']:>7.2f} {row['of_limit']:>8.0%} {row['hidden']:>10.0%} "
+              f"{row['predicted_tok_s']:>9.2f} {row['predicted_tok_s'] / row['decode_tok_s'] - 1:>+6.0%}")
 
 
 if __name__ == "__main__":

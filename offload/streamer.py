@@ -16,11 +16,14 @@ A read that fails (an I/O error, a truncated file, a damaged extent) ends the ge
 needed it with that error; the ring is then emptied and restarts cleanly on the next request.
 """
 
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from tierflow.errors import ModelFileError
 from tierflow.offload.disk import DiskFile, aligned_buffer
 from tierflow.offload.packed_file import PackedFile
 from tierflow.runtime.model import LayerWeights
@@ -108,10 +111,25 @@ class LayerStreamer:
                 self.read_seconds += time.perf_counter() - started
                 self.bytes_read += extent.nbytes
                 if read.layer not in self._checked:
-                    self.packed.check(extent, data)
+                    try:
+                        self.packed.check(extent, data)
+                    except ModelFileError:
+                        _discard_if_open(self.packed.path, self.disk.fd)  # the next load rebuilds it
+                        raise
                     self._checked.add(read.layer)
                 read.weights = self.packed.layer_weights(read.layer, data)
             except BaseException as error:  # handed to the compute thread, which raises it
                 read.error = error
             finally:
                 read.done.set()
+
+
+def _discard_if_open(path: Path, fd: int) -> None:
+    """Deletes a damaged pack, unless another process has already put a new one at its path (this
+    engine keeps reading its open file either way)."""
+    try:
+        opened, current = os.fstat(fd), os.stat(path)
+    except OSError:
+        return
+    if (opened.st_dev, opened.st_ino) == (current.st_dev, current.st_ino):
+        path.unlink(missing_ok=True)

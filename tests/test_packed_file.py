@@ -1,0 +1,300 @@
+"""The packed model file: built once, reused, rebuilt when stale or damaged, 4 KiB-aligned, atomic.
+
+Models are small random GGUFs made in tmp_path (tests/make_model.py); packs go to the test run's
+own cache folder (conftest.py sets TIERFLOW_CACHE), keyed by the model's path.
+"""
+
+import os
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from make_model import write_model
+from model_spec import ModelSpec
+
+from tierflow import Engine
+from tierflow.cpu_kernels.dequant import dequantize
+from tierflow.cpu_kernels.linear import PackedLinear
+from tierflow.cpu_kernels.packed import pack
+from tierflow.cpu_kernels.quant_groups import to_quant_groups
+from tierflow.offload import packed_file
+from tierflow.offload.disk import ALIGNMENT, DiskFile, aligned_buffer
+from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.model_info import read_config
+from tierflow.offload.packed_file import (
+    LAYER_LINEARS,
+    TRAILER,
+    PackedFile,
+    open_pack,
+    pack_path,
+    source_identity,
+)
+from tierflow.runtime.kv_cache import KVCache
+from tierflow.runtime.model import Decoder, DenseLinear, LayerWeights
+
+SPEC = ModelSpec(num_layers=4, hidden_size=128, ffn_size=256, num_heads=4, num_kv_heads=2)
+PROMPT = [1, 502, 7051, 33, 919]  # token ids: the tests need no tokenizer round trip
+GREEDY = dict(temperature=0)
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    return write_model(tmp_path / "model.gguf", SPEC)
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[Path]:
+    """The paths build_pack writes, in order, as loads call it."""
+    paths, build = [], packed_file.build_pack
+
+    def counted(gguf, config, path, *args, **kwargs):
+        paths.append(path)
+        return build(gguf, config, path, *args, **kwargs)
+
+    monkeypatch.setattr(packed_file, "build_pack", counted)
+    return paths
+
+
+def load(model: Path, **kwargs) -> Engine:
+    return Engine.load(model, threads=1, context_length=128, **kwargs)
+
+
+def greedy_tokens(model: Path, **kwargs) -> list[int]:
+    with load(model, **kwargs) as engine:
+        return engine.generate(PROMPT, max_tokens=16, **GREEDY).tokens
+
+
+def assert_whole_pack(path: Path) -> None:
+    """The pack's manifest reads and every extent matches its checksum."""
+    packed = PackedFile(path)
+    with open(path, "rb") as f:
+        for extent in [packed.globals, *packed.layers]:
+            f.seek(extent.offset)
+            assert zlib.crc32(f.read(extent.nbytes)) == extent.crc32
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+# -- built once, reused -----------------------------------------------------------------------
+
+
+def test_first_load_writes_the_pack_and_the_second_reuses_it(model, builds):
+    path = pack_path(model)
+    assert not path.exists()
+    first = greedy_tokens(model)
+    assert path.exists() and len(builds) == 1
+    written = path.stat()
+    second = greedy_tokens(model)
+    assert len(builds) == 1  # nothing packed the second time
+    assert (path.stat().st_mtime_ns, path.stat().st_ino) == (written.st_mtime_ns, written.st_ino)
+    assert second == first
+
+
+def test_reusing_a_pack_is_much_faster_than_building_it(model):
+    with read_gguf(model) as gguf:
+        config = read_config(gguf)
+        started = time.perf_counter()
+        open_pack(gguf, config)
+        build_s = time.perf_counter() - started
+        started = time.perf_counter()
+        open_pack(gguf, config)
+        reuse_s = time.perf_counter() - started
+    assert reuse_s * 10 < build_s, (reuse_s, build_s)  # a manifest read vs packing every tensor
+
+
+# -- stale and damaged packs are rebuilt ------------------------------------------------------
+
+
+def test_a_touched_model_gets_its_pack_rebuilt(model, builds):
+    expected = greedy_tokens(model)
+    stat = model.stat()
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert PackedFile(pack_path(model)).source != source_identity(model)
+    assert greedy_tokens(model) == expected
+    assert builds == [pack_path(model)] * 2
+    assert PackedFile(pack_path(model)).source == source_identity(model)
+
+
+def test_a_rewritten_model_gets_its_pack_rebuilt_with_the_new_weights(model, tmp_path, builds):
+    old = greedy_tokens(model)
+    new_spec = ModelSpec(**{**SPEC.__dict__, "seed": 1})  # same size, other weights
+    write_model(model, new_spec)
+    expected = greedy_tokens(write_model(tmp_path / "fresh.gguf", new_spec))  # from a fresh pack
+    assert expected != old  # else the test could not tell the packs apart
+    assert greedy_tokens(model) == expected
+    assert builds.count(pack_path(model)) == 2
+    assert PackedFile(pack_path(model)).source == source_identity(model)
+
+
+def _truncate(path: Path, packed: PackedFile) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _garbage_trailer(path: Path, packed: PackedFile) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-TRAILER.size, os.SEEK_END)
+        f.write(np.random.default_rng(0).bytes(TRAILER.size))
+
+
+def _flip_a_layer_byte(path: Path, packed: PackedFile) -> None:
+    flip_byte(path, packed.layers[1].offset + 100)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garbage_trailer, _flip_a_layer_byte],
+                         ids=["truncated", "garbage-trailer", "flipped-layer-byte"])
+def test_a_damaged_pack_is_rebuilt_never_used(model, builds, damage):
+    expected = greedy_tokens(model)  # from the fresh pack
+    path = pack_path(model)
+    damage(path, PackedFile(path))
+    assert greedy_tokens(model) == expected
+    assert builds == [path, path]  # the first load's build, then the rebuild
+    assert_whole_pack(path)
+
+
+# -- layout -----------------------------------------------------------------------------------
+
+
+def test_extents_are_4k_aligned_and_layer_major(model):
+    load(model).close()
+    path = pack_path(model)
+    packed = PackedFile(path)
+    extents = [packed.globals, *packed.layers]
+    assert len(packed.layers) == SPEC.num_layers and packed.globals.offset == 0
+    for extent in extents:
+        assert extent.offset % ALIGNMENT == 0 and extent.nbytes % ALIGNMENT == 0
+    for previous, extent in zip(extents, extents[1:]):  # globals, layer 0, 1, ... back to back
+        assert extent.offset == previous.offset + previous.nbytes
+    with open(path, "rb") as f:
+        f.seek(-TRAILER.size, os.SEEK_END)
+        _, manifest_offset, _, _ = TRAILER.unpack(f.read(TRAILER.size))
+    assert manifest_offset == extents[-1].offset + extents[-1].nbytes
+
+
+def _reference_linear(gguf, names: list[str]):
+    """The GGUF matrices packed one by one, their outputs side by side."""
+    linears = []
+    for name in names:
+        info = gguf.tensors[name + ".weight"]
+        matrix = to_quant_groups(gguf.tensor_data(info.name), info.ggml_type, info.shape)
+        linears.append(PackedLinear(pack(matrix)))
+    return lambda x: np.concatenate([linear(x) for linear in linears], axis=-1)
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])
+def test_a_layer_extent_computes_what_the_gguf_tensors_packed_compute(tmp_path, weight_type):
+    model = write_model(tmp_path / "model.gguf", ModelSpec(**{**SPEC.__dict__, "weight_type": weight_type}))
+    load(model).close()
+    packed = PackedFile(pack_path(model))
+    disk, buffer = DiskFile(packed.path), aligned_buffer(packed.largest_layer_bytes)
+    rng = np.random.default_rng(0)
+    try:
+        with read_gguf(model) as gguf:
+            for index, extent in enumerate(packed.layers):
+                weights = packed.layer_weights(index, disk.read_into(buffer, extent.offset, extent.nbytes))
+                for field, names in LAYER_LINEARS.items():
+                    reference = _reference_linear(gguf, [f"blk.{index}.{name}" for name in names])
+                    linear = getattr(weights, field)
+                    columns = gguf.tensors[f"blk.{index}.{names[0]}.weight"].shape[0]  # GGUF order
+                    x = rng.standard_normal((3, columns), dtype=np.float32)
+                    np.testing.assert_array_equal(linear(x), reference(x), err_msg=f"layer {index} {field}")
+                for norm in ("attn_norm", "ffn_norm"):
+                    info = gguf.tensors[f"blk.{index}.{norm}.weight"]
+                    np.testing.assert_array_equal(getattr(weights, norm), dequantize(
+                        gguf.tensor_data(info.name), info.ggml_type, info.shape))
+                del weights  # views of the buffer
+    finally:
+        disk.close()
+
+
+# -- atomic writes ----------------------------------------------------------------------------
+
+
+def _temporaries(model: Path) -> list[Path]:
+    path = pack_path(model)
+    return list(path.parent.glob(path.name + "*.tmp"))
+
+
+def test_a_build_leaves_no_temporary_file(model):
+    load(model).close()
+    assert pack_path(model).exists() and _temporaries(model) == []
+
+
+def test_a_build_failing_midway_leaves_neither_pack_nor_temporary(model, monkeypatch):
+    extents = []
+    original = packed_file._PackWriter.layer_extent
+
+    def fail_after_the_first_layer(self, index):
+        if index == 1:  # the globals and layer 0 are already written, under the temporary name
+            extents.append(_temporaries(model))
+            raise RuntimeError("disk full")
+        return original(self, index)
+
+    monkeypatch.setattr(packed_file._PackWriter, "layer_extent", fail_after_the_first_layer)
+    with pytest.raises(RuntimeError, match="disk full"):
+        load(model)
+    assert len(extents) == 1 and len(extents[0]) == 1  # it failed while the temporary existed
+    assert not pack_path(model).exists() and _temporaries(model) == []
+
+
+# -- float models -----------------------------------------------------------------------------
+
+
+class DenseWeights:
+    """The float path of the loader before packs: every tensor dequantized from the GGUF to float32,
+    q/k/v and gate/up concatenated into one torch Linear each."""
+
+    def __init__(self, gguf, config):
+        def tensor(name):
+            info = gguf.tensors[name]
+            return torch.from_numpy(dequantize(gguf.tensor_data(name), info.ggml_type, info.shape))
+
+        def layer(i):
+            linears = {field: DenseLinear(torch.cat([tensor(f"blk.{i}.{name}.weight") for name in names]))
+                       for field, names in LAYER_LINEARS.items()}
+            return LayerWeights(attn_norm=tensor(f"blk.{i}.attn_norm.weight").numpy(),
+                                ffn_norm=tensor(f"blk.{i}.ffn_norm.weight").numpy(), **linears)
+
+        self.embedding = tensor("token_embd.weight")
+        self.norm = tensor("output_norm.weight").numpy()
+        self.layers = [layer(i) for i in range(config.num_layers)]
+
+    def embedding_rows(self, token_ids):
+        return self.embedding.numpy()[token_ids]
+
+    def layer(self, layer_idx):
+        return self.layers[layer_idx]
+
+    def output_norm(self):
+        return self.norm
+
+    def output(self):
+        return DenseLinear(self.embedding)  # tied
+
+    def rope_freq_factors(self):
+        return None
+
+
+def test_a_float_model_packs_dense_float32_and_computes_the_same_logits(tmp_path):
+    spec = ModelSpec(**{**SPEC.__dict__, "weight_type": "F32", "embedding_type": "F32"})
+    model = write_model(tmp_path / "f32.gguf", spec)
+    with load(model) as engine:
+        logits = engine.logits(PROMPT)
+        assert not engine.weights.uses_kernels
+    packed = PackedFile(pack_path(model))
+    assert packed.globals.weights["token_embd"]["kind"] == "dense"
+    layer_specs = [extent.weights[field] for extent in packed.layers for field in LAYER_LINEARS]
+    assert all(spec["kind"] == "dense" for spec in layer_specs)
+    with read_gguf(model) as gguf:
+        config = read_config(gguf)
+        decoder = Decoder(config, DenseWeights(gguf, config), 128)
+        expected = decoder.forward(np.array(PROMPT), KVCache(config, 128), all_logits=True)
+    np.testing.assert_array_equal(logits, expected)
