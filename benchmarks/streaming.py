@@ -13,8 +13,10 @@ that the rest streams from disk every token. For each budget the script reports:
 - the fraction of I/O hidden: of the shorter of reading and computing (the most that can overlap),
   how much ran at the same time as the other: (reading - waiting) / min(reading, computing),
   where waiting is the decoder's time blocked on reads and computing is the rest of its time;
-- the planner's predicted decode tokens/s for the same budget (with this machine's cached
-  profile: run `tierflow probe --refresh` on a quiet machine first), and its error.
+- the planner's predicted decode tokens/s for the same budget and its error: with this machine's
+  cached profile (run `tierflow probe --refresh` on a quiet machine first), and with that
+  profile's disk speed replaced by the one measured in this run (a shared or virtual disk's speed
+  drifts from minute to minute; this separates the cost model's error from that drift).
 Fully resident decode speed is printed first, as the compute-bound reference.
 """
 
@@ -22,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tierflow import Engine
@@ -114,9 +117,12 @@ def main() -> None:
             row["limit_tok_s"] = row["disk_gbps"] * 1e9 / row["bytes_per_token"]
             row["of_limit"] = row["decode_tok_s"] / row["limit_tok_s"]
             with read_gguf(path) as gguf:
-                plan = make_plan(gguf, read_config(gguf), profile, gpu_budget=0, cpu_budget=budget,
-                                 context_length=CONTEXT, prompt_tokens=16)
-            row["predicted_tok_s"] = plan.predicted_decode_tps
+                config = read_config(gguf)
+                same_disk = replace(profile, disk_read_gbps=row["disk_gbps"])
+                for key, speeds in (("predicted_tok_s", profile), ("predicted_same_disk_tok_s", same_disk)):
+                    plan = make_plan(gguf, config, speeds, gpu_budget=0, cpu_budget=budget,
+                                     context_length=CONTEXT, prompt_tokens=16)
+                    row[key] = plan.predicted_decode_tps
             rows.append(row)
 
     if args.json:
@@ -124,7 +130,8 @@ def main() -> None:
         return
     print(f"model: {path.name} ({format_size(weight_bytes)} of packed weights), threads {args.threads}")
     print(f"{'budget':>7} {'cpu_memory':>11} {'streamed':>9} {'tok/s':>7} {'read/token':>11} "
-          f"{'disk GB/s':>9} {'limit':>7} {'of limit':>8} {'I/O hidden':>10} {'predicted':>9} {'error':>6}")
+          f"{'disk GB/s':>9} {'limit':>7} {'of limit':>8} {'I/O hidden':>10} {'predicted':>9} {'error':>6} "
+          f"{'same disk':>9} {'error':>6}")
     for row in rows:
         if row["budget"] == "all":
             print(f"{'all':>7} {format_size(row['cpu_memory']):>11} {'0':>9} {row['decode_tok_s']:>7.2f}")
@@ -133,7 +140,9 @@ def main() -> None:
               f"{row['streamed_layers']:>4}/{row['layers']:<4} {row['decode_tok_s']:>7.2f} "
               f"{format_size(row['bytes_per_token']):>11} {row['disk_gbps']:>9.2f} "
               f"{row['limit_tok_s']:>7.2f} {row['of_limit']:>8.0%} {row['hidden']:>10.0%} "
-              f"{row['predicted_tok_s']:>9.2f} {row['predicted_tok_s'] / row['decode_tok_s'] - 1:>+6.0%}")
+              f"{row['predicted_tok_s']:>9.2f} {row['predicted_tok_s'] / row['decode_tok_s'] - 1:>+6.0%} "
+              f"{row['predicted_same_disk_tok_s']:>9.2f} "
+              f"{row['predicted_same_disk_tok_s'] / row['decode_tok_s'] - 1:>+6.0%}")
 
 
 if __name__ == "__main__":

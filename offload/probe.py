@@ -45,6 +45,7 @@ from tierflow.cpu_kernels import matmul as kernels
 from tierflow.cpu_kernels.packed import PackedMatrix, pack
 from tierflow.cpu_kernels.quant_groups import QuantGroups
 from tierflow.errors import InvalidArgumentError, TierflowError
+from tierflow.offload.disk import DiskFile, aligned_buffer
 from tierflow.offload.profile import GpuProfile, HardwareProfile, cache_dir, profile_path
 
 Progress = Callable[[str], None]  # told what is being measured now
@@ -52,7 +53,7 @@ Progress = Callable[[str], None]  # told what is being measured now
 KERNEL_BITS = (1, 2, 3, 4, 8)
 GROUP = 32
 BATCH = 32  # M of the batched (prefill) products
-READ_REQUEST_BYTES = 4 * 2**20
+READ_REQUEST_BYTES = 32 * 2**20  # about a streamed layer of a 7B model: the streamer's reads
 FALLBACK_L3_BYTES = 64 * 2**20
 BUSY_CORES = 0.3  # other processes' average load above which a measurement is suspect
 
@@ -179,7 +180,7 @@ def _check_threads(threads: int) -> None:
 
 def disk_read_gbps(directory: Path, size_bytes: int, passes: int = 3) -> tuple[float, bool]:
     """(GB/s, whether O_DIRECT bypassed the page cache): the best of `passes` sequential reads of
-    a scratch file of size_bytes (whole 4 MiB requests) written in `directory`, then removed."""
+    a scratch file of size_bytes written in `directory`, then removed."""
     size_bytes = max(1, size_bytes // READ_REQUEST_BYTES) * READ_REQUEST_BYTES
     buffer = mmap.mmap(-1, READ_REQUEST_BYTES)  # page-aligned, as O_DIRECT requires
     path = None
@@ -195,12 +196,12 @@ def disk_read_gbps(directory: Path, size_bytes: int, passes: int = 3) -> tuple[f
         except OSError as error:
             raise TierflowError(f"cannot measure the disk: writing {size_bytes >> 20} MiB to "
                                 f"{directory} failed: {error.strerror or error}") from error
-        read_fd, direct = _open_for_reading(path, buffer)
+        disk = DiskFile(path)
         try:
-            best = min(_read_seconds(read_fd, buffer, size_bytes, direct) for _ in range(passes))
+            best = min(_read_seconds(disk, size_bytes) for _ in range(passes))
         finally:
-            os.close(read_fd)
-        return size_bytes / best / 1e9, direct
+            disk.close()
+        return size_bytes / best / 1e9, disk.direct
     finally:
         if path is not None:
             path.unlink(missing_ok=True)
@@ -217,40 +218,18 @@ def _write_scratch(fd: int, buffer: mmap.mmap, size_bytes: int) -> None:
     os.fsync(fd)
 
 
-def _open_for_reading(path: Path, buffer: mmap.mmap) -> tuple[int, bool]:
-    """An O_DIRECT descriptor if the file system takes O_DIRECT reads, else a buffered one.
-
-    Some file systems refuse O_DIRECT at open, others only at the first read (EINVAL either way).
-    """
-    direct_flag = getattr(os, "O_DIRECT", 0)
-    if direct_flag:
-        try:
-            fd = os.open(path, os.O_RDONLY | direct_flag)
-        except OSError as error:
-            if error.errno != errno.EINVAL:
-                raise
-        else:
-            try:
-                os.preadv(fd, [buffer], 0)
-                return fd, True
-            except OSError as error:
-                os.close(fd)
-                if error.errno != errno.EINVAL:
-                    raise
-    return os.open(path, os.O_RDONLY), False
-
-
-def _read_seconds(fd: int, buffer: mmap.mmap, size_bytes: int, direct: bool) -> float:
-    if not direct and hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the file is synced: its pages go
-    started = time.perf_counter()
-    offset = 0
-    while offset < size_bytes:
-        done = os.preadv(fd, [buffer], offset)
-        if done <= 0:
-            raise TierflowError(f"cannot measure the disk: the scratch file ended at {offset} bytes")
-        offset += done
-    return time.perf_counter() - started
+def _read_seconds(disk: DiskFile, size_bytes: int) -> float:
+    """One pass over the file in READ_REQUEST_BYTES requests, as the streamer reads layers."""
+    buffer = aligned_buffer(READ_REQUEST_BYTES)
+    try:
+        if not disk.direct:
+            os.posix_fadvise(disk.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the file is synced: its pages go
+        started = time.perf_counter()
+        for offset in range(0, size_bytes, READ_REQUEST_BYTES):
+            disk.read_into(buffer, offset, READ_REQUEST_BYTES)
+        return time.perf_counter() - started
+    finally:
+        buffer.close()
 
 
 # --- RAM -----------------------------------------------------------------------------------------

@@ -382,13 +382,13 @@ def test_packs_in_the_normal_cache_are_read_with_o_direct(packed):
 # -- the streamer -------------------------------------------------------------------------------
 
 
-def test_close_stops_the_streamer_thread(model, half):
+def test_close_stops_the_streamer_threads(model, half):
     engine = load(model, cpu_memory=half)
-    thread = engine.weights.streamer._thread
+    threads = engine.weights.streamer._threads
     generate(engine, 2)
-    assert thread.is_alive() and thread.name == "tierflow-streamer"
+    assert all(thread.is_alive() and thread.name == "tierflow-streamer" for thread in threads)
     engine.close()
-    assert not thread.is_alive()
+    assert not any(thread.is_alive() for thread in threads)
     assert not [t for t in threading.enumerate() if t.name == "tierflow-streamer"]
 
 
