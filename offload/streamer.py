@@ -57,14 +57,22 @@ class LayerStreamer:
         self._queue: queue.Queue[_Read | None] = queue.Queue()
         # Seconds during which some read was in progress, seconds the compute thread waited for
         # one, and bytes read: what the streaming benchmark reports.
-        self.read_seconds = self.wait_seconds = 0.0
+        self.wait_seconds = 0.0
         self.bytes_read = 0
+        self._read_seconds = 0.0
         self._stats_lock = threading.Lock()
         self._active_reads, self._busy_since = 0, 0.0
         self._threads = [threading.Thread(target=self._run, name="tierflow-streamer", daemon=True)
                          for _ in range(READERS)]
         for thread in self._threads:
             thread.start()
+
+    @property
+    def read_seconds(self) -> float:
+        """Seconds during which at least one read was in progress, up to now."""
+        with self._stats_lock:
+            busy = time.perf_counter() - self._busy_since if self._active_reads else 0.0
+            return self._read_seconds + busy
 
     @property
     def nbytes(self) -> int:
@@ -112,7 +120,7 @@ class LayerStreamer:
                 self._busy_since = now
             self._active_reads += change
             if self._active_reads == 0:
-                self.read_seconds += now - self._busy_since
+                self._read_seconds += now - self._busy_since
 
     def _restart(self, position: int) -> None:
         """Waits out the reads in flight, then continues the order from `position`."""
