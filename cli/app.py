@@ -53,10 +53,11 @@ def _progress_bar(label: str):
     if not err.is_terminal:
         yield None
         return
-    with Progress(TextColumn(label), BarColumn(), DownloadColumn(),
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                   console=err, transient=True) as bar:
         task = bar.add_task(label, total=None)
-        yield lambda phase, done, total: bar.update(task, completed=done, total=total)
+        yield lambda phase, done, total: bar.update(task, description=f"{label}: {phase}", completed=done,
+                                                    total=total or None)
 
 
 def _model_name(path: Optional[Path]) -> str:

@@ -228,7 +228,7 @@ class _PackWriter:
         info = self.gguf.tensors[name]
         self.done += info.nbytes
         if self.progress is not None:
-            self.progress("pack", self.done, self.total)
+            self.progress("packing the weights (once)", self.done, self.total)
         data = self.gguf.tensor_data(name)
         if info.ggml_type in GROUPED_TYPES and len(info.shape) == 2:
             return to_quant_groups(data, info.ggml_type, info.shape)

@@ -252,7 +252,7 @@ def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, threads: in
                   progress) -> TieredWeights:
     """The model's pack (built on first use) placed under the budget. A pack found damaged while
     loading is rebuilt once."""
-    streamed, depth = _placement(gguf, config, cpu_budget, threads, context_length)
+    streamed, depth = _placement(gguf, config, cpu_budget, threads, context_length, progress)
     packed = open_pack(gguf, config, progress)
     try:
         return TieredWeights(packed, streamed, depth, progress)
@@ -261,8 +261,8 @@ def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, threads: in
         return TieredWeights(open_pack(gguf, config, progress), streamed, depth, progress)
 
 
-def _placement(gguf, config: ModelConfig, cpu_budget: int | None, threads: int,
-               context_length: int) -> tuple[tuple[int, ...], int]:
+def _placement(gguf, config: ModelConfig, cpu_budget: int | None, threads: int, context_length: int,
+               progress) -> tuple[tuple[int, ...], int]:
     """(streamed layers, prefetch depth). Everything stays in RAM when it fits the budget (default:
     available RAM less a margin); otherwise the planner, with this machine's measured profile
     (probed once and cached), chooses what streams."""
@@ -272,8 +272,12 @@ def _placement(gguf, config: ModelConfig, cpu_budget: int | None, threads: int,
         budget = default_cpu_budget(kv_cache_bytes(config, context_length))
     if globals_.nbytes + sum(layer.nbytes for layer in layers) <= budget:
         return (), 0
-    plan = make_plan(gguf, config, load_profile(threads), gpu_budget=0, cpu_budget=budget,
-                     context_length=context_length)
+    def measuring(step: str) -> None:  # a first streamed load on a machine probes it (~20 s)
+        if progress is not None:
+            progress(f"measuring this machine for the planner ({step})", 0, 0)
+
+    plan = make_plan(gguf, config, load_profile(threads, progress=measuring), gpu_budget=0,
+                     cpu_budget=budget, context_length=context_length)
     return plan.streamed_layers, plan.prefetch_depth
 
 
