@@ -105,13 +105,6 @@ class PackedMatrix:
         return q.reshape(len(ids), self.cols)
 
 
-def packed_nbytes(rows: int, cols: int, bits: int, group: int, has_min: bool) -> int:
-    """Bytes of a packed matrix (an upper bound where int8 mins turn out all zero)."""
-    padded = -(-rows // TILE_ROWS) * TILE_ROWS
-    params = padded * (cols // group) * 2 * (2 if has_min or bits != 8 else 1)
-    return padded * cols * bits // 8 + params
-
-
 def _to_half(values: np.ndarray, what: str) -> np.ndarray:
     with np.errstate(over="ignore"):
         half = values.astype(np.float16)

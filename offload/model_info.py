@@ -5,9 +5,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierflow.errors import ModelFileError
+from tierflow.offload.extents import model_extents
 from tierflow.offload.gguf_file import GGUFFile, read_gguf
 from tierflow.offload.model_path import resolve_model_path
-from tierflow.offload.resident import check_tensors, resident_bytes
+from tierflow.offload.tensors import check_tensors
 from tierflow.runtime.config import ModelConfig
 from tierflow.units import format_size
 
@@ -55,6 +56,7 @@ def describe_model(model: str | os.PathLike | None) -> ModelSummary:
             count, nbytes = types.get(info.type_name, (0, 0))
             types[info.type_name] = (count + 1, nbytes + info.nbytes)
         num_parameters = sum(info.num_elements for info in gguf.tensors.values())
-        cpu_bytes = resident_bytes(gguf, config)
+        globals_, layers = model_extents(gguf, config)
+        cpu_bytes = globals_.nbytes + sum(layer.nbytes for layer in layers)
     return ModelSummary(path, config, path.stat().st_size, num_parameters, types,
                         {"gpu": 0, "cpu": cpu_bytes, "disk": 0})

@@ -10,9 +10,10 @@ peak memory per tier and the predicted prefill and decode tokens/s.
 Bytes. Weights are counted as the model's pack lays them out (offload/packed_file.py), which is
 what TieredWeights holds and the streamer reads: one extent for the globals (embeddings, output
 norm and head, rope factors), one per layer (its norms and packed linears), arrays 64-byte aligned,
-extents padded to 4 KiB. `model_extents` recomputes those sizes from shapes alone (int8 mins that
-turn out all zero make a pack smaller: an upper bound). A layer's attention and FFN share its
-extent, so they share a home; the groups split the extent after the attention output.
+extents padded to 4 KiB. `model_extents` (offload/extents.py) recomputes those sizes from shapes
+alone (int8 mins that turn out all zero make a pack smaller: an upper bound). A layer's
+attention and FFN share its extent, so they share a home; the groups split the extent after the
+attention output.
 
 Placement, in order:
 1. GPU (only when the profile has a GPU and gpu_budget > 0): layers from 0 up while they fit.
@@ -54,16 +55,13 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from tierflow.cpu_kernels.packed import TILE_ROWS
-from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, group_layout
 from tierflow.errors import BudgetError, ContextLengthError
-from tierflow.offload.disk import ALIGNMENT
-from tierflow.offload.gguf_file import GGUFFile, TensorInfo, read_gguf
+from tierflow.offload.extents import ExtentSize, model_extents
+from tierflow.offload.gguf_file import GGUFFile, read_gguf
 from tierflow.offload.model_info import read_config
 from tierflow.offload.model_path import resolve_model_path
-from tierflow.offload.packed_file import ARRAY_ALIGNMENT, LAYER_LINEARS
 from tierflow.offload.profile import HardwareProfile
-from tierflow.offload.resident import check_tensors
+from tierflow.offload.tensors import check_tensors
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
 from tierflow.units import format_size, parse_size
@@ -202,96 +200,6 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-# -- bytes: the pack's extents, from shapes alone -------------------------------------------------
-
-@dataclass(frozen=True)
-class _Linear:
-    nbytes: int
-    bits: int | None  # None: a float32 matrix, computed by torch
-
-
-@dataclass(frozen=True)
-class Extent:
-    nbytes: int  # padded to ALIGNMENT
-    groups: tuple[tuple[str, int], ...]  # (group, bytes), adding up to nbytes
-    linears: tuple[_Linear, ...]  # what a pass computes with it (none for the embeddings)
-
-
-class _ExtentSizer:
-    """Mirrors packed_file._ExtentBuilder: arrays 64-byte aligned in the order the pack writes them."""
-
-    def __init__(self):
-        self.size, self.groups, self.linears, self._mark = 0, [], [], 0
-
-    def add(self, nbytes: int) -> None:
-        self.size = -(-self.size // ARRAY_ALIGNMENT) * ARRAY_ALIGNMENT + nbytes
-
-    def matrix(self, rows: int, cols: int, ggml_type: int, bias: bool) -> _Linear:
-        if bias:
-            self.add(4 * rows)
-        if ggml_type not in GROUPED_TYPES:
-            self.add(4 * rows * cols)
-            return _Linear(4 * rows * cols, None)
-        layout = group_layout(ggml_type)
-        padded = -(-rows // TILE_ROWS) * TILE_ROWS
-        arrays = [padded * cols * layout.bits // 8, padded * (cols // layout.group) * 2]
-        arrays += arrays[1:] if layout.has_min or layout.bits != 8 else []
-        for nbytes in arrays:
-            self.add(nbytes)
-        return _Linear(sum(arrays), layout.bits)
-
-    def linear(self, gguf: GGUFFile, names: list[str]) -> None:
-        """Matrices reading one input: one fused matrix when their formats agree (as the pack)."""
-        infos = [gguf.tensors[f"{name}.weight"] for name in names]
-        biased = [f"{name}.bias" in gguf.tensors for name in names]
-        rows, cols = sum(info.shape[1] for info in infos), infos[0].shape[0]
-        formats = {(group_layout(i.ggml_type).bits, group_layout(i.ggml_type).group)
-                   if i.ggml_type in GROUPED_TYPES else None for i in infos}
-        if len(formats) == 1:
-            self.linears.append(self.matrix(rows, cols, infos[0].ggml_type, any(biased)))
-        else:
-            self.linears += [self.matrix(i.shape[1], i.shape[0], i.ggml_type, b)
-                             for i, b in zip(infos, biased)]
-
-    def vector(self, info: TensorInfo) -> None:
-        self.add(4 * info.num_elements)
-
-    def close_group(self, name: str) -> None:
-        self.groups.append((name, self.size - self._mark))
-        self._mark = self.size
-
-    def extent(self, last_group: str, linears: list[_Linear] | None = None) -> Extent:
-        padded = -(-self.size // ALIGNMENT) * ALIGNMENT
-        self.groups.append((last_group, padded - self._mark))
-        return Extent(padded, tuple(self.groups), tuple(self.linears if linears is None else linears))
-
-
-def model_extents(gguf: GGUFFile, config: ModelConfig) -> tuple[Extent, list[Extent]]:
-    """The pack's globals extent and layer extents, sized from the header (tensors checked)."""
-    sizer = _ExtentSizer()
-    embd = gguf.tensors["token_embd.weight"]
-    head = [sizer.matrix(embd.shape[1], embd.shape[0], embd.ggml_type, False)]
-    sizer.close_group("embeddings")
-    sizer.vector(gguf.tensors["output_norm.weight"])
-    if not config.tied_embeddings:
-        sizer.linear(gguf, ["output"])
-        head = sizer.linears
-    if "rope_freqs.weight" in gguf.tensors:
-        sizer.vector(gguf.tensors["rope_freqs.weight"])
-    globals_ = sizer.extent("output", head)
-    layers = []
-    for i in range(config.num_layers):
-        sizer, prefix = _ExtentSizer(), f"blk.{i}."
-        sizer.vector(gguf.tensors[prefix + "attn_norm.weight"])
-        sizer.vector(gguf.tensors[prefix + "ffn_norm.weight"])
-        for field, names in LAYER_LINEARS.items():
-            sizer.linear(gguf, [prefix + name for name in names])
-            if field == "wo":
-                sizer.close_group("attention")
-        layers.append(sizer.extent("ffn"))
-    return globals_, layers
-
-
 # -- the cost model (see the module docstring) ----------------------------------------------------
 
 def _nearest(table: dict[int, float], bits: int, fallback: float) -> float:
@@ -332,7 +240,7 @@ class _Costs:
                 total += tokens * linear.nbytes / (rate * 1e9)
         return total
 
-    def layer_s(self, extent: Extent, device: str, tokens: int, start: int) -> float:
+    def layer_s(self, extent: ExtentSize, device: str, tokens: int, start: int) -> float:
         """One layer over `tokens` new tokens at positions start..; tokens == 1 is decode."""
         c = self.c
         seconds = self.matmul_s(extent.linears, tokens, device, tokens > 1) + self.p.layer_overhead_s
@@ -346,7 +254,7 @@ class _Costs:
             seconds += flops / (2e9 * _nearest(self.p.kernel_batch_gbps, 8, self.p.ram_read_gbps))
         return seconds
 
-    def read_s(self, extent: Extent) -> float:
+    def read_s(self, extent: ExtentSize) -> float:
         return extent.nbytes / (self.p.disk_read_gbps * 1e9)
 
 
@@ -378,7 +286,7 @@ class _Layout:
     depth: int
 
 
-def _timings(layout: _Layout, globals_: Extent, layers: list[Extent], costs: _Costs,
+def _timings(layout: _Layout, globals_: ExtentSize, layers: list[ExtentSize], costs: _Costs,
              prompt_tokens: int) -> tuple[Timing, Timing]:
     def device(i: int) -> str:
         return "gpu" if i in layout.gpu else "cpu"
@@ -432,7 +340,7 @@ def _resident_choices(candidates: list[int], sizes: list[int], room: int) -> lis
     return [tuple(first_fit)] + ([tuple(spread)] if fits and spread != first_fit else [])
 
 
-def _choose_layout(globals_: Extent, layers: list[Extent], gpu: tuple[int, ...], cpu_budget: int,
+def _choose_layout(globals_: ExtentSize, layers: list[ExtentSize], gpu: tuple[int, ...], cpu_budget: int,
                    costs: _Costs, prompt_tokens: int) -> _Layout:
     sizes = [x.nbytes for x in layers]
     candidates = [i for i in range(len(layers)) if i not in gpu]
@@ -467,7 +375,7 @@ def _choose_layout(globals_: Extent, layers: list[Extent], gpu: tuple[int, ...],
     return best
 
 
-def _gpu_layers(layers: list[Extent], profile: HardwareProfile, gpu_budget: int) -> tuple[int, ...]:
+def _gpu_layers(layers: list[ExtentSize], profile: HardwareProfile, gpu_budget: int) -> tuple[int, ...]:
     if gpu_budget > 0 and profile.gpu is None:
         raise BudgetError("gpu_memory was given but the hardware profile has no GPU; omit it or use 0")
     chosen, used = [], 0

@@ -24,6 +24,7 @@ from tierflow.errors import (
     ModelFileError,
     TierflowError,
 )
+from tierflow.offload.extents import model_extents
 from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.llama_vocab import llama_vocab_file
 from tierflow.offload.model_info import read_config
@@ -34,10 +35,9 @@ from tierflow.offload.planner import (
     default_cpu_budget,
     kv_cache_bytes,
     make_plan,
-    model_extents,
 )
 from tierflow.offload.probe import load_profile
-from tierflow.offload.resident import check_tensors
+from tierflow.offload.tensors import check_tensors
 from tierflow.offload.tiered import LoadProgress, TieredWeights
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import TokenGenerator

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tierflow.cpu_kernels.matmul import matmul
-from tierflow.cpu_kernels.packed import TILE_ROWS, pack, packed_nbytes
+from tierflow.cpu_kernels.packed import TILE_ROWS, pack
 from tierflow.cpu_kernels.quant_groups import QuantGroups, stack_rows
 
 ALL_BITS = (1, 2, 3, 4, 8)
@@ -139,20 +139,6 @@ def test_int8_with_one_nonzero_min_packs_mins():
 def test_lut_always_has_mins(bits):
     groups = random_groups(65, 64, bits, 32, has_min=False)
     assert pack(groups).mins is not None
-
-
-@pytest.mark.parametrize("rows", ROW_COUNTS)
-@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
-def test_packed_nbytes_is_the_real_size(kind, rows):
-    bits, has_min = kind
-    packed = pack(random_groups(rows, 96, bits, 32, has_min=has_min))
-    assert packed.nbytes == packed_nbytes(rows, 96, bits, 32, has_min)
-
-
-def test_packed_nbytes_is_an_upper_bound_when_int8_mins_turn_out_zero():
-    packed = pack(random_groups(65, 96, 8, 32, has_min=False))
-    assert packed.mins is None
-    assert packed.nbytes < packed_nbytes(65, 96, 8, 32, has_min=True)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=kind_id)

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError
 from tierflow.offload import planner
+from tierflow.offload.extents import model_extents
 from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.model_info import read_config
 from tierflow.offload.packed_file import PackedFile, build_pack
@@ -21,7 +22,6 @@ from tierflow.offload.planner import (
     PlanBudgetError,
     kv_cache_bytes,
     make_plan,
-    model_extents,
 )
 from tierflow.offload.profile import GpuProfile, HardwareProfile, profile_path
 from tierflow.runtime.kv_cache import KVCache

@@ -1,19 +1,8 @@
-"""The tensors a model needs and the RAM they take once loaded: checked and counted from the header.
-
-Group-quantized matrices (Q4_0, Q4_K, Q8_0, ...) are held in the CPU kernels' packed layout (see
-cpu_kernels/packed.py), float matrices as float32. The weights themselves are loaded by
-offload/tiered.py from the model's pack (offload/packed_file.py).
-"""
-
+"""The tensors a model needs: their names and shapes, checked against the header."""
 
 from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES
-from tierflow.cpu_kernels.packed import packed_nbytes
-from tierflow.cpu_kernels.quant_groups import (
-    GROUPED_TYPES,
-    group_layout,
-)
 from tierflow.errors import ModelFileError, UnsupportedModelError
-from tierflow.offload.gguf_file import GGUFFile, TensorInfo
+from tierflow.offload.gguf_file import GGUFFile
 from tierflow.runtime.config import ModelConfig
 
 # LayerWeights field -> the GGUF matrices (within blk.N) it computes, in output order
@@ -58,19 +47,3 @@ def check_tensors(gguf: GGUFFile, config: ModelConfig) -> None:
                 f"{gguf.path.name}: tensor '{name}' has type {info.type_name}, which tierflow "
                 f"does not support yet"
             )
-
-
-def held_bytes(info: TensorInfo) -> int:
-    """Bytes of RAM a tensor takes once loaded: packed if group-quantized, else float32."""
-    if info.ggml_type in GROUPED_TYPES and len(info.shape) == 2:
-        layout = group_layout(info.ggml_type)
-        return packed_nbytes(info.shape[1], info.shape[0], layout.bits, layout.group, layout.has_min)
-    return 4 * info.num_elements
-
-
-def resident_bytes(gguf: GGUFFile, config: ModelConfig) -> int:
-    """Bytes of RAM the loaded weights take (an upper bound: fused matrices pad less)."""
-    names = list(expected_shapes(config))
-    if "rope_freqs.weight" in gguf.tensors:
-        names.append("rope_freqs.weight")
-    return sum(held_bytes(gguf.tensors[name]) for name in names)
