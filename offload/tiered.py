@@ -1,16 +1,21 @@
-"""TieredWeights: the WeightSource of a placement: some layers held in RAM, the rest streamed.
+"""TieredWeights: the WeightSource of a placement: layers on the GPU tier, in RAM, or streamed.
 
 Everything comes from the model's pack (packed_file.py): the globals (embeddings, output head,
-norms) and the resident layers are read once into RAM at load; the streamed layers are read
-from disk every step by the LayerStreamer into its ring of buffers. RAM held for weights is the
-globals, the resident layers and the ring, which is what the cpu_memory budget bounds.
+norms) and the resident layers are read once into RAM at load; GPU layers are read once and
+copied to the device tier (device.py); the streamed layers are read from disk every step by the
+LayerStreamer into its ring of buffers. RAM held for weights is the globals, the resident layers
+and the ring, which is what the cpu_memory budget bounds; the device tier counts its own bytes
+against gpu_memory.
 """
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import PackedMatrix
+from tierflow.offload.device import DeviceTier
 from tierflow.offload.disk import DiskFile, aligned_buffer
 from tierflow.offload.packed_file import LAYER_LINEARS, Extent, LoadProgress, PackedFile
 from tierflow.offload.streamer import LayerStreamer
@@ -18,18 +23,20 @@ from tierflow.runtime.model import ConcatLinear, LayerWeights, Linear
 
 
 class TieredWeights:
-    def __init__(self, packed: PackedFile, streamed_layers: list[int], depth: int,
-                 progress: LoadProgress | None = None):
-        self.packed = packed
+    def __init__(self, packed: PackedFile, streamed_layers: Sequence[int], depth: int,
+                 progress: LoadProgress | None = None, gpu_layers: Sequence[int] = (),
+                 device: DeviceTier | None = None):
+        self.packed, self.device = packed, device
         self.disk = DiskFile(packed.path)
         self._buffers = []  # the resident extents' memory, alive as long as the weights
-        streamed = set(streamed_layers)
-        resident = [i for i in range(len(packed.layers)) if i not in streamed]
-        total = packed.globals.nbytes + sum(packed.layers[i].nbytes for i in resident)
+        streamed, on_device = set(streamed_layers), set(gpu_layers)
+        resident = [i for i in range(len(packed.layers)) if i not in streamed | on_device]
+        total = packed.globals.nbytes + sum(packed.layers[i].nbytes for i in [*resident, *on_device])
         self._loaded, self._progress = 0, progress
         try:
             globals_ = packed.global_weights(self._read(packed.globals, total))
             self._layers = {i: packed.layer_weights(i, self._read(packed.layers[i], total)) for i in resident}
+            self._layers |= {i: self._to_device(i, total) for i in sorted(on_device)}
             self.streamer = (LayerStreamer(self.disk, packed, sorted(streamed), depth) if streamed else None)
         except BaseException:
             self.disk.close()
@@ -37,22 +44,31 @@ class TieredWeights:
         self._embedding: PackedMatrix | torch.Tensor = globals_["embedding"]
         self._output_norm, self._output = globals_["output_norm"], globals_["output"]
         self._rope_freqs = globals_["rope_freqs"]
-        self.streamed_layers = sorted(streamed)
+        self.streamed_layers, self.gpu_layers = sorted(streamed), sorted(on_device)
         ring = self.streamer.nbytes if self.streamer else 0
-        self._bytes = {"gpu": 0, "cpu": total + ring,
+        in_ram = packed.globals.nbytes + sum(packed.layers[i].nbytes for i in resident)
+        self._bytes = {"gpu": device.used if device else 0, "cpu": in_ram + ring,
                        "disk": sum(packed.layers[i].nbytes for i in self.streamed_layers)}
         layer_specs = [extent.weights[field] for extent in packed.layers for field in LAYER_LINEARS]
         self.uses_kernels = _computed_by_kernels(self._output) or any(map(_packed_spec, layer_specs))
 
-    def _read(self, extent: Extent, total: int) -> memoryview:
+    def _read(self, extent: Extent, total: int, keep: bool = True) -> memoryview:
         buffer = aligned_buffer(extent.nbytes)
         data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
         self.packed.check(extent, data)
-        self._buffers.append(buffer)
+        if keep:
+            self._buffers.append(buffer)
         self._loaded += extent.nbytes
         if self._progress is not None:
             self._progress("load", self._loaded, total)
         return data
+
+    def _to_device(self, index: int, total: int) -> LayerWeights:
+        """Layer `index` copied to the device tier; its weights view the device copy (the CPU
+        stand-in's memory: CUDA layers need GPU kernels, which Engine.load checks for first)."""
+        copy = self.device.upload(self._read(self.packed.layers[index], total, keep=False))
+        self.device.ready(copy)
+        return self.packed.layer_weights(index, memoryview(copy.numpy()))
 
     # -- the WeightSource interface --------------------------------------------------------
 

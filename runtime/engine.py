@@ -10,6 +10,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,9 @@ from tierflow.errors import (
     InvalidArgumentError,
     ModelFileError,
     TierflowError,
+    UnsupportedModelError,
 )
+from tierflow.offload.device import DeviceTier
 from tierflow.offload.extents import model_extents
 from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.llama_vocab import llama_vocab_file
@@ -37,6 +40,7 @@ from tierflow.offload.planner import (
     make_plan,
 )
 from tierflow.offload.probe import load_profile
+from tierflow.offload.profile import GpuProfile
 from tierflow.offload.tensors import check_tensors
 from tierflow.offload.tiered import LoadProgress, TieredWeights
 from tierflow.runtime.config import ModelConfig
@@ -75,19 +79,20 @@ class Engine:
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, *, gpu_memory: int | str | None = None,
              cpu_memory: int | str | None = None, threads: int | None = None,
-             context_length: int | None = None, progress: LoadProgress | None = None) -> "Engine":
+             context_length: int | None = None, progress: LoadProgress | None = None,
+             gpu_device: str | None = None) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes of weights held on each tier ("4GiB", "512MB" or
         an int); threads is the CPU thread count (default: physical cores); context_length the KV
         cache size (default: the model's, capped at 4096); progress(phase, done, total) is called
-        as bytes load.
+        as bytes load. gpu_device="cpu" lets torch's CPU device stand in for the GPU tier, with
+        the same gpu_memory budget (for testing placement on a machine without a GPU).
         """
         path = resolve_model_path(model)
         threads = _thread_count(threads)
         cpu_budget = parse_size(cpu_memory) if cpu_memory is not None else None
-        if gpu_memory is not None and parse_size(gpu_memory) > 0 and not torch.cuda.is_available():
-            raise BudgetError("gpu_memory was given but no CUDA GPU is available; omit it or use 0")
+        gpu_budget = _gpu_budget(gpu_memory, gpu_device)
         with read_gguf(path) as gguf:  # validated before llama.cpp sees the file
             config = read_config(gguf)
             context_length = _context_length(context_length, config)
@@ -100,7 +105,8 @@ class Engine:
                         f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens but the "
                         f"embedding only {config.vocab_size} rows"
                     )
-                weights = _load_weights(gguf, config, cpu_budget, threads, context_length, progress)
+                weights = _load_weights(gguf, config, cpu_budget, gpu_budget, threads, context_length,
+                                        progress)
             except BaseException:
                 tokenizer.close()
                 raise
@@ -248,37 +254,62 @@ class Engine:
             )
 
 
-def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, threads: int, context_length: int,
-                  progress) -> TieredWeights:
-    """The model's pack (built on first use) placed under the budget. A pack found damaged while
-    loading is rebuilt once."""
-    streamed, depth = _placement(gguf, config, cpu_budget, threads, context_length, progress)
+def _gpu_budget(gpu_memory: int | str | None, gpu_device: str | None) -> int:
+    budget = parse_size(gpu_memory) if gpu_memory is not None else 0
+    if gpu_device not in (None, "cpu"):
+        raise InvalidArgumentError(f"gpu_device must be 'cpu' (the CPU standing in for a GPU, for "
+                                   f"testing) or left out, not {gpu_device!r}")
+    if budget > 0 and gpu_device is None:
+        if not torch.cuda.is_available():
+            raise BudgetError("gpu_memory was given but no CUDA GPU is available; omit it or use 0")
+        raise UnsupportedModelError("computing layers on a CUDA GPU needs tierflow's GPU kernels, "
+                                    "which are not written yet; use gpu_memory=0 (the CPU kernels "
+                                    "run the whole model)")
+    return budget
+
+
+def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu_budget: int, threads: int,
+                  context_length: int, progress) -> TieredWeights:
+    """The model's pack (built on first use) placed under the budgets. A pack found damaged
+    while loading is rebuilt once."""
+    gpu_layers, streamed, depth = _placement(gguf, config, cpu_budget, gpu_budget, threads,
+                                             context_length, progress)
+
+    def place(packed):
+        device = DeviceTier(torch.device("cpu"), gpu_budget) if gpu_budget else None
+        return TieredWeights(packed, streamed, depth, progress, gpu_layers, device)
+
     packed = open_pack(gguf, config, progress)
     try:
-        return TieredWeights(packed, streamed, depth, progress)
+        return place(packed)
     except ModelFileError:
         packed.path.unlink(missing_ok=True)
-        return TieredWeights(open_pack(gguf, config, progress), streamed, depth, progress)
+        return place(open_pack(gguf, config, progress))
 
 
-def _placement(gguf, config: ModelConfig, cpu_budget: int | None, threads: int, context_length: int,
-               progress) -> tuple[tuple[int, ...], int]:
-    """(streamed layers, prefetch depth). Everything stays in RAM when it fits the budget (default:
-    available RAM less a margin); otherwise the planner, with this machine's measured profile
-    (probed once and cached), chooses what streams."""
+def _placement(gguf, config: ModelConfig, cpu_budget: int | None, gpu_budget: int, threads: int,
+               context_length: int, progress) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(GPU layers, streamed layers, prefetch depth). With no GPU budget, everything stays in
+    RAM when it fits the budget (default: available RAM less a margin); otherwise the planner,
+    with this machine's measured profile (probed once and cached), chooses."""
     globals_, layers = model_extents(gguf, config)
     budget = cpu_budget
     if budget is None:
         budget = default_cpu_budget(kv_cache_bytes(config, context_length))
-    if globals_.nbytes + sum(layer.nbytes for layer in layers) <= budget:
-        return (), 0
+    if not gpu_budget and globals_.nbytes + sum(layer.nbytes for layer in layers) <= budget:
+        return (), (), 0
+
     def measuring(step: str) -> None:  # a first streamed load on a machine probes it (~20 s)
         if progress is not None:
             progress(f"measuring this machine for the planner ({step})", 0, 0)
 
-    plan = make_plan(gguf, config, load_profile(threads, progress=measuring), gpu_budget=0,
-                     cpu_budget=budget, context_length=context_length)
-    return plan.streamed_layers, plan.prefetch_depth
+    profile = load_profile(threads, progress=measuring)
+    if gpu_budget:  # the CPU standing in for a GPU: its own speeds
+        profile = replace(profile, gpu=GpuProfile("the CPU standing in for a GPU", gpu_budget,
+                                                  profile.ram_read_gbps, dict(profile.kernel_gbps)))
+    plan = make_plan(gguf, config, profile, gpu_budget=gpu_budget, cpu_budget=budget,
+                     context_length=context_length)
+    return plan.gpu_layers, plan.streamed_layers, plan.prefetch_depth
 
 
 def _thread_count(threads: int | None) -> int:

@@ -1,0 +1,46 @@
+"""The GPU tier's memory: packed layers copied to a device under the gpu_memory budget.
+
+On CUDA a layer's bytes are staged in pinned host memory and copied on a side stream, and an
+event records when they have landed, so copies overlap compute on the default stream, which
+waits on that event before using them. Without CUDA, torch's CPU device stands in for the GPU
+(`Engine.load(gpu_device="cpu")`, for testing the tier): the same budget accounting and copies,
+into plain memory that the CPU kernels can read.
+"""
+
+import numpy as np
+import torch
+
+from tierflow.errors import BudgetError
+from tierflow.units import format_size
+
+
+class DeviceTier:
+    def __init__(self, device: torch.device, budget: int):
+        self.device, self.budget, self.used = device, budget, 0
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._events: dict[int, torch.cuda.Event] = {}  # by tensor data pointer
+
+    def upload(self, data: memoryview) -> torch.Tensor:
+        """A device copy of data (uint8), counted against the budget."""
+        if self.used + len(data) > self.budget:
+            raise BudgetError(f"gpu_memory {format_size(self.budget)} is full ({format_size(self.used)} "
+                              f"used); a layer of {format_size(len(data))} does not fit")
+        staging = torch.empty(len(data), dtype=torch.uint8, pin_memory=self._stream is not None)
+        staging.numpy()[:] = np.frombuffer(data, np.uint8)
+        if self._stream is None:
+            copy = staging
+        else:  # staging is pinned: the copy is asynchronous, on the side stream
+            with torch.cuda.stream(self._stream):
+                copy = staging.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            copy.record_stream(torch.cuda.current_stream(self.device))  # allocated on the side, used here
+            self._events[copy.data_ptr()] = event
+        self.used += len(data)
+        return copy
+
+    def ready(self, tensor: torch.Tensor) -> None:
+        """Makes the current stream wait until tensor's copy has landed (no-op off CUDA)."""
+        event = self._events.pop(tensor.data_ptr(), None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
