@@ -41,7 +41,7 @@ from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, pack
 from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, QuantGroups, stack_rows, to_quant_groups
-from tierflow.errors import ModelFileError
+from tierflow.errors import ModelFileError, TierflowError
 from tierflow.offload.disk import ALIGNMENT
 from tierflow.offload.gguf_file import GGUFFile
 from tierflow.offload.profile import cache_dir
@@ -70,7 +70,11 @@ def pack_path(source: Path) -> Path:
     """Where the pack of `source` lives: keyed by its absolute path."""
     digest = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:16]
     folder = cache_dir() / "packed"
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise TierflowError(f"cannot create {folder} ({error.strerror or error}); set TIERFLOW_CACHE "
+                            f"to a writable folder") from error
     return folder / f"{Path(source).stem}.{digest}.tfpack"
 
 
@@ -305,5 +309,10 @@ def open_pack(gguf: GGUFFile, config: ModelConfig, progress: LoadProgress | None
                 return packed
         except ModelFileError:
             pass  # damaged: rebuilt below
-    build_pack(gguf, config, path, progress)
+    try:
+        build_pack(gguf, config, path, progress)
+    except OSError as error:  # a full disk, a read-only cache folder
+        raise TierflowError(f"cannot write the packed weights of {gguf.path.name} to {path.parent} "
+                            f"({error.strerror or error}); free space there or set TIERFLOW_CACHE to "
+                            f"another folder") from error
     return PackedFile(path)

@@ -9,6 +9,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tierflow.errors import TierflowError
+
 PROFILE_VERSION = 1
 
 
@@ -19,7 +21,11 @@ def cache_dir() -> Path:
         path = Path(root)
     else:
         path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierflow"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise TierflowError(f"cannot create the cache folder {path} ({error.strerror or error}); "
+                            f"set TIERFLOW_CACHE to a writable folder") from error
     return path
 
 

@@ -4,6 +4,7 @@ Models are small random GGUFs made in tmp_path (tests/make_model.py); packs go t
 own cache folder (conftest.py sets TIERFLOW_CACHE), keyed by the model's path.
 """
 
+import errno
 import os
 import time
 import zlib
@@ -20,6 +21,7 @@ from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import pack
 from tierflow.cpu_kernels.quant_groups import to_quant_groups
+from tierflow.errors import TierflowError
 from tierflow.offload import packed_file
 from tierflow.offload.disk import ALIGNMENT, DiskFile, aligned_buffer
 from tierflow.offload.gguf_file import read_gguf
@@ -298,3 +300,23 @@ def test_a_float_model_packs_dense_float32_and_computes_the_same_logits(tmp_path
         decoder = Decoder(config, DenseWeights(gguf, config), 128)
         expected = decoder.forward(np.array(PROMPT), KVCache(config, 128), all_logits=True)
     np.testing.assert_array_equal(logits, expected)
+
+
+def test_an_unwritable_cache_folder_is_a_clear_error(tmp_path, monkeypatch, model_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("TIERFLOW_CACHE", str(blocker / "cache"))
+    with pytest.raises(TierflowError, match="TIERFLOW_CACHE"):
+        Engine.load(model_path, threads=1, context_length=64)
+
+
+def test_a_failed_pack_write_is_a_clear_error_and_leaves_no_file(tmp_path, monkeypatch, model_path):
+    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(packed_file.os, "fsync", disk_full)
+    with pytest.raises(TierflowError, match="cannot write the packed weights"):
+        Engine.load(model_path, threads=1, context_length=64)
+    assert not [p for p in (tmp_path / "packed").iterdir()]
