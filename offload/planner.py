@@ -37,7 +37,7 @@ stages, one per layer and one for the output head:
   rate(bits): decode kernel_gbps[bits], prefill kernel_batch_gbps[bits] (bytes x tokens per
   second); float32 linears (torch) decode at ram_read_gbps and prefill at 4 x the int8 batch
   rate (as many weights per second); bits not measured: the nearest that is. The head computes
-  one token even in prefill. GPU layers use GpuProfile.kernel_gbps (PLACEHOLDER_GPU_GBPS while
+  one token even in prefill. GPU layers use GpuProfile.kernel_gbps (cost_model.PLACEHOLDER_GPU_GBPS while
   unmeasured) and, in prefill, read their weights once per GPU_TOKENS_PER_READ tokens.
 Stages compute one after another. One reader reads the streamed layers in order, cycling across
 passes, as LayerStreamer does: read n is issued once streamed layer n - depth - 1 has computed
@@ -50,12 +50,12 @@ Left out: reads slowing compute (O_DIRECT DMA costs little CPU), the first pass'
 CPU-GPU activation copies, prefill attention on the GPU.
 """
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from tierflow.errors import BudgetError, ContextLengthError
+from tierflow.offload.cost_model import Costs, Layout, Timing, timings
 from tierflow.offload.extents import ExtentSize, model_extents
 from tierflow.offload.gguf_file import GGUFFile, read_gguf
 from tierflow.offload.model_info import read_config
@@ -71,9 +71,6 @@ DEFAULT_CONTEXT_CAP = 4096  # the KV cache length Engine.load defaults to
 DEFAULT_PROMPT_TOKENS = 512
 CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # default cpu_budget keeps this much RAM free
 GPU_MARGIN = 512 << 20  # CUDA context and allocator slack under the default gpu_budget
-PLACEHOLDER_GPU_GBPS = 300.0  # a mid-range consumer GPU's memory bandwidth, until GPU kernels exist
-GPU_TOKENS_PER_READ = 128  # prefill tokens a GPU serves per read of its weights (placeholder)
-_DECODE_PASSES, _STEADY_PASSES = 8, 4
 
 
 @dataclass(frozen=True)
@@ -83,18 +80,6 @@ class GroupPlacement:
     nbytes: int  # bytes in the pack; a layer's two groups add up to its extent
     home: str  # "gpu", "cpu" or "disk" (streamed into the RAM ring every pass)
     compute: str  # "gpu" or "cpu"
-
-
-@dataclass(frozen=True)
-class Timing:
-    tokens: int  # computed in `seconds`: 1 for a decode step, the prompt for prefill
-    seconds: float  # predicted wall time
-    compute_s: float  # compute alone, as if no read were waited for
-    io_s: float  # disk reads alone
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else math.inf
 
 
 @dataclass(frozen=True)
@@ -200,113 +185,6 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-# -- the cost model (see the module docstring) ----------------------------------------------------
-
-def _nearest(table: dict[int, float], bits: int, fallback: float) -> float:
-    if not table:
-        return fallback
-    return table[min(table, key=lambda b: (abs(b - bits), -b))]
-
-
-@dataclass(frozen=True)
-class _Stage:
-    compute_s: float
-    read_s: float = 0.0  # > 0: streamed
-
-
-class _Costs:
-    """Seconds per stage under the profile; see the module docstring for each formula."""
-
-    def __init__(self, profile: HardwareProfile, config: ModelConfig):
-        self.p, self.c = profile, config
-        gpu = profile.gpu
-        self.gpu_gbps = dict(gpu.kernel_gbps) if gpu is not None else {}
-        self.notes = []
-        if gpu is not None and not self.gpu_gbps:
-            self.notes.append(f"GPU kernel speed not measured: assumed {PLACEHOLDER_GPU_GBPS:g} GB/s "
-                              f"(a placeholder until GPU kernels exist)")
-
-    def matmul_s(self, linears, tokens: int, device: str, batch: bool) -> float:
-        p, total = self.p, 0.0
-        for linear in linears:
-            if device == "gpu":
-                rate = _nearest(self.gpu_gbps, linear.bits or 8, PLACEHOLDER_GPU_GBPS)
-                total += math.ceil(tokens / GPU_TOKENS_PER_READ) * linear.nbytes / (rate * 1e9)
-            elif linear.bits is None:
-                rate = 4 * _nearest(p.kernel_batch_gbps, 8, p.ram_read_gbps) if batch else p.ram_read_gbps
-                total += tokens * linear.nbytes / (rate * 1e9)
-            else:
-                rate = _nearest(p.kernel_batch_gbps if batch else p.kernel_gbps, linear.bits, p.ram_read_gbps)
-                total += tokens * linear.nbytes / (rate * 1e9)
-        return total
-
-    def layer_s(self, extent: ExtentSize, device: str, tokens: int, start: int) -> float:
-        """One layer over `tokens` new tokens at positions start..; tokens == 1 is decode."""
-        c = self.c
-        seconds = self.matmul_s(extent.linears, tokens, device, tokens > 1) + self.p.layer_overhead_s
-        if tokens == 1:
-            cache_bytes = 2 * c.num_kv_heads * c.head_dim * 4 * start
-            rate = (self.p.ram_read_gbps if device == "cpu"
-                    else _nearest(self.gpu_gbps, 8, PLACEHOLDER_GPU_GBPS))
-            return seconds + cache_bytes / (rate * 1e9)
-        if device == "cpu":
-            flops = 4 * c.num_heads * c.head_dim * tokens * (start + (tokens + 1) / 2)
-            seconds += flops / (2e9 * _nearest(self.p.kernel_batch_gbps, 8, self.p.ram_read_gbps))
-        return seconds
-
-    def read_s(self, extent: ExtentSize) -> float:
-        return extent.nbytes / (self.p.disk_read_gbps * 1e9)
-
-
-def _run_pipeline(passes: list[list[_Stage]], depth: int) -> list[float]:
-    """End time of each pass: stages compute in order; one reader reads streamed stages in order,
-    read n issued once streamed stage n - depth - 1 has computed and freed its ring slot
-    (LayerStreamer's rule)."""
-    clock = reader = 0.0
-    freed: list[float] = []  # when each streamed stage finished computing
-    ends = []
-    for stages in passes:
-        for stage in stages:
-            if stage.read_s:
-                n = len(freed)
-                issued = freed[n - depth - 1] if n > depth else 0.0
-                reader = max(reader, issued) + stage.read_s
-                clock = max(clock, reader) + stage.compute_s
-                freed.append(clock)
-            else:
-                clock += stage.compute_s
-        ends.append(clock)
-    return ends
-
-
-@dataclass(frozen=True)
-class _Layout:
-    gpu: tuple[int, ...]
-    streamed: tuple[int, ...]
-    depth: int
-
-
-def _timings(layout: _Layout, globals_: ExtentSize, layers: list[ExtentSize], costs: _Costs,
-             prompt_tokens: int) -> tuple[Timing, Timing]:
-    def device(i: int) -> str:
-        return "gpu" if i in layout.gpu else "cpu"
-
-    def pass_(tokens: int, start: int) -> list[_Stage]:
-        stages = [_Stage(costs.layer_s(x, device(i), tokens, start),
-                         costs.read_s(x) if i in layout.streamed else 0.0) for i, x in enumerate(layers)]
-        return stages + [_Stage(costs.matmul_s(globals_.linears, 1, "cpu", False))]
-
-    step = pass_(1, prompt_tokens)
-    ends = _run_pipeline([step] * _DECODE_PASSES, layout.depth)
-    period = (ends[-1] - ends[-1 - _STEADY_PASSES]) / _STEADY_PASSES
-    decode = Timing(1, period, sum(s.compute_s for s in step), sum(s.read_s for s in step))
-    chunks = [pass_(min(PREFILL_CHUNK, prompt_tokens - s), s) for s in range(0, prompt_tokens, PREFILL_CHUNK)]
-    stages = [s for chunk in chunks for s in chunk]
-    prefill = Timing(prompt_tokens, _run_pipeline(chunks, layout.depth)[-1],
-                     sum(s.compute_s for s in stages), sum(s.read_s for s in stages))
-    return prefill, decode
-
-
 # -- placement ------------------------------------------------------------------------------------
 
 class PlanBudgetError(BudgetError):
@@ -341,12 +219,12 @@ def _resident_choices(candidates: list[int], sizes: list[int], room: int) -> lis
 
 
 def _choose_layout(globals_: ExtentSize, layers: list[ExtentSize], gpu: tuple[int, ...], cpu_budget: int,
-                   costs: _Costs, prompt_tokens: int) -> _Layout:
+                   costs: Costs, prompt_tokens: int) -> Layout:
     sizes = [x.nbytes for x in layers]
     candidates = [i for i in range(len(layers)) if i not in gpu]
     everything = globals_.nbytes + sum(sizes[i] for i in candidates)
     if everything <= cpu_budget:
-        return _Layout(gpu, (), 0)
+        return Layout(gpu, (), 0)
     slot = max(sizes)  # the streamer's slots hold the largest extent (already 4 KiB-aligned)
     if cpu_budget < globals_.nbytes + 2 * slot:
         need = f"the embeddings and output head ({format_size(globals_.nbytes)})"
@@ -367,8 +245,8 @@ def _choose_layout(globals_: ExtentSize, layers: list[ExtentSize], gpu: tuple[in
             streamed = tuple(i for i in candidates if i not in resident)
             if len(streamed) < depth + 1:
                 continue  # the ring would hold every streamed layer: a smaller depth does that
-            layout = _Layout(gpu, streamed, depth)
-            seconds = _timings(layout, globals_, layers, costs, prompt_tokens)[1].seconds
+            layout = Layout(gpu, streamed, depth)
+            seconds = timings(layout, globals_, layers, costs, prompt_tokens)[1].seconds
             key = (round(seconds * 1e9), sum(sizes[i] for i in streamed), -depth, order)
             if best_key is None or key < best_key:
                 best, best_key = layout, key
@@ -443,10 +321,10 @@ def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
     if gpu_budget is None:
         gpu_budget = default_gpu_budget(profile)
     globals_, layers = model_extents(gguf, config)
-    costs = _Costs(profile, config)
+    costs = Costs(profile, config)
     gpu = _gpu_layers(layers, profile, gpu_budget)
     layout = _choose_layout(globals_, layers, gpu, cpu_budget, costs, prompt_tokens)
-    prefill, decode = _timings(layout, globals_, layers, costs, prompt_tokens)
+    prefill, decode = timings(layout, globals_, layers, costs, prompt_tokens)
     resident = tuple(i for i in range(len(layers)) if i not in gpu and i not in layout.streamed)
     slot = max(x.nbytes for x in layers) if layout.depth else 0
     ring = (layout.depth + 1) * slot if layout.depth else 0

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError
-from tierflow.offload import planner
+from tierflow.offload import cost_model
 from tierflow.offload.extents import model_extents
 from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.model_info import read_config
@@ -181,26 +181,26 @@ def test_gpu_memory_without_a_gpu_is_refused(deep):
 
 def test_a_deeper_ring_hides_reads_behind_a_long_unstreamed_stretch():
     # per pass: 5 s of compute without reads, then three streamed layers of a 2 s read each
-    stages = [planner._Stage(5.0)] + [planner._Stage(0.0, 2.0)] * 3
+    stages = [cost_model.Stage(5.0)] + [cost_model.Stage(0.0, 2.0)] * 3
 
     def period(depth: int) -> float:
-        ends = planner._run_pipeline([stages] * 8, depth)
+        ends = cost_model.run_pipeline([stages] * 8, depth)
         return (ends[-1] - ends[-5]) / 4
 
     assert period(1) == pytest.approx(7.0)  # two slots: two reads run during the 5 s, one after
     assert period(2) == pytest.approx(6.0)  # all three do: disk-bound
-    assert planner._run_pipeline([[planner._Stage(1.0), planner._Stage(2.0)]] * 2, 1) == [3.0, 6.0]
+    assert cost_model.run_pipeline([[cost_model.Stage(1.0), cost_model.Stage(2.0)]] * 2, 1) == [3.0, 6.0]
 
 
 def test_the_chosen_layout_is_no_slower_than_the_earliest_layers(deep, sweep):
     gguf, config, *_ = deep
     globals_, layers = model_extents(gguf, config)
-    costs = planner._Costs(PROFILE, config)
+    costs = cost_model.Costs(PROFILE, config)
     for _, plan in sweep:
         if plan.streamed_layers:
             count = len(plan.resident_layers)
-            earliest = planner._Layout((), tuple(range(count, 16)), plan.prefetch_depth)
-            _, decode = planner._timings(earliest, globals_, layers, costs, plan.prompt_tokens)
+            earliest = cost_model.Layout((), tuple(range(count, 16)), plan.prefetch_depth)
+            _, decode = cost_model.timings(earliest, globals_, layers, costs, plan.prompt_tokens)
             assert plan.decode.seconds <= decode.seconds * (1 + 1e-9)
 
 

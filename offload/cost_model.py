@@ -1,0 +1,137 @@
+"""The planner's cost model: the predicted time of a decode step and of a prefill.
+
+A pass (a decode step, or a prefill chunk) is a chain of stages, one per layer and one for the
+output head, each with its compute time and, for streamed layers, its read time (formulas in
+offload/planner.py's docstring). `run_pipeline` steps through them as the runtime runs them:
+stages compute in order while one reader reads the streamed stages in order, each read waiting
+for a free ring slot (LayerStreamer's rule).
+"""
+
+import math
+from dataclasses import dataclass
+
+from tierflow.offload.extents import ExtentSize
+from tierflow.offload.profile import HardwareProfile
+from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.generation import PREFILL_CHUNK
+
+PLACEHOLDER_GPU_GBPS = 300.0  # a mid-range consumer GPU's memory bandwidth, until GPU kernels exist
+GPU_TOKENS_PER_READ = 128  # prefill tokens a GPU serves per read of its weights (placeholder)
+_DECODE_PASSES, _STEADY_PASSES = 8, 4
+
+
+@dataclass(frozen=True)
+class Timing:
+    tokens: int  # computed in `seconds`: 1 for a decode step, the prompt for prefill
+    seconds: float  # predicted wall time
+    compute_s: float  # compute alone, as if no read were waited for
+    io_s: float  # disk reads alone
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.inf
+
+
+def _nearest(table: dict[int, float], bits: int, fallback: float) -> float:
+    if not table:
+        return fallback
+    return table[min(table, key=lambda b: (abs(b - bits), -b))]
+
+
+@dataclass(frozen=True)
+class Stage:
+    compute_s: float
+    read_s: float = 0.0  # > 0: streamed
+
+
+class Costs:
+    """Seconds per stage under the profile; see the module docstring for each formula."""
+
+    def __init__(self, profile: HardwareProfile, config: ModelConfig):
+        self.p, self.c = profile, config
+        gpu = profile.gpu
+        self.gpu_gbps = dict(gpu.kernel_gbps) if gpu is not None else {}
+        self.notes = []
+        if gpu is not None and not self.gpu_gbps:
+            self.notes.append(f"GPU kernel speed not measured: assumed {PLACEHOLDER_GPU_GBPS:g} GB/s "
+                              f"(a placeholder until GPU kernels exist)")
+
+    def matmul_s(self, linears, tokens: int, device: str, batch: bool) -> float:
+        p, total = self.p, 0.0
+        for linear in linears:
+            if device == "gpu":
+                rate = _nearest(self.gpu_gbps, linear.bits or 8, PLACEHOLDER_GPU_GBPS)
+                total += math.ceil(tokens / GPU_TOKENS_PER_READ) * linear.nbytes / (rate * 1e9)
+            elif linear.bits is None:
+                rate = 4 * _nearest(p.kernel_batch_gbps, 8, p.ram_read_gbps) if batch else p.ram_read_gbps
+                total += tokens * linear.nbytes / (rate * 1e9)
+            else:
+                rate = _nearest(p.kernel_batch_gbps if batch else p.kernel_gbps, linear.bits, p.ram_read_gbps)
+                total += tokens * linear.nbytes / (rate * 1e9)
+        return total
+
+    def layer_s(self, extent: ExtentSize, device: str, tokens: int, start: int) -> float:
+        """One layer over `tokens` new tokens at positions start..; tokens == 1 is decode."""
+        c = self.c
+        seconds = self.matmul_s(extent.linears, tokens, device, tokens > 1) + self.p.layer_overhead_s
+        if tokens == 1:
+            cache_bytes = 2 * c.num_kv_heads * c.head_dim * 4 * start
+            rate = (self.p.ram_read_gbps if device == "cpu"
+                    else _nearest(self.gpu_gbps, 8, PLACEHOLDER_GPU_GBPS))
+            return seconds + cache_bytes / (rate * 1e9)
+        if device == "cpu":
+            flops = 4 * c.num_heads * c.head_dim * tokens * (start + (tokens + 1) / 2)
+            seconds += flops / (2e9 * _nearest(self.p.kernel_batch_gbps, 8, self.p.ram_read_gbps))
+        return seconds
+
+    def read_s(self, extent: ExtentSize) -> float:
+        return extent.nbytes / (self.p.disk_read_gbps * 1e9)
+
+
+def run_pipeline(passes: list[list[Stage]], depth: int) -> list[float]:
+    """End time of each pass: stages compute in order; one reader reads streamed stages in order,
+    read n issued once streamed stage n - depth - 1 has computed and freed its ring slot
+    (LayerStreamer's rule)."""
+    clock = reader = 0.0
+    freed: list[float] = []  # when each streamed stage finished computing
+    ends = []
+    for stages in passes:
+        for stage in stages:
+            if stage.read_s:
+                n = len(freed)
+                issued = freed[n - depth - 1] if n > depth else 0.0
+                reader = max(reader, issued) + stage.read_s
+                clock = max(clock, reader) + stage.compute_s
+                freed.append(clock)
+            else:
+                clock += stage.compute_s
+        ends.append(clock)
+    return ends
+
+
+@dataclass(frozen=True)
+class Layout:
+    gpu: tuple[int, ...]
+    streamed: tuple[int, ...]
+    depth: int
+
+
+def timings(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], costs: Costs,
+             prompt_tokens: int) -> tuple[Timing, Timing]:
+    def device(i: int) -> str:
+        return "gpu" if i in layout.gpu else "cpu"
+
+    def pass_(tokens: int, start: int) -> list[Stage]:
+        stages = [Stage(costs.layer_s(x, device(i), tokens, start),
+                         costs.read_s(x) if i in layout.streamed else 0.0) for i, x in enumerate(layers)]
+        return stages + [Stage(costs.matmul_s(globals_.linears, 1, "cpu", False))]
+
+    step = pass_(1, prompt_tokens)
+    ends = run_pipeline([step] * _DECODE_PASSES, layout.depth)
+    period = (ends[-1] - ends[-1 - _STEADY_PASSES]) / _STEADY_PASSES
+    decode = Timing(1, period, sum(s.compute_s for s in step), sum(s.read_s for s in step))
+    chunks = [pass_(min(PREFILL_CHUNK, prompt_tokens - s), s) for s in range(0, prompt_tokens, PREFILL_CHUNK)]
+    stages = [s for chunk in chunks for s in chunk]
+    prefill = Timing(prompt_tokens, run_pipeline(chunks, layout.depth)[-1],
+                     sum(s.compute_s for s in stages), sum(s.read_s for s in stages))
+    return prefill, decode
