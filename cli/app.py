@@ -26,6 +26,8 @@ GpuOpt = Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU weight 
 CpuOpt = Annotated[Optional[str], typer.Option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="context length (KV cache size)")]
+DraftOpt = Annotated[Optional[str], typer.Option(
+    "--draft", help="ngram: speculate greedy output with prompt lookup (same tokens, faster on repeats)")]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
 TempOpt = Annotated[float, typer.Option("--temperature", help="0 is greedy")]
 TopKOpt = Annotated[int, typer.Option("--top-k")]
@@ -69,12 +71,12 @@ def _loading(path: Optional[Path]):
     return _progress_bar(f"loading {_model_name(path)}")
 
 
-def _load(model, gpu_memory, cpu_memory, threads, ctx):
+def _load(model, gpu_memory, cpu_memory, threads, ctx, draft=None):
     from tierflow.runtime.engine import Engine
 
     with _loading(model) as progress:
         return Engine.load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads,
-                           context_length=ctx, progress=progress)
+                           context_length=ctx, progress=progress, draft=draft)
 
 
 @app.command()
@@ -84,12 +86,12 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete")], model: 
         seed: SeedOpt = None, stop: StopOpt = None,
         as_json: Annotated[bool, typer.Option("--json", help="print text, tokens and stats as JSON")] = False,
         gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
-        ctx: CtxOpt = None) -> None:
+        ctx: CtxOpt = None, draft: DraftOpt = None) -> None:
     """Complete PROMPT once and print the completion."""
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
     sampling |= dict(max_tokens=max_tokens, stop=stop)
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx)
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft)
     if as_json:
         result = engine.generate(prompt, **sampling)
         print(json.dumps({"text": result.text, "tokens": result.tokens,
@@ -110,14 +112,14 @@ def chat(model: ModelOpt = None,
          max_tokens: MaxTokensOpt = 1024, temperature: TempOpt = 0.8, top_k: TopKOpt = 40,
          top_p: TopPOpt = 0.95, min_p: MinPOpt = 0.05, repeat_penalty: PenaltyOpt = 1.0,
          seed: SeedOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
-         threads: ThreadsOpt = None, ctx: CtxOpt = None) -> None:
+         threads: ThreadsOpt = None, ctx: CtxOpt = None, draft: DraftOpt = None) -> None:
     """Chat interactively. /reset forgets the conversation, /exit (or Ctrl-D) quits,
     Ctrl-C stops the current answer."""
     from tierflow.cli.chat_session import ChatSession
 
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx)
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft)
     ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out).run()
 
 

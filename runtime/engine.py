@@ -62,13 +62,14 @@ class Engine:
     """
 
     def __init__(self, path: Path, config: ModelConfig, weights: TieredWeights,
-                 tokenizer: Tokenizer, context_length: int, threads: int):
+                 tokenizer: Tokenizer, context_length: int, threads: int, max_draft: int = 0):
         self.path = path
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.threads = threads
+        self.max_draft = max_draft  # speculative guesses per pass (0: none)
         self._generator = TokenGenerator(Decoder(config, weights, context_length),
                                          KVCache(config, context_length))
         self._lock = threading.Lock()  # held by the one generation that runs
@@ -80,7 +81,7 @@ class Engine:
     def load(cls, model: str | os.PathLike | None = None, *, gpu_memory: int | str | None = None,
              cpu_memory: int | str | None = None, threads: int | None = None,
              context_length: int | None = None, progress: LoadProgress | None = None,
-             gpu_device: str | None = None) -> "Engine":
+             gpu_device: str | None = None, draft: str | None = None) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes of weights held on each tier ("4GiB", "512MB" or
@@ -88,11 +89,16 @@ class Engine:
         cache size (default: the model's, capped at 4096); progress(phase, done, total) is called
         as bytes load. gpu_device="cpu" lets torch's CPU device stand in for the GPU tier, with
         the same gpu_memory budget (for testing placement on a machine without a GPU).
+        draft="ngram" speculates greedy generations with prompt lookup (guesses from the context,
+        verified in one pass; the same tokens, faster where text repeats).
         """
         path = resolve_model_path(model)
         threads = _thread_count(threads)
         cpu_budget = parse_size(cpu_memory) if cpu_memory is not None else None
         gpu_budget = _gpu_budget(gpu_memory, gpu_device)
+        if draft not in (None, "ngram"):
+            raise InvalidArgumentError(f"draft must be 'ngram' (prompt lookup) or left out, not {draft!r}; "
+                                       f"draft models are not supported yet")
         with read_gguf(path) as gguf:  # validated before llama.cpp sees the file
             config = read_config(gguf)
             context_length = _context_length(context_length, config)
@@ -110,7 +116,8 @@ class Engine:
             except BaseException:
                 tokenizer.close()
                 raise
-        return cls(path, config, weights, tokenizer, context_length, threads)
+        return cls(path, config, weights, tokenizer, context_length, threads,
+                   MAX_DRAFT if draft == "ngram" else 0)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -252,6 +259,9 @@ class Engine:
                 f"the prompt has {num_prompt_tokens} tokens but the context holds "
                 f"{self.context_length}" + (" (one more is needed to generate)" if room else "")
             )
+
+
+MAX_DRAFT = 16  # guesses per verify pass: a 16-token pass costs about what a 1-token one does here
 
 
 def _gpu_budget(gpu_memory: int | str | None, gpu_device: str | None) -> int:

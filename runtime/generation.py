@@ -10,6 +10,7 @@ import numpy as np
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 from tierflow.runtime.sampler import Sampler
+from tierflow.speculative.ngram import DraftLength, propose
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds activation memory and cancel latency
 
@@ -19,7 +20,9 @@ class GenerationStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt prefix reused from the previous call's KV cache
     generated_tokens: int = 0
-    decode_steps: int = 0  # single-token passes; the first token comes from the prefill pass
+    decode_steps: int = 0  # decode passes (a verify pass counts once); the first token is the prefill's
+    drafted_tokens: int = 0  # speculative guesses the target verified
+    accepted_tokens: int = 0  # of those, the ones it agreed with (each a token without a pass)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_weight_bytes: dict[str, int] = field(default_factory=dict)  # per tier: gpu, cpu, disk
@@ -31,7 +34,8 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
+        decoded = self.decode_steps + self.accepted_tokens
+        return decoded / self.decode_seconds if self.decode_seconds else 0.0
 
     def as_dict(self) -> dict:
         return {
@@ -39,6 +43,8 @@ class GenerationStats:
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "decode_steps": self.decode_steps,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_seconds": round(self.decode_seconds, 4),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
@@ -73,6 +79,16 @@ class TokenGenerator:
         """Feeds one token; returns the logits [V] for the next."""
         return self._forward([token_id], all_logits=False)[-1]
 
+    def verify(self, token_ids: list[int]) -> np.ndarray:
+        """Feeds a token and guesses of the ones after it in one pass: logits [T, V], row i for
+        the token after token_ids[i]. Each row is bit-identical to feeding the tokens one by one
+        (the decoder is batch-invariant), so accepting a guess never changes the output."""
+        return self._forward(token_ids, all_logits=True)
+
+    def keep(self, length: int) -> None:
+        """Forgets the cache past `length` tokens (guesses the target did not accept)."""
+        self._truncate(length)
+
     def _forward(self, token_ids: list[int], all_logits: bool) -> np.ndarray:
         start = self.cache.length
         try:
@@ -98,8 +114,11 @@ class TokenGenerator:
 
 def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: Sampler,
                     max_tokens: int, stop_ids: frozenset[int], cancel: threading.Event,
-                    stats: GenerationStats) -> Iterator[int]:
+                    stats: GenerationStats, max_draft: int = 0) -> Iterator[int]:
     """Yields generated token ids (an end-of-generation token ends the loop and is not yielded).
+
+    max_draft > 0 turns on prompt-lookup speculation for greedy sampling: up to that many guesses
+    (speculative/ngram.py) verified per pass; the output is the same token for token.
 
     The caller stops early by closing the iterator; stats are filled in as it goes.
     """
@@ -108,6 +127,7 @@ def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: S
     logits, stats.cached_prompt_tokens = generator.prefill(prompt_ids, cancel)
     stats.prefill_seconds = time.perf_counter() - started
     history = list(prompt_ids)
+    draft_length = DraftLength(max_draft)
     decode_started = time.perf_counter()
     try:
         while logits is not None and stats.generated_tokens < max_tokens and not cancel.is_set():
@@ -117,8 +137,33 @@ def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: S
             stats.generated_tokens += 1
             history.append(token)
             yield token
-            if stats.generated_tokens < max_tokens and not cancel.is_set():
+            if stats.generated_tokens >= max_tokens or cancel.is_set():
+                break
+            room = min(max_tokens - stats.generated_tokens - 1,
+                       generator.cache.context_length - generator.cache.length - 1)
+            greedy = max_draft and sampler.params.temperature == 0
+            guesses = propose(history, min(room, draft_length.next())) if greedy else []
+            stats.decode_steps += 1
+            if not guesses:
                 logits = generator.decode_step(token)
-                stats.decode_steps += 1
+                continue
+            # Greedy speculation: the target scores the token and the guesses in one pass; each
+            # guess it would have picked itself is yielded, and the first it would not is where the
+            # cache is cut back and decoding resumes (from the target's own logits there).
+            length = generator.cache.length
+            rows = generator.verify([token, *guesses])
+            stats.drafted_tokens += len(guesses)
+            accepted = 0
+            for guess, row in zip(guesses, rows):
+                if sampler.sample(row, history) != guess or guess in stop_ids or cancel.is_set():
+                    break
+                accepted += 1
+                stats.generated_tokens += 1
+                stats.accepted_tokens += 1
+                history.append(guess)
+                yield guess
+            generator.keep(length + 1 + accepted)
+            draft_length.update(len(guesses), accepted)
+            logits = rows[accepted]
     finally:
         stats.decode_seconds = time.perf_counter() - decode_started

@@ -78,7 +78,7 @@ class Stream:
     def _generate(self) -> Iterator[str]:
         engine = self.engine
         tokens = generate_tokens(engine._generator, self.prompt_ids, self.sampler, self.max_tokens,
-                                 engine.tokenizer.eog_ids, self.cancelled, self.stats)
+                                 engine.tokenizer.eog_ids, self.cancelled, self.stats, engine.max_draft)
         finish = "stop"
         try:
             for token in tokens:

@@ -1,0 +1,68 @@
+"""Prompt-lookup speculation: guesses from the context, verified in one pass, the same output."""
+
+import pytest
+
+from tierflow import Engine
+from tierflow.errors import InvalidArgumentError
+from tierflow.speculative.ngram import DraftLength, propose
+
+REPETITIVE = "The capital of France is"  # the small model soon repeats itself
+PROMPTS = [REPETITIVE, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "Name three colours."]
+
+
+@pytest.fixture(scope="module")
+def speculating(model_path):
+    with Engine.load(model_path, threads=2, context_length=1024, draft="ngram") as engine:
+        yield engine
+
+
+def test_propose_continues_the_latest_earlier_occurrence_of_the_last_tokens():
+    assert propose([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+
+
+def test_propose_prefers_the_longest_match_and_needs_at_least_two_tokens():
+    assert propose([7, 2, 3, 8, 5, 3, 6, 2, 3], 1) == [8]  # [2, 3] beats [3]
+    assert propose([1, 2, 3, 4, 3], 2) == []  # only [3] recurs
+    assert propose([5], 4) == [] and propose([1, 2, 1, 2], 0) == []
+
+
+def test_the_draft_length_grows_on_success_and_rests_after_misses():
+    length = DraftLength(16)
+    assert length.next() == 4
+    length.update(4, 4)
+    assert length.next() == 8
+    length.update(8, 2)
+    assert length.next() == 3
+    length.update(3, 0)
+    assert [length.next() for _ in range(3)] == [0, 0, 1]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_output_is_token_for_token_the_same(engine, speculating, prompt):
+    plain = engine.generate(prompt, max_tokens=80, temperature=0)
+    fast = speculating.generate(prompt, max_tokens=80, temperature=0)
+    assert fast.tokens == plain.tokens and fast.finish_reason == plain.finish_reason
+
+
+def test_repetitive_text_accepts_guesses_in_fewer_passes(speculating):
+    stats = speculating.generate(REPETITIVE, max_tokens=80, temperature=0).stats
+    assert stats.accepted_tokens > 0
+    assert stats.decode_steps + stats.accepted_tokens == stats.generated_tokens - 1
+
+
+def test_max_tokens_and_stop_strings_hold_while_speculating(engine, speculating):
+    assert len(speculating.generate(REPETITIVE, max_tokens=7, temperature=0).tokens) == 7
+    plain = engine.generate(REPETITIVE, max_tokens=80, temperature=0, stop=["Paris"])
+    fast = speculating.generate(REPETITIVE, max_tokens=80, temperature=0, stop=["Paris"])
+    assert fast.text == plain.text
+
+
+def test_sampled_generations_do_not_speculate_and_stay_seeded(engine, speculating):
+    plain = engine.generate(REPETITIVE, max_tokens=24, temperature=0.8, seed=3)
+    fast = speculating.generate(REPETITIVE, max_tokens=24, temperature=0.8, seed=3)
+    assert fast.tokens == plain.tokens and fast.stats.drafted_tokens == 0
+
+
+def test_an_unknown_draft_is_refused(model_path):
+    with pytest.raises(InvalidArgumentError, match="draft"):
+        Engine.load(model_path, draft="big-model.gguf")
