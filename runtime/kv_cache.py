@@ -1,5 +1,7 @@
 """The key/value cache, preallocated for the whole context so decoding never allocates."""
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from tierflow.runtime.config import ModelConfig
@@ -28,3 +30,17 @@ class KVCache:
     def truncate(self, length: int) -> None:
         """Forgets positions >= length (the entries are overwritten by the next write)."""
         self.length = max(0, min(length, self.length))
+
+    def keep_path(self, start: int, offsets: Sequence[int]) -> None:
+        """Of the tokens written from slot `start` on (a token tree), keeps those at the given
+        offsets (a root-to-node path, ascending) as positions start, start + 1, ..., and forgets
+        the rest. Their keys were rotated for those positions already (a tree token's position
+        is start plus its depth), so moving them is all it takes."""
+        src = start + np.asarray(offsets, np.int64)
+        dst = start + np.arange(len(src))
+        moved = src != dst
+        if moved.any():
+            s, d = src[moved], dst[moved]
+            self.keys[:, :, d // 16, :, d % 16] = self.keys[:, :, s // 16, :, s % 16]
+            self.values[:, :, d] = self.values[:, :, s]
+        self.length = start + len(src)

@@ -260,27 +260,30 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(attention_doc,
-"attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale)\n--\n\n"
+"attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale, parents=None)\n--\n\n"
 "Causal attention of T new tokens at positions start ..: rotates q and k in qkv\n"
 "[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache (keys in\n"
 "blocks of 16 positions, [kv_heads, capacity / 16, head_dim, 16]; values [kv_heads, capacity,\n"
-"head_dim]), and writes out [T, heads * head_dim].");
+"head_dim]), and writes out [T, heads * head_dim]. With parents (int32 [T], parents[i] < i, -1\n"
+"for a root) the tokens are a tree: token i sees the cache before start and its ancestors.");
 
 static PyObject *py_attention(PyObject *self, PyObject *args) {
-    PyObject *objs[6];
+    PyObject *objs[7] = {NULL};
     Py_ssize_t heads, start, rope_dim;
     int neox;
     float scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf:attention", &objs[0], &objs[1], &objs[2], &objs[3],
-                          &objs[4], &objs[5], &heads, &start, &rope_dim, &neox, &scale))
+    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf|O:attention", &objs[0], &objs[1], &objs[2], &objs[3],
+                          &objs[4], &objs[5], &heads, &start, &rope_dim, &neox, &scale, &objs[6]))
         return NULL;
-    buffer_arg buf[6] = {{.held = 0}};
+    buffer_arg buf[7] = {{.held = 0}};
     if (get_floats(objs[0], &buf[0], "qkv", 2, 1) || get_floats(objs[1], &buf[1], "keys", 4, 1) ||
         get_floats(objs[2], &buf[2], "values", 3, 1) || get_floats(objs[3], &buf[3], "cos", 2, 0) ||
-        get_floats(objs[4], &buf[4], "sin", 2, 0) || get_floats(objs[5], &buf[5], "out", 2, 1)) {
-        release(buf, 6);
+        get_floats(objs[4], &buf[4], "sin", 2, 0) || get_floats(objs[5], &buf[5], "out", 2, 1) ||
+        (objs[6] && objs[6] != Py_None && get_buffer(objs[6], &buf[6], "parents", 4, "i", 0))) {
+        release(buf, 7);
         return NULL;
     }
+    const int32_t *parents = buf[6].held ? buf[6].view.buf : NULL;
     const Py_ssize_t *ks = buf[1].view.shape, *vs = buf[2].view.shape, tokens = buf[0].view.shape[0];
     attention_shape shape = {heads, vs[0], vs[2], rope_dim, vs[1], neox};
     const char *problem = NULL;
@@ -296,17 +299,24 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     else if (buf[0].view.shape[1] != (heads + 2 * shape.kv_heads) * shape.head_dim) problem = "qkv has the wrong width";
     else if (buf[5].view.shape[0] != tokens || buf[5].view.shape[1] != heads * shape.head_dim)
         problem = "out must be [T, heads * head_dim]";
+    else if (parents && buf[6].view.len != tokens * 4) problem = "parents must hold one index per token";
+    for (Py_ssize_t i = 0; parents && !problem && i < tokens; i++) {
+        if (parents[i] < -1 || parents[i] >= i) problem = "parents[i] must be -1 (a root) or an earlier token";
+    }
     if (problem) {
-        release(buf, 6);
+        release(buf, 7);
         return PyErr_Format(PyExc_ValueError, "attention: %s", problem);
     }
     float *scores = malloc((size_t)(tokens * heads * ((start + tokens + 15) / 16 * 16)) * sizeof(float));
-    if (!scores) {
-        release(buf, 6);
+    int64_t *paths = parents ? malloc((size_t)(tokens * shape.kv_heads * tokens) * sizeof(int64_t)) : NULL;
+    if (!scores || (parents && !paths)) {
+        free(scores);
+        free(paths);
+        release(buf, 7);
         return PyErr_NoMemory();
     }
     attention_job job = {shape, buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, buf[3].view.buf,
-                         buf[4].view.buf, tokens, start, scale, scores, buf[5].view.buf};
+                         buf[4].view.buf, tokens, start, scale, parents, scores, paths, buf[5].view.buf};
     Py_BEGIN_ALLOW_THREADS
     attention_prepare(&job);
     /* Short contexts take microseconds: waking the pool would cost more than it saves. */
@@ -317,7 +327,8 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     free(scores);
-    release(buf, 6);
+    free(paths);
+    release(buf, 7);
     Py_RETURN_NONE;
 }
 

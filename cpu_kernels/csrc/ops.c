@@ -119,12 +119,27 @@ static inline void score16(const float *q, int count, int64_t dim, const float *
     }
 }
 
+/* The cache slots a tree token sees, as the sequence it would have seen decoded alone: positions
+ * 0 .. start - 1, then its ancestors from the root down (slot start + path[j] holds the one at
+ * depth j). Returns the sequence's length. */
+static int64_t visible_path(const attention_job *job, int64_t token, int64_t *path) {
+    int64_t depth = 0;
+    for (int64_t t = token; t >= 0; t = job->parents[t]) depth++;
+    for (int64_t t = token, j = depth - 1; t >= 0; t = job->parents[t], j--) path[j] = t;
+    return job->start + depth;
+}
+
 /* The query heads of key/value head `kv_head` for token `token`, over cache positions
- * 0 .. start + token (causal): each key and value is read once for the whole group. */
-TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_t kv_head, float *scores) {
+ * 0 .. start + token (causal; in a tree, path != NULL, the positions of its ancestors instead):
+ * each key and value is read once for the whole group. A tree token's scores are moved to the
+ * positions its ancestors would hold in a sequence before the softmax, so it gets the same bits
+ * as the token decoded after exactly those ancestors. */
+TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_t kv_head, float *scores,
+                                 int64_t *path) {
     const attention_shape *s = &job->shape;
-    const int64_t group = s->heads / s->kv_heads, length = job->start + token + 1, dim = s->head_dim;
-    const int64_t padded = (length + 15) / 16 * 16, row = (s->heads + 2 * s->kv_heads) * dim;
+    const int64_t group = s->heads / s->kv_heads, slots = job->start + token + 1, dim = s->head_dim;
+    const int64_t length = path ? visible_path(job, token, path) : slots, start = job->start;
+    const int64_t padded = (slots + 15) / 16 * 16, row = (s->heads + 2 * s->kv_heads) * dim;
     const float *q = job->qkv + token * row + kv_head * group * dim;
     const float *keys = job->keys + kv_head * s->capacity * dim; /* [capacity / 16][dim][16] */
     const float *values = job->values + kv_head * s->capacity * dim;
@@ -140,13 +155,16 @@ TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_
     }
     float *out = job->out + (token * s->heads + kv_head * group) * dim;
     memset(out, 0, group * dim * sizeof(float));
+    const int64_t visible_padded = (length + 15) / 16 * 16; /* <= padded */
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * padded;
-        for (int64_t t = length; t < padded; t++) sg[t] = -INFINITY;
+        /* path[j] >= j, and ascending j never overwrites a slot a later j still reads */
+        for (int64_t j = 0; path && start + j < length; j++) sg[start + j] = sg[start + path[j]];
+        for (int64_t t = length; t < visible_padded; t++) sg[t] = -INFINITY;
         float best = -INFINITY;
         for (int64_t t = 0; t < length; t++) best = sg[t] > best ? sg[t] : best;
         v16f total = {0};
-        for (int64_t t = 0; t < padded; t += 16) {
+        for (int64_t t = 0; t < visible_padded; t += 16) {
             v16f e = exp16(load16(sg + t) - best);
             store16(sg + t, e);
             total += e;
@@ -154,7 +172,7 @@ TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_
         const float inv_total = 1.0f / sum16(total);
         for (int64_t t = 0; t < length; t++) {
             const float p = sg[t] * inv_total;
-            const float *v = values + t * dim;
+            const float *v = values + (path && t >= start ? start + path[t - start] : t) * dim;
             int64_t d = 0;
             for (; d + 16 <= dim; d += 16) store16(out + g * dim + d, load16(out + g * dim + d) + p * load16(v + d));
             for (; d < dim; d++) out[g * dim + d] += p * v[d];
@@ -184,5 +202,6 @@ void attention_item(void *ctx, int64_t item) {
     attention_job *job = ctx;
     const int64_t kv_heads = job->shape.kv_heads, group = job->shape.heads / kv_heads;
     const int64_t padded = (job->start + job->tokens + 15) / 16 * 16;
-    attend(job, item / kv_heads, item % kv_heads, job->scores + item * group * padded);
+    attend(job, item / kv_heads, item % kv_heads, job->scores + item * group * padded,
+           job->paths ? job->paths + item * job->tokens : NULL);
 }

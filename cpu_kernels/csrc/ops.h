@@ -21,7 +21,9 @@ typedef struct {
     const float *cos, *sin; /* [tokens, rope_dim / 2] */
     int64_t tokens, start;  /* the tokens sit at positions start .. start + tokens - 1 */
     float scale;
+    const int32_t *parents; /* NULL (causal), or a token tree: parent index per token, -1 for a root */
     float *scores; /* scratch: 16-padded [start + tokens] per query head and token */
+    int64_t *paths; /* scratch for a tree: [tokens] per item; NULL without one */
     float *out;    /* [tokens, heads * head_dim] */
 } attention_job;
 
