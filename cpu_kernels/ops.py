@@ -24,20 +24,23 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
 
 
 def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-              heads: int, start: int, neox: bool, parents: np.ndarray | None = None) -> np.ndarray:
+              heads: int, start: int, neox: bool, parents: np.ndarray | None = None,
+              tree_start: int | None = None) -> np.ndarray:
     """Causal attention of T new tokens in cache slots start .. start + T - 1.
 
     qkv [T, (H + 2K) * D] (rotated in place); keys [K, C/16, D, 16] (blocks of 16 positions,
     transposed) and values [K, C, D], one layer's cache, into which the tokens' keys and values
     are written; cos, sin [T, R/2].
     Token i sees cache positions 0 .. start + i; query head h uses key/value head h // (H / K).
-    With parents (int32 [T], each -1 or an earlier token) the tokens are a tree: token i sees
-    positions 0 .. start - 1 and its ancestors, and gets the same bits as if decoded right after
-    them (its rotary rows in cos, sin are those of its depth).
+    With parents the tokens extend a token tree begun at slot tree_start (default: start), maybe
+    in earlier calls: parents (int32 [start - tree_start + T]) holds each tree token's parent, -1
+    or an earlier one. A tree token sees positions 0 .. tree_start - 1 and its ancestors, and gets
+    the same bits as if decoded right after them (its rotary rows in cos, sin are those of
+    position tree_start + its depth).
     Returns [T, H * D].
     """
     head_dim = values.shape[-1]
     out = np.empty((qkv.shape[0], heads * head_dim), np.float32)
     _kernels.attention(qkv, keys, values, cos, sin, out, heads, start, 2 * cos.shape[-1], neox,
-                       head_dim**-0.5, parents)
+                       head_dim**-0.5, parents, start if tree_start is None else tree_start)
     return out

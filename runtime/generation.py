@@ -89,11 +89,14 @@ class TokenGenerator:
         """Forgets the cache past `length` tokens (guesses the target did not accept)."""
         self._truncate(length)
 
-    def verify_tree(self, token_ids: list[int], parents: list[int]) -> np.ndarray:
-        """Like verify, for a token tree (parents[i]: -1 for the root, else an earlier index):
-        row i is bit-identical to feeding token i right after its ancestors. Follow with
-        keep_path."""
-        return self._forward(token_ids, all_logits=True, parents=np.asarray(parents, np.int32))
+    def verify_tree(self, token_ids: list[int], parents: list[int],
+                    tree_start: int | None = None) -> np.ndarray:
+        """Like verify, for tokens that extend a token tree begun at cache length tree_start
+        (default: now; parents holds one entry per tree token from there: -1 for a root, else an
+        earlier index): row i is bit-identical to feeding token i right after its ancestors.
+        Follow with keep_path."""
+        return self._forward(token_ids, all_logits=True, parents=np.asarray(parents, np.int32),
+                             tree_start=tree_start)
 
     def keep_path(self, start: int, offsets: list[int]) -> None:
         """Keeps, of a tree fed at cache length `start`, the tokens at offsets (a path from the
@@ -102,12 +105,12 @@ class TokenGenerator:
         self.cache.keep_path(start, offsets)
         self.cached_tokens[start:] = kept
 
-    def _forward(self, token_ids: list[int], all_logits: bool,
-                 parents: np.ndarray | None = None) -> np.ndarray:
+    def _forward(self, token_ids: list[int], all_logits: bool, parents: np.ndarray | None = None,
+                 tree_start: int | None = None) -> np.ndarray:
         start = self.cache.length
         try:
             logits = self.decoder.forward(np.array(token_ids, np.int64), self.cache, all_logits=all_logits,
-                                          parents=parents)
+                                          parents=parents, tree_start=tree_start)
         except BaseException:
             self._truncate(start)  # a half-written pass (Ctrl-C, error) leaves the cache as before
             raise

@@ -81,22 +81,28 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(self, token_ids: np.ndarray, cache: KVCache, all_logits: bool = False,
-                parents: np.ndarray | None = None) -> np.ndarray:
+                parents: np.ndarray | None = None, tree_start: int | None = None) -> np.ndarray:
         """Logits [T, V] for every new token if all_logits, else [1, V] for the last one.
 
-        token_ids [T] are placed at positions cache.length .. cache.length + T - 1, or, when
-        parents (int32 [T], -1 or an earlier token) make them a tree, each at cache.length plus
-        its depth, seeing only its ancestors (KVCache.keep_path keeps one path afterwards).
+        token_ids [T] are placed at positions cache.length .. cache.length + T - 1. With parents
+        they extend a token tree begun at cache slot tree_start (default: cache.length): parents
+        (int32, one per tree token from tree_start on) holds -1 or an earlier tree token, and each
+        token sits at position tree_start plus its depth, seeing only its ancestors
+        (KVCache.keep_path keeps one path afterwards).
         """
         start_pos = cache.length
-        positions = start_pos + (np.arange(token_ids.shape[0]) if parents is None else tree_depths(parents))
+        if parents is None:
+            positions = start_pos + np.arange(token_ids.shape[0])
+        else:
+            tree_start = start_pos if tree_start is None else tree_start
+            positions = tree_start + tree_depths(parents)[start_pos - tree_start:]
         cos, sin = self.cos[positions], self.sin[positions]
         x = self.weights.embedding_rows(token_ids)  # [T, E], a new tensor: updated in place below
         eps = self.config.rms_norm_eps
         for layer_idx in range(self.config.num_layers):
             w = self.weights.layer(layer_idx)
             x += self._attention(rms_norm(x, w.attn_norm, eps), w, layer_idx, cache, start_pos, cos, sin,
-                                 parents)
+                                 parents, tree_start)
             x += w.down(silu_mul(w.gate_up(rms_norm(x, w.ffn_norm, eps))))
         cache.length = start_pos + token_ids.shape[0]
         if not all_logits:
@@ -104,10 +110,11 @@ class Decoder:
         x = rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)
         return self.weights.output()(x)  # [T or 1, V]
 
-    def _attention(self, x, w: LayerWeights, layer_idx, cache, start_pos, cos, sin, parents) -> np.ndarray:
+    def _attention(self, x, w: LayerWeights, layer_idx, cache, start_pos, cos, sin, parents,
+                   tree_start) -> np.ndarray:
         cfg = self.config
         out = attention(w.qkv(x), cache.keys[layer_idx], cache.values[layer_idx], cos, sin,
-                        cfg.num_heads, start_pos, cfg.rope_style == "neox", parents)  # [T, H*D]
+                        cfg.num_heads, start_pos, cfg.rope_style == "neox", parents, tree_start)  # [T, H*D]
         return w.wo(out)
 
 

@@ -65,3 +65,14 @@ def test_a_parent_after_its_child_is_refused(engine, generator):
     generator.prefill(engine.tokenize(PROMPT), threading.Event(), reuse_prefix=False)
     with pytest.raises(ValueError, match="earlier token"):
         generator.verify_tree([1, 2, 3], [-1, 2, 0])
+
+
+def test_a_tree_grown_over_several_passes_matches_one_pass(engine, generator):
+    prompt_ids = engine.tokenize(PROMPT)
+    generator.prefill(prompt_ids, threading.Event(), reuse_prefix=False)
+    one_pass = generator.verify_tree(TREE_TOKENS, TREE_PARENTS)
+    generator.prefill(prompt_ids, threading.Event(), reuse_prefix=False)
+    start = generator.cache.length
+    levels = [generator.verify_tree(TREE_TOKENS[a:b], TREE_PARENTS[:b], tree_start=start)
+              for a, b in [(0, 1), (1, 5), (5, 9)]]
+    assert np.array_equal(np.concatenate(levels), one_pass)

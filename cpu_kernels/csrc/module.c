@@ -260,21 +260,25 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(attention_doc,
-"attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale, parents=None)\n--\n\n"
+"attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale, parents=None,\n"
+"          tree_start=start)\n--\n\n"
 "Causal attention of T new tokens at positions start ..: rotates q and k in qkv\n"
 "[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache (keys in\n"
 "blocks of 16 positions, [kv_heads, capacity / 16, head_dim, 16]; values [kv_heads, capacity,\n"
-"head_dim]), and writes out [T, heads * head_dim]. With parents (int32 [T], parents[i] < i, -1\n"
-"for a root) the tokens are a tree: token i sees the cache before start and its ancestors.");
+"head_dim]), and writes out [T, heads * head_dim]. With parents the tokens extend a tree begun at\n"
+"slot tree_start: parents (int32 [start - tree_start + T]) gives each tree token's parent, -1 or\n"
+"an earlier one, and a token sees the cache before tree_start and its ancestors.");
 
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     PyObject *objs[7] = {NULL};
-    Py_ssize_t heads, start, rope_dim;
+    Py_ssize_t heads, start, rope_dim, tree_start = -1;
     int neox;
     float scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf|O:attention", &objs[0], &objs[1], &objs[2], &objs[3],
-                          &objs[4], &objs[5], &heads, &start, &rope_dim, &neox, &scale, &objs[6]))
+    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf|On:attention", &objs[0], &objs[1], &objs[2], &objs[3],
+                          &objs[4], &objs[5], &heads, &start, &rope_dim, &neox, &scale, &objs[6],
+                          &tree_start))
         return NULL;
+    if (tree_start < 0) tree_start = start;
     buffer_arg buf[7] = {{.held = 0}};
     if (get_floats(objs[0], &buf[0], "qkv", 2, 1) || get_floats(objs[1], &buf[1], "keys", 4, 1) ||
         get_floats(objs[2], &buf[2], "values", 3, 1) || get_floats(objs[3], &buf[3], "cos", 2, 0) ||
@@ -299,8 +303,10 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     else if (buf[0].view.shape[1] != (heads + 2 * shape.kv_heads) * shape.head_dim) problem = "qkv has the wrong width";
     else if (buf[5].view.shape[0] != tokens || buf[5].view.shape[1] != heads * shape.head_dim)
         problem = "out must be [T, heads * head_dim]";
-    else if (parents && buf[6].view.len != tokens * 4) problem = "parents must hold one index per token";
-    for (Py_ssize_t i = 0; parents && !problem && i < tokens; i++) {
+    else if (parents && tree_start > start) problem = "tree_start is after start";
+    else if (parents && buf[6].view.len != (start - tree_start + tokens) * 4)
+        problem = "parents must hold one index per tree token (start - tree_start + T)";
+    for (Py_ssize_t i = 0; parents && !problem && i < start - tree_start + tokens; i++) {
         if (parents[i] < -1 || parents[i] >= i) problem = "parents[i] must be -1 (a root) or an earlier token";
     }
     if (problem) {
@@ -308,7 +314,8 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "attention: %s", problem);
     }
     float *scores = malloc((size_t)(tokens * heads * ((start + tokens + 15) / 16 * 16)) * sizeof(float));
-    int64_t *paths = parents ? malloc((size_t)(tokens * shape.kv_heads * tokens) * sizeof(int64_t)) : NULL;
+    const size_t path_items = (size_t)(tokens * shape.kv_heads * (start - tree_start + tokens));
+    int64_t *paths = parents ? malloc(path_items * sizeof(int64_t)) : NULL;
     if (!scores || (parents && !paths)) {
         free(scores);
         free(paths);
@@ -316,7 +323,8 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     attention_job job = {shape, buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, buf[3].view.buf,
-                         buf[4].view.buf, tokens, start, scale, parents, scores, paths, buf[5].view.buf};
+                         buf[4].view.buf, tokens, start, scale, parents, tree_start, scores, paths,
+                         buf[5].view.buf};
     Py_BEGIN_ALLOW_THREADS
     attention_prepare(&job);
     /* Short contexts take microseconds: waking the pool would cost more than it saves. */

@@ -120,13 +120,14 @@ static inline void score16(const float *q, int count, int64_t dim, const float *
 }
 
 /* The cache slots a tree token sees, as the sequence it would have seen decoded alone: positions
- * 0 .. start - 1, then its ancestors from the root down (slot start + path[j] holds the one at
- * depth j). Returns the sequence's length. */
+ * 0 .. tree_start - 1, then its ancestors from the root down (slot tree_start + path[j] holds the
+ * one at depth j). Returns the sequence's length. */
 static int64_t visible_path(const attention_job *job, int64_t token, int64_t *path) {
+    const int64_t node = job->start - job->tree_start + token;
     int64_t depth = 0;
-    for (int64_t t = token; t >= 0; t = job->parents[t]) depth++;
-    for (int64_t t = token, j = depth - 1; t >= 0; t = job->parents[t], j--) path[j] = t;
-    return job->start + depth;
+    for (int64_t t = node; t >= 0; t = job->parents[t]) depth++;
+    for (int64_t t = node, j = depth - 1; t >= 0; t = job->parents[t], j--) path[j] = t;
+    return job->tree_start + depth;
 }
 
 /* The query heads of key/value head `kv_head` for token `token`, over cache positions
@@ -138,7 +139,7 @@ TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_
                                  int64_t *path) {
     const attention_shape *s = &job->shape;
     const int64_t group = s->heads / s->kv_heads, slots = job->start + token + 1, dim = s->head_dim;
-    const int64_t length = path ? visible_path(job, token, path) : slots, start = job->start;
+    const int64_t length = path ? visible_path(job, token, path) : slots, root = job->tree_start;
     const int64_t padded = (slots + 15) / 16 * 16, row = (s->heads + 2 * s->kv_heads) * dim;
     const float *q = job->qkv + token * row + kv_head * group * dim;
     const float *keys = job->keys + kv_head * s->capacity * dim; /* [capacity / 16][dim][16] */
@@ -159,7 +160,7 @@ TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * padded;
         /* path[j] >= j, and ascending j never overwrites a slot a later j still reads */
-        for (int64_t j = 0; path && start + j < length; j++) sg[start + j] = sg[start + path[j]];
+        for (int64_t j = 0; path && root + j < length; j++) sg[root + j] = sg[root + path[j]];
         for (int64_t t = length; t < visible_padded; t++) sg[t] = -INFINITY;
         float best = -INFINITY;
         for (int64_t t = 0; t < length; t++) best = sg[t] > best ? sg[t] : best;
@@ -172,7 +173,7 @@ TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_
         const float inv_total = 1.0f / sum16(total);
         for (int64_t t = 0; t < length; t++) {
             const float p = sg[t] * inv_total;
-            const float *v = values + (path && t >= start ? start + path[t - start] : t) * dim;
+            const float *v = values + (path && t >= root ? root + path[t - root] : t) * dim;
             int64_t d = 0;
             for (; d + 16 <= dim; d += 16) store16(out + g * dim + d, load16(out + g * dim + d) + p * load16(v + d));
             for (; d < dim; d++) out[g * dim + d] += p * v[d];
@@ -203,5 +204,5 @@ void attention_item(void *ctx, int64_t item) {
     const int64_t kv_heads = job->shape.kv_heads, group = job->shape.heads / kv_heads;
     const int64_t padded = (job->start + job->tokens + 15) / 16 * 16;
     attend(job, item / kv_heads, item % kv_heads, job->scores + item * group * padded,
-           job->paths ? job->paths + item * job->tokens : NULL);
+           job->paths ? job->paths + item * (job->start - job->tree_start + job->tokens) : NULL);
 }

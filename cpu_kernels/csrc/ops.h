@@ -21,9 +21,12 @@ typedef struct {
     const float *cos, *sin; /* [tokens, rope_dim / 2] */
     int64_t tokens, start;  /* the tokens sit at positions start .. start + tokens - 1 */
     float scale;
-    const int32_t *parents; /* NULL (causal), or a token tree: parent index per token, -1 for a root */
+    /* NULL (causal), or a token tree begun at slot tree_start (<= start), maybe in earlier calls:
+     * parents[i] is the parent of the token in slot tree_start + i, -1 for a root */
+    const int32_t *parents;
+    int64_t tree_start;
     float *scores; /* scratch: 16-padded [start + tokens] per query head and token */
-    int64_t *paths; /* scratch for a tree: [tokens] per item; NULL without one */
+    int64_t *paths; /* scratch for a tree: [start - tree_start + tokens] per item; NULL without one */
     float *out;    /* [tokens, heads * head_dim] */
 } attention_job;
 
