@@ -51,6 +51,10 @@ from tierflow.runtime.sampler import Sampler, SamplingParams
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
+from tierflow.speculative.drafts import ModelDraft, NgramDraft
+from tierflow.speculative.placement import LoadedDraft, load_draft
+from tierflow.speculative.sizing import TreeBudget
+from tierflow.speculative.speculator import Speculator
 from tierflow.units import parse_size
 
 
@@ -62,14 +66,16 @@ class Engine:
     """
 
     def __init__(self, path: Path, config: ModelConfig, weights: TieredWeights,
-                 tokenizer: Tokenizer, context_length: int, threads: int, max_draft: int = 0):
+                 tokenizer: Tokenizer, context_length: int, threads: int,
+                 speculator: Speculator | None = None, draft: LoadedDraft | None = None):
         self.path = path
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.threads = threads
-        self.max_draft = max_draft  # speculative guesses per pass (0: none)
+        self.speculator = speculator  # None: one token per pass
+        self.draft = draft  # a draft model's weights and cache, when the speculator runs one
         self._generator = TokenGenerator(Decoder(config, weights, context_length),
                                          KVCache(config, context_length))
         self._lock = threading.Lock()  # held by the one generation that runs
@@ -81,7 +87,8 @@ class Engine:
     def load(cls, model: str | os.PathLike | None = None, *, gpu_memory: int | str | None = None,
              cpu_memory: int | str | None = None, threads: int | None = None,
              context_length: int | None = None, progress: LoadProgress | None = None,
-             gpu_device: str | None = None, draft: str | None = None) -> "Engine":
+             gpu_device: str | None = None, draft: str | os.PathLike | None = None,
+             draft_shape: str = "tree") -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes of weights held on each tier ("4GiB", "512MB" or
@@ -89,35 +96,47 @@ class Engine:
         cache size (default: the model's, capped at 4096); progress(phase, done, total) is called
         as bytes load. gpu_device="cpu" lets torch's CPU device stand in for the GPU tier, with
         the same gpu_memory budget (for testing placement on a machine without a GPU).
-        draft="ngram" speculates greedy generations with prompt lookup (guesses from the context,
-        verified in one pass; the same tokens, faster where text repeats).
+        draft turns on speculative decoding: "ngram" (prompt lookup: guesses from the context) or
+        the path of a smaller GGUF with the same vocabulary (such as the target's own
+        `tierflow convert --bits 3` version), which is placed first, within the budgets, and
+        proposes a token tree (draft_shape "tree") or a chain ("chain") that the target verifies
+        in one pass. Greedy output is the target's own, token for token; sampled output follows
+        its distribution exactly.
         """
         path = resolve_model_path(model)
         threads = _thread_count(threads)
         cpu_budget = parse_size(cpu_memory) if cpu_memory is not None else None
         gpu_budget = _gpu_budget(gpu_memory, gpu_device)
-        if draft not in (None, "ngram"):
-            raise InvalidArgumentError(f"draft must be 'ngram' (prompt lookup) or left out, not {draft!r}; "
-                                       f"draft models are not supported yet")
+        if draft_shape not in ("tree", "chain"):
+            raise InvalidArgumentError(f"draft_shape must be 'tree' or 'chain', not {draft_shape!r}")
         with read_gguf(path) as gguf:  # validated before llama.cpp sees the file
             config = read_config(gguf)
             context_length = _context_length(context_length, config)
             check_tensors(gguf, config)
             with llama_vocab_file(gguf) as vocab_path:
                 tokenizer = Tokenizer.from_gguf(vocab_path)
+            loaded = None
             try:
                 if tokenizer.vocab_size > config.vocab_size:
                     raise ModelFileError(
                         f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens but the "
                         f"embedding only {config.vocab_size} rows"
                     )
+                if draft not in (None, "ngram"):
+                    loaded = load_draft(draft, gguf, config.vocab_size, context_length, cpu_budget,
+                                        gpu_budget, torch.device("cpu"), progress)
+                    held = loaded.bytes_by_tier()
+                    cpu_budget = None if cpu_budget is None else cpu_budget - held["cpu"]
+                    gpu_budget -= held["gpu"]
                 weights = _load_weights(gguf, config, cpu_budget, gpu_budget, threads, context_length,
                                         progress)
             except BaseException:
                 tokenizer.close()
+                if loaded is not None:
+                    loaded.close()
                 raise
         return cls(path, config, weights, tokenizer, context_length, threads,
-                   MAX_DRAFT if draft == "ngram" else 0)
+                   _speculator(draft, draft_shape, loaded, config.vocab_size), loaded)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -200,7 +219,9 @@ class Engine:
         with self._lock:
             self.tokenizer.close()
             self.weights.close()
-            self.weights = self._generator = None
+            if self.draft is not None:
+                self.draft.close()
+            self.weights = self._generator = self.draft = None
 
     def __enter__(self) -> "Engine":
         return self
@@ -261,7 +282,19 @@ class Engine:
             )
 
 
-MAX_DRAFT = 16  # guesses per verify pass: a 16-token pass costs about what a 1-token one does here
+MAX_GUESSES = 16  # prompt lookup's guesses per pass: 16 tokens cost about what 1 does here
+MAX_TREE = 64  # a draft model's tree; TreeBudget finds the size that pays on this machine
+MAX_CHAIN = 16
+
+
+def _speculator(draft, shape: str, loaded: LoadedDraft | None, vocab_size: int) -> Speculator | None:
+    if draft is None:
+        return None
+    if loaded is None:
+        return Speculator(NgramDraft(vocab_size, MAX_GUESSES), None)
+    if shape == "chain":
+        return Speculator(ModelDraft(loaded.generator, max_width=1), TreeBudget(MAX_CHAIN, start=4))
+    return Speculator(ModelDraft(loaded.generator), TreeBudget(MAX_TREE))
 
 
 def _gpu_budget(gpu_memory: int | str | None, gpu_device: str | None) -> int:

@@ -10,7 +10,6 @@ import numpy as np
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 from tierflow.runtime.sampler import Sampler
-from tierflow.speculative.ngram import DraftLength, propose
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds activation memory and cancel latency
 
@@ -25,12 +24,19 @@ class GenerationStats:
     accepted_tokens: int = 0  # of those, the ones it agreed with (each a token without a pass)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    draft_seconds: float = 0.0  # of decode_seconds, spent by the draft proposing
+    verify_seconds: float = 0.0  # of decode_seconds, spent by the target verifying guesses
     peak_weight_bytes: dict[str, int] = field(default_factory=dict)  # per tier: gpu, cpu, disk
 
     @property
     def prefill_tokens_per_s(self) -> float:
         computed = self.prompt_tokens - self.cached_prompt_tokens
         return computed / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens each decode pass of the target gave (1 without speculation)."""
+        return (self.decode_steps + self.accepted_tokens) / self.decode_steps if self.decode_steps else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -47,6 +53,9 @@ class GenerationStats:
             "accepted_tokens": self.accepted_tokens,
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_seconds": round(self.decode_seconds, 4),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "tokens_per_pass": round(self.tokens_per_pass, 3),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
             "peak_weight_bytes": dict(self.peak_weight_bytes),
@@ -132,11 +141,12 @@ class TokenGenerator:
 
 def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: Sampler,
                     max_tokens: int, stop_ids: frozenset[int], cancel: threading.Event,
-                    stats: GenerationStats, max_draft: int = 0) -> Iterator[int]:
+                    stats: GenerationStats, speculator=None) -> Iterator[int]:
     """Yields generated token ids (an end-of-generation token ends the loop and is not yielded).
 
-    max_draft > 0 turns on prompt-lookup speculation for greedy sampling: up to that many guesses
-    (speculative/ngram.py) verified per pass; the output is the same token for token.
+    With a speculator (speculative/speculator.py) each pass verifies a draft's token tree and
+    may yield several tokens; greedy output stays the target's own token for token, and sampled
+    output follows its distribution exactly.
 
     The caller stops early by closing the iterator; stats are filled in as it goes.
     """
@@ -144,44 +154,28 @@ def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: S
     started = time.perf_counter()
     logits, stats.cached_prompt_tokens = generator.prefill(prompt_ids, cancel)
     stats.prefill_seconds = time.perf_counter() - started
+    if logits is None:
+        return
     history = list(prompt_ids)
-    draft_length = DraftLength(max_draft)
+    chosen = [sampler.sample(logits, history)]  # tokens picked and not yet yielded
     decode_started = time.perf_counter()
     try:
-        while logits is not None and stats.generated_tokens < max_tokens and not cancel.is_set():
-            token = sampler.sample(logits, history)
-            if token in stop_ids:
-                return
-            stats.generated_tokens += 1
-            history.append(token)
-            yield token
-            if stats.generated_tokens >= max_tokens or cancel.is_set():
-                break
+        while True:
+            for token in chosen:
+                if token in stop_ids:
+                    return
+                stats.generated_tokens += 1
+                history.append(token)
+                yield token
+                if stats.generated_tokens >= max_tokens or cancel.is_set():
+                    return
             room = min(max_tokens - stats.generated_tokens - 1,
                        generator.cache.context_length - generator.cache.length - 1)
-            greedy = max_draft and sampler.params.temperature == 0
-            guesses = propose(history, min(room, draft_length.next())) if greedy else []
             stats.decode_steps += 1
-            if not guesses:
-                logits = generator.decode_step(token)
-                continue
-            # Greedy speculation: the target scores the token and the guesses in one pass; each
-            # guess it would have picked itself is yielded, and the first it would not is where the
-            # cache is cut back and decoding resumes (from the target's own logits there).
-            length = generator.cache.length
-            rows = generator.verify([token, *guesses])
-            stats.drafted_tokens += len(guesses)
-            accepted = 0
-            for guess, row in zip(guesses, rows):
-                if sampler.sample(row, history) != guess or guess in stop_ids or cancel.is_set():
-                    break
-                accepted += 1
-                stats.generated_tokens += 1
-                stats.accepted_tokens += 1
-                history.append(guess)
-                yield guess
-            generator.keep(length + 1 + accepted)
-            draft_length.update(len(guesses), accepted)
-            logits = rows[accepted]
+            if speculator is None or room < 1:
+                chosen = [sampler.sample(generator.decode_step(history[-1]), history)]
+            else:
+                accepted, token = speculator.step(generator, history, sampler, room, stats)
+                chosen = [*accepted, token]
     finally:
         stats.decode_seconds = time.perf_counter() - decode_started

@@ -43,22 +43,45 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0
+
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """One token id from logits [V], given the ids seen so far (for the penalty)."""
+        if self.greedy:
+            return int(np.argmax(self._penalised(logits, history)))
+        candidates, probs = self.candidates(logits, history)
+        return int(candidates[self.rng.choice(len(candidates), p=probs)])
+
+    def candidates(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution sample() draws from: candidate ids (most probable first) and their
+        probabilities (for greedy, the one best token with probability 1)."""
         p = self.params
-        logits = logits.astype(np.float64, copy=True)
-        if p.repeat_penalty != 1.0 and p.repeat_last_n and len(history):
-            apply_repeat_penalty(logits, history[-p.repeat_last_n:], p.repeat_penalty)
-        if p.temperature == 0:
-            return int(np.argmax(logits))
+        logits = self._penalised(logits, history)
+        if self.greedy:
+            return np.array([np.argmax(logits)]), np.ones(1)
         candidates = top_k_candidates(logits, p.top_k)  # ids, most probable first
         probs = softmax(logits[candidates])
         keep = nucleus_size(probs, p.top_p)
         if p.min_p > 0:
             keep = min(keep, int(np.count_nonzero(probs >= p.min_p * probs[0])))
         candidates = candidates[: max(keep, 1)]
-        probs = softmax(logits[candidates] / p.temperature)
-        return int(candidates[self.rng.choice(len(candidates), p=probs)])
+        return candidates, softmax(logits[candidates] / p.temperature)
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """The same distribution as a dense vector [V] (float64)."""
+        candidates, probs = self.candidates(logits, history)
+        dense = np.zeros(logits.shape[-1])
+        dense[candidates] = probs
+        return dense
+
+    def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        p = self.params
+        logits = logits.astype(np.float64, copy=True)
+        if p.repeat_penalty != 1.0 and p.repeat_last_n and len(history):
+            apply_repeat_penalty(logits, history[-p.repeat_last_n:], p.repeat_penalty)
+        return logits
 
 
 def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> None:

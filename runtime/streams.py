@@ -78,7 +78,8 @@ class Stream:
     def _generate(self) -> Iterator[str]:
         engine = self.engine
         tokens = generate_tokens(engine._generator, self.prompt_ids, self.sampler, self.max_tokens,
-                                 engine.tokenizer.eog_ids, self.cancelled, self.stats, engine.max_draft)
+                                 engine.tokenizer.eog_ids, self.cancelled, self.stats,
+                                 engine.speculator and engine.speculator.for_generation(self.sampler))
         finish = "stop"
         try:
             for token in tokens:

@@ -3,7 +3,7 @@
 import pytest
 
 from tierflow import Engine
-from tierflow.errors import InvalidArgumentError
+from tierflow.errors import InvalidArgumentError, TierflowError
 from tierflow.speculative.ngram import DraftLength, propose
 
 REPETITIVE = "The capital of France is"  # the small model soon repeats itself
@@ -57,12 +57,17 @@ def test_max_tokens_and_stop_strings_hold_while_speculating(engine, speculating)
     assert fast.text == plain.text
 
 
-def test_sampled_generations_do_not_speculate_and_stay_seeded(engine, speculating):
-    plain = engine.generate(REPETITIVE, max_tokens=24, temperature=0.8, seed=3)
-    fast = speculating.generate(REPETITIVE, max_tokens=24, temperature=0.8, seed=3)
-    assert fast.tokens == plain.tokens and fast.stats.drafted_tokens == 0
+def test_sampled_generations_speculate_and_stay_seeded(speculating):
+    first = speculating.generate(REPETITIVE, max_tokens=48, temperature=0.8, seed=3)
+    again = speculating.generate(REPETITIVE, max_tokens=48, temperature=0.8, seed=3)
+    assert first.tokens == again.tokens and first.stats.drafted_tokens > 0
 
 
-def test_an_unknown_draft_is_refused(model_path):
-    with pytest.raises(InvalidArgumentError, match="draft"):
+def test_a_missing_draft_file_is_a_clear_error(model_path):
+    with pytest.raises(TierflowError, match="big-model.gguf"):
         Engine.load(model_path, draft="big-model.gguf")
+
+
+def test_an_unknown_draft_shape_is_refused(model_path):
+    with pytest.raises(InvalidArgumentError, match="draft_shape"):
+        Engine.load(model_path, draft="ngram", draft_shape="bush")

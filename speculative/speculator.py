@@ -1,0 +1,51 @@
+"""One speculative step: the draft proposes a token tree, the target verifies it in one pass, the
+accepted path and the target's next token come back; both models' caches keep only that path."""
+
+import time
+from collections.abc import Sequence
+
+from tierflow.runtime.generation import GenerationStats, TokenGenerator
+from tierflow.runtime.sampler import Sampler
+from tierflow.speculative.acceptance import accept_tree
+from tierflow.speculative.drafts import ModelDraft, NgramDraft
+from tierflow.speculative.sizing import TreeBudget
+
+
+class Speculator:
+    def __init__(self, draft: NgramDraft | ModelDraft, budget: TreeBudget | None, timed: bool = True):
+        self.draft = draft
+        self.budget = budget  # None: the draft sizes itself (prompt lookup's DraftLength)
+        self.timed = timed  # whether sizes follow measured time (else acceptance alone)
+
+    def for_generation(self, sampler: Sampler) -> "Speculator":
+        """This speculator, or for a seeded sampled generation a fresh one whose sizes depend on
+        nothing but the generation itself (not on timings or earlier generations), so that the
+        seed fixes the output."""
+        if sampler.greedy or sampler.params.seed is None:
+            return self
+        budget = self.budget and TreeBudget(max(self.budget.sizes), self.budget.start)
+        return Speculator(self.draft.fresh(), budget, timed=False)
+
+    def step(self, target: TokenGenerator, history: Sequence[int], sampler: Sampler, room: int,
+             stats: GenerationStats) -> tuple[list[int], int]:
+        """history ends with the token just sampled (the tree's root, not yet in the target's
+        cache); room bounds the tree's guesses. Returns the accepted guesses and the target's
+        next token after them."""
+        budget = min(room, self.budget.next(self.timed)) if self.budget else room
+        started = time.perf_counter()
+        tree = self.draft.propose(history, budget, sampler)
+        drafted = time.perf_counter()
+        start = target.cache.length
+        rows = target.verify_tree(tree.tokens, tree.parents)
+        path, token = accept_tree(tree, rows, sampler, history)
+        target.keep_path(start, path)
+        self.draft.accepted(tree, path)
+        verified = time.perf_counter()
+        guesses, accepted = len(tree) - 1, len(path) - 1
+        stats.drafted_tokens += guesses
+        stats.accepted_tokens += accepted
+        stats.draft_seconds += drafted - started
+        stats.verify_seconds += verified - drafted
+        if self.budget and guesses:
+            self.budget.update(guesses, accepted, verified - started)
+        return tree.path_tokens(path[-1]), token

@@ -1,0 +1,93 @@
+"""A draft model beside the target: its tree verified in one pass, the target's output kept."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from tierflow import Engine
+from tierflow.errors import BudgetError, InvalidArgumentError
+from tierflow.offload.convert import convert_model
+from tierflow.speculative.placement import _check_vocabulary
+
+PROMPTS = ["The sky is blue because", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+           "Name three colours."]
+
+
+@pytest.fixture(scope="module")
+def draft_path(tmp_path_factory):
+    """The bundled model at 3 bits: a real draft that agrees with it about half the time."""
+    return convert_model(None, tmp_path_factory.mktemp("draft") / "smollm2-3bit.gguf", 3, "rtn").path
+
+
+@pytest.fixture(scope="module", params=["tree", "chain"])
+def drafting(request, model_path, draft_path):
+    with Engine.load(model_path, threads=2, context_length=512, draft=draft_path,
+                     draft_shape=request.param) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_output_is_the_targets_token_for_token(engine, drafting, prompt):
+    plain = engine.generate(prompt, max_tokens=48, temperature=0)
+    fast = drafting.generate(prompt, max_tokens=48, temperature=0)
+    assert fast.tokens == plain.tokens and fast.finish_reason == plain.finish_reason
+
+
+def test_the_stats_count_guesses_passes_and_time(drafting):
+    stats = drafting.generate(PROMPTS[0], max_tokens=48, temperature=0).stats
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens
+    assert stats.decode_steps + stats.accepted_tokens == stats.generated_tokens - 1
+    assert stats.tokens_per_pass == pytest.approx((stats.generated_tokens - 1) / stats.decode_steps)
+    assert 0 < stats.draft_seconds + stats.verify_seconds <= stats.decode_seconds
+    assert {"draft_seconds", "verify_seconds", "tokens_per_pass"} <= stats.as_dict().keys()
+
+
+def test_seeded_sampling_with_a_draft_repeats_itself(drafting):
+    first = drafting.generate(PROMPTS[2], max_tokens=32, temperature=0.8, seed=7)
+    again = drafting.generate(PROMPTS[2], max_tokens=32, temperature=0.8, seed=7)
+    assert first.tokens == again.tokens and first.stats.drafted_tokens > 0
+
+
+def test_cancel_and_max_tokens_hold_with_a_draft(drafting):
+    assert len(drafting.generate(PROMPTS[0], max_tokens=5, temperature=0).tokens) == 5
+    stream = drafting.stream(PROMPTS[0], max_tokens=200, temperature=0)
+    pieces = []
+    for piece in stream:
+        pieces.append(piece)
+        if len(pieces) == 3:
+            stream.cancel()
+    assert stream.result.finish_reason == "cancelled" and len(stream.result.tokens) < 200
+
+
+def test_the_draft_is_placed_first_within_the_cpu_budget(model_path, draft_path):
+    with Engine.load(model_path, threads=2, draft=draft_path) as alone:
+        draft_bytes = alone.draft.bytes_by_tier()["cpu"]
+        target_bytes = alone.weights.bytes_by_tier()["cpu"]
+    budget = draft_bytes + target_bytes // 2
+    with Engine.load(model_path, threads=2, draft=draft_path, cpu_memory=budget) as engine:
+        held = engine.draft.bytes_by_tier()["cpu"] + engine.weights.bytes_by_tier()["cpu"]
+        assert held <= budget and engine.weights.streamed_layers
+        plain = engine.generate(PROMPTS[0], max_tokens=16, temperature=0)
+        assert plain.stats.accepted_tokens > 0
+
+
+def test_a_budget_too_small_for_the_draft_names_it(model_path, draft_path):
+    with pytest.raises(BudgetError, match="draft"):
+        Engine.load(model_path, draft=draft_path, cpu_memory="8MiB")
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    def gguf(tokens):
+        return SimpleNamespace(metadata={"tokenizer.ggml.tokens": tokens},
+                               path=SimpleNamespace(name="d.gguf"))
+
+    with pytest.raises(InvalidArgumentError, match="vocabulary of 2 tokens"):
+        _check_vocabulary(gguf(["a", "b"]), gguf(["a", "b", "c"]))
+    with pytest.raises(InvalidArgumentError, match="token 1 is 'x'"):
+        _check_vocabulary(gguf(["a", "x"]), gguf(["a", "b"]))
+
+
+def test_the_draft_cache_follows_the_accepted_path(drafting):
+    drafting.generate(PROMPTS[0], max_tokens=24, temperature=0)
+    target, draft = drafting._generator, drafting.draft.generator
+    assert draft.cached_tokens == target.cached_tokens[: len(draft.cached_tokens)]
