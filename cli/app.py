@@ -27,7 +27,9 @@ CpuOpt = Annotated[Optional[str], typer.Option("--cpu-memory", help="RAM weight 
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="context length (KV cache size)")]
 DraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft", help="ngram: speculate greedy output with prompt lookup (same tokens, faster on repeats)")]
+    "--draft", help="speculative decoding: 'ngram' (prompt lookup) or a smaller GGUF with the same "
+    "vocabulary (e.g. this model converted to 3 bits); the output follows the model's own")]
+DraftShapeOpt = Annotated[str, typer.Option("--draft-shape", help="a draft model's guesses: tree or chain")]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
 TempOpt = Annotated[float, typer.Option("--temperature", help="0 is greedy")]
 TopKOpt = Annotated[int, typer.Option("--top-k")]
@@ -71,12 +73,12 @@ def _loading(path: Optional[Path]):
     return _progress_bar(f"loading {_model_name(path)}")
 
 
-def _load(model, gpu_memory, cpu_memory, threads, ctx, draft=None):
+def _load(model, gpu_memory, cpu_memory, threads, ctx, draft=None, draft_shape="tree"):
     from tierflow.runtime.engine import Engine
 
     with _loading(model) as progress:
         return Engine.load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads,
-                           context_length=ctx, progress=progress, draft=draft)
+                           context_length=ctx, progress=progress, draft=draft, draft_shape=draft_shape)
 
 
 @app.command()
@@ -86,12 +88,12 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete")], model: 
         seed: SeedOpt = None, stop: StopOpt = None,
         as_json: Annotated[bool, typer.Option("--json", help="print text, tokens and stats as JSON")] = False,
         gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
-        ctx: CtxOpt = None, draft: DraftOpt = None) -> None:
+        ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree") -> None:
     """Complete PROMPT once and print the completion."""
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
     sampling |= dict(max_tokens=max_tokens, stop=stop)
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft)
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape)
     if as_json:
         result = engine.generate(prompt, **sampling)
         print(json.dumps({"text": result.text, "tokens": result.tokens,
@@ -112,14 +114,15 @@ def chat(model: ModelOpt = None,
          max_tokens: MaxTokensOpt = 1024, temperature: TempOpt = 0.8, top_k: TopKOpt = 40,
          top_p: TopPOpt = 0.95, min_p: MinPOpt = 0.05, repeat_penalty: PenaltyOpt = 1.0,
          seed: SeedOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
-         threads: ThreadsOpt = None, ctx: CtxOpt = None, draft: DraftOpt = None) -> None:
+         threads: ThreadsOpt = None, ctx: CtxOpt = None, draft: DraftOpt = None,
+         draft_shape: DraftShapeOpt = "tree") -> None:
     """Chat interactively. /reset forgets the conversation, /exit (or Ctrl-D) quits,
     Ctrl-C stops the current answer."""
     from tierflow.cli.chat_session import ChatSession
 
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft)
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape)
     ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out).run()
 
 
@@ -145,6 +148,55 @@ def serve(model: ModelOpt = None,
                   "is set", soft_wrap=True)
     out.print(f"serving {engine.path.stem} at {settings.url}")
     serve_forever(engine, settings)
+
+
+BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+
+@app.command()
+def bench(model: ModelOpt = None,
+          prompt: Annotated[str, typer.Option("--prompt", "-p", help="text to complete")] = BENCH_PROMPT,
+          max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate")] = 128,
+          repetitions: Annotated[int, typer.Option("--repetitions", "-r", help="timed runs")] = 3,
+          temperature: TempOpt = 0.0, seed: SeedOpt = None,
+          as_json: Annotated[bool, typer.Option("--json", help="print the figures as JSON")] = False,
+          gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
+          ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree") -> None:
+    """Time prompt processing and generation (greedy by default): the median of the timed runs,
+    after one untimed warm-up; with --draft, also guesses accepted and tokens per target pass."""
+    if repetitions < 1 or max_tokens < 1:
+        raise typer.BadParameter("--repetitions and --max-tokens must be at least 1")
+    sampling = _sampling(temperature=temperature, seed=seed)
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape)
+    with engine:
+        engine.generate(prompt, max_tokens=max_tokens, **sampling)
+        runs = []
+        for _ in range(repetitions):
+            engine.generate(".", max_tokens=1)  # a new prompt: the next run's prefill is not cached
+            runs.append(engine.generate(prompt, max_tokens=max_tokens, **sampling).stats)
+    figures = _bench_figures(runs)
+    if as_json:
+        print(json.dumps(figures))
+        return
+    table = Table(title=f"{_model_name(model)}" + (f", draft {draft} ({draft_shape})" if draft else ""))
+    for name in figures:
+        table.add_column(name.replace("_", " "), justify="right")
+    table.add_row(*(f"{value:g}" for value in figures.values()))
+    out.print(table)
+
+
+def _bench_figures(runs: list) -> dict:
+    import statistics
+
+    def median(values):
+        return round(statistics.median(values), 2)
+
+    return {"prompt_tokens": runs[0].prompt_tokens,
+            "prefill_tokens_per_s": median([r.prefill_tokens_per_s for r in runs]),
+            "generated_tokens": median([r.generated_tokens for r in runs]),
+            "decode_tokens_per_s": median([r.decode_tokens_per_s for r in runs]),
+            "tokens_per_pass": median([r.tokens_per_pass for r in runs]),
+            "accepted_of_drafted": median([r.accepted_tokens / max(r.drafted_tokens, 1) for r in runs])}
 
 
 def _sampling(**settings) -> dict:

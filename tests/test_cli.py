@@ -24,6 +24,13 @@ def test_run_json_prints_text_tokens_and_stats():
     assert len(result["tokens"]) <= 6 and result["stats"]["generated_tokens"] == len(result["tokens"])
 
 
+def test_bench_prints_speeds_and_tokens_per_pass_with_a_draft():
+    done = tierflow("bench", "-n", "8", "-r", "1", "--draft", "ngram", "--json")
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout)
+    assert figures["decode_tokens_per_s"] > 0 and figures["tokens_per_pass"] >= 1
+
+
 def test_run_streams_the_completion_to_stdout():
     done = tierflow("run", "1, 2, 3, 4,", "-n", "6", "--temperature", "0")
     assert done.returncode == 0, done.stderr
@@ -64,6 +71,8 @@ def test_ctrl_c_stops_the_answer_but_not_the_chat():
         (["run", "hi", "-m", "/tmp"], "directory"),
         (["run", "hi", "--cpu-memory", "lots"], "lots"),
         (["info", "/no/such/model.gguf"], "not found"),
+        (["run", "hi", "--draft", "/no/such/draft.gguf"], "not found"),
+        (["run", "hi", "--draft", "ngram", "--draft-shape", "bush"], "draft_shape"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_code_2(args, message):
