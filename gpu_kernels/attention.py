@@ -1,0 +1,72 @@
+"""Launcher of the fused attention kernel: `attention`, cpu_kernels.ops.attention on the GPU.
+
+Legend: T new tokens, H query heads, KvH key/value heads, D head size, C cache capacity, R rotary
+size, S = start + T positions seen by the last token.
+
+The positions are split over programs (flash-decoding) so that a decode step, T KvH programs on
+its own, still fills the GPU: about two programs per streaming multiprocessor, each split a whole
+number of BLOCK_S positions.
+"""
+
+import torch
+
+from tierflow.gpu_kernels.launch import cdiv, check_device, check_tensor, load_kernels, num_sms, power_of_two
+
+
+def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, heads: int, start: int, neox: bool,
+              num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of T new tokens in cache slots start .. start + T - 1 -> [T, H D] float32.
+
+    qkv [T, (H + 2 KvH) D] (read only); one layer's keys [KvH, C/16, D, 16] and values [KvH, C, D],
+    into which the tokens' rotated keys and their values are written; cos, sin [T, R/2], the
+    rows of the tokens' positions. Token i sees positions 0 .. start + i; query head h reads
+    key/value head h // (H / KvH). All float32, as the CPU kernel. num_splits fixes the number of
+    position splits (by default, chosen to fill the GPU).
+    """
+    kernels = load_kernels("attention_kernels")
+    kv_heads, capacity, head_dim, tokens, half = _check(qkv, keys, values, cos, sin, heads, start)
+    check_device(kernels, qkv=qkv, keys=keys, values=values, cos=cos, sin=sin)
+    out = torch.empty(tokens, heads * head_dim, dtype=torch.float32, device=qkv.device)
+    if tokens == 0:
+        return out
+    seen = start + tokens
+    splits = num_splits or min(cdiv(seen, kernels.BLOCK_S), cdiv(2 * num_sms(qkv.device), tokens * kv_heads))
+    split_size = cdiv(cdiv(seen, min(max(1, splits), kernels.MAX_SPLITS)), kernels.BLOCK_S) * kernels.BLOCK_S
+    splits = cdiv(seen, split_size)
+    partials = stats = out  # unused with one split
+    if splits > 1:
+        partials = torch.empty(tokens * heads * splits, head_dim, dtype=torch.float32, device=qkv.device)
+        stats = torch.empty(tokens * heads * splits, 2, dtype=torch.float32, device=qkv.device)
+    block_d = max(16, power_of_two(head_dim))
+    kernels.attention_kernel[(tokens, kv_heads, splits)](
+        qkv, keys, values, cos, sin, out, partials, stats, start, heads, kv_heads, capacity,
+        head_dim**-0.5 * kernels.LOG2_E, split_size, splits, D=head_dim, HALF=half, GROUP=heads // kv_heads,
+        NEOX=bool(neox), SPLIT=splits > 1, BLOCK_G=max(16, power_of_two(heads // kv_heads)),
+        BLOCK_S=kernels.BLOCK_S, BLOCK_D=block_d)
+    if splits > 1:
+        kernels.merge_splits_kernel[(tokens * heads,)](partials, stats, out, splits, D=head_dim,
+                                                       BLOCK_SPLITS=power_of_two(splits), BLOCK_D=block_d)
+    return out
+
+
+def _check(qkv, keys, values, cos, sin, heads: int, start: int) -> tuple[int, int, int, int, int]:
+    """(KvH, C, D, T, R/2) once every argument agrees with the others."""
+    check_tensor("values", values, (torch.float32,), (None, None, None))
+    kv_heads, capacity, head_dim = values.shape
+    if capacity % 16:
+        raise ValueError(f"the cache capacity must be a multiple of 16, not {capacity}")
+    check_tensor("keys", keys, (torch.float32,), (kv_heads, capacity // 16, head_dim, 16))
+    if kv_heads == 0 or heads <= 0 or heads % kv_heads:
+        raise ValueError(f"heads is not a multiple of the {kv_heads} key/value heads: {heads}")
+    check_tensor("qkv", qkv, (torch.float32,), (None, (heads + 2 * kv_heads) * head_dim))
+    tokens = qkv.shape[0]
+    check_tensor("cos", cos, (torch.float32,), (tokens, None))
+    check_tensor("sin", sin, (torch.float32,), tuple(cos.shape))
+    half = cos.shape[1]
+    if not 0 < 2 * half <= head_dim:
+        raise ValueError(f"cos and sin must be [{tokens}, R/2] with 2 <= R <= {head_dim}, "
+                         f"not {list(cos.shape)}")
+    if start < 0 or start + tokens > capacity:
+        raise ValueError(f"positions {start} .. {start + tokens - 1} do not fit in the cache of {capacity}")
+    return kv_heads, capacity, head_dim, tokens, half

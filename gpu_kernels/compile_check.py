@@ -1,0 +1,93 @@
+"""Compiles every kernel for a CUDA architecture, no GPU needed, and reports registers and spills.
+
+    python -m tierflow.gpu_kernels.compile_check [--arch 80] [--all-configs]
+
+Triton's interpreter, which runs the tests without a GPU, accepts code the compiler refuses (and
+says nothing of registers), so this builds each kernel through ptxas (bundled with Triton) for the
+given compute capability: one representative config per kernel and layout, or every autotuning
+config with --all-configs. A spill (local memory) is printed as a warning: a config that spills
+is slow, and the autotuner's pruning (matmul_kernels.fitting_configs) should drop it.
+Run it without TRITON_INTERPRET: the kernels must be defined for the compiler.
+"""
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tierflow.gpu_kernels import attention_kernels, matmul_kernels, ops_kernels
+
+MATRIX = {"x": "*fp16", "data": "*u8", "scales": "*fp16", "mins": "*fp16", "out": "*fp16", "M": "i32",
+          "N": "i32", "N_OUT": "i32", "K": "i32", "stride_x": "i32"}
+ATTENTION = {name: "*fp32" for name in ("qkv", "keys", "values", "cos", "sin", "out", "partials", "stats")}
+ATTENTION |= {"start": "i32", "H": "i32", "KVH": "i32", "C": "i32", "scale": "fp32", "SPLIT_SIZE": "i32",
+              "NUM_SPLITS": "i32"}
+
+
+def variants(all_configs: bool) -> list[tuple]:
+    """(kernel, signature, constexprs, options) of each build."""
+    builds = []
+    for bits, silu, x in [(3, True, "*fp16"), (8, False, "*fp32")]:
+        layout = {"data": "*i8" if bits == 8 else "*u8", "x": x, "out": x}
+        flags = dict(GROUP=32, BITS=bits, HAS_MINS=bits != 8, SILU_MUL=silu)
+        matvec = matmul_kernels.fitting_configs(matmul_kernels.MATVEC_CONFIGS, flags)
+        for config in matvec if all_configs else matvec[:1]:
+            builds.append((matmul_kernels.matvec_kernel, MATRIX | layout | {"K_PER_SPLIT": "i32"},
+                           flags | dict(SPLIT_K=2, **config.kwargs), dict(num_warps=config.num_warps)))
+        for config in matmul_kernels.MATMUL_CONFIGS if all_configs else matmul_kernels.MATMUL_CONFIGS[:1]:
+            builds.append((matmul_kernels.matmul_kernel, MATRIX | layout | {"M_BUCKET": "i32"},
+                           flags | dict(F32=x == "*fp32", **config.kwargs),
+                           dict(num_warps=config.num_warps, num_stages=config.num_stages)))
+    for head_dim, neox, split in [(128, True, True), (80, False, False)]:
+        shape = dict(D=head_dim, HALF=head_dim // 4, GROUP=4, NEOX=neox, SPLIT=split, BLOCK_G=16,
+                     BLOCK_S=attention_kernels.BLOCK_S, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()))
+        builds.append((attention_kernels.attention_kernel, ATTENTION, shape, dict(num_warps=4)))
+    builds.append((attention_kernels.merge_splits_kernel,
+                   {"partials": "*fp32", "stats": "*fp32", "out": "*fp32", "NUM_SPLITS": "i32"},
+                   dict(D=128, BLOCK_SPLITS=64, BLOCK_D=128), dict(num_warps=4)))
+    builds.append((ops_kernels.rms_norm_kernel, {"x": "*fp32", "residual": "*fp32", "weight": "*fp32",
+                                                 "out": "*fp32", "E": "i32", "eps": "fp32"},
+                   dict(HAS_RESIDUAL=True, BLOCK_E=8192), dict(num_warps=16)))
+    builds.append((ops_kernels.silu_mul_kernel, {"gate_up": "*bf16", "out": "*bf16", "F": "i32"},
+                   dict(BLOCK_F=1024), dict(num_warps=4)))
+    return builds
+
+
+def compile_one(kernel, signature: dict, constexprs: dict, options: dict, arch: int) -> str:
+    """Builds one variant; returns ptxas' resource line ('' where cuobjdump is not at hand)."""
+    fn = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
+    source = ASTSource(fn, signature | {name: "constexpr" for name in constexprs}, constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True)
+        usage = report.stdout
+    return next((line.strip() for line in usage.splitlines() if "REG:" in line), "")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=80, help="compute capability, e.g. 75, 80, 86, 89, 90")
+    parser.add_argument("--all-configs", action="store_true", help="every autotuning config")
+    args = parser.parse_args(argv)
+    if getattr(matmul_kernels, "INTERPRETED", False):
+        sys.exit("TRITON_INTERPRET is set: unset it to compile the kernels")
+    for kernel, signature, constexprs, options in variants(args.all_configs):
+        usage = compile_one(kernel, signature, constexprs, options, args.arch)
+        status = "SPILLS" if usage and "STACK:0 " not in usage else "ok"
+        name = (kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel).__name__
+        shown = {k: v for k, v in constexprs.items() if k in ("BITS", "SILU_MUL", "D") or k[:5] == "BLOCK"}
+        print(f"{status:<7}{name:<20} {shown} {options}  {' '.join(usage.split()[:2])}")
+
+
+if __name__ == "__main__":
+    main()
