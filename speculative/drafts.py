@@ -6,10 +6,13 @@ Two kinds, one interface (`propose`, then `accepted` with the path the target to
 - ModelDraft: a smaller model with the target's vocabulary (another GGUF, or the target's own
   low-bit conversion), run ahead of the target with its own KV cache. It grows a tree level by
   level, SpecExec-style: each level's nodes go to the draft in one batched tree pass, and the
-  level's budget goes to the children with the highest probability of being reached (the draft's
-  probability of their path). For a sampled tree, how many children a node gets is decided from
-  its distribution before they are drawn, and they are drawn without replacement, which is what
-  the acceptance rule (acceptance.py) needs to stay exact.
+  level's budget goes to the children with the highest chance of being reached. That chance is
+  Sequoia's positional estimate: how often the target has taken the draft's first, second, ...
+  candidate, measured as it goes (the draft's own probabilities understate a good draft: a
+  draft whose favourite has probability 0.4 can still be the target's choice 90% of the time).
+  How many children a node gets is thus decided before they are drawn, and a sampled tree's
+  are drawn without replacement, which is what the acceptance rule (acceptance.py) needs to
+  stay exact.
 """
 
 import threading
@@ -51,15 +54,18 @@ class NgramDraft:
 class ModelDraft:
     """A draft model's token generator (its own decoder and KV cache)."""
 
-    def __init__(self, generator: TokenGenerator, max_width: int = 4, min_reach: float = 0.02):
+    def __init__(self, generator: TokenGenerator, max_width: int = 4, min_reach: float = 0.01):
         self.generator = generator
         self.max_width = max_width  # children per node at most (1: a chain)
         self.min_reach = min_reach  # a child less likely than this to be reached is not proposed
+        self.ranks = RankAcceptance(max_width)
         self._root_slot = 0
         self._fed = 0  # tree nodes in the draft's cache (the last level never is)
 
     def fresh(self) -> "ModelDraft":
-        return self  # its only state, the cache, gives the same bits whatever it holds
+        """The same model and cache (which give the same bits whatever they hold) with the
+        counts of which candidates were taken started over."""
+        return ModelDraft(self.generator, self.max_width, self.min_reach)
 
     def propose(self, history: Sequence[int], budget: int, sampler: Sampler) -> TokenTree:
         generator, tree = self.generator, TokenTree.root(history[-1])
@@ -69,17 +75,17 @@ class ModelDraft:
         while len(tree) - 1 < budget:
             dists = {node: self._distribution(rows[-1], [*history, *tree.path_tokens(node)], sampler)
                      for node, rows in frontier.items()}
-            counts = self._allocate(dists, reach, budget - (len(tree) - 1))
+            counts = self._allocate(list(dists), reach, budget - (len(tree) - 1))
             if not counts:
                 break
-            level = []
+            level, taken = [], self.ranks.probabilities()
             for node, count in sorted(counts.items()):
                 q = dists[node]
                 if not sampler.greedy:
                     tree.draft_probs[node] = q
-                for token in _draw(q, count, None if sampler.greedy else sampler.rng):
+                for rank, token in enumerate(_draw(q, count, None if sampler.greedy else sampler.rng)):
                     child = tree.add(node, int(token))
-                    reach[child] = reach[node] * q[token]
+                    reach[child] = reach[node] * taken[rank]
                     level.append(child)
             if len(tree) - 1 >= budget:
                 break
@@ -89,23 +95,51 @@ class ModelDraft:
         return tree
 
     def accepted(self, tree: TokenTree, path: list[int]) -> None:
-        """Keeps the accepted path's nodes that the draft has seen, forgets the other branches."""
+        """Keeps the accepted path's nodes that the draft has seen, forgets the other branches,
+        and counts which candidate the target took at each node on the path."""
         self.generator.keep_path(self._root_slot, [node for node in path if node < self._fed])
+        for i, node in enumerate(path):
+            children = tree.children(node)
+            taken = children.index(path[i + 1]) if i + 1 < len(path) else None
+            self.ranks.record(len(children), taken)
 
     def _distribution(self, logits: np.ndarray, context: list[int], sampler: Sampler) -> np.ndarray:
         if sampler.greedy:  # guesses are matched against the target's choice: rank by the draft's
             return softmax(logits.astype(np.float64))
         return sampler.distribution(logits, context)  # the children are drawn from this
 
-    def _allocate(self, dists: dict[int, np.ndarray], reach: dict[int, float], room: int) -> Counter:
+    def _allocate(self, frontier: list[int], reach: dict[int, float], room: int) -> Counter:
         """Children per frontier node: the `room` best (node, rank) pairs by the chance that the
-        rank-th child is reached, from the node's distribution alone (not from what is drawn)."""
-        pairs = []
-        for node, q in dists.items():
-            top = -np.partition(-q, self.max_width)[: self.max_width] if q.size > self.max_width else q
-            pairs += [(reach[node] * prob, node) for prob in top if reach[node] * prob >= self.min_reach]
+        node's rank-th child is reached (never by what is drawn)."""
+        taken = self.ranks.probabilities()
+        pairs = [(reach[node] * p, node) for node in frontier for p in taken]
+        pairs = [pair for pair in pairs if pair[0] >= self.min_reach]
         pairs.sort(reverse=True)
         return Counter(node for _, node in pairs[:room])
+
+
+class RankAcceptance:
+    """How often the target takes a node's r-th candidate, given it took none before it
+    (counted from the passes so far, starting from a prior of PRIOR_TAKEN in PRIOR_TRIES)."""
+
+    PRIOR_TAKEN, PRIOR_TRIES = (1.0, 0.25), 2.0  # first candidate, the others
+
+    def __init__(self, max_width: int):
+        self.taken = np.array([self.PRIOR_TAKEN[min(r, 1)] for r in range(max_width)])
+        self.tries = np.full(max_width, self.PRIOR_TRIES)
+
+    def record(self, num_children: int, taken: int | None) -> None:
+        """A node with num_children candidates at which the target took the one at index taken
+        (None: none of them)."""
+        tried = num_children if taken is None else taken + 1
+        self.tries[:tried] += 1
+        if taken is not None:
+            self.taken[taken] += 1
+
+    def probabilities(self) -> np.ndarray:
+        """[max_width]: the chance the target's token is a node's r-th candidate."""
+        rate = self.taken / self.tries
+        return rate * np.concatenate([[1.0], np.cumprod(1 - rate)[:-1]])
 
 
 def _draw(q: np.ndarray, count: int, rng: np.random.Generator | None) -> np.ndarray:
