@@ -5,8 +5,8 @@ memory-bound or streamed, and grows once it turns compute-bound; a draft's cost 
 tree. So the budget that gives the most tokens per second depends on the machine and the text:
 TreeBudget keeps, for each size tried, moving averages of the tokens a pass gained (accepted
 guesses plus the target's own token) and of the seconds it took (draft plus verify), and picks
-the size with the best ratio, trying a neighbouring size every few passes so the estimates of
-the sizes around it stay current.
+the size with the best ratio. It climbs to the next larger size while the best is the largest
+tried, and tries a neighbouring size every few passes so the estimates around it stay current.
 """
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -31,9 +31,11 @@ class TreeBudget:
         self._passes += 1
         best = self._best(timed)
         i = self.sizes.index(best)
-        if self._passes % EXPLORE_EVERY == 0:  # alternately the next size up and down
-            i += 1 if (self._passes // EXPLORE_EVERY) % 2 else -1
-            i = min(max(i, 0), len(self.sizes) - 1)
+        up, down = self.sizes[min(i + 1, len(self.sizes) - 1)], self.sizes[max(i - 1, 0)]
+        if up not in self.gained:  # climb while the best is the largest tried
+            i = self.sizes.index(up)
+        elif self._passes % EXPLORE_EVERY == 0:  # alternately the next size up and down
+            i = self.sizes.index(up if (self._passes // EXPLORE_EVERY) % 2 else down)
         self.current = self.sizes[i]
         return self.current
 
