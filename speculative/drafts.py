@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tierflow.runtime.generation import TokenGenerator
-from tierflow.runtime.sampler import Sampler, softmax
+from tierflow.runtime.sampler import Sampler
 from tierflow.speculative.ngram import DraftLength, propose
 from tierflow.speculative.tree import TokenTree
 
@@ -71,19 +71,15 @@ class ModelDraft:
         generator, tree = self.generator, TokenTree.root(history[-1])
         logits, _ = generator.prefill(list(history), NEVER)  # reuses what the cache holds
         self._root_slot, self._fed = len(history) - 1, 1
-        frontier, reach = {0: logits[None]}, {0: 1.0}
+        frontier, reach = {0: logits}, {0: 1.0}  # node -> the draft's logits after it
         while len(tree) - 1 < budget:
-            dists = {node: self._distribution(rows[-1], [*history, *tree.path_tokens(node)], sampler)
-                     for node, rows in frontier.items()}
-            counts = self._allocate(list(dists), reach, budget - (len(tree) - 1))
+            counts = self._allocate(list(frontier), reach, budget - (len(tree) - 1))
             if not counts:
                 break
             level, taken = [], self.ranks.probabilities()
             for node, count in sorted(counts.items()):
-                q = dists[node]
-                if not sampler.greedy:
-                    tree.draft_probs[node] = q
-                for rank, token in enumerate(_draw(q, count, None if sampler.greedy else sampler.rng)):
+                for rank, token in enumerate(self._candidates(tree, node, frontier[node], count, history,
+                                                              sampler)):
                     child = tree.add(node, int(token))
                     reach[child] = reach[node] * taken[rank]
                     level.append(child)
@@ -91,7 +87,7 @@ class ModelDraft:
                 break
             rows = generator.verify_tree([tree.tokens[c] for c in level], tree.parents, self._root_slot)
             self._fed = len(tree)
-            frontier = {child: rows[i:i + 1] for i, child in enumerate(level)}
+            frontier = dict(zip(level, rows))
         return tree
 
     def accepted(self, tree: TokenTree, path: list[int]) -> None:
@@ -103,10 +99,18 @@ class ModelDraft:
             taken = children.index(path[i + 1]) if i + 1 < len(path) else None
             self.ranks.record(len(children), taken)
 
-    def _distribution(self, logits: np.ndarray, context: list[int], sampler: Sampler) -> np.ndarray:
-        if sampler.greedy:  # guesses are matched against the target's choice: rank by the draft's
-            return softmax(logits.astype(np.float64))
-        return sampler.distribution(logits, context)  # the children are drawn from this
+    def _candidates(self, tree: TokenTree, node: int, logits: np.ndarray, count: int, history: Sequence[int],
+                    sampler: Sampler) -> np.ndarray:
+        """The node's children: for greedy output the draft's count likeliest tokens (the target
+        will pick one token; the best guesses are the draft's favourites); for sampled output
+        count tokens drawn without replacement from the draft's distribution, which the tree
+        keeps for the acceptance rule."""
+        if sampler.greedy:
+            top = np.argpartition(-logits, count - 1)[:count]
+            return top[np.argsort(-logits[top], kind="stable")]
+        q = sampler.distribution(logits, [*history, *tree.path_tokens(node)])
+        tree.draft_probs[node] = q
+        return _draw(q, count, sampler.rng)
 
     def _allocate(self, frontier: list[int], reach: dict[int, float], room: int) -> Counter:
         """Children per frontier node: the `room` best (node, rank) pairs by the chance that the
@@ -142,12 +146,9 @@ class RankAcceptance:
         return rate * np.concatenate([[1.0], np.cumprod(1 - rate)[:-1]])
 
 
-def _draw(q: np.ndarray, count: int, rng: np.random.Generator | None) -> np.ndarray:
-    """The count most probable tokens of q (rng None), or count tokens drawn from q without
-    replacement (Gumbel-top-k), in the order drawn."""
-    keys = np.log(q, out=np.full_like(q, -np.inf), where=q > 0)
-    if rng is not None:
-        keys = keys + rng.gumbel(size=q.shape)
+def _draw(q: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """count tokens drawn from q without replacement (Gumbel-top-k), in the order drawn."""
+    keys = np.log(q, out=np.full_like(q, -np.inf), where=q > 0) + rng.gumbel(size=q.shape)
     count = min(count, int(np.count_nonzero(q)))
     top = np.argpartition(-keys, count - 1)[:count]
     return top[np.argsort(-keys[top], kind="stable")]
