@@ -1,21 +1,37 @@
 """Speculative decoding: greedy decode tokens/s with and without a draft, same prompts, one run.
 
-    python benchmarks/speculative.py [--model PATH] [--threads 2] [--tokens 128] [--repeats 3]
+    python benchmarks/speculative.py [--threads 2] [--tokens 96] [--cases resident,streamed,f32]
 
-For each prompt, the target alone and the target with prompt-lookup guesses (draft="ngram")
-generate the same greedy tokens (checked); the script prints the speed-up and the tokens per
-target pass (1 + accepted guesses per pass). The runs alternate and the median is reported.
-Draft models (another GGUF or a low-bit conversion) are not supported yet.
+Three settings, each against the same target without a draft, in this run:
+- resident: the bundled SmolLM2-135M-Instruct (Q4_1) in RAM; drafts: prompt lookup ("ngram"),
+  and its own 3-bit conversion (`tierflow convert --bits 3`, made here once) as a chain and a tree.
+- streamed: the same target with three quarters of its layers streamed from disk (a quarter of
+  the layer bytes resident beside the embeddings), the draft resident beside it as extra memory
+  (as a GPU-hosted draft's would be); also the target alone given that extra memory.
+- f32: a bigger target, the same model dequantized to F32 (515 MiB, written here once by
+  tests/make_model.py), streamed the same way, with the bundled Q4_1 model as its draft: the
+  low-bit self-draft of an offloaded model, SpecExec's setting.
+Every run's tokens are checked equal to the target's own. The figures are the median of
+--repeats runs after a warm-up generation (from which the draft's sizing starts learning).
 """
 
 import argparse
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 from tierflow import Engine
+from tierflow.offload.convert import convert_model
+from tierflow.offload.extents import model_extents
+from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.model_info import read_config
+from tierflow.offload.model_path import resolve_model_path
+from tierflow.offload.profile import cache_dir
+from tierflow.units import format_size
 
 PROMPTS = {
     "open prose": "The sky is blue because",
-    "repeats itself": "The capital of France is",
     "code": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
     "summary of a text": ("Summarise: The river valley was settled slowly over many generations. Farmers "
                           "cleared the lower terraces first, then built stone walls to hold the soil "
@@ -23,37 +39,98 @@ PROMPTS = {
 }
 
 
-def decode_rate(engine: Engine, prompt: str, tokens: int) -> tuple[float, list[int], float]:
-    stats = (result := engine.generate(prompt, max_tokens=tokens, temperature=0)).stats
-    passes = stats.decode_steps
-    return stats.decode_tokens_per_s, result.tokens, (passes + stats.accepted_tokens) / max(passes, 1)
+def bench_files() -> tuple[Path, Path, Path]:
+    """The bundled target, its 3-bit conversion and its F32 copy (made once, cached)."""
+    folder = cache_dir() / "bench"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = resolve_model_path(None)
+    three_bit = folder / "smollm2-3bit.gguf"
+    if not three_bit.exists():
+        convert_model(None, three_bit, 3, "search")
+    f32 = folder / "smollm2-f32.gguf"
+    if not f32.exists():
+        maker = Path(__file__).resolve().parents[1] / "tests" / "make_model.py"
+        subprocess.run([sys.executable, str(maker), str(f32), "--f32-copy-of", str(target)], check=True)
+    return target, three_bit, f32
+
+
+def quarter_resident_budget(model: Path) -> int:
+    """cpu_memory that keeps the embeddings, a quarter of the layer bytes and a streaming ring."""
+    with read_gguf(model) as gguf:
+        globals_, layers = model_extents(gguf, read_config(gguf))
+    largest = max(layer.nbytes for layer in layers)
+    return globals_.nbytes + sum(layer.nbytes for layer in layers) // 4 + 3 * largest
+
+
+def run(engine: Engine, prompt: str, tokens: int, repeats: int) -> tuple[float, float, list[int]]:
+    rates, per_pass, output = [], [], None
+    for _ in range(repeats):
+        result = engine.generate(prompt, max_tokens=tokens, temperature=0)
+        rates.append(result.stats.decode_tokens_per_s)
+        per_pass.append(result.stats.tokens_per_pass)
+        output = result.tokens
+    return statistics.median(rates), statistics.median(per_pass), output
+
+
+def compare(title: str, target: Path, variants: dict, prompts: dict, args) -> None:
+    """variants: name -> Engine.load keywords; the first is the baseline."""
+    print(f"\n## {title}\n")
+    print(f"| prompt | {' | '.join(variants)} |")
+    print("|---|" + "---|" * len(variants))
+    engines = {}
+    try:
+        for name, options in variants.items():
+            engines[name] = Engine.load(target, threads=args.threads, context_length=1024, **options)
+            engines[name].generate("Tell me about the ocean.", max_tokens=args.tokens, temperature=0)
+        for label, prompt in prompts.items():
+            cells, base, expected = [], None, None
+            for name, engine in engines.items():
+                rate, per_pass, output = run(engine, prompt, args.tokens, args.repeats)
+                if base is None:
+                    base, expected = rate, output
+                    cells.append(f"{rate:.2f} tok/s")
+                else:
+                    assert output == expected, f"{label}, {name}: the draft changed the output"
+                    cells.append(f"{rate:.2f} tok/s, **{rate / base:.2f}x**, {per_pass:.2f}/pass")
+            print(f"| {label} | {' | '.join(cells)} |", flush=True)
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def draft_bytes(target: Path, draft: Path) -> int:
+    with Engine.load(target, threads=1, draft=draft) as engine:
+        return engine.draft.bytes_by_tier()["cpu"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--cases", default="resident,streamed,f32")
     args = parser.parse_args()
-    options = dict(threads=args.threads, context_length=1024)
-    with Engine.load(args.model, **options) as target, \
-            Engine.load(args.model, draft="ngram", **options) as speculating:
-        target.generate("warm up", max_tokens=4, temperature=0)
-        speculating.generate("warm up", max_tokens=4, temperature=0)
-        print(f"{'prompt':<20} {'target tok/s':>12} {'+ ngram tok/s':>13} {'speed-up':>8} "
-              f"{'tokens/pass':>11}")
-        for name, prompt in PROMPTS.items():
-            plain, fast, per_pass = [], [], 0.0
-            for _ in range(args.repeats):
-                rate, expected, _ = decode_rate(target, prompt, args.tokens)
-                plain.append(rate)
-                rate, tokens, per_pass = decode_rate(speculating, prompt, args.tokens)
-                fast.append(rate)
-                assert tokens == expected, f"{name}: speculation changed the output"
-            base, sped = statistics.median(plain), statistics.median(fast)
-            ratio = f"{sped / base:>7.2f}x" if base else f"{'-':>8}"  # ended at the first token
-            print(f"{name:<20} {base:>12.1f} {sped:>13.1f} {ratio} {per_pass:>11.2f}")
+    target, three_bit, f32 = bench_files()
+    cases = args.cases.split(",")
+    if "resident" in cases:
+        compare("target in RAM", target, {
+            "target alone": {}, "+ ngram": {"draft": "ngram"},
+            "+ 3-bit chain": {"draft": three_bit, "draft_shape": "chain"},
+            "+ 3-bit tree": {"draft": three_bit}}, PROMPTS, args)
+    prose = {k: PROMPTS[k] for k in ("open prose", "summary of a text")}
+    for case, model, draft in (("streamed", target, three_bit), ("f32", f32, target)):
+        if case not in cases:
+            continue
+        budget, extra = quarter_resident_budget(model), draft_bytes(model, draft)
+        compare(f"{model.name} streamed, {format_size(budget)} resident; draft {draft.name} "
+                f"({format_size(extra)}) beside it", model, {
+                    "target alone": {"cpu_memory": budget},
+                    "alone, + the draft's memory": {"cpu_memory": budget + extra},
+                    "+ ngram": {"cpu_memory": budget, "draft": "ngram"},
+                    "+ draft chain": {"cpu_memory": budget + extra, "draft": draft, "draft_shape": "chain"},
+                    "+ draft tree": {"cpu_memory": budget + extra, "draft": draft}}, prose, args)
+    print("\nA draft on a GPU (Dovetail's setting) needs the GPU tier's engine path (issue 5); "
+          "this machine has no GPU.")
 
 
 if __name__ == "__main__":

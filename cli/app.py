@@ -30,6 +30,8 @@ DraftOpt = Annotated[Optional[str], typer.Option(
     "--draft", help="speculative decoding: 'ngram' (prompt lookup) or a smaller GGUF with the same "
     "vocabulary (e.g. this model converted to 3 bits); the output follows the model's own")]
 DraftShapeOpt = Annotated[str, typer.Option("--draft-shape", help="a draft model's guesses: tree or chain")]
+DraftTokensOpt = Annotated[Optional[int], typer.Option(
+    "--draft-tokens", help="guesses per pass (default: sized by measured speed)")]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
 TempOpt = Annotated[float, typer.Option("--temperature", help="0 is greedy")]
 TopKOpt = Annotated[int, typer.Option("--top-k")]
@@ -73,12 +75,13 @@ def _loading(path: Optional[Path]):
     return _progress_bar(f"loading {_model_name(path)}")
 
 
-def _load(model, gpu_memory, cpu_memory, threads, ctx, draft=None, draft_shape="tree"):
+def _load(model, gpu_memory, cpu_memory, threads, ctx, draft=None, draft_shape="tree", draft_tokens=None):
     from tierflow.runtime.engine import Engine
 
     with _loading(model) as progress:
         return Engine.load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads,
-                           context_length=ctx, progress=progress, draft=draft, draft_shape=draft_shape)
+                           context_length=ctx, progress=progress, draft=draft, draft_shape=draft_shape,
+                           draft_tokens=draft_tokens)
 
 
 @app.command()
@@ -88,12 +91,13 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete")], model: 
         seed: SeedOpt = None, stop: StopOpt = None,
         as_json: Annotated[bool, typer.Option("--json", help="print text, tokens and stats as JSON")] = False,
         gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
-        ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree") -> None:
+        ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
+        draft_tokens: DraftTokensOpt = None) -> None:
     """Complete PROMPT once and print the completion."""
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
     sampling |= dict(max_tokens=max_tokens, stop=stop)
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape)
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
     if as_json:
         result = engine.generate(prompt, **sampling)
         print(json.dumps({"text": result.text, "tokens": result.tokens,
@@ -115,14 +119,14 @@ def chat(model: ModelOpt = None,
          top_p: TopPOpt = 0.95, min_p: MinPOpt = 0.05, repeat_penalty: PenaltyOpt = 1.0,
          seed: SeedOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None, draft: DraftOpt = None,
-         draft_shape: DraftShapeOpt = "tree") -> None:
+         draft_shape: DraftShapeOpt = "tree", draft_tokens: DraftTokensOpt = None) -> None:
     """Chat interactively. /reset forgets the conversation, /exit (or Ctrl-D) quits,
     Ctrl-C stops the current answer."""
     from tierflow.cli.chat_session import ChatSession
 
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape)
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
     ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out).run()
 
 
@@ -161,13 +165,14 @@ def bench(model: ModelOpt = None,
           temperature: TempOpt = 0.0, seed: SeedOpt = None,
           as_json: Annotated[bool, typer.Option("--json", help="print the figures as JSON")] = False,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
-          ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree") -> None:
+          ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
+        draft_tokens: DraftTokensOpt = None) -> None:
     """Time prompt processing and generation (greedy by default): the median of the timed runs,
     after one untimed warm-up; with --draft, also guesses accepted and tokens per target pass."""
     if repetitions < 1 or max_tokens < 1:
         raise typer.BadParameter("--repetitions and --max-tokens must be at least 1")
     sampling = _sampling(temperature=temperature, seed=seed)
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape)
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
     with engine:
         engine.generate(prompt, max_tokens=max_tokens, **sampling)
         runs = []

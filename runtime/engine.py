@@ -88,7 +88,7 @@ class Engine:
              cpu_memory: int | str | None = None, threads: int | None = None,
              context_length: int | None = None, progress: LoadProgress | None = None,
              gpu_device: str | None = None, draft: str | os.PathLike | None = None,
-             draft_shape: str = "tree") -> "Engine":
+             draft_shape: str = "tree", draft_tokens: int | None = None) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes of weights held on each tier ("4GiB", "512MB" or
@@ -101,7 +101,9 @@ class Engine:
         `tierflow convert --bits 3` version), which is placed first, within the budgets, and
         proposes a token tree (draft_shape "tree") or a chain ("chain") that the target verifies
         in one pass. Greedy output is the target's own, token for token; sampled output follows
-        its distribution exactly.
+        its distribution exactly. draft_tokens fixes the guesses per pass; by default the tree's
+        size follows the measured cost of draft and verify passes and the tokens they gain
+        (and prompt lookup guesses up to 16, fewer while they miss).
         """
         path = resolve_model_path(model)
         threads = _thread_count(threads)
@@ -109,6 +111,10 @@ class Engine:
         gpu_budget = _gpu_budget(gpu_memory, gpu_device)
         if draft_shape not in ("tree", "chain"):
             raise InvalidArgumentError(f"draft_shape must be 'tree' or 'chain', not {draft_shape!r}")
+        if draft_tokens is not None and (isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int)
+                                         or not 1 <= draft_tokens <= MAX_TREE):
+            raise InvalidArgumentError(f"draft_tokens must be an integer from 1 to {MAX_TREE}, "
+                                       f"got {draft_tokens!r}")
         with read_gguf(path) as gguf:  # validated before llama.cpp sees the file
             config = read_config(gguf)
             context_length = _context_length(context_length, config)
@@ -136,7 +142,7 @@ class Engine:
                     loaded.close()
                 raise
         return cls(path, config, weights, tokenizer, context_length, threads,
-                   _speculator(draft, draft_shape, loaded, config.vocab_size), loaded)
+                   _speculator(draft, draft_shape, draft_tokens, loaded, config.vocab_size), loaded)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -287,14 +293,16 @@ MAX_TREE = 64  # a draft model's tree; TreeBudget finds the size that pays on th
 MAX_CHAIN = 16
 
 
-def _speculator(draft, shape: str, loaded: LoadedDraft | None, vocab_size: int) -> Speculator | None:
+def _speculator(draft, shape: str, tokens: int | None, loaded: LoadedDraft | None,
+                vocab_size: int) -> Speculator | None:
     if draft is None:
         return None
     if loaded is None:
-        return Speculator(NgramDraft(vocab_size, MAX_GUESSES), None)
-    if shape == "chain":
-        return Speculator(ModelDraft(loaded.generator, max_width=1), TreeBudget(MAX_CHAIN, start=4))
-    return Speculator(ModelDraft(loaded.generator), TreeBudget(MAX_TREE))
+        return Speculator(NgramDraft(vocab_size, tokens or MAX_GUESSES), None)
+    chain = shape == "chain"
+    budget = TreeBudget(tokens or (MAX_CHAIN if chain else MAX_TREE), start=4 if chain else 8,
+                        fixed=tokens is not None)
+    return Speculator(ModelDraft(loaded.generator, max_width=1 if chain else 4), budget)
 
 
 def _gpu_budget(gpu_memory: int | str | None, gpu_device: str | None) -> int:

@@ -5,41 +5,57 @@ memory-bound or streamed, and grows once it turns compute-bound; a draft's cost 
 tree. So the budget that gives the most tokens per second depends on the machine and the text:
 TreeBudget keeps, for each size tried, moving averages of the tokens a pass gained (accepted
 guesses plus the target's own token) and of the seconds it took (draft plus verify), and picks
-the size with the best ratio. It climbs to the next larger size while the best is the largest
-tried, and tries a neighbouring size every few passes so the estimates around it stay current.
+the size with the best ratio. The neighbours of the best size are tried as soon as they are
+unmeasured (so it climbs or descends quickly), then again every few passes (less often while
+that changes nothing) so the estimates around it stay current. Size 0 is a plain decode step:
+where no draft pays, speculation all but switches itself off.
 """
 
-SIZES = (1, 2, 4, 8, 16, 32, 64)
+SIZES = (0, 1, 2, 4, 8, 16, 32, 64)  # 0: no guesses, a plain decode step (the draft does not run)
 SMOOTHING = 0.3  # weight of the newest pass in the moving averages
-EXPLORE_EVERY = 4  # passes between tries of a neighbouring size
+EXPLORE_EVERY = 4  # passes between tries of a neighbouring size, doubling while they change nothing
+MAX_EXPLORE_EVERY = 32
 
 
 class TreeBudget:
-    def __init__(self, max_size: int, start: int = 8):
-        self.sizes = [s for s in SIZES if s <= max_size] or [max_size]
+    def __init__(self, max_size: int, start: int = 8, fixed: bool = False):
+        """fixed: always max_size (no sizing)."""
+        self.sizes = [max_size] if fixed else [s for s in SIZES if s <= max_size]
         self.start = start
         self.current = min(self.sizes, key=lambda s: abs(s - start))
         self.gained: dict[int, float] = {}  # size -> tokens per pass
         self.seconds: dict[int, float] = {}  # size -> seconds per pass
-        self._passes = 0
+        self._since_explored = 0
+        self._explore_every = EXPLORE_EVERY
+        self._best_when_explored: int | None = None
+        self._explore_up = False
 
     def next(self, timed: bool = True) -> int:
         """The tree size (guesses, the root not counted) for the next pass. timed=False sizes by
         acceptance alone, which is deterministic (a seeded sampled generation must not depend on
         the machine's timings): the largest size whose passes gained at least half their
         guesses' worth, else the smallest."""
-        self._passes += 1
         best = self._best(timed)
+        if self._best_when_explored is not None:  # the last try of a neighbour is in
+            unchanged = best == self._best_when_explored
+            longer = min(2 * self._explore_every, MAX_EXPLORE_EVERY)
+            self._explore_every = longer if unchanged else EXPLORE_EVERY
+            self._best_when_explored = None
         i = self.sizes.index(best)
         up, down = self.sizes[min(i + 1, len(self.sizes) - 1)], self.sizes[max(i - 1, 0)]
-        if up not in self.gained:  # climb while the best is the largest tried
-            i = self.sizes.index(up)
-        elif self._passes % EXPLORE_EVERY == 0:  # alternately the next size up and down
-            i = self.sizes.index(up if (self._passes // EXPLORE_EVERY) % 2 else down)
-        self.current = self.sizes[i]
+        self._since_explored += 1
+        if up not in self.gained or down not in self.gained:  # try each neighbour of the best once
+            self.current = up if up not in self.gained else down
+        elif self._since_explored >= self._explore_every:  # the next size up and down in turn
+            self._explore_up = not self._explore_up
+            self.current = up if self._explore_up else down
+            self._since_explored, self._best_when_explored = 0, best
+        else:
+            self.current = best
         return self.current
 
     def update(self, size: int, accepted: int, seconds: float) -> None:
+        """A pass asked for `size` guesses took `seconds` and the target accepted `accepted`."""
         bucket = min(self.sizes, key=lambda s: abs(s - size))
         for table, value in ((self.gained, accepted + 1.0), (self.seconds, seconds)):
             old = table.get(bucket)

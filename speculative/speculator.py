@@ -9,6 +9,7 @@ from tierflow.runtime.sampler import Sampler
 from tierflow.speculative.acceptance import accept_tree
 from tierflow.speculative.drafts import ModelDraft, NgramDraft
 from tierflow.speculative.sizing import TreeBudget
+from tierflow.speculative.tree import TokenTree
 
 
 class Speculator:
@@ -23,7 +24,8 @@ class Speculator:
         seed fixes the output."""
         if sampler.greedy or sampler.params.seed is None:
             return self
-        budget = self.budget and TreeBudget(max(self.budget.sizes), self.budget.start)
+        budget = self.budget and TreeBudget(max(self.budget.sizes), self.budget.start,
+                                            fixed=len(self.budget.sizes) == 1)
         return Speculator(self.draft.fresh(), budget, timed=False)
 
     def step(self, target: TokenGenerator, history: Sequence[int], sampler: Sampler, room: int,
@@ -33,19 +35,20 @@ class Speculator:
         next token after them."""
         budget = min(room, self.budget.next(self.timed)) if self.budget else room
         started = time.perf_counter()
-        tree = self.draft.propose(history, budget, sampler)
+        tree = self.draft.propose(history, budget, sampler) if budget else TokenTree.root(history[-1])
         drafted = time.perf_counter()
         start = target.cache.length
         rows = target.verify_tree(tree.tokens, tree.parents)
         path, token = accept_tree(tree, rows, sampler, history)
         target.keep_path(start, path)
-        self.draft.accepted(tree, path)
+        if budget:  # else the draft did not run (its cache catches up at its next run)
+            self.draft.accepted(tree, path)
         verified = time.perf_counter()
         guesses, accepted = len(tree) - 1, len(path) - 1
         stats.drafted_tokens += guesses
         stats.accepted_tokens += accepted
         stats.draft_seconds += drafted - started
         stats.verify_seconds += verified - drafted
-        if self.budget and guesses:
-            self.budget.update(guesses, accepted, verified - started)
+        if self.budget:
+            self.budget.update(budget, accepted, verified - started)
         return tree.path_tokens(path[-1]), token

@@ -22,7 +22,7 @@ def draft_path(tmp_path_factory):
 @pytest.fixture(scope="module", params=["tree", "chain"])
 def drafting(request, model_path, draft_path):
     with Engine.load(model_path, threads=2, context_length=512, draft=draft_path,
-                     draft_shape=request.param) as engine:
+                     draft_shape=request.param, draft_tokens=6) as engine:
         yield engine
 
 
@@ -64,7 +64,7 @@ def test_the_draft_is_placed_first_within_the_cpu_budget(model_path, draft_path)
         draft_bytes = alone.draft.bytes_by_tier()["cpu"]
         target_bytes = alone.weights.bytes_by_tier()["cpu"]
     budget = draft_bytes + target_bytes // 2
-    with Engine.load(model_path, threads=2, draft=draft_path, cpu_memory=budget) as engine:
+    with Engine.load(model_path, threads=2, draft=draft_path, cpu_memory=budget, draft_tokens=4) as engine:
         held = engine.draft.bytes_by_tier()["cpu"] + engine.weights.bytes_by_tier()["cpu"]
         assert held <= budget and engine.weights.streamed_layers
         plain = engine.generate(PROMPTS[0], max_tokens=16, temperature=0)
@@ -91,3 +91,8 @@ def test_the_draft_cache_follows_the_accepted_path(drafting):
     drafting.generate(PROMPTS[0], max_tokens=24, temperature=0)
     target, draft = drafting._generator, drafting.draft.generator
     assert draft.cached_tokens == target.cached_tokens[: len(draft.cached_tokens)]
+
+
+def test_draft_tokens_outside_one_to_64_are_refused(model_path):
+    with pytest.raises(InvalidArgumentError, match="draft_tokens"):
+        Engine.load(model_path, draft="ngram", draft_tokens=0)

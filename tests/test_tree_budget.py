@@ -26,3 +26,8 @@ def test_without_timing_the_size_follows_acceptance_alone():
     good = run(TreeBudget(16, start=4), lambda n: n, lambda n: 0.0, timed=False)
     poor = run(TreeBudget(16, start=4), lambda n: 0, lambda n: 0.0, timed=False)
     assert good[-1] >= 8 and poor[-1] <= 2
+
+
+def test_where_no_draft_pays_it_settles_on_plain_decoding():
+    sizes = run(TreeBudget(64), lambda n: 0, lambda n: 0.01 * (1 + n))
+    assert sizes[-20:].count(0) >= 18
