@@ -23,13 +23,15 @@ import numpy as np
 
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.sampler import Sampler
-from tierflow.speculative.ngram import DraftLength, propose
+from tierflow.speculative.ngram import DraftLength, continuations
 from tierflow.speculative.tree import TokenTree
 
 NEVER = threading.Event()  # the target's generation loop checks cancellation between passes
 
 
 class NgramDraft:
+    BRANCHES = 4  # continuations of different earlier occurrences in one greedy tree
+
     def __init__(self, vocab_size: int, max_draft: int):
         self.vocab_size = vocab_size
         self.length = DraftLength(max_draft)
@@ -38,17 +40,30 @@ class NgramDraft:
         return NgramDraft(self.vocab_size, self.length.maximum)
 
     def propose(self, history: Sequence[int], budget: int, sampler: Sampler) -> TokenTree:
-        tree, node = TokenTree.root(history[-1]), 0
-        for guess in propose(list(history), min(budget, self.length.next())):
-            if not sampler.greedy:  # a certain guess: q is one point
-                tree.draft_probs[node] = np.zeros(self.vocab_size)
-                tree.draft_probs[node][guess] = 1.0
-            node = tree.add(node, guess)
+        """Greedy: a tree of the continuations of up to BRANCHES earlier occurrences, within
+        the budget. Sampled: the latest one's chain, each guess a certain draft (q one point;
+        a second candidate at a node would need a distribution to be drawn from)."""
+        tree, length = TokenTree.root(history[-1]), min(budget, self.length.next())
+        found = continuations(list(history), length, self.BRANCHES if sampler.greedy else 1)
+        for guesses in found:
+            node = 0
+            for guess in guesses:
+                if len(tree) - 1 >= min(budget, self.length.maximum):
+                    return tree
+                if not sampler.greedy:
+                    tree.draft_probs[node] = np.zeros(self.vocab_size)
+                    tree.draft_probs[node][guess] = 1.0
+                child = next((c for c in tree.children(node) if tree.tokens[c] == guess), None)
+                node = tree.add(node, guess) if child is None else child
         return tree
 
     def accepted(self, tree: TokenTree, path: list[int]) -> None:
         if len(tree) > 1:
-            self.length.update(len(tree) - 1, len(path) - 1)
+            self.length.update(self._depth(tree), len(path) - 1)
+
+    @staticmethod
+    def _depth(tree: TokenTree) -> int:
+        return max(len(tree.path_tokens(node)) for node in range(len(tree)))
 
 
 class ModelDraft:

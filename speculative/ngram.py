@@ -14,16 +14,27 @@ def propose(tokens: list[int], max_draft: int, max_ngram: int = 4, min_ngram: in
     """Up to max_draft tokens that followed the latest earlier occurrence of the context's last
     n tokens, trying n = max_ngram down to min_ngram (one shared token predicts little); [] when
     none occurred."""
+    found = continuations(tokens, max_draft, 1, max_ngram, min_ngram)
+    return found[0] if found else []
+
+
+def continuations(tokens: list[int], max_draft: int, max_count: int, max_ngram: int = 4,
+                  min_ngram: int = 2) -> list[list[int]]:
+    """Up to max_count different continuations (each up to max_draft tokens) of earlier
+    occurrences of the context's last n tokens: longer matches first, later ones first within a
+    length. Where text repeats with variations, the branches cover more than one guess can."""
     if max_draft < 1 or len(tokens) <= min_ngram:
         return []
-    ids = np.asarray(tokens)
+    ids, found = np.asarray(tokens), []
     for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # starts 0 .. len - 1 - n
-        matches = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-        if len(matches):
-            start = matches[-1] + n
-            return ids[start: start + max_draft].tolist()
-    return []
+        for match in np.flatnonzero((windows == ids[-n:]).all(axis=1))[::-1]:
+            guess = ids[match + n: match + n + max_draft].tolist()
+            if guess and guess not in found:
+                found.append(guess)
+                if len(found) == max_count:
+                    return found
+    return found
 
 
 class DraftLength:

@@ -4,7 +4,9 @@ import pytest
 
 from tierflow import Engine
 from tierflow.errors import InvalidArgumentError, TierflowError
-from tierflow.speculative.ngram import DraftLength, propose
+from tierflow.runtime.sampler import Sampler, SamplingParams
+from tierflow.speculative.drafts import NgramDraft
+from tierflow.speculative.ngram import DraftLength, continuations, propose
 
 REPETITIVE = "The capital of France is"  # the small model soon repeats itself
 PROMPTS = [REPETITIVE, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "Name three colours."]
@@ -71,3 +73,14 @@ def test_a_missing_draft_file_is_a_clear_error(model_path):
 def test_an_unknown_draft_shape_is_refused(model_path):
     with pytest.raises(InvalidArgumentError, match="draft_shape"):
         Engine.load(model_path, draft="ngram", draft_shape="bush")
+
+
+def test_continuations_branch_over_different_earlier_occurrences():
+    assert continuations([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], 3, 4) == [[4, 5, 1], [9, 1, 2]]
+
+
+def test_greedy_prompt_lookup_proposes_a_tree_of_the_branches():
+    tree = NgramDraft(vocab_size=16, max_draft=16).propose([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], 16,
+                                                            Sampler(SamplingParams(temperature=0)))
+    # the first draft length is 4: two branches of four guesses
+    assert tree.tokens == [3, 4, 5, 1, 2, 9, 1, 2, 3] and tree.parents == [-1, 0, 1, 2, 3, 0, 5, 6, 7]
