@@ -12,7 +12,7 @@ Three settings, each against the same target without a draft, in this run:
   tests/make_model.py), streamed the same way, with the bundled Q4_1 model as its draft: the
   low-bit self-draft of an offloaded model, SpecExec's setting.
 Every run's tokens are checked equal to the target's own. The figures are the median of
---repeats runs after a warm-up generation (from which the draft's sizing starts learning).
+--repeats runs after two warm-up generations (from which the tree sizing starts learning).
 """
 
 import argparse
@@ -81,7 +81,8 @@ def compare(title: str, target: Path, variants: dict, prompts: dict, args) -> No
     try:
         for name, options in variants.items():
             engines[name] = Engine.load(target, threads=args.threads, context_length=1024, **options)
-            engines[name].generate("Tell me about the ocean.", max_tokens=args.tokens, temperature=0)
+            for warm_up in ("Tell me about the ocean.", "List the planets of the solar system."):
+                engines[name].generate(warm_up, max_tokens=args.tokens, temperature=0)
         for label, prompt in prompts.items():
             cells, base, expected = [], None, None
             for name, engine in engines.items():

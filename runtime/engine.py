@@ -298,7 +298,8 @@ def _speculator(draft, shape: str, tokens: int | None, loaded: LoadedDraft | Non
     if draft is None:
         return None
     if loaded is None:
-        return Speculator(NgramDraft(vocab_size, tokens or MAX_GUESSES), None)
+        size = tokens or MAX_GUESSES
+        return Speculator(NgramDraft(vocab_size, size), TreeBudget(size, start=4, fixed=tokens is not None))
     chain = shape == "chain"
     budget = TreeBudget(tokens or (MAX_CHAIN if chain else MAX_TREE), start=4 if chain else 8,
                         fixed=tokens is not None)
