@@ -1,0 +1,93 @@
+"""Inter-layer expert prediction: which experts the next MoE layer will use, before it routes.
+
+Two predictors, both giving (expert ids, confidences) that ExpertCache.predict takes:
+
+- The early router: apply layer l+1's router to the hidden state that layer l has. The residual
+  stream changes little from one layer to the next, so the next router mostly picks the same
+  experts on it (the idea of Pre-gated MoE and HybriMoE's prefetch). It needs the next layer's
+  router weight and, for fidelity, its FFN norm, and costs one [T, hidden] x [hidden, E] matmul.
+- Cross-layer affinity, as in ExFlow: a token routed to expert i at layer l tends to go to a few
+  experts at layer l+1. AffinityPredictor counts, online, how often expert i at layer l is
+  followed by expert j at layer l+1 in the same token, and predicts from those counts. It needs
+  no weights and no hidden state, so it also serves a trace replay.
+"""
+
+import numpy as np
+
+
+def route_top_k(router_weight: np.ndarray, hidden: np.ndarray, top_k: int,
+                norm_weight: np.ndarray | None = None, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """The top_k experts of each token under `router_weight` and their softmax probabilities.
+
+    E experts, T tokens, H hidden: router_weight [E, H], hidden [T, H] (or [H]), norm_weight [H]
+    (an RMSNorm applied first, as the layer does before its router). Returns ids [T, K], highest
+    logit first (ties: lower id first), and probs [T, K] from the softmax over all E experts.
+    """
+    hidden = np.atleast_2d(np.asarray(hidden, dtype=np.float32))
+    router_weight = np.asarray(router_weight, dtype=np.float32)
+    num_experts = len(router_weight)
+    if router_weight.ndim != 2 or router_weight.shape[1] != hidden.shape[1] or not 0 < top_k <= num_experts:
+        raise ValueError(f"router weight {router_weight.shape}, hidden {hidden.shape}, top_k {top_k}: "
+                         f"expected [E, H], [T, H] and 1 <= top_k <= E")
+    if norm_weight is not None:
+        hidden = hidden / np.sqrt(np.mean(hidden * hidden, axis=-1, keepdims=True) + eps) * norm_weight
+    logits = hidden @ router_weight.T  # [T, E]
+    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]  # [T, K]
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs = np.take_along_axis(shifted / shifted.sum(axis=-1, keepdims=True), ids, axis=-1)
+    return ids, probs
+
+
+def merge_token_predictions(ids: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One prediction for a layer step from per-token ones ([T, K] each): every expert any token
+    picks, with its highest probability as the confidence, most confident first."""
+    best: dict[int, float] = {}
+    for e, p in zip(np.ravel(ids).tolist(), np.ravel(probs).tolist()):
+        best[e] = max(p, best.get(e, 0.0))
+    order = sorted(best, key=lambda e: (-best[e], e))
+    return np.array(order, dtype=np.int64), np.array([best[e] for e in order])
+
+
+class AffinityPredictor:
+    """Counts, online, how often a token that used expert i at layer l used expert j at l + 1.
+
+    counts[l, i, j] / seen[l, i] estimates P(j in layer l+1's top-k | i in layer l's top-k).
+    `decay` < 1 multiplies a layer's table by it at each observation, so the estimate follows a
+    drift in routing (a change of topic) rather than averaging over all history.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, decay: float = 1.0):
+        if num_layers < 2 or num_experts < 1 or not 0 < decay <= 1:
+            raise ValueError(f"need num_layers >= 2, num_experts >= 1, 0 < decay <= 1; got "
+                             f"{num_layers}, {num_experts}, {decay}")
+        self.num_experts, self.decay = num_experts, decay
+        self.counts = np.zeros((num_layers - 1, num_experts, num_experts))  # [L - 1, E, E]
+        self.seen = np.zeros((num_layers - 1, num_experts))  # [L - 1, E]
+
+    def observe(self, layer_idx: int, expert_ids: np.ndarray, next_expert_ids: np.ndarray) -> None:
+        """One token's experts at layer_idx ([K]) and at layer_idx + 1 ([K'])."""
+        if self.decay < 1:
+            self.counts[layer_idx] *= self.decay
+            self.seen[layer_idx] *= self.decay
+        ids = np.ravel(expert_ids)
+        self.counts[layer_idx][np.ix_(ids, np.ravel(next_expert_ids))] += 1
+        self.seen[layer_idx][ids] += 1
+
+    def observe_token(self, routing: np.ndarray) -> None:
+        """One token's experts at every layer: a row [L, K] of a routing trace."""
+        for layer_idx in range(len(routing) - 1):
+            self.observe(layer_idx, routing[layer_idx], routing[layer_idx + 1])
+
+    def predict(self, layer_idx: int, expert_ids: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The top_k likeliest experts at layer_idx + 1 for a token that used `expert_ids` at
+        layer_idx, and their probabilities: P(j | i) averaged over the i seen before. Experts never
+        seen after any of them are left out (fewer than top_k, none before any observation)."""
+        ids = np.ravel(expert_ids)
+        seen = self.seen[layer_idx][ids]  # [K]
+        known = seen > 0
+        if not known.any():
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        likely = (self.counts[layer_idx][ids[known]] / seen[known, None]).mean(axis=0)  # [E]
+        order = np.argsort(-likely, kind="stable")[:top_k]
+        order = order[likely[order] > 0]
+        return order, likely[order]
