@@ -55,7 +55,7 @@ from tierflow.speculative.drafts import ModelDraft, NgramDraft
 from tierflow.speculative.placement import LoadedDraft, load_draft
 from tierflow.speculative.sizing import TreeBudget
 from tierflow.speculative.speculator import Speculator
-from tierflow.units import parse_size
+from tierflow.units import format_size, parse_size
 
 
 class Engine:
@@ -134,8 +134,15 @@ class Engine:
                     held = loaded.bytes_by_tier()
                     cpu_budget = None if cpu_budget is None else cpu_budget - held["cpu"]
                     gpu_budget -= held["gpu"]
-                weights = _load_weights(gguf, config, cpu_budget, gpu_budget, threads, context_length,
-                                        progress)
+                try:
+                    weights = _load_weights(gguf, config, cpu_budget, gpu_budget, threads, context_length,
+                                            progress)
+                except BudgetError as error:
+                    if loaded is None:
+                        raise
+                    raise BudgetError(f"{error} (what is left after the draft model, placed first, took "
+                                      f"{format_size(held['cpu'])} of RAM and {format_size(held['gpu'])} "
+                                      f"of GPU memory)") from error
             except BaseException:
                 tokenizer.close()
                 if loaded is not None:

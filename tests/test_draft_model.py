@@ -67,13 +67,34 @@ def test_the_draft_is_placed_first_within_the_cpu_budget(model_path, draft_path)
     with Engine.load(model_path, threads=2, draft=draft_path, cpu_memory=budget, draft_tokens=4) as engine:
         held = engine.draft.bytes_by_tier()["cpu"] + engine.weights.bytes_by_tier()["cpu"]
         assert held <= budget and engine.weights.streamed_layers
-        plain = engine.generate(PROMPTS[0], max_tokens=16, temperature=0)
-        assert plain.stats.accepted_tokens > 0
+        fast = engine.generate(PROMPTS[0], max_tokens=16, temperature=0)
+        assert fast.stats.accepted_tokens > 0
+
+
+def test_a_streamed_target_gives_its_own_tokens_with_a_draft(engine, model_path, draft_path):
+    plain = engine.generate(PROMPTS[1], max_tokens=24, temperature=0)
+    with Engine.load(model_path, threads=2, draft=draft_path, cpu_memory="130MiB",
+                     draft_tokens=8) as streamed:
+        assert streamed.weights.streamed_layers
+        assert streamed.generate(PROMPTS[1], max_tokens=24, temperature=0).tokens == plain.tokens
+
+
+def test_the_draft_goes_to_the_gpu_tier_first(model_path, draft_path):
+    """With the CPU standing in for a GPU: the draft's layers take the GPU budget before the target."""
+    with Engine.load(model_path, threads=2, draft=draft_path, gpu_memory="60MiB", gpu_device="cpu") as engine:
+        draft_gpu, target_gpu = engine.draft.bytes_by_tier()["gpu"], engine.weights.bytes_by_tier()["gpu"]
+        assert draft_gpu > 0 and draft_gpu + target_gpu <= 60 * 2**20
+        assert engine.generate(PROMPTS[0], max_tokens=8, temperature=0).tokens
 
 
 def test_a_budget_too_small_for_the_draft_names_it(model_path, draft_path):
     with pytest.raises(BudgetError, match="draft"):
         Engine.load(model_path, draft=draft_path, cpu_memory="8MiB")
+
+
+def test_a_budget_the_draft_leaves_too_small_for_the_target_says_so(model_path, draft_path):
+    with pytest.raises(BudgetError, match="after the draft model"):
+        Engine.load(model_path, draft=draft_path, cpu_memory="100MiB")
 
 
 def test_a_draft_with_another_vocabulary_is_refused():
