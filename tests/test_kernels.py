@@ -150,6 +150,20 @@ def test_thread_count_does_not_change_results(isa, kind):
     assert np.array_equal(matmul(w, x), single)
 
 
+def test_back_to_back_tiny_jobs_never_mix_their_work_items():
+    """A worker late out of one job must not claim items of the next (it once could, reading the
+    next job's item count before its claim failed: wrong rows, or a crash)."""
+    rng = np.random.default_rng(0)
+    weights = [pack(random_groups(rows, 64, 4, 32)) for rows in (128, 192, 576)]
+    acts = [rng.standard_normal((tokens, 64)).astype(np.float32) for tokens in (1, 3, 7)]
+    _kernels.set_threads(1)
+    expected = [[matmul(w, x) for x in acts] for w in weights]
+    _kernels.set_threads(2)
+    for call in range(60000):
+        i, j = call % 3, call // 3 % 3
+        assert np.array_equal(matmul(weights[i], acts[j]), expected[i][j]), f"call {call}"
+
+
 # --- the one approximation: int8 activations ----------------------------------------------------
 
 

@@ -6,8 +6,8 @@
  *
  * Work is handed out one item at a time from an atomic counter (items are row tiles), so
  * threads that start late or run slow simply take fewer items, and a worker that another
- * process keeps off its core costs the caller nothing: it does the items itself. After a job, workers spin for
- * a short while (a decode step calls the kernels every few tens of microseconds) and then
+ * process keeps off its core costs the caller nothing: it does the items itself. After a job,
+ * workers spin for a short while (a decode step calls the kernels every few tens of microseconds) and then
  * sleep on a condition variable, so an idle engine costs no CPU.
  */
 #include <pthread.h>
@@ -151,7 +151,14 @@ void pool_run(pool_fn fn, void *ctx, int64_t items) {
         pthread_mutex_unlock(&pool.call_lock);
         return;
     }
-    uint32_t job = (uint32_t)(atomic_load(&pool.generation) + 1);
+    /* Close the previous job before touching its parameters: a worker still in take_items for
+     * it may have loaded its cursor and be about to read `items`; with the cursor at the
+     * sentinel its claim (a compare-and-swap on the old cursor) fails, so it can never run an
+     * item with the next job's fn, ctx or count. */
+    const uint_fast64_t previous = atomic_load(&pool.generation);
+    atomic_store(&pool.cursor, ((uint_fast64_t)(uint32_t)previous << 32) | 0xFFFFFFFFu);
+    atomic_thread_fence(memory_order_seq_cst);
+    uint32_t job = (uint32_t)(previous + 1);
     pool.fn = fn;
     pool.ctx = ctx;
     pool.items = items;
