@@ -112,13 +112,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 
 def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, heads: int, start: int, neox: bool) -> torch.Tensor:
-    """ops.attention in torch: the same cache writes (keys [K, C/16, D, 16], values [K, C, D]).
+    """ops.attention in torch, on any device (the GPU kernel's reference too): the same cache
+    writes (keys [K, C/16, D, 16], values [K, C, D]); qkv is not modified.
 
     Returns [T, H * D].
     """
     kv_heads, _, head_dim = values.shape
     tokens = qkv.shape[0]
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     style = "neox" if neox else "normal"
     q = apply_rope(q.reshape(tokens, heads, head_dim).transpose(0, 1), cos, sin, style)  # [H, T, D]
     k = apply_rope(k.reshape(tokens, kv_heads, head_dim).transpose(0, 1), cos, sin, style)
@@ -129,7 +130,8 @@ def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     group = heads // kv_heads  # query head h uses key/value head h // group
     q = q.reshape(kv_heads, group * tokens, head_dim)
     scores = q @ flat_keys[:, : start + tokens].transpose(1, 2) * head_dim**-0.5  # [K, G*T, S]
-    visible = torch.arange(start + tokens)[None, :] <= (start + torch.arange(tokens))[:, None]
+    positions = torch.arange(start + tokens, device=qkv.device)
+    visible = positions[None, :] <= (start + torch.arange(tokens, device=qkv.device))[:, None]  # [T, S]
     scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ values[:, : start + tokens]  # [K, G*T, D]
     return out.reshape(heads, tokens, head_dim).transpose(0, 1).reshape(tokens, heads * head_dim)

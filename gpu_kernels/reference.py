@@ -11,7 +11,7 @@ H query heads, KvH key/value heads, D head size, C cache capacity, R rotary size
 import torch
 import torch.nn.functional as F
 
-from tierflow.cpu_kernels.reference import apply_rope
+from tierflow.cpu_kernels.reference import attention_reference  # noqa: F401 (the CPU op's, on any device)
 from tierflow.gpu_kernels.packed import DeviceMatrix
 
 
@@ -71,30 +71,3 @@ def add_rms_norm_reference(residual: torch.Tensor, x: torch.Tensor, weight: torc
     """(rms_norm(residual + x), residual + x): the next sublayer's input and the updated stream."""
     total = (residual.float() + x.float()).to(residual.dtype)
     return rms_norm_reference(total, weight, eps), total
-
-
-def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, heads: int, start: int, neox: bool) -> torch.Tensor:
-    """cpu_kernels.ops.attention in torch: T new tokens at positions start .. start + T - 1.
-
-    qkv [T, (H + 2 KvH) D] (not modified); one layer's keys [KvH, C/16, D, 16] (blocks of 16
-    positions, transposed) and values [KvH, C, D], into which the new keys (rotated) and values
-    are written; cos, sin [T, R/2]. Returns [T, H D].
-    """
-    kv_heads, _, head_dim = values.shape
-    tokens, style = qkv.shape[0], "neox" if neox else "normal"
-    q, k, v = qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = apply_rope(q.reshape(tokens, heads, head_dim).transpose(0, 1), cos, sin, style)  # [H, T, D]
-    k = apply_rope(k.reshape(tokens, kv_heads, head_dim).transpose(0, 1), cos, sin, style)  # [KvH, T, D]
-    flat_keys = keys.transpose(2, 3).reshape(kv_heads, -1, head_dim)  # [KvH, C, D], a copy
-    flat_keys[:, start: start + tokens] = k
-    keys.copy_(flat_keys.reshape(kv_heads, -1, 16, head_dim).transpose(2, 3))
-    values[:, start: start + tokens] = v.reshape(tokens, kv_heads, head_dim).transpose(0, 1)
-    group = heads // kv_heads  # query head h reads key/value head h // group
-    q = q.reshape(kv_heads, group * tokens, head_dim)
-    scores = q @ flat_keys[:, : start + tokens].transpose(1, 2) * head_dim**-0.5  # [KvH, group T, S]
-    positions = torch.arange(start + tokens, device=qkv.device)
-    visible = positions[None, :] <= start + torch.arange(tokens, device=qkv.device)[:, None]  # [T, S]
-    scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ values[:, : start + tokens]  # [KvH, group T, D]
-    return out.reshape(heads, tokens, head_dim).transpose(0, 1).reshape(tokens, heads * head_dim)
