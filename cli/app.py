@@ -140,13 +140,14 @@ def serve(model: ModelOpt = None,
           cors_origin: Annotated[Optional[list[str]], typer.Option(
               "--cors-origin", help="browser origin allowed to call the API (repeatable)")] = None,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
-          ctx: CtxOpt = None) -> None:
+          ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
+          draft_tokens: DraftTokensOpt = None) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page."""
     from tierflow.cli.server import ServerSettings
     from tierflow.cli.server import serve as serve_forever
 
     settings = ServerSettings(host=host, port=port, api_key=api_key, cors_origins=tuple(cors_origin or ()))
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx)
+    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
     if not settings.is_loopback and settings.api_key is None:
         err.print(f"[yellow]warning:[/yellow] {host} is reachable from other machines and no --api-key "
                   "is set", soft_wrap=True)
