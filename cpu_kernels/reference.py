@@ -111,9 +111,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 
 
 def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, heads: int, start: int, neox: bool) -> torch.Tensor:
+                        sin: torch.Tensor, heads: int, start: int, neox: bool,
+                        parents: np.ndarray | None = None, tree_start: int | None = None) -> torch.Tensor:
     """ops.attention in torch, on any device (the GPU kernel's reference too): the same cache
-    writes (keys [K, C/16, D, 16], values [K, C, D]); qkv is not modified.
+    writes (keys [K, C/16, D, 16], values [K, C, D]) and token trees; qkv is not modified.
 
     Returns [T, H * D].
     """
@@ -130,8 +131,23 @@ def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     group = heads // kv_heads  # query head h uses key/value head h // group
     q = q.reshape(kv_heads, group * tokens, head_dim)
     scores = q @ flat_keys[:, : start + tokens].transpose(1, 2) * head_dim**-0.5  # [K, G*T, S]
-    positions = torch.arange(start + tokens, device=qkv.device)
-    visible = positions[None, :] <= (start + torch.arange(tokens, device=qkv.device))[:, None]  # [T, S]
+    visible = torch.from_numpy(_visible(start, tokens, parents, tree_start)).to(qkv.device)  # [T, S]
     scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ values[:, : start + tokens]  # [K, G*T, D]
     return out.reshape(heads, tokens, head_dim).transpose(0, 1).reshape(tokens, heads * head_dim)
+
+
+def _visible(start: int, tokens: int, parents: np.ndarray | None, tree_start: int | None) -> np.ndarray:
+    """[T, start + T] bool: which cache positions each new token attends to. Causal, or for a
+    token tree from slot tree_start: everything before the tree, and the token's ancestors."""
+    positions = np.arange(start + tokens)
+    visible = positions[None, :] <= start + np.arange(tokens)[:, None]
+    if parents is None:
+        return visible
+    tree_start = start if tree_start is None else tree_start
+    ancestry = np.eye(len(parents), dtype=bool)  # [tree token, tree token]: itself or an ancestor
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            ancestry[node] |= ancestry[parent]
+    visible[:, tree_start:] = ancestry[start - tree_start:]
+    return visible

@@ -41,18 +41,27 @@ def matmul_silu_mul(w: DeviceMatrix, x: torch.Tensor, out: torch.Tensor | None =
 
 
 class DeviceLinear:
-    """A packed matrix on the device (and a bias) as a layer: y = x @ W.T + bias."""
+    """A weight on the device (and a bias) as a layer: y = x @ W.T + bias. W is a packed matrix,
+    multiplied by the kernels here, or a float32 tensor [N, K] (a model stored unquantized),
+    multiplied by torch."""
 
-    def __init__(self, matrix: DeviceMatrix, bias: torch.Tensor | None = None):
+    def __init__(self, matrix: DeviceMatrix | torch.Tensor, bias: torch.Tensor | None = None):
+        if isinstance(matrix, torch.Tensor):
+            check_tensor("weight", matrix, (torch.float32,), (None, None))
+            (self.out_features, self.in_features), nbytes = matrix.shape, 4 * matrix.numel()
+        else:
+            self.out_features, self.in_features, nbytes = matrix.rows, matrix.cols, matrix.nbytes
         if bias is not None:
-            check_tensor("bias", bias, (torch.float32,), (matrix.rows,))
+            check_tensor("bias", bias, (torch.float32,), (self.out_features,))
         self.matrix, self.bias = matrix, bias
-        self.out_features, self.in_features = matrix.rows, matrix.cols
-        self.nbytes = matrix.nbytes + (0 if bias is None else 4 * bias.numel())
+        self.nbytes = nbytes + (0 if bias is None else 4 * bias.numel())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N]."""
-        out = matmul(self.matrix, x)
+        if isinstance(self.matrix, torch.Tensor):
+            out = x @ self.matrix.T.to(x.dtype)
+        else:
+            out = matmul(self.matrix, x)
         return out if self.bias is None else out.add_(self.bias.to(out.dtype))
 
 

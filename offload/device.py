@@ -7,6 +7,9 @@ waits on that event before using them. Without CUDA, torch's CPU device stands i
 into plain memory that the CPU kernels can read.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -22,22 +25,38 @@ class DeviceTier:
 
     def upload(self, data: memoryview) -> torch.Tensor:
         """A device copy of data (uint8), counted against the budget."""
-        if self.used + len(data) > self.budget:
-            raise BudgetError(f"gpu_memory {format_size(self.budget)} is full ({format_size(self.used)} "
-                              f"used); a layer of {format_size(len(data))} does not fit")
-        staging = torch.empty(len(data), dtype=torch.uint8, pin_memory=self._stream is not None)
-        staging.numpy()[:] = np.frombuffer(data, np.uint8)
-        if self._stream is None:
-            copy = staging
-        else:  # staging is pinned: the copy is asynchronous, on the side stream
-            with torch.cuda.stream(self._stream):
+        with self._allocating(len(data), "a layer"):
+            staging = torch.empty(len(data), dtype=torch.uint8, pin_memory=self._stream is not None)
+            staging.numpy()[:] = np.frombuffer(data, np.uint8)
+            if self._stream is None:
+                return staging
+            with torch.cuda.stream(self._stream):  # staging is pinned: the copy is asynchronous
                 copy = staging.to(self.device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
             copy.record_stream(torch.cuda.current_stream(self.device))  # allocated on the side, used here
             self._events[copy.data_ptr()] = event
-        self.used += len(data)
-        return copy
+            return copy
+
+    def zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed float32 tensor on the device (a layer's KV cache), counted against the budget."""
+        with self._allocating(4 * int(np.prod(shape)), "a KV cache array"):
+            return torch.zeros(shape, dtype=torch.float32, device=self.device)
+
+    @contextmanager
+    def _allocating(self, nbytes: int, what: str) -> Iterator[None]:
+        """Counts nbytes against the budget for the allocation inside; a budget it would exceed,
+        or a device that runs out of memory below the budget, is a BudgetError naming it."""
+        if self.used + nbytes > self.budget:
+            raise BudgetError(f"gpu_memory {format_size(self.budget)} is full ({format_size(self.used)} "
+                              f"used); {what} of {format_size(nbytes)} does not fit")
+        try:
+            yield
+        except torch.OutOfMemoryError as error:
+            raise BudgetError(f"the GPU ran out of memory for {what} of {format_size(nbytes)} with "
+                              f"{format_size(self.used)} of gpu_memory {format_size(self.budget)} "
+                              f"used: lower gpu_memory") from error
+        self.used += nbytes
 
     def ready(self, tensor: torch.Tensor) -> None:
         """Makes the current stream wait until tensor's copy has landed (no-op off CUDA)."""

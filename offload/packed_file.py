@@ -42,11 +42,13 @@ from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, pack
 from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, QuantGroups, stack_rows, to_quant_groups
 from tierflow.errors import ModelFileError, TierflowError
+from tierflow.gpu_kernels.matmul import DeviceLinear
+from tierflow.gpu_kernels.packed import view_matrix
 from tierflow.offload.disk import ALIGNMENT
 from tierflow.offload.gguf_file import GGUFFile
 from tierflow.offload.profile import cache_dir
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import ConcatLinear, DenseLinear, LayerWeights, Linear
+from tierflow.runtime.model import ConcatLinear, DenseLinear, Kernels, LayerWeights, Linear
 
 PACK_VERSION = 1
 MAGIC = b"TFPACK01"
@@ -121,6 +123,15 @@ class PackedFile:
                             ffn_norm=_array(data, spec["ffn_norm"], np.float32),
                             **{field: _linear(data, spec[field]) for field in LAYER_LINEARS})
 
+    def device_layer_weights(self, index: int, buffer: torch.Tensor, kernels: Kernels) -> LayerWeights:
+        """LayerWeights viewing layer `index`'s extent as uploaded to a device (uint8 [bytes]),
+        computed there by `kernels` (gpu_kernels.layer_kernels.TritonKernels): no re-layout."""
+        spec = self.layers[index].weights
+        return LayerWeights(attn_norm=_device_array(buffer, spec["attn_norm"], torch.float32),
+                            ffn_norm=_device_array(buffer, spec["ffn_norm"], torch.float32),
+                            **{field: _device_linear(buffer, spec[field]) for field in LAYER_LINEARS},
+                            kernels=kernels)
+
     def global_weights(self, data: memoryview) -> dict:
         """embedding (PackedMatrix or float32 [V, E]), output_norm, output (Linear), rope_freqs."""
         spec = self.globals.weights
@@ -186,6 +197,23 @@ def _linear(data: memoryview, spec: dict) -> Linear:
         return ConcatLinear([_linear(data, part) for part in spec["parts"]])
     bias = None if spec["bias"] is None else _array(data, spec["bias"], np.float32)
     return _as_linear(_matrix(data, spec), bias)
+
+
+def _device_array(buffer: torch.Tensor, spec: list, dtype: torch.dtype) -> torch.Tensor:
+    at, nbytes = spec
+    return buffer[at: at + nbytes].view(dtype)
+
+
+def _device_linear(buffer: torch.Tensor, spec: dict) -> Linear:
+    if spec["kind"] == "concat":
+        return ConcatLinear([_device_linear(buffer, part) for part in spec["parts"]])
+    bias = None if spec["bias"] is None else _device_array(buffer, spec["bias"], torch.float32)
+    if spec["kind"] == "dense":
+        weight = _device_array(buffer, spec["weight"], torch.float32).view(spec["rows"], spec["cols"])
+        return DeviceLinear(weight, bias)
+    at = {name: None if spec[name] is None else spec[name][0] for name in ("data", "scales", "mins")}
+    return DeviceLinear(view_matrix(buffer, spec["rows"], spec["cols"], spec["bits"], spec["group"],
+                                    at["data"], at["scales"], at["mins"]), bias)
 
 
 # -- writing ----------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ attention and FFN share its extent, so they share a home; the groups split the e
 attention output.
 
 Placement, in order:
-1. GPU (only when the profile has a GPU and gpu_budget > 0): layers from 0 up while they fit.
+1. GPU (only when the profile has a GPU and gpu_budget > 0): layers from 0 up while they fit, each
+   with its share of the KV cache (a layer computed on the GPU keeps its keys and values there).
 2. The globals stay in RAM (every token needs them) and count against cpu_budget.
 3. If the other layers fit beside them, all are resident: no ring, depth 0.
 4. Else the rest stream from disk through a ring of depth + 1 slots of the largest layer's extent,
@@ -93,11 +94,11 @@ class Plan:
     prefetch_depth: int  # layers read ahead of the one computing; 0 when nothing streams
     ring_slot_bytes: int
     ring_bytes: int  # (prefetch_depth + 1) slots
-    kv_tier: str
     kv_bytes: int
+    kv_gpu_bytes: int  # of kv_bytes, the GPU layers' caches, held on the GPU; the rest is in RAM
     budget_bytes: dict[str, int]  # gpu_budget, cpu_budget as used (defaults resolved)
-    used_bytes: dict[str, int]  # against the budgets: gpu layers; globals + RAM layers + ring.
-    # "disk": the streamed layers' bytes, read from disk every pass
+    used_bytes: dict[str, int]  # against the budgets: "gpu" its layers and their KV caches, "cpu"
+    # globals + RAM layers + ring; "disk": the streamed layers' bytes, read from disk every pass
     peak_bytes: dict[str, dict[str, int]]  # "prefill"/"decode" -> "gpu"/"cpu" -> bytes
     prefill: Timing
     decode: Timing  # one step at position prompt_tokens
@@ -146,8 +147,9 @@ class Plan:
             ("layers", f"{len(self.gpu_layers)} on GPU, {len(self.resident_layers)} in RAM, "
                        f"{len(self.streamed_layers)} streamed from disk"),
             ("prefetch ring", ring),
-            ("KV cache", f"{size(self.kv_bytes)} in {self.kv_tier.upper()} RAM "
-                         f"({self.context_length} positions, float32)"),
+            ("KV cache", f"{size(self.kv_bytes)} ({self.context_length} positions, float32): "
+                         f"{size(self.kv_gpu_bytes)} on GPU, "
+                         f"{size(self.kv_bytes - self.kv_gpu_bytes)} in RAM"),
         ]
         for phase in ("prefill", "decode"):
             peak = self.peak_bytes[phase]
@@ -253,15 +255,17 @@ def _choose_layout(globals_: ExtentSize, layers: list[ExtentSize], gpu: tuple[in
     return best
 
 
-def _gpu_layers(layers: list[ExtentSize], profile: HardwareProfile, gpu_budget: int) -> tuple[int, ...]:
+def _gpu_layers(layers: list[ExtentSize], profile: HardwareProfile, gpu_budget: int,
+                kv_per_layer: int) -> tuple[int, ...]:
+    """Layers from the first on while they and their KV caches fit the GPU budget."""
     if gpu_budget > 0 and profile.gpu is None:
         raise BudgetError("gpu_memory was given but the hardware profile has no GPU; omit it or use 0")
     chosen, used = [], 0
     for i, extent in enumerate(layers):
-        if used + extent.nbytes > gpu_budget:
+        if used + extent.nbytes + kv_per_layer > gpu_budget:
             break
         chosen.append(i)
-        used += extent.nbytes
+        used += extent.nbytes + kv_per_layer
     return tuple(chosen)
 
 
@@ -322,7 +326,9 @@ def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
         gpu_budget = default_gpu_budget(profile)
     globals_, layers = model_extents(gguf, config)
     costs = Costs(profile, config)
-    gpu = _gpu_layers(layers, profile, gpu_budget)
+    kv_per_layer = kv_bytes // config.num_layers
+    gpu = _gpu_layers(layers, profile, gpu_budget, kv_per_layer)
+    kv_gpu = kv_per_layer * len(gpu)  # a layer on the GPU keeps its KV cache there
     layout = _choose_layout(globals_, layers, gpu, cpu_budget, costs, prompt_tokens)
     prefill, decode = timings(layout, globals_, layers, costs, prompt_tokens)
     resident = tuple(i for i in range(len(layers)) if i not in gpu and i not in layout.streamed)
@@ -336,14 +342,14 @@ def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
     groups += [GroupPlacement(name, i, nbytes, home(i), "gpu" if i in gpu else "cpu")
                for i, extent in enumerate(layers) for name, nbytes in extent.groups]
     groups.append(GroupPlacement(globals_.groups[1][0], None, globals_.groups[1][1], "cpu", "cpu"))
-    used = {"gpu": sum(layers[i].nbytes for i in gpu),
+    used = {"gpu": sum(layers[i].nbytes for i in gpu) + kv_gpu,
             "cpu": globals_.nbytes + sum(layers[i].nbytes for i in resident) + ring,
             "disk": sum(layers[i].nbytes for i in layout.streamed)}
     peak = {phase: {"gpu": used["gpu"] + (scratch[phase] if gpu else 0),
-                    "cpu": used["cpu"] + kv_bytes + scratch[phase]} for phase in scratch}
+                    "cpu": used["cpu"] + kv_bytes - kv_gpu + scratch[phase]} for phase in scratch}
     return Plan(model=gguf.path.name, num_layers=config.num_layers, groups=tuple(groups), gpu_layers=gpu,
                 resident_layers=resident, streamed_layers=layout.streamed, prefetch_depth=layout.depth,
-                ring_slot_bytes=slot, ring_bytes=ring, kv_tier="cpu", kv_bytes=kv_bytes,
+                ring_slot_bytes=slot, ring_bytes=ring, kv_bytes=kv_bytes, kv_gpu_bytes=kv_gpu,
                 budget_bytes={"gpu": gpu_budget, "cpu": cpu_budget}, used_bytes=used, peak_bytes=peak,
                 prefill=prefill, decode=decode, context_length=context_length,
                 prompt_tokens=prompt_tokens, notes=tuple(costs.notes))

@@ -2,7 +2,9 @@
 
 Everything comes from the model's pack (packed_file.py): the globals (embeddings, output head,
 norms) and the resident layers are read once into RAM at load; GPU layers are read once and
-copied to the device tier (device.py); the streamed layers are read from disk every step by the
+copied to the device tier (device.py), where they are computed by the device's kernels (or, for
+the CPU standing in for a GPU with no kernels given, by the CPU kernels), with their KV cache
+beside them; the streamed layers are read from disk every step by the
 LayerStreamer into its ring of buffers. RAM held for weights is the globals, the resident layers
 and the ring, which is what the cpu_memory budget bounds; the device tier counts its own bytes
 against gpu_memory.
@@ -19,14 +21,14 @@ from tierflow.offload.device import DeviceTier
 from tierflow.offload.disk import DiskFile, aligned_buffer
 from tierflow.offload.packed_file import LAYER_LINEARS, Extent, LoadProgress, PackedFile
 from tierflow.offload.streamer import LayerStreamer
-from tierflow.runtime.model import ConcatLinear, LayerWeights, Linear
+from tierflow.runtime.model import ConcatLinear, Kernels, LayerWeights, Linear
 
 
 class TieredWeights:
     def __init__(self, packed: PackedFile, streamed_layers: Sequence[int], depth: int,
                  progress: LoadProgress | None = None, gpu_layers: Sequence[int] = (),
-                 device: DeviceTier | None = None):
-        self.packed, self.device = packed, device
+                 device: DeviceTier | None = None, device_kernels: Kernels | None = None):
+        self.packed, self.device, self.device_kernels = packed, device, device_kernels
         self.disk = DiskFile(packed.path)
         self._buffers = []  # the resident extents' memory, alive as long as the weights
         streamed, on_device = set(streamed_layers), set(gpu_layers)
@@ -47,7 +49,7 @@ class TieredWeights:
         self.streamed_layers, self.gpu_layers = sorted(streamed), sorted(on_device)
         ring = self.streamer.nbytes if self.streamer else 0
         in_ram = packed.globals.nbytes + sum(packed.layers[i].nbytes for i in resident)
-        self._bytes = {"gpu": device.used if device else 0, "cpu": in_ram + ring,
+        self._bytes = {"cpu": in_ram + ring,
                        "disk": sum(packed.layers[i].nbytes for i in self.streamed_layers)}
         layer_specs = [extent.weights[field] for extent in packed.layers for field in LAYER_LINEARS]
         self.uses_kernels = _computed_by_kernels(self._output) or any(map(_packed_spec, layer_specs))
@@ -64,11 +66,20 @@ class TieredWeights:
         return data
 
     def _to_device(self, index: int, total: int) -> LayerWeights:
-        """Layer `index` copied to the device tier; its weights view the device copy (the CPU
-        stand-in's memory: CUDA layers need GPU kernels, which Engine.load checks for first)."""
+        """Layer `index` copied to the device tier; its weights view the device copy."""
         copy = self.device.upload(self._read(self.packed.layers[index], total, keep=False))
         self.device.ready(copy)
-        return self.packed.layer_weights(index, memoryview(copy.numpy()))
+        if self.device_kernels is not None:
+            return self.packed.device_layer_weights(index, copy, self.device_kernels)
+        return self.packed.layer_weights(index, memoryview(copy.numpy()))  # the CPU stand-in's memory
+
+    def allocate_cache(self, layer_idx: int, shape: tuple[int, ...]) -> np.ndarray | torch.Tensor:
+        """A zeroed float32 KV cache array of layer `layer_idx`, where the layer is computed: for
+        a layer on the device tier, there (counted against gpu_memory); else in RAM."""
+        if layer_idx not in self.gpu_layers:
+            return np.zeros(shape, np.float32)
+        array = self.device.zeros(shape)
+        return array if self.device_kernels is not None else array.numpy()
 
     # -- the WeightSource interface --------------------------------------------------------
 
@@ -95,8 +106,9 @@ class TieredWeights:
         return self._rope_freqs
 
     def bytes_by_tier(self) -> dict[str, int]:
-        """Weight bytes held in RAM (globals, resident layers, the ring) and read from disk."""
-        return dict(self._bytes)
+        """Bytes held on the device tier (layers and, once allocated, their KV caches), weight
+        bytes held in RAM (globals, resident layers, the ring) and read from disk."""
+        return {"gpu": self.device.used if self.device else 0, **self._bytes}
 
     def close(self) -> None:
         if self.streamer is not None:

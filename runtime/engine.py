@@ -10,7 +10,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +24,9 @@ from tierflow.errors import (
     InvalidArgumentError,
     ModelFileError,
     TierflowError,
-    UnsupportedModelError,
 )
+from tierflow.gpu_kernels.launch import load_all_kernels
+from tierflow.gpu_kernels.layer_kernels import TritonKernels
 from tierflow.offload.device import DeviceTier
 from tierflow.offload.extents import model_extents
 from tierflow.offload.gguf_file import read_gguf
@@ -46,7 +47,7 @@ from tierflow.offload.tiered import LoadProgress, TieredWeights
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder
+from tierflow.runtime.model import Decoder, Kernels
 from tierflow.runtime.sampler import Sampler, SamplingParams
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
@@ -77,7 +78,7 @@ class Engine:
         self.speculator = speculator  # None: one token per pass
         self.draft = draft  # a draft model's weights and cache, when the speculator runs one
         self._generator = TokenGenerator(Decoder(config, weights, context_length),
-                                         KVCache(config, context_length))
+                                         KVCache(config, context_length, weights.allocate_cache))
         self._lock = threading.Lock()  # held by the one generation that runs
         self._active: Stream | None = None  # that generation
         # Async generations run here, one at a time, like the lock runs them (see streams.py).
@@ -91,11 +92,15 @@ class Engine:
              draft_shape: str = "tree", draft_tokens: int | None = None) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
-        gpu_memory and cpu_memory bound the bytes of weights held on each tier ("4GiB", "512MB" or
-        an int); threads is the CPU thread count (default: physical cores); context_length the KV
-        cache size (default: the model's, capped at 4096); progress(phase, done, total) is called
-        as bytes load. gpu_device="cpu" lets torch's CPU device stand in for the GPU tier, with
-        the same gpu_memory budget (for testing placement on a machine without a GPU).
+        gpu_memory and cpu_memory bound the bytes held on each tier ("4GiB", "512MB" or an int):
+        weights, and on the GPU the KV cache of the layers computed there; threads is the CPU
+        thread count (default: physical cores); context_length the KV cache size (default: the
+        model's, capped at 4096); progress(phase, done, total) is called as bytes load.
+        With gpu_memory, the first layers that fit run on the CUDA GPU with tierflow's Triton
+        kernels, the rest on the CPU. Without a GPU, for testing: gpu_device="cpu" lets torch's
+        CPU device stand in for the GPU tier, with the same budget, its layers computed by the
+        CPU kernels; gpu_device="interpret" computes them with the GPU kernels in Triton's
+        interpreter (slow: small models only).
         draft turns on speculative decoding: "ngram" (prompt lookup: guesses from the context) or
         the path of a smaller GGUF with the same vocabulary (such as the target's own
         `tierflow convert --bits 3` version), which is placed first, within the budgets, and
@@ -108,7 +113,8 @@ class Engine:
         path = resolve_model_path(model)
         threads = _thread_count(threads)
         cpu_budget = parse_size(cpu_memory) if cpu_memory is not None else None
-        gpu_budget = _gpu_budget(gpu_memory, gpu_device)
+        gpu = _gpu_tier(gpu_memory, gpu_device)
+        gpu_budget = gpu.budget
         if draft_shape not in ("tree", "chain"):
             raise InvalidArgumentError(f"draft_shape must be 'tree' or 'chain', not {draft_shape!r}")
         if draft_tokens is not None and (isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int)
@@ -130,13 +136,13 @@ class Engine:
                     )
                 if draft not in (None, "ngram"):
                     loaded = load_draft(draft, gguf, config.vocab_size, context_length, cpu_budget,
-                                        gpu_budget, torch.device("cpu"), progress)
+                                        gpu_budget, gpu.device, gpu.kernels, progress)
                     held = loaded.bytes_by_tier()
                     cpu_budget = None if cpu_budget is None else cpu_budget - held["cpu"]
                     gpu_budget -= held["gpu"]
                 try:
-                    weights = _load_weights(gguf, config, cpu_budget, gpu_budget, threads, context_length,
-                                            progress)
+                    weights = _load_weights(gguf, config, cpu_budget, replace(gpu, budget=gpu_budget),
+                                            threads, context_length, progress)
                 except BudgetError as error:
                     if loaded is None:
                         raise
@@ -313,30 +319,48 @@ def _speculator(draft, shape: str, tokens: int | None, loaded: LoadedDraft | Non
     return Speculator(ModelDraft(loaded.generator, max_width=1 if chain else 4), budget)
 
 
-def _gpu_budget(gpu_memory: int | str | None, gpu_device: str | None) -> int:
+@dataclass(frozen=True)
+class GpuTier:
+    """Where layers placed on the GPU tier live and what computes them."""
+
+    budget: int  # gpu_memory in bytes; 0: no GPU tier
+    device: torch.device
+    kernels: Kernels | None  # None: the CPU kernels (the CPU standing in for a GPU)
+
+
+GPU_DEVICES = ("cpu", "interpret")
+
+
+def _gpu_tier(gpu_memory: int | str | None, gpu_device: str | None) -> GpuTier:
     budget = parse_size(gpu_memory) if gpu_memory is not None else 0
-    if gpu_device not in (None, "cpu"):
-        raise InvalidArgumentError(f"gpu_device must be 'cpu' (the CPU standing in for a GPU, for "
-                                   f"testing) or left out, not {gpu_device!r}")
-    if budget > 0 and gpu_device is None:
-        if not torch.cuda.is_available():
-            raise BudgetError("gpu_memory was given but no CUDA GPU is available; omit it or use 0")
-        raise UnsupportedModelError("computing layers on a CUDA GPU needs tierflow's GPU kernels, "
-                                    "which are not written yet; use gpu_memory=0 (the CPU kernels "
-                                    "run the whole model)")
-    return budget
+    if gpu_device not in (None, *GPU_DEVICES):
+        raise InvalidArgumentError(f"gpu_device must be 'cpu' or 'interpret' (the CPU standing in for a GPU, "
+                                   f"for testing) or left out, not {gpu_device!r}")
+    if gpu_device == "cpu" or budget == 0:
+        return GpuTier(budget, torch.device("cpu"), None)
+    if gpu_device == "interpret":
+        try:
+            load_all_kernels(interpret=True)
+        except RuntimeError as error:  # Triton was imported without its interpreter
+            raise InvalidArgumentError(f"gpu_device='interpret': {error}; set TRITON_INTERPRET=1 "
+                                       f"first") from error
+        return GpuTier(budget, torch.device("cpu"), TritonKernels(torch.device("cpu")))
+    if not torch.cuda.is_available():
+        raise BudgetError("gpu_memory was given but no CUDA GPU is available; omit it or use 0")
+    load_all_kernels()  # a TritonUnavailableError that says how to get Triton, before any load
+    device = torch.device("cuda", torch.cuda.current_device())
+    return GpuTier(budget, device, TritonKernels(device))
 
 
-def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu_budget: int, threads: int,
+def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTier, threads: int,
                   context_length: int, progress) -> TieredWeights:
     """The model's pack (built on first use) placed under the budgets. A pack found damaged
     while loading is rebuilt once."""
-    gpu_layers, streamed, depth = _placement(gguf, config, cpu_budget, gpu_budget, threads,
-                                             context_length, progress)
+    gpu_layers, streamed, depth = _placement(gguf, config, cpu_budget, gpu, threads, context_length, progress)
 
     def place(packed):
-        device = DeviceTier(torch.device("cpu"), gpu_budget) if gpu_budget else None
-        return TieredWeights(packed, streamed, depth, progress, gpu_layers, device)
+        device = DeviceTier(gpu.device, gpu.budget) if gpu.budget else None
+        return TieredWeights(packed, streamed, depth, progress, gpu_layers, device, gpu.kernels)
 
     packed = open_pack(gguf, config, progress)
     try:
@@ -346,7 +370,7 @@ def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu_budget:
         return place(open_pack(gguf, config, progress))
 
 
-def _placement(gguf, config: ModelConfig, cpu_budget: int | None, gpu_budget: int, threads: int,
+def _placement(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTier, threads: int,
                context_length: int, progress) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(GPU layers, streamed layers, prefetch depth). With no GPU budget, everything stays in
     RAM when it fits the budget (default: available RAM less a margin); otherwise the planner,
@@ -355,7 +379,7 @@ def _placement(gguf, config: ModelConfig, cpu_budget: int | None, gpu_budget: in
     budget = cpu_budget
     if budget is None:
         budget = default_cpu_budget(kv_cache_bytes(config, context_length))
-    if not gpu_budget and globals_.nbytes + sum(layer.nbytes for layer in layers) <= budget:
+    if not gpu.budget and globals_.nbytes + sum(layer.nbytes for layer in layers) <= budget:
         return (), (), 0
 
     def measuring(step: str) -> None:  # a first streamed load on a machine probes it (~20 s)
@@ -363,10 +387,10 @@ def _placement(gguf, config: ModelConfig, cpu_budget: int | None, gpu_budget: in
             progress(f"measuring this machine for the planner ({step})", 0, 0)
 
     profile = load_profile(threads, progress=measuring)
-    if gpu_budget:  # the CPU standing in for a GPU: its own speeds
-        profile = replace(profile, gpu=GpuProfile("the CPU standing in for a GPU", gpu_budget,
+    if gpu.budget and gpu.device.type == "cpu":  # the CPU standing in for a GPU: its own speeds
+        profile = replace(profile, gpu=GpuProfile("the CPU standing in for a GPU", gpu.budget,
                                                   profile.ram_read_gbps, dict(profile.kernel_gbps)))
-    plan = make_plan(gguf, config, profile, gpu_budget=gpu_budget, cpu_budget=budget,
+    plan = make_plan(gguf, config, profile, gpu_budget=gpu.budget, cpu_budget=budget,
                      context_length=context_length)
     return plan.gpu_layers, plan.streamed_layers, plan.prefetch_depth
 

@@ -6,7 +6,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from tierflow.errors import BudgetError
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 from tierflow.runtime.sampler import Sampler
@@ -120,6 +122,12 @@ class TokenGenerator:
         try:
             logits = self.decoder.forward(np.array(token_ids, np.int64), self.cache, all_logits=all_logits,
                                           parents=parents, tree_start=tree_start)
+        except torch.OutOfMemoryError as error:
+            self._truncate(start)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # what the failed pass held goes back, for the next one
+            raise BudgetError(f"the GPU ran out of memory in a pass of {len(token_ids)} tokens: its layers "
+                              f"leave too little room for activations; lower gpu_memory") from error
         except BaseException:
             self._truncate(start)  # a half-written pass (Ctrl-C, error) leaves the cache as before
             raise

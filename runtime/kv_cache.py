@@ -1,8 +1,9 @@
 """The key/value cache, preallocated for the whole context so decoding never allocates."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 from tierflow.runtime.config import ModelConfig
 
@@ -10,22 +11,27 @@ from tierflow.runtime.config import ModelConfig
 class KVCache:
     """Keys and values of every layer, float32, filled up to `length` positions.
 
-    Keys are stored in blocks of 16 positions, each block transposed: [L, KvH, C/16, D, 16], so
-    that the attention kernel scores 16 positions with vertical multiply-adds over one
-    contiguous block; values are [L, KvH, C, D]. C is the context length rounded up to 16.
+    A layer's keys are stored in blocks of 16 positions, each block transposed: [KvH, C/16, D, 16],
+    so that the attention kernel scores 16 positions with vertical multiply-adds over one
+    contiguous block; its values are [KvH, C, D]. C is the context length rounded up to 16.
+    `allocate(layer, shape)` gives a layer's zeroed arrays: by default numpy, in RAM; a layer
+    computed on the GPU keeps its cache there (offload.tiered.TieredWeights.allocate_cache).
     """
 
-    def __init__(self, config: ModelConfig, context_length: int):
+    def __init__(self, config: ModelConfig, context_length: int,
+                 allocate: Callable[[int, tuple[int, ...]], np.ndarray | torch.Tensor] | None = None):
         capacity = -(-context_length // 16) * 16
         heads, dim = config.num_kv_heads, config.head_dim
-        self.keys = np.zeros((config.num_layers, heads, capacity // 16, dim, 16), np.float32)
-        self.values = np.zeros((config.num_layers, heads, capacity, dim), np.float32)
+        allocate = allocate or (lambda _, shape: np.zeros(shape, np.float32))
+        layers = range(config.num_layers)
+        self.keys = [allocate(i, (heads, capacity // 16, dim, 16)) for i in layers]
+        self.values = [allocate(i, (heads, capacity, dim)) for i in layers]
         self.context_length = context_length
         self.length = 0  # positions holding valid entries, the same for every layer
 
     @property
     def num_bytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return sum(array.nbytes for array in [*self.keys, *self.values])
 
     def truncate(self, length: int) -> None:
         """Forgets positions >= length (the entries are overwritten by the next write)."""
@@ -41,6 +47,9 @@ class KVCache:
         moved = src != dst
         if moved.any():
             s, d = src[moved], dst[moved]
-            self.keys[:, :, d // 16, :, d % 16] = self.keys[:, :, s // 16, :, s % 16]
-            self.values[:, :, d] = self.values[:, :, s]
+            for keys, values in zip(self.keys, self.values):
+                if isinstance(keys, torch.Tensor):
+                    s, d = torch.from_numpy(s).to(keys.device), torch.from_numpy(d).to(keys.device)
+                keys[:, d // 16, :, d % 16] = keys[:, s // 16, :, s % 16]
+                values[:, d] = values[:, s]
         self.length = start + len(src)

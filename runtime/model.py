@@ -1,7 +1,9 @@
 """The decoder: one definition of the Llama-family transformer (llama, qwen2), with no placement.
 
 Weights come from a `WeightSource`, asked for one layer at a time, so that where the bytes live
-(resident, streamed, on the GPU) is the source's business and never a branch in here.
+(resident, streamed, on the GPU) is the source's business and never a branch in here. Each layer
+comes with the `Kernels` that compute it (the CPU kernels, or the GPU kernels for a layer on the
+GPU tier): the hidden state moves to a layer's device as it enters it, and only it crosses.
 
 Shape legend: T new tokens, S positions in the cache so far, H query heads, K key/value heads,
 D head size, E hidden size, F feed-forward size, V vocabulary.
@@ -15,12 +17,53 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tierflow.cpu_kernels.ops import attention, rms_norm, silu_mul
+from tierflow.cpu_kernels import ops
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.rope import rope_tables
 
-Linear = Callable[[np.ndarray], np.ndarray]  # x [T, in] float32 -> [T, out], bias included
+Activations = np.ndarray | torch.Tensor  # float32 [T, width]: numpy on the CPU, torch on a device
+Linear = Callable[[Activations], Activations]  # x [T, in] -> [T, out], bias included
+
+
+class Kernels(Protocol):
+    """The per-layer operations on one device's activations (see cpu_kernels.ops)."""
+
+    def take(self, x: Activations) -> Activations: ...  # x on this device (itself when there)
+
+    def rms_norm(self, x: Activations, weight: Activations, eps: float) -> Activations: ...
+
+    def add_rms_norm(self, residual: Activations, x: Activations, weight: Activations,
+                     eps: float) -> Activations: ...  # residual += x; rms_norm(residual)
+
+    def swiglu(self, gate_up: Linear, x: Activations) -> Activations: ...  # silu(gate) * up
+
+    def attention(self, qkv: Activations, keys: Activations, values: Activations, cos: Activations,
+                  sin: Activations, heads: int, start: int, neox: bool, parents: np.ndarray | None,
+                  tree_start: int | None) -> Activations: ...
+
+
+class CpuKernels:
+    """The C extension's fused operations, on float32 numpy arrays."""
+
+    def take(self, x: Activations) -> np.ndarray:
+        return x if isinstance(x, np.ndarray) else x.cpu().numpy()
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        return ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        residual += x
+        return ops.rms_norm(residual, weight, eps)
+
+    def swiglu(self, gate_up: Linear, x: np.ndarray) -> np.ndarray:
+        return ops.silu_mul(gate_up(x))
+
+    def attention(self, qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start) -> np.ndarray:
+        return ops.attention(qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start)
+
+
+CPU_KERNELS = CpuKernels()
 
 
 class DenseLinear:
@@ -42,20 +85,22 @@ class ConcatLinear:
         self.parts = parts
         self.nbytes = sum(part.nbytes for part in parts)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return np.concatenate([part(x) for part in self.parts], axis=-1)
+    def __call__(self, x: Activations) -> Activations:
+        outputs = [part(x) for part in self.parts]
+        return np.concatenate(outputs, axis=-1) if isinstance(x, np.ndarray) else torch.cat(outputs, dim=-1)
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     """One transformer block. Projections that read the same input are one Linear each."""
 
-    attn_norm: np.ndarray  # [E]
+    attn_norm: Activations  # [E]
     qkv: Linear  # [E] -> [H*D + 2*K*D]: queries, keys, values (with qwen2's biases)
     wo: Linear  # [H*D] -> [E]
-    ffn_norm: np.ndarray  # [E]
+    ffn_norm: Activations  # [E]
     gate_up: Linear  # [E] -> [2*F]: gate, then up
     down: Linear  # [F] -> [E]
+    kernels: Kernels = CPU_KERNELS  # what computes this layer, on its weights' device
 
 
 class WeightSource(Protocol):
@@ -96,26 +141,31 @@ class Decoder:
         else:
             tree_start = start_pos if tree_start is None else tree_start
             positions = tree_start + tree_depths(parents)[start_pos - tree_start:]
-        cos, sin = self.cos[positions], self.sin[positions]
+        rotary = {}  # kernels -> the tokens' cos, sin rows on their device, moved once per pass
         x = self.weights.embedding_rows(token_ids)  # [T, E], a new tensor: updated in place below
         eps = self.config.rms_norm_eps
         for layer_idx in range(self.config.num_layers):
             w = self.weights.layer(layer_idx)
-            x += self._attention(rms_norm(x, w.attn_norm, eps), w, layer_idx, cache, start_pos, cos, sin,
-                                 parents, tree_start)
-            x += w.down(silu_mul(w.gate_up(rms_norm(x, w.ffn_norm, eps))))
+            kernels = w.kernels
+            x = kernels.take(x)
+            if kernels not in rotary:
+                rotary[kernels] = kernels.take(self.cos[positions]), kernels.take(self.sin[positions])
+            attended = self._attention(kernels.rms_norm(x, w.attn_norm, eps), w, layer_idx, cache, start_pos,
+                                       *rotary[kernels], parents, tree_start)
+            x += w.down(kernels.swiglu(w.gate_up, kernels.add_rms_norm(x, attended, w.ffn_norm, eps)))
         cache.length = start_pos + token_ids.shape[0]
+        x = CPU_KERNELS.take(x)
         if not all_logits:
             x = x[-1:]
-        x = rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)
+        x = ops.rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)
         return self.weights.output()(x)  # [T or 1, V]
 
     def _attention(self, x, w: LayerWeights, layer_idx, cache, start_pos, cos, sin, parents,
-                   tree_start) -> np.ndarray:
+                   tree_start) -> Activations:
         cfg = self.config
-        out = attention(w.qkv(x), cache.keys[layer_idx], cache.values[layer_idx], cos, sin,
-                        cfg.num_heads, start_pos, cfg.rope_style == "neox", parents, tree_start)  # [T, H*D]
-        return w.wo(out)
+        out = w.kernels.attention(w.qkv(x), cache.keys[layer_idx], cache.values[layer_idx], cos, sin,
+                                  cfg.num_heads, start_pos, cfg.rope_style == "neox", parents, tree_start)
+        return w.wo(out)  # [T, E]
 
 
 def tree_depths(parents: np.ndarray) -> np.ndarray:

@@ -14,11 +14,12 @@ from tierflow.offload.gguf_file import GGUFFile, read_gguf
 from tierflow.offload.model_info import read_config
 from tierflow.offload.model_path import resolve_model_path
 from tierflow.offload.packed_file import LoadProgress, open_pack
+from tierflow.offload.planner import kv_cache_bytes
 from tierflow.offload.tensors import check_tensors
 from tierflow.offload.tiered import TieredWeights
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder
+from tierflow.runtime.model import Decoder, Kernels
 from tierflow.units import format_size
 
 VOCAB_KEY = "tokenizer.ggml.tokens"
@@ -38,9 +39,10 @@ class LoadedDraft:
 
 def load_draft(model: str | os.PathLike, target: GGUFFile, target_vocab_size: int, context_length: int,
                cpu_budget: int | None, gpu_budget: int, gpu_device: torch.device,
-               progress: LoadProgress | None) -> LoadedDraft:
+               device_kernels: Kernels | None, progress: LoadProgress | None) -> LoadedDraft:
     """The draft model, resident, under the budgets (which the caller then reduces by its
-    bytes_by_tier for the target)."""
+    bytes_by_tier for the target); on the GPU tier (with its KV cache) it is computed by
+    device_kernels (None: the CPU kernels, on the CPU standing in for a GPU)."""
     path = resolve_model_path(model)
     with read_gguf(path) as gguf:
         config = read_config(gguf)
@@ -54,7 +56,7 @@ def load_draft(model: str | os.PathLike, target: GGUFFile, target_vocab_size: in
                                      f"fewer than context_length {context_length}")
         globals_, layers = model_extents(gguf, config)
         layer_bytes = sum(layer.nbytes for layer in layers)
-        on_gpu = 0 < layer_bytes <= gpu_budget
+        on_gpu = 0 < layer_bytes + kv_cache_bytes(config, context_length) <= gpu_budget
         in_ram = globals_.nbytes + (0 if on_gpu else layer_bytes)
         if cpu_budget is not None and in_ram > cpu_budget:
             raise BudgetError(f"cpu_memory {format_size(cpu_budget)} cannot hold the draft model "
@@ -62,8 +64,9 @@ def load_draft(model: str | os.PathLike, target: GGUFFile, target_vocab_size: in
         packed = open_pack(gguf, config, progress)
         device = DeviceTier(gpu_device, gpu_budget) if on_gpu else None
         gpu_layers = range(config.num_layers) if on_gpu else ()
-        weights = TieredWeights(packed, (), 0, progress, gpu_layers, device)
-    generator = TokenGenerator(Decoder(config, weights, context_length), KVCache(config, context_length))
+        weights = TieredWeights(packed, (), 0, progress, gpu_layers, device, device_kernels)
+    cache = KVCache(config, context_length, weights.allocate_cache)
+    generator = TokenGenerator(Decoder(config, weights, context_length), cache)
     return LoadedDraft(generator, weights)
 
 

@@ -80,10 +80,12 @@ def test_a_streamed_target_gives_its_own_tokens_with_a_draft(engine, model_path,
 
 
 def test_the_draft_goes_to_the_gpu_tier_first(model_path, draft_path):
-    """With the CPU standing in for a GPU: the draft's layers take the GPU budget before the target."""
-    with Engine.load(model_path, threads=2, draft=draft_path, gpu_memory="60MiB", gpu_device="cpu") as engine:
+    """With the CPU standing in for a GPU: the draft's layers and KV cache take the GPU budget
+    before the target."""
+    with Engine.load(model_path, threads=2, draft=draft_path, gpu_memory="80MiB", gpu_device="cpu",
+                     context_length=256) as engine:
         draft_gpu, target_gpu = engine.draft.bytes_by_tier()["gpu"], engine.weights.bytes_by_tier()["gpu"]
-        assert draft_gpu > 0 and draft_gpu + target_gpu <= 60 * 2**20
+        assert draft_gpu > 0 and draft_gpu + target_gpu <= 80 * 2**20
         assert engine.generate(PROMPTS[0], max_tokens=8, temperature=0).tokens
 
 

@@ -66,6 +66,25 @@ def test_attention_matches_torch_and_fills_the_cache(neox, rope_dim, tokens, sta
     torch.testing.assert_close(ours[1], theirs[1])
 
 
+def test_tree_attention_matches_torch_in_one_call_and_across_two():
+    """A 5-token prompt, then a tree (two branches from one root) fed as 2 tokens and 3 more."""
+    parents = np.array([-1, 0, 1, 0, 3], np.int32)
+    depths = 5 + np.array([0, 1, 2, 1, 2])
+    qkv = random_qkv(10)
+    cos, sin = rope_rows(8, 0, HEAD_DIM)
+    cos, sin = torch.cat([cos[:5], cos[depths]]), torch.cat([sin[:5], sin[depths]])
+    ours, theirs = empty_cache(), empty_cache()
+    run_attention(qkv[:5], ours, cos[:5], sin[:5], 0, False)
+    attention_reference(qkv[:5].clone(), *theirs, cos[:5], sin[:5], HEADS, 0, False)
+    for part in (slice(5, 7), slice(7, 10)):
+        keys, values = ours
+        out = attention(qkv[part].clone().numpy(), keys.numpy(), values.numpy(), cos[part].contiguous().numpy(),
+                        sin[part].contiguous().numpy(), HEADS, part.start, False, parents[: part.stop - 5], 5)
+        expected = attention_reference(qkv[part].clone(), *theirs, cos[part], sin[part], HEADS, part.start,
+                                       False, parents[: part.stop - 5], 5)
+        torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_of_a_batch_equals_token_by_token_bit_for_bit():
     qkv = random_qkv(9)
     cos, sin = rope_rows(9, 0, HEAD_DIM)

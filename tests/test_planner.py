@@ -159,12 +159,14 @@ def test_a_slower_disk_predicts_slower_decode(deep):
         10 * fast.decode.io_s / fast.used_bytes["disk"])
 
 
-def test_the_gpu_takes_the_first_layers_that_fit(deep):
-    _, _, globals_bytes, layers = deep
+def test_the_gpu_takes_the_first_layers_that_fit_with_their_kv_caches(deep):
+    _, config, globals_bytes, layers = deep
     profile = replace(PROFILE, gpu=FAKE_GPU)
     budget = globals_bytes + sum(layers) // 2
-    plan = plan_for(deep, budget, profile, gpu_budget=sum(layers[:3]) + 100)
-    assert plan.gpu_layers == (0, 1, 2) and plan.used_bytes["gpu"] == sum(layers[:3])
+    kv_per_layer = kv_cache_bytes(config, CTX) // config.num_layers
+    plan = plan_for(deep, budget, profile, gpu_budget=sum(layers[:3]) + 3 * kv_per_layer + 100)
+    assert plan.gpu_layers == (0, 1, 2) and plan.used_bytes["gpu"] == sum(layers[:3]) + 3 * kv_per_layer
+    assert plan.kv_gpu_bytes == 3 * kv_per_layer
     assert {(g.home, g.compute) for g in plan.groups if g.layer in (0, 1, 2)} == {("gpu", "gpu")}
     assert all(g.compute == "cpu" for g in plan.groups if g.layer not in (0, 1, 2))
     assert any("placeholder" in note for note in plan.notes)

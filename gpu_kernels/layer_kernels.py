@@ -1,0 +1,44 @@
+"""TritonKernels: the decoder's per-layer operations (runtime.model.Kernels) on one device.
+
+A layer placed on the GPU tier is computed by these: its weights are DeviceLinears viewing the
+layer's uploaded bytes, its KV cache lives on the device, and the hidden state arrives once per
+layer through `take` (a host-to-device copy at the CPU/GPU boundary, nothing when it is already
+there). On CUDA that is the GPU; under TRITON_INTERPRET=1 it is the CPU standing in for one, which
+runs the same launchers in Triton's interpreter (how the engine's GPU path is tested here).
+"""
+
+import numpy as np
+import torch
+
+from tierflow.cpu_kernels.reference import attention_reference
+from tierflow.gpu_kernels import attention, matmul, ops
+from tierflow.gpu_kernels.matmul import DeviceLinear
+
+
+class TritonKernels:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def take(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
+        return (torch.from_numpy(x) if isinstance(x, np.ndarray) else x).to(self.device)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        return ops.add_rms_norm(residual, x, weight, eps)
+
+    def swiglu(self, gate_up, x: torch.Tensor) -> torch.Tensor:
+        """One pass over [gate; up] with the SwiGLU epilogue when it is one packed matrix."""
+        if isinstance(gate_up, DeviceLinear) and gate_up.bias is None and not isinstance(gate_up.matrix,
+                                                                                        torch.Tensor):
+            return matmul.matmul_silu_mul(gate_up.matrix, x)
+        return ops.silu_mul(gate_up(x))
+
+    def attention(self, qkv, keys, values, cos, sin, heads: int, start: int, neox: bool,
+                  parents: np.ndarray | None, tree_start: int | None) -> torch.Tensor:
+        """The fused kernel; a token tree (a verify pass) takes the torch path, which masks it."""
+        if parents is None:
+            return attention.attention(qkv, keys, values, cos, sin, heads, start, neox)
+        return attention_reference(qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start)

@@ -1,0 +1,119 @@
+"""Layers on the GPU tier computed by the GPU kernels, end to end through the engine.
+
+With CUDA the layers run on the GPU; without it, `gpu_device="interpret"` runs the same launchers
+in Triton's interpreter on the CPU standing in for the GPU (slow, so the models are tiny). The
+CPU-only engine on the same file is the reference: the same greedy tokens, and logits within the
+gap between the CPU kernels' int8 activations and the GPU kernels' unquantized ones.
+"""
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from make_model import ModelSpec, write_model
+
+from tierflow import Engine
+from tierflow.errors import BudgetError
+from tierflow.gpu_kernels.launch import TritonUnavailableError, load_all_kernels
+from tierflow.gpu_kernels.layer_kernels import TritonKernels
+from tierflow.offload.device import DeviceTier
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("the GPU kernels need triton", allow_module_level=True)
+CUDA = torch.cuda.is_available()
+try:  # before anything imports triton: the interpreter is chosen when it is imported
+    load_all_kernels(interpret=not CUDA)
+except (RuntimeError, TritonUnavailableError) as error:
+    pytest.skip(f"the GPU kernels cannot be loaded here: {error}", allow_module_level=True)
+GPU = {} if CUDA else {"gpu_device": "interpret"}
+PROMPT = "The capital of France is"
+CONTEXT = 64
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpu-layers")
+    specs = {"llama-Q8_0": ModelSpec(num_layers=2, hidden_size=64, seed=3),
+             "llama-Q4_0": ModelSpec(num_layers=2, hidden_size=64, weight_type="Q4_0", seed=4),
+             "qwen2-F32": ModelSpec(arch="qwen2", num_layers=2, hidden_size=64, weight_type="F32",
+                                    embedding_type="F32", seed=5)}
+    return {name: write_model(folder / f"{name}.gguf", spec) for name, spec in specs.items()}
+
+
+def cpu_result(path, draft=None):
+    with Engine.load(path, threads=2, context_length=CONTEXT, draft=draft) as engine:
+        tokens = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens
+        return tokens, engine.logits(engine.tokenize(PROMPT) + tokens)
+
+
+@pytest.mark.parametrize("name", ["llama-Q8_0", "llama-Q4_0", "qwen2-F32"])
+def test_layers_on_the_gpu_give_the_cpu_tokens_and_logits(models, name):
+    tokens, logits = cpu_result(models[name])
+    with Engine.load(models[name], threads=2, context_length=CONTEXT, gpu_memory="64MiB", **GPU) as engine:
+        assert engine.weights.gpu_layers == [0, 1]
+        assert all(isinstance(engine.weights.layer(i).kernels, TritonKernels) for i in (0, 1))
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
+        got = engine.logits(engine.tokenize(PROMPT) + tokens)
+    assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
+    assert (got.argmax(-1) == logits.argmax(-1)).mean() > 0.9
+
+
+def test_activations_cross_between_gpu_and_cpu_layers(models):
+    path = models["llama-Q8_0"]
+    tokens, _ = cpu_result(path)
+    kv_per_layer = 2 * 2 * CONTEXT * 16 * 4  # keys and values, 2 heads of 16, float32
+    with Engine.load(path, threads=2, context_length=CONTEXT, **GPU) as probe:
+        one_layer = probe.weights.packed.layers[0].nbytes + kv_per_layer
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory=one_layer, **GPU) as engine:
+        assert engine.weights.gpu_layers == [0]
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
+
+
+def test_a_gpu_layers_kv_cache_lives_on_the_gpu_within_the_budget(models):
+    with Engine.load(models["llama-Q8_0"], threads=2, context_length=CONTEXT, gpu_memory="64MiB",
+                     **GPU) as engine:
+        cache = engine._generator.cache
+        assert all(isinstance(keys, torch.Tensor) and keys.device == engine.weights.device.device
+                   for keys in cache.keys)
+        layers = sum(engine.weights.packed.layers[i].nbytes for i in (0, 1))
+        assert engine.weights.bytes_by_tier()["gpu"] == layers + cache.num_bytes
+
+
+def test_token_trees_verified_on_gpu_layers_keep_the_greedy_tokens(models):
+    path = models["llama-Q8_0"]
+    tokens, _ = cpu_result(path)
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="64MiB", draft="ngram",
+                     **GPU) as engine:
+        result = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+    assert result.tokens == tokens and result.stats.drafted_tokens > 0
+
+
+def test_running_out_of_gpu_memory_mid_generation_names_the_budget_and_leaves_the_engine_usable(
+        models, monkeypatch):
+    path = models["llama-Q8_0"]
+    tokens, _ = cpu_result(path)
+    attention = TritonKernels.attention
+
+    def out_of_memory(*args):
+        monkeypatch.setattr(TritonKernels, "attention", attention)  # once
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="64MiB", **GPU) as engine:
+        monkeypatch.setattr(TritonKernels, "attention", out_of_memory)
+        with pytest.raises(BudgetError, match="lower gpu_memory"):
+            engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
+
+
+def test_running_out_of_gpu_memory_in_a_load_is_a_budget_error_that_holds_nothing(monkeypatch):
+    tier = DeviceTier(torch.device("cpu"), budget=1 << 20)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(torch, "zeros", out_of_memory)
+    with pytest.raises(BudgetError, match="lower gpu_memory"):
+        tier.zeros((16, 16))
+    assert tier.used == 0
