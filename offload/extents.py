@@ -8,11 +8,13 @@ against each other byte for byte.
 
 from dataclasses import dataclass
 
+from gguf import GGMLQuantizationType
+
 from tierflow.cpu_kernels.packed import TILE_ROWS
 from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, group_layout
 from tierflow.offload.disk import ALIGNMENT
 from tierflow.offload.gguf_file import GGUFFile, TensorInfo
-from tierflow.offload.packed_file import ARRAY_ALIGNMENT, LAYER_LINEARS
+from tierflow.offload.packed_file import ARRAY_ALIGNMENT, EXPERT_TENSORS, QK_NORMS, layer_linears
 from tierflow.runtime.config import ModelConfig
 
 
@@ -96,9 +98,25 @@ def model_extents(gguf: GGUFFile, config: ModelConfig) -> tuple[ExtentSize, list
         sizer, prefix = _ExtentSizer(), f"blk.{i}."
         sizer.vector(gguf.tensors[prefix + "attn_norm.weight"])
         sizer.vector(gguf.tensors[prefix + "ffn_norm.weight"])
-        for field, names in LAYER_LINEARS.items():
+        if config.qk_norm:
+            for name in QK_NORMS.values():
+                sizer.vector(gguf.tensors[f"{prefix}{name}.weight"])
+        for field, names in layer_linears(config).items():
             sizer.linear(gguf, [prefix + name for name in names])
             if field == "wo":
                 sizer.close_group("attention")
-        layers.append(sizer.extent("ffn"))
+        if config.shared_expert_ffn_size:
+            sizer.linears.append(sizer.matrix(1, config.hidden_size, GGMLQuantizationType.F32, False))
+        layers.append(sizer.extent("router" if config.is_moe else "ffn"))
     return globals_, layers
+
+
+def expert_extents(gguf: GGUFFile, config: ModelConfig) -> list[list[ExtentSize]]:
+    """Per layer, the pack's extent of each expert (empty for a dense model)."""
+    experts = []
+    for i in range(config.num_layers if config.is_moe else 0):
+        sizer = _ExtentSizer()
+        for names in EXPERT_TENSORS.values():
+            sizer.linear(gguf, [f"blk.{i}.{name}" for name in names])
+        experts.append([sizer.extent("expert")] * config.num_experts)
+    return experts

@@ -9,9 +9,12 @@ Layout (all offsets in bytes, every extent 4 KiB-aligned and padded to 4 KiB, so
 read it):
 
     extent "globals"   the token embeddings, the output norm, the output head, rope factors
-    extent layer 0     its norms and its four linears (QKV, output, gate+up, down), packed
+    extent layer 0     its norms and its four linears (QKV, output, gate+up, down), packed; in a
+                       MoE layer, its router and shared expert instead of gate+up and down
+    extents experts    of a MoE layer: one extent per expert (gate+up, down), the unit that
+                       streams and is cached
     ...
-    extent layer L-1
+    extent layer L-1 (and its experts)
     manifest           JSON: the source's identity, and per extent its offset, size, CRC-32
                        and the arrays in it (offset within the extent, size) with how they
                        form each weight (packed: rows, cols, bits, group, data, scales, mins,
@@ -48,9 +51,18 @@ from tierflow.offload.disk import ALIGNMENT
 from tierflow.offload.gguf_file import GGUFFile
 from tierflow.offload.profile import cache_dir
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import ConcatLinear, DenseLinear, Kernels, LayerWeights, Linear
+from tierflow.runtime.model import (
+    ConcatLinear,
+    DenseLinear,
+    Experts,
+    ExpertWeights,
+    Kernels,
+    LayerWeights,
+    Linear,
+    MoEWeights,
+)
 
-PACK_VERSION = 1
+PACK_VERSION = 2
 MAGIC = b"TFPACK01"
 TRAILER = struct.Struct("<8sQQI")
 ARRAY_ALIGNMENT = 64
@@ -58,10 +70,14 @@ ARRAY_ALIGNMENT = 64
 LoadProgress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 
 # LayerWeights field -> the GGUF matrices (within blk.N) it computes, in output order
-LAYER_LINEARS = {
-    "qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
-    "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",),
-}
+ATTENTION_LINEARS = {"qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",)}
+FFN_LINEARS = {"gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
+LAYER_LINEARS = ATTENTION_LINEARS | FFN_LINEARS
+QK_NORMS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+# a MoE layer's extent: the router and the shared expert (qwen2moe); each expert's own extent
+MOE_LINEARS = {"router": ("ffn_gate_inp",), "shared_gate_up": ("ffn_gate_shexp", "ffn_up_shexp"),
+               "shared_down": ("ffn_down_shexp",)}
+EXPERT_TENSORS = {"gate_up": ("ffn_gate_exps", "ffn_up_exps"), "down": ("ffn_down_exps",)}
 
 
 def _align(n: int, alignment: int) -> int:
@@ -106,6 +122,7 @@ class PackedFile:
         self.source = manifest["source"]
         self.globals = Extent(**manifest["globals"])
         self.layers = [Extent(**extent) for extent in manifest["layers"]]
+        self.experts = [[Extent(**extent) for extent in layer] for layer in manifest["experts"]]
 
     @property
     def largest_layer_bytes(self) -> int:
@@ -116,12 +133,25 @@ class PackedFile:
             raise ModelFileError(f"{self.path.name}: the packed weights at byte {extent.offset} are "
                                  f"damaged (checksum mismatch); it is rebuilt on the next load")
 
-    def layer_weights(self, index: int, data: memoryview) -> LayerWeights:
-        """LayerWeights viewing the bytes of layer `index`'s extent (held by the caller)."""
+    def layer_weights(self, index: int, data: memoryview, experts: Experts | None = None) -> LayerWeights:
+        """LayerWeights viewing the bytes of layer `index`'s extent (held by the caller); a MoE
+        layer's experts come from `experts`, which the caller places."""
         spec = self.layers[index].weights
-        return LayerWeights(attn_norm=_array(data, spec["attn_norm"], np.float32),
-                            ffn_norm=_array(data, spec["ffn_norm"], np.float32),
-                            **{field: _linear(data, spec[field]) for field in LAYER_LINEARS})
+        norms = {field: _array(data, spec[field], np.float32)
+                 for field in ("attn_norm", "ffn_norm", *QK_NORMS) if field in spec}
+        if "router" not in spec:
+            return LayerWeights(**norms, **{field: _linear(data, spec[field]) for field in LAYER_LINEARS})
+        shared = None
+        if "shared_gate_up" in spec:
+            shared = ExpertWeights(_linear(data, spec["shared_gate_up"]), _linear(data, spec["shared_down"]))
+        moe = MoEWeights(_linear(data, spec["router"]), experts, shared,
+                         _linear(data, spec["shared_gate"]) if shared else None)
+        return LayerWeights(**norms, qkv=_linear(data, spec["qkv"]), wo=_linear(data, spec["wo"]), moe=moe)
+
+    def expert_weights(self, index: int, expert: int, data: memoryview) -> ExpertWeights:
+        """ExpertWeights viewing the bytes of expert `expert` of layer `index` (held by the caller)."""
+        spec = self.experts[index][expert].weights
+        return ExpertWeights(_linear(data, spec["gate_up"]), _linear(data, spec["down"]))
 
     def device_layer_weights(self, index: int, buffer: torch.Tensor, kernels: Kernels) -> LayerWeights:
         """LayerWeights viewing layer `index`'s extent as uploaded to a device (uint8 [bytes]),
@@ -256,20 +286,23 @@ class _PackWriter:
         self.done = 0
         self.total = sum(info.nbytes for info in gguf.tensors.values())
 
-    def _tensor(self, name: str) -> QuantGroups | np.ndarray:
+    def _tensor(self, name: str, expert: int | None = None) -> QuantGroups | np.ndarray:
+        """A tensor in the layout the pack stores, or one expert's slice of a 3-D expert tensor."""
         info = self.gguf.tensors[name]
-        self.done += info.nbytes
+        data, shape = self.gguf.tensor_data(name), info.shape
+        if expert is not None:  # the experts are the outermost dimension: each a run of bytes
+            per_expert = info.nbytes // shape[2]
+            data, shape = data[expert * per_expert: (expert + 1) * per_expert], shape[:2]
+        self.done += len(data)
         if self.progress is not None:
             self.progress("packing the weights (once)", self.done, self.total)
-        data = self.gguf.tensor_data(name)
-        if info.ggml_type in GROUPED_TYPES and len(info.shape) == 2:
-            return to_quant_groups(data, info.ggml_type, info.shape)
-        array = dequantize(data, info.ggml_type, info.shape)
-        return array
+        if info.ggml_type in GROUPED_TYPES and len(shape) == 2:
+            return to_quant_groups(data, info.ggml_type, shape)
+        return dequantize(data, info.ggml_type, shape)
 
-    def _linear(self, extent: _ExtentBuilder, names: list[str]) -> dict:
+    def _linear(self, extent: _ExtentBuilder, names: list[str], expert: int | None = None) -> dict:
         """Matrices that read the same input, fused into one when their formats agree."""
-        matrices = [self._tensor(f"{name}.weight") for name in names]
+        matrices = [self._tensor(f"{name}.weight", expert) for name in names]
         biases = [self._tensor(f"{name}.bias") if f"{name}.bias" in self.gguf.tensors else None
                   for name in names]
         rows = [m.q.shape[0] if isinstance(m, QuantGroups) else m.shape[0] for m in matrices]
@@ -293,12 +326,32 @@ class _PackWriter:
         return extent, spec
 
     def layer_extent(self, index: int) -> tuple[_ExtentBuilder, dict]:
-        extent, prefix = _ExtentBuilder(), f"blk.{index}."
+        extent, prefix, config = _ExtentBuilder(), f"blk.{index}.", self.config
         spec = {"attn_norm": extent.add(self._tensor(prefix + "attn_norm.weight")),
                 "ffn_norm": extent.add(self._tensor(prefix + "ffn_norm.weight"))}
-        for field, names in LAYER_LINEARS.items():
+        if config.qk_norm:
+            for field, name in QK_NORMS.items():
+                spec[field] = extent.add(self._tensor(f"{prefix}{name}.weight"))
+        for field, names in layer_linears(config).items():
             spec[field] = self._linear(extent, [prefix + name for name in names])
+        if config.shared_expert_ffn_size:
+            gate = self._tensor(prefix + "ffn_gate_inp_shexp.weight")  # [E]: a 1-row matrix
+            spec["shared_gate"] = extent.matrix(gate[None], None)
         return extent, spec
+
+    def expert_extent(self, index: int, expert: int) -> tuple[_ExtentBuilder, dict]:
+        extent, prefix = _ExtentBuilder(), f"blk.{index}."
+        return extent, {field: self._linear(extent, [prefix + name for name in names], expert)
+                        for field, names in EXPERT_TENSORS.items()}
+
+
+def layer_linears(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The linears of a layer's extent: attention, then the dense FFN or the router (and the
+    shared expert's)."""
+    if not config.is_moe:
+        return LAYER_LINEARS
+    moe = MOE_LINEARS if config.shared_expert_ffn_size else {"router": MOE_LINEARS["router"]}
+    return ATTENTION_LINEARS | moe
 
 
 def build_pack(gguf: GGUFFile, config: ModelConfig, path: Path, progress: LoadProgress | None = None) -> None:
@@ -314,8 +367,11 @@ def build_pack(gguf: GGUFFile, config: ModelConfig, path: Path, progress: LoadPr
                 return entry
 
             manifest = {"version": PACK_VERSION, "source": source_identity(gguf.path),
-                        "globals": write(*writer.globals_extent()),
-                        "layers": [write(*writer.layer_extent(i)) for i in range(config.num_layers)]}
+                        "globals": write(*writer.globals_extent()), "layers": [], "experts": []}
+            for i in range(config.num_layers):  # a layer's experts follow it
+                manifest["layers"].append(write(*writer.layer_extent(i)))
+                experts = [write(*writer.expert_extent(i, e)) for e in range(config.num_experts)]
+                manifest["experts"].append(experts)
             raw = json.dumps(manifest).encode()
             offset = f.tell()
             f.write(raw)

@@ -10,18 +10,19 @@ and the ring, which is what the cpu_memory budget bounds; the device tier counts
 against gpu_memory.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import PackedMatrix
+from tierflow.errors import UnsupportedModelError
 from tierflow.offload.device import DeviceTier
 from tierflow.offload.disk import DiskFile, aligned_buffer
-from tierflow.offload.packed_file import LAYER_LINEARS, Extent, LoadProgress, PackedFile
+from tierflow.offload.packed_file import Extent, LoadProgress, PackedFile
 from tierflow.offload.streamer import LayerStreamer
-from tierflow.runtime.model import ConcatLinear, Kernels, LayerWeights, Linear
+from tierflow.runtime.model import ConcatLinear, ExpertWeights, Kernels, LayerWeights, Linear
 
 
 class TieredWeights:
@@ -33,11 +34,16 @@ class TieredWeights:
         self._buffers = []  # the resident extents' memory, alive as long as the weights
         streamed, on_device = set(streamed_layers), set(gpu_layers)
         resident = [i for i in range(len(packed.layers)) if i not in streamed | on_device]
-        total = packed.globals.nbytes + sum(packed.layers[i].nbytes for i in [*resident, *on_device])
+        if packed.experts and any(packed.experts) and (streamed or on_device):
+            raise UnsupportedModelError("a MoE model's layers are not streamed or placed on the GPU tier: "
+                                        "its experts are (offload/expert_cache.py)")
+        total = packed.globals.nbytes + sum(packed.layers[i].nbytes + _experts_bytes(packed, i)
+                                            for i in [*resident, *on_device])
         self._loaded, self._progress = 0, progress
         try:
             globals_ = packed.global_weights(self._read(packed.globals, total))
-            self._layers = {i: packed.layer_weights(i, self._read(packed.layers[i], total)) for i in resident}
+            self._layers = {i: packed.layer_weights(i, self._read(packed.layers[i], total),
+                                                    self._resident_experts(i, total)) for i in resident}
             self._layers |= {i: self._to_device(i, total) for i in sorted(on_device)}
             self.streamer = (LayerStreamer(self.disk, packed, sorted(streamed), depth) if streamed else None)
         except BaseException:
@@ -48,10 +54,12 @@ class TieredWeights:
         self._rope_freqs = globals_["rope_freqs"]
         self.streamed_layers, self.gpu_layers = sorted(streamed), sorted(on_device)
         ring = self.streamer.nbytes if self.streamer else 0
-        in_ram = packed.globals.nbytes + sum(packed.layers[i].nbytes for i in resident)
+        in_ram = packed.globals.nbytes + sum(packed.layers[i].nbytes + _experts_bytes(packed, i)
+                                             for i in resident)
         self._bytes = {"cpu": in_ram + ring,
                        "disk": sum(packed.layers[i].nbytes for i in self.streamed_layers)}
-        layer_specs = [extent.weights[field] for extent in packed.layers for field in LAYER_LINEARS]
+        layer_specs = [spec for extent in packed.layers for spec in extent.weights.values()
+                       if isinstance(spec, dict)]  # the linears (the norms are [offset, size])
         self.uses_kernels = _computed_by_kernels(self._output) or any(map(_packed_spec, layer_specs))
 
     def _read(self, extent: Extent, total: int, keep: bool = True) -> memoryview:
@@ -64,6 +72,12 @@ class TieredWeights:
         if self._progress is not None:
             self._progress("load", self._loaded, total)
         return data
+
+    def _resident_experts(self, index: int, total: int) -> "ResidentExperts | None":
+        if not self.packed.experts[index]:
+            return None
+        return ResidentExperts([self.packed.expert_weights(index, e, self._read(extent, total))
+                                for e, extent in enumerate(self.packed.experts[index])])
 
     def _to_device(self, index: int, total: int) -> LayerWeights:
         """Layer `index` copied to the device tier; its weights view the device copy."""
@@ -124,3 +138,17 @@ def _computed_by_kernels(linear: Linear) -> bool:
     if isinstance(linear, ConcatLinear):
         return any(_computed_by_kernels(part) for part in linear.parts)
     return isinstance(linear, PackedLinear)
+
+
+class ResidentExperts:
+    """A MoE layer's experts, all in RAM."""
+
+    def __init__(self, experts: list[ExpertWeights]):
+        self.experts = experts
+
+    def each(self, expert_ids: list[int], hidden) -> Iterator[tuple[int, ExpertWeights]]:
+        return ((e, self.experts[e]) for e in expert_ids)
+
+
+def _experts_bytes(packed: PackedFile, layer_idx: int) -> int:
+    return sum(extent.nbytes for extent in packed.experts[layer_idx])

@@ -5,11 +5,14 @@ from typing import Any
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "olmoe")
 
 # How each architecture pairs the rotary dimensions (llama.cpp's rope types): "normal" rotates
 # adjacent pairs (x0, x1), "neox" rotates the two halves (x_i, x_{i+d/2}).
-ROPE_STYLE = {"llama": "normal", "qwen2": "neox"}
+ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen2moe": "neox", "olmoe": "neox"}
+QKV_BIAS = ("qwen2", "qwen2moe")  # attn_q/k/v carry biases
+QK_NORM = ("olmoe",)  # RMSNorm of the whole query and key projections before rotary
+MOE_ARCHITECTURES = ("qwen2moe", "olmoe")  # always MoE; a llama with expert_count is Mixtral-style
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,10 @@ class ModelConfig:
     rope_dim: int
     rope_scaling: RopeScaling
     tied_embeddings: bool
+    num_experts: int = 0  # 0: a dense FFN in every layer
+    experts_used: int = 0  # experts each token is routed to
+    expert_ffn_size: int = 0
+    shared_expert_ffn_size: int = 0  # qwen2moe's shared expert, gated per token; 0: none
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -67,10 +74,35 @@ class ModelConfig:
             )
         if self.rope_dim > self.head_dim or self.rope_dim % 2:
             raise ModelFileError(f"rope dimension {self.rope_dim} does not fit head size {self.head_dim}")
+        if self.arch in MOE_ARCHITECTURES and not self.num_experts:
+            raise ModelFileError(f"a {self.arch} model needs '{self.arch}.expert_count'")
+        if self.num_experts and not 1 <= self.experts_used <= self.num_experts:
+            raise ModelFileError(f"expert_used_count must be 1..{self.num_experts} (the expert count), "
+                                 f"got {self.experts_used}")
+        if self.num_experts and self.expert_ffn_size <= 0:
+            raise ModelFileError(f"expert feed-forward size must be positive, got {self.expert_ffn_size}")
 
     @property
     def rope_style(self) -> str:
         return ROPE_STYLE[self.arch]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch in QKV_BIAS
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch in QK_NORM
+
+    @property
+    def renormalize_expert_weights(self) -> bool:
+        """Whether the routed experts' softmax weights are rescaled to sum to 1 (Mixtral does;
+        qwen2moe and OLMoE use them as they are, as llama.cpp does)."""
+        return self.arch == "llama"
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any], vocab_size: int, tied: bool) -> "ModelConfig":
@@ -99,12 +131,14 @@ class ModelConfig:
         hidden = int(required("embedding_length"))
         num_heads = int(required("attention.head_count"))
         head_dim = int(optional("attention.key_length", hidden // max(num_heads, 1)))
+        ffn_size = int(required("feed_forward_length"))
+        num_experts = int(optional("expert_count", 0))
         return cls(
             arch=arch,
             name=str(metadata.get("general.name", arch)),
             num_layers=int(required("block_count")),
             hidden_size=hidden,
-            ffn_size=int(required("feed_forward_length")),
+            ffn_size=ffn_size,
             num_heads=num_heads,
             num_kv_heads=int(optional("attention.head_count_kv", num_heads)),
             head_dim=head_dim,
@@ -115,6 +149,10 @@ class ModelConfig:
             rope_dim=int(optional("rope.dimension_count", head_dim)),
             rope_scaling=_rope_scaling(metadata, arch),
             tied_embeddings=tied,
+            num_experts=num_experts,
+            experts_used=int(required("expert_used_count")) if num_experts else 0,
+            expert_ffn_size=int(optional("expert_feed_forward_length", ffn_size)) if num_experts else 0,
+            shared_expert_ffn_size=int(optional("expert_shared_feed_forward_length", 0)),
         )
 
 

@@ -9,7 +9,7 @@ Shape legend: T new tokens, S positions in the cache so far, H query heads, K ke
 D head size, E hidden size, F feed-forward size, V vocabulary.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,8 +86,33 @@ class ConcatLinear:
         self.nbytes = sum(part.nbytes for part in parts)
 
     def __call__(self, x: Activations) -> Activations:
-        outputs = [part(x) for part in self.parts]
-        return np.concatenate(outputs, axis=-1) if isinstance(x, np.ndarray) else torch.cat(outputs, dim=-1)
+        return _concat([part(x) for part in self.parts])
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One expert of a MoE layer: a SwiGLU FFN, computed by `kernels` on its weights' device."""
+
+    gate_up: Linear  # [E] -> [2*F]
+    down: Linear  # [F] -> [E]
+    kernels: Kernels = CPU_KERNELS
+
+
+class Experts(Protocol):
+    """A MoE layer's experts, wherever they live (resident, cached, streamed: the source's business)."""
+
+    def each(self, expert_ids: list[int], hidden: Activations) -> Iterator[tuple[int, ExpertWeights]]:
+        """Each of expert_ids (distinct) with its weights, in an order the source picks (those at
+        hand first, say); hidden [T, E] is the layer's FFN input, a hint for what comes next."""
+        ...
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    router: Linear  # [E] -> [num_experts] logits
+    experts: Experts
+    shared: ExpertWeights | None = None  # qwen2moe: an expert every token uses, scaled by
+    shared_gate: Linear | None = None  # sigmoid(hidden @ shared_gate) [E] -> [1]
 
 
 @dataclass(frozen=True)
@@ -98,8 +123,11 @@ class LayerWeights:
     qkv: Linear  # [E] -> [H*D + 2*K*D]: queries, keys, values (with qwen2's biases)
     wo: Linear  # [H*D] -> [E]
     ffn_norm: Activations  # [E]
-    gate_up: Linear  # [E] -> [2*F]: gate, then up
-    down: Linear  # [F] -> [E]
+    gate_up: Linear | None = None  # [E] -> [2*F]: gate, then up (a dense FFN)
+    down: Linear | None = None  # [F] -> [E]
+    moe: MoEWeights | None = None  # instead of gate_up and down
+    q_norm: Activations | None = None  # [H*D], OLMoE: RMSNorm of the queries before rotary
+    k_norm: Activations | None = None  # [K*D]
     kernels: Kernels = CPU_KERNELS  # what computes this layer, on its weights' device
 
 
@@ -152,7 +180,7 @@ class Decoder:
                 rotary[kernels] = kernels.take(self.cos[positions]), kernels.take(self.sin[positions])
             attended = self._attention(kernels.rms_norm(x, w.attn_norm, eps), w, layer_idx, cache, start_pos,
                                        *rotary[kernels], parents, tree_start)
-            x += w.down(kernels.swiglu(w.gate_up, kernels.add_rms_norm(x, attended, w.ffn_norm, eps)))
+            x += self._ffn(kernels.add_rms_norm(x, attended, w.ffn_norm, eps), w)
         cache.length = start_pos + token_ids.shape[0]
         x = CPU_KERNELS.take(x)
         if not all_logits:
@@ -163,9 +191,57 @@ class Decoder:
     def _attention(self, x, w: LayerWeights, layer_idx, cache, start_pos, cos, sin, parents,
                    tree_start) -> Activations:
         cfg = self.config
-        out = w.kernels.attention(w.qkv(x), cache.keys[layer_idx], cache.values[layer_idx], cos, sin,
+        qkv = w.qkv(x)
+        if w.q_norm is not None:
+            qkv = self._norm_queries_and_keys(qkv, w)
+        out = w.kernels.attention(qkv, cache.keys[layer_idx], cache.values[layer_idx], cos, sin,
                                   cfg.num_heads, start_pos, cfg.rope_style == "neox", parents, tree_start)
         return w.wo(out)  # [T, E]
+
+    def _norm_queries_and_keys(self, qkv: Activations, w: LayerWeights) -> Activations:
+        cfg, kernels = self.config, w.kernels
+        q_end = cfg.num_heads * cfg.head_dim
+        k_end = q_end + cfg.num_kv_heads * cfg.head_dim
+        q, k, v = (_contiguous(qkv[:, a:b]) for a, b in ((0, q_end), (q_end, k_end), (k_end, qkv.shape[1])))
+        eps = cfg.rms_norm_eps
+        return _concat([kernels.rms_norm(q, w.q_norm, eps), kernels.rms_norm(k, w.k_norm, eps), v])
+
+    def _ffn(self, h: Activations, w: LayerWeights) -> Activations:
+        if w.moe is None:
+            return w.down(w.kernels.swiglu(w.gate_up, h))
+        return self._moe(h, w.moe, w.kernels)
+
+    def _moe(self, h: Activations, moe: MoEWeights, kernels: Kernels) -> Activations:
+        """Each token's top-k experts by the router's softmax, their outputs summed with those
+        probabilities as weights (rescaled to sum to 1 where the architecture does), plus the
+        gated shared expert. Each expert computes all the tokens routed to it at once."""
+        hidden = torch.as_tensor(h)  # [T, E], shares memory
+        probs = torch.softmax(torch.as_tensor(moe.router(h)).float(), dim=-1)  # [T, num_experts]
+        weights, chosen = probs.topk(self.config.experts_used, dim=-1)  # [T, k]
+        if self.config.renormalize_expert_weights:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(hidden)
+        for expert_id, expert in moe.experts.each(chosen.unique().tolist(), h):
+            rows, slots = (chosen == expert_id).nonzero(as_tuple=True)
+            y = torch.as_tensor(_expert_ffn(expert, hidden[rows])).to(out.device)
+            out.index_add_(0, rows, weights[rows, slots, None].to(out.device) * y)
+        if moe.shared is not None:
+            gate = torch.sigmoid(torch.as_tensor(moe.shared_gate(h)))  # [T, 1]
+            out += gate * torch.as_tensor(_expert_ffn(moe.shared, hidden)).to(out.device)
+        return kernels.take(out)
+
+
+def _expert_ffn(expert: ExpertWeights, x: torch.Tensor) -> Activations:
+    x = expert.kernels.take(x)
+    return expert.down(expert.kernels.swiglu(expert.gate_up, x))
+
+
+def _contiguous(x: Activations) -> Activations:
+    return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous()
+
+
+def _concat(parts: list[Activations]) -> Activations:
+    return np.concatenate(parts, axis=-1) if isinstance(parts[0], np.ndarray) else torch.cat(parts, dim=-1)
 
 
 def tree_depths(parents: np.ndarray) -> np.ndarray:
