@@ -112,9 +112,11 @@ def model_extents(gguf: GGUFFile, config: ModelConfig) -> tuple[ExtentSize, list
 
 
 def expert_extents(gguf: GGUFFile, config: ModelConfig) -> list[list[ExtentSize]]:
-    """Per layer, the pack's extent of each expert (empty for a dense model)."""
+    """Per layer, the pack's extent of each expert (none in a dense model)."""
+    if not config.is_moe:
+        return [[] for _ in range(config.num_layers)]
     experts = []
-    for i in range(config.num_layers if config.is_moe else 0):
+    for i in range(config.num_layers):
         sizer = _ExtentSizer()
         for names in EXPERT_TENSORS.values():
             sizer.linear(gguf, [f"blk.{i}.{name}" for name in names])

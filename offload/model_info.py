@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierflow.errors import ModelFileError
-from tierflow.offload.extents import model_extents
+from tierflow.offload.extents import expert_extents, model_extents
 from tierflow.offload.gguf_file import GGUFFile, read_gguf
 from tierflow.offload.model_path import resolve_model_path
 from tierflow.offload.tensors import check_tensors
@@ -32,8 +32,15 @@ class ModelSummary:
             ("vocabulary", c.vocab_size), ("context length", c.context_length),
             ("rope", f"theta {c.rope_theta:g}, {c.rope_style}, scaling {c.rope_scaling.kind}"),
             ("tied embeddings", c.tied_embeddings),
+            *([("experts", self._experts())] if c.is_moe else []),
             *((f"weights on {tier}", format_size(n)) for tier, n in self.bytes_by_tier.items()),
         ]
+
+    def _experts(self) -> str:
+        c = self.config
+        shared = f", a shared expert of {c.shared_expert_ffn_size}" if c.shared_expert_ffn_size else ""
+        return (f"{c.num_experts} per layer, {c.experts_used} used per token, feed-forward size "
+                f"{c.expert_ffn_size}{shared}")
 
 
 def read_config(gguf: GGUFFile) -> ModelConfig:
@@ -57,6 +64,8 @@ def describe_model(model: str | os.PathLike | None) -> ModelSummary:
             types[info.type_name] = (count + 1, nbytes + info.nbytes)
         num_parameters = sum(info.num_elements for info in gguf.tensors.values())
         globals_, layers = model_extents(gguf, config)
-        cpu_bytes = globals_.nbytes + sum(layer.nbytes for layer in layers)
+        experts = expert_extents(gguf, config)
+        expert_bytes = sum(x.nbytes for layer in experts for x in layer)
+        cpu_bytes = globals_.nbytes + sum(x.nbytes for x in layers) + expert_bytes
     return ModelSummary(path, config, path.stat().st_size, num_parameters, types,
                         {"gpu": 0, "cpu": cpu_bytes, "disk": 0})

@@ -55,7 +55,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from tierflow.errors import BudgetError, ContextLengthError
+from tierflow.errors import BudgetError, ContextLengthError, UnsupportedModelError
 from tierflow.offload.cost_model import Costs, Layout, Timing, timings
 from tierflow.offload.extents import ExtentSize, model_extents
 from tierflow.offload.gguf_file import GGUFFile, read_gguf
@@ -310,6 +310,10 @@ def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
     (default_gpu_budget, default_cpu_budget); a cpu_budget that cannot work raises
     PlanBudgetError (a BudgetError) naming the smallest that would. prompt_tokens (default 512,
     at most the context) is the prefill prediction's prompt and the decode prediction's position."""
+    if config.is_moe:
+        raise UnsupportedModelError(f"{gguf.path.name} is a mixture-of-experts model: the planner does not "
+                                    f"model streamed experts yet (Engine.load places them: all else in RAM, "
+                                    f"the experts through a cache in what the budget leaves)")
     if not 1 <= context_length <= config.context_length:
         raise ContextLengthError(f"context_length must be 1..{config.context_length}, got {context_length}")
     if prompt_tokens is None:

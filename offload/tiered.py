@@ -20,44 +20,52 @@ from tierflow.cpu_kernels.packed import PackedMatrix
 from tierflow.errors import UnsupportedModelError
 from tierflow.offload.device import DeviceTier
 from tierflow.offload.disk import DiskFile, aligned_buffer
+from tierflow.offload.expert_store import ExpertStore
 from tierflow.offload.packed_file import Extent, LoadProgress, PackedFile
 from tierflow.offload.streamer import LayerStreamer
+from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.model import ConcatLinear, ExpertWeights, Kernels, LayerWeights, Linear
 
 
 class TieredWeights:
     def __init__(self, packed: PackedFile, streamed_layers: Sequence[int], depth: int,
                  progress: LoadProgress | None = None, gpu_layers: Sequence[int] = (),
-                 device: DeviceTier | None = None, device_kernels: Kernels | None = None):
+                 device: DeviceTier | None = None, device_kernels: Kernels | None = None,
+                 expert_cache: tuple[ModelConfig, int] | None = None):
+        """expert_cache: (config, bytes) streams a MoE model's experts through a cache of that
+        many bytes in RAM (expert_store.py); without it they are resident."""
+        streamed, on_device = set(streamed_layers), set(gpu_layers)
+        if any(packed.experts) and (streamed or on_device):
+            raise UnsupportedModelError("a MoE model's layers are neither streamed nor placed on the GPU "
+                                        "tier: its experts stream instead (expert_store.py)")
         self.packed, self.device, self.device_kernels = packed, device, device_kernels
         self.disk = DiskFile(packed.path)
+        self.experts = None if expert_cache is None else ExpertStore(packed, self.disk, *expert_cache)
         self._buffers = []  # the resident extents' memory, alive as long as the weights
-        streamed, on_device = set(streamed_layers), set(gpu_layers)
         resident = [i for i in range(len(packed.layers)) if i not in streamed | on_device]
-        if packed.experts and any(packed.experts) and (streamed or on_device):
-            raise UnsupportedModelError("a MoE model's layers are not streamed or placed on the GPU tier: "
-                                        "its experts are (offload/expert_cache.py)")
-        total = packed.globals.nbytes + sum(packed.layers[i].nbytes + _experts_bytes(packed, i)
+        expert_bytes = [0 if self.experts else _experts_bytes(packed, i) for i in range(len(packed.layers))]
+        total = packed.globals.nbytes + sum(packed.layers[i].nbytes + expert_bytes[i]
                                             for i in [*resident, *on_device])
         self._loaded, self._progress = 0, progress
         try:
             globals_ = packed.global_weights(self._read(packed.globals, total))
-            self._layers = {i: packed.layer_weights(i, self._read(packed.layers[i], total),
-                                                    self._resident_experts(i, total)) for i in resident}
+            self._layers = {i: self._resident_layer(i, total) for i in resident}
             self._layers |= {i: self._to_device(i, total) for i in sorted(on_device)}
             self.streamer = (LayerStreamer(self.disk, packed, sorted(streamed), depth) if streamed else None)
         except BaseException:
-            self.disk.close()
+            self.close()
             raise
         self._embedding: PackedMatrix | torch.Tensor = globals_["embedding"]
         self._output_norm, self._output = globals_["output_norm"], globals_["output"]
         self._rope_freqs = globals_["rope_freqs"]
         self.streamed_layers, self.gpu_layers = sorted(streamed), sorted(on_device)
         ring = self.streamer.nbytes if self.streamer else 0
-        in_ram = packed.globals.nbytes + sum(packed.layers[i].nbytes + _experts_bytes(packed, i)
-                                             for i in resident)
-        self._bytes = {"cpu": in_ram + ring,
-                       "disk": sum(packed.layers[i].nbytes for i in self.streamed_layers)}
+        in_ram = packed.globals.nbytes + sum(packed.layers[i].nbytes + expert_bytes[i] for i in resident)
+        on_disk = sum(packed.layers[i].nbytes for i in self.streamed_layers)
+        if self.experts is not None:
+            in_ram += self.experts.nbytes
+            on_disk += sum(_experts_bytes(packed, i) for i in range(len(packed.layers)))
+        self._bytes = {"cpu": in_ram + ring, "disk": on_disk}
         layer_specs = [spec for extent in packed.layers for spec in extent.weights.values()
                        if isinstance(spec, dict)]  # the linears (the norms are [offset, size])
         self.uses_kernels = _computed_by_kernels(self._output) or any(map(_packed_spec, layer_specs))
@@ -73,11 +81,17 @@ class TieredWeights:
             self._progress("load", self._loaded, total)
         return data
 
-    def _resident_experts(self, index: int, total: int) -> "ResidentExperts | None":
+    def _resident_layer(self, index: int, total: int) -> LayerWeights:
+        data = self._read(self.packed.layers[index], total)
         if not self.packed.experts[index]:
-            return None
-        return ResidentExperts([self.packed.expert_weights(index, e, self._read(extent, total))
-                                for e, extent in enumerate(self.packed.experts[index])])
+            return self.packed.layer_weights(index, data)
+        if self.experts is None:
+            experts = ResidentExperts([self.packed.expert_weights(index, e, self._read(extent, total))
+                                       for e, extent in enumerate(self.packed.experts[index])])
+            return self.packed.layer_weights(index, data, experts)
+        weights = self.packed.layer_weights(index, data, self.experts.layer_experts(index))
+        self.experts.add_router(index, weights)
+        return weights
 
     def _to_device(self, index: int, total: int) -> LayerWeights:
         """Layer `index` copied to the device tier; its weights view the device copy."""
@@ -125,8 +139,10 @@ class TieredWeights:
         return {"gpu": self.device.used if self.device else 0, **self._bytes}
 
     def close(self) -> None:
-        if self.streamer is not None:
+        if getattr(self, "streamer", None) is not None:
             self.streamer.close()
+        if self.experts is not None:
+            self.experts.close()
         self.disk.close()
 
 

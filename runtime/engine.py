@@ -24,11 +24,13 @@ from tierflow.errors import (
     InvalidArgumentError,
     ModelFileError,
     TierflowError,
+    UnsupportedModelError,
 )
 from tierflow.gpu_kernels.launch import load_all_kernels
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
 from tierflow.offload.device import DeviceTier
-from tierflow.offload.extents import model_extents
+from tierflow.offload.expert_cache import CacheStats
+from tierflow.offload.extents import expert_extents, model_extents
 from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.llama_vocab import llama_vocab_file
 from tierflow.offload.model_info import read_config
@@ -229,6 +231,12 @@ class Engine:
 
     # -- lifetime --------------------------------------------------------------------------
 
+    @property
+    def expert_stats(self) -> CacheStats | None:
+        """What the expert cache did (per-layer hit rates, bytes fetched per token, predictions
+        right and wrong), for a MoE model whose experts stream; None otherwise."""
+        return None if self.weights.experts is None else self.weights.experts.stats
+
     def close(self) -> None:
         """Stops the running generation, then releases the weights, the KV cache and the tokenizer;
         later calls raise TierflowError. (Not from inside the iteration of the engine's own stream:
@@ -356,11 +364,22 @@ def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTie
                   context_length: int, progress) -> TieredWeights:
     """The model's pack (built on first use) placed under the budgets. A pack found damaged
     while loading is rebuilt once."""
-    gpu_layers, streamed, depth = _placement(gguf, config, cpu_budget, gpu, threads, context_length, progress)
+    if config.is_moe:
+        if gpu.budget:
+            raise UnsupportedModelError(f"{gguf.path.name} is a mixture-of-experts model, whose layers run "
+                                        f"on the CPU for now (experts on the GPU tier are not built): use "
+                                        f"gpu_memory=0")
+        cache_bytes = _expert_cache_bytes(gguf, config, cpu_budget, context_length)
+        gpu_layers, streamed, depth = (), (), 0
+    else:
+        cache_bytes = None
+        gpu_layers, streamed, depth = _placement(gguf, config, cpu_budget, gpu, threads, context_length,
+                                                 progress)
 
     def place(packed):
         device = DeviceTier(gpu.device, gpu.budget) if gpu.budget else None
-        return TieredWeights(packed, streamed, depth, progress, gpu_layers, device, gpu.kernels)
+        return TieredWeights(packed, streamed, depth, progress, gpu_layers, device, gpu.kernels,
+                             None if cache_bytes is None else (config, cache_bytes))
 
     packed = open_pack(gguf, config, progress)
     try:
@@ -368,6 +387,27 @@ def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTie
     except ModelFileError:
         packed.path.unlink(missing_ok=True)
         return place(open_pack(gguf, config, progress))
+
+
+def _expert_cache_bytes(gguf, config: ModelConfig, cpu_budget: int | None, context_length: int) -> int | None:
+    """A MoE model's placement: None when all of it fits the budget; else everything but the
+    experts stays in RAM and the experts stream from disk through a cache of the bytes left,
+    which must hold at least one layer's experts (what one prefill step may use)."""
+    globals_, layers = model_extents(gguf, config)
+    experts = expert_extents(gguf, config)
+    budget = cpu_budget
+    if budget is None:
+        budget = default_cpu_budget(kv_cache_bytes(config, context_length))
+    base = globals_.nbytes + sum(layer.nbytes for layer in layers)
+    if base + sum(e.nbytes for layer in experts for e in layer) <= budget:
+        return None
+    one_layer = max(sum(e.nbytes for e in layer) for layer in experts)
+    if budget < base + one_layer:
+        raise BudgetError(f"cpu_memory {format_size(budget)} is too small for {gguf.path.name}: its globals, "
+                          f"attention and routers take {format_size(base)} and the expert cache needs room "
+                          f"for one layer's experts ({format_size(one_layer)}); the least that works is "
+                          f"{format_size(base + one_layer)}")
+    return budget - base
 
 
 def _placement(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTier, threads: int,

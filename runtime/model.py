@@ -101,9 +101,10 @@ class ExpertWeights:
 class Experts(Protocol):
     """A MoE layer's experts, wherever they live (resident, cached, streamed: the source's business)."""
 
-    def each(self, expert_ids: list[int], hidden: Activations) -> Iterator[tuple[int, ExpertWeights]]:
+    def each(self, expert_ids: list[int], residual: Activations) -> Iterator[tuple[int, ExpertWeights]]:
         """Each of expert_ids (distinct) with its weights, in an order the source picks (those at
-        hand first, say); hidden [T, E] is the layer's FFN input, a hint for what comes next."""
+        hand first, say); residual [T, E] is the stream entering the FFN, a hint of what the
+        next layers will route to."""
         ...
 
 
@@ -180,7 +181,8 @@ class Decoder:
                 rotary[kernels] = kernels.take(self.cos[positions]), kernels.take(self.sin[positions])
             attended = self._attention(kernels.rms_norm(x, w.attn_norm, eps), w, layer_idx, cache, start_pos,
                                        *rotary[kernels], parents, tree_start)
-            x += self._ffn(kernels.add_rms_norm(x, attended, w.ffn_norm, eps), w)
+            h = kernels.add_rms_norm(x, attended, w.ffn_norm, eps)  # x: the residual stream entering the FFN
+            x += self._ffn(h, w, x)
         cache.length = start_pos + token_ids.shape[0]
         x = CPU_KERNELS.take(x)
         if not all_logits:
@@ -206,12 +208,12 @@ class Decoder:
         eps = cfg.rms_norm_eps
         return _concat([kernels.rms_norm(q, w.q_norm, eps), kernels.rms_norm(k, w.k_norm, eps), v])
 
-    def _ffn(self, h: Activations, w: LayerWeights) -> Activations:
+    def _ffn(self, h: Activations, w: LayerWeights, residual: Activations) -> Activations:
         if w.moe is None:
             return w.down(w.kernels.swiglu(w.gate_up, h))
-        return self._moe(h, w.moe, w.kernels)
+        return self._moe(h, w.moe, w.kernels, residual)
 
-    def _moe(self, h: Activations, moe: MoEWeights, kernels: Kernels) -> Activations:
+    def _moe(self, h: Activations, moe: MoEWeights, kernels: Kernels, residual: Activations) -> Activations:
         """Each token's top-k experts by the router's softmax, their outputs summed with those
         probabilities as weights (rescaled to sum to 1 where the architecture does), plus the
         gated shared expert. Each expert computes all the tokens routed to it at once."""
@@ -221,7 +223,7 @@ class Decoder:
         if self.config.renormalize_expert_weights:
             weights /= weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(hidden)
-        for expert_id, expert in moe.experts.each(chosen.unique().tolist(), h):
+        for expert_id, expert in moe.experts.each(chosen.unique().tolist(), residual):
             rows, slots = (chosen == expert_id).nonzero(as_tuple=True)
             y = torch.as_tensor(_expert_ffn(expert, hidden[rows])).to(out.device)
             out.index_add_(0, rows, weights[rows, slots, None].to(out.device) * y)

@@ -1,0 +1,120 @@
+"""Streamed experts: a MoE model's experts read from its pack into an ExpertCache in RAM.
+
+When a MoE model's experts do not all fit the cpu_memory budget, everything else stays resident
+(the globals, and every layer's attention, router and shared expert: a small part of the model)
+and the experts live on disk, each one extent of the pack. One ExpertCache (expert_cache.py), with
+the room the budget leaves, holds those the policy keeps. A layer step:
+
+1. predicts the next MoE layer's experts by applying its router, early, to this layer's residual
+   stream (expert_prediction.route_top_k), and records the prediction;
+2. gets its own experts from the cache: hits at once, misses as reads queued on a reader thread;
+3. starts reading the predicted experts of the next layer that are not resident (prefetch), behind
+   this layer's misses, so that disk reads overlap this layer's compute;
+4. hands the experts to the decoder hits first, so the misses have the longest to arrive.
+
+A prefetched expert that the next layer does not use is dropped at once (its read cancelled if it
+has not started). Reads use O_DIRECT (offload/disk.py), so the page cache never holds experts and
+the budget is what RAM holds; each read's CRC-32 is checked.
+"""
+
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from tierflow.offload.disk import DiskFile, aligned_buffer
+from tierflow.offload.expert_cache import CacheStats, ExpertCache
+from tierflow.offload.expert_policy import ExpertKey
+from tierflow.offload.expert_prediction import merge_token_predictions, route_top_k
+from tierflow.offload.packed_file import PackedFile
+from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.model import Activations, ExpertWeights, LayerWeights
+
+
+class _ExpertRead:
+    """An expert's read in flight or done; nbytes is what the cache counts."""
+
+    def __init__(self, future: Future, nbytes: int):
+        self.future, self.nbytes = future, nbytes
+
+    def weights(self) -> ExpertWeights:
+        return self.future.result()
+
+
+class ExpertStore:
+    """The experts of every MoE layer of a pack, through one cache of `budget_bytes`."""
+
+    def __init__(self, packed: PackedFile, disk: DiskFile, config: ModelConfig, budget_bytes: int,
+                 policy: str = "score"):
+        self.packed, self.disk, self.config = packed, disk, config
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-experts")
+        self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
+                                 self._fetch, policy, discard=self._discard)
+        self._routers: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (router [E, H], ffn_norm)
+
+    def layer_experts(self, layer_idx: int) -> "StreamedExperts":
+        return StreamedExperts(self, layer_idx)
+
+    def add_router(self, layer_idx: int, weights: LayerWeights) -> None:
+        """Layer layer_idx's router and FFN norm, for predicting its experts one layer early."""
+        router = weights.moe.router.weight  # a float32 DenseLinear: routers stay unquantized
+        self._routers[layer_idx] = np.asarray(router), np.asarray(weights.ffn_norm)
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.cache.stats
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.budget_bytes
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
+
+    def step(self, layer_idx: int, expert_ids: list[int], residual: Activations
+             ) -> Iterator[tuple[int, ExpertWeights]]:
+        residual = np.asarray(torch.as_tensor(residual).cpu())
+        following = self._routers.get(layer_idx + 1)
+        if following is not None:
+            ids, probs = route_top_k(following[0], residual, self.config.experts_used, following[1],
+                                     self.config.rms_norm_eps)
+            self.cache.predict(layer_idx + 1, *merge_token_predictions(ids, probs))
+        hits = [e for e in expert_ids if (layer_idx, e) in self.cache]
+        misses = [e for e in expert_ids if (layer_idx, e) not in self.cache]
+        order = hits + misses
+        reads = self.cache.get(layer_idx, order)
+        if following is not None:
+            self.cache.prefetch(layer_idx + 1)
+        try:
+            for expert_id, read in zip(order, reads):
+                yield expert_id, read.weights()
+        finally:
+            self.cache.release()
+            if layer_idx == self.config.num_layers - 1:
+                self.cache.next_token(residual.shape[0])
+
+    def _fetch(self, key: ExpertKey) -> _ExpertRead:
+        extent = self.packed.experts[key[0]][key[1]]
+        return _ExpertRead(self._reader.submit(self._read, key), extent.nbytes)
+
+    def _read(self, key: ExpertKey) -> ExpertWeights:
+        layer_idx, expert_id = key
+        extent = self.packed.experts[layer_idx][expert_id]
+        buffer = aligned_buffer(extent.nbytes)
+        data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
+        self.packed.check(extent, data)
+        return self.packed.expert_weights(layer_idx, expert_id, data)
+
+    def _discard(self, key: ExpertKey, read: _ExpertRead) -> None:
+        read.future.cancel()  # a read not started yet never happens; a started one is dropped when done
+
+
+class StreamedExperts:
+    """One MoE layer's view of the ExpertStore (runtime.model.Experts)."""
+
+    def __init__(self, store: ExpertStore, layer_idx: int):
+        self.store, self.layer_idx = store, layer_idx
+
+    def each(self, expert_ids: list[int], hidden: Activations) -> Iterator[tuple[int, ExpertWeights]]:
+        return self.store.step(self.layer_idx, expert_ids, hidden)
