@@ -1,7 +1,8 @@
 """Writes GGUF models that llama.cpp loads and runs: random ones, and F32 copies of real ones.
 
 Tests and benchmarks need models other than the bundled SmolLM2: a `qwen2` one for the oracle
-test, `llama` ones of several GB for streaming. Nothing may be downloaded, so this writes them:
+test, `llama` ones of several GB for streaming, mixture-of-experts ones (Mixtral-style `llama`,
+`qwen2moe`, `olmoe`) for expert offloading. Nothing may be downloaded, so this writes them:
 the SmolLM2 tokenizer (all `tokenizer.*` keys, 49152 tokens and its chat template), the
 architecture metadata llama.cpp reads, and random but numerically sane weights, so a forward
 pass gives finite logits with a clear argmax and llama.cpp can serve as the oracle.
@@ -14,15 +15,20 @@ that dequantizes the original's weights.
     spec = ModelSpec(arch="qwen2", num_layers=2, hidden_size=64)
     write_model(tmp_path / "m.gguf", spec)
     write_model("big.gguf", spec_for_size(2 * 10**9))
+    write_model(tmp_path / "moe.gguf", ModelSpec(arch="olmoe", num_experts=4, num_kv_heads=4))
+    write_model("moe.gguf", spec_for_size(2 * 10**9, num_experts=8, experts_used=2))
     write_f32_copy(bundled_model_path(), tmp_path / "smollm2-f32.gguf")
 
     python tests/make_model.py OUT.gguf --arch qwen2 --layers 4 --hidden 256
     python tests/make_model.py OUT.gguf --size 2GB
+    python tests/make_model.py OUT.gguf --arch qwen2moe --experts 8 --expert-ffn 64
+    python tests/make_model.py OUT.gguf --size 2GB --experts 8 --experts-used 2
     python tests/make_model.py OUT.gguf --f32-copy-of SRC.gguf
 
 Files are written tensor by tensor: peak memory is a few times the largest tensor (the
-embedding), never the whole model; a 2 GB Q8_0 model takes ~10 s. The same spec and seed always
-give the same bytes. `file_bytes` gives a spec's file size without writing it.
+embedding, or a layer's stack of experts), never the whole model; a 2 GB Q8_0 model takes
+~10 s. The same spec and seed always give the same bytes. `file_bytes` gives a spec's file
+size without writing it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from gguf_bytes import UINT32, Typed, pack_kv
 from gguf_writing import TensorEntry, encoded_kvs, file_size, write_gguf
 from model_spec import ARCHS, FILE_TYPES, ModelSpec, architecture_metadata, tensor_plan
@@ -106,32 +112,49 @@ def write_f32_copy(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
 _WIDTHS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 8192)
 _MIN_LAYERS = 16  # streaming work wants many layers; widen only while this many still fit
 _FFN_STEP = 256   # keeps ffn_size a multiple of every block size, K-quants included
-_SHAPE_FIELDS = {"num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads"}
+_SHAPE_FIELDS = {"num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
+                 "expert_ffn_size", "shared_expert_ffn_size"}
+
+
+def _ffn_step(spec: ModelSpec) -> int:
+    """ffn_size's step. MoE layers grow num_experts times faster with it, so theirs is finer:
+    32 (every legacy block size), or a K-quant's 256."""
+    if not spec.num_experts:
+        return _FFN_STEP
+    return max(32, GGML_QUANT_SIZES[GGMLQuantizationType[spec.weight_type]][0])
+
+
+def _num_kv_heads(num_heads: int, overrides: dict[str, Any]) -> int:
+    """A quarter of the heads, or all of them where llama.cpp allows no GQA (olmoe)."""
+    traits = ARCHS.get(overrides.get("arch", ModelSpec.arch))
+    return num_heads if traits and traits.qk_norm else max(1, num_heads // 4)
 
 
 def _spec_of_width(num_bytes: int, width: int, overrides: dict[str, Any]) -> ModelSpec:
     """The `width`-wide spec closest to `num_bytes`: layers first, then ffn_size for the rest.
 
     File size is linear in num_layers and, per layer, in ffn_size (up to a few bytes of layer
-    numbers in tensor names), so three small files' sizes give the coefficients."""
+    numbers in tensor names), so three small files' sizes give the coefficients. MoE experts
+    are ffn_size wide, so ffn_size scales them (and qwen2moe's shared expert) too."""
     head_dim = 64 if width < 2048 else 128
     num_heads = width // head_dim
     spec = ModelSpec(**overrides, hidden_size=width, num_heads=num_heads,
-                     num_kv_heads=max(1, num_heads // 4), num_layers=1,
+                     num_kv_heads=_num_kv_heads(num_heads, overrides), num_layers=1,
                      ffn_size=_FFN_STEP * max(1, round(8 * width / 3 / _FFN_STEP)))
+    step = _ffn_step(spec)
     one_layer = file_bytes(spec)
     layer_bytes = file_bytes(replace(spec, num_layers=2)) - one_layer
-    step_bytes = file_bytes(replace(spec, ffn_size=spec.ffn_size + _FFN_STEP)) - one_layer
+    step_bytes = file_bytes(replace(spec, ffn_size=spec.ffn_size + step)) - one_layer
     fixed_bytes = one_layer - layer_bytes
     num_layers = max(1, round((num_bytes - fixed_bytes) / layer_bytes))
     steps = round((num_bytes - fixed_bytes - num_layers * layer_bytes) / (num_layers * step_bytes))
-    return replace(spec, num_layers=num_layers,
-                   ffn_size=max(_FFN_STEP, spec.ffn_size + steps * _FFN_STEP))
+    return replace(spec, num_layers=num_layers, ffn_size=max(step, spec.ffn_size + steps * step))
 
 
 def spec_for_size(num_bytes: int, **overrides: Any) -> ModelSpec:
-    """A llama spec whose file is about `num_bytes` (within ~2% from ~20 MB up): the widest of
-    _WIDTHS that still gets _MIN_LAYERS layers. `overrides` set any field but the shape."""
+    """A spec (llama unless `overrides` say otherwise) whose file is about `num_bytes` (within
+    ~2% from ~20 MB up): the widest of _WIDTHS that still gets _MIN_LAYERS layers. `overrides`
+    set any field but the shape; num_experts and experts_used make it a MoE model."""
     if _SHAPE_FIELDS & overrides.keys():
         raise ValueError(f"spec_for_size chooses {sorted(_SHAPE_FIELDS & overrides.keys())} "
                          "itself")
@@ -148,6 +171,10 @@ _OPTIONS = {  # flag -> (ModelSpec field, argparse keywords)
     "--layers": ("num_layers", {"type": int}),
     "--hidden": ("hidden_size", {"type": int}),
     "--ffn": ("ffn_size", {"type": int}),
+    "--experts": ("num_experts", {"type": int}),
+    "--experts-used": ("experts_used", {"type": int}),
+    "--expert-ffn": ("expert_ffn_size", {"type": int}),
+    "--shared-expert-ffn": ("shared_expert_ffn_size", {"type": int}),
     "--heads": ("num_heads", {"type": int}),
     "--kv-heads": ("num_kv_heads", {"type": int}),
     "--context": ("context_length", {"type": int}),
@@ -166,8 +193,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Write a GGUF model with random weights, or "
                                      "an F32 copy of a GGUF model.")
     parser.add_argument("out", type=Path, help="the .gguf file to write")
-    parser.add_argument("--size", help="pick a llama shape whose file has about this size "
-                        "(e.g. 2GB); excludes the shape options")
+    parser.add_argument("--size", help="pick a shape whose file has about this size (e.g. "
+                        "2GB); excludes the shape options but --experts and --experts-used")
     parser.add_argument("--f32-copy-of", type=Path, metavar="SRC", help="write SRC with every "
                         "tensor dequantized to F32; excludes all other options")
     for flag, (field, keywords) in _OPTIONS.items():

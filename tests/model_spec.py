@@ -2,6 +2,25 @@
 
 Pure layout, no I/O: the vocabulary size comes in as an argument (make_model takes it, with the
 tokenizer, from the bundled SmolLM2 file).
+
+Mixture-of-experts layers, as llama.cpp computes them (src/models/llama.cpp, qwen2moe.cpp,
+olmoe.cpp; llm_graph_context::build_moe_ffn in src/llama-graph.cpp). T tokens, E experts, k used;
+x [T, hidden] is the ffn_norm output (RMSNorm, eps layer_norm_rms_epsilon, times ffn_norm.weight):
+    p = softmax(x @ ffn_gate_inp.T)                  # [T, E], F32, softmax over all E experts
+    chosen = top-k of p per token                    # [T, k]
+    w = p[chosen]                                    # [T, k]; llama: w / w.sum(-1) (norm_w)
+    out = sum_j w_j * down_e(silu(gate_e x) * up_e x) for e = chosen_j   # SwiGLU per expert
+llama (Mixtral): norm_w true; rope NORM (adjacent pairs); experts are feed_forward_length wide.
+qwen2moe: norm_w false (raw softmax weights, summing to < 1); q/k/v biases; rope NEOX (halves);
+    experts are expert_feed_forward_length wide, and a shared expert is added to the routed sum:
+    sigmoid(x @ ffn_gate_inp_shexp) * down_s(silu(gate_s x) * up_s x), its width
+    expert_shared_feed_forward_length (ffn_gate_inp_shexp is 1-D, [hidden]).
+olmoe: norm_w false; rope NEOX; no biases; q = RMSNorm(x @ Wq) * attn_q_norm and
+    k = RMSNorm(x @ Wk) * attn_k_norm over the whole projection (all heads at once, eps
+    layer_norm_rms_epsilon), before the split into heads and before rope; experts are
+    feed_forward_length wide.
+No {arch}.expert_weights_scale is written, so llama.cpp scales no weights. llama.cpp requires
+output.weight for qwen2moe and olmoe, and an olmoe k norm as wide as the q norm (no GQA).
 """
 
 from __future__ import annotations
@@ -27,14 +46,27 @@ FILE_TYPES = {  # weight type name -> general.file_type
 }
 
 
+MAX_EXPERTS = 512  # llama.cpp's LLAMA_MAX_EXPERTS: past it, loading aborts the process
+
+
 @dataclass(frozen=True)
 class _ArchTraits:
-    qkv_bias: bool    # attn_q/k/v carry a bias (qwen2)
-    rope_freqs: bool  # llama.cpp accepts a rope_freqs.weight tensor for this arch
+    qkv_bias: bool                  # attn_q/k/v carry a bias (qwen2, qwen2moe)
+    rope_freqs: bool                # llama.cpp accepts a rope_freqs.weight tensor for this arch
+    experts: str = "never"          # "never", "optional" (num_experts 0: dense) or "always"
+    qk_norm: bool = False           # attn_q_norm/attn_k_norm over whole projections (olmoe)
+    shared_expert: bool = False     # a sigmoid-gated shared expert beside the routed ones
+    expert_width_key: bool = False  # experts are {arch}.expert_feed_forward_length wide, not
+                                    # feed_forward_length (ffn_size) wide
+    untied_only: bool = False       # llama.cpp requires output.weight
 
 
-ARCHS = {"llama": _ArchTraits(qkv_bias=False, rope_freqs=True),
-         "qwen2": _ArchTraits(qkv_bias=True, rope_freqs=False)}
+ARCHS = {"llama": _ArchTraits(qkv_bias=False, rope_freqs=True, experts="optional"),
+         "qwen2": _ArchTraits(qkv_bias=True, rope_freqs=False),
+         "qwen2moe": _ArchTraits(qkv_bias=True, rope_freqs=False, experts="always",
+                                 shared_expert=True, expert_width_key=True, untied_only=True),
+         "olmoe": _ArchTraits(qkv_bias=False, rope_freqs=False, experts="always", qk_norm=True,
+                              untied_only=True)}
 
 
 @dataclass(frozen=True)
@@ -44,7 +76,13 @@ class ModelSpec:
     arch: str = "llama"              # a key of ARCHS
     num_layers: int = 2
     hidden_size: int = 64
-    ffn_size: int = 128
+    ffn_size: int = 128              # feed_forward_length: the dense FFN, or (llama, olmoe) each
+                                     # expert's width
+    num_experts: int = 0             # routed experts per layer; 0: a dense FFN (llama only)
+    experts_used: int = 2            # experts each token is routed to (top-k); MoE only
+    expert_ffn_size: int | None = None         # each expert's width (qwen2moe); None: ffn_size
+    shared_expert_ffn_size: int | None = None  # the shared expert's width (qwen2moe); None:
+                                               # ffn_size, as llama.cpp assumes without the key
     num_heads: int = 4
     num_kv_heads: int = 2
     context_length: int = 256
@@ -52,14 +90,17 @@ class ModelSpec:
     rope_scaling: str | None = None  # None, "linear" or "yarn" (writes {arch}.rope.scaling.*)
     rope_scaling_factor: float = 1.0
     llama3_rope_freqs: bool = False  # add rope_freqs.weight with llama3-style factors (llama)
-    tied_embeddings: bool = True     # no output.weight: llama.cpp reuses token_embd
-    weight_type: str = "Q8_0"        # every 2-D matrix, output.weight included; see FILE_TYPES
+    tied_embeddings: bool | None = None  # no output.weight: llama.cpp reuses token_embd; None:
+                                         # tied where the arch allows it (not qwen2moe, olmoe)
+    weight_type: str = "Q8_0"        # every 2-D matrix and expert stack, output.weight included
     embedding_type: str = "Q8_0"     # token_embd.weight
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {sorted(ARCHS)}, not {self.arch!r}")
+        if self.tied_embeddings is None:  # resolved here, so the field always reads as a bool
+            object.__setattr__(self, "tied_embeddings", not ARCHS[self.arch].untied_only)
         for name in ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
                      "context_length"):
             if getattr(self, name) < 1:
@@ -70,10 +111,48 @@ class ModelSpec:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")
+        self._check_experts()
+        self._check_arch()
         self._check_rope()
-        for field, row_lengths in (("weight_type", (self.hidden_size, self.ffn_size)),
+        for field, row_lengths in (("weight_type", self._row_lengths()),
                                    ("embedding_type", (self.hidden_size,))):
             self._check_type(field, row_lengths)
+
+    def _check_arch(self) -> None:
+        traits = ARCHS[self.arch]
+        if traits.untied_only and self.tied_embeddings:
+            raise ValueError(f"llama.cpp requires output.weight for arch {self.arch!r}: "
+                             "tied_embeddings must be False")
+        if traits.qk_norm and self.num_kv_heads != self.num_heads:
+            raise ValueError(f"llama.cpp's {self.arch!r} k norm is hidden_size wide: num_kv_heads "
+                             f"{self.num_kv_heads} must equal num_heads {self.num_heads}")
+
+    def _check_experts(self) -> None:
+        traits = ARCHS[self.arch]
+        if self.num_experts == 0:
+            if traits.experts == "always":
+                raise ValueError(f"arch {self.arch!r} is mixture-of-experts: num_experts must "
+                                 "be at least 2")
+            if self.expert_ffn_size is not None or self.shared_expert_ffn_size is not None:
+                raise ValueError("expert_ffn_size and shared_expert_ffn_size need num_experts")
+            return
+        if traits.experts == "never":
+            raise ValueError(f"llama.cpp's {self.arch!r} has no experts: num_experts must be 0")
+        if not 2 <= self.num_experts <= MAX_EXPERTS:
+            dense = " (or 0: dense)" if traits.experts == "optional" else ""
+            raise ValueError(f"num_experts must be between 2 and {MAX_EXPERTS}{dense}, got "
+                             f"{self.num_experts}")
+        if not 1 <= self.experts_used <= self.num_experts:
+            raise ValueError(f"experts_used must be between 1 and num_experts "
+                             f"{self.num_experts}, got {self.experts_used}")
+        for name in ("expert_ffn_size", "shared_expert_ffn_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not traits.expert_width_key and self.expert_ffn_width != self.ffn_size:
+            raise ValueError(f"llama.cpp's {self.arch!r} takes the expert width from "
+                             f"feed_forward_length: set ffn_size, not expert_ffn_size")
+        if not traits.shared_expert and self.shared_expert_ffn_size is not None:
+            raise ValueError(f"arch {self.arch!r} has no shared expert")
 
     def _check_rope(self) -> None:
         if self.rope_scaling not in (None, "linear", "yarn"):
@@ -86,6 +165,15 @@ class ModelSpec:
                              f"{self.rope_scaling_factor}")
         if self.llama3_rope_freqs and not ARCHS[self.arch].rope_freqs:
             raise ValueError(f"llama.cpp reads no rope_freqs tensor for arch {self.arch!r}")
+
+    def _row_lengths(self) -> tuple[int, ...]:
+        """Every weight_type row length: matrices' inputs, the FFN's and experts' down rows."""
+        lengths = (self.hidden_size, self.ffn_size)
+        if self.num_experts:
+            lengths += (self.expert_ffn_width,)
+        if self.num_experts and ARCHS[self.arch].shared_expert:
+            lengths += (self.shared_expert_ffn_width,)
+        return lengths
 
     def _check_type(self, field: str, row_lengths: tuple[int, ...]) -> None:
         name = getattr(self, field)
@@ -105,6 +193,14 @@ class ModelSpec:
         """Width of the K and V projections (num_kv_heads * head_dim)."""
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def expert_ffn_width(self) -> int:
+        return self.ffn_size if self.expert_ffn_size is None else self.expert_ffn_size
+
+    @property
+    def shared_expert_ffn_width(self) -> int:
+        return self.ffn_size if self.shared_expert_ffn_size is None else self.shared_expert_ffn_size
+
 
 # Matrices get std gain/sqrt(fan_in), so that with unit-RMS inputs their outputs have std ~gain.
 # token_embd/output: logits std ~_LOGIT_GAIN, tied or not, so the top logits stand apart.
@@ -116,11 +212,25 @@ _LOGIT_GAIN = 8.0
 _RESIDUAL_GAIN = 3.0
 _NORM_STD = 0.1       # norm weights are 1 + N(0, _NORM_STD)
 _BIAS_STD = 0.5       # large enough that a dropped q/k/v bias changes the argmax
+# MoE layers. Router logits get std ~_ROUTER_GAIN, so the k-th chosen expert's softmax weight
+# is typically ~0.2: it counts, yet the top one leads. No gain widens the k-th/(k+1)-th margins
+# against perturbed hidden states (both scale with it). Attention averages over the context, so
+# its output is largely shared by a sequence's tokens (and Wo @ bv by all tokens): written at
+# _RESIDUAL_GAIN it takes over the router input a few layers deep (70% of its energy common to
+# the tokens by layer 8, one expert picked by every token), so MoE attention writes at gain 1
+# (5-15% common at any depth, every expert used) and qwen2moe's v bias is smaller. The routed
+# output mixes k experts with weights summing to at most 1, so experts write at _EXPERT_GAIN:
+# at _RESIDUAL_GAIN a tied llama MoE's argmax would echo the input token for ~22% of tokens.
+_ROUTER_GAIN = 2.0
+_EXPERT_GAIN = 5.0
+_SHARED_GATE_GAIN = 1.0  # qwen2moe's shared-expert gate: sigmoid mostly within 0.2..0.8
+_MOE_ATTN_GAIN = 1.0
+_MOE_V_BIAS_STD = 0.2
 
 
 class PlannedTensor(NamedTuple):
     name: str
-    shape: tuple[int, ...]  # numpy order, (rows, row_length); GGUF lists it reversed
+    shape: tuple[int, ...]  # numpy order, ([experts,] rows, row_length); GGUF lists it reversed
     qtype: GGMLQuantizationType
     std: float
     mean: float = 0.0
@@ -140,20 +250,59 @@ def _norm(name: str, size: int) -> PlannedTensor:
     return PlannedTensor(name, (size,), Q.F32, _NORM_STD, mean=1.0)
 
 
-def _layer_plan(spec: ModelSpec, layer_idx: int) -> list[PlannedTensor]:
-    h, w, prefix = spec.hidden_size, spec.weight_type, f"blk.{layer_idx}."
+def _experts(name: str, num_experts: int, rows: int, row_length: int, type_name: str,
+             gain: float = 1.0) -> PlannedTensor:
+    """A stack of per-expert matrices, [E, rows, row_length]; GGUF lists it reversed."""
+    return PlannedTensor(name, (num_experts, rows, row_length), Q[type_name],
+                         gain / math.sqrt(row_length))
+
+
+def _attention_plan(spec: ModelSpec, prefix: str) -> list[PlannedTensor]:
+    h, w, traits = spec.hidden_size, spec.weight_type, ARCHS[spec.arch]
+    moe = spec.num_experts > 0
     plan = [_norm(prefix + "attn_norm.weight", h)]
     for name, rows in (("attn_q", h), ("attn_k", spec.kv_size), ("attn_v", spec.kv_size)):
         plan.append(_matrix(f"{prefix}{name}.weight", rows, h, w))
-        if ARCHS[spec.arch].qkv_bias:
-            plan.append(PlannedTensor(f"{prefix}{name}.bias", (rows,), Q.F32, _BIAS_STD))
-    return plan + [
-        _matrix(prefix + "attn_output.weight", h, h, w, _RESIDUAL_GAIN),
-        _norm(prefix + "ffn_norm.weight", h),
-        _matrix(prefix + "ffn_gate.weight", spec.ffn_size, h, w),
-        _matrix(prefix + "ffn_up.weight", spec.ffn_size, h, w),
-        _matrix(prefix + "ffn_down.weight", h, spec.ffn_size, w, _RESIDUAL_GAIN),
-    ]
+        if traits.qkv_bias:
+            std = _MOE_V_BIAS_STD if moe and name == "attn_v" else _BIAS_STD
+            plan.append(PlannedTensor(f"{prefix}{name}.bias", (rows,), Q.F32, std))
+    if traits.qk_norm:
+        plan += [_norm(prefix + "attn_q_norm.weight", h),
+                 _norm(prefix + "attn_k_norm.weight", spec.kv_size)]
+    return plan + [_matrix(prefix + "attn_output.weight", h, h, w,
+                           _MOE_ATTN_GAIN if moe else _RESIDUAL_GAIN),
+                   _norm(prefix + "ffn_norm.weight", h)]
+
+
+def _dense_ffn_plan(spec: ModelSpec, prefix: str, kind: str = "", width: int | None = None
+                    ) -> list[PlannedTensor]:
+    """gate, up and down of one SwiGLU FFN; kind "_shexp" names the shared expert."""
+    h, f, w = spec.hidden_size, width or spec.ffn_size, spec.weight_type
+    return [_matrix(f"{prefix}ffn_gate{kind}.weight", f, h, w),
+            _matrix(f"{prefix}ffn_up{kind}.weight", f, h, w),
+            _matrix(f"{prefix}ffn_down{kind}.weight", h, f, w, _RESIDUAL_GAIN)]
+
+
+def _moe_ffn_plan(spec: ModelSpec, prefix: str) -> list[PlannedTensor]:
+    """The router (never quantized, as llama.cpp's quantizer leaves it), the expert stacks and,
+    for qwen2moe, the shared expert with its 1-D gate."""
+    e, h, f, w = spec.num_experts, spec.hidden_size, spec.expert_ffn_width, spec.weight_type
+    plan = [PlannedTensor(prefix + "ffn_gate_inp.weight", (e, h), Q.F32,
+                          _ROUTER_GAIN / math.sqrt(h)),
+            _experts(prefix + "ffn_gate_exps.weight", e, f, h, w),
+            _experts(prefix + "ffn_up_exps.weight", e, f, h, w),
+            _experts(prefix + "ffn_down_exps.weight", e, h, f, w, _EXPERT_GAIN)]
+    if ARCHS[spec.arch].shared_expert:
+        plan.append(PlannedTensor(prefix + "ffn_gate_inp_shexp.weight", (h,), Q.F32,
+                                  _SHARED_GATE_GAIN / math.sqrt(h)))
+        plan += _dense_ffn_plan(spec, prefix, "_shexp", spec.shared_expert_ffn_width)
+    return plan
+
+
+def _layer_plan(spec: ModelSpec, layer_idx: int) -> list[PlannedTensor]:
+    prefix = f"blk.{layer_idx}."
+    ffn = _moe_ffn_plan if spec.num_experts else _dense_ffn_plan
+    return _attention_plan(spec, prefix) + ffn(spec, prefix)
 
 
 def _llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
@@ -200,7 +349,7 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
     metadata = [
         ("general.architecture", Typed(STRING, arch)),
         ("general.name", Typed(STRING, f"tierflow-random-{arch}-{spec.num_layers}x"
-                                       f"{spec.hidden_size}")),
+                                       f"{spec.hidden_size}" + _experts_label(spec))),
         ("general.file_type", u32(FILE_TYPES[spec.weight_type])),
         ("general.quantization_version", u32(gguf.GGML_QUANT_VERSION)),
         (f"{arch}.vocab_size", u32(vocab_size)),
@@ -208,6 +357,7 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         (f"{arch}.context_length", u32(spec.context_length)),
         (f"{arch}.embedding_length", u32(spec.hidden_size)),
         (f"{arch}.feed_forward_length", u32(spec.ffn_size)),
+        *_expert_metadata(spec),
         (f"{arch}.attention.head_count", u32(spec.num_heads)),
         (f"{arch}.attention.head_count_kv", u32(spec.num_kv_heads)),
         (f"{arch}.attention.layer_norm_rms_epsilon", f32(1e-5)),
@@ -220,4 +370,23 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
     if spec.rope_scaling == "yarn":
         original = int(spec.context_length / spec.rope_scaling_factor)
         metadata.append((f"{arch}.rope.scaling.original_context_length", u32(original)))
+    return metadata
+
+
+def _experts_label(spec: ModelSpec) -> str:
+    return f"-{spec.num_experts}e{spec.experts_used}" if spec.num_experts else ""
+
+
+def _expert_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
+    if not spec.num_experts:
+        return []
+    arch, traits = spec.arch, ARCHS[spec.arch]
+    metadata = [(f"{arch}.expert_count", Typed(UINT32, spec.num_experts)),
+                (f"{arch}.expert_used_count", Typed(UINT32, spec.experts_used))]
+    if traits.expert_width_key:
+        metadata.append((f"{arch}.expert_feed_forward_length",
+                         Typed(UINT32, spec.expert_ffn_width)))
+    if traits.shared_expert:
+        metadata.append((f"{arch}.expert_shared_feed_forward_length",
+                         Typed(UINT32, spec.shared_expert_ffn_width)))
     return metadata

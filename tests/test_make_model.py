@@ -24,6 +24,17 @@ from tierflow.offload.model_path import bundled_model_path
 TOKENS = [1, 17, 504, 2127, 9090, 30000, 48000, 12]
 VOCAB_SIZE = 49152
 WIDE = {"hidden_size": 256, "ffn_size": 512}  # row lengths that K-quant blocks divide
+MOE_SPECS = [  # 4 experts, top 2, one of each MoE arch llama.cpp runs
+    ModelSpec(arch="llama", num_experts=4, experts_used=2),
+    ModelSpec(arch="qwen2moe", num_experts=4, experts_used=2, expert_ffn_size=64,
+              shared_expert_ffn_size=96),
+    ModelSpec(arch="olmoe", num_experts=4, experts_used=2, num_kv_heads=4),
+]
+
+
+def spec_id(spec: ModelSpec) -> str:
+    experts = f"-{spec.num_experts}e{spec.experts_used}" if spec.num_experts else ""
+    return f"{spec.arch}{experts}-{spec.weight_type}-{spec.embedding_type}"
 
 
 def llama_logits(path, tokens=TOKENS, **options) -> np.ndarray:
@@ -75,7 +86,12 @@ def sized_model(tmp_path_factory):
               rope_scaling_factor=4.0),
     ModelSpec(arch="llama", weight_type="F32", llama3_rope_freqs=True, rope_scaling="linear",
               rope_scaling_factor=2.0),
-], ids=lambda s: f"{s.arch}-{s.weight_type}-{s.embedding_type}")
+    *MOE_SPECS,
+    ModelSpec(arch="llama", num_experts=4, experts_used=1, weight_type="Q4_0",
+              embedding_type="F16", hidden_size=128, ffn_size=192),
+    ModelSpec(arch="qwen2moe", num_experts=4, experts_used=3, weight_type="F16",
+              embedding_type="Q8_0", hidden_size=128),
+], ids=spec_id)
 def test_llama_cpp_gives_finite_spread_logits(tmp_path, spec):
     logits = llama_logits(write_model(tmp_path / "m.gguf", spec))
     assert logits.shape == (len(TOKENS), VOCAB_SIZE)
@@ -85,12 +101,13 @@ def test_llama_cpp_gives_finite_spread_logits(tmp_path, spec):
     assert np.median(top2[:, 1] - top2[:, 0]) > 0.05 * logits.std()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_argmax_depends_on_the_layers_not_just_the_input_token(tmp_path, arch):
+@pytest.mark.parametrize("spec", [ModelSpec(arch="llama"), ModelSpec(arch="qwen2"), *MOE_SPECS],
+                         ids=lambda s: spec_id(s).removesuffix("-Q8_0-Q8_0"))
+def test_argmax_depends_on_the_layers_not_just_the_input_token(tmp_path, spec):
     # With tied embeddings a token's own embedding could dominate its logits; the residual
     # gain keeps the layers' output in charge.
     tokens = list(range(100, 24100, 1000))
-    argmax = llama_logits(write_model(tmp_path / "m.gguf", ModelSpec(arch=arch)), tokens).argmax(1)
+    argmax = llama_logits(write_model(tmp_path / "m.gguf", spec), tokens).argmax(1)
     assert np.mean(argmax == tokens) < 0.2
     assert len(set(argmax)) > len(tokens) // 2
 
@@ -269,16 +286,200 @@ def test_cli_f32_copy_of_refuses_spec_options(tmp_path, argv):
 
 
 # ---------------------------------------------------------------------------------------------
+# Mixture of experts
+
+
+def attention_tensors(spec: ModelSpec) -> dict:
+    """One layer's attention tensors (GGUF shapes), biases and q/k norms as the arch has them."""
+    h, kv = spec.hidden_size, spec.kv_size
+    got = {"attn_norm.weight": ((h,), "F32"), "attn_q.weight": ((h, h), "Q8_0"),
+           "attn_k.weight": ((h, kv), "Q8_0"), "attn_v.weight": ((h, kv), "Q8_0"),
+           "attn_output.weight": ((h, h), "Q8_0"), "ffn_norm.weight": ((h,), "F32")}
+    if spec.arch == "qwen2moe":
+        got |= {f"attn_{p}.bias": ((size,), "F32") for p, size in (("q", h), ("k", kv), ("v", kv))}
+    if spec.arch == "olmoe":
+        got |= {"attn_q_norm.weight": ((h,), "F32"), "attn_k_norm.weight": ((kv,), "F32")}
+    return got
+
+
+@pytest.mark.parametrize("spec", [
+    ModelSpec(arch="llama", num_experts=4, experts_used=2, ffn_size=96),
+    ModelSpec(arch="qwen2moe", num_experts=4, experts_used=1, expert_ffn_size=32,
+              shared_expert_ffn_size=160),
+    ModelSpec(arch="olmoe", num_experts=4, experts_used=2, num_kv_heads=4, ffn_size=96),
+], ids=lambda s: s.arch)
+def test_moe_tensors_have_llama_cpp_names_shapes_and_types(tmp_path, spec):
+    h, e, f = spec.hidden_size, spec.num_experts, spec.expert_ffn_width
+    per_layer = attention_tensors(spec) | {
+        "ffn_gate_inp.weight": ((h, e), "F32"),  # the router, never quantized
+        "ffn_gate_exps.weight": ((h, f, e), "Q8_0"), "ffn_up_exps.weight": ((h, f, e), "Q8_0"),
+        "ffn_down_exps.weight": ((f, h, e), "Q8_0")}
+    if spec.arch == "qwen2moe":
+        s = spec.shared_expert_ffn_width
+        per_layer |= {"ffn_gate_inp_shexp.weight": ((h,), "F32"),
+                      "ffn_gate_shexp.weight": ((h, s), "Q8_0"),
+                      "ffn_up_shexp.weight": ((h, s), "Q8_0"),
+                      "ffn_down_shexp.weight": ((s, h), "Q8_0")}
+    expected = {"token_embd.weight": ((h, VOCAB_SIZE), "Q8_0"), "output_norm.weight": ((h,), "F32")}
+    expected |= {f"blk.{i}.{name}": info for i in range(2) for name, info in per_layer.items()}
+    if spec.arch != "llama":  # llama.cpp requires output.weight for qwen2moe and olmoe
+        expected["output.weight"] = ((h, VOCAB_SIZE), "Q8_0")
+    assert tensors(write_model(tmp_path / "m.gguf", spec)) == expected
+
+
+@pytest.mark.parametrize("spec, keys", [
+    (ModelSpec(arch="llama", num_experts=8, experts_used=2, ffn_size=96),
+     {"expert_count": 8, "expert_used_count": 2, "feed_forward_length": 96}),
+    (ModelSpec(arch="qwen2moe", num_experts=6, experts_used=4, ffn_size=256,
+               expert_ffn_size=64, shared_expert_ffn_size=192),
+     {"expert_count": 6, "expert_used_count": 4, "feed_forward_length": 256,
+      "expert_feed_forward_length": 64, "expert_shared_feed_forward_length": 192}),
+    (ModelSpec(arch="qwen2moe", num_experts=4, ffn_size=96),  # widths default to ffn_size
+     {"expert_count": 4, "expert_used_count": 2, "feed_forward_length": 96,
+      "expert_feed_forward_length": 96, "expert_shared_feed_forward_length": 96}),
+    (ModelSpec(arch="olmoe", num_experts=4, experts_used=1, num_kv_heads=4, ffn_size=96),
+     {"expert_count": 4, "expert_used_count": 1, "feed_forward_length": 96}),
+], ids=["llama", "qwen2moe", "qwen2moe-default-widths", "olmoe"])
+def test_moe_metadata_has_the_expert_keys_llama_cpp_reads(tmp_path, spec, keys):
+    got = fields(write_model(tmp_path / "m.gguf", spec))
+    written = {key.removeprefix(f"{spec.arch}."): value for key, value in got.items()
+               if "expert" in key or key.endswith(".feed_forward_length")}
+    assert got["general.architecture"] == spec.arch
+    assert written == keys
+
+
+def test_dense_models_have_no_expert_keys(tmp_path):
+    got = fields(write_model(tmp_path / "m.gguf", ModelSpec()))
+    assert not [key for key in got if "expert" in key]
+
+
+def router_scores(path, token_ids, layer_idx=0) -> np.ndarray:
+    """The layer's router logits for the tokens' own embeddings, RMS-normed and scaled by
+    ffn_norm as llama.cpp feeds the router (attention left out): [T, E]."""
+    with read_gguf(path) as model:
+        def weight(name):
+            info = model.tensors[name]
+            return dequantize(model.tensor_data(name), info.ggml_type, info.shape)
+        embd = model.tensors["token_embd.weight"]
+        rows = np.array(model.tensor_data(embd.name)).reshape(embd.shape[1], -1)[token_ids]
+        x = dequantize(rows.ravel(), embd.ggml_type, (embd.shape[0], len(token_ids)))  # [T, h]
+        x = x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-5)
+        x *= weight(f"blk.{layer_idx}.ffn_norm.weight")
+        return x @ weight(f"blk.{layer_idx}.ffn_gate_inp.weight").T
+
+
+SPREAD_TOKENS = list(range(7, 48000, 1600))  # 30 tokens
+
+
+@pytest.mark.parametrize("spec", MOE_SPECS, ids=lambda s: s.arch)
+def test_router_spreads_tokens_over_the_experts(tmp_path, spec):
+    scores = router_scores(write_model(tmp_path / "m.gguf", spec), SPREAD_TOKENS)
+    chosen = np.argsort(-scores, axis=1)[:, :spec.experts_used]  # [T, k]
+    picks = np.bincount(chosen.ravel(), minlength=spec.num_experts)
+    assert (picks > 0).all()  # every expert is someone's choice
+    assert picks.max() < 0.8 * len(SPREAD_TOKENS)  # and none is everyone's
+    assert len({tuple(sorted(row)) for row in chosen}) >= 4  # tokens differ in their sets
+
+
+@pytest.mark.parametrize("spec", MOE_SPECS, ids=lambda s: s.arch)
+def test_router_scores_have_std_about_two_and_clear_margins(tmp_path, spec):
+    # Margins between the k-th and (k+1)-th score, so that slightly different hidden states
+    # (llama.cpp rounds activations to 8 bits for Q8_0 weights) rarely flip a choice.
+    scores = router_scores(write_model(tmp_path / "m.gguf", spec), SPREAD_TOKENS)
+    assert scores.std() == pytest.approx(2.0, rel=0.3)
+    ranked = np.sort(scores, axis=1)[:, ::-1]
+    margins = ranked[:, spec.experts_used - 1] - ranked[:, spec.experts_used]
+    assert np.median(margins) > 0.3 and np.mean(margins < 0.1) < 0.25
+
+
+def test_moe_expert_weights_have_std_near_gain_over_sqrt_fan_in(tmp_path):
+    spec = ModelSpec(num_experts=4, hidden_size=128, ffn_size=256)
+    path = write_model(tmp_path / "m.gguf", spec)
+    up, down = (tensor_values(path, f"blk.0.ffn_{name}_exps.weight") for name in ("up", "down"))
+    assert up.shape == (4 * 256, 128) and down.shape == (4 * 128, 256)
+    assert up.std() == pytest.approx(1 / math.sqrt(128), rel=0.1)
+    assert down.std() == pytest.approx(5 / math.sqrt(256), rel=0.1)  # routed experts' gain
+
+
+@pytest.mark.parametrize("overrides", [
+    {"num_experts": 8, "experts_used": 2},
+    {"num_experts": 8, "experts_used": 2, "weight_type": "Q4_K", "embedding_type": "Q6_K"},
+    {"arch": "qwen2moe", "num_experts": 8, "experts_used": 2},
+    {"arch": "olmoe", "num_experts": 8, "experts_used": 2},
+], ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_spec_for_size_sizes_moe_models_within_3_percent(overrides):
+    spec = spec_for_size(2 * 10**9, **overrides)
+    assert file_bytes(spec) == pytest.approx(2 * 10**9, rel=0.03)
+    assert spec.arch == overrides.get("arch", "llama") and spec.num_layers >= 16
+    assert (spec.num_experts, spec.experts_used) == (8, 2)
+
+
+@pytest.mark.parametrize("spec", MOE_SPECS, ids=lambda s: s.arch)
+def test_file_bytes_is_the_written_size_of_moe_models(tmp_path, spec):
+    assert file_bytes(spec) == write_model(tmp_path / "m.gguf", spec).stat().st_size
+
+
+def test_spec_for_size_refuses_expert_widths():
+    with pytest.raises(ValueError, match="expert_ffn_size"):
+        spec_for_size(10**8, num_experts=4, expert_ffn_size=256)
+
+
+@pytest.mark.parametrize("fields_, message", [
+    ({"num_experts": 1}, r"num_experts must be between 2 and 512 \(or 0: dense\)"),
+    ({"num_experts": -2}, "num_experts must be between 2"),
+    ({"num_experts": 513}, "num_experts must be between 2"),
+    ({"arch": "qwen2moe", "num_experts": 1}, r"between 2 and 512, got 1"),
+    ({"num_experts": 4, "experts_used": 0}, "experts_used"),
+    ({"num_experts": 4, "experts_used": 5}, "experts_used"),
+    ({"arch": "qwen2moe"}, "at least 2"),
+    ({"arch": "olmoe"}, "at least 2"),
+    ({"arch": "qwen2", "num_experts": 4}, "no experts"),
+    ({"arch": "qwen2moe", "num_experts": 4, "tied_embeddings": True}, "output.weight"),
+    ({"arch": "olmoe", "num_experts": 4}, "num_kv_heads"),  # k norm is hidden_size wide
+    ({"num_experts": 4, "expert_ffn_size": 64}, "feed_forward_length"),
+    ({"num_experts": 4, "shared_expert_ffn_size": 64}, "no shared expert"),
+    ({"expert_ffn_size": 64}, "need num_experts"),
+    ({"arch": "qwen2moe", "num_experts": 4, "expert_ffn_size": 48}, "do not divide"),
+    ({"arch": "qwen2moe", "num_experts": 4, "shared_expert_ffn_size": 0}, "positive"),
+    ({"arch": "qwen2moe", "num_experts": 4, "weight_type": "Q4_K", "hidden_size": 256,
+      "ffn_size": 256, "expert_ffn_size": 128}, "do not divide"),
+])
+def test_invalid_moe_specs_are_rejected(fields_, message):
+    with pytest.raises(ValueError, match=message):
+        ModelSpec(**fields_)
+
+
+def test_cli_writes_a_moe_model(tmp_path, capsys):
+    out = tmp_path / "moe.gguf"
+    main([str(out), "--arch", "qwen2moe", "--experts", "4", "--experts-used", "1",
+          "--expert-ffn", "64", "--shared-expert-ffn", "96"])
+    got = fields(out)
+    assert (got["qwen2moe.expert_count"], got["qwen2moe.expert_used_count"]) == (4, 1)
+    assert (got["qwen2moe.expert_feed_forward_length"],
+            got["qwen2moe.expert_shared_feed_forward_length"]) == (64, 96)
+    assert tensors(out)["blk.0.ffn_up_exps.weight"] == ((64, 64, 4), "Q8_0")
+
+
+def test_cli_size_option_takes_experts(tmp_path, capsys):
+    out = tmp_path / "sized.gguf"
+    main([str(out), "--size", "20MB", "--experts", "4", "--experts-used", "2"])
+    assert out.stat().st_size == pytest.approx(20 * 10**6, rel=0.03)
+    assert fields(out)["llama.expert_count"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
 # F32 copies
 
 
-@pytest.fixture(scope="module", params=["smollm2", "random-kquant"])
+@pytest.fixture(scope="module", params=["smollm2", "random-kquant", "random-moe"])
 def f32_copy(request, tmp_path_factory):
-    """(source, its F32 copy): the bundled Q4_1/Q8_0 model, and a generated one with K-quant,
-    BF16 and F32 tensors."""
+    """(source, its F32 copy): the bundled Q4_1/Q8_0 model, a generated one with K-quant,
+    BF16 and F32 tensors, and a generated MoE one with 3-D expert stacks."""
     folder = tmp_path_factory.mktemp("f32")
     if request.param == "smollm2":
         source = bundled_model_path()
+    elif request.param == "random-moe":
+        source = write_model(folder / "source.gguf", MOE_SPECS[1])
     else:
         spec = ModelSpec(arch="qwen2", weight_type="Q4_K", embedding_type="BF16",
                          tied_embeddings=False, **WIDE)

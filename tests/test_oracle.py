@@ -187,3 +187,37 @@ def test_generated_models_of_every_weight_type_match_llama_cpp(tmp_path, weight_
     ids = engine.tokenize(LONG_TEXT)[:64]
     diff = assert_logits_agree(engine, llama, ids, max_mean_diff=0.25, near_tie=1.0)
     print(f"{weight_type}: mean |logit difference| vs llama.cpp {diff:.4f}")
+
+
+# -- mixture of experts: Mixtral-style llama, qwen2moe (shared expert), olmoe (q/k norms) -------
+
+MOE_SPECS = {"mixtral": dict(arch="llama", num_experts=4, experts_used=2),
+             "qwen2moe": dict(arch="qwen2moe", num_experts=4, experts_used=2),
+             "olmoe": dict(arch="olmoe", num_experts=8, experts_used=2, num_kv_heads=4)}
+
+
+@pytest.mark.parametrize("arch", MOE_SPECS)
+def test_generated_f32_moe_models_match_llama_cpp_exactly(tmp_path, arch):
+    engine, llama = generated_pair(tmp_path, f32_kv=True, weight_type="F32", embedding_type="F32",
+                                   **MOE_SPECS[arch])
+    ids = engine.tokenize(LONG_TEXT)[:200]
+    assert_logits_agree(engine, llama, ids, max_mean_diff=0.01, near_tie=EXACT_TIE)
+    assert_greedy_agrees(engine, llama, PROMPTS[0], near_tie=EXACT_TIE, max_tokens=32)
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("arch", MOE_SPECS)
+def test_generated_quantized_moe_models_match_llama_cpp_but_where_routing_is_a_near_tie(
+        tmp_path, arch, weight_type):
+    """llama.cpp's 8-bit activations flip a router's choice where its k-th and (k+1)-th expert
+    nearly tie: at those few positions (1-2 of 64 measured) the logits differ by 1-4; elsewhere
+    they agree within the quantization noise of dense models."""
+    engine, llama = generated_pair(tmp_path, f32_kv=False, weight_type=weight_type,
+                                   embedding_type=weight_type, **MOE_SPECS[arch])
+    ids = engine.tokenize(LONG_TEXT)[:64]
+    ours, theirs = engine.logits(ids), llama_cpp_logits(llama, ids)
+    per_position = np.abs(ours - theirs).mean(-1)
+    decided = top2_margin(theirs) > 1.0
+    agree = ours.argmax(-1)[decided] == theirs.argmax(-1)[decided]
+    assert np.median(per_position) < 0.35 and (per_position > 1.0).mean() <= 0.05
+    assert agree.mean() >= 0.95

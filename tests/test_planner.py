@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError
 from tierflow.offload import cost_model
-from tierflow.offload.extents import model_extents
+from tierflow.offload.extents import expert_extents, model_extents
 from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.model_info import read_config
 from tierflow.offload.packed_file import PackedFile, build_pack
@@ -67,15 +67,20 @@ def smallest_budget(model) -> int:
     ModelSpec(arch="qwen2", weight_type="Q4_1", embedding_type="Q4_0", tied_embeddings=False),
     ModelSpec(weight_type="F16", embedding_type="Q6_K", llama3_rope_freqs=True, hidden_size=256, num_heads=4),
     ModelSpec(weight_type="Q5_K", hidden_size=256, ffn_size=512, num_heads=4),
-], ids=["q8_0", "qwen2-q4_1-untied", "f16-rope-freqs", "q5_k"])
+    ModelSpec(num_experts=4, experts_used=2, weight_type="Q4_0"),
+    ModelSpec(arch="qwen2moe", num_experts=4, experts_used=2, weight_type="Q8_0"),
+    ModelSpec(arch="olmoe", num_experts=4, experts_used=2, num_kv_heads=4, weight_type="Q4_1"),
+], ids=["q8_0", "qwen2-q4_1-untied", "f16-rope-freqs", "q5_k", "mixtral", "qwen2moe", "olmoe"])
 def test_extents_match_the_pack_byte_for_byte(tmp_path, spec):
     with read_gguf(write_model(tmp_path / "m.gguf", spec)) as gguf:
         config = read_config(gguf)
         globals_, layers = model_extents(gguf, config)
+        experts = expert_extents(gguf, config)
         build_pack(gguf, config, tmp_path / "m.tfpack")
     pack = PackedFile(tmp_path / "m.tfpack")
     assert globals_.nbytes == pack.globals.nbytes
     assert [x.nbytes for x in layers] == [x.nbytes for x in pack.layers]
+    assert [[x.nbytes for x in layer] for layer in experts] == [[x.nbytes for x in layer] for layer in pack.experts]
     assert all(sum(n for _, n in x.groups) == x.nbytes for x in [globals_, *layers])
 
 

@@ -1,0 +1,122 @@
+"""Mixture-of-experts models through the engine: experts resident, or streamed from the pack
+through the expert cache when cpu_memory cannot hold them (llama.cpp as the oracle: test_oracle)."""
+
+import numpy as np
+import pytest
+from make_model import ModelSpec, write_model
+
+from tierflow import Engine
+from tierflow.errors import BudgetError, ModelFileError, UnsupportedModelError
+
+PROMPT = "The history of the printing press begins in"
+CONTEXT = 128
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    """8 experts, top-2, 4 layers: experts are most of the layers' bytes, as in Mixtral."""
+    spec = ModelSpec(num_layers=4, hidden_size=128, ffn_size=256, num_experts=8, experts_used=2,
+                     weight_type="Q4_0", embedding_type="Q4_0", seed=7)
+    return write_model(tmp_path_factory.mktemp("moe") / "moe.gguf", spec)
+
+
+@pytest.fixture(scope="module")
+def resident(moe_path):
+    with Engine.load(moe_path, threads=2, context_length=CONTEXT) as engine:
+        tokens = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens
+        return tokens, engine.logits(engine.tokenize(PROMPT) + tokens)
+
+
+def sizes(engine) -> tuple[int, int, int]:
+    """(globals and layers without experts, one expert, all experts) in the engine's pack."""
+    packed = engine.weights.packed
+    base = packed.globals.nbytes + sum(layer.nbytes for layer in packed.layers)
+    return base, packed.experts[0][0].nbytes, sum(x.nbytes for layer in packed.experts for x in layer)
+
+
+@pytest.fixture(scope="module")
+def budgets(moe_path):
+    with Engine.load(moe_path, threads=2, context_length=CONTEXT) as engine:
+        return sizes(engine)
+
+
+def streamed(moe_path, budgets, experts_held: int, **kwargs) -> Engine:
+    base, one, _ = budgets
+    return Engine.load(moe_path, threads=2, context_length=CONTEXT, cpu_memory=base + experts_held * one, **kwargs)
+
+
+def test_resident_experts_report_no_expert_cache(moe_path):
+    with Engine.load(moe_path, threads=2, context_length=CONTEXT) as engine:
+        assert engine.expert_stats is None and engine.weights.bytes_by_tier()["disk"] == 0
+
+
+def test_streamed_experts_give_the_resident_tokens_and_logits_bit_for_bit(moe_path, budgets, resident):
+    with streamed(moe_path, budgets, experts_held=10) as engine:
+        result = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+        assert result.tokens == resident[0]
+        assert np.array_equal(engine.logits(engine.tokenize(PROMPT) + resident[0]), resident[1])
+        assert engine.expert_stats.misses > 0
+
+
+def test_the_expert_cache_holds_what_the_budget_leaves_and_no_more(moe_path, budgets):
+    base, one, all_experts = budgets
+    budget = base + 12 * one
+    with Engine.load(moe_path, threads=2, context_length=CONTEXT, cpu_memory=budget) as engine:
+        cache = engine.weights.experts.cache
+        assert cache.budget_bytes == 12 * one
+        highest = 0
+        for _ in engine.stream(PROMPT, max_tokens=TOKENS, temperature=0):
+            highest = max(highest, cache.used_bytes)
+        assert 0 < highest <= cache.budget_bytes
+        tiers = engine.weights.bytes_by_tier()
+        assert tiers["cpu"] <= budget and tiers["disk"] == all_experts
+
+
+def test_expert_stats_count_hits_bytes_and_predictions_per_layer(moe_path, budgets):
+    with streamed(moe_path, budgets, experts_held=12) as engine:
+        engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+        stats = engine.expert_stats
+    assert sorted(stats.layers) == [0, 1, 2, 3]
+    assert all(0 <= layer.hit_rate <= 1 and layer.hits + layer.misses > 0 for layer in stats.layers.values())
+    assert stats.tokens >= TOKENS and stats.bytes_per_token > 0
+    assert stats.fetched_bytes == sum(layer.fetched_bytes for layer in stats.layers.values())
+    # The early router predicts every layer but the first; better than chance (2 of 8 experts).
+    assert stats.predictions_right + stats.predictions_wrong > 0
+    assert stats.prediction_precision > 0.25
+
+
+def test_more_room_for_experts_gives_a_higher_hit_rate(moe_path, budgets):
+    rates = []
+    for held in (8, 24):
+        with streamed(moe_path, budgets, experts_held=held) as engine:
+            engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+            rates.append(engine.expert_stats.hit_rate)
+    assert rates[0] < rates[1]
+
+
+def test_streamed_experts_verify_speculative_trees_with_the_same_tokens(moe_path, budgets, resident):
+    with streamed(moe_path, budgets, experts_held=10, draft="ngram") as engine:
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == resident[0]
+
+
+def test_a_budget_without_room_for_one_layers_experts_names_the_least_that_works(moe_path, budgets):
+    with pytest.raises(BudgetError, match="the least that works is"):
+        streamed(moe_path, budgets, experts_held=4)
+
+
+def test_gpu_memory_for_a_moe_model_is_refused_clearly(moe_path):
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        Engine.load(moe_path, gpu_memory="64MiB", gpu_device="cpu")
+
+
+def test_more_experts_used_than_exist_is_a_model_file_error(tmp_path):
+    from gguf_writing import encoded_kvs  # noqa: F401 (the writer's own module: same file layout)
+
+    path = write_model(tmp_path / "m.gguf", ModelSpec(num_experts=4, experts_used=2))
+    data = path.read_bytes()
+    key = b"llama.expert_used_count"
+    at = data.index(key) + len(key) + 4  # the value's type (uint32), then the value
+    path.write_bytes(data[:at] + (9).to_bytes(4, "little") + data[at + 4:])
+    with pytest.raises(ModelFileError, match="expert_used_count"):
+        Engine.load(path)
