@@ -43,7 +43,8 @@ def budgets(moe_path):
 
 def streamed(moe_path, budgets, experts_held: int, **kwargs) -> Engine:
     base, one, _ = budgets
-    return Engine.load(moe_path, threads=2, context_length=CONTEXT, cpu_memory=base + experts_held * one, **kwargs)
+    return Engine.load(moe_path, threads=2, context_length=CONTEXT, cpu_memory=base + experts_held * one,
+                       **kwargs)
 
 
 def test_resident_experts_report_no_expert_cache(moe_path):

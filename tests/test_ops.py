@@ -78,8 +78,9 @@ def test_tree_attention_matches_torch_in_one_call_and_across_two():
     attention_reference(qkv[:5].clone(), *theirs, cos[:5], sin[:5], HEADS, 0, False)
     for part in (slice(5, 7), slice(7, 10)):
         keys, values = ours
-        out = attention(qkv[part].clone().numpy(), keys.numpy(), values.numpy(), cos[part].contiguous().numpy(),
-                        sin[part].contiguous().numpy(), HEADS, part.start, False, parents[: part.stop - 5], 5)
+        out = attention(qkv[part].clone().numpy(), keys.numpy(), values.numpy(),
+                        cos[part].contiguous().numpy(), sin[part].contiguous().numpy(), HEADS, part.start,
+                        False, parents[: part.stop - 5], 5)
         expected = attention_reference(qkv[part].clone(), *theirs, cos[part], sin[part], HEADS, part.start,
                                        False, parents[: part.stop - 5], 5)
         torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-5)

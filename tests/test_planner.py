@@ -80,7 +80,7 @@ def test_extents_match_the_pack_byte_for_byte(tmp_path, spec):
     pack = PackedFile(tmp_path / "m.tfpack")
     assert globals_.nbytes == pack.globals.nbytes
     assert [x.nbytes for x in layers] == [x.nbytes for x in pack.layers]
-    assert [[x.nbytes for x in layer] for layer in experts] == [[x.nbytes for x in layer] for layer in pack.experts]
+    assert [[x.nbytes for x in xs] for xs in experts] == [[x.nbytes for x in xs] for xs in pack.experts]
     assert all(sum(n for _, n in x.groups) == x.nbytes for x in [globals_, *layers])
 
 
