@@ -23,7 +23,7 @@ with temporal locality, cross-layer affinity and topic changes as the titles sta
 seeds. They show how the policies differ under those assumptions, not how a real model routes:
 replay recorded traces with --trace, or call policy_hit_rates(trace, sizes) from Python. The
 default run takes several minutes on two cores (pure-Python replay); --seeds 0 --sizes 0.1,0.3,0.5
-is a quick look. Part (b) (decode speed with streamed experts) is not here yet.
+is a quick look. Part (b), decode speed with experts streamed from disk, is benchmarks/moe_decode.py.
 """
 
 import argparse

@@ -353,7 +353,7 @@ def gpu_profile(h2d_bytes: int, passes: int = 3) -> GpuProfile | None:
         device.copy_(host, non_blocking=True)
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - started)
-    # The GPU matmul kernels (gpu_kernels/) do not exist yet: nothing to time, so kernel_gbps stays
-    # empty until they do.
+    # The GPU kernels' speed is not timed here yet (benchmarks/gpu.py does, where a GPU is): with
+    # kernel_gbps empty the planner's GPU compute times use a stated placeholder.
     return GpuProfile(name=properties.name, memory_bytes=properties.total_memory,
                       h2d_gbps=h2d_bytes / best / 1e9, kernel_gbps={})

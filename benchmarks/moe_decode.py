@@ -1,0 +1,180 @@
+"""MoE expert cache, part (b): decode tokens/s with experts streamed from disk, in one run.
+
+    python benchmarks/moe_decode.py [--size 2GB] [--weight-type Q4_0] [--fraction 0.333]
+                                    [--prompt-tokens 64] [--decode-tokens 48] [--repeats 3]
+                                    [--threads N] [--policy score] [--json]
+
+The model is a random-weight Mixtral-style `llama` of about --size with 8 experts per layer, top-2
+routing, written once by the project's generator (tests/make_model.py) into the cache directory.
+Three systems decode the same prompt ids greedily, loaded side by side:
+
+- tierflow, experts streamed: cpu_memory = everything but the experts (globals, attention,
+  routers) + --fraction of the expert bytes; the experts are read from the pack with O_DIRECT
+  (the page cache never holds them) into the expert cache (offload/expert_store.py);
+- tierflow, fully resident (no budget);
+- llama.cpp on the same file, fully resident (its own mmap), the same thread count.
+
+Each is warmed up once, then every repeat runs all three in a rotating order, and the medians are
+reported (decode: single-token passes plus the argmax, as benchmarks/decode.py times them). The
+goal is the streamed run at half the resident speed or better. Beside the speeds: the expert
+cache's hit rate, bytes read per token, the early router's prediction precision, and the disk
+bound: the bytes read per token over this disk's measured read speed.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import llama_cpp
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from decode import Sample, build_prompt, run_llama_cpp, run_tierflow  # noqa: E402
+from make_model import spec_for_size, write_model  # noqa: E402
+
+from tierflow import Engine  # noqa: E402
+from tierflow.offload.disk import DiskFile, aligned_buffer  # noqa: E402
+from tierflow.offload.expert_policy import make_policy  # noqa: E402
+from tierflow.offload.profile import cache_dir  # noqa: E402
+from tierflow.units import format_size, parse_size  # noqa: E402
+
+EXPERTS, USED = 8, 2
+
+
+def model_file(size: int, weight_type: str) -> Path:
+    name = f"moe-{EXPERTS}x{USED}-{format_size(size).replace(' ', '')}-{weight_type}.gguf"
+    path = cache_dir() / "bench" / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path} ...", file=sys.stderr)
+        spec = spec_for_size(size, weight_type=weight_type, num_experts=EXPERTS, experts_used=USED)
+        write_model(path.with_suffix(".tmp"), spec).rename(path)
+    return path
+
+
+def expert_budget(path: Path, threads: int, fraction: float) -> tuple[int, int]:
+    """(cpu_memory that leaves `fraction` of the expert bytes to the cache, all expert bytes)."""
+    with Engine.load(path, threads=threads) as engine:  # builds the pack once
+        packed = engine.weights.packed
+    base = packed.globals.nbytes + sum(layer.nbytes for layer in packed.layers)
+    experts = sum(x.nbytes for layer in packed.experts for x in layer)
+    return base + int(fraction * experts), experts
+
+
+def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int) -> tuple[Sample, float]:
+    """run_tierflow's sample, and the expert bytes read per decode step (counted from the first
+    token on: the prefill reads most of every layer's experts)."""
+    stats = engine.expert_stats
+    engine.logits([1 if prompt_ids[0] == 0 else 0])  # nothing of the prompt stays cached
+    stream = engine.stream(prompt_ids, max_tokens=decode_steps + 1, temperature=0)
+    after_prefill = None
+    for _ in stream:
+        if after_prefill is None:
+            after_prefill = stats.fetched_bytes, len(stream.tokens)
+    result, timed = stream.result, stream.result.stats
+    steps = timed.generated_tokens if result.finish_reason == "stop" else timed.generated_tokens - 1
+    sample = Sample(timed.prefill_tokens_per_s, steps / timed.decode_seconds, steps, list(result.tokens))
+    counted = len(result.tokens) - after_prefill[1]
+    return sample, (stats.fetched_bytes - after_prefill[0]) / counted if counted else 0.0
+
+
+def disk_read_gbps(engine: Engine) -> float:
+    """The pack's expert extents read back to back with O_DIRECT: what streaming can reach."""
+    packed = engine.weights.packed
+    extents = [x for layer in packed.experts for x in layer][:64]
+    disk = DiskFile(packed.path)
+    buffer = aligned_buffer(max(x.nbytes for x in extents))
+    try:
+        started = time.perf_counter()
+        for extent in extents:
+            disk.read_into(buffer, extent.offset, extent.nbytes)
+        return sum(x.nbytes for x in extents) / (time.perf_counter() - started) / 1e9
+    finally:
+        disk.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="2GB")
+    parser.add_argument("--weight-type", default="Q4_0")
+    parser.add_argument("--fraction", type=float, default=1 / 3, help="of the expert bytes, for the cache")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=psutil.cpu_count(logical=False) or 1)
+    parser.add_argument("--policy", default="score", choices=["score", "lru", "lfu"])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    path = model_file(parse_size(args.size), args.weight_type)
+    cpu_memory, expert_bytes = expert_budget(path, args.threads, args.fraction)
+    streamed = Engine.load(path, threads=args.threads, cpu_memory=cpu_memory)
+    streamed.weights.experts.cache.policy = make_policy(args.policy)  # before any expert is cached
+    resident = Engine.load(path, threads=args.threads)
+    llama = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.decode_tokens + 8, n_batch=512,
+                            n_threads=args.threads, verbose=False)
+    prompt = build_prompt(resident, args.prompt_tokens)
+    decode_bytes: list[float] = []
+
+    def streamed_run() -> Sample:
+        sample, per_step = run_streamed(streamed, prompt, args.decode_tokens)
+        decode_bytes.append(per_step)
+        return sample
+
+    runners = {"tierflow streamed": streamed_run,
+               "tierflow resident": lambda: run_tierflow(resident, prompt, args.decode_tokens),
+               "llama.cpp resident": lambda: run_llama_cpp(llama, prompt, args.decode_tokens)}
+    for run in runners.values():  # warm-up
+        run()
+    streamed.weights.experts.cache.reset_stats()
+    samples = {name: [] for name in runners}
+    order = list(runners)
+    for _ in range(args.repeats):
+        for name in order:
+            samples[name].append(runners[name]())
+        order = order[1:] + order[:1]
+    stats = streamed.expert_stats
+    gbps = disk_read_gbps(streamed)
+    decode = {name: statistics.median(s.decode_tokens_per_s for s in runs) for name, runs in samples.items()}
+    per_token = statistics.median(decode_bytes[1:])  # after the warm-up
+    report = {
+        "model": path.name, "file_bytes": path.stat().st_size, "expert_bytes": expert_bytes,
+        "cpu_memory": cpu_memory, "expert_cache_bytes": streamed.weights.experts.nbytes,
+        "policy": args.policy, "threads": args.threads, "prompt_tokens": len(prompt),
+        "decode_tokens": args.decode_tokens, "decode_tokens_per_s": decode,
+        "streamed_vs_resident": decode["tierflow streamed"] / decode["tierflow resident"],
+        "resident_vs_llama_cpp": decode["tierflow resident"] / decode["llama.cpp resident"],
+        "hit_rate": stats.hit_rate,
+        "layer_hit_rates": {i: layer.hit_rate for i, layer in sorted(stats.layers.items())},
+        "decode_bytes_read_per_token": per_token, "prediction_precision": stats.prediction_precision,
+        "disk_read_gbps": gbps, "disk_bound_tokens_per_s": gbps * 1e9 / per_token if per_token else None,
+        "tokens_agree": samples["tierflow streamed"][0].tokens == samples["tierflow resident"][0].tokens,
+    }
+    for engine in (streamed, resident):
+        engine.close()
+    llama.close()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"{report['model']}: {format_size(report['file_bytes'])}, experts {format_size(expert_bytes)}; "
+          f"cpu_memory {format_size(cpu_memory)} (expert cache {format_size(report['expert_cache_bytes'])}, "
+          f"{args.fraction:.0%} of the experts, policy {args.policy}); {args.threads} threads, "
+          f"prompt {len(prompt)}, {args.decode_tokens} decode steps, median of {args.repeats}")
+    for name, rate in decode.items():
+        print(f"  {name:<20} {rate:7.2f} tok/s")
+    print(f"streamed / resident: {report['streamed_vs_resident']:.2f}x (goal >= 0.5); "
+          f"resident / llama.cpp: {report['resident_vs_llama_cpp']:.2f}x")
+    print(f"expert cache: hit rate {stats.hit_rate:.1%}, {format_size(int(per_token))} read per decode step, "
+          f"early-router predictions {stats.prediction_precision:.1%} right; disk {gbps:.2f} GB/s, so "
+          f"reads alone allow {report['disk_bound_tokens_per_s'] or 0:.1f} tok/s; streamed tokens "
+          f"{'agree' if report['tokens_agree'] else 'DIFFER'} with resident")
+
+
+if __name__ == "__main__":
+    main()
