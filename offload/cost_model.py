@@ -15,7 +15,7 @@ from tierflow.offload.profile import HardwareProfile
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
 
-PLACEHOLDER_GPU_GBPS = 300.0  # a mid-range consumer GPU's memory bandwidth, until GPU kernels exist
+PLACEHOLDER_GPU_GBPS = 300.0  # a mid-range consumer GPU's memory bandwidth, until the probe times the kernels
 GPU_TOKENS_PER_READ = 128  # prefill tokens a GPU serves per read of its weights (placeholder)
 _DECODE_PASSES, _STEADY_PASSES = 8, 4
 
@@ -54,7 +54,7 @@ class Costs:
         self.notes = []
         if gpu is not None and not self.gpu_gbps:
             self.notes.append(f"GPU kernel speed not measured: assumed {PLACEHOLDER_GPU_GBPS:g} GB/s "
-                              f"(a placeholder until GPU kernels exist)")
+                              f"(a placeholder until the probe times the GPU kernels)")
 
     def matmul_s(self, linears, tokens: int, device: str, batch: bool) -> float:
         p, total = self.p, 0.0

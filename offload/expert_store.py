@@ -121,5 +121,6 @@ class StreamedExperts:
     def __init__(self, store: ExpertStore, layer_idx: int):
         self.store, self.layer_idx = store, layer_idx
 
-    def each(self, expert_ids: list[int], hidden: Activations) -> Iterator[tuple[int, ExpertWeights]]:
-        return self.store.step(self.layer_idx, expert_ids, hidden)
+    def each(self, expert_tokens: dict[int, int], residual: Activations
+             ) -> Iterator[tuple[int, ExpertWeights]]:
+        return self.store.step(self.layer_idx, list(expert_tokens), residual)

@@ -162,6 +162,13 @@ class PackedFile:
                             **{field: _device_linear(buffer, spec[field]) for field in LAYER_LINEARS},
                             kernels=kernels)
 
+    def device_expert_weights(self, index: int, expert: int, buffer: torch.Tensor,
+                              kernels: Kernels) -> ExpertWeights:
+        """ExpertWeights viewing an expert's extent as uploaded to a device, computed by kernels."""
+        spec = self.experts[index][expert].weights
+        return ExpertWeights(_device_linear(buffer, spec["gate_up"]), _device_linear(buffer, spec["down"]),
+                             kernels)
+
     def global_weights(self, data: memoryview) -> dict:
         """embedding (PackedMatrix or float32 [V, E]), output_norm, output (Linear), rope_freqs."""
         spec = self.globals.weights

@@ -20,6 +20,7 @@ from tierflow.cpu_kernels.packed import PackedMatrix
 from tierflow.errors import UnsupportedModelError
 from tierflow.offload.device import DeviceTier
 from tierflow.offload.disk import DiskFile, aligned_buffer
+from tierflow.offload.expert_scheduler import ExpertCosts, HybridExperts
 from tierflow.offload.expert_store import ExpertStore
 from tierflow.offload.packed_file import Extent, LoadProgress, PackedFile
 from tierflow.offload.streamer import LayerStreamer
@@ -31,19 +32,28 @@ class TieredWeights:
     def __init__(self, packed: PackedFile, streamed_layers: Sequence[int], depth: int,
                  progress: LoadProgress | None = None, gpu_layers: Sequence[int] = (),
                  device: DeviceTier | None = None, device_kernels: Kernels | None = None,
-                 expert_cache: tuple[ModelConfig, int] | None = None):
-        """expert_cache: (config, bytes) streams a MoE model's experts through a cache of that
-        many bytes in RAM (expert_store.py); without it they are resident."""
+                 expert_cache: tuple[ModelConfig, int] | None = None,
+                 gpu_experts: tuple[int, ExpertCosts] | None = None):
+        """A MoE model's experts are resident in RAM, or with expert_cache (config, bytes) streamed
+        from disk through a cache of that many bytes in RAM (expert_store.py), or with gpu_experts
+        (bytes, costs) resident in RAM with a cache of that many bytes on the device tier's device
+        and scheduled between the two (expert_scheduler.py)."""
         streamed, on_device = set(streamed_layers), set(gpu_layers)
         if any(packed.experts) and (streamed or on_device):
             raise UnsupportedModelError("a MoE model's layers are neither streamed nor placed on the GPU "
                                         "tier: its experts stream instead (expert_store.py)")
         self.packed, self.device, self.device_kernels = packed, device, device_kernels
         self.disk = DiskFile(packed.path)
-        self.experts = None if expert_cache is None else ExpertStore(packed, self.disk, *expert_cache)
+        self.experts: ExpertStore | HybridExperts | None = None  # what the expert stats come from
+        if expert_cache is not None:
+            self.experts = ExpertStore(packed, self.disk, *expert_cache)
+        elif gpu_experts is not None:
+            self.experts = HybridExperts(packed, {}, device.device, device_kernels, *gpu_experts)
         self._buffers = []  # the resident extents' memory, alive as long as the weights
         resident = [i for i in range(len(packed.layers)) if i not in streamed | on_device]
-        expert_bytes = [0 if self.experts else _experts_bytes(packed, i) for i in range(len(packed.layers))]
+        streams_experts = isinstance(self.experts, ExpertStore)
+        expert_bytes = [0 if streams_experts else _experts_bytes(packed, i)  # in RAM
+                        for i in range(len(packed.layers))]
         total = packed.globals.nbytes + sum(packed.layers[i].nbytes + expert_bytes[i]
                                             for i in [*resident, *on_device])
         self._loaded, self._progress = 0, progress
@@ -62,7 +72,7 @@ class TieredWeights:
         ring = self.streamer.nbytes if self.streamer else 0
         in_ram = packed.globals.nbytes + sum(packed.layers[i].nbytes + expert_bytes[i] for i in resident)
         on_disk = sum(packed.layers[i].nbytes for i in self.streamed_layers)
-        if self.experts is not None:
+        if streams_experts:
             in_ram += self.experts.nbytes
             on_disk += sum(_experts_bytes(packed, i) for i in range(len(packed.layers)))
         self._bytes = {"cpu": in_ram + ring, "disk": on_disk}
@@ -85,10 +95,15 @@ class TieredWeights:
         data = self._read(self.packed.layers[index], total)
         if not self.packed.experts[index]:
             return self.packed.layer_weights(index, data)
-        if self.experts is None:
-            experts = ResidentExperts([self.packed.expert_weights(index, e, self._read(extent, total))
-                                       for e, extent in enumerate(self.packed.experts[index])])
-            return self.packed.layer_weights(index, data, experts)
+        if not isinstance(self.experts, ExpertStore):
+            ram = []
+            for e, extent in enumerate(self.packed.experts[index]):
+                expert_data = self._read(extent, total)
+                ram.append((self.packed.expert_weights(index, e, expert_data), expert_data))
+            if self.experts is None:
+                return self.packed.layer_weights(index, data, ResidentExperts([w for w, _ in ram]))
+            self.experts.ram[index] = ram
+            return self.packed.layer_weights(index, data, self.experts.layer_experts(index))
         weights = self.packed.layer_weights(index, data, self.experts.layer_experts(index))
         self.experts.add_router(index, weights)
         return weights
@@ -134,14 +149,17 @@ class TieredWeights:
         return self._rope_freqs
 
     def bytes_by_tier(self) -> dict[str, int]:
-        """Bytes held on the device tier (layers and, once allocated, their KV caches), weight
-        bytes held in RAM (globals, resident layers, the ring) and read from disk."""
-        return {"gpu": self.device.used if self.device else 0, **self._bytes}
+        """Bytes held on the device tier (layers and, once allocated, their KV caches, or cached
+        experts), weight bytes held in RAM (globals, resident layers, the ring) and read from disk."""
+        gpu = self.device.used if self.device else 0
+        if isinstance(self.experts, HybridExperts):
+            gpu += self.experts.cache.used_bytes
+        return {"gpu": gpu, **self._bytes}
 
     def close(self) -> None:
         if getattr(self, "streamer", None) is not None:
             self.streamer.close()
-        if self.experts is not None:
+        if isinstance(self.experts, ExpertStore):
             self.experts.close()
         self.disk.close()
 
@@ -162,8 +180,8 @@ class ResidentExperts:
     def __init__(self, experts: list[ExpertWeights]):
         self.experts = experts
 
-    def each(self, expert_ids: list[int], hidden) -> Iterator[tuple[int, ExpertWeights]]:
-        return ((e, self.experts[e]) for e in expert_ids)
+    def each(self, expert_tokens: dict[int, int], residual) -> Iterator[tuple[int, ExpertWeights]]:
+        return ((e, self.experts[e]) for e in expert_tokens)
 
 
 def _experts_bytes(packed: PackedFile, layer_idx: int) -> int:

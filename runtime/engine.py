@@ -24,12 +24,13 @@ from tierflow.errors import (
     InvalidArgumentError,
     ModelFileError,
     TierflowError,
-    UnsupportedModelError,
 )
 from tierflow.gpu_kernels.launch import load_all_kernels
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
+from tierflow.offload.cost_model import PLACEHOLDER_GPU_GBPS
 from tierflow.offload.device import DeviceTier
 from tierflow.offload.expert_cache import CacheStats
+from tierflow.offload.expert_scheduler import ExpertCosts
 from tierflow.offload.extents import expert_extents, model_extents
 from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.llama_vocab import llama_vocab_file
@@ -43,7 +44,7 @@ from tierflow.offload.planner import (
     make_plan,
 )
 from tierflow.offload.probe import load_profile
-from tierflow.offload.profile import GpuProfile
+from tierflow.offload.profile import GpuProfile, HardwareProfile
 from tierflow.offload.tensors import check_tensors
 from tierflow.offload.tiered import LoadProgress, TieredWeights
 from tierflow.runtime.config import ModelConfig
@@ -364,22 +365,24 @@ def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTie
                   context_length: int, progress) -> TieredWeights:
     """The model's pack (built on first use) placed under the budgets. A pack found damaged
     while loading is rebuilt once."""
-    if config.is_moe:
-        if gpu.budget:
-            raise UnsupportedModelError(f"{gguf.path.name} is a mixture-of-experts model, whose layers run "
-                                        f"on the CPU for now (experts on the GPU tier are not built): use "
-                                        f"gpu_memory=0")
+    cache_bytes = gpu_experts = None
+    if config.is_moe:  # everything but the experts in RAM; the experts are placed one by one
         cache_bytes = _expert_cache_bytes(gguf, config, cpu_budget, context_length)
+        if gpu.budget and cache_bytes is not None:
+            raise BudgetError(f"{gguf.path.name}: experts cached on the GPU are scheduled against their "
+                              f"home in RAM, so cpu_memory must hold them all (or leave out gpu_memory to "
+                              f"stream them from disk)")
+        if gpu.budget:
+            gpu_experts = gpu.budget, _expert_costs(_profile(gpu, threads, progress))
         gpu_layers, streamed, depth = (), (), 0
     else:
-        cache_bytes = None
         gpu_layers, streamed, depth = _placement(gguf, config, cpu_budget, gpu, threads, context_length,
                                                  progress)
 
     def place(packed):
         device = DeviceTier(gpu.device, gpu.budget) if gpu.budget else None
         return TieredWeights(packed, streamed, depth, progress, gpu_layers, device, gpu.kernels,
-                             None if cache_bytes is None else (config, cache_bytes))
+                             None if cache_bytes is None else (config, cache_bytes), gpu_experts)
 
     packed = open_pack(gguf, config, progress)
     try:
@@ -422,17 +425,31 @@ def _placement(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTier, 
     if not gpu.budget and globals_.nbytes + sum(layer.nbytes for layer in layers) <= budget:
         return (), (), 0
 
+    plan = make_plan(gguf, config, _profile(gpu, threads, progress), gpu_budget=gpu.budget, cpu_budget=budget,
+                     context_length=context_length)
+    return plan.gpu_layers, plan.streamed_layers, plan.prefetch_depth
+
+
+def _profile(gpu: GpuTier, threads: int, progress) -> HardwareProfile:
+    """This machine's measured profile (probed once and cached); the CPU standing in for a GPU
+    gets the CPU's own speeds as the GPU's."""
     def measuring(step: str) -> None:  # a first streamed load on a machine probes it (~20 s)
         if progress is not None:
             progress(f"measuring this machine for the planner ({step})", 0, 0)
 
     profile = load_profile(threads, progress=measuring)
-    if gpu.budget and gpu.device.type == "cpu":  # the CPU standing in for a GPU: its own speeds
+    if gpu.budget and gpu.device.type == "cpu":
         profile = replace(profile, gpu=GpuProfile("the CPU standing in for a GPU", gpu.budget,
                                                   profile.ram_read_gbps, dict(profile.kernel_gbps)))
-    plan = make_plan(gguf, config, profile, gpu_budget=gpu.budget, cpu_budget=budget,
-                     context_length=context_length)
-    return plan.gpu_layers, plan.streamed_layers, plan.prefetch_depth
+    return profile
+
+
+def _expert_costs(profile: HardwareProfile) -> ExpertCosts:
+    """The scheduler's costs from the profile: 4-bit kernel speeds (the GPU's placeholder until
+    the probe times its kernels) and the host-to-device copy speed."""
+    cpu = profile.kernel_gbps.get(4) or max(profile.kernel_gbps.values())
+    gpu = profile.gpu.kernel_gbps.get(4) or PLACEHOLDER_GPU_GBPS
+    return ExpertCosts(cpu_gbps=cpu, gpu_gbps=gpu, copy_gbps=profile.gpu.h2d_gbps)
 
 
 def _thread_count(threads: int | None) -> int:

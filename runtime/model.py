@@ -101,10 +101,11 @@ class ExpertWeights:
 class Experts(Protocol):
     """A MoE layer's experts, wherever they live (resident, cached, streamed: the source's business)."""
 
-    def each(self, expert_ids: list[int], residual: Activations) -> Iterator[tuple[int, ExpertWeights]]:
-        """Each of expert_ids (distinct) with its weights, in an order the source picks (those at
-        hand first, say); residual [T, E] is the stream entering the FFN, a hint of what the
-        next layers will route to."""
+    def each(self, expert_tokens: dict[int, int], residual: Activations
+             ) -> Iterator[tuple[int, ExpertWeights]]:
+        """Each expert of expert_tokens (id -> the number of tokens routed to it) with its weights,
+        in an order the source picks (those at hand first, say); residual [T, E] is the stream
+        entering the FFN, a hint of what the next layers will route to."""
         ...
 
 
@@ -222,11 +223,15 @@ class Decoder:
         weights, chosen = probs.topk(self.config.experts_used, dim=-1)  # [T, k]
         if self.config.renormalize_expert_weights:
             weights /= weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(hidden)
-        for expert_id, expert in moe.experts.each(chosen.unique().tolist(), residual):
+        ids, counts = chosen.unique(return_counts=True)
+        outputs = {}  # expert id -> its rows, their top-k slots, its output (on its device until all ran)
+        for expert_id, expert in moe.experts.each(dict(zip(ids.tolist(), counts.tolist())), residual):
             rows, slots = (chosen == expert_id).nonzero(as_tuple=True)
-            y = torch.as_tensor(_expert_ffn(expert, hidden[rows])).to(out.device)
-            out.index_add_(0, rows, weights[rows, slots, None].to(out.device) * y)
+            outputs[expert_id] = rows, slots, _expert_ffn(expert, hidden[rows])
+        out = torch.zeros_like(hidden)
+        for expert_id in sorted(outputs):  # the same sum in whatever order the experts ran
+            rows, slots, y = outputs[expert_id]
+            out.index_add_(0, rows, weights[rows, slots, None] * torch.as_tensor(y).to(out.device))
         if moe.shared is not None:
             gate = torch.sigmoid(torch.as_tensor(moe.shared_gate(h)))  # [T, 1]
             out += gate * torch.as_tensor(_expert_ffn(moe.shared, hidden)).to(out.device)

@@ -90,6 +90,17 @@ def test_token_trees_verified_on_gpu_layers_keep_the_greedy_tokens(models):
     assert result.tokens == tokens and result.stats.drafted_tokens > 0
 
 
+def test_experts_cached_on_the_gpu_run_its_kernels_and_keep_the_cpu_tokens(tmp_path):
+    spec = ModelSpec(num_layers=2, hidden_size=64, num_experts=4, experts_used=2, weight_type="Q4_0", seed=8)
+    path = write_model(tmp_path / "moe.gguf", spec)
+    tokens, logits = cpu_result(path)
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="1MiB", **GPU) as engine:
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
+        got = engine.logits(engine.tokenize(PROMPT) + tokens)
+        assert engine.weights.experts.schedules.on_gpu + engine.weights.experts.schedules.fetched > 0
+    assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
+
+
 def test_running_out_of_gpu_memory_mid_generation_names_the_budget_and_leaves_the_engine_usable(
         models, monkeypatch):
     path = models["llama-Q8_0"]

@@ -6,7 +6,8 @@ import pytest
 from make_model import ModelSpec, write_model
 
 from tierflow import Engine
-from tierflow.errors import BudgetError, ModelFileError, UnsupportedModelError
+from tierflow.errors import BudgetError, ModelFileError
+from tierflow.offload.expert_scheduler import ExpertCosts, schedule_experts
 
 PROMPT = "The history of the printing press begins in"
 CONTEXT = 128
@@ -106,9 +107,53 @@ def test_a_budget_without_room_for_one_layers_experts_names_the_least_that_works
         streamed(moe_path, budgets, experts_held=4)
 
 
-def test_gpu_memory_for_a_moe_model_is_refused_clearly(moe_path):
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
-        Engine.load(moe_path, gpu_memory="64MiB", gpu_device="cpu")
+def test_experts_cached_on_the_stand_in_gpu_give_the_cpu_tokens_and_logits_bit_for_bit(moe_path, budgets,
+                                                                                         resident):
+    _, one, _ = budgets
+    stand_in = dict(gpu_memory=10 * one, gpu_device="cpu")
+    with Engine.load(moe_path, threads=2, context_length=CONTEXT, **stand_in) as engine:
+        result = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+        assert result.tokens == resident[0]
+        assert np.array_equal(engine.logits(engine.tokenize(PROMPT) + resident[0]), resident[1])
+        runs = engine.weights.experts.schedules
+        assert runs.on_gpu > 0 and runs.on_cpu > 0 and runs.fetched > 0
+        assert 0 < engine.weights.bytes_by_tier()["gpu"] <= 10 * one
+        assert engine.expert_stats.hits > 0
+
+
+def test_gpu_experts_need_every_expert_in_ram(moe_path, budgets):
+    base, one, _ = budgets
+    with pytest.raises(BudgetError, match="cpu_memory must hold them all"):
+        Engine.load(moe_path, threads=2, cpu_memory=base + 10 * one, gpu_memory=10 * one, gpu_device="cpu")
+
+
+COSTS = ExpertCosts(cpu_gbps=10.0, gpu_gbps=100.0, copy_gbps=10.0)
+MB = 10**6
+
+
+def test_experts_cached_on_the_gpu_run_there():
+    plan = schedule_experts({0: 1, 3: 1}, cached={0, 3}, nbytes=10 * MB, costs=COSTS)
+    assert plan.on_gpu == [0, 3] and plan.fetched == [] and plan.on_cpu == []
+
+
+def test_uncached_experts_are_shared_so_both_devices_finish_together():
+    """One token each: 1 ms on the CPU, 1 ms to copy (+0.1 ms to run) for the GPU."""
+    plan = schedule_experts({e: 1 for e in range(8)}, cached=set(), nbytes=10 * MB, costs=COSTS)
+    assert len(plan.on_cpu) == 4 and len(plan.fetched) == 4
+    assert abs(plan.cpu_seconds - plan.gpu_seconds) <= 0.0011
+
+
+def test_a_slow_copy_keeps_uncached_experts_on_the_cpu():
+    slow_copy = ExpertCosts(cpu_gbps=10.0, gpu_gbps=100.0, copy_gbps=0.5)
+    plan = schedule_experts({0: 1, 1: 1}, cached=set(), nbytes=10 * MB, costs=slow_copy)
+    assert plan.on_cpu == [0, 1] and plan.fetched == []
+
+
+def test_an_expert_with_many_tokens_is_copied_to_the_gpu_first():
+    """In prefill the CPU's cost grows with the tokens and the GPU's barely: the busiest expert
+    is worth its copy."""
+    plan = schedule_experts({0: 2, 1: 512}, cached=set(), nbytes=10 * MB, costs=COSTS)
+    assert plan.fetched == [1] and plan.on_cpu == [0]
 
 
 def test_more_experts_used_than_exist_is_a_model_file_error(tmp_path):

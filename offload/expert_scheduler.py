@@ -1,0 +1,147 @@
+"""Hybrid CPU-GPU expert scheduling (HybriMoE's balance): which device runs each active expert.
+
+A MoE model placed with a GPU budget keeps its experts in RAM (their home) and a cache of them in
+VRAM (an ExpertCache over device copies). Per MoE layer and step, each activated expert runs:
+- on the GPU, when it is cached there;
+- or on the CPU, from RAM, where it lives;
+- or it is copied to the GPU (and cached) and runs there,
+whichever of the last two lets both devices finish the layer soonest: list scheduling over the
+cost model, the experts with most work first, each to the device where the layer's makespan grows
+least (a tie stays on the CPU: no copy, no eviction). The GPU's work starts first and runs
+asynchronously while the CPU computes its share; only activations cross, once each way.
+
+Costs (ExpertCosts): an expert's compute time is its bytes over the device's kernel speed while
+its token count is under the device's batch (memory-bound), growing linearly beyond; a copy is its
+bytes over the host-to-device speed, and copies queue on one copy stream ahead of their compute.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tierflow.offload.expert_cache import CacheStats, ExpertCache
+from tierflow.offload.expert_policy import ExpertKey
+from tierflow.offload.packed_file import PackedFile
+from tierflow.runtime.model import Activations, ExpertWeights, Kernels
+
+
+@dataclass(frozen=True)
+class ExpertCosts:
+    cpu_gbps: float  # the CPU kernels' weight bytes per second (decode: memory-bound)
+    gpu_gbps: float
+    copy_gbps: float  # host to device
+    cpu_batch: int = 8  # tokens an expert computes for the price of one, on each device
+    gpu_batch: int = 64
+
+    def cpu_seconds(self, nbytes: int, tokens: int) -> float:
+        return nbytes / (self.cpu_gbps * 1e9) * max(1.0, tokens / self.cpu_batch)
+
+    def gpu_seconds(self, nbytes: int, tokens: int) -> float:
+        return nbytes / (self.gpu_gbps * 1e9) * max(1.0, tokens / self.gpu_batch)
+
+    def copy_seconds(self, nbytes: int) -> float:
+        return nbytes / (self.copy_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    on_gpu: list[int]  # cached on the GPU: run there
+    fetched: list[int]  # copied to the GPU, then run there
+    on_cpu: list[int]  # run from RAM on the CPU
+    cpu_seconds: float  # the predicted finish of each device
+    gpu_seconds: float
+
+
+def schedule_experts(tokens: dict[int, int], cached: set[int], nbytes: int, costs: ExpertCosts) -> Schedule:
+    """Where each active expert (id -> its token count) runs, given the ids cached on the GPU."""
+    on_gpu = [e for e in tokens if e in cached]
+    gpu = sum(costs.gpu_seconds(nbytes, tokens[e]) for e in on_gpu)
+    cpu = copy = 0.0
+    fetched, on_cpu = [], []
+    for e in sorted((e for e in tokens if e not in cached), key=lambda e: (-tokens[e], e)):
+        cpu_done = cpu + costs.cpu_seconds(nbytes, tokens[e])
+        copy_done = copy + costs.copy_seconds(nbytes)
+        gpu_done = max(gpu, copy_done) + costs.gpu_seconds(nbytes, tokens[e])
+        if max(gpu_done, cpu) < max(cpu_done, gpu):
+            fetched.append(e)
+            gpu, copy = gpu_done, copy_done
+        else:
+            on_cpu.append(e)
+            cpu = cpu_done
+    return Schedule(on_gpu, fetched, on_cpu, cpu, gpu)
+
+
+@dataclass
+class SchedulerStats:
+    on_gpu: int = 0  # expert runs on the GPU from its cache
+    fetched: int = 0  # ... after a copy
+    on_cpu: int = 0  # expert runs on the CPU
+
+
+class _DeviceExpert:
+    """An expert's bytes on the device and the weights viewing them (an ExpertCache payload)."""
+
+    def __init__(self, weights: ExpertWeights, nbytes: int):
+        self.weights, self.nbytes = weights, nbytes
+
+
+class HybridExperts:
+    """Every MoE layer's experts in RAM, a cache of them on the GPU, and the schedule between."""
+
+    def __init__(self, packed: PackedFile, ram: dict[int, list[tuple[ExpertWeights, memoryview]]],
+                 device: torch.device, kernels: Kernels | None, budget_bytes: int, costs: ExpertCosts,
+                 policy: str = "score"):
+        """ram: per layer, each expert's weights and pack bytes in RAM; kernels: those of the
+        device (None: the CPU standing in for a GPU, computing with the CPU kernels)."""
+        self.packed, self.ram, self.device, self.kernels, self.costs = packed, ram, device, kernels, costs
+        self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
+                                 self._upload, policy)
+        self.schedules = SchedulerStats()
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.cache.stats
+
+    def layer_experts(self, layer_idx: int) -> "HybridLayerExperts":
+        return HybridLayerExperts(self, layer_idx)
+
+    def step(self, layer_idx: int, expert_tokens: dict[int, int], tokens: int
+             ) -> Iterator[tuple[int, ExpertWeights]]:
+        nbytes = self.packed.experts[layer_idx][0].nbytes
+        cached = {e for e in expert_tokens if (layer_idx, e) in self.cache}
+        plan = schedule_experts(expert_tokens, cached, nbytes, self.costs)
+        self.schedules.on_gpu += len(plan.on_gpu)
+        self.schedules.fetched += len(plan.fetched)
+        self.schedules.on_cpu += len(plan.on_cpu)
+        on_device = plan.on_gpu + plan.fetched
+        payloads = self.cache.get(layer_idx, on_device) if on_device else []
+        try:
+            yield from ((e, payload.weights) for e, payload in zip(on_device, payloads))  # launched first
+            yield from ((e, self.ram[layer_idx][e][0]) for e in plan.on_cpu)
+        finally:
+            self.cache.release()
+            if layer_idx == len(self.packed.layers) - 1:
+                self.cache.next_token(tokens)
+
+    def _upload(self, key: ExpertKey) -> _DeviceExpert:
+        layer_idx, expert_id = key
+        data = self.ram[layer_idx][expert_id][1]
+        copy = torch.from_numpy(np.frombuffer(data, np.uint8).copy()).to(self.device)
+        if self.kernels is None:
+            weights = self.packed.expert_weights(layer_idx, expert_id, memoryview(copy.numpy()))
+        else:
+            weights = self.packed.device_expert_weights(layer_idx, expert_id, copy, self.kernels)
+        return _DeviceExpert(weights, len(data))
+
+
+class HybridLayerExperts:
+    """One MoE layer's view of HybridExperts (runtime.model.Experts)."""
+
+    def __init__(self, hybrid: HybridExperts, layer_idx: int):
+        self.hybrid, self.layer_idx = hybrid, layer_idx
+
+    def each(self, expert_tokens: dict[int, int], residual: Activations
+             ) -> Iterator[tuple[int, ExpertWeights]]:
+        return self.hybrid.step(self.layer_idx, expert_tokens, residual.shape[0])
