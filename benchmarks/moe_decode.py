@@ -2,7 +2,7 @@
 
     python benchmarks/moe_decode.py [--size 2GB] [--weight-type Q4_0] [--fraction 0.333]
                                     [--prompt-tokens 64] [--decode-tokens 48] [--repeats 3]
-                                    [--threads N] [--policy score] [--json]
+                                    [--threads N] [--policy score|lru|lfu] [--no-prefetch] [--json]
 
 The model is a random-weight Mixtral-style `llama` of about --size with 8 experts per layer, top-2
 routing, written once by the project's generator (tests/make_model.py) into the cache directory.
@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=psutil.cpu_count(logical=False) or 1)
     parser.add_argument("--policy", default="score", choices=["score", "lru", "lfu"])
+    parser.add_argument("--no-prefetch", action="store_true", help="demand reads only (no early router)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -116,6 +117,7 @@ def main() -> None:
     cpu_memory, expert_bytes = expert_budget(path, args.threads, args.fraction)
     streamed = Engine.load(path, threads=args.threads, cpu_memory=cpu_memory)
     streamed.weights.experts.cache.policy = make_policy(args.policy)  # before any expert is cached
+    streamed.weights.experts.prefetch = not args.no_prefetch
     resident = Engine.load(path, threads=args.threads)
     llama = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.decode_tokens + 8, n_batch=512,
                             n_threads=args.threads, verbose=False)
@@ -146,7 +148,7 @@ def main() -> None:
     report = {
         "model": path.name, "file_bytes": path.stat().st_size, "expert_bytes": expert_bytes,
         "cpu_memory": cpu_memory, "expert_cache_bytes": streamed.weights.experts.nbytes,
-        "policy": args.policy, "threads": args.threads, "prompt_tokens": len(prompt),
+        "policy": args.policy, "prefetch": not args.no_prefetch, "threads": args.threads, "prompt_tokens": len(prompt),
         "decode_tokens": args.decode_tokens, "decode_tokens_per_s": decode,
         "streamed_vs_resident": decode["tierflow streamed"] / decode["tierflow resident"],
         "resident_vs_llama_cpp": decode["tierflow resident"] / decode["llama.cpp resident"],
@@ -164,7 +166,8 @@ def main() -> None:
         return
     print(f"{report['model']}: {format_size(report['file_bytes'])}, experts {format_size(expert_bytes)}; "
           f"cpu_memory {format_size(cpu_memory)} (expert cache {format_size(report['expert_cache_bytes'])}, "
-          f"{args.fraction:.0%} of the experts, policy {args.policy}); {args.threads} threads, "
+          f"{args.fraction:.0%} of the experts, policy {args.policy}, "
+          f"{'demand reads only' if args.no_prefetch else 'prefetch'}); {args.threads} threads, "
           f"prompt {len(prompt)}, {args.decode_tokens} decode steps, median of {args.repeats}")
     for name, rate in decode.items():
         print(f"  {name:<20} {rate:7.2f} tok/s")

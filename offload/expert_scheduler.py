@@ -142,6 +142,6 @@ class HybridLayerExperts:
     def __init__(self, hybrid: HybridExperts, layer_idx: int):
         self.hybrid, self.layer_idx = hybrid, layer_idx
 
-    def each(self, expert_tokens: dict[int, int], residual: Activations
-             ) -> Iterator[tuple[int, ExpertWeights]]:
-        return self.hybrid.step(self.layer_idx, expert_tokens, residual.shape[0])
+    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, ExpertWeights]]:
+        ids, counts = np.unique(chosen, return_counts=True)
+        return self.hybrid.step(self.layer_idx, dict(zip(ids.tolist(), counts.tolist())), len(chosen))

@@ -6,7 +6,8 @@ and the experts live on disk, each one extent of the pack. One ExpertCache (expe
 the room the budget leaves, holds those the policy keeps. A layer step:
 
 1. predicts the next MoE layer's experts by applying its router, early, to this layer's residual
-   stream (expert_prediction.route_top_k), and records the prediction;
+   stream (expert_prediction.route_top_k), adds those that cross-layer affinity, learnt as the
+   model runs (ExFlow), makes likely, and records the prediction;
 2. gets its own experts from the cache: hits at once, misses as reads queued on a reader thread;
 3. starts reading the predicted experts of the next layer that are not resident (prefetch), behind
    this layer's misses, so that disk reads overlap this layer's compute;
@@ -26,11 +27,13 @@ import torch
 from tierflow.offload.disk import DiskFile, aligned_buffer
 from tierflow.offload.expert_cache import CacheStats, ExpertCache
 from tierflow.offload.expert_policy import ExpertKey
-from tierflow.offload.expert_prediction import merge_token_predictions, route_top_k
+from tierflow.offload.expert_prediction import AffinityPredictor, merge_token_predictions, route_top_k
 from tierflow.offload.packed_file import PackedFile
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.model import Activations, ExpertWeights, LayerWeights
 
+AFFINITY_MIN = 0.5  # cross-layer affinity adds to the early router's prediction an expert this likely
+AFFINITY_DECAY = 0.99  # per observation: the affinity table follows what the text is about
 READERS = 2  # reads in flight: two kept this machine's disk busier than one (1.2 vs 1.0 GB/s)
 
 
@@ -54,7 +57,10 @@ class ExpertStore:
         self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
                                  self._fetch, policy, discard=self._discard)
         self._routers: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (router [E, H], ffn_norm)
+        self.prefetch = True  # predict and read ahead (off: demand reads only, for comparison)
         self._checked: set[ExpertKey] = set()  # experts whose checksum this process has verified
+        self.affinity = AffinityPredictor(config.num_layers, config.num_experts, AFFINITY_DECAY)
+        self._chosen: dict[int, np.ndarray] = {}  # layer -> its tokens' experts, until the next layer's
 
     def layer_experts(self, layer_idx: int) -> "StreamedExperts":
         return StreamedExperts(self, layer_idx)
@@ -75,14 +81,16 @@ class ExpertStore:
     def close(self) -> None:
         self._reader.shutdown(wait=True, cancel_futures=True)
 
-    def step(self, layer_idx: int, expert_ids: list[int], residual: Activations
+    def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
              ) -> Iterator[tuple[int, ExpertWeights]]:
-        residual = np.asarray(torch.as_tensor(residual).cpu())
-        following = self._routers.get(layer_idx + 1)
+        expert_ids = np.unique(chosen).tolist()
+        if layer_idx - 1 in self._chosen:  # this token's previous layer: what affinity learns from
+            for before, now in zip(self._chosen.pop(layer_idx - 1), chosen):
+                self.affinity.observe(layer_idx - 1, before, now)
+        self._chosen[layer_idx] = chosen
+        following = self._routers.get(layer_idx + 1) if self.prefetch else None
         if following is not None:
-            ids, probs = route_top_k(following[0], residual, self.config.experts_used, following[1],
-                                     self.config.rms_norm_eps)
-            self.cache.predict(layer_idx + 1, *merge_token_predictions(ids, probs))
+            self.cache.predict(layer_idx + 1, *self._predict(layer_idx, chosen, residual, following))
         hits = [e for e in expert_ids if (layer_idx, e) in self.cache]
         misses = [e for e in expert_ids if (layer_idx, e) not in self.cache]
         order = hits + misses
@@ -96,6 +104,20 @@ class ExpertStore:
             self.cache.release()
             if layer_idx == self.config.num_layers - 1:
                 self.cache.next_token(residual.shape[0])
+
+    def _predict(self, layer_idx: int, chosen: np.ndarray, residual: Activations,
+                 following: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The next layer's experts: its router applied to this layer's residual stream, and those
+        that cross-layer affinity makes likelier than AFFINITY_MIN, each at its best confidence."""
+        k = self.config.experts_used
+        ids, probs = route_top_k(following[0], np.asarray(torch.as_tensor(residual).cpu()), k, following[1],
+                                 self.config.rms_norm_eps)
+        ids, probs = [ids.ravel()], [probs.ravel()]
+        for token_experts in chosen:
+            likely, likelihood = self.affinity.predict(layer_idx, token_experts, k)
+            ids.append(likely[likelihood >= AFFINITY_MIN])
+            probs.append(likelihood[likelihood >= AFFINITY_MIN])
+        return merge_token_predictions(np.concatenate(ids), np.concatenate(probs))
 
     def _fetch(self, key: ExpertKey) -> _ExpertRead:
         extent = self.packed.experts[key[0]][key[1]]
@@ -121,6 +143,5 @@ class StreamedExperts:
     def __init__(self, store: ExpertStore, layer_idx: int):
         self.store, self.layer_idx = store, layer_idx
 
-    def each(self, expert_tokens: dict[int, int], residual: Activations
-             ) -> Iterator[tuple[int, ExpertWeights]]:
-        return self.store.step(self.layer_idx, list(expert_tokens), residual)
+    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, ExpertWeights]]:
+        return self.store.step(self.layer_idx, chosen, residual)

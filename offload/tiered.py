@@ -180,8 +180,8 @@ class ResidentExperts:
     def __init__(self, experts: list[ExpertWeights]):
         self.experts = experts
 
-    def each(self, expert_tokens: dict[int, int], residual) -> Iterator[tuple[int, ExpertWeights]]:
-        return ((e, self.experts[e]) for e in expert_tokens)
+    def each(self, chosen: np.ndarray, residual) -> Iterator[tuple[int, ExpertWeights]]:
+        return ((e, self.experts[e]) for e in np.unique(chosen).tolist())
 
 
 def _experts_bytes(packed: PackedFile, layer_idx: int) -> int:

@@ -101,11 +101,10 @@ class ExpertWeights:
 class Experts(Protocol):
     """A MoE layer's experts, wherever they live (resident, cached, streamed: the source's business)."""
 
-    def each(self, expert_tokens: dict[int, int], residual: Activations
-             ) -> Iterator[tuple[int, ExpertWeights]]:
-        """Each expert of expert_tokens (id -> the number of tokens routed to it) with its weights,
-        in an order the source picks (those at hand first, say); residual [T, E] is the stream
-        entering the FFN, a hint of what the next layers will route to."""
+    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, ExpertWeights]]:
+        """Each expert in chosen (int64 [T, k]: every token's top-k) once, with its weights, in an
+        order the source picks (those at hand first, say); residual [T, E] is the stream entering
+        the FFN: with chosen, a hint of what the next layers will route to."""
         ...
 
 
@@ -223,9 +222,8 @@ class Decoder:
         weights, chosen = probs.topk(self.config.experts_used, dim=-1)  # [T, k]
         if self.config.renormalize_expert_weights:
             weights /= weights.sum(dim=-1, keepdim=True)
-        ids, counts = chosen.unique(return_counts=True)
         outputs = {}  # expert id -> its rows, their top-k slots, its output (on its device until all ran)
-        for expert_id, expert in moe.experts.each(dict(zip(ids.tolist(), counts.tolist())), residual):
+        for expert_id, expert in moe.experts.each(chosen.cpu().numpy(), residual):
             rows, slots = (chosen == expert_id).nonzero(as_tuple=True)
             outputs[expert_id] = rows, slots, _expert_ffn(expert, hidden[rows])
         out = torch.zeros_like(hidden)
