@@ -148,7 +148,8 @@ def main() -> None:
     report = {
         "model": path.name, "file_bytes": path.stat().st_size, "expert_bytes": expert_bytes,
         "cpu_memory": cpu_memory, "expert_cache_bytes": streamed.weights.experts.nbytes,
-        "policy": args.policy, "prefetch": not args.no_prefetch, "threads": args.threads, "prompt_tokens": len(prompt),
+        "policy": args.policy, "prefetch": not args.no_prefetch, "threads": args.threads,
+        "prompt_tokens": len(prompt),
         "decode_tokens": args.decode_tokens, "decode_tokens_per_s": decode,
         "streamed_vs_resident": decode["tierflow streamed"] / decode["tierflow resident"],
         "resident_vs_llama_cpp": decode["tierflow resident"] / decode["llama.cpp resident"],
