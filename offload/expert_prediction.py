@@ -91,3 +91,42 @@ class AffinityPredictor:
         order = np.argsort(-likely, kind="stable")[:top_k]
         order = order[likely[order] > 0]
         return order, likely[order]
+
+
+AFFINITY_MIN = 0.5  # affinity adds to the early router's prediction an expert this likely
+AFFINITY_DECAY = 0.99  # per observation: the affinity table follows what the text is about
+
+
+class NextLayerPredictor:
+    """The engine's prediction of the next MoE layer's experts, from each layer step as it runs:
+    the next layer's router applied early to this layer's residual stream, plus the experts that
+    cross-layer affinity (learnt from the tokens' routing, layer to layer) makes likelier than
+    AFFINITY_MIN, each at its best confidence."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, eps: float):
+        self.top_k, self.eps = top_k, eps
+        self.routers: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (router [E, H], ffn_norm [H])
+        self.affinity = AffinityPredictor(num_layers, num_experts, AFFINITY_DECAY)
+        self._chosen: dict[int, np.ndarray] = {}  # layer -> its tokens' experts, until the next layer's
+
+    def add_router(self, layer_idx: int, router: np.ndarray, ffn_norm: np.ndarray) -> None:
+        self.routers[layer_idx] = router, ffn_norm
+
+    def step(self, layer_idx: int, chosen: np.ndarray, residual: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Learns from layer_idx's routing (chosen [T, k]) and predicts layer_idx + 1's experts
+        (ids, confidences) from it and the residual stream [T, H]; None after the last MoE layer."""
+        if layer_idx - 1 in self._chosen:  # the same tokens at the previous layer
+            for before, now in zip(self._chosen.pop(layer_idx - 1), chosen):
+                self.affinity.observe(layer_idx - 1, before, now)
+        self._chosen[layer_idx] = chosen
+        following = self.routers.get(layer_idx + 1)
+        if following is None:
+            return None
+        ids, probs = route_top_k(following[0], residual, self.top_k, following[1], self.eps)
+        ids, probs = [ids.ravel()], [probs.ravel()]
+        for token_experts in chosen:
+            likely, likelihood = self.affinity.predict(layer_idx, token_experts, self.top_k)
+            ids.append(likely[likelihood >= AFFINITY_MIN])
+            probs.append(likelihood[likelihood >= AFFINITY_MIN])
+        return merge_token_predictions(np.concatenate(ids), np.concatenate(probs))

@@ -23,7 +23,9 @@ import torch
 
 from tierflow.offload.expert_cache import CacheStats, ExpertCache
 from tierflow.offload.expert_policy import ExpertKey
+from tierflow.offload.expert_prediction import NextLayerPredictor
 from tierflow.offload.packed_file import PackedFile
+from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.model import Activations, ExpertWeights, Kernels
 
 
@@ -90,14 +92,16 @@ class _DeviceExpert:
 class HybridExperts:
     """Every MoE layer's experts in RAM, a cache of them on the GPU, and the schedule between."""
 
-    def __init__(self, packed: PackedFile, ram: dict[int, list[tuple[ExpertWeights, memoryview]]],
-                 device: torch.device, kernels: Kernels | None, budget_bytes: int, costs: ExpertCosts,
-                 policy: str = "score"):
+    def __init__(self, packed: PackedFile, config: ModelConfig,
+                 ram: dict[int, list[tuple[ExpertWeights, memoryview]]], device: torch.device,
+                 kernels: Kernels | None, budget_bytes: int, costs: ExpertCosts, policy: str = "score"):
         """ram: per layer, each expert's weights and pack bytes in RAM; kernels: those of the
         device (None: the CPU standing in for a GPU, computing with the CPU kernels)."""
         self.packed, self.ram, self.device, self.kernels, self.costs = packed, ram, device, kernels, costs
         self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
                                  self._upload, policy)
+        self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
+                                            config.rms_norm_eps)
         self.schedules = SchedulerStats()
 
     @property
@@ -107,8 +111,15 @@ class HybridExperts:
     def layer_experts(self, layer_idx: int) -> "HybridLayerExperts":
         return HybridLayerExperts(self, layer_idx)
 
-    def step(self, layer_idx: int, expert_tokens: dict[int, int], tokens: int
+    def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
              ) -> Iterator[tuple[int, ExpertWeights]]:
+        """Runs the cached experts first (on the GPU, asynchronously), then the CPU's share; the
+        next layer's predicted experts are copied to the GPU as far as the cache admits them."""
+        ids, counts = np.unique(chosen, return_counts=True)
+        expert_tokens = dict(zip(ids.tolist(), counts.tolist()))
+        prediction = self.predictor.step(layer_idx, chosen, np.asarray(torch.as_tensor(residual).cpu()))
+        if prediction is not None:
+            self.cache.predict(layer_idx + 1, *prediction)
         nbytes = self.packed.experts[layer_idx][0].nbytes
         cached = {e for e in expert_tokens if (layer_idx, e) in self.cache}
         plan = schedule_experts(expert_tokens, cached, nbytes, self.costs)
@@ -117,13 +128,15 @@ class HybridExperts:
         self.schedules.on_cpu += len(plan.on_cpu)
         on_device = plan.on_gpu + plan.fetched
         payloads = self.cache.get(layer_idx, on_device) if on_device else []
+        if prediction is not None:
+            self.cache.prefetch(layer_idx + 1)
         try:
             yield from ((e, payload.weights) for e, payload in zip(on_device, payloads))  # launched first
             yield from ((e, self.ram[layer_idx][e][0]) for e in plan.on_cpu)
         finally:
             self.cache.release()
             if layer_idx == len(self.packed.layers) - 1:
-                self.cache.next_token(tokens)
+                self.cache.next_token(len(chosen))
 
     def _upload(self, key: ExpertKey) -> _DeviceExpert:
         layer_idx, expert_id = key
@@ -143,5 +156,4 @@ class HybridLayerExperts:
         self.hybrid, self.layer_idx = hybrid, layer_idx
 
     def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, ExpertWeights]]:
-        ids, counts = np.unique(chosen, return_counts=True)
-        return self.hybrid.step(self.layer_idx, dict(zip(ids.tolist(), counts.tolist())), len(chosen))
+        return self.hybrid.step(self.layer_idx, chosen, residual)

@@ -27,13 +27,11 @@ import torch
 from tierflow.offload.disk import DiskFile, aligned_buffer
 from tierflow.offload.expert_cache import CacheStats, ExpertCache
 from tierflow.offload.expert_policy import ExpertKey
-from tierflow.offload.expert_prediction import AffinityPredictor, merge_token_predictions, route_top_k
+from tierflow.offload.expert_prediction import NextLayerPredictor
 from tierflow.offload.packed_file import PackedFile
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Activations, ExpertWeights, LayerWeights
+from tierflow.runtime.model import Activations, ExpertWeights
 
-AFFINITY_MIN = 0.5  # cross-layer affinity adds to the early router's prediction an expert this likely
-AFFINITY_DECAY = 0.99  # per observation: the affinity table follows what the text is about
 READERS = 2  # reads in flight: two kept this machine's disk busier than one (1.2 vs 1.0 GB/s)
 
 
@@ -56,19 +54,13 @@ class ExpertStore:
         self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tierflow-experts")
         self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
                                  self._fetch, policy, discard=self._discard)
-        self._routers: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (router [E, H], ffn_norm)
+        self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
+                                            config.rms_norm_eps)
         self.prefetch = True  # predict and read ahead (off: demand reads only, for comparison)
         self._checked: set[ExpertKey] = set()  # experts whose checksum this process has verified
-        self.affinity = AffinityPredictor(config.num_layers, config.num_experts, AFFINITY_DECAY)
-        self._chosen: dict[int, np.ndarray] = {}  # layer -> its tokens' experts, until the next layer's
 
     def layer_experts(self, layer_idx: int) -> "StreamedExperts":
         return StreamedExperts(self, layer_idx)
-
-    def add_router(self, layer_idx: int, weights: LayerWeights) -> None:
-        """Layer layer_idx's router and FFN norm, for predicting its experts one layer early."""
-        router = weights.moe.router.weight  # a float32 DenseLinear: routers stay unquantized
-        self._routers[layer_idx] = np.asarray(router), np.asarray(weights.ffn_norm)
 
     @property
     def stats(self) -> CacheStats:
@@ -84,18 +76,15 @@ class ExpertStore:
     def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
              ) -> Iterator[tuple[int, ExpertWeights]]:
         expert_ids = np.unique(chosen).tolist()
-        if layer_idx - 1 in self._chosen:  # this token's previous layer: what affinity learns from
-            for before, now in zip(self._chosen.pop(layer_idx - 1), chosen):
-                self.affinity.observe(layer_idx - 1, before, now)
-        self._chosen[layer_idx] = chosen
-        following = self._routers.get(layer_idx + 1) if self.prefetch else None
-        if following is not None:
-            self.cache.predict(layer_idx + 1, *self._predict(layer_idx, chosen, residual, following))
+        residual = np.asarray(torch.as_tensor(residual).cpu())
+        prediction = self.predictor.step(layer_idx, chosen, residual) if self.prefetch else None
+        if prediction is not None:
+            self.cache.predict(layer_idx + 1, *prediction)
         hits = [e for e in expert_ids if (layer_idx, e) in self.cache]
         misses = [e for e in expert_ids if (layer_idx, e) not in self.cache]
         order = hits + misses
         reads = self.cache.get(layer_idx, order)
-        if following is not None:
+        if prediction is not None:
             self.cache.prefetch(layer_idx + 1)
         try:
             for expert_id, read in zip(order, reads):
@@ -104,20 +93,6 @@ class ExpertStore:
             self.cache.release()
             if layer_idx == self.config.num_layers - 1:
                 self.cache.next_token(residual.shape[0])
-
-    def _predict(self, layer_idx: int, chosen: np.ndarray, residual: Activations,
-                 following: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """The next layer's experts: its router applied to this layer's residual stream, and those
-        that cross-layer affinity makes likelier than AFFINITY_MIN, each at its best confidence."""
-        k = self.config.experts_used
-        ids, probs = route_top_k(following[0], np.asarray(torch.as_tensor(residual).cpu()), k, following[1],
-                                 self.config.rms_norm_eps)
-        ids, probs = [ids.ravel()], [probs.ravel()]
-        for token_experts in chosen:
-            likely, likelihood = self.affinity.predict(layer_idx, token_experts, k)
-            ids.append(likely[likelihood >= AFFINITY_MIN])
-            probs.append(likelihood[likelihood >= AFFINITY_MIN])
-        return merge_token_predictions(np.concatenate(ids), np.concatenate(probs))
 
     def _fetch(self, key: ExpertKey) -> _ExpertRead:
         extent = self.packed.experts[key[0]][key[1]]

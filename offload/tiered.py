@@ -25,7 +25,7 @@ from tierflow.offload.expert_store import ExpertStore
 from tierflow.offload.packed_file import Extent, LoadProgress, PackedFile
 from tierflow.offload.streamer import LayerStreamer
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import ConcatLinear, ExpertWeights, Kernels, LayerWeights, Linear
+from tierflow.runtime.model import ConcatLinear, DenseLinear, ExpertWeights, Kernels, LayerWeights, Linear
 
 
 class TieredWeights:
@@ -33,10 +33,10 @@ class TieredWeights:
                  progress: LoadProgress | None = None, gpu_layers: Sequence[int] = (),
                  device: DeviceTier | None = None, device_kernels: Kernels | None = None,
                  expert_cache: tuple[ModelConfig, int] | None = None,
-                 gpu_experts: tuple[int, ExpertCosts] | None = None):
+                 gpu_experts: tuple[ModelConfig, int, ExpertCosts] | None = None):
         """A MoE model's experts are resident in RAM, or with expert_cache (config, bytes) streamed
         from disk through a cache of that many bytes in RAM (expert_store.py), or with gpu_experts
-        (bytes, costs) resident in RAM with a cache of that many bytes on the device tier's device
+        (config, bytes, costs) resident in RAM with a cache of that many bytes on the device tier's device
         and scheduled between the two (expert_scheduler.py)."""
         streamed, on_device = set(streamed_layers), set(gpu_layers)
         if any(packed.experts) and (streamed or on_device):
@@ -48,7 +48,8 @@ class TieredWeights:
         if expert_cache is not None:
             self.experts = ExpertStore(packed, self.disk, *expert_cache)
         elif gpu_experts is not None:
-            self.experts = HybridExperts(packed, {}, device.device, device_kernels, *gpu_experts)
+            config, budget, costs = gpu_experts
+            self.experts = HybridExperts(packed, config, {}, device.device, device_kernels, budget, costs)
         self._buffers = []  # the resident extents' memory, alive as long as the weights
         resident = [i for i in range(len(packed.layers)) if i not in streamed | on_device]
         streams_experts = isinstance(self.experts, ExpertStore)
@@ -95,7 +96,7 @@ class TieredWeights:
         data = self._read(self.packed.layers[index], total)
         if not self.packed.experts[index]:
             return self.packed.layer_weights(index, data)
-        if not isinstance(self.experts, ExpertStore):
+        if isinstance(self.experts, HybridExperts) or self.experts is None:  # the experts in RAM
             ram = []
             for e, extent in enumerate(self.packed.experts[index]):
                 expert_data = self._read(extent, total)
@@ -103,9 +104,10 @@ class TieredWeights:
             if self.experts is None:
                 return self.packed.layer_weights(index, data, ResidentExperts([w for w, _ in ram]))
             self.experts.ram[index] = ram
-            return self.packed.layer_weights(index, data, self.experts.layer_experts(index))
         weights = self.packed.layer_weights(index, data, self.experts.layer_experts(index))
-        self.experts.add_router(index, weights)
+        router = weights.moe.router  # for predicting this layer's experts one layer early
+        matrix = router.weight.numpy() if isinstance(router, DenseLinear) else router.matrix.dequantize()
+        self.experts.predictor.add_router(index, matrix, np.asarray(weights.ffn_norm))
         return weights
 
     def _to_device(self, index: int, total: int) -> LayerWeights:

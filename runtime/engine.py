@@ -373,7 +373,7 @@ def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTie
                               f"home in RAM, so cpu_memory must hold them all (or leave out gpu_memory to "
                               f"stream them from disk)")
         if gpu.budget:
-            gpu_experts = gpu.budget, _expert_costs(_profile(gpu, threads, progress))
+            gpu_experts = config, gpu.budget, _expert_costs(_profile(gpu, threads, progress))
         gpu_layers, streamed, depth = (), (), 0
     else:
         gpu_layers, streamed, depth = _placement(gguf, config, cpu_budget, gpu, threads, context_length,

@@ -7,7 +7,12 @@ import pytest
 from tierflow.errors import BudgetError
 from tierflow.offload.expert_cache import ExpertCache
 from tierflow.offload.expert_policy import POLICIES, ScorePolicy
-from tierflow.offload.expert_prediction import AffinityPredictor, merge_token_predictions, route_top_k
+from tierflow.offload.expert_prediction import (
+    AffinityPredictor,
+    NextLayerPredictor,
+    merge_token_predictions,
+    route_top_k,
+)
 from tierflow.offload.routing_trace import (
     SyntheticTraceSpec,
     check_trace,
@@ -245,3 +250,26 @@ def test_synthetic_traces_are_valid_reproducible_and_round_trip(tmp_path):
 def test_a_trace_with_a_repeated_expert_is_rejected():
     with pytest.raises(ValueError, match="appears twice"):
         check_trace(np.array([[[1, 1]]]))
+
+
+def test_the_next_layer_predictor_applies_the_next_router_to_this_layers_stream():
+    predictor = NextLayerPredictor(num_layers=2, num_experts=4, top_k=1, eps=1e-6)
+    router = np.eye(4, 8, dtype=np.float32) * 10  # expert e reads feature e
+    predictor.add_router(1, router, np.ones(8, np.float32))
+    residual = np.zeros((2, 8), np.float32)
+    residual[0, 2], residual[1, 3] = 1.0, 1.0
+    ids, confidences = predictor.step(0, np.array([[0], [1]]), residual)
+    assert sorted(ids.tolist()) == [2, 3] and (confidences > 0.9).all()
+    assert predictor.step(1, np.array([[2], [3]]), residual) is None  # no layer after the last
+
+
+def test_the_next_layer_predictor_adds_experts_that_affinity_makes_likely():
+    predictor = NextLayerPredictor(num_layers=2, num_experts=4, top_k=1, eps=1e-6)
+    predictor.add_router(1, np.eye(4, 8, dtype=np.float32) * 10, np.ones(8, np.float32))
+    residual = np.zeros((1, 8), np.float32)
+    residual[0, 0] = 1.0  # the early router says expert 0
+    for _ in range(20):  # yet tokens on expert 1 at layer 0 have always gone on to expert 3
+        predictor.step(0, np.array([[1]]), residual)
+        predictor.step(1, np.array([[3]]), residual)
+    ids, _ = predictor.step(0, np.array([[1]]), residual)
+    assert sorted(ids.tolist()) == [0, 3]

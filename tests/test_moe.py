@@ -119,6 +119,7 @@ def test_experts_cached_on_the_stand_in_gpu_give_the_cpu_tokens_and_logits_bit_f
         assert runs.on_gpu > 0 and runs.on_cpu > 0 and runs.fetched > 0
         assert 0 < engine.weights.bytes_by_tier()["gpu"] <= 10 * one
         assert engine.expert_stats.hits > 0
+        assert engine.expert_stats.prefetched > 0  # the next layer's predicted experts, copied ahead
 
 
 def test_gpu_experts_need_every_expert_in_ram(moe_path, budgets):
