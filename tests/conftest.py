@@ -1,12 +1,14 @@
 """Shared fixtures: the bundled real model, a loaded engine, and llama.cpp as the oracle."""
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from tierflow.offload.model_path import bundled_model_path
 from tierflow.offload.profile import HardwareProfile, profile_path
@@ -36,6 +38,22 @@ def engine(model_path):
 
     with Engine.load(model_path, threads=2, context_length=1024) as engine:
         yield engine
+
+
+def load_gpu_kernels_or_skip() -> bool:
+    """Loads the GPU kernels, in Triton's interpreter without CUDA (before anything imports
+    Triton: the interpreter is chosen when it is imported), or skips the calling test module.
+    Returns whether CUDA is there."""
+    from tierflow.gpu_kernels.launch import TritonUnavailableError, load_all_kernels
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("the GPU kernels need triton", allow_module_level=True)
+    cuda = torch.cuda.is_available()
+    try:
+        load_all_kernels(interpret=not cuda)
+    except (RuntimeError, TritonUnavailableError) as error:
+        pytest.skip(f"the GPU kernels cannot be loaded here: {error}", allow_module_level=True)
+    return cuda
 
 
 def llama_cpp_model(path: Path, n_ctx: int = 512, f32_kv: bool = False):

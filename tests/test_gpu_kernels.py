@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import load_gpu_kernels_or_skip
 from test_packed import KINDS, kind_id, random_groups
 
 from tierflow.cpu_kernels import ops as cpu_ops
@@ -25,7 +26,6 @@ from tierflow.gpu_kernels.attention import attention
 from tierflow.gpu_kernels.launch import (
     TritonUnavailableError,
     check_device,
-    load_all_kernels,
     load_kernels,
 )
 from tierflow.gpu_kernels.matmul import DeviceLinear, matmul, matmul_silu_mul
@@ -33,13 +33,7 @@ from tierflow.gpu_kernels.ops import add_rms_norm, rms_norm, silu_mul
 from tierflow.gpu_kernels.packed import DeviceMatrix, to_device, view_matrix
 from tierflow.offload.device import DeviceTier
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("the GPU kernels need triton", allow_module_level=True)
-CUDA = torch.cuda.is_available()
-try:  # before anything imports triton: the interpreter is chosen when it is imported
-    load_all_kernels(interpret=not CUDA)
-except (RuntimeError, TritonUnavailableError) as error:
-    pytest.skip(f"the GPU kernels cannot be loaded here: {error}", allow_module_level=True)
+CUDA = load_gpu_kernels_or_skip()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 

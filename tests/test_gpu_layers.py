@@ -6,26 +6,19 @@ CPU-only engine on the same file is the reference: the same greedy tokens, and l
 gap between the CPU kernels' int8 activations and the GPU kernels' unquantized ones.
 """
 
-import importlib.util
 
 import numpy as np
 import pytest
 import torch
+from conftest import load_gpu_kernels_or_skip
 from make_model import ModelSpec, write_model
 
 from tierflow import Engine
 from tierflow.errors import BudgetError
-from tierflow.gpu_kernels.launch import TritonUnavailableError, load_all_kernels
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
 from tierflow.offload.device import DeviceTier
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("the GPU kernels need triton", allow_module_level=True)
-CUDA = torch.cuda.is_available()
-try:  # before anything imports triton: the interpreter is chosen when it is imported
-    load_all_kernels(interpret=not CUDA)
-except (RuntimeError, TritonUnavailableError) as error:
-    pytest.skip(f"the GPU kernels cannot be loaded here: {error}", allow_module_level=True)
+CUDA = load_gpu_kernels_or_skip()
 GPU = {} if CUDA else {"gpu_device": "interpret"}
 PROMPT = "The capital of France is"
 CONTEXT = 64
