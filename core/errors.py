@@ -21,6 +21,14 @@ class BudgetError(TierflowError, ValueError):
     """A memory size cannot be parsed, or the model does not fit the budgets given."""
 
 
+class PlanBudgetError(BudgetError):
+    """A budget cannot work; `minimum_bytes` is the smallest that would (rounded up as printed)."""
+
+    def __init__(self, message: str, minimum_bytes: int):
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+
+
 class ContextLengthError(TierflowError, ValueError):
     """The prompt (plus what must be generated) does not fit in the model's context."""
 

@@ -37,3 +37,13 @@ def format_size(num_bytes: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def round_up_as_printed(num_bytes: int) -> int:
+    """The smallest size >= num_bytes that format_size prints exactly (a tenth of its unit), so
+    that the printed figure, parsed back, is enough."""
+    unit = max([1] + [step for step in (1 << 10, 1 << 20, 1 << 30) if num_bytes >= step])
+    if unit == 1:
+        return num_bytes
+    tenths = -(-num_bytes * 10 // unit)
+    return -(-tenths * unit // 10)

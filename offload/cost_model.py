@@ -9,6 +9,7 @@ for a free ring slot (LayerStreamer's rule).
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tierflow.offload.extents import ExtentSize
 from tierflow.offload.profile import HardwareProfile
@@ -18,6 +19,9 @@ from tierflow.runtime.generation import PREFILL_CHUNK
 PLACEHOLDER_GPU_GBPS = 300.0  # a mid-range consumer GPU's memory bandwidth, until the probe times the kernels
 GPU_TOKENS_PER_READ = 128  # prefill tokens a GPU serves per read of its weights (placeholder)
 _DECODE_PASSES, _STEADY_PASSES = 8, 4
+
+if TYPE_CHECKING:  # expert_plan builds on this module
+    from tierflow.offload.expert_plan import ExpertStages
 
 
 @dataclass(frozen=True)
@@ -117,21 +121,31 @@ class Layout:
 
 
 def timings(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], costs: Costs,
-             prompt_tokens: int) -> tuple[Timing, Timing]:
+             prompt_tokens: int, experts: "ExpertStages | None" = None) -> tuple[Timing, Timing]:
+    """(prefill, decode); `experts` adds a MoE model's experts to every layer's stage (their
+    reads, if any, run ahead by experts.read_ahead_layers)."""
     def device(i: int) -> str:
         return "gpu" if i in layout.gpu else "cpu"
 
+    def stage(i: int, x: ExtentSize, tokens: int, start: int) -> Stage:
+        compute = costs.layer_s(x, device(i), tokens, start)
+        read = costs.read_s(x) if i in layout.streamed else 0.0
+        if experts is not None:
+            expert_compute, expert_read = experts.layer_s(tokens)
+            compute, read = compute + expert_compute, read + expert_read
+        return Stage(compute, read)
+
     def pass_(tokens: int, start: int) -> list[Stage]:
-        stages = [Stage(costs.layer_s(x, device(i), tokens, start),
-                         costs.read_s(x) if i in layout.streamed else 0.0) for i, x in enumerate(layers)]
+        stages = [stage(i, x, tokens, start) for i, x in enumerate(layers)]
         return stages + [Stage(costs.matmul_s(globals_.linears, 1, "cpu", False))]
 
+    depth = layout.depth if experts is None else max(layout.depth, experts.read_ahead_layers)
     step = pass_(1, prompt_tokens)
-    ends = run_pipeline([step] * _DECODE_PASSES, layout.depth)
+    ends = run_pipeline([step] * _DECODE_PASSES, depth)
     period = (ends[-1] - ends[-1 - _STEADY_PASSES]) / _STEADY_PASSES
     decode = Timing(1, period, sum(s.compute_s for s in step), sum(s.read_s for s in step))
     chunks = [pass_(min(PREFILL_CHUNK, prompt_tokens - s), s) for s in range(0, prompt_tokens, PREFILL_CHUNK)]
     stages = [s for chunk in chunks for s in chunk]
-    prefill = Timing(prompt_tokens, run_pipeline(chunks, layout.depth)[-1],
+    prefill = Timing(prompt_tokens, run_pipeline(chunks, depth)[-1],
                      sum(s.compute_s for s in stages), sum(s.read_s for s in stages))
     return prefill, decode

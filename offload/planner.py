@@ -15,7 +15,11 @@ alone (int8 mins that turn out all zero make a pack smaller: an upper bound). A 
 attention and FFN share its extent, so they share a home; the groups split the extent after the
 attention output.
 
-Placement, in order:
+A mixture-of-experts model places its experts instead of its layers (offload/expert_plan.py):
+every layer stays in RAM, and each expert gets a home, RAM or disk, with an expert cache in VRAM
+or RAM; the plan's `experts` says which, and its groups list every expert.
+
+Placement of a dense model, in order:
 1. GPU (only when the profile has a GPU and gpu_budget > 0): layers from 0 up while they fit, each
    with its share of the KV cache (a layer computed on the GPU keeps its keys and values there).
 2. The globals stay in RAM (every token needs them) and count against cpu_budget.
@@ -55,9 +59,10 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from tierflow.errors import BudgetError, ContextLengthError, UnsupportedModelError
+from tierflow.errors import BudgetError, ContextLengthError, PlanBudgetError
 from tierflow.offload.cost_model import Costs, Layout, Timing, timings
-from tierflow.offload.extents import ExtentSize, model_extents
+from tierflow.offload.expert_plan import ExpertPlacement, ExpertStages, place_experts
+from tierflow.offload.extents import ExtentSize, expert_extents, model_extents
 from tierflow.offload.gguf_file import GGUFFile, read_gguf
 from tierflow.offload.model_info import read_config
 from tierflow.offload.model_path import resolve_model_path
@@ -65,7 +70,9 @@ from tierflow.offload.profile import HardwareProfile
 from tierflow.offload.tensors import check_tensors
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
-from tierflow.units import format_size, parse_size
+from tierflow.units import format_size, parse_size, round_up_as_printed
+
+__all__ = ["Plan", "PlanBudgetError", "make_plan", "plan_model", "kv_cache_bytes", "default_cpu_budget"]
 
 MAX_PREFETCH_DEPTH = 4
 DEFAULT_CONTEXT_CAP = 4096  # the KV cache length Engine.load defaults to
@@ -76,11 +83,14 @@ GPU_MARGIN = 512 << 20  # CUDA context and allocator slack under the default gpu
 
 @dataclass(frozen=True)
 class GroupPlacement:
-    name: str  # "embeddings", "attention", "ffn" or "output" (head, its norm, rope factors)
+    name: str  # "embeddings", "attention", "ffn", "router" (MoE), "expert" or "output" (head, its
+    # norm, rope factors)
     layer: int | None
-    nbytes: int  # bytes in the pack; a layer's two groups add up to its extent
-    home: str  # "gpu", "cpu" or "disk" (streamed into the RAM ring every pass)
-    compute: str  # "gpu" or "cpu"
+    nbytes: int  # bytes in the pack; a layer's two groups add up to its extent; an expert is its own
+    home: str  # "gpu", "cpu" or "disk" (a layer: streamed into the RAM ring every pass; an expert:
+    # read into the expert cache when used and not cached)
+    compute: str  # "gpu", "cpu", or for experts with a GPU cache "cpu or gpu" (scheduled every step)
+    expert: int | None = None  # an expert's index in its layer
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,7 @@ class Plan:
     context_length: int
     prompt_tokens: int
     notes: tuple[str, ...]  # assumptions behind the figures
+    experts: ExpertPlacement | None = None  # a MoE model's experts: their home, their cache
 
     @property
     def predicted_prefill_tps(self) -> float:
@@ -120,15 +131,17 @@ class Plan:
 
     def rows(self) -> list[tuple[str, int, str, str]]:
         """(group, bytes, home, compute): the layers placed alike in one row, e.g. "layers 0-11,
-        14 attention+ffn"; rows in the order of their first layer."""
+        14 attention+ffn", and their experts placed alike in another, e.g. "layers 0-31 experts
+        0-7"; rows in the order of their first layer."""
         runs: dict[tuple, list[GroupPlacement]] = {}
         for g in self.groups:
             if g.layer is not None:
-                runs.setdefault((g.home, g.compute), []).append(g)
+                runs.setdefault((g.expert is not None, g.home, g.compute), []).append(g)
         rows = [(_GLOBAL_LABELS[g.name], g.nbytes, g.home, g.compute)
                 for g in self.groups if g.name == "embeddings"]
-        for (home, compute), groups in runs.items():
-            names = "+".join(dict.fromkeys(g.name for g in groups))
+        for (experts, home, compute), groups in runs.items():
+            names = ("experts " + _ranges(sorted({g.expert for g in groups})) if experts
+                     else "+".join(dict.fromkeys(g.name for g in groups)))
             layers = sorted({g.layer for g in groups})
             noun = "layer" if len(layers) == 1 else "layers"
             rows.append((f"{noun} {_ranges(layers)} {names}", sum(g.nbytes for g in groups), home, compute))
@@ -143,9 +156,10 @@ class Plan:
             ("budgets", f"gpu_memory {size(self.budget_bytes['gpu'])}, "
                         f"cpu_memory {size(self.budget_bytes['cpu'])}"),
             ("weights held", f"gpu {size(self.used_bytes['gpu'])}, cpu {size(self.used_bytes['cpu'])} "
-                             f"(ring included); streamed per token {size(self.used_bytes['disk'])}"),
+                             f"(ring and expert cache included), disk {size(self.used_bytes['disk'])}"),
             ("layers", f"{len(self.gpu_layers)} on GPU, {len(self.resident_layers)} in RAM, "
-                       f"{len(self.streamed_layers)} streamed from disk"),
+                       f"{len(self.streamed_layers)} streamed from disk every token"),
+            *([("experts", _describe_experts(self.experts))] if self.experts else []),
             ("prefetch ring", ring),
             ("KV cache", f"{size(self.kv_bytes)} ({self.context_length} positions, float32): "
                          f"{size(self.kv_gpu_bytes)} on GPU, "
@@ -176,6 +190,17 @@ class Plan:
 _GLOBAL_LABELS = {"embeddings": "embeddings", "output": "output head"}
 
 
+def _describe_experts(p: ExpertPlacement) -> str:
+    each = f"{p.total_experts} x {format_size(p.expert_bytes)}"
+    if p.cache is None:
+        return f"{each}, all in RAM"
+    tier, misses = (("GPU memory", "run on the CPU or copied") if p.cache == "gpu"
+                    else ("RAM", "read from disk"))
+    return (f"{each}, home {p.home}; a cache of {p.cached_experts} ({format_size(p.cache_bytes)}) in {tier}, "
+            f"policy {p.policy}; predicted hit rate {p.hit_rate:.0%} (uniform routing), "
+            f"{format_size(round(p.miss_bytes_per_token))} per token {misses}")
+
+
 def _ranges(indices: list[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
     spans: list[list[int]] = []
@@ -188,24 +213,6 @@ def _ranges(indices: list[int]) -> str:
 
 
 # -- placement ------------------------------------------------------------------------------------
-
-class PlanBudgetError(BudgetError):
-    """cpu_memory cannot work; `minimum_bytes` is the smallest that would (rounded up as printed)."""
-
-    def __init__(self, message: str, minimum_bytes: int):
-        super().__init__(message)
-        self.minimum_bytes = minimum_bytes
-
-
-def _round_up_as_printed(num_bytes: int) -> int:
-    """The smallest size >= num_bytes that format_size prints exactly (a tenth of its unit), so
-    that the printed figure, parsed back, is enough."""
-    unit = max([1] + [step for step in (1 << 10, 1 << 20, 1 << 30) if num_bytes >= step])
-    if unit == 1:
-        return num_bytes
-    tenths = -(-num_bytes * 10 // unit)
-    return -(-tenths * unit // 10)
-
 
 def _resident_choices(candidates: list[int], sizes: list[int], room: int) -> list[tuple[int, ...]]:
     """Resident sets for `room` bytes: first fit in layer order; then as many spread evenly."""
@@ -235,7 +242,7 @@ def _choose_layout(globals_: ExtentSize, layers: list[ExtentSize], gpu: tuple[in
                 need += f" and {len(candidates)} layers ({format_size(everything - globals_.nbytes)})"
         else:
             need += f" plus two streaming buffers of the largest layer ({format_size(slot)} each)"
-        minimum = _round_up_as_printed(min(everything, globals_.nbytes + 2 * slot))
+        minimum = round_up_as_printed(min(everything, globals_.nbytes + 2 * slot))
         raise PlanBudgetError(f"cpu_memory {format_size(cpu_budget)} cannot hold {need}: at least "
                               f"{format_size(minimum)} is needed", minimum)
     best, best_key = None, None
@@ -255,11 +262,8 @@ def _choose_layout(globals_: ExtentSize, layers: list[ExtentSize], gpu: tuple[in
     return best
 
 
-def _gpu_layers(layers: list[ExtentSize], profile: HardwareProfile, gpu_budget: int,
-                kv_per_layer: int) -> tuple[int, ...]:
+def _gpu_layers(layers: list[ExtentSize], gpu_budget: int, kv_per_layer: int) -> tuple[int, ...]:
     """Layers from the first on while they and their KV caches fit the GPU budget."""
-    if gpu_budget > 0 and profile.gpu is None:
-        raise BudgetError("gpu_memory was given but the hardware profile has no GPU; omit it or use 0")
     chosen, used = [], 0
     for i, extent in enumerate(layers):
         if used + extent.nbytes + kv_per_layer > gpu_budget:
@@ -310,10 +314,6 @@ def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
     (default_gpu_budget, default_cpu_budget); a cpu_budget that cannot work raises
     PlanBudgetError (a BudgetError) naming the smallest that would. prompt_tokens (default 512,
     at most the context) is the prefill prediction's prompt and the decode prediction's position."""
-    if config.is_moe:
-        raise UnsupportedModelError(f"{gguf.path.name} is a mixture-of-experts model: the planner does not "
-                                    f"model streamed experts yet (Engine.load places them: all else in RAM, "
-                                    f"the experts through a cache in what the budget leaves)")
     if not 1 <= context_length <= config.context_length:
         raise ContextLengthError(f"context_length must be 1..{config.context_length}, got {context_length}")
     if prompt_tokens is None:
@@ -328,13 +328,24 @@ def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
         cpu_budget = default_cpu_budget(kv_bytes + scratch["prefill"])
     if gpu_budget is None:
         gpu_budget = default_gpu_budget(profile)
+    if gpu_budget > 0 and profile.gpu is None:
+        raise BudgetError("gpu_memory was given but the hardware profile has no GPU; omit it or use 0")
     globals_, layers = model_extents(gguf, config)
     costs = Costs(profile, config)
     kv_per_layer = kv_bytes // config.num_layers
-    gpu = _gpu_layers(layers, profile, gpu_budget, kv_per_layer)
+    experts = stages = None
+    if config.is_moe:  # the experts are placed, the layers stay in RAM
+        gpu, layout = (), Layout((), (), 0)
+        base = globals_.nbytes + sum(x.nbytes for x in layers)
+        extents = expert_extents(gguf, config)
+        experts = place_experts(gguf.path.name, config, base, extents, cpu_budget, gpu_budget, profile)
+        stages = ExpertStages(experts, max((x for layer in extents for x in layer), key=lambda x: x.nbytes),
+                              costs, config)
+    else:
+        gpu = _gpu_layers(layers, gpu_budget, kv_per_layer)
+        layout = _choose_layout(globals_, layers, gpu, cpu_budget, costs, prompt_tokens)
     kv_gpu = kv_per_layer * len(gpu)  # a layer on the GPU keeps its KV cache there
-    layout = _choose_layout(globals_, layers, gpu, cpu_budget, costs, prompt_tokens)
-    prefill, decode = timings(layout, globals_, layers, costs, prompt_tokens)
+    prefill, decode = timings(layout, globals_, layers, costs, prompt_tokens, stages)
     resident = tuple(i for i in range(len(layers)) if i not in gpu and i not in layout.streamed)
     slot = max(x.nbytes for x in layers) if layout.depth else 0
     ring = (layout.depth + 1) * slot if layout.depth else 0
@@ -345,10 +356,17 @@ def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
     groups = [GroupPlacement(globals_.groups[0][0], None, globals_.groups[0][1], "cpu", "cpu")]
     groups += [GroupPlacement(name, i, nbytes, home(i), "gpu" if i in gpu else "cpu")
                for i, extent in enumerate(layers) for name, nbytes in extent.groups]
+    if experts is not None:
+        groups += _expert_groups(experts, extents)
     groups.append(GroupPlacement(globals_.groups[1][0], None, globals_.groups[1][1], "cpu", "cpu"))
     used = {"gpu": sum(layers[i].nbytes for i in gpu) + kv_gpu,
             "cpu": globals_.nbytes + sum(layers[i].nbytes for i in resident) + ring,
             "disk": sum(layers[i].nbytes for i in layout.streamed)}
+    if experts is not None:
+        all_experts = sum(x.nbytes for layer in extents for x in layer)
+        used[experts.home] += all_experts
+        if experts.cache is not None:
+            used[experts.cache] += experts.cache_bytes
     peak = {phase: {"gpu": used["gpu"] + (scratch[phase] if gpu else 0),
                     "cpu": used["cpu"] + kv_bytes - kv_gpu + scratch[phase]} for phase in scratch}
     return Plan(model=gguf.path.name, num_layers=config.num_layers, groups=tuple(groups), gpu_layers=gpu,
@@ -356,7 +374,13 @@ def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
                 ring_slot_bytes=slot, ring_bytes=ring, kv_bytes=kv_bytes, kv_gpu_bytes=kv_gpu,
                 budget_bytes={"gpu": gpu_budget, "cpu": cpu_budget}, used_bytes=used, peak_bytes=peak,
                 prefill=prefill, decode=decode, context_length=context_length,
-                prompt_tokens=prompt_tokens, notes=tuple(costs.notes))
+                prompt_tokens=prompt_tokens, notes=tuple(costs.notes), experts=experts)
+
+
+def _expert_groups(p: ExpertPlacement, extents: list[list[ExtentSize]]) -> list[GroupPlacement]:
+    compute = "cpu or gpu" if p.cache == "gpu" else "cpu"
+    return [GroupPlacement("expert", i, x.nbytes, p.home, compute, expert=e)
+            for i, layer in enumerate(extents) for e, x in enumerate(layer)]
 
 
 def plan_model(model: str | os.PathLike | None, profile: HardwareProfile | Callable[[], HardwareProfile], *,

@@ -27,10 +27,8 @@ from tierflow.errors import (
 )
 from tierflow.gpu_kernels.launch import load_all_kernels
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
-from tierflow.offload.cost_model import PLACEHOLDER_GPU_GBPS
 from tierflow.offload.device import DeviceTier
 from tierflow.offload.expert_cache import CacheStats
-from tierflow.offload.expert_scheduler import ExpertCosts
 from tierflow.offload.extents import expert_extents, model_extents
 from tierflow.offload.gguf_file import read_gguf
 from tierflow.offload.llama_vocab import llama_vocab_file
@@ -39,6 +37,7 @@ from tierflow.offload.model_path import resolve_model_path
 from tierflow.offload.packed_file import open_pack
 from tierflow.offload.planner import (
     DEFAULT_CONTEXT_CAP,
+    Plan,
     default_cpu_budget,
     kv_cache_bytes,
     make_plan,
@@ -363,26 +362,22 @@ def _gpu_tier(gpu_memory: int | str | None, gpu_device: str | None) -> GpuTier:
 
 def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTier, threads: int,
                   context_length: int, progress) -> TieredWeights:
-    """The model's pack (built on first use) placed under the budgets. A pack found damaged
-    while loading is rebuilt once."""
-    cache_bytes = gpu_experts = None
-    if config.is_moe:  # everything but the experts in RAM; the experts are placed one by one
-        cache_bytes = _expert_cache_bytes(gguf, config, cpu_budget, context_length)
-        if gpu.budget and cache_bytes is not None:
-            raise BudgetError(f"{gguf.path.name}: experts cached on the GPU are scheduled against their "
-                              f"home in RAM, so cpu_memory must hold them all (or leave out gpu_memory to "
-                              f"stream them from disk)")
-        if gpu.budget:
-            gpu_experts = config, gpu.budget, _expert_costs(_profile(gpu, threads, progress))
-        gpu_layers, streamed, depth = (), (), 0
-    else:
-        gpu_layers, streamed, depth = _placement(gguf, config, cpu_budget, gpu, threads, context_length,
-                                                 progress)
+    """The model's pack (built on first use) placed as planned. A pack found damaged while
+    loading is rebuilt once."""
+    plan = _plan(gguf, config, cpu_budget, gpu, threads, context_length, progress)
+    experts = plan.experts if plan is not None else None
+    expert_cache = gpu_experts = None
+    if experts is not None and experts.cache == "cpu":  # home on disk, a cache in RAM
+        expert_cache = config, experts.cache_bytes
+    elif experts is not None and experts.cache == "gpu":  # home in RAM, a cache in VRAM
+        gpu_experts = config, experts.cache_bytes, experts.scheduler
 
     def place(packed):
         device = DeviceTier(gpu.device, gpu.budget) if gpu.budget else None
-        return TieredWeights(packed, streamed, depth, progress, gpu_layers, device, gpu.kernels,
-                             None if cache_bytes is None else (config, cache_bytes), gpu_experts)
+        if plan is None:
+            return TieredWeights(packed, (), 0, progress)
+        return TieredWeights(packed, plan.streamed_layers, plan.prefetch_depth, progress, plan.gpu_layers,
+                             device, gpu.kernels, expert_cache, gpu_experts)
 
     packed = open_pack(gguf, config, progress)
     try:
@@ -392,42 +387,21 @@ def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTie
         return place(open_pack(gguf, config, progress))
 
 
-def _expert_cache_bytes(gguf, config: ModelConfig, cpu_budget: int | None, context_length: int) -> int | None:
-    """A MoE model's placement: None when all of it fits the budget; else everything but the
-    experts stays in RAM and the experts stream from disk through a cache of the bytes left,
-    which must hold at least one layer's experts (what one prefill step may use)."""
+def _plan(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTier, threads: int,
+          context_length: int, progress) -> Plan | None:
+    """None when there is no GPU budget and the whole model fits cpu_memory (default: available
+    RAM less a margin): everything stays in RAM, and the machine need not be measured. Otherwise
+    the planner's plan, with this machine's measured profile (probed once and cached)."""
     globals_, layers = model_extents(gguf, config)
     experts = expert_extents(gguf, config)
     budget = cpu_budget
     if budget is None:
         budget = default_cpu_budget(kv_cache_bytes(config, context_length))
-    base = globals_.nbytes + sum(layer.nbytes for layer in layers)
-    if base + sum(e.nbytes for layer in experts for e in layer) <= budget:
+    whole = sum(x.nbytes for x in [globals_, *layers, *(x for layer in experts for x in layer)])
+    if not gpu.budget and whole <= budget:
         return None
-    one_layer = max(sum(e.nbytes for e in layer) for layer in experts)
-    if budget < base + one_layer:
-        raise BudgetError(f"cpu_memory {format_size(budget)} is too small for {gguf.path.name}: its globals, "
-                          f"attention and routers take {format_size(base)} and the expert cache needs room "
-                          f"for one layer's experts ({format_size(one_layer)}); the least that works is "
-                          f"{format_size(base + one_layer)}")
-    return budget - base
-
-
-def _placement(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTier, threads: int,
-               context_length: int, progress) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """(GPU layers, streamed layers, prefetch depth). With no GPU budget, everything stays in
-    RAM when it fits the budget (default: available RAM less a margin); otherwise the planner,
-    with this machine's measured profile (probed once and cached), chooses."""
-    globals_, layers = model_extents(gguf, config)
-    budget = cpu_budget
-    if budget is None:
-        budget = default_cpu_budget(kv_cache_bytes(config, context_length))
-    if not gpu.budget and globals_.nbytes + sum(layer.nbytes for layer in layers) <= budget:
-        return (), (), 0
-
-    plan = make_plan(gguf, config, _profile(gpu, threads, progress), gpu_budget=gpu.budget, cpu_budget=budget,
+    return make_plan(gguf, config, _profile(gpu, threads, progress), gpu_budget=gpu.budget, cpu_budget=budget,
                      context_length=context_length)
-    return plan.gpu_layers, plan.streamed_layers, plan.prefetch_depth
 
 
 def _profile(gpu: GpuTier, threads: int, progress) -> HardwareProfile:
@@ -442,14 +416,6 @@ def _profile(gpu: GpuTier, threads: int, progress) -> HardwareProfile:
         profile = replace(profile, gpu=GpuProfile("the CPU standing in for a GPU", gpu.budget,
                                                   profile.ram_read_gbps, dict(profile.kernel_gbps)))
     return profile
-
-
-def _expert_costs(profile: HardwareProfile) -> ExpertCosts:
-    """The scheduler's costs from the profile: 4-bit kernel speeds (the GPU's placeholder until
-    the probe times its kernels) and the host-to-device copy speed."""
-    cpu = profile.kernel_gbps.get(4) or max(profile.kernel_gbps.values())
-    gpu = profile.gpu.kernel_gbps.get(4) or PLACEHOLDER_GPU_GBPS
-    return ExpertCosts(cpu_gbps=cpu, gpu_gbps=gpu, copy_gbps=profile.gpu.h2d_gbps)
 
 
 def _thread_count(threads: int | None) -> int:

@@ -6,7 +6,7 @@ import pytest
 from make_model import ModelSpec, write_model
 
 from tierflow import Engine
-from tierflow.errors import BudgetError, ModelFileError
+from tierflow.errors import BudgetError, ModelFileError, PlanBudgetError
 from tierflow.offload.expert_scheduler import ExpertCosts, schedule_experts
 
 PROMPT = "The history of the printing press begins in"
@@ -123,9 +123,10 @@ def test_experts_cached_on_the_stand_in_gpu_give_the_cpu_tokens_and_logits_bit_f
 
 
 def test_gpu_experts_need_every_expert_in_ram(moe_path, budgets):
-    base, one, _ = budgets
-    with pytest.raises(BudgetError, match="cpu_memory must hold them all"):
+    base, one, all_experts = budgets
+    with pytest.raises(PlanBudgetError, match="cpu_memory must hold the whole model, at least") as refused:
         Engine.load(moe_path, threads=2, cpu_memory=base + 10 * one, gpu_memory=10 * one, gpu_device="cpu")
+    assert refused.value.minimum_bytes >= base + all_experts
 
 
 COSTS = ExpertCosts(cpu_gbps=10.0, gpu_gbps=100.0, copy_gbps=10.0)

@@ -1,0 +1,129 @@
+"""The planner on mixture-of-experts models: every expert gets a home, the cache its budget, the
+engine places experts as the plan says, and `tierflow plan` shows it."""
+
+from dataclasses import replace
+
+import pytest
+from make_model import ModelSpec, write_model
+from test_planner import FAKE_GPU, PROFILE
+from typer.testing import CliRunner
+
+from tierflow import Engine
+from tierflow.cli.app import app
+from tierflow.errors import PlanBudgetError
+from tierflow.offload.expert_plan import READ_AHEAD_SHARE
+from tierflow.offload.extents import expert_extents, model_extents
+from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.model_info import read_config
+from tierflow.offload.planner import make_plan
+
+CTX = 128
+SPEC = ModelSpec(num_layers=4, hidden_size=128, ffn_size=256, num_experts=8, experts_used=2,
+                 weight_type="Q4_0", embedding_type="Q4_0", context_length=CTX, seed=3)
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("expert-plan") / "moe.gguf", SPEC)
+
+
+@pytest.fixture(scope="module")
+def moe(moe_path):
+    """(gguf, config, bytes of everything but the experts, one expert's bytes, all experts' bytes)."""
+    with read_gguf(moe_path) as gguf:
+        config = read_config(gguf)
+        globals_, layers = model_extents(gguf, config)
+        experts = [x.nbytes for layer in expert_extents(gguf, config) for x in layer]
+        yield gguf, config, globals_.nbytes + sum(x.nbytes for x in layers), max(experts), sum(experts)
+
+
+def plan_for(moe, cpu_budget, profile=PROFILE, gpu_budget=0):
+    gguf, config, *_ = moe
+    return make_plan(gguf, config, profile, gpu_budget=gpu_budget, cpu_budget=cpu_budget, context_length=CTX)
+
+
+def test_a_moe_model_that_fits_keeps_every_expert_in_ram(moe):
+    _, config, base, _, all_experts = moe
+    plan = plan_for(moe, base + all_experts)
+    assert plan.experts.home == "cpu" and plan.experts.cache is None and plan.experts.hit_rate == 1.0
+    assert plan.used_bytes == {"gpu": 0, "cpu": base + all_experts, "disk": 0}
+    assert plan.decode.io_s == 0
+
+
+def test_every_expert_is_a_group_with_its_home(moe):
+    _, config, base, one, _ = moe
+    plan = plan_for(moe, base + 12 * one)
+    experts = [g for g in plan.groups if g.name == "expert"]
+    assert sorted((g.layer, g.expert) for g in experts) == [(i, e) for i in range(4) for e in range(8)]
+    assert {(g.home, g.compute) for g in experts} == {("disk", "cpu")}
+    assert ("layers 0-3 experts 0-7", 32 * one, "disk", "cpu") in plan.rows()
+
+
+def test_experts_over_budget_live_on_disk_behind_a_cache_of_the_ram_left(moe):
+    _, _, base, one, all_experts = moe
+    plan = plan_for(moe, base + 12 * one)
+    assert plan.experts.home == "disk" and plan.experts.cache == "cpu"
+    assert plan.experts.cache_bytes == 12 * one and plan.experts.cached_experts == 12
+    assert plan.used_bytes == {"gpu": 0, "cpu": base + 12 * one, "disk": all_experts}
+    assert plan.experts.hit_rate == pytest.approx(12 / 32)
+    assert plan.experts.miss_bytes_per_token == pytest.approx(4 * 2 * (1 - 12 / 32) * one)
+
+
+def test_a_bigger_expert_cache_predicts_faster_decode_and_fewer_reads(moe):
+    _, _, base, one, _ = moe
+    plans = [plan_for(moe, base + held * one) for held in (8, 16, 24, 31)]
+    speeds = [p.predicted_decode_tps for p in plans]
+    reads = [p.decode.io_s for p in plans]
+    assert speeds == sorted(speeds) and speeds[0] < speeds[-1]
+    assert reads == sorted(reads, reverse=True) and reads[0] > reads[-1] > 0
+
+
+def test_decode_reads_are_the_predicted_misses_over_the_disk_speed(moe):
+    _, config, base, one, _ = moe
+    plan = plan_for(moe, base + 12 * one)
+    predicted = READ_AHEAD_SHARE * plan.experts.miss_bytes_per_token / (PROFILE.disk_read_gbps * 1e9)
+    assert plan.decode.io_s == pytest.approx(predicted, rel=0.02)  # experts' extents vs the largest
+
+
+def test_a_budget_without_room_for_one_layers_experts_names_the_least_that_works(moe):
+    _, _, base, one, _ = moe
+    with pytest.raises(PlanBudgetError, match="the least that works is") as refused:
+        plan_for(moe, base + 7 * one)
+    assert plan_for(moe, refused.value.minimum_bytes).experts.cache_bytes >= 8 * one
+
+
+def test_a_gpu_budget_caches_experts_in_vram_scheduled_against_their_home_in_ram(moe):
+    _, _, base, one, all_experts = moe
+    profile = replace(PROFILE, gpu=replace(FAKE_GPU, kernel_gbps={4: 200.0}))
+    plan = plan_for(moe, base + all_experts, profile, gpu_budget=10 * one)
+    assert plan.experts.home == "cpu" and plan.experts.cache == "gpu" and plan.experts.cached_experts == 10
+    assert plan.used_bytes == {"gpu": 10 * one, "cpu": base + all_experts, "disk": 0}
+    assert {g.compute for g in plan.groups if g.name == "expert"} == {"cpu or gpu"}
+    assert plan.experts.scheduler.gpu_gbps == 200.0 and plan.experts.scheduler.copy_gbps == FAKE_GPU.h2d_gbps
+    assert plan.predicted_decode_tps > plan_for(moe, base + all_experts).predicted_decode_tps
+
+
+def test_a_gpu_budget_without_every_expert_in_ram_names_the_least_that_works(moe):
+    _, _, base, one, all_experts = moe
+    with pytest.raises(PlanBudgetError, match="cpu_memory must hold the whole model") as refused:
+        plan_for(moe, base + 16 * one, replace(PROFILE, gpu=FAKE_GPU), gpu_budget=10 * one)
+    assert refused.value.minimum_bytes >= base + all_experts
+
+
+def test_the_engine_places_experts_as_the_plan_says(moe, moe_path):
+    _, _, base, one, all_experts = moe
+    budget = base + 12 * one
+    plan = plan_for(moe, budget)
+    with Engine.load(moe_path, threads=2, context_length=CTX, cpu_memory=budget) as engine:
+        assert engine.weights.experts.cache.budget_bytes == plan.experts.cache_bytes
+        assert engine.weights.bytes_by_tier()["disk"] == plan.used_bytes["disk"] == all_experts
+
+
+def test_plan_command_shows_the_experts_and_their_cache(moe_path, moe, monkeypatch):
+    _, _, base, one, _ = moe
+    monkeypatch.setattr("tierflow.offload.probe.load_profile", lambda threads, **kwargs: PROFILE)
+    done = CliRunner().invoke(app, ["plan", str(moe_path), "--cpu-memory", str(base + 12 * one),
+                                    "--threads", "2", "--ctx", str(CTX)])
+    assert done.exit_code == 0, done.output
+    for text in ("experts 0-7", "attention+router", "home disk", "a cache of 12", "hit rate"):
+        assert text in done.output
