@@ -2,10 +2,11 @@
 
 The format is one integer array, `trace[t, l, j]` = the expert id in slot j of token t's top-k
 at MoE layer l: shape [T tokens, L layers, K top_k], distinct ids within a (t, l) row, saved
-with np.save (`.npy`). A decoder records it by stacking its router's top-k ids per layer; the
-expert cache benchmark (benchmarks/moe.py) replays any such array.
+with np.save (`.npy`). `Engine.record_routing()` records one with a RoutingRecorder, which stacks
+the router's top-k ids per layer as the decoder computes; the expert cache benchmark
+(benchmarks/moe.py) replays any such array.
 
-Synthetic traces stand in until recorded ones exist. Their generator states its assumptions as
+Synthetic traces stand in where no recorded one fits. Their generator states its assumptions as
 parameters (SyntheticTraceSpec): each layer has its own popularity ranking of the experts, Zipf
 with exponent `zipf_s`; a slot repeats the previous token's expert in that slot with probability
 `reuse` (temporal locality); otherwise, with probability `affinity`, it follows a fixed partner
@@ -93,3 +94,26 @@ def save_trace(path: Path, trace: np.ndarray) -> None:
 
 def load_trace(path: Path) -> np.ndarray:
     return check_trace(np.load(Path(path), allow_pickle=False))
+
+
+class RoutingRecorder:
+    """Collects a decoder's routing (runtime.model.Decoder.on_routing), pass by pass, as a trace:
+    every token the model computes, in the order computed (prompt chunks, then each step's tokens;
+    a speculative pass's rejected guesses included)."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self._passes: list[np.ndarray] = []  # [T, L, K] each
+        self._layers: dict[int, np.ndarray] = {}  # the pass in progress: layer -> [T, K]
+
+    def __call__(self, layer_idx: int, chosen: np.ndarray) -> None:
+        self._layers[layer_idx] = np.array(chosen, dtype=np.int32)
+        if len(self._layers) == self.num_layers:
+            self._passes.append(np.stack([self._layers[i] for i in range(self.num_layers)], axis=1))
+            self._layers = {}
+
+    def trace(self) -> np.ndarray:
+        """The routing so far, int32 [tokens, layers, top_k] (a pass cut short is left out)."""
+        if not self._passes:
+            raise ValueError("no routing was recorded: nothing ran through the model while recording")
+        return np.concatenate(self._passes)

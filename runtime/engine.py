@@ -8,8 +8,9 @@
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from tierflow.offload.planner import (
 )
 from tierflow.offload.probe import load_profile
 from tierflow.offload.profile import GpuProfile, HardwareProfile
+from tierflow.offload.routing_trace import RoutingRecorder
 from tierflow.offload.tensors import check_tensors
 from tierflow.offload.tiered import LoadProgress, TieredWeights
 from tierflow.runtime.config import ModelConfig
@@ -228,6 +230,25 @@ class Engine:
             logits, _ = self._generator.prefill(ids, threading.Event(), all_logits=True,
                                                 reuse_prefix=False)
         return logits
+
+    @contextmanager
+    def record_routing(self) -> Iterator[RoutingRecorder]:
+        """Records which experts every token computed the block's generations with, at every layer
+        (a MoE model only): `recorder.trace()` is int32 [tokens, layers, top_k], the routing-trace
+        format benchmarks/moe.py replays (offload/routing_trace.py)."""
+        self._check_open()
+        if not self.config.is_moe:
+            raise InvalidArgumentError(f"{self.path.name} is not a mixture-of-experts model: it has no "
+                                       f"routing to record")
+        recorder = RoutingRecorder(self.config.num_layers)
+        decoder = self._generator.decoder
+        with self._lock:  # not while a generation runs
+            decoder.on_routing = recorder
+        try:
+            yield recorder
+        finally:
+            with self._lock:
+                decoder.on_routing = None
 
     # -- lifetime --------------------------------------------------------------------------
 

@@ -144,12 +144,16 @@ class WeightSource(Protocol):
     def rope_freq_factors(self) -> torch.Tensor | None: ...  # [rope_dim / 2]
 
 
+RoutingHook = Callable[[int, np.ndarray], None]  # (layer_idx, chosen experts int64 [T, k])
+
+
 class Decoder:
     """Runs tokens through the model, appending to a KV cache."""
 
     def __init__(self, config: ModelConfig, weights: WeightSource, max_positions: int):
         self.config = config
         self.weights = weights
+        self.on_routing: RoutingHook | None = None  # told each MoE layer's routing (Engine.record_routing)
         cos, sin = rope_tables(config, max_positions, weights.rope_freq_factors())
         self.cos, self.sin = cos.numpy(), sin.numpy()
 
@@ -182,7 +186,7 @@ class Decoder:
             attended = self._attention(kernels.rms_norm(x, w.attn_norm, eps), w, layer_idx, cache, start_pos,
                                        *rotary[kernels], parents, tree_start)
             h = kernels.add_rms_norm(x, attended, w.ffn_norm, eps)  # x: the residual stream entering the FFN
-            x += self._ffn(h, w, x)
+            x += self._ffn(h, w, x, layer_idx)
         cache.length = start_pos + token_ids.shape[0]
         x = CPU_KERNELS.take(x)
         if not all_logits:
@@ -208,12 +212,13 @@ class Decoder:
         eps = cfg.rms_norm_eps
         return _concat([kernels.rms_norm(q, w.q_norm, eps), kernels.rms_norm(k, w.k_norm, eps), v])
 
-    def _ffn(self, h: Activations, w: LayerWeights, residual: Activations) -> Activations:
+    def _ffn(self, h: Activations, w: LayerWeights, residual: Activations, layer_idx: int) -> Activations:
         if w.moe is None:
             return w.down(w.kernels.swiglu(w.gate_up, h))
-        return self._moe(h, w.moe, w.kernels, residual)
+        return self._moe(h, w.moe, w.kernels, residual, layer_idx)
 
-    def _moe(self, h: Activations, moe: MoEWeights, kernels: Kernels, residual: Activations) -> Activations:
+    def _moe(self, h: Activations, moe: MoEWeights, kernels: Kernels, residual: Activations,
+             layer_idx: int) -> Activations:
         """Each token's top-k experts by the router's softmax, their outputs summed with those
         probabilities as weights (rescaled to sum to 1 where the architecture does), plus the
         gated shared expert. Each expert computes all the tokens routed to it at once."""
@@ -222,8 +227,11 @@ class Decoder:
         weights, chosen = probs.topk(self.config.experts_used, dim=-1)  # [T, k]
         if self.config.renormalize_expert_weights:
             weights /= weights.sum(dim=-1, keepdim=True)
+        chosen_ids = chosen.cpu().numpy()
+        if self.on_routing is not None:
+            self.on_routing(layer_idx, chosen_ids)
         outputs = {}  # expert id -> its rows, their top-k slots, its output (on its device until all ran)
-        for expert_id, expert in moe.experts.each(chosen.cpu().numpy(), residual):
+        for expert_id, expert in moe.experts.each(chosen_ids, residual):
             rows, slots = (chosen == expert_id).nonzero(as_tuple=True)
             outputs[expert_id] = rows, slots, _expert_ffn(expert, hidden[rows])
         out = torch.zeros_like(hidden)

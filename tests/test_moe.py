@@ -6,8 +6,9 @@ import pytest
 from make_model import ModelSpec, write_model
 
 from tierflow import Engine
-from tierflow.errors import BudgetError, ModelFileError, PlanBudgetError
+from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError, PlanBudgetError
 from tierflow.offload.expert_scheduler import ExpertCosts, schedule_experts
+from tierflow.offload.routing_trace import check_trace
 
 PROMPT = "The history of the printing press begins in"
 CONTEXT = 128
@@ -127,6 +128,36 @@ def test_gpu_experts_need_every_expert_in_ram(moe_path, budgets):
     with pytest.raises(PlanBudgetError, match="cpu_memory must hold the whole model, at least") as refused:
         Engine.load(moe_path, threads=2, cpu_memory=base + 10 * one, gpu_memory=10 * one, gpu_device="cpu")
     assert refused.value.minimum_bytes >= base + all_experts
+
+
+def test_recorded_routing_is_every_computed_tokens_top_k_at_every_layer(moe_path, resident):
+    with Engine.load(moe_path, threads=2, context_length=CONTEXT) as engine:
+        prompt = engine.tokenize(PROMPT)
+        with engine.record_routing() as recorder:
+            generated = engine.generate(prompt, max_tokens=TOKENS, temperature=0).tokens
+        trace = check_trace(recorder.trace(), num_experts=8)
+        assert trace.shape == (len(prompt) + len(generated) - 1, 4, 2)  # the last token is never fed
+        with engine.record_routing() as whole:  # the same tokens in one pass route the same
+            engine.logits(prompt + generated[:-1])
+        assert np.array_equal(whole.trace(), trace)
+
+
+def test_routing_does_not_depend_on_where_the_experts_live(moe_path, budgets):
+    traces = []
+    for held in (None, 10):
+        with (Engine.load(moe_path, threads=2, context_length=CONTEXT) if held is None
+              else streamed(moe_path, budgets, experts_held=held)) as engine:
+            with engine.record_routing() as recorder:
+                engine.generate(PROMPT, max_tokens=8, temperature=0)
+            traces.append(recorder.trace())
+    assert np.array_equal(*traces)
+
+
+def test_recording_routing_outside_a_moe_model_is_refused(model_path):
+    with Engine.load(model_path, threads=2, context_length=CONTEXT) as engine:
+        with pytest.raises(InvalidArgumentError, match="not a mixture-of-experts model"):
+            with engine.record_routing():
+                pass
 
 
 COSTS = ExpertCosts(cpu_gbps=10.0, gpu_gbps=100.0, copy_gbps=10.0)
