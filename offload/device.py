@@ -1,4 +1,4 @@
-"""The GPU tier's memory: packed layers copied to a device under the gpu_memory budget.
+"""The GPU tier's memory: packed layers and cached experts copied to a device under gpu_memory.
 
 On CUDA a layer's bytes are staged in pinned host memory and copied on a side stream, and an
 event records when they have landed, so copies overlap compute on the default stream, which
@@ -23,9 +23,9 @@ class DeviceTier:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._events: dict[int, torch.cuda.Event] = {}  # by tensor data pointer
 
-    def upload(self, data: memoryview) -> torch.Tensor:
-        """A device copy of data (uint8), counted against the budget."""
-        with self._allocating(len(data), "a layer"):
+    def upload(self, data: memoryview, what: str = "a layer") -> torch.Tensor:
+        """A device copy of data (uint8), counted against the budget; `ready` before it is read."""
+        with self._allocating(len(data), what):
             staging = torch.empty(len(data), dtype=torch.uint8, pin_memory=self._stream is not None)
             staging.numpy()[:] = np.frombuffer(data, np.uint8)
             if self._stream is None:
@@ -59,7 +59,13 @@ class DeviceTier:
         self.used += nbytes
 
     def ready(self, tensor: torch.Tensor) -> None:
-        """Makes the current stream wait until tensor's copy has landed (no-op off CUDA)."""
+        """Makes the current stream wait until tensor's copy has landed (no-op off CUDA, and once
+        it has been waited for): the host thread goes on at once."""
         event = self._events.pop(tensor.data_ptr(), None)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Gives an upload the caller drops (an evicted expert) back to the budget."""
+        self._events.pop(tensor.data_ptr(), None)
+        self.used -= tensor.numel() * tensor.element_size()

@@ -8,7 +8,11 @@ VRAM (an ExpertCache over device copies). Per MoE layer and step, each activated
 whichever of the last two lets both devices finish the layer soonest: list scheduling over the
 cost model, the experts with most work first, each to the device where the layer's makespan grows
 least (a tie stays on the CPU: no copy, no eviction). The GPU's work starts first and runs
-asynchronously while the CPU computes its share; only activations cross, once each way.
+asynchronously while the CPU computes its share; only activations cross, once each way. Copies go
+through the device tier (offload/device.py): staged in pinned memory, on its copy stream, each
+awaited by the compute stream only when its expert runs, so neither the host thread nor this
+layer's GPU work waits on the next layer's prefetch; the tier counts the cached bytes against
+gpu_memory.
 
 Costs (ExpertCosts): an expert's compute time is its bytes over the device's kernel speed while
 its token count is under the device's batch (memory-bound), growing linearly beyond; a copy is its
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tierflow.offload.device import DeviceTier
 from tierflow.offload.expert_cache import CacheStats, ExpertCache
 from tierflow.offload.expert_policy import ExpertKey
 from tierflow.offload.expert_prediction import NextLayerPredictor
@@ -85,21 +90,22 @@ class SchedulerStats:
 class _DeviceExpert:
     """An expert's bytes on the device and the weights viewing them (an ExpertCache payload)."""
 
-    def __init__(self, weights: ExpertWeights, nbytes: int):
-        self.weights, self.nbytes = weights, nbytes
+    def __init__(self, weights: ExpertWeights, data: torch.Tensor):
+        self.weights, self.data, self.nbytes = weights, data, data.numel()
 
 
 class HybridExperts:
     """Every MoE layer's experts in RAM, a cache of them on the GPU, and the schedule between."""
 
     def __init__(self, packed: PackedFile, config: ModelConfig,
-                 ram: dict[int, list[tuple[ExpertWeights, memoryview]]], device: torch.device,
+                 ram: dict[int, list[tuple[ExpertWeights, memoryview]]], tier: DeviceTier,
                  kernels: Kernels | None, budget_bytes: int, costs: ExpertCosts, policy: str = "score"):
-        """ram: per layer, each expert's weights and pack bytes in RAM; kernels: those of the
+        """ram: per layer, each expert's weights and pack bytes in RAM; tier: the GPU's memory,
+        which holds the cache (of budget_bytes, within its own budget); kernels: those of its
         device (None: the CPU standing in for a GPU, computing with the CPU kernels)."""
-        self.packed, self.ram, self.device, self.kernels, self.costs = packed, ram, device, kernels, costs
+        self.packed, self.ram, self.tier, self.kernels, self.costs = packed, ram, tier, kernels, costs
         self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
-                                 self._upload, policy)
+                                 self._upload, policy, discard=lambda key, payload: tier.free(payload.data))
         self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
                                             config.rms_norm_eps)
         self.schedules = SchedulerStats()
@@ -131,7 +137,9 @@ class HybridExperts:
         if prediction is not None:
             self.cache.prefetch(layer_idx + 1)
         try:
-            yield from ((e, payload.weights) for e, payload in zip(on_device, payloads))  # launched first
+            for e, payload in zip(on_device, payloads):  # launched first
+                self.tier.ready(payload.data)
+                yield e, payload.weights
             yield from ((e, self.ram[layer_idx][e][0]) for e in plan.on_cpu)
         finally:
             self.cache.release()
@@ -140,13 +148,12 @@ class HybridExperts:
 
     def _upload(self, key: ExpertKey) -> _DeviceExpert:
         layer_idx, expert_id = key
-        data = self.ram[layer_idx][expert_id][1]
-        copy = torch.from_numpy(np.frombuffer(data, np.uint8).copy()).to(self.device)
+        copy = self.tier.upload(self.ram[layer_idx][expert_id][1], "an expert")
         if self.kernels is None:
             weights = self.packed.expert_weights(layer_idx, expert_id, memoryview(copy.numpy()))
         else:
             weights = self.packed.device_expert_weights(layer_idx, expert_id, copy, self.kernels)
-        return _DeviceExpert(weights, len(data))
+        return _DeviceExpert(weights, copy)
 
 
 class HybridLayerExperts:

@@ -49,7 +49,7 @@ class TieredWeights:
             self.experts = ExpertStore(packed, self.disk, *expert_cache)
         elif gpu_experts is not None:
             config, budget, costs = gpu_experts
-            self.experts = HybridExperts(packed, config, {}, device.device, device_kernels, budget, costs)
+            self.experts = HybridExperts(packed, config, {}, device, device_kernels, budget, costs)
         self._buffers = []  # the resident extents' memory, alive as long as the weights
         resident = [i for i in range(len(packed.layers)) if i not in streamed | on_device]
         streams_experts = isinstance(self.experts, ExpertStore)
@@ -153,10 +153,7 @@ class TieredWeights:
     def bytes_by_tier(self) -> dict[str, int]:
         """Bytes held on the device tier (layers and, once allocated, their KV caches, or cached
         experts), weight bytes held in RAM (globals, resident layers, the ring) and read from disk."""
-        gpu = self.device.used if self.device else 0
-        if isinstance(self.experts, HybridExperts):
-            gpu += self.experts.cache.used_bytes
-        return {"gpu": gpu, **self._bytes}
+        return {"gpu": self.device.used if self.device else 0, **self._bytes}
 
     def close(self) -> None:
         if getattr(self, "streamer", None) is not None:

@@ -123,6 +123,16 @@ def test_experts_cached_on_the_stand_in_gpu_give_the_cpu_tokens_and_logits_bit_f
         assert engine.expert_stats.prefetched > 0  # the next layer's predicted experts, copied ahead
 
 
+def test_the_gpu_tier_counts_exactly_the_experts_cached_there_as_they_come_and_go(moe_path, budgets):
+    _, one, _ = budgets
+    stand_in = dict(gpu_memory=6 * one, gpu_device="cpu")
+    with Engine.load(moe_path, threads=2, context_length=CONTEXT, **stand_in) as engine:
+        tier, cache = engine.weights.device, engine.weights.experts.cache
+        for _ in engine.stream(PROMPT, max_tokens=TOKENS, temperature=0):
+            assert tier.used == cache.used_bytes <= 6 * one
+        assert engine.expert_stats.evictions > 0
+
+
 def test_gpu_experts_need_every_expert_in_ram(moe_path, budgets):
     base, one, all_experts = budgets
     with pytest.raises(PlanBudgetError, match="cpu_memory must hold the whole model, at least") as refused:
