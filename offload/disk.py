@@ -17,9 +17,14 @@ from tierflow.errors import ModelFileError
 ALIGNMENT = 4096  # offsets, lengths and buffer addresses of O_DIRECT reads are multiples of this
 
 
+def aligned_size(nbytes: int) -> int:
+    """nbytes rounded up to ALIGNMENT (at least one block): an aligned buffer's size."""
+    return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+
+
 def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """A zeroed, page-aligned buffer of nbytes rounded up to ALIGNMENT (anonymous memory)."""
-    return mmap.mmap(-1, max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT))
+    """A zeroed, page-aligned buffer of aligned_size(nbytes) bytes (anonymous memory)."""
+    return mmap.mmap(-1, aligned_size(nbytes))
 
 
 class DiskFile:

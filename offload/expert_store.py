@@ -15,16 +15,20 @@ the room the budget leaves, holds those the policy keeps. A layer step:
 
 A prefetched expert that the next layer does not use is dropped at once (its read cancelled if it
 has not started). Reads use O_DIRECT (offload/disk.py), so the page cache never holds experts and
-the budget is what RAM holds; an expert's CRC-32 is checked the first time it is read.
+the budget is what RAM holds; an expert's CRC-32 is checked the first time it is read. Each read
+fills a buffer from a BufferPool of the cache's budget, which a dropped expert gives back for the
+next read (mapping fresh memory for every read cost more than the reads themselves).
 """
 
+import mmap
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from tierflow.offload.disk import DiskFile, aligned_buffer
+from tierflow.offload.buffer_pool import BufferPool
+from tierflow.offload.disk import DiskFile
 from tierflow.offload.expert_cache import CacheStats, ExpertCache
 from tierflow.offload.expert_policy import ExpertKey
 from tierflow.offload.expert_prediction import NextLayerPredictor
@@ -36,13 +40,14 @@ READERS = 2  # reads in flight: two kept this machine's disk busier than one (1.
 
 
 class _ExpertRead:
-    """An expert's read in flight or done; nbytes is what the cache counts."""
+    """An expert's read in flight or done (its future gives the weights and the buffer they view);
+    nbytes is what the cache counts."""
 
     def __init__(self, future: Future, nbytes: int):
         self.future, self.nbytes = future, nbytes
 
     def weights(self) -> ExpertWeights:
-        return self.future.result()
+        return self.future.result()[0]
 
 
 class ExpertStore:
@@ -52,6 +57,7 @@ class ExpertStore:
                  policy: str = "score"):
         self.packed, self.disk, self.config = packed, disk, config
         self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tierflow-experts")
+        self.buffers = BufferPool(budget_bytes)
         self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
                                  self._fetch, policy, discard=self._discard)
         self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
@@ -98,18 +104,29 @@ class ExpertStore:
         extent = self.packed.experts[key[0]][key[1]]
         return _ExpertRead(self._reader.submit(self._read, key), extent.nbytes)
 
-    def _read(self, key: ExpertKey) -> ExpertWeights:
+    def _read(self, key: ExpertKey) -> tuple[ExpertWeights, mmap.mmap]:
         layer_idx, expert_id = key
         extent = self.packed.experts[layer_idx][expert_id]
-        buffer = aligned_buffer(extent.nbytes)
-        data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
-        if key not in self._checked:
-            self.packed.check(extent, data)
-            self._checked.add(key)
-        return self.packed.expert_weights(layer_idx, expert_id, data)
+        buffer = self.buffers.take(extent.nbytes)
+        try:
+            data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
+            if key not in self._checked:
+                self.packed.check(extent, data)
+                self._checked.add(key)
+            return self.packed.expert_weights(layer_idx, expert_id, data), buffer
+        except BaseException:
+            self.buffers.give(buffer)
+            raise
 
     def _discard(self, key: ExpertKey, read: _ExpertRead) -> None:
-        read.future.cancel()  # a read not started yet never happens; a started one is dropped when done
+        """A read not started yet never happens; a done or running one gives its buffer back once
+        done (the cache keeps no view of a dropped expert)."""
+        if not read.future.cancel():
+            read.future.add_done_callback(self._give_back)
+
+    def _give_back(self, read: Future) -> None:
+        if not read.cancelled() and read.exception() is None:
+            self.buffers.give(read.result()[1])
 
 
 class StreamedExperts:

@@ -68,10 +68,11 @@ def test_the_expert_cache_holds_what_the_budget_leaves_and_no_more(moe_path, bud
     with Engine.load(moe_path, threads=2, context_length=CONTEXT, cpu_memory=budget) as engine:
         cache = engine.weights.experts.cache
         assert cache.budget_bytes == 12 * one
-        highest = 0
+        highest = mapped = 0
         for _ in engine.stream(PROMPT, max_tokens=TOKENS, temperature=0):
             highest = max(highest, cache.used_bytes)
-        assert 0 < highest <= cache.budget_bytes
+            mapped = max(mapped, engine.weights.experts.buffers.mapped_bytes)  # what RAM the reads fill
+        assert 0 < highest <= cache.budget_bytes and 0 < mapped <= cache.budget_bytes
         tiers = engine.weights.bytes_by_tier()
         assert tiers["cpu"] <= budget and tiers["disk"] == all_experts
 
