@@ -17,18 +17,23 @@ Three systems decode the same prompt ids greedily, loaded side by side:
 Each is warmed up once, then every repeat runs all three in a rotating order, and the medians are
 reported (decode: single-token passes plus the argmax, as benchmarks/decode.py times them). The
 goal is the streamed run at half the resident speed or better. Beside the speeds: the expert
-cache's hit rate, bytes read per token, the early router's prediction precision, and the disk
-bound: the bytes read per token over this disk's measured read speed.
+cache's hit rate, bytes read from disk per decode step, the early router's prediction precision,
+and two disk bounds at this disk's measured read speed: the bytes the run read per step, and the
+least any cache of this size could read, a clairvoyant one (Belady's optimum on the routing the
+run recorded): what no cache policy can beat on this model, disk and budget.
 """
 
 import argparse
 import json
+import queue
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 import psutil
 import torch
 
@@ -36,10 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from decode import Sample, build_prompt, run_llama_cpp, run_tierflow  # noqa: E402
 from make_model import spec_for_size, write_model  # noqa: E402
+from moe import belady_hit_rate  # noqa: E402
 
 from tierflow import Engine  # noqa: E402
 from tierflow.offload.disk import DiskFile, aligned_buffer  # noqa: E402
 from tierflow.offload.expert_policy import make_policy  # noqa: E402
+from tierflow.offload.expert_store import READERS  # noqa: E402
 from tierflow.offload.profile import cache_dir  # noqa: E402
 from tierflow.units import format_size, parse_size  # noqa: E402
 
@@ -66,34 +73,48 @@ def expert_budget(path: Path, threads: int, fraction: float) -> tuple[int, int]:
     return base + int(fraction * experts), experts
 
 
-def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int) -> tuple[Sample, float]:
-    """run_tierflow's sample, and the expert bytes read per decode step (counted from the first
-    token on: the prefill reads most of every layer's experts)."""
-    stats = engine.expert_stats
+def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int
+                 ) -> tuple[Sample, float, np.ndarray]:
+    """run_tierflow's sample, the expert bytes read from disk per decode step (counted from the
+    first token on: the prefill reads most of every layer's experts), and the decode steps'
+    routing [steps, layers, top_k]."""
+    store = engine.weights.experts
     engine.logits([1 if prompt_ids[0] == 0 else 0])  # nothing of the prompt stays cached
-    stream = engine.stream(prompt_ids, max_tokens=decode_steps + 1, temperature=0)
-    after_prefill = None
-    for _ in stream:
-        if after_prefill is None:
-            after_prefill = stats.fetched_bytes, len(stream.tokens)
+    with engine.record_routing() as recorder:
+        stream = engine.stream(prompt_ids, max_tokens=decode_steps + 1, temperature=0)
+        after_prefill = None
+        for _ in stream:
+            if after_prefill is None:
+                after_prefill = store.read_bytes, len(stream.tokens)
     result, timed = stream.result, stream.result.stats
     steps = timed.generated_tokens if result.finish_reason == "stop" else timed.generated_tokens - 1
     sample = Sample(timed.prefill_tokens_per_s, steps / timed.decode_seconds, steps, list(result.tokens))
     counted = len(result.tokens) - after_prefill[1]
-    return sample, (stats.fetched_bytes - after_prefill[0]) / counted if counted else 0.0
+    per_step = (store.read_bytes - after_prefill[0]) / counted if counted else 0.0
+    return sample, per_step, recorder.trace()[len(prompt_ids):]
 
 
-def disk_read_gbps(engine: Engine) -> float:
-    """The pack's expert extents read back to back with O_DIRECT: what streaming can reach."""
+def disk_read_gbps(engine: Engine, count: int = 96) -> float:
+    """Expert extents of the pack read as the expert store reads them (O_DIRECT, READERS reads in
+    flight, in a shuffled order): what streaming can reach on this disk now."""
     packed = engine.weights.packed
-    extents = [x for layer in packed.experts for x in layer][:64]
+    extents = [x for layer in packed.experts for x in layer]
+    extents = [extents[i] for i in np.random.default_rng(0).permutation(len(extents))[:count]]
     disk = DiskFile(packed.path)
-    buffer = aligned_buffer(max(x.nbytes for x in extents))
+    buffers = queue.SimpleQueue()
+    for _ in range(READERS):
+        buffers.put(aligned_buffer(max(x.nbytes for x in extents)))
+
+    def read(extent) -> None:
+        buffer = buffers.get()
+        disk.read_into(buffer, extent.offset, extent.nbytes)
+        buffers.put(buffer)
+
     try:
-        started = time.perf_counter()
-        for extent in extents:
-            disk.read_into(buffer, extent.offset, extent.nbytes)
-        return sum(x.nbytes for x in extents) / (time.perf_counter() - started) / 1e9
+        with ThreadPoolExecutor(READERS) as readers:
+            started = time.perf_counter()
+            list(readers.map(read, extents))
+            return sum(x.nbytes for x in extents) / (time.perf_counter() - started) / 1e9
     finally:
         disk.close()
 
@@ -123,10 +144,12 @@ def main() -> None:
                             n_threads=args.threads, verbose=False)
     prompt = build_prompt(resident, args.prompt_tokens)
     decode_bytes: list[float] = []
+    routing: list[np.ndarray] = []
 
     def streamed_run() -> Sample:
-        sample, per_step = run_streamed(streamed, prompt, args.decode_tokens)
+        sample, per_step, trace = run_streamed(streamed, prompt, args.decode_tokens)
         decode_bytes.append(per_step)
+        routing.append(trace)
         return sample
 
     runners = {"tierflow streamed": streamed_run,
@@ -145,6 +168,11 @@ def main() -> None:
     gbps = disk_read_gbps(streamed)
     decode = {name: statistics.median(s.decode_tokens_per_s for s in runs) for name, runs in samples.items()}
     per_token = statistics.median(decode_bytes[1:])  # after the warm-up
+    # The least a cache of this size must read per step: the uses a clairvoyant cache misses.
+    config = streamed.config
+    uses_per_step = expert_bytes * config.experts_used / config.num_experts  # k of every layer's E experts
+    optimum = statistics.median(belady_hit_rate(trace, args.fraction) for trace in routing[1:])
+    least_per_token = (1 - optimum) * uses_per_step
     report = {
         "model": path.name, "file_bytes": path.stat().st_size, "expert_bytes": expert_bytes,
         "cpu_memory": cpu_memory, "expert_cache_bytes": streamed.weights.experts.nbytes,
@@ -157,6 +185,8 @@ def main() -> None:
         "layer_hit_rates": {i: layer.hit_rate for i, layer in sorted(stats.layers.items())},
         "decode_bytes_read_per_token": per_token, "prediction_precision": stats.prediction_precision,
         "disk_read_gbps": gbps, "disk_bound_tokens_per_s": gbps * 1e9 / per_token if per_token else None,
+        "clairvoyant_hit_rate": optimum, "clairvoyant_bytes_read_per_token": least_per_token,
+        "clairvoyant_bound_tokens_per_s": gbps * 1e9 / least_per_token if least_per_token else None,
         "tokens_agree": samples["tierflow streamed"][0].tokens == samples["tierflow resident"][0].tokens,
     }
     for engine in (streamed, resident):
@@ -178,6 +208,10 @@ def main() -> None:
           f"early-router predictions {stats.prediction_precision:.1%} right; disk {gbps:.2f} GB/s, so "
           f"reads alone allow {report['disk_bound_tokens_per_s'] or 0:.1f} tok/s; streamed tokens "
           f"{'agree' if report['tokens_agree'] else 'DIFFER'} with resident")
+    bound = report["clairvoyant_bound_tokens_per_s"] or 0
+    print(f"a clairvoyant cache of this size (Belady, on this run's routing) would hit {optimum:.1%} and "
+          f"read {format_size(int(least_per_token))} per step: at most {bound:.1f} tok/s from this disk, "
+          f"{bound / decode['tierflow resident']:.2f}x resident")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ next read (mapping fresh memory for every read cost more than the reads themselv
 """
 
 import mmap
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -58,6 +59,8 @@ class ExpertStore:
         self.packed, self.disk, self.config = packed, disk, config
         self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tierflow-experts")
         self.buffers = BufferPool(budget_bytes)
+        self.read_bytes = 0  # read from disk: fetches cancelled before they started read nothing
+        self._counting = threading.Lock()
         self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
                                  self._fetch, policy, discard=self._discard)
         self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
@@ -110,6 +113,8 @@ class ExpertStore:
         buffer = self.buffers.take(extent.nbytes)
         try:
             data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
+            with self._counting:
+                self.read_bytes += extent.nbytes
             if key not in self._checked:
                 self.packed.check(extent, data)
                 self._checked.add(key)
