@@ -72,8 +72,6 @@ from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
 from tierflow.units import format_size, parse_size, round_up_as_printed
 
-__all__ = ["Plan", "PlanBudgetError", "make_plan", "plan_model", "kv_cache_bytes", "default_cpu_budget"]
-
 MAX_PREFETCH_DEPTH = 4
 DEFAULT_CONTEXT_CAP = 4096  # the KV cache length Engine.load defaults to
 DEFAULT_PROMPT_TOKENS = 512
