@@ -1,6 +1,6 @@
 """MoE expert cache, part (a): hit rate of each cache policy at several cache sizes, one run.
 
-    python benchmarks/moe.py [--trace PATH.npy ...] [--sizes 0.1,0.2,0.3,0.4,0.5,0.6]
+    python benchmarks/moe.py [--trace PATH.npy ...] [--no-synthetic] [--sizes 0.1,0.2,0.3,0.4,0.5,0.6]
                              [--seeds 0,1] [--tokens 384] [--warmup 64] [--half-life 32] [--json]
 
 Each routing trace ([tokens, layers, top_k] expert ids, offload/routing_trace.py) is replayed
@@ -17,26 +17,54 @@ rate counts the demand uses after --warmup tokens. Two tables per trace:
    bytes fetched per token (in experts) are printed beside each hit rate: LRU admits every
    prediction, the score policy only those it ranks above the expert they would evict.
 
-Without --trace the traces are SYNTHETIC (make_synthetic_trace): a Mixtral-like shape (32
-layers, 8 experts, top-2) and an OLMoE-like one (16 layers, 64 experts, top-8) at two skews,
-with temporal locality, cross-layer affinity and topic changes as the titles state, averaged over
-seeds. They show how the policies differ under those assumptions, not how a real model routes:
-replay recorded traces with --trace, or call policy_hit_rates(trace, sizes) from Python. The
-default run takes several minutes on two cores (pure-Python replay); --seeds 0 --sizes 0.1,0.3,0.5
-is a quick look. Part (b), decode speed with experts streamed from disk, is benchmarks/moe_decode.py.
+Without --trace the traces are, first, RECORDED from the engine (Engine.record_routing): the
+routing of benchmarks/routing_text.txt (~1,300 tokens of prose, code, lists, dialogue, news),
+token by token, through
+- SmolLM2 MoEfied: the bundled SmolLM2-135M with each layer's FFN split into 8 experts of
+  neurons that fire together and a router fit to their activity, top-2 (tests/
+  make_moe_from_dense.py): a real model's neurons on real text, the nearest to a real MoE here;
+- a random-weight Mixtral-style model (tests/make_model.py), whose routing follows its random
+  routers: mostly the token's identity;
+both written once into the cache directory. Then SYNTHETIC ones (make_synthetic_trace, unless
+--no-synthetic): a Mixtral-like shape (32 layers, 8 experts, top-2) and an OLMoE-like one (16
+layers, 64 experts, top-8) at two skews, with temporal locality, cross-layer affinity and topic
+changes as the titles state, averaged over seeds. They show how the policies differ under those
+assumptions, not how a real model routes. --trace replays saved traces instead; or call
+policy_hit_rates(trace, sizes) from Python. The default run takes about ten minutes on two cores
+(pure-Python replay); --seeds 0 --sizes 0.1,0.3,0.5 is a quick look. Part (b), decode speed
+with experts streamed from disk, is benchmarks/moe_decode.py.
 """
 
 import argparse
 import heapq
 import json
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from tierflow.offload.expert_cache import CacheStats, ExpertCache
-from tierflow.offload.expert_policy import ExpertKey, make_policy
-from tierflow.offload.expert_prediction import AffinityPredictor
-from tierflow.offload.routing_trace import SyntheticTraceSpec, check_trace, load_trace, make_synthetic_trace
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from make_model import ModelSpec, write_model  # noqa: E402
+from make_moe_from_dense import write_moe_from_dense  # noqa: E402
+
+from tierflow import Engine  # noqa: E402
+from tierflow.offload.expert_cache import CacheStats, ExpertCache  # noqa: E402
+from tierflow.offload.expert_policy import ExpertKey, make_policy  # noqa: E402
+from tierflow.offload.expert_prediction import AffinityPredictor  # noqa: E402
+from tierflow.offload.model_path import bundled_model_path  # noqa: E402
+from tierflow.offload.profile import cache_dir  # noqa: E402
+from tierflow.offload.routing_trace import (  # noqa: E402
+    SyntheticTraceSpec,
+    check_trace,
+    load_trace,
+    make_synthetic_trace,
+)
+
+TEXT = Path(__file__).with_name("routing_text.txt")
+RANDOM_MIXTRAL = ModelSpec(num_layers=32, hidden_size=256, ffn_size=512, num_heads=4, num_kv_heads=2,
+                           num_experts=8, experts_used=2, context_length=2048, weight_type="Q4_0",
+                           embedding_type="Q4_0", seed=11)
 
 # column -> (policy, its options); "score" takes --half-life
 DEMAND = {"lru": ("lru", {}), "lfu": ("lfu", {}), "h only": ("score", {"layer_cycle": False}),
@@ -142,6 +170,30 @@ def print_tables(title: str, sizes: list[float], rates: dict[str, dict[str, list
               + f"{100 * (prefetch['score'][i] - prefetch['lru'][i]):+7.1f} pts")
 
 
+def recorded_models() -> dict[str, Path]:
+    """The MoE models whose routing is recorded, written once into the cache directory."""
+    folder = cache_dir() / "bench"
+    folder.mkdir(parents=True, exist_ok=True)
+    moefied, random = folder / "smollm2-moefied-8x2.gguf", folder / "random-mixtral-32x8x2.gguf"
+    if not moefied.exists():
+        print(f"writing {moefied} (about a minute) ...", file=sys.stderr)
+        write_moe_from_dense(bundled_model_path(), moefied.with_suffix(".tmp"), 8, 2).rename(moefied)
+    if not random.exists():
+        write_model(random.with_suffix(".tmp"), RANDOM_MIXTRAL).rename(random)
+    return {"SmolLM2 MoEfied (30 layers, 8 experts, top-2)": moefied,
+            "random-weight Mixtral-style (32 layers, 8 experts, top-2)": random}
+
+
+def record_trace(model: Path, text: str) -> np.ndarray:
+    """The routing of `text` through `model`, token by token ([tokens, layers, top_k]); one
+    forward pass, since each token routes as it would if decoded alone (test_moe checks it)."""
+    with Engine.load(model, threads=2) as engine:
+        ids = engine.tokenize(text)[:engine.context_length]
+        with engine.record_routing() as recorder:
+            engine.logits(ids)
+    return recorder.trace()
+
+
 def _mean(runs: list[dict]) -> dict:
     return {table: {c: np.mean([r[table][c] for r in runs], axis=0).tolist() for c in runs[0][table]}
             for table in runs[0]}
@@ -149,7 +201,9 @@ def _mean(runs: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", nargs="*", default=[], help="recorded traces (.npy) instead of synthetic")
+    parser.add_argument("--trace", nargs="*", default=[], help="saved traces (.npy) to replay, instead of "
+                        "recording and synthetic ones")
+    parser.add_argument("--no-synthetic", action="store_true", help="recorded traces only")
     parser.add_argument("--sizes", default="0.1,0.2,0.3,0.4,0.5,0.6", help="fractions of all experts")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--tokens", type=int, default=384)
@@ -164,9 +218,13 @@ def main() -> None:
     results = {}
     for path in args.trace:
         trace = load_trace(path)
-        results[f"RECORDED trace {path}, {trace.shape}"] = policy_hit_rates(trace, sizes, args.warmup,
-                                                                            args.half_life)
-    for shape, dims in ({} if args.trace else SHAPES).items():
+        results[f"SAVED trace {path}, {trace.shape}"] = policy_hit_rates(trace, sizes, args.warmup,
+                                                                         args.half_life)
+    for name, model in ({} if args.trace else recorded_models()).items():
+        trace = record_trace(model, TEXT.read_text())
+        title = f"RECORDED from the engine: {name}, {TEXT.name}, {trace.shape[0]} tokens"
+        results[title] = policy_hit_rates(trace, sizes, args.warmup, args.half_life)
+    for shape, dims in ({} if args.trace or args.no_synthetic else SHAPES).items():
         for skew in SKEWS:
             traces = [make_synthetic_trace(SyntheticTraceSpec(
                 num_tokens=args.tokens, zipf_s=skew, reuse=args.reuse, affinity=args.affinity,
