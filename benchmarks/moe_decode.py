@@ -78,19 +78,19 @@ def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int
     """run_tierflow's sample, the expert bytes read from disk per decode step (counted from the
     first token on: the prefill reads most of every layer's experts), and the decode steps'
     routing [steps, layers, top_k]."""
-    store = engine.weights.experts
+    stats = engine.expert_stats
     engine.logits([1 if prompt_ids[0] == 0 else 0])  # nothing of the prompt stays cached
     with engine.record_routing() as recorder:
         stream = engine.stream(prompt_ids, max_tokens=decode_steps + 1, temperature=0)
         after_prefill = None
         for _ in stream:
             if after_prefill is None:
-                after_prefill = store.read_bytes, len(stream.tokens)
+                after_prefill = stats.fetched_bytes, len(stream.tokens)
     result, timed = stream.result, stream.result.stats
     steps = timed.generated_tokens if result.finish_reason == "stop" else timed.generated_tokens - 1
     sample = Sample(timed.prefill_tokens_per_s, steps / timed.decode_seconds, steps, list(result.tokens))
     counted = len(result.tokens) - after_prefill[1]
-    per_step = (store.read_bytes - after_prefill[0]) / counted if counted else 0.0
+    per_step = (stats.fetched_bytes - after_prefill[0]) / counted if counted else 0.0
     return sample, per_step, recorder.trace()[len(prompt_ids):]
 
 

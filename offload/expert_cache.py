@@ -6,7 +6,8 @@ offload/expert_policy.py) and counts what happened (CacheStats); it never moves 
 numpy array read from the pack, a tensor uploaded to the GPU, a handle on a copy in flight), so
 the same code serves the RAM tier (experts streamed from disk) and the GPU tier (experts copied
 from RAM). `discard(key, payload)` is told of every expert dropped, so the caller can return its
-buffer or abort a copy still in flight.
+buffer or abort a copy still in flight; it returns True when it cancelled a fetch before any byte
+moved, which the stats then do not count as fetched.
 
 Budget: the bytes of the resident payloads never exceed budget_bytes, not even during a fetch:
 room is made (victims evicted) before fetch is called, using the expert's size known in advance
@@ -46,7 +47,8 @@ class Payload(Protocol):
 class LayerStats:
     hits: int = 0
     misses: int = 0
-    fetched_bytes: int = 0  # demand and prefetch fetches of this layer's experts
+    fetched_bytes: int = 0  # demand and prefetch fetches of this layer's experts (not those cancelled
+    # before they began)
 
     @property
     def hit_rate(self) -> float:
@@ -106,11 +108,13 @@ class _Entry:
 class ExpertCache:
     def __init__(self, budget_bytes: int, expert_bytes: int | Callable[[ExpertKey], int],
                  fetch: Callable[[ExpertKey], Payload], policy: CachePolicy | str = "score",
-                 discard: Callable[[ExpertKey, Payload], None] | None = None, cancel_unused: bool = True):
+                 discard: Callable[[ExpertKey, Payload], bool | None] | None = None,
+                 cancel_unused: bool = True):
         """budget_bytes: the most the resident payloads may hold. expert_bytes: every expert's
         size, or a function giving each one's (known before it is fetched). fetch(key): the
         expert's payload, anything with an nbytes of that size. policy: a CachePolicy or its
-        name ("lru", "lfu", "score"). discard(key, payload): told of each expert dropped.
+        name ("lru", "lfu", "score"). discard(key, payload): told of each expert dropped; True if
+        it stopped the fetch before any byte moved.
         cancel_unused: drop a prefetched expert as soon as its prediction proves wrong."""
         self.budget_bytes = budget_bytes
         self._expert_bytes = expert_bytes if callable(expert_bytes) else (lambda key: expert_bytes)
@@ -244,8 +248,8 @@ class ExpertCache:
         self.used_bytes -= entry.nbytes
         self.policy.remove(key)
         self.stats.prefetch_unused += entry.prefetched
-        if self.discard is not None:
-            self.discard(key, entry.payload)
+        if self.discard is not None and self.discard(key, entry.payload) is True:  # never fetched after all
+            self.stats.layer(key[0]).fetched_bytes -= entry.nbytes
 
     def _check_fits(self, nbytes: int, key: ExpertKey | None) -> None:
         if nbytes > self.budget_bytes:

@@ -21,7 +21,6 @@ next read (mapping fresh memory for every read cost more than the reads themselv
 """
 
 import mmap
-import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -59,8 +58,6 @@ class ExpertStore:
         self.packed, self.disk, self.config = packed, disk, config
         self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tierflow-experts")
         self.buffers = BufferPool(budget_bytes)
-        self.read_bytes = 0  # read from disk: fetches cancelled before they started read nothing
-        self._counting = threading.Lock()
         self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
                                  self._fetch, policy, discard=self._discard)
         self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
@@ -113,8 +110,6 @@ class ExpertStore:
         buffer = self.buffers.take(extent.nbytes)
         try:
             data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
-            with self._counting:
-                self.read_bytes += extent.nbytes
             if key not in self._checked:
                 self.packed.check(extent, data)
                 self._checked.add(key)
@@ -123,11 +118,13 @@ class ExpertStore:
             self.buffers.give(buffer)
             raise
 
-    def _discard(self, key: ExpertKey, read: _ExpertRead) -> None:
-        """A read not started yet never happens; a done or running one gives its buffer back once
-        done (the cache keeps no view of a dropped expert)."""
-        if not read.future.cancel():
-            read.future.add_done_callback(self._give_back)
+    def _discard(self, key: ExpertKey, read: _ExpertRead) -> bool:
+        """A read not started yet never happens (True: nothing was read); a done or running one
+        gives its buffer back once done (the cache keeps no view of a dropped expert)."""
+        if read.future.cancel():
+            return True
+        read.future.add_done_callback(self._give_back)
+        return False
 
     def _give_back(self, read: Future) -> None:
         if not read.cancelled() and read.exception() is None:

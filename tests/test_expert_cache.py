@@ -171,6 +171,15 @@ def test_payloads_are_opaque_so_a_copy_in_flight_can_be_cancelled():
     assert copy is copies[(2, 0)] and not copy.cancelled and copies[(2, 1)].cancelled
 
 
+@pytest.mark.parametrize("began", [False, True])
+def test_a_fetch_cancelled_before_it_began_is_not_counted_as_fetched(began):
+    cache = array_cache(80, "score", discard=lambda key, payload: not began)  # True: nothing moved
+    cache.predict(1, [4, 5], [0.9, 0.8])
+    cache.prefetch(1)
+    cache.get(1, [4])  # 5 was predicted wrongly: dropped
+    assert cache.stats.fetched_bytes == (16 if began else 8)
+
+
 def test_without_cancel_an_unused_prefetch_stays_until_evicted():
     cache = array_cache(80, "lru", cancel_unused=False)
     cache.predict(1, [5])
