@@ -70,7 +70,7 @@ def test_cancelling_the_task_cancels_the_generation(engine):
 
 def test_a_cancelled_waiting_stream_ends_at_once_and_spares_the_running_one(engine):
     story = [{"role": "user", "content": "Write a long story about a dragon."}]
-    running = engine.chat_stream(story, max_tokens=60, **GREEDY)
+    running = engine.chat_stream(story, max_tokens=200, **GREEDY)  # seconds: still running below
     worker = threading.Thread(target=lambda: [None for _ in running])
     worker.start()
     time.sleep(0.3)

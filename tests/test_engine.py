@@ -89,11 +89,13 @@ def test_logits_has_a_row_per_token(engine):
 
 
 def test_cancel_from_another_thread_returns_partial_result(engine):
-    timer = threading.Timer(0.3, engine.cancel)
-    timer.start()
-    result = engine.generate("Tell me a very long story.", max_tokens=2000, temperature=1.0,
-                             seed=1, stop=None)
-    timer.join()
+    stream = engine.stream("Tell me a very long story.", max_tokens=2000, temperature=1.0, seed=1, stop=None)
+    for i, _ in enumerate(stream):
+        if i == 2:  # the generation waits at its third piece while another thread cancels it
+            canceller = threading.Thread(target=engine.cancel)
+            canceller.start()
+            canceller.join()
+    result = stream.result
     assert result.finish_reason == "cancelled"
     assert 0 < len(result.tokens) < 2000
     assert engine.generate("Hi", max_tokens=3, **GREEDY).tokens  # still usable
