@@ -180,10 +180,10 @@ class Engine:
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """Generates the assistant's reply to messages, using the model's chat template."""
-        return self.generate(self._chat_prompt(messages), **kwargs)
+        return self.generate(self.tokenize_chat(messages), **kwargs)
 
     def chat_stream(self, messages: list[dict], **kwargs) -> Stream:
-        return self.stream(self._chat_prompt(messages), **kwargs)
+        return self.stream(self.tokenize_chat(messages), **kwargs)
 
     def cancel(self) -> None:
         """Stops the running generation (from any thread); it returns what it has so far."""
@@ -205,15 +205,21 @@ class Engine:
         return AsyncStream(self.stream(prompt, **kwargs), self._compute)
 
     async def achat(self, messages: list[dict], **kwargs) -> GenerationResult:
-        return await self.agenerate(self._chat_prompt(messages), **kwargs)
+        return await self.agenerate(self.tokenize_chat(messages), **kwargs)
 
     def achat_stream(self, messages: list[dict], **kwargs) -> AsyncStream:
-        return self.astream(self._chat_prompt(messages), **kwargs)
+        return self.astream(self.tokenize_chat(messages), **kwargs)
 
     # -- tokens and scores -----------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        """The prompt ids chat() generates from: messages through the model's chat template."""
+        self._check_open()
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_bos=None)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -304,10 +310,6 @@ class Engine:
         if not ids:
             raise InvalidArgumentError("the prompt has no tokens")
         return ids
-
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_bos=None)
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
         ids = [int(i) for i in ids]
