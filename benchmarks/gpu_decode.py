@@ -18,7 +18,7 @@ afresh:
   plus a quarter of all layers' bytes (at least two streaming buffers), so that most of the rest
   streams from disk every token; the script checks that the planner did stream and reports how
   many layers it streamed.
-Budgets are sized from the planner's own layer extents (offload/extents.py), so the split is
+Budgets are sized from the planner's own layer extents (offload/pack/extents.py), so the split is
 exactly the one asked for; the globals and the output head stay in RAM and on the CPU in tierflow.
 
 Baseline: llama.cpp (llama-cpp-python) with n_gpu_layers set to the number of layers tierflow put
@@ -50,11 +50,11 @@ import torch
 
 from tierflow import Engine
 from tierflow.gpu_kernels.launch import load_all_kernels
-from tierflow.offload.extents import model_extents
-from tierflow.offload.gguf_file import read_gguf
-from tierflow.offload.model_info import read_config
-from tierflow.offload.planner import kv_cache_bytes
-from tierflow.offload.profile import cache_dir
+from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.pack.extents import model_extents
+from tierflow.offload.plan.planner import kv_cache_bytes
+from tierflow.offload.plan.profile import cache_dir
 from tierflow.units import parse_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -43,7 +43,7 @@ import numpy as np
 
 from tierflow.cpu_kernels import matmul as kernels
 from tierflow.cpu_kernels.packed import PackedMatrix
-from tierflow.offload.measure import (
+from tierflow.offload.plan.measure import (
     ReadBandwidth,
     cold_ring,
     l3_cache_bytes,

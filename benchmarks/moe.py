@@ -3,13 +3,13 @@
     python benchmarks/moe.py [--trace PATH.npy ...] [--no-synthetic] [--sizes 0.1,0.2,0.3,0.4,0.5,0.6]
                              [--seeds 0,1] [--tokens 384] [--warmup 64] [--half-life 32] [--json]
 
-Each routing trace ([tokens, layers, top_k] expert ids, offload/routing_trace.py) is replayed
+Each routing trace ([tokens, layers, top_k] expert ids, offload/experts/routing_trace.py) is replayed
 through an ExpertCache holding a fraction of all layers x experts, once per policy, and the hit
 rate counts the demand uses after --warmup tokens. Two tables per trace:
 
 1. Demand only (an expert is fetched when its layer needs it): lru and lfu (the baselines),
-   "h only" (the score without its layer-cycle term, an ablation), score (offload/
-   expert_policy.py), and belady, the offline optimum (evict the expert used again furthest in
+   "h only" (the score without its layer-cycle term, an ablation), score
+   (offload/experts/policy.py), and belady, the offline optimum (evict the expert used again furthest in
    the future): a bound no online policy reaches. Last column: score minus LRU, in points.
 2. With prefetch: an AffinityPredictor (ExFlow-style, learned online on the trace) predicts the
    next layer's experts from this layer's; the cache is told, fetches them ahead, and cancels
@@ -49,17 +49,17 @@ from make_model import ModelSpec, write_model  # noqa: E402
 from make_moe_from_dense import write_moe_from_dense  # noqa: E402
 
 from tierflow import Engine  # noqa: E402
-from tierflow.offload.expert_cache import CacheStats, ExpertCache  # noqa: E402
-from tierflow.offload.expert_policy import ExpertKey, make_policy  # noqa: E402
-from tierflow.offload.expert_prediction import AffinityPredictor  # noqa: E402
-from tierflow.offload.model_path import bundled_model_path  # noqa: E402
-from tierflow.offload.profile import cache_dir  # noqa: E402
-from tierflow.offload.routing_trace import (  # noqa: E402
+from tierflow.offload.experts.cache import CacheStats, ExpertCache  # noqa: E402
+from tierflow.offload.experts.policy import ExpertKey, make_policy  # noqa: E402
+from tierflow.offload.experts.prediction import AffinityPredictor  # noqa: E402
+from tierflow.offload.experts.routing_trace import (  # noqa: E402
     SyntheticTraceSpec,
     check_trace,
     load_trace,
     make_synthetic_trace,
 )
+from tierflow.offload.gguf.model_path import bundled_model_path  # noqa: E402
+from tierflow.offload.plan.profile import cache_dir  # noqa: E402
 
 TEXT = Path(__file__).with_name("routing_text.txt")
 RANDOM_MIXTRAL = ModelSpec(num_layers=32, hidden_size=256, ffn_size=512, num_heads=4, num_kv_heads=2,

@@ -10,7 +10,7 @@ Three systems decode the same prompt ids greedily, loaded side by side:
 
 - tierflow, experts streamed: cpu_memory = everything but the experts (globals, attention,
   routers) + --fraction of the expert bytes; the experts are read from the pack with O_DIRECT
-  (the page cache never holds them) into the expert cache (offload/expert_store.py);
+  (the page cache never holds them) into the expert cache (offload/experts/store.py);
 - tierflow, fully resident (no budget);
 - llama.cpp on the same file, fully resident (its own mmap), the same thread count.
 
@@ -44,10 +44,10 @@ from make_model import spec_for_size, write_model  # noqa: E402
 from moe import belady_hit_rate  # noqa: E402
 
 from tierflow import Engine  # noqa: E402
-from tierflow.offload.disk import DiskFile, aligned_buffer  # noqa: E402
-from tierflow.offload.expert_policy import make_policy  # noqa: E402
-from tierflow.offload.expert_store import READERS  # noqa: E402
-from tierflow.offload.profile import cache_dir  # noqa: E402
+from tierflow.offload.experts.policy import make_policy  # noqa: E402
+from tierflow.offload.experts.store import READERS  # noqa: E402
+from tierflow.offload.io.disk import DiskFile, aligned_buffer  # noqa: E402
+from tierflow.offload.plan.profile import cache_dir  # noqa: E402
 from tierflow.units import format_size, parse_size  # noqa: E402
 
 EXPERTS, USED = 8, 2

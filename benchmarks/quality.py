@@ -3,7 +3,7 @@
     python benchmarks/quality.py [--model PATH] [--bits 4 3 2] [--methods rtn search]
                                  [--threads 2] [--json]
 
-For each bit width and method the model is converted (`tierflow.offload.convert.convert_model`)
+For each bit width and method the model is converted (`tierflow.offload.gguf.convert.convert_model`)
 into a temporary directory. Each model, the original included, then scores the same fixed text
 (benchmarks/quality_text.txt, ~400 tokens of plain English prose) in one forward pass
 (`Engine.logits`), and at every position the converted model's next-token distribution Q is
@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from tierflow import Engine
-from tierflow.offload.convert import convert_model
-from tierflow.offload.model_path import resolve_model_path
+from tierflow.offload.gguf.convert import convert_model
+from tierflow.offload.gguf.model_path import resolve_model_path
 
 TEXT = Path(__file__).with_name("quality_text.txt")
 

@@ -22,12 +22,12 @@ import sys
 from pathlib import Path
 
 from tierflow import Engine
-from tierflow.offload.convert import convert_model
-from tierflow.offload.extents import model_extents
-from tierflow.offload.gguf_file import read_gguf
-from tierflow.offload.model_info import read_config
-from tierflow.offload.model_path import resolve_model_path
-from tierflow.offload.profile import cache_dir
+from tierflow.offload.gguf.convert import convert_model
+from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.model_path import resolve_model_path
+from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.pack.extents import model_extents
+from tierflow.offload.plan.profile import cache_dir
 from tierflow.units import format_size
 
 PROMPTS = {

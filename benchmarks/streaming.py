@@ -28,12 +28,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from tierflow import Engine
-from tierflow.offload.disk import DiskFile, aligned_buffer
-from tierflow.offload.gguf_file import read_gguf
-from tierflow.offload.model_info import read_config
-from tierflow.offload.planner import make_plan
-from tierflow.offload.probe import load_profile
-from tierflow.offload.profile import cache_dir
+from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.io.disk import DiskFile, aligned_buffer
+from tierflow.offload.plan.planner import make_plan
+from tierflow.offload.plan.probe import load_profile
+from tierflow.offload.plan.profile import cache_dir
 from tierflow.units import format_size, parse_size
 
 CONTEXT = 256

@@ -217,7 +217,7 @@ def _sampling(**settings) -> dict:
 def info(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
          model_opt: ModelOpt = None) -> None:
     """Show a model's architecture, sizes, tensor types and bytes per tier (loads no weights)."""
-    from tierflow.offload.model_info import describe_model
+    from tierflow.offload.gguf.model_info import describe_model
 
     summary = describe_model(model or model_opt)
     table = Table(title=str(summary.path), show_header=False)
@@ -240,9 +240,9 @@ def plan(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (defaul
          as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False) -> None:
     """Show where each layer would live and compute, the memory it takes and the predicted
     tokens/s, before anything loads (reads the header and the cached hardware profile)."""
-    from tierflow.offload.planner import plan_model
-    from tierflow.offload.probe import load_profile
-    from tierflow.offload.profile import profile_path
+    from tierflow.offload.plan.planner import plan_model
+    from tierflow.offload.plan.probe import load_profile
+    from tierflow.offload.plan.profile import profile_path
 
     if threads is None:
         from tierflow.runtime.engine import _thread_count
@@ -278,8 +278,8 @@ def probe(threads: ThreadsOpt = None,
     """Measure disk, RAM and kernel speeds: the hardware profile the planner predicts with.
 
     Measured once (about 20 s) and cached; --refresh measures again."""
-    from tierflow.offload.probe import ProbeWarning, load_profile
-    from tierflow.offload.profile import profile_path
+    from tierflow.offload.plan.probe import ProbeWarning, load_profile
+    from tierflow.offload.plan.profile import profile_path
 
     if threads is None:
         from tierflow.runtime.engine import _thread_count
@@ -342,7 +342,7 @@ def convert(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (def
             model_opt: ModelOpt = None) -> None:
     """Requantize a model's layer weights to 4, 3 or 2 bits and write them to OUT (-o)."""
     from tierflow.errors import InvalidArgumentError
-    from tierflow.offload.convert import convert_model
+    from tierflow.offload.gguf.convert import convert_model
 
     if output is None:
         raise InvalidArgumentError("give the file to write with -o/--output")

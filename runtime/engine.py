@@ -28,26 +28,26 @@ from tierflow.errors import (
 )
 from tierflow.gpu_kernels.launch import load_all_kernels
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
-from tierflow.offload.device import DeviceTier
-from tierflow.offload.expert_cache import CacheStats
-from tierflow.offload.extents import expert_extents, model_extents
-from tierflow.offload.gguf_file import read_gguf
-from tierflow.offload.llama_vocab import llama_vocab_file
-from tierflow.offload.model_info import read_config
-from tierflow.offload.model_path import resolve_model_path
-from tierflow.offload.packed_file import open_pack
-from tierflow.offload.planner import (
+from tierflow.offload.experts.cache import CacheStats
+from tierflow.offload.experts.routing_trace import RoutingRecorder
+from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.model_path import resolve_model_path
+from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.gguf.tensors import check_tensors
+from tierflow.offload.gguf.vocab_file import llama_vocab_file
+from tierflow.offload.pack.extents import expert_extents, model_extents
+from tierflow.offload.pack.packed_file import open_pack
+from tierflow.offload.plan.planner import (
     DEFAULT_CONTEXT_CAP,
     Plan,
     default_cpu_budget,
     kv_cache_bytes,
     make_plan,
 )
-from tierflow.offload.probe import load_profile
-from tierflow.offload.profile import GpuProfile, HardwareProfile
-from tierflow.offload.routing_trace import RoutingRecorder
-from tierflow.offload.tensors import check_tensors
-from tierflow.offload.tiered import LoadProgress, TieredWeights
+from tierflow.offload.plan.probe import load_profile
+from tierflow.offload.plan.profile import GpuProfile, HardwareProfile
+from tierflow.offload.tiers.device import DeviceTier
+from tierflow.offload.tiers.tiered import LoadProgress, TieredWeights
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.kv_cache import KVCache
@@ -241,7 +241,7 @@ class Engine:
     def record_routing(self) -> Iterator[RoutingRecorder]:
         """Records which experts every token computed the block's generations with, at every layer
         (a MoE model only): `recorder.trace()` is int32 [tokens, layers, top_k], the routing-trace
-        format benchmarks/moe.py replays (offload/routing_trace.py)."""
+        format benchmarks/moe.py replays (offload/experts/routing_trace.py)."""
         self._check_open()
         if not self.config.is_moe:
             raise InvalidArgumentError(f"{self.path.name} is not a mixture-of-experts model: it has no "

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 import torch
 
 from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentError
-from tierflow.offload.device import DeviceTier
-from tierflow.offload.extents import model_extents
-from tierflow.offload.gguf_file import GGUFFile, read_gguf
-from tierflow.offload.model_info import read_config
-from tierflow.offload.model_path import resolve_model_path
-from tierflow.offload.packed_file import LoadProgress, open_pack
-from tierflow.offload.planner import kv_cache_bytes
-from tierflow.offload.tensors import check_tensors
-from tierflow.offload.tiered import TieredWeights
+from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.model_path import resolve_model_path
+from tierflow.offload.gguf.reader import GGUFFile, read_gguf
+from tierflow.offload.gguf.tensors import check_tensors
+from tierflow.offload.pack.extents import model_extents
+from tierflow.offload.pack.packed_file import LoadProgress, open_pack
+from tierflow.offload.plan.planner import kv_cache_bytes
+from tierflow.offload.tiers.device import DeviceTier
+from tierflow.offload.tiers.tiered import TieredWeights
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder, Kernels

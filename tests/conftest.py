@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierflow.offload.model_path import bundled_model_path
-from tierflow.offload.profile import HardwareProfile, profile_path
+from tierflow.offload.gguf.model_path import bundled_model_path
+from tierflow.offload.plan.profile import HardwareProfile, profile_path
 
 # Packs and profiles that tests write go to a folder of this run, never the user's cache (set at
 # import, before any test or subprocess, so the CLI and server processes inherit it).

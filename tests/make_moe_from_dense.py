@@ -74,9 +74,9 @@ from model_spec import MAX_EXPERTS
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.reference import apply_rope, rms_norm_reference
 from tierflow.errors import TierflowError
-from tierflow.offload.gguf_file import GGUFFile, TensorInfo, read_gguf
-from tierflow.offload.model_info import read_config
-from tierflow.offload.model_path import bundled_model_path
+from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.model_path import bundled_model_path
+from tierflow.offload.gguf.reader import GGUFFile, TensorInfo, read_gguf
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.rope import rope_tables
 from tierflow.runtime.tokenizer import Tokenizer

@@ -1,10 +1,10 @@
-"""BufferPool: read buffers reused within a byte budget (offload/buffer_pool.py)."""
+"""BufferPool: read buffers reused within a byte budget (offload/io/buffer_pool.py)."""
 
 import threading
 import time
 
-from tierflow.offload.buffer_pool import BufferPool
-from tierflow.offload.disk import ALIGNMENT
+from tierflow.offload.io.buffer_pool import BufferPool
+from tierflow.offload.io.disk import ALIGNMENT
 
 PAGE = ALIGNMENT
 

@@ -3,7 +3,7 @@ import time
 import pytest
 
 from tierflow.errors import ModelFileError, TemplateError
-from tierflow.offload.model_path import bundled_model_path
+from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.runtime.chat_template import CHATML_TEMPLATE, render_chat_template
 
 CONVERSATION = [

@@ -12,8 +12,8 @@ from test_oracle import LONG_TEXT, NEAR_TIE, assert_logits_agree, top2_margin
 
 from tierflow import Engine
 from tierflow.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError
-from tierflow.offload.convert import QUANTIZATION_KEY, convert_model
-from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.gguf.convert import QUANTIZATION_KEY, convert_model
+from tierflow.offload.gguf.reader import read_gguf
 
 BLOCK_WEIGHTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 QUANT_TYPE = {4: "Q4_1", 3: "TQ3_1", 2: "TQ2_1"}
@@ -127,7 +127,7 @@ def test_4_bit_rtn_rebuilds_the_bundled_q4_1_file_exactly(model_path, tmp_path):
 
 
 def test_llama_cpp_reads_the_vocabulary_of_a_tq_file_from_a_metadata_copy(converted, model_path):
-    from tierflow.offload.llama_vocab import llama_vocab_file
+    from tierflow.offload.gguf.vocab_file import llama_vocab_file
     from tierflow.runtime.tokenizer import Tokenizer
 
     with read_gguf(model_path) as source, llama_vocab_file(source) as path:

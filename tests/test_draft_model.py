@@ -6,7 +6,7 @@ import pytest
 
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError
-from tierflow.offload.convert import convert_model
+from tierflow.offload.gguf.convert import convert_model
 from tierflow.speculative.placement import _check_vocabulary
 
 PROMPTS = ["The sky is blue because", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",

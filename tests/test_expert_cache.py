@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 
 from tierflow.errors import BudgetError
-from tierflow.offload.expert_cache import ExpertCache
-from tierflow.offload.expert_policy import POLICIES, ScorePolicy
-from tierflow.offload.expert_prediction import (
+from tierflow.offload.experts.cache import ExpertCache
+from tierflow.offload.experts.policy import POLICIES, ScorePolicy
+from tierflow.offload.experts.prediction import (
     AffinityPredictor,
     NextLayerPredictor,
     merge_token_predictions,
     route_top_k,
 )
-from tierflow.offload.routing_trace import (
+from tierflow.offload.experts.routing_trace import (
     SyntheticTraceSpec,
     check_trace,
     load_trace,

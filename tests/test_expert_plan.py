@@ -11,11 +11,11 @@ from typer.testing import CliRunner
 from tierflow import Engine
 from tierflow.cli.app import app
 from tierflow.errors import PlanBudgetError
-from tierflow.offload.expert_plan import READ_AHEAD_SHARE
-from tierflow.offload.extents import expert_extents, model_extents
-from tierflow.offload.gguf_file import read_gguf
-from tierflow.offload.model_info import read_config
-from tierflow.offload.planner import make_plan
+from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.pack.extents import expert_extents, model_extents
+from tierflow.offload.plan.expert_plan import READ_AHEAD_SHARE
+from tierflow.offload.plan.planner import make_plan
 
 CTX = 128
 SPEC = ModelSpec(num_layers=4, hidden_size=128, ffn_size=256, num_experts=8, experts_used=2,
@@ -121,7 +121,7 @@ def test_the_engine_places_experts_as_the_plan_says(moe, moe_path):
 
 def test_plan_command_shows_the_experts_and_their_cache(moe_path, moe, monkeypatch):
     _, _, base, one, _ = moe
-    monkeypatch.setattr("tierflow.offload.probe.load_profile", lambda threads, **kwargs: PROFILE)
+    monkeypatch.setattr("tierflow.offload.plan.probe.load_profile", lambda threads, **kwargs: PROFILE)
     done = CliRunner().invoke(app, ["plan", str(moe_path), "--cpu-memory", str(base + 12 * one),
                                     "--threads", "2", "--ctx", str(CTX)])
     assert done.exit_code == 0, done.output

@@ -28,7 +28,7 @@ from gguf_bytes import (
 )
 
 from tierflow.errors import ModelFileError
-from tierflow.offload.gguf_file import MAX_ARRAY_DEPTH, GGUFFile, read_gguf
+from tierflow.offload.gguf.reader import MAX_ARRAY_DEPTH, GGUFFile, read_gguf
 
 
 def _write(tmp_path: Path, data: bytes, name: str = "model.gguf") -> Path:

@@ -31,7 +31,7 @@ from tierflow.gpu_kernels.launch import (
 from tierflow.gpu_kernels.matmul import DeviceLinear, matmul, matmul_silu_mul
 from tierflow.gpu_kernels.ops import add_rms_norm, rms_norm, silu_mul
 from tierflow.gpu_kernels.packed import DeviceMatrix, to_device, view_matrix
-from tierflow.offload.device import DeviceTier
+from tierflow.offload.tiers.device import DeviceTier
 
 CUDA = load_gpu_kernels_or_skip()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

@@ -16,7 +16,7 @@ from make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import BudgetError
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
-from tierflow.offload.device import DeviceTier
+from tierflow.offload.tiers.device import DeviceTier
 
 CUDA = load_gpu_kernels_or_skip()
 GPU = {} if CUDA else {"gpu_device": "interpret"}

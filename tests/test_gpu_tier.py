@@ -7,7 +7,7 @@ import torch
 
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError, UnsupportedModelError
-from tierflow.offload.device import DeviceTier
+from tierflow.offload.tiers.device import DeviceTier
 from tierflow.units import parse_size
 
 PROMPT = "The capital of France is"

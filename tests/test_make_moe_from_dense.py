@@ -11,7 +11,7 @@ from test_oracle import EXACT_TIE, LONG_TEXT, NEAR_TIE, assert_greedy_agrees, as
 
 from tierflow import Engine
 from tierflow.cpu_kernels.dequant import dequantize
-from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.gguf.reader import read_gguf
 
 NUM_EXPERTS, EXPERTS_USED, EXPERT_WIDTH = 8, 2, 1536 // 8
 

@@ -7,8 +7,8 @@ from make_model import ModelSpec, write_model
 
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError, PlanBudgetError
-from tierflow.offload.expert_scheduler import ExpertCosts, schedule_experts
-from tierflow.offload.routing_trace import check_trace
+from tierflow.offload.experts.hybrid import ExpertCosts, schedule_experts
+from tierflow.offload.experts.routing_trace import check_trace
 
 PROMPT = "The history of the printing press begins in"
 CONTEXT = 128

@@ -22,11 +22,11 @@ from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import pack
 from tierflow.cpu_kernels.quant_groups import to_quant_groups
 from tierflow.errors import TierflowError
-from tierflow.offload import packed_file
-from tierflow.offload.disk import ALIGNMENT, DiskFile, aligned_buffer
-from tierflow.offload.gguf_file import read_gguf
-from tierflow.offload.model_info import read_config
-from tierflow.offload.packed_file import (
+from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
+from tierflow.offload.pack import packed_file
+from tierflow.offload.pack.packed_file import (
     LAYER_LINEARS,
     TRAILER,
     PackedFile,

@@ -12,18 +12,18 @@ from typer.testing import CliRunner
 
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError
-from tierflow.offload import cost_model
-from tierflow.offload.extents import expert_extents, model_extents
-from tierflow.offload.gguf_file import read_gguf
-from tierflow.offload.model_info import read_config
-from tierflow.offload.packed_file import PackedFile, build_pack
-from tierflow.offload.planner import (
+from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.pack.extents import expert_extents, model_extents
+from tierflow.offload.pack.packed_file import PackedFile, build_pack
+from tierflow.offload.plan import cost_model
+from tierflow.offload.plan.planner import (
     MAX_PREFETCH_DEPTH,
     PlanBudgetError,
     kv_cache_bytes,
     make_plan,
 )
-from tierflow.offload.profile import GpuProfile, HardwareProfile, profile_path
+from tierflow.offload.plan.profile import GpuProfile, HardwareProfile, profile_path
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.units import format_size, parse_size
 
@@ -244,7 +244,7 @@ def test_rows_collapse_layers_placed_alike(deep):
 def fake_profile(monkeypatch, tmp_path):
     monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path))
     profile_path(2).write_text(PROFILE.to_json())
-    monkeypatch.setattr("tierflow.offload.probe.load_profile", lambda threads, **kwargs: PROFILE)
+    monkeypatch.setattr("tierflow.offload.plan.probe.load_profile", lambda threads, **kwargs: PROFILE)
 
 
 def test_plan_command_prints_the_groups_and_the_summary(deep_path, deep, fake_profile):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tierflow.errors import TierflowError
-from tierflow.offload import probe as probing
-from tierflow.offload.profile import PROFILE_VERSION, GpuProfile, HardwareProfile, profile_path
+from tierflow.offload.plan import probe as probing
+from tierflow.offload.plan.profile import PROFILE_VERSION, GpuProfile, HardwareProfile, profile_path
 
 TIERFLOW = [sys.executable, "-m", "tierflow.cli.app"]
 BITS = (1, 2, 3, 4, 8)

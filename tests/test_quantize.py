@@ -11,7 +11,7 @@ from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.quantize import TYPE_FOR_BITS, quantize
 from tierflow.errors import InvalidArgumentError
 from tierflow.ggml_types import QUANT_SIZES, TierflowType, type_name
-from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.gguf.reader import read_gguf
 
 Q4_1 = GGMLQuantizationType.Q4_1
 BITS = [4, 3, 2]

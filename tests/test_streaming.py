@@ -24,11 +24,11 @@ from model_spec import ModelSpec
 
 from tierflow import Engine
 from tierflow.errors import BudgetError, ModelFileError, TierflowError
-from tierflow.offload import disk as disk_module
-from tierflow.offload import streamer as streamer_module
-from tierflow.offload.disk import ALIGNMENT, DiskFile, aligned_buffer
-from tierflow.offload.packed_file import PackedFile, pack_path
-from tierflow.offload.profile import HardwareProfile, profile_path
+from tierflow.offload.io import disk as disk_module
+from tierflow.offload.io import streamer as streamer_module
+from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
+from tierflow.offload.pack.packed_file import PackedFile, pack_path
+from tierflow.offload.plan.profile import HardwareProfile, profile_path
 from tierflow.units import parse_size
 
 # 20 small layers beside a 6.7 MB globals extent. ffn 544 makes the smallest budget (globals and

@@ -47,9 +47,9 @@ from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, QuantGroups, stack_
 from tierflow.errors import ModelFileError, TierflowError
 from tierflow.gpu_kernels.matmul import DeviceLinear
 from tierflow.gpu_kernels.packed import view_matrix
-from tierflow.offload.disk import ALIGNMENT
-from tierflow.offload.gguf_file import GGUFFile
-from tierflow.offload.profile import cache_dir
+from tierflow.offload.gguf.reader import GGUFFile
+from tierflow.offload.io.disk import ALIGNMENT
+from tierflow.offload.plan.profile import cache_dir
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.model import (
     ConcatLinear,
@@ -114,7 +114,7 @@ class Extent:
 
 
 class PackedFile:
-    """A pack's manifest; the extents' bytes are read by the caller (see offload/disk.py)."""
+    """A pack's manifest; the extents' bytes are read by the caller (see offload/io/disk.py)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)

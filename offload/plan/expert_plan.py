@@ -7,10 +7,10 @@ three placements, chosen from the budgets alone:
 - all resident in RAM, when the model fits cpu_memory and there is no GPU budget;
 - home in RAM, with a cache of them in VRAM (gpu_memory), when there is a GPU budget: per layer
   step each active expert runs on the GPU when cached, else on the CPU or copied and cached,
-  whichever lets both devices finish soonest (offload/expert_scheduler.py); cpu_memory must then
+  whichever lets both devices finish soonest (offload/experts/hybrid.py); cpu_memory must then
   hold every expert;
 - home on disk (the pack), with a cache of them in the RAM the budget leaves, when the model does
-  not fit cpu_memory (offload/expert_store.py); that cache must hold one layer's experts, what one
+  not fit cpu_memory (offload/experts/store.py); that cache must hold one layer's experts, what one
   prefill step may use at once.
 
 Cost of a pass, per MoE layer, for `timings` (cost_model.py), k experts used of E per layer:
@@ -28,15 +28,15 @@ import math
 from dataclasses import dataclass
 
 from tierflow.errors import PlanBudgetError
-from tierflow.offload.cost_model import PLACEHOLDER_GPU_GBPS, Costs
-from tierflow.offload.expert_scheduler import ExpertCosts, schedule_experts
-from tierflow.offload.extents import ExtentSize
-from tierflow.offload.profile import HardwareProfile
+from tierflow.offload.experts.hybrid import ExpertCosts, schedule_experts
+from tierflow.offload.pack.extents import ExtentSize
+from tierflow.offload.plan.cost_model import PLACEHOLDER_GPU_GBPS, Costs
+from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.config import ModelConfig
 from tierflow.units import format_size, round_up_as_printed
 
 READ_AHEAD_SHARE = 0.5  # of the misses, those read a layer ahead (expert_stats' prediction precision)
-CACHE_POLICY = "score"  # offload/expert_policy.py: recency, frequency and the prediction
+CACHE_POLICY = "score"  # offload/experts/policy.py: recency, frequency and the prediction
 
 
 @dataclass(frozen=True)

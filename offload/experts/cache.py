@@ -1,7 +1,7 @@
 """The expert cache: the experts of a MoE model that a byte budget allows, on the fast tier.
 
 The unit is one expert, keyed by (layer_idx, expert_idx). The cache decides what stays (its policy,
-offload/expert_policy.py) and counts what happened (CacheStats); it never moves bytes itself:
+offload/experts/policy.py) and counts what happened (CacheStats); it never moves bytes itself:
 `fetch(key)` supplied by the caller returns the expert's payload, anything with an `nbytes` (a
 numpy array read from the pack, a tensor uploaded to the GPU, a handle on a copy in flight), so
 the same code serves the RAM tier (experts streamed from disk) and the GPU tier (experts copied
@@ -16,7 +16,7 @@ release() (as LayerStreamer's layers are): fetching one of them never evicts ano
 release() the caller keeps no reference to the payloads: an evicted one's memory is what
 discard() frees for the next fetch.
 
-A MoE layer step, with inter-layer prediction (offload/expert_prediction.py):
+A MoE layer step, with inter-layer prediction (offload/experts/prediction.py):
 
     cache.predict(layer_idx + 1, predicted_ids, confidences)  # early router / affinity, no bytes yet
     payloads = cache.get(layer_idx, expert_ids)               # demand: hits, or fetched now
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tierflow.errors import BudgetError
-from tierflow.offload.expert_policy import CachePolicy, ExpertKey, make_policy
+from tierflow.offload.experts.policy import CachePolicy, ExpertKey, make_policy
 from tierflow.units import format_size
 
 

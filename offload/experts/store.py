@@ -14,7 +14,7 @@ the room the budget leaves, holds those the policy keeps. A layer step:
 4. hands the experts to the decoder hits first, so the misses have the longest to arrive.
 
 A prefetched expert that the next layer does not use is dropped at once (its read cancelled if it
-has not started). Reads use O_DIRECT (offload/disk.py), so the page cache never holds experts and
+has not started). Reads use O_DIRECT (offload/io/disk.py), so the page cache never holds experts and
 the budget is what RAM holds; an expert's CRC-32 is checked the first time it is read. Each read
 fills a buffer from a BufferPool of the cache's budget, which a dropped expert gives back for the
 next read (mapping fresh memory for every read cost more than the reads themselves).
@@ -27,12 +27,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from tierflow.offload.buffer_pool import BufferPool
-from tierflow.offload.disk import DiskFile
-from tierflow.offload.expert_cache import CacheStats, ExpertCache
-from tierflow.offload.expert_policy import ExpertKey
-from tierflow.offload.expert_prediction import NextLayerPredictor
-from tierflow.offload.packed_file import PackedFile
+from tierflow.offload.experts.cache import CacheStats, ExpertCache
+from tierflow.offload.experts.policy import ExpertKey
+from tierflow.offload.experts.prediction import NextLayerPredictor
+from tierflow.offload.io.buffer_pool import BufferPool
+from tierflow.offload.io.disk import DiskFile
+from tierflow.offload.pack.packed_file import PackedFile
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.model import Activations, ExpertWeights
 

@@ -1,7 +1,7 @@
 """The sizes of a model's pack, computed from the GGUF header alone (no weight is read).
 
 The planner needs every layer's bytes before anything is packed; they follow from the shapes and
-types, laid out exactly as offload/packed_file.py's writer lays them out (arrays 64-byte aligned
+types, laid out exactly as offload/pack/packed_file.py's writer lays them out (arrays 64-byte aligned
 in the order it writes them, extents padded to 4 KiB). tests/test_planner.py checks the two
 against each other byte for byte.
 """
@@ -12,9 +12,9 @@ from gguf import GGMLQuantizationType
 
 from tierflow.cpu_kernels.packed import TILE_ROWS
 from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, group_layout
-from tierflow.offload.disk import ALIGNMENT
-from tierflow.offload.gguf_file import GGUFFile, TensorInfo
-from tierflow.offload.packed_file import ARRAY_ALIGNMENT, EXPERT_TENSORS, QK_NORMS, layer_linears
+from tierflow.offload.gguf.reader import GGUFFile, TensorInfo
+from tierflow.offload.io.disk import ALIGNMENT
+from tierflow.offload.pack.packed_file import ARRAY_ALIGNMENT, EXPERT_TENSORS, QK_NORMS, layer_linears
 from tierflow.runtime.config import ModelConfig
 
 

@@ -1,6 +1,6 @@
 """The hardware profile: the measured speeds the planner predicts with, cached between runs.
 
-`tierflow probe` measures it (offload/probe.py); the planner reads it. It lives in the user's
+`tierflow probe` measures it (offload/plan/probe.py); the planner reads it. It lives in the user's
 cache directory beside the packed model files (`cache_dir()`), as JSON, one file per thread count.
 """
 

@@ -18,12 +18,12 @@ import torch
 from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import PackedMatrix
 from tierflow.errors import UnsupportedModelError
-from tierflow.offload.device import DeviceTier
-from tierflow.offload.disk import DiskFile, aligned_buffer
-from tierflow.offload.expert_scheduler import ExpertCosts, HybridExperts
-from tierflow.offload.expert_store import ExpertStore
-from tierflow.offload.packed_file import Extent, LoadProgress, PackedFile
-from tierflow.offload.streamer import LayerStreamer
+from tierflow.offload.experts.hybrid import ExpertCosts, HybridExperts
+from tierflow.offload.experts.store import ExpertStore
+from tierflow.offload.io.disk import DiskFile, aligned_buffer
+from tierflow.offload.io.streamer import LayerStreamer
+from tierflow.offload.pack.packed_file import Extent, LoadProgress, PackedFile
+from tierflow.offload.tiers.device import DeviceTier
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.model import ConcatLinear, DenseLinear, ExpertWeights, Kernels, LayerWeights, Linear
 

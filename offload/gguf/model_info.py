@@ -5,10 +5,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierflow.errors import ModelFileError
-from tierflow.offload.extents import expert_extents, model_extents
-from tierflow.offload.gguf_file import GGUFFile, read_gguf
-from tierflow.offload.model_path import resolve_model_path
-from tierflow.offload.tensors import check_tensors
+from tierflow.offload.gguf.model_path import resolve_model_path
+from tierflow.offload.gguf.reader import GGUFFile, read_gguf
+from tierflow.offload.gguf.tensors import check_tensors
+from tierflow.offload.pack.extents import expert_extents, model_extents
 from tierflow.runtime.config import ModelConfig
 from tierflow.units import format_size
 

@@ -2,7 +2,7 @@
 
 A pass (a decode step, or a prefill chunk) is a chain of stages, one per layer and one for the
 output head, each with its compute time and, for streamed layers, its read time (formulas in
-offload/planner.py's docstring). `run_pipeline` steps through them as the runtime runs them:
+offload/plan/planner.py's docstring). `run_pipeline` steps through them as the runtime runs them:
 stages compute in order while one reader reads the streamed stages in order, each read waiting
 for a free ring slot (LayerStreamer's rule).
 """
@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tierflow.offload.extents import ExtentSize
-from tierflow.offload.profile import HardwareProfile
+from tierflow.offload.pack.extents import ExtentSize
+from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
 
@@ -21,7 +21,7 @@ GPU_TOKENS_PER_READ = 128  # prefill tokens a GPU serves per read of its weights
 _DECODE_PASSES, _STEADY_PASSES = 8, 4
 
 if TYPE_CHECKING:  # expert_plan builds on this module
-    from tierflow.offload.expert_plan import ExpertStages
+    from tierflow.offload.plan.expert_plan import ExpertStages
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES
 
-from tierflow.offload.gguf_file import MAGIC, GGUFFile
+from tierflow.offload.gguf.reader import MAGIC, GGUFFile
 
 
 def llama_can_parse(model: GGUFFile) -> bool:

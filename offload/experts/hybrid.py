@@ -9,7 +9,7 @@ whichever of the last two lets both devices finish the layer soonest: list sched
 cost model, the experts with most work first, each to the device where the layer's makespan grows
 least (a tie stays on the CPU: no copy, no eviction). The GPU's work starts first and runs
 asynchronously while the CPU computes its share; only activations cross, once each way. Copies go
-through the device tier (offload/device.py): staged in pinned memory, on its copy stream, each
+through the device tier (offload/tiers/device.py): staged in pinned memory, on its copy stream, each
 awaited by the compute stream only when its expert runs, so neither the host thread nor this
 layer's GPU work waits on the next layer's prefetch; the tier counts the cached bytes against
 gpu_memory.
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tierflow.offload.device import DeviceTier
-from tierflow.offload.expert_cache import CacheStats, ExpertCache
-from tierflow.offload.expert_policy import ExpertKey
-from tierflow.offload.expert_prediction import NextLayerPredictor
-from tierflow.offload.packed_file import PackedFile
+from tierflow.offload.experts.cache import CacheStats, ExpertCache
+from tierflow.offload.experts.policy import ExpertKey
+from tierflow.offload.experts.prediction import NextLayerPredictor
+from tierflow.offload.pack.packed_file import PackedFile
+from tierflow.offload.tiers.device import DeviceTier
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.model import Activations, ExpertWeights, Kernels
 

@@ -30,8 +30,8 @@ from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES, dequantize
 from tierflow.cpu_kernels.quantize import GROUP, METHODS, TYPE_FOR_BITS, quantize
 from tierflow.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError
 from tierflow.ggml_types import QUANT_SIZES, type_name
-from tierflow.offload.gguf_file import GGUFFile, TensorInfo, read_gguf
-from tierflow.offload.model_path import resolve_model_path
+from tierflow.offload.gguf.model_path import resolve_model_path
+from tierflow.offload.gguf.reader import GGUFFile, TensorInfo, read_gguf
 
 ConvertProgress = Callable[[str, int, int], None]  # ("convert", source bytes done, total)
 

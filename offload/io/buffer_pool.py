@@ -15,7 +15,7 @@ what take() waits for is a read the cache has already dropped and that is still 
 import mmap
 import threading
 
-from tierflow.offload.disk import aligned_buffer, aligned_size
+from tierflow.offload.io.disk import aligned_buffer, aligned_size
 
 
 class BufferPool:

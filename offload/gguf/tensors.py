@@ -2,7 +2,7 @@
 
 from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES
 from tierflow.errors import ModelFileError, UnsupportedModelError
-from tierflow.offload.gguf_file import GGUFFile
+from tierflow.offload.gguf.reader import GGUFFile
 from tierflow.runtime.config import ModelConfig
 
 

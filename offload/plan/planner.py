@@ -7,15 +7,15 @@ No weight is read. A Plan gives every tensor group (the embeddings, each layer's
 FFN, the output head) a home tier and a compute device, the prefetch depth, the KV cache's tier,
 peak memory per tier and the predicted prefill and decode tokens/s.
 
-Bytes. Weights are counted as the model's pack lays them out (offload/packed_file.py), which is
+Bytes. Weights are counted as the model's pack lays them out (offload/pack/packed_file.py), which is
 what TieredWeights holds and the streamer reads: one extent for the globals (embeddings, output
 norm and head, rope factors), one per layer (its norms and packed linears), arrays 64-byte aligned,
-extents padded to 4 KiB. `model_extents` (offload/extents.py) recomputes those sizes from shapes
+extents padded to 4 KiB. `model_extents` (offload/pack/extents.py) recomputes those sizes from shapes
 alone (int8 mins that turn out all zero make a pack smaller: an upper bound). A layer's
 attention and FFN share its extent, so they share a home; the groups split the extent after the
 attention output.
 
-A mixture-of-experts model places its experts instead of its layers (offload/expert_plan.py):
+A mixture-of-experts model places its experts instead of its layers (offload/plan/expert_plan.py):
 every layer stays in RAM, and each expert gets a home, RAM or disk, with an expert cache in VRAM
 or RAM; the plan's `experts` says which, and its groups list every expert.
 
@@ -60,14 +60,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from tierflow.errors import BudgetError, ContextLengthError, PlanBudgetError
-from tierflow.offload.cost_model import Costs, Layout, Timing, timings
-from tierflow.offload.expert_plan import ExpertPlacement, ExpertStages, place_experts
-from tierflow.offload.extents import ExtentSize, expert_extents, model_extents
-from tierflow.offload.gguf_file import GGUFFile, read_gguf
-from tierflow.offload.model_info import read_config
-from tierflow.offload.model_path import resolve_model_path
-from tierflow.offload.profile import HardwareProfile
-from tierflow.offload.tensors import check_tensors
+from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.model_path import resolve_model_path
+from tierflow.offload.gguf.reader import GGUFFile, read_gguf
+from tierflow.offload.gguf.tensors import check_tensors
+from tierflow.offload.pack.extents import ExtentSize, expert_extents, model_extents
+from tierflow.offload.plan.cost_model import Costs, Layout, Timing, timings
+from tierflow.offload.plan.expert_plan import ExpertPlacement, ExpertStages, place_experts
+from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
 from tierflow.units import format_size, parse_size, round_up_as_printed

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierflow.errors import ModelFileError
-from tierflow.offload.disk import DiskFile, aligned_buffer
-from tierflow.offload.packed_file import PackedFile
+from tierflow.offload.io.disk import DiskFile, aligned_buffer
+from tierflow.offload.pack.packed_file import PackedFile
 from tierflow.runtime.model import LayerWeights
 
 

@@ -42,8 +42,8 @@ import psutil
 
 from tierflow.cpu_kernels import matmul as kernels
 from tierflow.errors import InvalidArgumentError, TierflowError
-from tierflow.offload.disk import DiskFile, aligned_buffer
-from tierflow.offload.measure import (
+from tierflow.offload.io.disk import DiskFile, aligned_buffer
+from tierflow.offload.plan.measure import (
     ReadBandwidth,
     best_of_rounds,
     cold_ring,
@@ -51,7 +51,7 @@ from tierflow.offload.measure import (
     random_packed,
     seconds_per_call,
 )
-from tierflow.offload.profile import GpuProfile, HardwareProfile, cache_dir, profile_path
+from tierflow.offload.plan.profile import GpuProfile, HardwareProfile, cache_dir, profile_path
 
 Progress = Callable[[str], None]  # told what is being measured now
 

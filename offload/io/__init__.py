@@ -1,0 +1,1 @@
+"""tierflow.offload.io"""
