@@ -1,6 +1,6 @@
 """Prefill and decode tokens/s: tierflow against llama.cpp on the same GGUF file, in one run.
 
-    python benchmarks/decode.py [--model PATH] [--threads 2] [--prompt-tokens 512]
+    python -m benchmarks.decode [--model PATH] [--threads 2] [--prompt-tokens 512]
                                 [--decode-tokens 64] [--repeats 3] [--json]
 
 Both systems get the same prompt ids, the same thread count and the same number of decode steps

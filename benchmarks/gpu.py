@@ -1,7 +1,7 @@
 """GPU kernel GB/s against the card's memory bandwidth and against the torch references, in one run.
 
-    python benchmarks/gpu.py [--quick] [--json]     where CUDA and Triton are
-    python benchmarks/gpu.py --smoke                anywhere: tiny shapes in Triton's interpreter
+    python -m benchmarks.gpu [--quick] [--json]     where CUDA and Triton are
+    python -m benchmarks.gpu --smoke                anywhere: tiny shapes in Triton's interpreter
 
 Each fused kernel of tierflow.gpu_kernels runs at Llama-style shapes (hidden 4096, feed-forward
 11008, 32 query heads and 8 key/value heads of 128; --quick: a quarter of each) and is timed

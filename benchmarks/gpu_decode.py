@@ -3,13 +3,13 @@
 Three placements of the same GGUF file: fully on the GPU, half on it, and half on it with most of
 the rest streamed from disk.
 
-    python benchmarks/gpu_decode.py [--model PATH | --size 2GB] [--weight-type Q4_0] [--threads N]
+    python -m benchmarks.gpu_decode [--model PATH | --size 2GB] [--weight-type Q4_0] [--threads N]
                                     [--prompt-tokens 128] [--decode-tokens 64] [--repeats 3] [--json]
-    python benchmarks/gpu_decode.py --smoke     anywhere: a tiny model, once (Triton's interpreter
+    python -m benchmarks.gpu_decode --smoke     anywhere: a tiny model, once (Triton's interpreter
                                                 without CUDA); proves the script runs, not speed
 
 The model is --model, or a random-weight `llama` model of about --size written once by the
-project's generator (tests/make_model.py) into the cache directory. Each case loads both systems
+project's generator (tests/support/make_model.py) into the cache directory. Each case loads both systems
 afresh:
 - all on GPU: gpu_memory holds every layer and its share of the KV cache;
 - half on GPU: gpu_memory holds the first num_layers // 2 layers and their KV cache, the rest
@@ -48,6 +48,8 @@ import llama_cpp
 import psutil
 import torch
 
+from benchmarks.decode import build_prompt, measure, positive_int, summarize
+from benchmarks.streaming import model_file
 from tierflow import Engine
 from tierflow.gpu_kernels.launch import load_all_kernels
 from tierflow.offload.gguf.model_info import read_config
@@ -56,10 +58,6 @@ from tierflow.offload.pack.extents import model_extents
 from tierflow.offload.plan.planner import kv_cache_bytes
 from tierflow.offload.plan.profile import cache_dir
 from tierflow.units import parse_size
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import build_prompt, measure, positive_int, summarize  # noqa: E402
-from streaming import model_file  # noqa: E402
 
 SMOKE_PROMPT_TOKENS, SMOKE_DECODE_TOKENS = 8, 4
 
@@ -101,8 +99,7 @@ def read_sizes(path: Path, context_length: int) -> Sizes:
 def smoke_model() -> Path:
     """A tiny model, cached so that its pack is built once: 6 layers, so that 3 are left off the
     GPU and the planner can stream them (it never streams fewer than a two-slot ring plus one)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from make_model import ModelSpec, write_model
+    from tests.support.make_model import ModelSpec, write_model
 
     path = cache_dir() / "bench" / "llama-smoke-6x64-Q8_0.gguf"
     if not path.exists():

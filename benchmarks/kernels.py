@@ -1,6 +1,6 @@
 """Matrix-vector kernel GB/s per bit width, against the machine's read bandwidth and llama.cpp, in one run.
 
-    python benchmarks/kernels.py [--threads 2] [--repeats 5] [--quick] [--json]
+    python -m benchmarks.kernels [--threads 2] [--repeats 5] [--quick] [--json]
 
 For each bit width (1-4: the LUT kernel; 8: the int8 kernel) and each Llama-2-7B projection shape
 (N rows x K columns: 4096 x 4096 for q/k/v/o, 11008 x 4096 for gate/up, 4096 x 11008 for down),
@@ -123,14 +123,8 @@ FIRST_BYTE_TOKEN = 3  # <unk>, <s>, </s>, then <0x00> .. <0xFF>
 
 
 def _model_writers():
-    """make_model's building blocks: they live in tests/, importing each other as top-level modules."""
-    tests_dir = str(Path(__file__).resolve().parents[1] / "tests")
-    if tests_dir not in sys.path:
-        sys.path.insert(0, tests_dir)
-    import gguf_bytes
-    import gguf_writing
-    import model_spec
-    import random_weights
+    """make_model's building blocks (tests/support), imported when a baseline model is written."""
+    from tests.support import gguf_bytes, gguf_writing, model_spec, random_weights
 
     return gguf_bytes, gguf_writing, model_spec, random_weights
 

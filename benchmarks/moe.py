@@ -1,6 +1,6 @@
 """MoE expert cache, part (a): hit rate of each cache policy at several cache sizes, one run.
 
-    python benchmarks/moe.py [--trace PATH.npy ...] [--no-synthetic] [--sizes 0.1,0.2,0.3,0.4,0.5,0.6]
+    python -m benchmarks.moe [--trace PATH.npy ...] [--no-synthetic] [--sizes 0.1,0.2,0.3,0.4,0.5,0.6]
                              [--seeds 0,1] [--tokens 384] [--warmup 64] [--half-life 32] [--json]
 
 Each routing trace ([tokens, layers, top_k] expert ids, offload/experts/routing_trace.py) is replayed
@@ -23,7 +23,7 @@ token by token, through
 - SmolLM2 MoEfied: the bundled SmolLM2-135M with each layer's FFN split into 8 experts of
   neurons that fire together and a router fit to their activity, top-2 (tests/
   make_moe_from_dense.py): a real model's neurons on real text, the nearest to a real MoE here;
-- a random-weight Mixtral-style model (tests/make_model.py), whose routing follows its random
+- a random-weight Mixtral-style model (tests/support/make_model.py), whose routing follows its random
   routers: mostly the token's identity;
 both written once into the cache directory. Then SYNTHETIC ones (make_synthetic_trace, unless
 --no-synthetic): a Mixtral-like shape (32 layers, 8 experts, top-2) and an OLMoE-like one (16
@@ -44,22 +44,20 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from make_model import ModelSpec, write_model  # noqa: E402
-from make_moe_from_dense import write_moe_from_dense  # noqa: E402
-
-from tierflow import Engine  # noqa: E402
-from tierflow.offload.experts.cache import CacheStats, ExpertCache  # noqa: E402
-from tierflow.offload.experts.policy import ExpertKey, make_policy  # noqa: E402
-from tierflow.offload.experts.prediction import AffinityPredictor  # noqa: E402
-from tierflow.offload.experts.routing_trace import (  # noqa: E402
+from tests.support.make_model import ModelSpec, write_model
+from tests.support.make_moe_from_dense import write_moe_from_dense
+from tierflow import Engine
+from tierflow.offload.experts.cache import CacheStats, ExpertCache
+from tierflow.offload.experts.policy import ExpertKey, make_policy
+from tierflow.offload.experts.prediction import AffinityPredictor
+from tierflow.offload.experts.routing_trace import (
     SyntheticTraceSpec,
     check_trace,
     load_trace,
     make_synthetic_trace,
 )
-from tierflow.offload.gguf.model_path import bundled_model_path  # noqa: E402
-from tierflow.offload.plan.profile import cache_dir  # noqa: E402
+from tierflow.offload.gguf.model_path import bundled_model_path
+from tierflow.offload.plan.profile import cache_dir
 
 TEXT = Path(__file__).with_name("routing_text.txt")
 RANDOM_MIXTRAL = ModelSpec(num_layers=32, hidden_size=256, ffn_size=512, num_heads=4, num_kv_heads=2,

@@ -1,11 +1,11 @@
 """MoE expert cache, part (b): decode tokens/s with experts streamed from disk, in one run.
 
-    python benchmarks/moe_decode.py [--size 2GB] [--weight-type Q4_0] [--fraction 0.333]
+    python -m benchmarks.moe_decode [--size 2GB] [--weight-type Q4_0] [--fraction 0.333]
                                     [--prompt-tokens 64] [--decode-tokens 48] [--repeats 3]
                                     [--threads N] [--policy score|lru|lfu] [--no-prefetch] [--json]
 
 The model is a random-weight Mixtral-style `llama` of about --size with 8 experts per layer, top-2
-routing, written once by the project's generator (tests/make_model.py) into the cache directory.
+routing, written once by the project's generator (tests/support/make_model.py) into the cache directory.
 Three systems decode the same prompt ids greedily, loaded side by side:
 
 - tierflow, experts streamed: cpu_memory = everything but the experts (globals, attention,
@@ -37,13 +37,10 @@ import numpy as np
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from decode import Sample, build_prompt, run_llama_cpp, run_tierflow  # noqa: E402
-from make_model import spec_for_size, write_model  # noqa: E402
-from moe import belady_hit_rate  # noqa: E402
-
-from tierflow import Engine  # noqa: E402
+from benchmarks.decode import Sample, build_prompt, run_llama_cpp, run_tierflow
+from benchmarks.moe import belady_hit_rate
+from tests.support.make_model import spec_for_size, write_model
+from tierflow import Engine
 from tierflow.offload.experts.policy import make_policy  # noqa: E402
 from tierflow.offload.experts.store import READERS  # noqa: E402
 from tierflow.offload.io.disk import DiskFile, aligned_buffer  # noqa: E402

@@ -1,6 +1,6 @@
 """Quality of requantized models: how far their next-token distributions move from the original.
 
-    python benchmarks/quality.py [--model PATH] [--bits 4 3 2] [--methods rtn search]
+    python -m benchmarks.quality [--model PATH] [--bits 4 3 2] [--methods rtn search]
                                  [--threads 2] [--json]
 
 For each bit width and method the model is converted (`tierflow.offload.gguf.convert.convert_model`)

@@ -1,6 +1,6 @@
 """Time to first token and decode tokens/s through the local server, against in-process, in one run.
 
-    python benchmarks/serve.py [--model PATH] [--threads 2] [--max-tokens 64] [--repeats 3] [--json]
+    python -m benchmarks.serve [--model PATH] [--threads 2] [--max-tokens 64] [--repeats 3] [--json]
 
 In-process calls `engine.chat_stream` in this process; the server path sends the same greedy chat
 request with the official `openai` client (streaming) to `tierflow serve` started as a separate

@@ -1,6 +1,6 @@
 """Speculative decoding: greedy decode tokens/s with and without a draft, same prompts, one run.
 
-    python benchmarks/speculative.py [--threads 2] [--tokens 96] [--cases resident,streamed,f32]
+    python -m benchmarks.speculative [--threads 2] [--tokens 96] [--cases resident,streamed,f32]
 
 Three settings, each against the same target without a draft, in this run:
 - resident: the bundled SmolLM2-135M-Instruct (Q4_1) in RAM; drafts: prompt lookup ("ngram"),
@@ -9,7 +9,7 @@ Three settings, each against the same target without a draft, in this run:
   the layer bytes resident beside the embeddings), the draft resident beside it as extra memory
   (as a GPU-hosted draft's would be); also the target alone given that extra memory.
 - f32: a bigger target, the same model dequantized to F32 (515 MiB, written here once by
-  tests/make_model.py), streamed the same way, with the bundled Q4_1 model as its draft: the
+  tests/support/make_model.py), streamed the same way, with the bundled Q4_1 model as its draft: the
   low-bit self-draft of an offloaded model, SpecExec's setting.
 Every run's tokens are checked equal to the target's own. The figures are the median of
 --repeats runs after two warm-up generations (from which the tree sizing starts learning).

@@ -1,9 +1,9 @@
 """Layer streaming: decode speed under cpu_memory budgets against the disk-bound limit, in one run.
 
-    python benchmarks/streaming.py [--size 2GB] [--type Q4_0] [--model PATH] [--threads 2]
+    python -m benchmarks.streaming [--size 2GB] [--type Q4_0] [--model PATH] [--threads 2]
                                    [--tokens 24] [--fractions 0.25,0.5] [--json]
 
-A `llama` model of about --size, written once by the project's generator (tests/make_model.py)
+A `llama` model of about --size, written once by the project's generator (tests/support/make_model.py)
 into the cache directory, is loaded with --cpu-memory set to each fraction of its weight bytes, so
 that the rest streams from disk every token. For each budget the script reports:
 - decode tokens/s (greedy, after a short prompt);
@@ -42,8 +42,7 @@ PROMPT = "The history of the river valley is long, and the records that survive 
 
 
 def model_file(size: int, weight_type: str) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from make_model import spec_for_size, write_model
+    from tests.support.make_model import spec_for_size, write_model
 
     path = cache_dir() / "bench" / f"llama-{format_size(size).replace(' ', '')}-{weight_type}.gguf"
     if not path.exists():

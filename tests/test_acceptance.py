@@ -9,8 +9,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from make_model import ModelSpec, write_model
 
+from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.runtime.sampler import Sampler, SamplingParams
 from tierflow.speculative.acceptance import accept_tree

@@ -6,8 +6,8 @@ import threading
 import time
 
 import psutil
-from make_model import ModelSpec, write_model
 
+from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 
 GREEDY = dict(temperature=0)

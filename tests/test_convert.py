@@ -5,11 +5,10 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import llama_cpp_model
 from gguf import GGUFWriter, LlamaFileType
-from make_model import ModelSpec, write_model
-from test_oracle import LONG_TEXT, NEAR_TIE, assert_logits_agree, top2_margin
 
+from tests.support.make_model import ModelSpec, write_model
+from tests.support.oracle import LONG_TEXT, NEAR_TIE, assert_logits_agree, llama_cpp_model, top2_margin
 from tierflow import Engine
 from tierflow.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError
 from tierflow.offload.gguf.convert import QUANTIZATION_KEY, convert_model

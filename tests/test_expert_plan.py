@@ -4,10 +4,10 @@ engine places experts as the plan says, and `tierflow plan` shows it."""
 from dataclasses import replace
 
 import pytest
-from make_model import ModelSpec, write_model
-from test_planner import FAKE_GPU, PROFILE
 from typer.testing import CliRunner
 
+from tests.support.make_model import ModelSpec, write_model
+from tests.test_planner import FAKE_GPU, PROFILE
 from tierflow import Engine
 from tierflow.cli.app import app
 from tierflow.errors import PlanBudgetError

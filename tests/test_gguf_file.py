@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf_bytes import (
+
+from tests.support.gguf_bytes import (
     ARRAY,
     BOOL,
     FLOAT32,
@@ -26,7 +27,6 @@ from gguf_bytes import (
     tiny_kvs,
     tiny_tensors,
 )
-
 from tierflow.errors import ModelFileError
 from tierflow.offload.gguf.reader import MAX_ARRAY_DEPTH, GGUFFile, read_gguf
 

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import load_gpu_kernels_or_skip
-from test_packed import KINDS, kind_id, random_groups
 
+from tests.support.gpu import load_gpu_kernels_or_skip
+from tests.test_packed import KINDS, kind_id, random_groups
 from tierflow.cpu_kernels import ops as cpu_ops
 from tierflow.cpu_kernels.matmul import matmul as cpu_matmul
 from tierflow.cpu_kernels.packed import pack

@@ -10,9 +10,9 @@ gap between the CPU kernels' int8 activations and the GPU kernels' unquantized o
 import numpy as np
 import pytest
 import torch
-from conftest import load_gpu_kernels_or_skip
-from make_model import ModelSpec, write_model
 
+from tests.support.gpu import load_gpu_kernels_or_skip
+from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import BudgetError
 from tierflow.gpu_kernels.layer_kernels import TritonKernels

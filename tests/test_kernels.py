@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from test_packed import KINDS, kind_id, random_groups
 
+from tests.test_packed import KINDS, kind_id, random_groups
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.matmul import matmul

@@ -7,8 +7,9 @@ import gguf
 import llama_cpp
 import numpy as np
 import pytest
-from gguf_bytes import build_tiny_gguf
-from make_model import (
+
+from tests.support.gguf_bytes import build_tiny_gguf
+from tests.support.make_model import (
     ModelSpec,
     file_bytes,
     main,
@@ -16,7 +17,6 @@ from make_model import (
     write_f32_copy,
     write_model,
 )
-
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.gguf.reader import read_gguf

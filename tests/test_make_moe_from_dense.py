@@ -4,11 +4,18 @@ clear error."""
 
 import numpy as np
 import pytest
-from conftest import llama_cpp_model
-from make_model import ModelSpec, write_f32_copy, write_model
-from make_moe_from_dense import CALIBRATION_TEXT, main, write_moe_from_dense
-from test_oracle import EXACT_TIE, LONG_TEXT, NEAR_TIE, assert_greedy_agrees, assert_logits_agree, top2_margin
 
+from tests.support.make_model import ModelSpec, write_f32_copy, write_model
+from tests.support.make_moe_from_dense import CALIBRATION_TEXT, main, write_moe_from_dense
+from tests.support.oracle import (
+    EXACT_TIE,
+    LONG_TEXT,
+    NEAR_TIE,
+    assert_greedy_agrees,
+    assert_logits_agree,
+    llama_cpp_model,
+    top2_margin,
+)
 from tierflow import Engine
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.offload.gguf.reader import read_gguf

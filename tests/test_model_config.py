@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-from gguf_bytes import TensorSpec, build_gguf, build_tiny_gguf, tiny_kvs, tiny_tensors
 
+from tests.support.gguf_bytes import TensorSpec, build_gguf, build_tiny_gguf, tiny_kvs, tiny_tensors
 from tierflow import Engine
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.runtime.config import ModelConfig

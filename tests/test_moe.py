@@ -3,8 +3,8 @@ through the expert cache when cpu_memory cannot hold them (llama.cpp as the orac
 
 import numpy as np
 import pytest
-from make_model import ModelSpec, write_model
 
+from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError, PlanBudgetError
 from tierflow.offload.experts.hybrid import ExpertCosts, schedule_experts
@@ -201,8 +201,6 @@ def test_an_expert_with_many_tokens_is_copied_to_the_gpu_first():
 
 
 def test_more_experts_used_than_exist_is_a_model_file_error(tmp_path):
-    from gguf_writing import encoded_kvs  # noqa: F401 (the writer's own module: same file layout)
-
     path = write_model(tmp_path / "m.gguf", ModelSpec(num_experts=4, experts_used=2))
     data = path.read_bytes()
     key = b"llama.expert_used_count"

@@ -1,6 +1,6 @@
 """The packed model file: built once, reused, rebuilt when stale or damaged, 4 KiB-aligned, atomic.
 
-Models are small random GGUFs made in tmp_path (tests/make_model.py); packs go to the test run's
+Models are small random GGUFs made in tmp_path (tests/support/make_model.py); packs go to the test run's
 own cache folder (conftest.py sets TIERFLOW_CACHE), keyed by the model's path.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from make_model import write_model
-from model_spec import ModelSpec
 
+from tests.support.make_model import write_model
+from tests.support.model_spec import ModelSpec
 from tierflow import Engine
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.linear import PackedLinear

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import psutil
 import pytest
-from make_model import ModelSpec, write_model
 from typer.testing import CliRunner
 
+from tests.support.make_model import ModelSpec, write_model
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError
 from tierflow.offload.gguf.model_info import read_config

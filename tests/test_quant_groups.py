@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from test_dequant import assert_bit_exact, random_tensor
 
+from tests.test_dequant import assert_bit_exact, random_tensor
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, QuantGroups, to_quant_groups
 from tierflow.errors import ModelFileError, UnsupportedModelError

@@ -1,6 +1,6 @@
 """Streaming layers from the pack under a cpu_memory budget: exact results, budgets kept, faults named.
 
-Models are random GGUFs made here (tests/make_model.py). Budgets are computed from the pack:
+Models are random GGUFs made here (tests/support/make_model.py). Budgets are computed from the pack:
 the globals extent, the layers to keep resident, and a ring of 3 slots (prefetch depth 2) of the
 largest layer, so a test says about how much streams rather than guessing sizes (the planner picks
 the depth, 1 to 4, so the count streamed may differ by a layer or two). A fixed hardware profile
@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from make_model import write_model
-from model_spec import ModelSpec
 
+from tests.support.make_model import write_model
+from tests.support.model_spec import ModelSpec
 from tierflow import Engine
 from tierflow.errors import BudgetError, ModelFileError, TierflowError
 from tierflow.offload.io import disk as disk_module

@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
-from gguf_bytes import (
+
+from tests.support.gguf_bytes import (
     ARRAY,
     BOOL,
     FLOAT32,

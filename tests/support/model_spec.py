@@ -32,8 +32,9 @@ from typing import NamedTuple
 import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
-from gguf_bytes import FLOAT32, STRING, UINT32, Typed
-from gguf_writing import TensorEntry
+
+from tests.support.gguf_bytes import FLOAT32, STRING, UINT32, Typed
+from tests.support.gguf_writing import TensorEntry
 
 Q = GGMLQuantizationType
 FILE_TYPES = {  # weight type name -> general.file_type

@@ -45,7 +45,7 @@ through real weights, but a deep layer's inputs are those of a broken model.
 
     write_moe_from_dense(bundled_model_path(), tmp_path / "moe.gguf", num_experts=8, experts_used=2)
 
-    python tests/make_moe_from_dense.py OUT.gguf [--experts 8] [--experts-used 2] [--balance 1]
+    python -m tests.support.make_moe_from_dense OUT.gguf [--experts 8] [--experts-used 2] [--balance 1]
                                                  [--source SRC] [--calibration TEXT_FILE]
 
 About 16 s for SmolLM2 on one core.
@@ -67,10 +67,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
-from gguf_bytes import STRING, UINT32, Typed, pack_kv
-from gguf_writing import TensorEntry, encoded_kvs, write_gguf
-from model_spec import MAX_EXPERTS
 
+from tests.support.gguf_bytes import STRING, UINT32, Typed, pack_kv
+from tests.support.gguf_writing import TensorEntry, encoded_kvs, write_gguf
+from tests.support.model_spec import MAX_EXPERTS
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.reference import apply_rope, rms_norm_reference
 from tierflow.errors import TierflowError

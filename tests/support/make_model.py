@@ -19,11 +19,11 @@ that dequantizes the original's weights.
     write_model("moe.gguf", spec_for_size(2 * 10**9, num_experts=8, experts_used=2))
     write_f32_copy(bundled_model_path(), tmp_path / "smollm2-f32.gguf")
 
-    python tests/make_model.py OUT.gguf --arch qwen2 --layers 4 --hidden 256
-    python tests/make_model.py OUT.gguf --size 2GB
-    python tests/make_model.py OUT.gguf --arch qwen2moe --experts 8 --expert-ffn 64
-    python tests/make_model.py OUT.gguf --size 2GB --experts 8 --experts-used 2
-    python tests/make_model.py OUT.gguf --f32-copy-of SRC.gguf
+    python -m tests.support.make_model OUT.gguf --arch qwen2 --layers 4 --hidden 256
+    python -m tests.support.make_model OUT.gguf --size 2GB
+    python -m tests.support.make_model OUT.gguf --arch qwen2moe --experts 8 --expert-ffn 64
+    python -m tests.support.make_model OUT.gguf --size 2GB --experts 8 --experts-used 2
+    python -m tests.support.make_model OUT.gguf --f32-copy-of SRC.gguf
 
 Files are written tensor by tensor: peak memory is a few times the largest tensor (the
 embedding, or a layer's stack of experts), never the whole model; a 2 GB Q8_0 model takes
@@ -43,11 +43,11 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
-from gguf_bytes import UINT32, Typed, pack_kv
-from gguf_writing import TensorEntry, encoded_kvs, file_size, write_gguf
-from model_spec import ARCHS, FILE_TYPES, ModelSpec, architecture_metadata, tensor_plan
-from random_weights import random_tensor_bytes
 
+from tests.support.gguf_bytes import UINT32, Typed, pack_kv
+from tests.support.gguf_writing import TensorEntry, encoded_kvs, file_size, write_gguf
+from tests.support.model_spec import ARCHS, FILE_TYPES, ModelSpec, architecture_metadata, tensor_plan
+from tests.support.random_weights import random_tensor_bytes
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.errors import TierflowError
 from tierflow.offload.gguf.model_path import bundled_model_path

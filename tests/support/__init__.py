@@ -1,0 +1,1 @@
+"""What the tests and benchmarks share: GGUF writers, the model generator, llama.cpp as the oracle."""
