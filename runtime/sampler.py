@@ -66,15 +66,18 @@ def as_count(name: str, value: object, must: str = "a non-negative integer") -> 
 
 
 def _real(name: str, value: object, accepts: Callable[[float], bool], must: str) -> float:
-    number = float("nan")
-    if isinstance(value, Real) and not isinstance(value, bool):
-        try:
-            number = float(value)
-        except OverflowError:  # an int past float's range
-            pass
-    if not math.isfinite(number) or not accepts(number):
+    if not _is_finite_number(value) or not accepts(float(value)):
         raise InvalidArgumentError(f"{name} must be {must}, got {value!r}")
-    return number
+    return float(value)
+
+
+def _is_finite_number(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 class Sampler:
