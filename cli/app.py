@@ -1,5 +1,6 @@
 """The `tierflow` command: thin wrappers that parse arguments and call the Python API."""
 
+import io
 import json
 import sys
 import warnings
@@ -126,6 +127,10 @@ def chat(model: ModelOpt = None,
 
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        # Input that is not UTF-8 reaches the engine, which names the problem, whatever the locale
+        # (a strict one would make input() raise UnicodeDecodeError), as argv does.
+        sys.stdin.reconfigure(errors="surrogateescape")
     engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
     ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out).run()
 

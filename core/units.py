@@ -1,6 +1,8 @@
-"""Byte sizes as users write them ("512MB", "4GiB", 1 << 30)."""
+"""Byte sizes as users write them ("512MB", "4GiB", "2.5e9", 1 << 30)."""
 
 import re
+from decimal import ROUND_FLOOR, Context, Decimal
+from numbers import Integral
 
 from tierflow.errors import BudgetError
 
@@ -11,22 +13,44 @@ _UNITS = {
     "G": 1000**3, "GB": 1000**3, "GIB": 1 << 30,
     "T": 1000**4, "TB": 1000**4, "TIB": 1 << 40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+# A decimal number (digits may be grouped with underscores, as in Python), an optional exponent, a unit.
+_SIZE = re.compile(r"^\s*([+-]?)(\d(?:_?\d)*(?:\.\d(?:_?\d)*)?(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
+MAX_SIZE = 1 << 63  # sizes from here up are no machine's memory, and overflow the int64s they meet
+_ROUND_DOWN = Context(rounding=ROUND_FLOOR)  # a product rounded down keeps its whole bytes exact
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string such as "512MB", "4GiB", "1.5G" (K/M/G/T are decimal)."""
-    if isinstance(size, bool):
-        raise BudgetError(f"memory size must be bytes or a string like '4GiB', not {size!r}")
-    if isinstance(size, int):
-        if size < 0:
-            raise BudgetError(f"memory size must not be negative, got {size}")
-        return size
+    """Bytes from an int or a string such as "512MB", "4GiB", "1.5G", "2.5e9", "1_000_000" (K/M/G/T
+    are decimal, KiB/MiB/GiB/TiB binary; a fraction of a byte is dropped)."""
+    if isinstance(size, Integral) and not isinstance(size, bool):
+        return _checked(int(size), size)
     if isinstance(size, str):
         match = _SIZE.match(size)
-        if match and match.group(2).upper() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+        if match and match.group(3).upper() in _UNITS:
+            sign, number, unit = match.groups()
+            return _checked(_scaled(Decimal(sign + number.replace("_", "")), _UNITS[unit.upper()], size),
+                            size)
     raise BudgetError(f"cannot read memory size {size!r}: write bytes or a size like '512MB', '4GiB'")
+
+
+def _scaled(value: Decimal, unit: int, size: str) -> int:
+    """The whole bytes of value * unit. The exponent is looked at first, so that '1e999999999'
+    is refused without the arithmetic."""
+    if value.adjusted() > 20:
+        raise _too_large(size)
+    return int(_ROUND_DOWN.multiply(value, unit))
+
+
+def _checked(num_bytes: int, size: int | str) -> int:
+    if num_bytes < 0:
+        raise BudgetError(f"memory size must not be negative, got {size!r}")
+    if num_bytes >= MAX_SIZE:
+        raise _too_large(size)
+    return num_bytes
+
+
+def _too_large(size: int | str) -> BudgetError:
+    return BudgetError(f"memory size {size!r} is absurdly large (2**63 bytes or more)")
 
 
 def format_size(num_bytes: int) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,7 @@ from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder, Kernels
-from tierflow.runtime.sampler import Sampler, SamplingParams
+from tierflow.runtime.sampler import Sampler, SamplingParams, as_count
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
@@ -61,6 +62,8 @@ from tierflow.speculative.placement import LoadedDraft, load_draft
 from tierflow.speculative.sizing import TreeBudget
 from tierflow.speculative.speculator import Speculator
 from tierflow.units import format_size, parse_size
+
+TOKEN_IDS = "token ids (a sequence of ints, or a 1-D integer array)"
 
 
 class Engine:
@@ -165,8 +168,10 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
                  stop: Sequence[str] | str | None = None, **sampling) -> GenerationResult:
-        """Completes a prompt (text, or token ids). Sampling keywords: temperature, top_k, top_p,
-        min_p, repeat_penalty, repeat_last_n, seed (see SamplingParams)."""
+        """Completes a prompt: text, or token ids (a sequence of ints or a 1-D integer numpy array).
+        Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed
+        (see SamplingParams). An empty prompt is refused, unless the model starts every text with
+        BOS: then "" is just BOS, as in llama.cpp. A bad argument is an InvalidArgumentError."""
         stream = self.stream(prompt, max_tokens=max_tokens, stop=stop, **sampling)
         for _ in stream:
             pass
@@ -176,7 +181,14 @@ class Engine:
                stop: Sequence[str] | str | None = None, **sampling) -> Stream:
         """Like generate, as a Stream of text pieces (whole UTF-8 characters); its .result is
         set once iterated to the end, and .cancel() stops it."""
-        return self._stream(self._prompt_ids(prompt), max_tokens, stop, sampling)
+        self._check_open()
+        sampler = Sampler(SamplingParams.from_keywords(sampling))
+        max_tokens, stops = as_count("max_tokens", max_tokens), _stop_strings(stop)
+        prompt_ids = self._prompt_ids(prompt)
+        self._check_fits(len(prompt_ids), 1)
+        # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
+        max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
+        return Stream(self, prompt_ids, sampler, max_tokens, TextStream(stops))
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """Generates the assistant's reply to messages, using the model's chat template."""
@@ -213,21 +225,26 @@ class Engine:
     # -- tokens and scores -----------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        return self.tokenizer.encode(text, add_bos=add_bos)
+        """Token ids of text; add_bos None follows the model (see Tokenizer.encode)."""
+        self._check_open()
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise InvalidArgumentError(f"add_bos must be True, False or None, got {add_bos!r}")
+        return self._encode(text, "text", add_bos)
 
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         """The prompt ids chat() generates from: messages through the model's chat template."""
         self._check_open()
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_bos=None)
+        return self._encode(text, "the chat prompt", None)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
+        self._check_open()
+        return self.tokenizer.decode(self._check_ids(ids, "ids"))
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] float32: the model's next-token scores at every position."""
         self._check_open()
-        ids = self._check_ids(ids)
+        ids = self._check_ids(ids, "ids")
         if not ids:
             raise InvalidArgumentError("logits() needs at least one token id")
         self._check_fits(len(ids), 0)
@@ -266,11 +283,13 @@ class Engine:
 
     def close(self) -> None:
         """Stops the running generation, then releases the weights, the KV cache and the tokenizer;
-        later calls raise TierflowError. (Not from inside the iteration of the engine's own stream:
-        that stream holds the lock close waits for.)"""
+        later calls raise TierflowError, but closing again does nothing. (Not from inside the
+        iteration of the engine's own stream: that stream holds the lock close waits for.)"""
         self.cancel()
         self._compute.shutdown(wait=True, cancel_futures=True)
         with self._lock:
+            if self._generator is None:  # closed already
+                return
             self.tokenizer.close()
             self.weights.close()
             if self.draft is not None:
@@ -292,27 +311,26 @@ class Engine:
         kernels.set_threads(self.threads)
         torch.set_num_threads(1 if self.weights.uses_kernels else self.threads)
 
-    def _stream(self, prompt_ids: list[int], max_tokens: int, stop, sampling: dict) -> Stream:
-        self._check_open()
-        if max_tokens < 0:
-            raise InvalidArgumentError(f"max_tokens must be >= 0, got {max_tokens}")
-        self._check_fits(len(prompt_ids), 1)
-        stops = [stop] if isinstance(stop, str) else list(stop or ())
-        sampler = Sampler(SamplingParams(**sampling))
-        # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
-        max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
-        return Stream(self, prompt_ids, sampler, max_tokens, TextStream(stops))
-
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        ids = self._check_ids(prompt)
+            ids = self._encode(prompt, "prompt", None)
+        else:
+            ids = self._check_ids(prompt, "prompt", f"text (a str) or {TOKEN_IDS}")
         if not ids:
-            raise InvalidArgumentError("the prompt has no tokens")
+            raise InvalidArgumentError("the prompt is empty: there is no token to generate from")
         return ids
 
-    def _check_ids(self, ids: Sequence[int]) -> list[int]:
-        ids = [int(i) for i in ids]
+    def _encode(self, text: str, name: str, add_bos: bool | None) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"{name} must be a str, not {type(text).__name__}")
+        try:
+            return self.tokenizer.encode(text, add_bos=add_bos)
+        except UnicodeEncodeError as error:  # a lone surrogate, as from undecodable bytes
+            raise InvalidArgumentError(f"{name} cannot be encoded as UTF-8: {error.reason} "
+                                       f"({error.object[error.start:error.end]!r})") from error
+
+    def _check_ids(self, ids: Sequence[int], name: str, must: str = TOKEN_IDS) -> list[int]:
+        ids = _token_ids(ids, name, must)
         bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
         if bad:
             raise InvalidArgumentError(
@@ -330,6 +348,31 @@ class Engine:
                 f"the prompt has {num_prompt_tokens} tokens but the context holds "
                 f"{self.context_length}" + (" (one more is needed to generate)" if room else "")
             )
+
+
+def _token_ids(ids: object, name: str, must: str) -> list[int]:
+    """ids as a list of Python ints. Integers only (numpy's too): text, bytes, floats and bools are
+    refused, not read as ids."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidArgumentError(f"{name} must be {must}, not a {ids.ndim}-D {ids.dtype} array")
+        return ids.tolist()
+    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes, bytearray)):
+        raise InvalidArgumentError(f"{name} must be {must}, not {type(ids).__name__}")
+    for position, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, Integral):
+            raise InvalidArgumentError(f"{name} must be {must}: {name}[{position}] is {token!r}")
+    return [int(token) for token in ids]
+
+
+def _stop_strings(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise InvalidArgumentError(f"stop must be a str or a sequence of str, got {stop!r}")
 
 
 MAX_GUESSES = 16  # prompt lookup's guesses per pass: 16 tokens cost about what 1 does here

@@ -4,36 +4,80 @@ The filters run in llama.cpp's default order (penalty, top-k, top-p, min-p, then
 the untempered distribution, so the same settings select the same candidate set as llama.cpp.
 """
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import difflib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from numbers import Integral, Real
 
 import numpy as np
 
-from tierflow.errors import InvalidArgumentError
+from tierflow.errors import InvalidArgumentError, ModelFileError
+
+# The real-valued settings: what a value must satisfy, and how to say so. Each must also be a
+# finite number (numpy's included; a bool is not a number here).
+_REAL_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "temperature": (lambda t: t >= 0, "a finite number >= 0 (0 is greedy)"),
+    "top_p": (lambda p: 0 < p <= 1, "a number in (0, 1]"),
+    "min_p": (lambda p: 0 <= p <= 1, "a number in [0, 1]"),
+    "repeat_penalty": (lambda r: r > 0, "a finite number > 0"),
+}
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Validated on construction; numpy scalars become Python numbers."""
+
     temperature: float = 0.8  # 0 means greedy
     top_k: int = 40  # 0 disables
     top_p: float = 0.95  # 1 disables
     min_p: float = 0.05  # 0 disables
     repeat_penalty: float = 1.0  # 1 disables
     repeat_last_n: int = 64
-    seed: int | None = None
+    seed: int | None = None  # None: a fresh random seed
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
-            (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise InvalidArgumentError(message)
+        for name, (accepts, must) in _REAL_RULES.items():
+            object.__setattr__(self, name, _real(name, getattr(self, name), accepts, must))
+        for name in ("top_k", "repeat_last_n"):
+            object.__setattr__(self, name, as_count(name, getattr(self, name)))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", as_count("seed", self.seed, "a non-negative integer or None"))
+
+    @classmethod
+    def from_keywords(cls, settings: Mapping[str, object]) -> "SamplingParams":
+        """SamplingParams(**settings), where a misspelt name is an InvalidArgumentError naming it
+        (not a TypeError from the constructor)."""
+        names = [field.name for field in fields(cls)]
+        for name in settings:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise InvalidArgumentError(f"unknown sampling keyword {name!r}{hint}: the sampling "
+                                           f"keywords are {', '.join(names)}")
+        return cls(**settings)
+
+
+def as_count(name: str, value: object, must: str = "a non-negative integer") -> int:
+    """value as an int, if it is an integer >= 0 (numpy's too; not a bool, not a float)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+        raise InvalidArgumentError(f"{name} must be {must}, got {value!r}")
+    return int(value)
+
+
+def _real(name: str, value: object, accepts: Callable[[float], bool], must: str) -> float:
+    if not _is_finite_number(value) or not accepts(float(value)):
+        raise InvalidArgumentError(f"{name} must be {must}, got {value!r}")
+    return float(value)
+
+
+def _is_finite_number(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 class Sampler:
@@ -67,7 +111,7 @@ class Sampler:
         if p.min_p > 0:
             keep = min(keep, int(np.count_nonzero(probs >= p.min_p * probs[0])))
         candidates = candidates[: max(keep, 1)]
-        return candidates, softmax(logits[candidates] / p.temperature)
+        return candidates, tempered_softmax(logits[candidates], p.temperature)
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
         """The same distribution as a dense vector [V] (float64)."""
@@ -77,6 +121,11 @@ class Sampler:
         return dense
 
     def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """The logits as float64, with the repetition penalty applied. Every token is picked from
+        these, so this is where a broken model is caught (not in numpy's draw)."""
+        if not np.isfinite(logits).all():
+            raise ModelFileError("the model produced non-finite logits (NaN or infinity): its weights "
+                                 "may be damaged")
         p = self.params
         logits = logits.astype(np.float64, copy=True)
         if p.repeat_penalty != 1.0 and p.repeat_last_n and len(history):
@@ -105,6 +154,14 @@ def nucleus_size(sorted_probs: np.ndarray, top_p: float) -> int:
     if top_p >= 1.0:
         return sorted_probs.shape[0]
     return int(np.searchsorted(np.cumsum(sorted_probs), top_p) + 1)
+
+
+def tempered_softmax(sorted_logits: np.ndarray, temperature: float) -> np.ndarray:
+    """softmax(logits / temperature) of logits sorted in descending order, for any temperature > 0.
+    They are shifted to the best first, so that a tiny temperature gives the best token(s) all the
+    mass (llama.cpp's limit) instead of inf - inf."""
+    with np.errstate(over="ignore"):  # a gap over a tiny temperature is -inf: probability 0
+        return softmax((sorted_logits - sorted_logits[0]) / temperature)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The `tierflow` command, run as a user runs it: a subprocess of the installed console script."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 TIERFLOW = [sys.executable, "-m", "tierflow.cli.app"]
 
 
-def tierflow(*args: str, input: str | None = None, timeout: float = 120):
+def tierflow(*args: str | bytes, input: str | None = None, timeout: float = 120):
     return subprocess.run([*TIERFLOW, *args], input=input, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -73,6 +74,10 @@ def test_ctrl_c_stops_the_answer_but_not_the_chat():
         (["info", "/no/such/model.gguf"], "not found"),
         (["run", "hi", "--draft", "/no/such/draft.gguf"], "not found"),
         (["run", "hi", "--draft", "ngram", "--draft-shape", "bush"], "draft_shape"),
+        (["run", ""], "the prompt is empty"),
+        (["run", b"caf\xe9"], "cannot be encoded as UTF-8"),  # not UTF-8: a lone surrogate in argv
+        (["run", "hi", "--seed", "-1"], "seed"),
+        (["bench", "--prompt", "", "-n", "2", "-r", "1"], "the prompt is empty"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_code_2(args, message):
@@ -80,6 +85,20 @@ def test_bad_input_is_one_line_on_stderr_and_exit_code_2(args, message):
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_chat_input_that_is_not_utf8_is_one_line_on_stderr_and_exit_code_2():
+    strict = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}  # as a UTF-8 locale decodes stdin
+    done = subprocess.run([*TIERFLOW, "chat", "-n", "4"], input=b"caf\xe9\n/exit\n", capture_output=True,
+                          timeout=120, env=strict)
+    stderr = done.stderr.decode(errors="replace")
+    assert done.returncode == 2 and "UTF-8" in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def test_cpu_memory_in_scientific_notation_is_read():
+    done = tierflow("run", "hi", "-n", "2", "--json", "--cpu-memory", "1e9")
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_file_that_is_not_gguf_is_exit_code_2(tmp_path):

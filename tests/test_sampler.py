@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from tierflow.errors import InvalidArgumentError
+from tierflow.errors import InvalidArgumentError, ModelFileError
 from tierflow.runtime.sampler import Sampler, SamplingParams
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, -1.0], dtype=np.float32)
@@ -56,3 +56,51 @@ def test_sampled_frequencies_follow_the_tempered_distribution():
 def test_out_of_range_settings_are_rejected(bad):
     with pytest.raises(InvalidArgumentError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-30])
+def test_a_tiny_temperature_gives_the_top_token_all_the_mass(temperature):
+    assert draws(SamplingParams(temperature=temperature, top_k=0, top_p=1, min_p=0), n=50) == {1}
+
+
+def test_a_tiny_temperature_shares_the_mass_between_tied_top_tokens():
+    tied = np.array([3.0, 1.0, 3.0], dtype=np.float32)
+    params = SamplingParams(temperature=1e-320, top_k=0, top_p=1, min_p=0)
+    assert np.array_equal(Sampler(params).distribution(tied), [0.5, 0.0, 0.5])
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_logits_are_a_model_file_error(temperature, bad):
+    logits = LOGITS.copy()
+    logits[3] = bad
+    with pytest.raises(ModelFileError, match="non-finite logits.*damaged"):
+        Sampler(SamplingParams(temperature=temperature)).sample(logits)
+
+
+@pytest.mark.parametrize(
+    "name, bad",
+    [("temperature", "0.5"), ("temperature", None), ("temperature", True), ("temperature", float("nan")),
+     ("temperature", float("inf")), pytest.param("temperature", 10**400, id="temperature-past-float"),
+     ("top_p", float("nan")), ("top_p", "0.9"), ("min_p", float("nan")), ("repeat_penalty", float("inf")),
+     ("repeat_penalty", float("nan")), ("top_k", 1.5), ("top_k", 2.0), ("top_k", "3"), ("top_k", True),
+     ("repeat_last_n", 8.0), ("seed", "abc"), ("seed", 1.5), ("seed", -1), ("seed", False)],
+)
+def test_non_numbers_and_non_finite_settings_are_rejected_by_name(name, bad):
+    with pytest.raises(InvalidArgumentError, match=f"^{name} must be"):
+        SamplingParams(**{name: bad})
+
+
+@pytest.mark.parametrize(
+    "name, value, expected",
+    [("temperature", np.float32(0.5), 0.5), ("temperature", 1, 1.0), ("top_p", np.float64(0.5), 0.5),
+     ("top_k", np.int64(5), 5), ("repeat_last_n", np.uint8(3), 3), ("seed", np.int32(7), 7)],
+)
+def test_numpy_and_integer_settings_become_python_numbers(name, value, expected):
+    setting = getattr(SamplingParams(**{name: value}), name)
+    assert setting == expected and type(setting) is type(expected)
+
+
+def test_an_unknown_sampling_keyword_is_named_with_the_likely_one():
+    with pytest.raises(InvalidArgumentError, match="unknown sampling keyword 'temprature'.*'temperature'"):
+        SamplingParams.from_keywords({"temprature": 1})
