@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf_writing import encoded_kvs
-from make_model import ModelSpec, write_model
 
+from tests.support.gguf_writing import encoded_kvs
+from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import (
     BudgetError,
@@ -20,7 +20,7 @@ from tierflow.errors import (
     ModelFileError,
     TierflowError,
 )
-from tierflow.offload.gguf_file import read_gguf
+from tierflow.offload.gguf.reader import read_gguf
 
 GREEDY = dict(temperature=0)
 IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
