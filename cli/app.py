@@ -222,7 +222,7 @@ def _sampling(**settings) -> dict:
 def info(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
          model_opt: ModelOpt = None) -> None:
     """Show a model's architecture, sizes, tensor types and bytes per tier (loads no weights)."""
-    from tierflow.offload.gguf.model_info import describe_model
+    from tierflow.runtime.model_info import describe_model
 
     summary = describe_model(model or model_opt)
     table = Table(title=str(summary.path), show_header=False)
@@ -245,23 +245,14 @@ def plan(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (defaul
          as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False) -> None:
     """Show where each layer would live and compute, the memory it takes and the predicted
     tokens/s, before anything loads (reads the header and the cached hardware profile)."""
-    from tierflow.offload.plan.planner import plan_model
-    from tierflow.offload.plan.probe import load_profile
     from tierflow.offload.plan.profile import profile_path
+    from tierflow.runtime.loader import plan_file, thread_count
 
-    if threads is None:
-        from tierflow.runtime.engine import _thread_count
-
-        threads = _thread_count(None)
-
-    def profile():
-        if not profile_path(threads).exists():
-            err.print("measuring this machine once for the planner (tierflow probe), about 20 s",
-                      soft_wrap=True)
-        return load_profile(threads)
-
-    result = plan_model(model or model_opt, profile, gpu_memory=gpu_memory, cpu_memory=cpu_memory,
-                        context_length=ctx, prompt_tokens=prompt_tokens)
+    threads = thread_count(threads)
+    if not profile_path(threads).exists():
+        err.print("measuring this machine once for the planner (tierflow probe), about 20 s", soft_wrap=True)
+    result = plan_file(model or model_opt, threads=threads, gpu_memory=gpu_memory, cpu_memory=cpu_memory,
+                       context_length=ctx, prompt_tokens=prompt_tokens)
     if as_json:
         print(json.dumps(result.as_dict()))
         return
@@ -285,11 +276,9 @@ def probe(threads: ThreadsOpt = None,
     Measured once (about 20 s) and cached; --refresh measures again."""
     from tierflow.offload.plan.probe import ProbeWarning, load_profile
     from tierflow.offload.plan.profile import profile_path
+    from tierflow.runtime.loader import thread_count
 
-    if threads is None:
-        from tierflow.runtime.engine import _thread_count
-
-        threads = _thread_count(None)
+    threads = thread_count(threads)
     with warnings.catch_warnings(record=True) as caught, _status("measuring") as progress:
         warnings.simplefilter("always", ProbeWarning)
         profile = load_profile(threads, refresh=refresh, progress=progress)
@@ -320,7 +309,8 @@ def _print_profile(profile) -> None:
     table.add_row("disk read", f"{gbps(profile.disk_read_gbps)} "
                   f"({'O_DIRECT' if profile.disk_direct_io else 'buffered, page cache dropped'})")
     table.add_row("RAM read", gbps(profile.ram_read_gbps))
-    table.add_row("decode overhead", f"{profile.layer_overhead_s * 1e6:.1f} µs per layer per token")
+    for shape, seconds in sorted(profile.overhead_by_shape.items()):
+        table.add_row("decode overhead", f"{seconds * 1e6:.1f} µs per layer per token ({shape})")
     gpu = profile.gpu
     table.add_row("GPU", "none" if gpu is None else
                   f"{gpu.name}, {format_size(gpu.memory_bytes)}, host to device {gbps(gpu.h2d_gbps)}")

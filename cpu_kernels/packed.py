@@ -120,8 +120,9 @@ def _tiled_params(values: np.ndarray, tiles: int) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(tiles, TILE_ROWS, -1).transpose(0, 2, 1))
 
 
-def pack(groups: QuantGroups) -> PackedMatrix:
-    """Lays out codes, scales and mins for the kernels."""
+def pack(groups: QuantGroups, with_mins: bool | None = None) -> PackedMatrix:
+    """Lays out codes, scales and mins for the kernels. int8 codes keep their mins when with_mins,
+    or when None, when any is nonzero (LUT codes always keep them: their offsets centre them)."""
     rows, cols = groups.q.shape
     tiles = -(-rows // TILE_ROWS)
     if groups.bits == 8:
@@ -130,7 +131,10 @@ def pack(groups: QuantGroups) -> PackedMatrix:
         q = np.zeros((tiles * TILE_ROWS, cols), np.int8)
         q[:rows] = groups.q
         data = q.reshape(tiles, TILE_ROWS, cols // 4, 4).transpose(0, 2, 1, 3)
-        has_mins = bool(np.any(groups.min != 0))
+        nonzero = bool(np.any(groups.min != 0))
+        if with_mins is False and nonzero:
+            raise ValueError("int8 codes with nonzero mins cannot be packed without them")
+        has_mins = nonzero if with_mins is None else with_mins
     elif groups.bits in LUT_BITS:
         if groups.group % 8 or groups.group > LUT_MAX_GROUP[groups.bits]:
             raise ValueError(f"{groups.bits}-bit codes need a group that is a multiple of 8 and at most "

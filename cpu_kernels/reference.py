@@ -94,8 +94,8 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """Rotates the first rope_dim features of every head.
 
-    x [H, T, D]; cos, sin [T, R/2] with R = rope_dim <= D. "normal" rotates adjacent pairs
-    (llama), "neox" rotates the halves of the rotary part (qwen2).
+    x [H, T, D]; cos, sin [T, R/2] with R = rope_dim <= D. "normal" rotates adjacent pairs,
+    "neox" the two halves of the rotary part (each family's file says which it uses).
     """
     rope_dim = cos.shape[-1] * 2
     rotary, rest = x[..., :rope_dim], x[..., rope_dim:]

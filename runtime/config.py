@@ -1,25 +1,29 @@
-"""ModelConfig: the architecture hyper-parameters, read from a GGUF file's metadata."""
+"""ModelConfig, the hyper-parameters every decoder shares, and `Metadata`, typed reads of a GGUF
+file's metadata.
 
+Which keys a family reads, and what it makes of them, is the family's business (its file in
+`runtime/models/`); this module knows no architecture. Metadata comes from a file tierflow treats
+as hostile: every read checks the value's type and range, so a wrong one is a `ModelFileError`
+naming the key, never a TypeError from deep inside.
+"""
+
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tierflow.errors import ModelFileError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "olmoe")
-
-# How each architecture pairs the rotary dimensions (llama.cpp's rope types): "normal" rotates
-# adjacent pairs (x0, x1), "neox" rotates the two halves (x_i, x_{i+d/2}).
-ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen2moe": "neox", "olmoe": "neox"}
-QKV_BIAS = ("qwen2", "qwen2moe")  # attn_q/k/v carry biases
-QK_NORM = ("olmoe",)  # RMSNorm of the whole query and key projections before rotary
-MOE_ARCHITECTURES = ("qwen2moe", "olmoe")  # always MoE; a llama with expert_count is Mixtral-style
+MAX_DIMENSION = 1 << 24  # no real model has a width, head count or layer count near this
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary scaling as GGUF describes it: none, linear (position interpolation) or YaRN.
 
-    Llama-3-style per-frequency factors come as the tensor `rope_freqs.weight`, not as metadata.
+    Per-frequency factors, where a family has them, come as the tensor `rope_freqs.weight`.
     """
 
     kind: str = "none"  # "none" | "linear" | "yarn"
@@ -31,8 +35,8 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.kind not in ("none", "linear", "yarn"):
             raise UnsupportedModelError(f"rope scaling type {self.kind!r} is not supported")
-        if self.factor <= 0:
-            raise ModelFileError(f"rope scaling factor must be positive, got {self.factor}")
+        if not math.isfinite(self.factor) or self.factor <= 0:
+            raise ModelFileError(f"rope scaling factor must be a positive number, got {self.factor}")
 
 
 @dataclass(frozen=True)
@@ -52,17 +56,13 @@ class ModelConfig:
     rope_dim: int
     rope_scaling: RopeScaling
     tied_embeddings: bool
+    rope_style: str = "normal"  # "normal": adjacent pairs (x0, x1) rotate; "neox": the two halves
     num_experts: int = 0  # 0: a dense FFN in every layer
     experts_used: int = 0  # experts each token is routed to
     expert_ffn_size: int = 0
-    shared_expert_ffn_size: int = 0  # qwen2moe's shared expert, gated per token; 0: none
+    shared_expert_ffn_size: int = 0  # an expert every token uses beside the routed ones; 0: none
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"architecture {self.arch!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
         positive = ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
                     "head_dim", "vocab_size", "context_length")
         for field in positive:
@@ -72,10 +72,14 @@ class ModelConfig:
             raise ModelFileError(
                 f"head count {self.num_heads} is not a multiple of KV head count {self.num_kv_heads}"
             )
-        if self.rope_dim > self.head_dim or self.rope_dim % 2:
+        if self.rope_dim > self.head_dim or self.rope_dim % 2 or self.rope_dim <= 0:
             raise ModelFileError(f"rope dimension {self.rope_dim} does not fit head size {self.head_dim}")
-        if self.arch in MOE_ARCHITECTURES and not self.num_experts:
-            raise ModelFileError(f"a {self.arch} model needs '{self.arch}.expert_count'")
+        if self.rope_style not in ("normal", "neox"):
+            raise ModelFileError(f"rope style must be 'normal' or 'neox', not {self.rope_style!r}")
+        if not math.isfinite(self.rope_theta) or self.rope_theta <= 1:
+            raise ModelFileError(f"rope frequency base must be a number above 1, got {self.rope_theta}")
+        if not math.isfinite(self.rms_norm_eps) or not 0 < self.rms_norm_eps < 1:
+            raise ModelFileError(f"RMS norm epsilon must be in (0, 1), got {self.rms_norm_eps}")
         if self.num_experts and not 1 <= self.experts_used <= self.num_experts:
             raise ModelFileError(f"expert_used_count must be 1..{self.num_experts} (the expert count), "
                                  f"got {self.experts_used}")
@@ -83,90 +87,74 @@ class ModelConfig:
             raise ModelFileError(f"expert feed-forward size must be positive, got {self.expert_ffn_size}")
 
     @property
-    def rope_style(self) -> str:
-        return ROPE_STYLE[self.arch]
-
-    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    @property
-    def qkv_bias(self) -> bool:
-        return self.arch in QKV_BIAS
 
-    @property
-    def qk_norm(self) -> bool:
-        return self.arch in QK_NORM
+class Metadata:
+    """Typed reads of one architecture's keys (`{arch}.{key}`) and of `general.*`.
 
-    @property
-    def renormalize_expert_weights(self) -> bool:
-        """Whether the routed experts' softmax weights are rescaled to sum to 1 (Mixtral does;
-        qwen2moe and OLMoE use them as they are, as llama.cpp does)."""
-        return self.arch == "llama"
+    A required key that is missing, or any key whose value has the wrong type or lies outside
+    its range, is a ModelFileError naming the key.
+    """
 
-    @classmethod
-    def from_metadata(cls, metadata: dict[str, Any], vocab_size: int, tied: bool) -> "ModelConfig":
-        """Builds the config; a missing required key is a ModelFileError naming the key."""
-        arch = metadata.get("general.architecture")
-        if not isinstance(arch, str):
-            raise ModelFileError("missing required metadata 'general.architecture'")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+    def __init__(self, metadata: Mapping[str, Any], arch: str):
+        self.metadata, self.arch = metadata, arch
 
-        def required(key: str) -> Any:
-            value = metadata.get(f"{arch}.{key}")
-            if value is None:
-                raise ModelFileError(f"missing required metadata '{arch}.{key}'")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ModelFileError(f"metadata '{arch}.{key}' must be a number, got {value!r}")
-            return value
+    def count(self, key: str, default: int | None = None, *, minimum: int = 1,
+              maximum: int = MAX_DIMENSION) -> int:
+        """An integer in [minimum, maximum] (sizes, counts, lengths)."""
+        name, value = self._get(key, default)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ModelFileError(f"metadata '{name}' must be an integer, got {_shown(value)}")
+        if not minimum <= value <= maximum:
+            raise ModelFileError(f"metadata '{name}' must be in {minimum}..{maximum}, got {value}")
+        return int(value)
 
-        def optional(key: str, default: Any) -> Any:
-            value = metadata.get(f"{arch}.{key}", default)
-            return default if value is None else value
+    def number(self, key: str, default: float | None = None) -> float:
+        """A finite number."""
+        name, value = self._get(key, default)
+        numeric = (int, float, np.integer, np.floating)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numeric):
+            raise ModelFileError(f"metadata '{name}' must be a number, got {_shown(value)}")
+        if not math.isfinite(value):
+            raise ModelFileError(f"metadata '{name}' must be finite, got {value}")
+        return float(value)
 
-        hidden = int(required("embedding_length"))
-        num_heads = int(required("attention.head_count"))
-        head_dim = int(optional("attention.key_length", hidden // max(num_heads, 1)))
-        ffn_size = int(required("feed_forward_length"))
-        num_experts = int(optional("expert_count", 0))
-        return cls(
-            arch=arch,
-            name=str(metadata.get("general.name", arch)),
-            num_layers=int(required("block_count")),
-            hidden_size=hidden,
-            ffn_size=ffn_size,
-            num_heads=num_heads,
-            num_kv_heads=int(optional("attention.head_count_kv", num_heads)),
-            head_dim=head_dim,
-            vocab_size=vocab_size,
-            context_length=int(required("context_length")),
-            rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(optional("rope.freq_base", 10000.0)),
-            rope_dim=int(optional("rope.dimension_count", head_dim)),
-            rope_scaling=_rope_scaling(metadata, arch),
-            tied_embeddings=tied,
-            num_experts=num_experts,
-            experts_used=int(required("expert_used_count")) if num_experts else 0,
-            expert_ffn_size=int(optional("expert_feed_forward_length", ffn_size)) if num_experts else 0,
-            shared_expert_ffn_size=int(optional("expert_shared_feed_forward_length", 0)),
-        )
+    def text(self, key: str, default: str | None = None, *, general: bool = False) -> str:
+        name, value = self._get(key, default, general)
+        if not isinstance(value, str):
+            raise ModelFileError(f"metadata '{name}' must be a string, got {_shown(value)}")
+        return value
+
+    def has(self, key: str) -> bool:
+        return f"{self.arch}.{key}" in self.metadata
+
+    def _get(self, key: str, default: Any, general: bool = False) -> tuple[str, Any]:
+        name = key if general else f"{self.arch}.{key}"
+        value = self.metadata.get(name)
+        if value is None:
+            if default is None:
+                raise ModelFileError(f"missing required metadata '{name}'")
+            return name, default
+        return name, value
 
 
-def _rope_scaling(metadata: dict[str, Any], arch: str) -> RopeScaling:
-    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-    if kind == "none" and f"{arch}.rope.scale_linear" in metadata:  # older GGUF spelling
-        kind, factor = "linear", float(metadata[f"{arch}.rope.scale_linear"])
+def _shown(value: Any) -> str:
+    if isinstance(value, (list, np.ndarray)):
+        return f"an array of {len(value)} values"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def rope_scaling(meta: Metadata) -> RopeScaling:
+    """The rotary scaling the metadata describes (the older `rope.scale_linear` spelling too)."""
+    kind = meta.text("rope.scaling.type", "none")
+    factor = meta.number("rope.scaling.factor", 1.0)
+    if kind == "none" and meta.has("rope.scale_linear"):
+        kind, factor = "linear", meta.number("rope.scale_linear")
     if kind == "none" or factor == 1.0 and kind == "linear":
         return RopeScaling()
-    return RopeScaling(
-        kind=str(kind),
-        factor=factor,
-        original_context_length=int(
-            metadata.get(f"{arch}.rope.scaling.original_context_length", 0) or 0
-        ),
-    )
+    return RopeScaling(kind=kind, factor=factor,
+                       original_context_length=meta.count("rope.scaling.original_context_length", 0,
+                                                          minimum=0, maximum=1 << 40))

@@ -11,57 +11,37 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from numbers import Integral
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 
 from tierflow.cpu_kernels import matmul as kernels
-from tierflow.errors import (
-    BudgetError,
-    ContextLengthError,
-    InvalidArgumentError,
-    ModelFileError,
-    TierflowError,
-)
-from tierflow.gpu_kernels.launch import load_all_kernels
-from tierflow.gpu_kernels.layer_kernels import TritonKernels
+from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentError, TierflowError
 from tierflow.offload.experts.cache import CacheStats
 from tierflow.offload.experts.routing_trace import RoutingRecorder
-from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
-from tierflow.offload.gguf.reader import read_gguf
-from tierflow.offload.gguf.tensors import check_tensors
-from tierflow.offload.gguf.vocab_file import llama_vocab_file
-from tierflow.offload.pack.extents import expert_extents, model_extents
-from tierflow.offload.pack.packed_file import open_pack
-from tierflow.offload.plan.planner import (
-    DEFAULT_CONTEXT_CAP,
-    Plan,
-    default_cpu_budget,
-    kv_cache_bytes,
-    make_plan,
+from tierflow.offload.pack.writer import LoadProgress
+from tierflow.runtime.loader import (
+    LoadedModel,
+    context_length_for,
+    gpu_tier,
+    load_model,
+    load_tokenizer,
+    resolve_budgets,
+    thread_count,
 )
-from tierflow.offload.plan.probe import load_profile
-from tierflow.offload.plan.profile import GpuProfile, HardwareProfile
-from tierflow.offload.tiers.device import DeviceTier
-from tierflow.offload.tiers.tiered import LoadProgress, TieredWeights
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.generation import TokenGenerator
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder, Kernels
 from tierflow.runtime.sampler import Sampler, SamplingParams, as_count
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
 from tierflow.speculative.drafts import ModelDraft, NgramDraft
-from tierflow.speculative.placement import LoadedDraft, load_draft
+from tierflow.speculative.placement import load_draft
 from tierflow.speculative.sizing import TreeBudget
 from tierflow.speculative.speculator import Speculator
-from tierflow.units import format_size, parse_size
+from tierflow.units import format_size
 
 TOKEN_IDS = "token ids (a sequence of ints, or a 1-D integer array)"
 
@@ -73,19 +53,18 @@ class Engine:
     never shared by two generations.
     """
 
-    def __init__(self, path: Path, config: ModelConfig, weights: TieredWeights,
-                 tokenizer: Tokenizer, context_length: int, threads: int,
-                 speculator: Speculator | None = None, draft: LoadedDraft | None = None):
-        self.path = path
-        self.config = config
-        self.weights = weights
+    def __init__(self, model: LoadedModel, tokenizer: Tokenizer, threads: int,
+                 speculator: Speculator | None = None, draft: LoadedModel | None = None):
+        self.path: Path = model.path
+        self.arch, self.config = model.arch, model.config  # the family (runtime/models/), its sizes
+        self.plan = model.plan  # where every layer (and expert) lives and computes
+        self.weights = model.weights
         self.tokenizer = tokenizer
-        self.context_length = context_length
+        self.context_length = model.context_length
         self.threads = threads
         self.speculator = speculator  # None: one token per pass
-        self.draft = draft  # a draft model's weights and cache, when the speculator runs one
-        self._generator = TokenGenerator(Decoder(config, weights, context_length),
-                                         KVCache(config, context_length, weights.allocate_cache))
+        self.draft = draft  # a draft model's weights, when the speculator runs one
+        self._generator = model.generator
         self._lock = threading.Lock()  # held by the one generation that runs
         self._active: Stream | None = None  # that generation
         # Async generations run here, one at a time, like the lock runs them (see streams.py).
@@ -118,51 +97,39 @@ class Engine:
         (and prompt lookup guesses up to 16, fewer while they miss).
         """
         path = resolve_model_path(model)
-        threads = _thread_count(threads)
-        cpu_budget = parse_size(cpu_memory) if cpu_memory is not None else None
-        gpu = _gpu_tier(gpu_memory, gpu_device)
-        gpu_budget = gpu.budget
+        threads = thread_count(threads)
+        gpu = gpu_tier(gpu_memory, gpu_device)
         if draft_shape not in ("tree", "chain"):
             raise InvalidArgumentError(f"draft_shape must be 'tree' or 'chain', not {draft_shape!r}")
         if draft_tokens is not None and (isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int)
                                          or not 1 <= draft_tokens <= MAX_TREE):
             raise InvalidArgumentError(f"draft_tokens must be an integer from 1 to {MAX_TREE}, "
                                        f"got {draft_tokens!r}")
-        with read_gguf(path) as gguf:  # validated before llama.cpp sees the file
-            config = read_config(gguf)
-            context_length = _context_length(context_length, config)
-            check_tensors(gguf, config)
-            with llama_vocab_file(gguf) as vocab_path:
-                tokenizer = Tokenizer.from_gguf(vocab_path)
-            loaded = None
+        with open_model_file(path) as target:  # validated before llama.cpp sees the file
+            context_length = context_length_for(context_length, target.config)
+            budgets = resolve_budgets(target, cpu_memory, gpu.budget, context_length)
+            tokenizer = load_tokenizer(target)
+            drafted = None
             try:
-                if tokenizer.vocab_size > config.vocab_size:
-                    raise ModelFileError(
-                        f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens but the "
-                        f"embedding only {config.vocab_size} rows"
-                    )
                 if draft not in (None, "ngram"):
-                    loaded = load_draft(draft, gguf, config.vocab_size, context_length, cpu_budget,
-                                        gpu_budget, gpu.device, gpu.kernels, progress)
-                    held = loaded.bytes_by_tier()
-                    cpu_budget = None if cpu_budget is None else cpu_budget - held["cpu"]
-                    gpu_budget -= held["gpu"]
+                    drafted = load_draft(draft, target, budgets, gpu, progress)
+                    budgets = budgets.less(drafted.bytes_by_tier())
                 try:
-                    weights = _load_weights(gguf, config, cpu_budget, replace(gpu, budget=gpu_budget),
-                                            threads, context_length, progress)
+                    loaded = load_model(target, budgets, gpu, threads, progress)
                 except BudgetError as error:
-                    if loaded is None:
+                    if drafted is None:
                         raise
+                    held = drafted.bytes_by_tier()
                     raise BudgetError(f"{error} (what is left after the draft model, placed first, took "
                                       f"{format_size(held['cpu'])} of RAM and {format_size(held['gpu'])} "
                                       f"of GPU memory)") from error
             except BaseException:
                 tokenizer.close()
-                if loaded is not None:
-                    loaded.close()
+                if drafted is not None:
+                    drafted.close()
                 raise
-        return cls(path, config, weights, tokenizer, context_length, threads,
-                   _speculator(draft, draft_shape, draft_tokens, loaded, config.vocab_size), loaded)
+        speculator = _speculator(draft, draft_shape, draft_tokens, drafted, target.config.vocab_size)
+        return cls(loaded, tokenizer, threads, speculator, drafted)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -380,7 +347,7 @@ MAX_TREE = 64  # a draft model's tree; TreeBudget finds the size that pays on th
 MAX_CHAIN = 16
 
 
-def _speculator(draft, shape: str, tokens: int | None, loaded: LoadedDraft | None,
+def _speculator(draft, shape: str, tokens: int | None, loaded: LoadedModel | None,
                 vocab_size: int) -> Speculator | None:
     if draft is None:
         return None
@@ -391,114 +358,3 @@ def _speculator(draft, shape: str, tokens: int | None, loaded: LoadedDraft | Non
     budget = TreeBudget(tokens or (MAX_CHAIN if chain else MAX_TREE), start=4 if chain else 8,
                         fixed=tokens is not None)
     return Speculator(ModelDraft(loaded.generator, max_width=1 if chain else 4), budget)
-
-
-@dataclass(frozen=True)
-class GpuTier:
-    """Where layers placed on the GPU tier live and what computes them."""
-
-    budget: int  # gpu_memory in bytes; 0: no GPU tier
-    device: torch.device
-    kernels: Kernels | None  # None: the CPU kernels (the CPU standing in for a GPU)
-
-
-GPU_DEVICES = ("cpu", "interpret")
-
-
-def _gpu_tier(gpu_memory: int | str | None, gpu_device: str | None) -> GpuTier:
-    budget = parse_size(gpu_memory) if gpu_memory is not None else 0
-    if gpu_device not in (None, *GPU_DEVICES):
-        raise InvalidArgumentError(f"gpu_device must be 'cpu' or 'interpret' (the CPU standing in for a GPU, "
-                                   f"for testing) or left out, not {gpu_device!r}")
-    if gpu_device == "cpu" or budget == 0:
-        return GpuTier(budget, torch.device("cpu"), None)
-    if gpu_device == "interpret":
-        try:
-            load_all_kernels(interpret=True)
-        except RuntimeError as error:  # Triton was imported without its interpreter
-            raise InvalidArgumentError(f"gpu_device='interpret': {error}; set TRITON_INTERPRET=1 "
-                                       f"first") from error
-        return GpuTier(budget, torch.device("cpu"), TritonKernels(torch.device("cpu")))
-    if not torch.cuda.is_available():
-        raise BudgetError("gpu_memory was given but no CUDA GPU is available; omit it or use 0")
-    load_all_kernels()  # a TritonUnavailableError that says how to get Triton, before any load
-    device = torch.device("cuda", torch.cuda.current_device())
-    return GpuTier(budget, device, TritonKernels(device))
-
-
-def _load_weights(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTier, threads: int,
-                  context_length: int, progress) -> TieredWeights:
-    """The model's pack (built on first use) placed as planned. A pack found damaged while
-    loading is rebuilt once."""
-    plan = _plan(gguf, config, cpu_budget, gpu, threads, context_length, progress)
-    experts = plan.experts if plan is not None else None
-    expert_cache = gpu_experts = None
-    if experts is not None and experts.cache == "cpu":  # home on disk, a cache in RAM
-        expert_cache = config, experts.cache_bytes
-    elif experts is not None and experts.cache == "gpu":  # home in RAM, a cache in VRAM
-        gpu_experts = config, experts.cache_bytes, experts.scheduler
-
-    def place(packed):
-        device = DeviceTier(gpu.device, gpu.budget) if gpu.budget else None
-        if plan is None:
-            return TieredWeights(packed, (), 0, progress)
-        return TieredWeights(packed, plan.streamed_layers, plan.prefetch_depth, progress, plan.gpu_layers,
-                             device, gpu.kernels, expert_cache, gpu_experts)
-
-    packed = open_pack(gguf, config, progress)
-    try:
-        return place(packed)
-    except ModelFileError:
-        packed.path.unlink(missing_ok=True)
-        return place(open_pack(gguf, config, progress))
-
-
-def _plan(gguf, config: ModelConfig, cpu_budget: int | None, gpu: GpuTier, threads: int,
-          context_length: int, progress) -> Plan | None:
-    """None when there is no GPU budget and the whole model fits cpu_memory (default: available
-    RAM less a margin): everything stays in RAM, and the machine need not be measured. Otherwise
-    the planner's plan, with this machine's measured profile (probed once and cached)."""
-    globals_, layers = model_extents(gguf, config)
-    experts = expert_extents(gguf, config)
-    budget = cpu_budget
-    if budget is None:
-        budget = default_cpu_budget(kv_cache_bytes(config, context_length))
-    whole = sum(x.nbytes for x in [globals_, *layers, *(x for layer in experts for x in layer)])
-    if not gpu.budget and whole <= budget:
-        return None
-    return make_plan(gguf, config, _profile(gpu, threads, progress), gpu_budget=gpu.budget, cpu_budget=budget,
-                     context_length=context_length)
-
-
-def _profile(gpu: GpuTier, threads: int, progress) -> HardwareProfile:
-    """This machine's measured profile (probed once and cached); the CPU standing in for a GPU
-    gets the CPU's own speeds as the GPU's."""
-    def measuring(step: str) -> None:  # a first streamed load on a machine probes it (~20 s)
-        if progress is not None:
-            progress(f"measuring this machine for the planner ({step})", 0, 0)
-
-    profile = load_profile(threads, progress=measuring)
-    if gpu.budget and gpu.device.type == "cpu":
-        profile = replace(profile, gpu=GpuProfile("the CPU standing in for a GPU", gpu.budget,
-                                                  profile.ram_read_gbps, dict(profile.kernel_gbps)))
-    return profile
-
-
-def _thread_count(threads: int | None) -> int:
-    if threads is None:
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
-    return threads
-
-
-def _context_length(requested: int | None, config: ModelConfig) -> int:
-    if requested is None:
-        return min(config.context_length, DEFAULT_CONTEXT_CAP)
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise InvalidArgumentError(f"context_length must be a positive integer, got {requested!r}")
-    if requested > config.context_length:
-        raise ContextLengthError(
-            f"context_length {requested} exceeds the model's {config.context_length}"
-        )
-    return requested

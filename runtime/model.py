@@ -1,7 +1,9 @@
-"""The decoder: one definition of the Llama-family transformer (llama, qwen2), with no placement.
+"""The decoder loop, the weights it computes with and the kernels that compute them: no placement.
 
-Weights come from a `WeightSource`, asked for one layer at a time, so that where the bytes live
-(resident, streamed, on the GPU) is the source's business and never a branch in here. Each layer
+Each family's block (runtime/models/) says how one layer computes; this loop runs the embeddings,
+the blocks and the head. Weights come from a `WeightSource`, asked for one layer at a time, so
+that where the bytes live (resident, streamed, on the GPU) is the source's business and never a
+branch in here. Each layer
 comes with the `Kernels` that compute it (the CPU kernels, or the GPU kernels for a layer on the
 GPU tier): the hidden state moves to a layer's device as it enters it, and only it crosses.
 
@@ -86,56 +88,41 @@ class ConcatLinear:
         self.nbytes = sum(part.nbytes for part in parts)
 
     def __call__(self, x: Activations) -> Activations:
-        return _concat([part(x) for part in self.parts])
+        return concat([part(x) for part in self.parts])
 
 
-@dataclass(frozen=True)
-class ExpertWeights:
-    """One expert of a MoE layer: a SwiGLU FFN, computed by `kernels` on its weights' device."""
+class Weights:
+    """One layer's (or one expert's) weights, named as its family's tensor map names its fields
+    (`w.qkv`, `w.attn_norm`, ...), with the kernels of the device they live on; a MoE layer's
+    `experts` hands over its experts wherever they live."""
 
-    gate_up: Linear  # [E] -> [2*F]
-    down: Linear  # [F] -> [E]
-    kernels: Kernels = CPU_KERNELS
+    def __init__(self, fields: dict[str, "Linear | Activations"], kernels: "Kernels | None" = None,
+                 experts: "Experts | None" = None):
+        self.fields = fields
+        self.kernels = CPU_KERNELS if kernels is None else kernels
+        self.experts = experts
+
+    def __getattr__(self, name: str):
+        try:
+            return self.__dict__["fields"][name]
+        except KeyError:
+            raise AttributeError(f"these weights have no field {name!r}") from None
 
 
 class Experts(Protocol):
     """A MoE layer's experts, wherever they live (resident, cached, streamed: the source's business)."""
 
-    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, ExpertWeights]]:
+    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, Weights]]:
         """Each expert in chosen (int64 [T, k]: every token's top-k) once, with its weights, in an
         order the source picks (those at hand first, say); residual [T, E] is the stream entering
         the FFN: with chosen, a hint of what the next layers will route to."""
         ...
 
 
-@dataclass(frozen=True)
-class MoEWeights:
-    router: Linear  # [E] -> [num_experts] logits
-    experts: Experts
-    shared: ExpertWeights | None = None  # qwen2moe: an expert every token uses, scaled by
-    shared_gate: Linear | None = None  # sigmoid(hidden @ shared_gate) [E] -> [1]
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    """One transformer block. Projections that read the same input are one Linear each."""
-
-    attn_norm: Activations  # [E]
-    qkv: Linear  # [E] -> [H*D + 2*K*D]: queries, keys, values (with qwen2's biases)
-    wo: Linear  # [H*D] -> [E]
-    ffn_norm: Activations  # [E]
-    gate_up: Linear | None = None  # [E] -> [2*F]: gate, then up (a dense FFN)
-    down: Linear | None = None  # [F] -> [E]
-    moe: MoEWeights | None = None  # instead of gate_up and down
-    q_norm: Activations | None = None  # [H*D], OLMoE: RMSNorm of the queries before rotary
-    k_norm: Activations | None = None  # [K*D]
-    kernels: Kernels = CPU_KERNELS  # what computes this layer, on its weights' device
-
-
 class WeightSource(Protocol):
     def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray: ...  # [T] -> new [T, E]
 
-    def layer(self, layer_idx: int) -> LayerWeights: ...
+    def layer(self, layer_idx: int) -> Weights: ...
 
     def output_norm(self) -> np.ndarray: ...  # [E]
 
@@ -147,11 +134,33 @@ class WeightSource(Protocol):
 RoutingHook = Callable[[int, np.ndarray], None]  # (layer_idx, chosen experts int64 [T, k])
 
 
-class Decoder:
-    """Runs tokens through the model, appending to a KV cache."""
+@dataclass(frozen=True)
+class LayerPass:
+    """What one layer of one forward pass computes with, besides its weights."""
 
-    def __init__(self, config: ModelConfig, weights: WeightSource, max_positions: int):
+    config: ModelConfig
+    layer_idx: int
+    kernels: Kernels  # of the layer's device
+    keys: Activations  # the layer's KV cache (see KVCache)
+    values: Activations
+    cos: Activations  # [T, R/2] rotary rows of the pass's tokens, on the layer's device
+    sin: Activations
+    start: int  # cache slot of the first new token
+    parents: np.ndarray | None  # a token tree's parents (Decoder.forward)
+    tree_start: int | None
+    on_routing: RoutingHook | None = None
+
+
+Block = Callable[[Activations, Weights, LayerPass], Activations]  # a family's layer: x [T, E] -> x, in place
+
+
+class Decoder:
+    """Runs tokens through the model, appending to a KV cache: the embeddings, each layer's
+    block (its family's, `block`), the final norm and the output head."""
+
+    def __init__(self, config: ModelConfig, block: Block, weights: WeightSource, max_positions: int):
         self.config = config
+        self.block = block
         self.weights = weights
         self.on_routing: RoutingHook | None = None  # told each MoE layer's routing (Engine.record_routing)
         cos, sin = rope_tables(config, max_positions, weights.rope_freq_factors())
@@ -176,17 +185,15 @@ class Decoder:
             positions = tree_start + tree_depths(parents)[start_pos - tree_start:]
         rotary = {}  # kernels -> the tokens' cos, sin rows on their device, moved once per pass
         x = self.weights.embedding_rows(token_ids)  # [T, E], a new tensor: updated in place below
-        eps = self.config.rms_norm_eps
         for layer_idx in range(self.config.num_layers):
             w = self.weights.layer(layer_idx)
             kernels = w.kernels
             x = kernels.take(x)
             if kernels not in rotary:
                 rotary[kernels] = kernels.take(self.cos[positions]), kernels.take(self.sin[positions])
-            attended = self._attention(kernels.rms_norm(x, w.attn_norm, eps), w, layer_idx, cache, start_pos,
-                                       *rotary[kernels], parents, tree_start)
-            h = kernels.add_rms_norm(x, attended, w.ffn_norm, eps)  # x: the residual stream entering the FFN
-            x += self._ffn(h, w, x, layer_idx)
+            step = LayerPass(self.config, layer_idx, kernels, cache.keys[layer_idx], cache.values[layer_idx],
+                             *rotary[kernels], start_pos, parents, tree_start, self.on_routing)
+            x = self.block(x, w, step)
         cache.length = start_pos + token_ids.shape[0]
         x = CPU_KERNELS.take(x)
         if not all_logits:
@@ -194,66 +201,9 @@ class Decoder:
         x = ops.rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)
         return self.weights.output()(x)  # [T or 1, V]
 
-    def _attention(self, x, w: LayerWeights, layer_idx, cache, start_pos, cos, sin, parents,
-                   tree_start) -> Activations:
-        cfg = self.config
-        qkv = w.qkv(x)
-        if w.q_norm is not None:
-            qkv = self._norm_queries_and_keys(qkv, w)
-        out = w.kernels.attention(qkv, cache.keys[layer_idx], cache.values[layer_idx], cos, sin,
-                                  cfg.num_heads, start_pos, cfg.rope_style == "neox", parents, tree_start)
-        return w.wo(out)  # [T, E]
 
-    def _norm_queries_and_keys(self, qkv: Activations, w: LayerWeights) -> Activations:
-        cfg, kernels = self.config, w.kernels
-        q_end = cfg.num_heads * cfg.head_dim
-        k_end = q_end + cfg.num_kv_heads * cfg.head_dim
-        q, k, v = (_contiguous(qkv[:, a:b]) for a, b in ((0, q_end), (q_end, k_end), (k_end, qkv.shape[1])))
-        eps = cfg.rms_norm_eps
-        return _concat([kernels.rms_norm(q, w.q_norm, eps), kernels.rms_norm(k, w.k_norm, eps), v])
-
-    def _ffn(self, h: Activations, w: LayerWeights, residual: Activations, layer_idx: int) -> Activations:
-        if w.moe is None:
-            return w.down(w.kernels.swiglu(w.gate_up, h))
-        return self._moe(h, w.moe, w.kernels, residual, layer_idx)
-
-    def _moe(self, h: Activations, moe: MoEWeights, kernels: Kernels, residual: Activations,
-             layer_idx: int) -> Activations:
-        """Each token's top-k experts by the router's softmax, their outputs summed with those
-        probabilities as weights (rescaled to sum to 1 where the architecture does), plus the
-        gated shared expert. Each expert computes all the tokens routed to it at once."""
-        hidden = torch.as_tensor(h)  # [T, E], shares memory
-        probs = torch.softmax(torch.as_tensor(moe.router(h)).float(), dim=-1)  # [T, num_experts]
-        weights, chosen = probs.topk(self.config.experts_used, dim=-1)  # [T, k]
-        if self.config.renormalize_expert_weights:
-            weights /= weights.sum(dim=-1, keepdim=True)
-        chosen_ids = chosen.cpu().numpy()
-        if self.on_routing is not None:
-            self.on_routing(layer_idx, chosen_ids)
-        outputs = {}  # expert id -> its rows, their top-k slots, its output (on its device until all ran)
-        for expert_id, expert in moe.experts.each(chosen_ids, residual):
-            rows, slots = (chosen == expert_id).nonzero(as_tuple=True)
-            outputs[expert_id] = rows, slots, _expert_ffn(expert, hidden[rows])
-        out = torch.zeros_like(hidden)
-        for expert_id in sorted(outputs):  # the same sum in whatever order the experts ran
-            rows, slots, y = outputs[expert_id]
-            out.index_add_(0, rows, weights[rows, slots, None] * torch.as_tensor(y).to(out.device))
-        if moe.shared is not None:
-            gate = torch.sigmoid(torch.as_tensor(moe.shared_gate(h)))  # [T, 1]
-            out += gate * torch.as_tensor(_expert_ffn(moe.shared, hidden)).to(out.device)
-        return kernels.take(out)
-
-
-def _expert_ffn(expert: ExpertWeights, x: torch.Tensor) -> Activations:
-    x = expert.kernels.take(x)
-    return expert.down(expert.kernels.swiglu(expert.gate_up, x))
-
-
-def _contiguous(x: Activations) -> Activations:
-    return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous()
-
-
-def _concat(parts: list[Activations]) -> Activations:
+def concat(parts: list[Activations]) -> Activations:
+    """Outputs side by side: [T, a], [T, b], ... -> [T, a + b + ...]."""
     return np.concatenate(parts, axis=-1) if isinstance(parts[0], np.ndarray) else torch.cat(parts, dim=-1)
 
 

@@ -2,7 +2,7 @@
 
 The formulas follow llama.cpp's rope so that tierflow matches it as an oracle: linear scaling
 divides positions by the factor; YaRN blends interpolated and extrapolated frequencies with a ramp
-over the "correction dimensions" and scales magnitudes by 1 + 0.1 ln(factor); Llama-3 models carry
+over the "correction dimensions" and scales magnitudes by 1 + 0.1 ln(factor); some families carry
 per-frequency divisors in a `rope_freqs.weight` tensor.
 """
 

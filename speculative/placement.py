@@ -1,73 +1,53 @@
 """Loading a draft model beside its target: checked against the target's vocabulary, and placed
-before it (the draft runs every step): on the GPU tier when there is a GPU budget and it fits,
-in RAM otherwise, never streamed. The target then plans with what the draft left."""
+before it (the draft runs every step): on the GPU tier when there is a GPU budget and all of it
+fits with its KV cache, else in RAM, never streamed. The target then plans with what is left."""
 
 import os
-from dataclasses import dataclass
-
-import torch
 
 from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentError
-from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.model_file import ModelFile, open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
-from tierflow.offload.gguf.reader import GGUFFile, read_gguf
-from tierflow.offload.gguf.tensors import check_tensors
-from tierflow.offload.pack.extents import model_extents
-from tierflow.offload.pack.packed_file import LoadProgress, open_pack
-from tierflow.offload.plan.planner import kv_cache_bytes
-from tierflow.offload.tiers.device import DeviceTier
-from tierflow.offload.tiers.tiered import TieredWeights
-from tierflow.runtime.generation import TokenGenerator
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder, Kernels
+from tierflow.offload.gguf.reader import GGUFFile
+from tierflow.offload.pack.writer import LoadProgress, pack_sizes
+from tierflow.offload.plan.budgets import kv_cache_bytes
+from tierflow.offload.plan.planner import resident_plan
+from tierflow.runtime.loader import Budgets, GpuTier, LoadedModel, place_weights
 from tierflow.units import format_size
 
 VOCAB_KEY = "tokenizer.ggml.tokens"
 
 
-@dataclass
-class LoadedDraft:
-    generator: TokenGenerator
-    weights: TieredWeights
-
-    def bytes_by_tier(self) -> dict[str, int]:
-        return self.weights.bytes_by_tier()
-
-    def close(self) -> None:
-        self.weights.close()
-
-
-def load_draft(model: str | os.PathLike, target: GGUFFile, target_vocab_size: int, context_length: int,
-               cpu_budget: int | None, gpu_budget: int, gpu_device: torch.device,
-               device_kernels: Kernels | None, progress: LoadProgress | None) -> LoadedDraft:
-    """The draft model, resident, under the budgets (which the caller then reduces by its
-    bytes_by_tier for the target); on the GPU tier (with its KV cache) it is computed by
-    device_kernels (None: the CPU kernels, on the CPU standing in for a GPU)."""
+def load_draft(model: str | os.PathLike, target: ModelFile, budgets: Budgets, gpu: GpuTier,
+               progress: LoadProgress | None = None) -> LoadedModel:
+    """The draft model, resident, within the target's budgets (which the caller then reduces by
+    its bytes_by_tier); on the GPU tier with its KV cache when all of it fits there."""
     path = resolve_model_path(model)
-    with read_gguf(path) as gguf:
-        config = read_config(gguf)
-        check_tensors(gguf, config)
-        _check_vocabulary(gguf, target)
-        if config.vocab_size != target_vocab_size:
+    with open_model_file(path) as draft:
+        config = draft.config
+        _check_vocabulary(draft.gguf, target.gguf)
+        if config.vocab_size != target.config.vocab_size:
             raise InvalidArgumentError(f"the draft {path.name} scores {config.vocab_size} tokens, the target "
-                                       f"{target_vocab_size}: a draft must share the target's vocabulary")
-        if context_length > config.context_length:
+                                       f"{target.config.vocab_size}: a draft must share the target's "
+                                       f"vocabulary")
+        if budgets.context_length > config.context_length:
             raise ContextLengthError(f"the draft {path.name} holds {config.context_length} positions, "
-                                     f"fewer than context_length {context_length}")
-        globals_, layers = model_extents(gguf, config)
-        layer_bytes = sum(layer.nbytes for layer in layers)
-        on_gpu = 0 < layer_bytes + kv_cache_bytes(config, context_length) <= gpu_budget
-        in_ram = globals_.nbytes + (0 if on_gpu else layer_bytes)
-        if cpu_budget is not None and in_ram > cpu_budget:
-            raise BudgetError(f"cpu_memory {format_size(cpu_budget)} cannot hold the draft model "
+                                     f"fewer than context_length {budgets.context_length}")
+        sizes = pack_sizes(draft)
+        layer_bytes = sum(x.nbytes for x in sizes.layers)
+        on_gpu = not config.is_moe and 0 < layer_bytes + kv_cache_bytes(config, budgets.context_length) \
+            <= budgets.gpu_bytes
+        in_ram = sizes.total_bytes - (layer_bytes if on_gpu else 0)
+        if in_ram > budgets.cpu_bytes:
+            raise BudgetError(f"cpu_memory {format_size(budgets.cpu_bytes)} cannot hold the draft model "
                               f"{path.name} ({format_size(in_ram)} in RAM), which is placed first")
-        packed = open_pack(gguf, config, progress)
-        device = DeviceTier(gpu_device, gpu_budget) if on_gpu else None
-        gpu_layers = range(config.num_layers) if on_gpu else ()
-        weights = TieredWeights(packed, (), 0, progress, gpu_layers, device, device_kernels)
-    cache = KVCache(config, context_length, weights.allocate_cache)
-    generator = TokenGenerator(Decoder(config, weights, context_length), cache)
-    return LoadedDraft(generator, weights)
+        plan = resident_plan(draft, sizes, on_gpu=on_gpu, gpu_budget=budgets.gpu_bytes,
+                             cpu_budget=budgets.cpu_bytes, context_length=budgets.context_length)
+        weights = place_weights(draft, plan, gpu, progress)
+        try:
+            return LoadedModel(draft, plan, weights, budgets.context_length)
+        except BaseException:
+            weights.close()
+            raise
 
 
 def _check_vocabulary(draft: GGUFFile, target: GGUFFile) -> None:

@@ -230,33 +230,34 @@ def test_a_malformed_source_is_a_model_file_error(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["broken.gguf"]
 
 
-def _write_gguf(path, tensors: dict[str, np.ndarray]):
-    writer = GGUFWriter(path, "llama")
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+FLOAT = dict(weight_type="F32", embedding_type="F32")
 
 
 def test_rows_that_are_not_whole_groups_are_named(tmp_path):
-    source = _write_gguf(tmp_path / "odd.gguf", {"blk.0.attn_q.weight": np.ones((4, 48), np.float32)})
+    spec = ModelSpec(hidden_size=48, num_heads=2, num_kv_heads=1, ffn_size=64, **FLOAT)
+    source = write_model(tmp_path / "odd.gguf", spec)
     with pytest.raises(UnsupportedModelError, match="'blk.0.attn_q.weight' has rows of 48 weights"):
         convert_model(source, tmp_path / "out.gguf", 3)
 
 
-def test_a_file_without_block_weights_is_refused(tmp_path):
-    source = _write_gguf(tmp_path / "norms.gguf", {"output_norm.weight": np.ones(64, np.float32)})
-    with pytest.raises(UnsupportedModelError, match="no transformer block weights"):
-        convert_model(source, tmp_path / "out.gguf", 3)
+def test_a_fragment_of_a_model_is_refused_naming_what_is_missing(tmp_path):
+    writer = GGUFWriter(tmp_path / "norms.gguf", "llama")
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFileError, match="token_embd.weight"):
+        convert_model(tmp_path / "norms.gguf", tmp_path / "out.gguf", 3)
 
 
 def test_non_finite_weights_are_named(tmp_path):
-    weights = np.ones((4, 64), np.float32)
-    weights[2, 5] = np.nan
-    source = _write_gguf(tmp_path / "nan.gguf", {"blk.3.ffn_up.weight": weights})
+    source = write_model(tmp_path / "nan.gguf", ModelSpec(num_layers=4, **FLOAT))
+    with read_gguf(source) as model:
+        at = model.tensors["blk.3.ffn_up.weight"].offset
+    with open(source, "r+b") as file:
+        file.seek(at + 4 * 7)
+        file.write(np.float32(np.nan).tobytes())
     with pytest.raises(ModelFileError, match="'blk.3.ffn_up.weight'.*non-finite"):
         convert_model(source, tmp_path / "out.gguf", 2)
     assert not (tmp_path / "out.gguf").exists()

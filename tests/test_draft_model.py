@@ -112,7 +112,7 @@ def test_a_draft_with_another_vocabulary_is_refused():
 
 def test_the_draft_cache_follows_the_accepted_path(drafting):
     drafting.generate(PROMPTS[0], max_tokens=24, temperature=0)
-    target, draft = drafting._generator, drafting.draft.generator
+    target, draft = drafting._generator, drafting.speculator.draft.generator
     assert draft.cached_tokens == target.cached_tokens[: len(draft.cached_tokens)]
 
 

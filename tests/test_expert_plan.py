@@ -11,9 +11,8 @@ from tests.test_planner import FAKE_GPU, PROFILE
 from tierflow import Engine
 from tierflow.cli.app import app
 from tierflow.errors import PlanBudgetError
-from tierflow.offload.gguf.model_info import read_config
-from tierflow.offload.gguf.reader import read_gguf
-from tierflow.offload.pack.extents import expert_extents, model_extents
+from tierflow.offload.gguf.model_file import open_model_file
+from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.expert_plan import READ_AHEAD_SHARE
 from tierflow.offload.plan.planner import make_plan
 
@@ -29,17 +28,18 @@ def moe_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe(moe_path):
-    """(gguf, config, bytes of everything but the experts, one expert's bytes, all experts' bytes)."""
-    with read_gguf(moe_path) as gguf:
-        config = read_config(gguf)
-        globals_, layers = model_extents(gguf, config)
-        experts = [x.nbytes for layer in expert_extents(gguf, config) for x in layer]
-        yield gguf, config, globals_.nbytes + sum(x.nbytes for x in layers), max(experts), sum(experts)
+    """(model file and its pack sizes, config, bytes of everything but the experts, one expert's
+    bytes, all experts' bytes)."""
+    with open_model_file(moe_path) as model:
+        sizes = pack_sizes(model)
+        experts = [x.nbytes for layer in sizes.experts for x in layer]
+        yield ((model, sizes), model.config, sizes.globals.nbytes + sum(x.nbytes for x in sizes.layers),
+               max(experts), sum(experts))
 
 
 def plan_for(moe, cpu_budget, profile=PROFILE, gpu_budget=0):
-    gguf, config, *_ = moe
-    return make_plan(gguf, config, profile, gpu_budget=gpu_budget, cpu_budget=cpu_budget, context_length=CTX)
+    (model, sizes), *_ = moe
+    return make_plan(model, sizes, profile, gpu_budget=gpu_budget, cpu_budget=cpu_budget, context_length=CTX)
 
 
 def test_a_moe_model_that_fits_keeps_every_expert_in_ram(moe):

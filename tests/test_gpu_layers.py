@@ -31,7 +31,9 @@ def models(tmp_path_factory):
     specs = {"llama-Q8_0": ModelSpec(num_layers=2, hidden_size=64, seed=3),
              "llama-Q4_0": ModelSpec(num_layers=2, hidden_size=64, weight_type="Q4_0", seed=4),
              "qwen2-F32": ModelSpec(arch="qwen2", num_layers=2, hidden_size=64, weight_type="F32",
-                                    embedding_type="F32", seed=5)}
+                                    embedding_type="F32", seed=5),
+             # per-head q/k norms: a device path that dropped them would change every logit
+             "qwen3-Q8_0": ModelSpec(arch="qwen3", num_layers=2, hidden_size=64, head_size=32, seed=6)}
     return {name: write_model(folder / f"{name}.gguf", spec) for name, spec in specs.items()}
 
 
@@ -41,7 +43,7 @@ def cpu_result(path, draft=None):
         return tokens, engine.logits(engine.tokenize(PROMPT) + tokens)
 
 
-@pytest.mark.parametrize("name", ["llama-Q8_0", "llama-Q4_0", "qwen2-F32"])
+@pytest.mark.parametrize("name", ["llama-Q8_0", "llama-Q4_0", "qwen2-F32", "qwen3-Q8_0"])
 def test_layers_on_the_gpu_give_the_cpu_tokens_and_logits(models, name):
     tokens, logits = cpu_result(models[name])
     with Engine.load(models[name], threads=2, context_length=CONTEXT, gpu_memory="64MiB", **GPU) as engine:

@@ -7,6 +7,7 @@ from tests.support.gguf_bytes import TensorSpec, build_gguf, build_tiny_gguf, ti
 from tierflow import Engine
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.models import architecture
 
 LLAMA = {
     "general.architecture": "llama",
@@ -22,7 +23,7 @@ LLAMA = {
 
 def config(**changes) -> ModelConfig:
     metadata = {k: v for k, v in (LLAMA | changes).items() if v is not None}
-    return ModelConfig.from_metadata(metadata, vocab_size=100, tied=True)
+    return architecture(metadata["general.architecture"]).read_config(metadata, vocab_size=100, tied=True)
 
 
 def test_config_reads_the_llama_hyper_parameters():
@@ -34,7 +35,7 @@ def test_config_reads_the_llama_hyper_parameters():
 def test_qwen2_rotates_halves():
     qwen = {k.replace("llama.", "qwen2."): v for k, v in LLAMA.items()}
     qwen["general.architecture"] = "qwen2"
-    assert ModelConfig.from_metadata(qwen, 100, True).rope_style == "neox"
+    assert architecture("qwen2").read_config(qwen, 100, True).rope_style == "neox"
 
 
 @pytest.mark.parametrize("key", ["llama.block_count", "llama.embedding_length",

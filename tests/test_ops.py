@@ -97,7 +97,7 @@ def test_attention_of_a_batch_equals_token_by_token_bit_for_bit():
 
 def test_model_logits_of_a_prefill_equal_those_of_decoding_token_by_token(engine):
     """So greedy output never depends on how a prompt was split (prefix reuse, verify batches)."""
-    decoder = Decoder(engine.config, engine.weights, 64)
+    decoder = Decoder(engine.config, engine.arch.block, engine.weights, 64)
     ids = np.array(engine.tokenize("Batches and single steps agree."))
     all_at_once = decoder.forward(ids, KVCache(engine.config, 64), all_logits=True)
     cache = KVCache(engine.config, 64)

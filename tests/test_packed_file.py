@@ -22,21 +22,19 @@ from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import pack
 from tierflow.cpu_kernels.quant_groups import to_quant_groups
 from tierflow.errors import TierflowError
-from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.reader import read_gguf
 from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
-from tierflow.offload.pack import packed_file
-from tierflow.offload.pack.packed_file import (
-    LAYER_LINEARS,
-    TRAILER,
-    PackedFile,
-    open_pack,
-    pack_path,
-    source_identity,
-)
+from tierflow.offload.pack import writer
+from tierflow.offload.pack.reader import TRAILER, PackedFile
+from tierflow.offload.pack.writer import open_pack, pack_path, source_identity
 from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder, DenseLinear, LayerWeights
+from tierflow.runtime.model import Decoder, DenseLinear, Weights
+from tierflow.runtime.models import architecture
 
+# The linears of a dense llama layer: its tensor map's matmul fields and the GGUF matrices of each.
+LAYER_LINEARS = {"qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
+                 "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
 SPEC = ModelSpec(num_layers=4, hidden_size=128, ffn_size=256, num_heads=4, num_kv_heads=2)
 PROMPT = [1, 502, 7051, 33, 919]  # token ids: the tests need no tokenizer round trip
 GREEDY = dict(temperature=0)
@@ -50,13 +48,13 @@ def model(tmp_path) -> Path:
 @pytest.fixture
 def builds(monkeypatch) -> list[Path]:
     """The paths build_pack writes, in order, as loads call it."""
-    paths, build = [], packed_file.build_pack
+    paths, build = [], writer.build_pack
 
-    def counted(gguf, config, path, *args, **kwargs):
+    def counted(model, path, *args, **kwargs):
         paths.append(path)
-        return build(gguf, config, path, *args, **kwargs)
+        return build(model, path, *args, **kwargs)
 
-    monkeypatch.setattr(packed_file, "build_pack", counted)
+    monkeypatch.setattr(writer, "build_pack", counted)
     return paths
 
 
@@ -102,13 +100,12 @@ def test_first_load_writes_the_pack_and_the_second_reuses_it(model, builds):
 
 
 def test_reusing_a_pack_is_much_faster_than_building_it(model):
-    with read_gguf(model) as gguf:
-        config = read_config(gguf)
+    with open_model_file(model) as opened:
         started = time.perf_counter()
-        open_pack(gguf, config)
+        open_pack(opened)
         build_s = time.perf_counter() - started
         started = time.perf_counter()
-        open_pack(gguf, config)
+        open_pack(opened)
         reuse_s = time.perf_counter() - started
     assert reuse_s * 10 < build_s, (reuse_s, build_s)  # a manifest read vs packing every tensor
 
@@ -232,15 +229,16 @@ def test_a_build_leaves_no_temporary_file(model):
 
 def test_a_build_failing_midway_leaves_neither_pack_nor_temporary(model, monkeypatch):
     extents = []
-    original = packed_file._PackWriter.layer_extent
+    original = writer.extents
 
-    def fail_after_the_first_layer(self, index):
-        if index == 1:  # the globals and layer 0 are already written, under the temporary name
-            extents.append(_temporaries(model))
-            raise RuntimeError("disk full")
-        return original(self, index)
+    def fail_after_the_first_layer(opened, decoder=None, **kwargs):
+        for layer, expert, layout in original(opened, decoder, **kwargs):
+            if layer == 1 and decoder is not None:  # writing: the globals and layer 0 are written already
+                extents.append(_temporaries(model))
+                raise RuntimeError("disk full")
+            yield layer, expert, layout
 
-    monkeypatch.setattr(packed_file._PackWriter, "layer_extent", fail_after_the_first_layer)
+    monkeypatch.setattr(writer, "extents", fail_after_the_first_layer)
     with pytest.raises(RuntimeError, match="disk full"):
         load(model)
     assert len(extents) == 1 and len(extents[0]) == 1  # it failed while the temporary existed
@@ -262,8 +260,8 @@ class DenseWeights:
         def layer(i):
             linears = {field: DenseLinear(torch.cat([tensor(f"blk.{i}.{name}.weight") for name in names]))
                        for field, names in LAYER_LINEARS.items()}
-            return LayerWeights(attn_norm=tensor(f"blk.{i}.attn_norm.weight").numpy(),
-                                ffn_norm=tensor(f"blk.{i}.ffn_norm.weight").numpy(), **linears)
+            return Weights({"attn_norm": tensor(f"blk.{i}.attn_norm.weight").numpy(),
+                            "ffn_norm": tensor(f"blk.{i}.ffn_norm.weight").numpy(), **linears})
 
         self.embedding = tensor("token_embd.weight")
         self.norm = tensor("output_norm.weight").numpy()
@@ -295,9 +293,9 @@ def test_a_float_model_packs_dense_float32_and_computes_the_same_logits(tmp_path
     assert packed.globals.weights["token_embd"]["kind"] == "dense"
     layer_specs = [extent.weights[field] for extent in packed.layers for field in LAYER_LINEARS]
     assert all(spec["kind"] == "dense" for spec in layer_specs)
-    with read_gguf(model) as gguf:
-        config = read_config(gguf)
-        decoder = Decoder(config, DenseWeights(gguf, config), 128)
+    with open_model_file(model) as opened:
+        config = opened.config
+        decoder = Decoder(config, architecture("llama").block, DenseWeights(opened.gguf, config), 128)
         expected = decoder.forward(np.array(PROMPT), KVCache(config, 128), all_logits=True)
     np.testing.assert_array_equal(logits, expected)
 
@@ -316,7 +314,7 @@ def test_a_failed_pack_write_is_a_clear_error_and_leaves_no_file(tmp_path, monke
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(packed_file.os, "fsync", disk_full)
+    monkeypatch.setattr(writer.os, "fsync", disk_full)
     with pytest.raises(TierflowError, match="cannot write the packed weights"):
         Engine.load(model_path, threads=1, context_length=64)
     assert not [p for p in (tmp_path / "packed").iterdir()]

@@ -12,19 +12,19 @@ from typer.testing import CliRunner
 from tests.support.make_model import ModelSpec, write_model
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError
-from tierflow.offload.gguf.model_info import read_config
-from tierflow.offload.gguf.reader import read_gguf
-from tierflow.offload.pack.extents import expert_extents, model_extents
-from tierflow.offload.pack.packed_file import PackedFile, build_pack
+from tierflow.offload.gguf.model_file import open_model_file
+from tierflow.offload.pack.reader import PackedFile
+from tierflow.offload.pack.writer import build_pack, pack_sizes
 from tierflow.offload.plan import cost_model
+from tierflow.offload.plan.budgets import kv_cache_bytes
 from tierflow.offload.plan.planner import (
     MAX_PREFETCH_DEPTH,
     PlanBudgetError,
-    kv_cache_bytes,
     make_plan,
 )
 from tierflow.offload.plan.profile import GpuProfile, HardwareProfile, profile_path
 from tierflow.runtime.kv_cache import KVCache
+from tierflow.runtime.loader import resolve_budgets
 from tierflow.units import format_size, parse_size
 
 BITS = (1, 2, 3, 4, 8)
@@ -44,17 +44,16 @@ def deep_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deep(deep_path):
-    """(gguf, config, globals extent bytes, layer extent bytes) of a 16-layer model."""
-    with read_gguf(deep_path) as gguf:
-        config = read_config(gguf)
-        globals_, layers = model_extents(gguf, config)
-        yield gguf, config, globals_.nbytes, [x.nbytes for x in layers]
+    """(model file, pack sizes, globals extent bytes, layer extent bytes) of a 16-layer model."""
+    with open_model_file(deep_path) as model:
+        sizes = pack_sizes(model)
+        yield model, sizes, sizes.globals.nbytes, [x.nbytes for x in sizes.layers]
 
 
-def plan_for(model, cpu_budget, profile=PROFILE, gpu_budget=0, **kwargs):
-    gguf, config, *_ = model
-    return make_plan(gguf, config, profile, gpu_budget=gpu_budget, cpu_budget=cpu_budget,
-                     context_length=CTX, **kwargs)
+def plan_for(model, cpu_budget, profile=PROFILE, gpu_budget=0, context_length=CTX, **kwargs):
+    model_file, sizes, *_ = model
+    return make_plan(model_file, sizes, profile, gpu_budget=gpu_budget, cpu_budget=cpu_budget,
+                     context_length=context_length, **kwargs)
 
 
 def smallest_budget(model) -> int:
@@ -72,11 +71,10 @@ def smallest_budget(model) -> int:
     ModelSpec(arch="olmoe", num_experts=4, experts_used=2, num_kv_heads=4, weight_type="Q4_1"),
 ], ids=["q8_0", "qwen2-q4_1-untied", "f16-rope-freqs", "q5_k", "mixtral", "qwen2moe", "olmoe"])
 def test_extents_match_the_pack_byte_for_byte(tmp_path, spec):
-    with read_gguf(write_model(tmp_path / "m.gguf", spec)) as gguf:
-        config = read_config(gguf)
-        globals_, layers = model_extents(gguf, config)
-        experts = expert_extents(gguf, config)
-        build_pack(gguf, config, tmp_path / "m.tfpack")
+    with open_model_file(write_model(tmp_path / "m.gguf", spec)) as model:
+        sizes = pack_sizes(model)
+        globals_, layers, experts = sizes.globals, sizes.layers, sizes.experts
+        build_pack(model, tmp_path / "m.tfpack")
     pack = PackedFile(tmp_path / "m.tfpack")
     assert globals_.nbytes == pack.globals.nbytes
     assert [x.nbytes for x in layers] == [x.nbytes for x in pack.layers]
@@ -117,11 +115,11 @@ def sweep(deep):
 
 
 def test_plans_never_exceed_the_budget(sweep, deep):
-    _, config, globals_bytes, layers = deep
+    model, _, globals_bytes, layers = deep
     for budget, plan in sweep:
         assert plan.used_bytes["cpu"] <= budget
         placed = sorted(plan.gpu_layers + plan.resident_layers + plan.streamed_layers)
-        assert placed == list(range(config.num_layers))
+        assert placed == list(range(model.config.num_layers))
         assert (plan.prefetch_depth == 0) == (plan.streamed_layers == ())
         assert plan.peak_bytes["decode"]["cpu"] >= plan.used_bytes["cpu"] + plan.kv_bytes
 
@@ -165,7 +163,8 @@ def test_a_slower_disk_predicts_slower_decode(deep):
 
 
 def test_the_gpu_takes_the_first_layers_that_fit_with_their_kv_caches(deep):
-    _, config, globals_bytes, layers = deep
+    model, _, globals_bytes, layers = deep
+    config = model.config
     profile = replace(PROFILE, gpu=FAKE_GPU)
     budget = globals_bytes + sum(layers) // 2
     kv_per_layer = kv_cache_bytes(config, CTX) // config.num_layers
@@ -183,7 +182,7 @@ def test_the_gpu_takes_the_first_layers_that_fit_with_their_kv_caches(deep):
 
 def test_gpu_memory_without_a_gpu_is_refused(deep):
     with pytest.raises(BudgetError, match="no GPU"):
-        plan_for(deep, None, gpu_budget=1 << 30)
+        plan_for(deep, 1 << 30, gpu_budget=1 << 30)
 
 
 def test_a_deeper_ring_hides_reads_behind_a_long_unstreamed_stretch():
@@ -200,9 +199,9 @@ def test_a_deeper_ring_hides_reads_behind_a_long_unstreamed_stretch():
 
 
 def test_the_chosen_layout_is_no_slower_than_the_earliest_layers(deep, sweep):
-    gguf, config, *_ = deep
-    globals_, layers = model_extents(gguf, config)
-    costs = cost_model.Costs(PROFILE, config)
+    model, sizes, *_ = deep
+    globals_, layers = sizes.globals, sizes.layers
+    costs = cost_model.Costs(PROFILE, model.config)
     for _, plan in sweep:
         if plan.streamed_layers:
             count = len(plan.resident_layers)
@@ -212,7 +211,7 @@ def test_the_chosen_layout_is_no_slower_than_the_earliest_layers(deep, sweep):
 
 
 def test_kv_bytes_are_the_caches(deep):
-    _, config, *_ = deep
+    config = deep[0].config
     assert kv_cache_bytes(config, CTX) == KVCache(config, CTX).num_bytes
     assert kv_cache_bytes(config, 100) == KVCache(config, 100).num_bytes
 
@@ -222,10 +221,11 @@ def test_the_default_cpu_budget_is_available_ram_less_a_margin(deep, monkeypatch
         total, available = 16 << 30, 8 << 30
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
-    plan = plan_for(deep, None)
+    budgets = resolve_budgets(deep[0], None, 0, CTX)
+    plan = plan_for(deep, budgets.cpu_bytes)
     margin = max(int(0.1 * Memory.total), 1 << 30)
     reserved = plan.peak_bytes["prefill"]["cpu"] - plan.used_bytes["cpu"]  # KV cache, activations
-    assert plan.budget_bytes == {"gpu": 0, "cpu": Memory.available - margin - reserved}
+    assert budgets.cpu_bytes == Memory.available - margin - reserved
 
 
 def test_rows_collapse_layers_placed_alike(deep):
@@ -244,7 +244,7 @@ def test_rows_collapse_layers_placed_alike(deep):
 def fake_profile(monkeypatch, tmp_path):
     monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path))
     profile_path(2).write_text(PROFILE.to_json())
-    monkeypatch.setattr("tierflow.offload.plan.probe.load_profile", lambda threads, **kwargs: PROFILE)
+    monkeypatch.setattr("tierflow.runtime.loader.load_profile", lambda threads, **kwargs: PROFILE)
 
 
 def test_plan_command_prints_the_groups_and_the_summary(deep_path, deep, fake_profile):

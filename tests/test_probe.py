@@ -42,7 +42,7 @@ def test_probe_figures_are_positive_and_plausible(quick):
     for bits in BITS:
         assert 0.05 < profile.kernel_gbps[bits] < 5000
         assert 0.05 < profile.kernel_batch_gbps[bits] < 50000
-    assert 0 <= profile.layer_overhead_s < 0.01
+    assert profile.overhead_by_shape == {}  # measured per model shape as models are planned
 
 
 def test_probe_removes_its_scratch_file(quick):

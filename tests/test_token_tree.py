@@ -17,7 +17,7 @@ TREE_PARENTS = [-1, 0, 1, 2, 0, 4, 4, 6, 1]
 
 @pytest.fixture(scope="module")
 def generator(engine):
-    decoder = Decoder(engine.config, engine.weights, 256)
+    decoder = Decoder(engine.config, engine.arch.block, engine.weights, 256)
     return TokenGenerator(decoder, KVCache(engine.config, 256))
 
 

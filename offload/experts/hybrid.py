@@ -28,10 +28,10 @@ import torch
 from tierflow.offload.experts.cache import CacheStats, ExpertCache
 from tierflow.offload.experts.policy import ExpertKey
 from tierflow.offload.experts.prediction import NextLayerPredictor
-from tierflow.offload.pack.packed_file import PackedFile
+from tierflow.offload.pack.reader import PackedFile
 from tierflow.offload.tiers.device import DeviceTier
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Activations, ExpertWeights, Kernels
+from tierflow.runtime.model import Activations, Kernels, Weights
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class SchedulerStats:
 class _DeviceExpert:
     """An expert's bytes on the device and the weights viewing them (an ExpertCache payload)."""
 
-    def __init__(self, weights: ExpertWeights, data: torch.Tensor):
+    def __init__(self, weights: Weights, data: torch.Tensor):
         self.weights, self.data, self.nbytes = weights, data, data.numel()
 
 
@@ -98,7 +98,7 @@ class HybridExperts:
     """Every MoE layer's experts in RAM, a cache of them on the GPU, and the schedule between."""
 
     def __init__(self, packed: PackedFile, config: ModelConfig,
-                 ram: dict[int, list[tuple[ExpertWeights, memoryview]]], tier: DeviceTier,
+                 ram: dict[int, list[tuple[Weights, memoryview]]], tier: DeviceTier,
                  kernels: Kernels | None, budget_bytes: int, costs: ExpertCosts, policy: str = "score"):
         """ram: per layer, each expert's weights and pack bytes in RAM; tier: the GPU's memory,
         which holds the cache (of budget_bytes, within its own budget); kernels: those of its
@@ -118,7 +118,7 @@ class HybridExperts:
         return HybridLayerExperts(self, layer_idx)
 
     def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
-             ) -> Iterator[tuple[int, ExpertWeights]]:
+             ) -> Iterator[tuple[int, Weights]]:
         """Runs the cached experts first (on the GPU, asynchronously), then the CPU's share; the
         next layer's predicted experts are copied to the GPU as far as the cache admits them."""
         ids, counts = np.unique(chosen, return_counts=True)
@@ -162,5 +162,5 @@ class HybridLayerExperts:
     def __init__(self, hybrid: HybridExperts, layer_idx: int):
         self.hybrid, self.layer_idx = hybrid, layer_idx
 
-    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, ExpertWeights]]:
+    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, Weights]]:
         return self.hybrid.step(self.layer_idx, chosen, residual)

@@ -32,9 +32,9 @@ from tierflow.offload.experts.policy import ExpertKey
 from tierflow.offload.experts.prediction import NextLayerPredictor
 from tierflow.offload.io.buffer_pool import BufferPool
 from tierflow.offload.io.disk import DiskFile
-from tierflow.offload.pack.packed_file import PackedFile
+from tierflow.offload.pack.reader import PackedFile
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Activations, ExpertWeights
+from tierflow.runtime.model import Activations, Weights
 
 READERS = 2  # reads in flight: two kept this machine's disk busier than one (1.2 vs 1.0 GB/s)
 
@@ -46,7 +46,7 @@ class _ExpertRead:
     def __init__(self, future: Future, nbytes: int):
         self.future, self.nbytes = future, nbytes
 
-    def weights(self) -> ExpertWeights:
+    def weights(self) -> Weights:
         return self.future.result()[0]
 
 
@@ -80,7 +80,7 @@ class ExpertStore:
         self._reader.shutdown(wait=True, cancel_futures=True)
 
     def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
-             ) -> Iterator[tuple[int, ExpertWeights]]:
+             ) -> Iterator[tuple[int, Weights]]:
         expert_ids = np.unique(chosen).tolist()
         residual = np.asarray(torch.as_tensor(residual).cpu())
         prediction = self.predictor.step(layer_idx, chosen, residual) if self.prefetch else None
@@ -104,7 +104,7 @@ class ExpertStore:
         extent = self.packed.experts[key[0]][key[1]]
         return _ExpertRead(self._reader.submit(self._read, key), extent.nbytes)
 
-    def _read(self, key: ExpertKey) -> tuple[ExpertWeights, mmap.mmap]:
+    def _read(self, key: ExpertKey) -> tuple[Weights, mmap.mmap]:
         layer_idx, expert_id = key
         extent = self.packed.experts[layer_idx][expert_id]
         buffer = self.buffers.take(extent.nbytes)
@@ -137,5 +137,5 @@ class StreamedExperts:
     def __init__(self, store: ExpertStore, layer_idx: int):
         self.store, self.layer_idx = store, layer_idx
 
-    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, ExpertWeights]]:
+    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, Weights]]:
         return self.store.step(self.layer_idx, chosen, residual)

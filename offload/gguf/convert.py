@@ -1,7 +1,8 @@
 """`tierflow convert`: a GGUF model with its layer weights requantized to 4, 3 or 2 bits.
 
-Every 2-D weight of a transformer block (blk.N.attn_q/k/v/output and ffn_gate/up/down) is
-dequantized to float32 and re-encoded (`tierflow.cpu_kernels.quantize`): 4 bits as standard Q4_1,
+Every 2-D matrix of a transformer block that its family's tensor map marks as requantizable (the
+attention and FFN projections, not routers) is dequantized to float32 and re-encoded
+(`tierflow.cpu_kernels.quantize`): 4 bits as standard Q4_1,
 which llama.cpp loads too, 3 and 2 bits as tierflow's TQ3_1 and TQ2_1 (see `tierflow.ggml_types`),
 which only tierflow loads. Everything else (token_embd, output, norms, biases, rope_freqs) is
 copied byte for byte, and so is the metadata, value types included, with two changes:
@@ -16,7 +17,6 @@ tensor in float32; the source stays memory-mapped.
 
 import numbers
 import os
-import re
 import secrets
 import time
 from collections.abc import Callable
@@ -30,14 +30,14 @@ from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES, dequantize
 from tierflow.cpu_kernels.quantize import GROUP, METHODS, TYPE_FOR_BITS, quantize
 from tierflow.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError
 from tierflow.ggml_types import QUANT_SIZES, type_name
+from tierflow.offload.gguf.model_file import ModelFile, open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.gguf.reader import GGUFFile, TensorInfo, read_gguf
+from tierflow.runtime.models.tensor_map import Matmul
 
 ConvertProgress = Callable[[str, int, int], None]  # ("convert", source bytes done, total)
 
 QUANTIZATION_KEY = "tierflow.quantization"
-_REQUANTIZED = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
-                          r"\.weight")
 _METHOD_NAMES = {"search": "scale search", "rtn": "round to nearest"}
 # Keys the writer sets itself, or that this conversion replaces.
 _DROPPED_KEYS = {"general.architecture", "general.file_type", QUANTIZATION_KEY}
@@ -86,8 +86,9 @@ def convert_model(src: str | os.PathLike | None, dst: str | os.PathLike, bits: i
     bits = int(bits)
     src, dst = resolve_model_path(src), Path(dst).expanduser()
     _check_destination(src, dst, force)
-    with read_gguf(src) as model:
-        plan = _plan(model)
+    with open_model_file(src) as opened:
+        model = opened.gguf
+        plan = _plan(model, _requantizable(opened))
         tmp = _temporary_beside(dst)
         try:
             requantized_bytes = _write(model, plan, tmp, bits, method, progress)
@@ -126,11 +127,19 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
         raise InvalidArgumentError(f"{dst.parent}: no such directory")
 
 
-def _plan(model: GGUFFile) -> list[tuple[TensorInfo, bool]]:
+def _requantizable(model: ModelFile) -> set[str]:
+    """The 2-D matrices of the layers' requantizable matmuls (experts' stacks are 3-D: left as they are)."""
+    arch, config = model.arch, model.config
+    return {weight.name for i in range(config.num_layers) for field in arch.layer_fields(config, i)
+            if isinstance(field.kind, Matmul) and field.kind.requantize
+            for weight in field.kind.weights if len(weight.shape) == 2}
+
+
+def _plan(model: GGUFFile, requantizable: set[str]) -> list[tuple[TensorInfo, bool]]:
     """Every tensor in file order and whether it is requantized, checked before writing."""
     plan = []
     for info in model.tensors.values():
-        requantize = len(info.shape) == 2 and _REQUANTIZED.fullmatch(info.name) is not None
+        requantize = info.name in requantizable
         if requantize and info.shape[0] % GROUP:
             raise UnsupportedModelError(
                 f"{model.path.name}: tensor '{info.name}' has rows of {info.shape[0]} weights, "
@@ -142,8 +151,6 @@ def _plan(model: GGUFFile) -> list[tuple[TensorInfo, bool]]:
                 f"tierflow cannot decode"
             )
         plan.append((info, requantize))
-    if not any(requantize for _, requantize in plan):
-        raise UnsupportedModelError(f"{model.path.name}: no transformer block weights to requantize")
     return plan
 
 

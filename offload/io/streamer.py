@@ -28,8 +28,8 @@ from pathlib import Path
 
 from tierflow.errors import ModelFileError
 from tierflow.offload.io.disk import DiskFile, aligned_buffer
-from tierflow.offload.pack.packed_file import PackedFile
-from tierflow.runtime.model import LayerWeights
+from tierflow.offload.pack.reader import PackedFile
+from tierflow.runtime.model import Weights
 
 
 @dataclass
@@ -37,7 +37,7 @@ class _Read:
     layer: int
     slot: int
     done: threading.Event = field(default_factory=threading.Event)
-    weights: LayerWeights | None = None
+    weights: Weights | None = None
     error: BaseException | None = None
 
 
@@ -78,7 +78,7 @@ class LayerStreamer:
     def nbytes(self) -> int:
         return self.slot_bytes * len(self.slots)
 
-    def get(self, layer: int) -> LayerWeights:
+    def get(self, layer: int) -> Weights:
         """The weights of `layer`, valid until the next get() or release()."""
         expected = self.order[self._consumed % len(self.order)]
         if layer != expected:  # a step ended early (an error, a cancel): restart at this layer

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tierflow.offload.pack.extents import ExtentSize
+from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from tierflow.errors import PlanBudgetError
 from tierflow.offload.experts.hybrid import ExpertCosts, schedule_experts
-from tierflow.offload.pack.extents import ExtentSize
+from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.plan.cost_model import PLACEHOLDER_GPU_GBPS, Costs
 from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.config import ModelConfig

@@ -1,19 +1,23 @@
 """The planner: from the GGUF header, the hardware profile and the budgets, a `Plan`.
 
-    plan = make_plan(gguf, config, profile, gpu_budget=0, cpu_budget=2 << 30, context_length=4096)
+    plan = make_plan(model, pack_sizes(model), profile, gpu_budget=0, cpu_budget=2 << 30,
+                     context_length=4096)
     print(plan.table())
 
 No weight is read. A Plan gives every tensor group (the embeddings, each layer's attention and
 FFN, the output head) a home tier and a compute device, the prefetch depth, the KV cache's tier,
 peak memory per tier and the predicted prefill and decode tokens/s.
 
-Bytes. Weights are counted as the model's pack lays them out (offload/pack/packed_file.py), which is
-what TieredWeights holds and the streamer reads: one extent for the globals (embeddings, output
-norm and head, rope factors), one per layer (its norms and packed linears), arrays 64-byte aligned,
-extents padded to 4 KiB. `model_extents` (offload/pack/extents.py) recomputes those sizes from shapes
-alone (int8 mins that turn out all zero make a pack smaller: an upper bound). A layer's
-attention and FFN share its extent, so they share a home; the groups split the extent after the
-attention output.
+Bytes. Weights are counted as the model's pack lays them out (offload/pack/layout.py: the writer's
+own walk, sized from the header), which is what TieredWeights holds and the streamer reads: one
+extent for the globals (embeddings, output norm and head, rope factors), one per layer (its norms
+and packed linears), arrays 64-byte aligned, extents padded to 4 KiB. A layer's attention and FFN
+share its extent, so they share a home; its groups are its family's tensor map's.
+
+Budgets are resolved by the caller (runtime/loader.py, the one place defaults are decided). The
+hardware profile may be handed over as a function: it is called only when the placement depends
+on the machine's speeds (something streams, or there is a GPU budget); otherwise the plan places
+everything in RAM and predicts nothing (`prefill` and `decode` are None).
 
 A mixture-of-experts model places its experts instead of its layers (offload/plan/expert_plan.py):
 every layer stays in RAM, and each expert gets a home, RAM or disk, with an expert cache in VRAM
@@ -55,28 +59,22 @@ Left out: reads slowing compute (O_DIRECT DMA costs little CPU), the first pass'
 CPU-GPU activation copies, prefill attention on the GPU.
 """
 
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from tierflow.errors import BudgetError, ContextLengthError, PlanBudgetError
-from tierflow.offload.gguf.model_info import read_config
-from tierflow.offload.gguf.model_path import resolve_model_path
-from tierflow.offload.gguf.reader import GGUFFile, read_gguf
-from tierflow.offload.gguf.tensors import check_tensors
-from tierflow.offload.pack.extents import ExtentSize, expert_extents, model_extents
+from tierflow.offload.gguf.model_file import ModelFile
+from tierflow.offload.pack.layout import ExtentSize
+from tierflow.offload.pack.writer import PackSizes
+from tierflow.offload.plan.budgets import kv_cache_bytes, scratch_bytes
 from tierflow.offload.plan.cost_model import Costs, Layout, Timing, timings
 from tierflow.offload.plan.expert_plan import ExpertPlacement, ExpertStages, place_experts
 from tierflow.offload.plan.profile import HardwareProfile
-from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
-from tierflow.units import format_size, parse_size, round_up_as_printed
+from tierflow.units import format_size, round_up_as_printed
 
 MAX_PREFETCH_DEPTH = 4
-DEFAULT_CONTEXT_CAP = 4096  # the KV cache length Engine.load defaults to
 DEFAULT_PROMPT_TOKENS = 512
-CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # default cpu_budget keeps this much RAM free
-GPU_MARGIN = 512 << 20  # CUDA context and allocator slack under the default gpu_budget
 
 
 @dataclass(frozen=True)
@@ -108,20 +106,27 @@ class Plan:
     used_bytes: dict[str, int]  # against the budgets: "gpu" its layers and their KV caches, "cpu"
     # globals + RAM layers + ring; "disk": the streamed layers' bytes, read from disk every pass
     peak_bytes: dict[str, dict[str, int]]  # "prefill"/"decode" -> "gpu"/"cpu" -> bytes
-    prefill: Timing
-    decode: Timing  # one step at position prompt_tokens
+    prefill: Timing | None  # None: not predicted (no profile was needed, and none was given)
+    decode: Timing | None  # one step at position prompt_tokens
     context_length: int
     prompt_tokens: int
     notes: tuple[str, ...]  # assumptions behind the figures
     experts: ExpertPlacement | None = None  # a MoE model's experts: their home, their cache
 
     @property
-    def predicted_prefill_tps(self) -> float:
-        return self.prefill.tokens_per_s
+    def predicted_prefill_tps(self) -> float | None:
+        return None if self.prefill is None else self.prefill.tokens_per_s
 
     @property
-    def predicted_decode_tps(self) -> float:
-        return self.decode.tokens_per_s
+    def predicted_decode_tps(self) -> float | None:
+        return None if self.decode is None else self.decode.tokens_per_s
+
+    def placement(self) -> dict:
+        """Where everything lives and computes, without the predictions: what two plans of the
+        same model under the same budgets must agree on."""
+        return {key: value for key, value in asdict(self).items()
+                if key in ("groups", "gpu_layers", "resident_layers", "streamed_layers", "prefetch_depth",
+                           "ring_bytes", "kv_bytes", "kv_gpu_bytes", "budget_bytes", "used_bytes")}
 
     def as_dict(self) -> dict:
         return asdict(self) | {"predicted_prefill_tps": self.predicted_prefill_tps,
@@ -166,6 +171,8 @@ class Plan:
         for phase in ("prefill", "decode"):
             peak = self.peak_bytes[phase]
             rows.append((f"peak ({phase})", f"gpu {size(peak['gpu'])}, cpu {size(peak['cpu'])}"))
+        if p is None or d is None:
+            return rows + [("speed", "not predicted: everything is in RAM, so the machine was not measured")]
         rows += [
             ("prefill", f"{p.tokens_per_s:,.0f} tok/s for {p.tokens} tokens ({p.seconds:.3g} s: "
                         f"compute {p.compute_s:.3g} s, disk {p.io_s:.3g} s)"),
@@ -271,47 +278,17 @@ def _gpu_layers(layers: list[ExtentSize], gpu_budget: int, kv_per_layer: int) ->
     return tuple(chosen)
 
 
-def _scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
-    """Activations of a pass of `tokens` tokens attending to `keys` positions (an estimate)."""
-    c = config
-    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    return 4 * (tokens * (c.hidden_size + 2 * c.ffn_size + qkv) + tokens * keys * c.num_heads + c.vocab_size)
+ProfileSource = HardwareProfile | Callable[[], HardwareProfile]
 
 
-def kv_cache_bytes(config: ModelConfig, context_length: int) -> int:
-    """KVCache's float32 keys and values, capacity rounded up to 16 positions as it allocates."""
-    capacity = -(-context_length // 16) * 16
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 * capacity
-
-
-def default_cpu_budget(reserved_bytes: int = 0) -> int:
-    """Available RAM less max(10% of total, 1 GiB) and `reserved_bytes` (KV cache, activations)."""
-    import psutil
-
-    memory = psutil.virtual_memory()
-    margin = max(int(CPU_MARGIN_FRACTION * memory.total), CPU_MARGIN_MIN)
-    return max(0, memory.available - margin - reserved_bytes)
-
-
-def default_gpu_budget(profile: HardwareProfile) -> int:
-    """Free VRAM less GPU_MARGIN when the profile has a GPU and CUDA is there; else 0."""
-    if profile.gpu is None:
-        return 0
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0
-    free, _ = torch.cuda.mem_get_info()
-    return max(0, free - GPU_MARGIN)
-
-
-def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
-              gpu_budget: int | None, cpu_budget: int | None, context_length: int,
-              prompt_tokens: int | None = None) -> Plan:
-    """The plan for a model whose tensors passed check_tensors. A None budget is the default
-    (default_gpu_budget, default_cpu_budget); a cpu_budget that cannot work raises
-    PlanBudgetError (a BudgetError) naming the smallest that would. prompt_tokens (default 512,
-    at most the context) is the prefill prediction's prompt and the decode prediction's position."""
+def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu_budget: int, cpu_budget: int,
+              context_length: int, prompt_tokens: int | None = None) -> Plan:
+    """The plan for a model file under budgets the caller resolved (runtime/loader.py). A budget
+    that cannot work raises PlanBudgetError (a BudgetError) naming the smallest that would.
+    profile may be a function, called only when the placement needs the machine's speeds.
+    prompt_tokens (default 512, at most the context) is the prefill prediction's prompt and the
+    decode prediction's position."""
+    config = model.config
     if not 1 <= context_length <= config.context_length:
         raise ContextLengthError(f"context_length must be 1..{config.context_length}, got {context_length}")
     if prompt_tokens is None:
@@ -319,31 +296,57 @@ def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
     if not 1 <= prompt_tokens <= context_length:
         raise ContextLengthError(f"prompt_tokens must be 1..{context_length} (the context), "
                                  f"got {prompt_tokens}")
-    kv_bytes = kv_cache_bytes(config, context_length)
-    scratch = {"prefill": _scratch_bytes(config, min(prompt_tokens, PREFILL_CHUNK), prompt_tokens),
-               "decode": _scratch_bytes(config, 1, context_length)}
-    if cpu_budget is None:
-        cpu_budget = default_cpu_budget(kv_bytes + scratch["prefill"])
-    if gpu_budget is None:
-        gpu_budget = default_gpu_budget(profile)
+    globals_, layers = sizes.globals, sizes.layers
+    fits = not gpu_budget and sizes.total_bytes <= cpu_budget
+    if callable(profile) and not fits:
+        profile = profile()
     if gpu_budget > 0 and profile.gpu is None:
         raise BudgetError("gpu_memory was given but the hardware profile has no GPU; omit it or use 0")
-    globals_, layers = model_extents(gguf, config)
-    costs = Costs(profile, config)
-    kv_per_layer = kv_bytes // config.num_layers
+    costs = None if callable(profile) else Costs(profile, config)
+    kv_per_layer = kv_cache_bytes(config, context_length) // config.num_layers
     experts = stages = None
     if config.is_moe:  # the experts are placed, the layers stay in RAM
         gpu, layout = (), Layout((), (), 0)
         base = globals_.nbytes + sum(x.nbytes for x in layers)
-        extents = expert_extents(gguf, config)
-        experts = place_experts(gguf.path.name, config, base, extents, cpu_budget, gpu_budget, profile)
-        stages = ExpertStages(experts, max((x for layer in extents for x in layer), key=lambda x: x.nbytes),
-                              costs, config)
+        experts = place_experts(model.path.name, config, base, sizes.experts, cpu_budget, gpu_budget, profile)
+        if costs is not None:
+            stages = ExpertStages(experts, max((x for layer in sizes.experts for x in layer),
+                                               key=lambda x: x.nbytes), costs, config)
+    elif fits:
+        gpu, layout = (), Layout((), (), 0)
     else:
         gpu = _gpu_layers(layers, gpu_budget, kv_per_layer)
         layout = _choose_layout(globals_, layers, gpu, cpu_budget, costs, prompt_tokens)
-    kv_gpu = kv_per_layer * len(gpu)  # a layer on the GPU keeps its KV cache there
-    prefill, decode = timings(layout, globals_, layers, costs, prompt_tokens, stages)
+    prefill, decode = (None, None) if costs is None else timings(layout, globals_, layers, costs,
+                                                                 prompt_tokens, stages)
+    return _assemble(model, sizes, layout, experts, (prefill, decode), gpu_budget, cpu_budget, context_length,
+                     prompt_tokens, costs.notes if costs else ())
+
+
+def resident_plan(model: ModelFile, sizes: PackSizes, *, on_gpu: bool, gpu_budget: int, cpu_budget: int,
+                  context_length: int) -> Plan:
+    """A placement that streams nothing: every layer on the GPU tier (on_gpu, a dense model) or all
+    of it in RAM; the caller has checked that it fits. A draft model is placed so: it runs every
+    step. Nothing is predicted."""
+    config = model.config
+    gpu = tuple(range(config.num_layers)) if on_gpu and not config.is_moe else ()
+    experts = None
+    if config.is_moe:
+        base = sizes.globals.nbytes + sum(x.nbytes for x in sizes.layers)
+        experts = place_experts(model.path.name, config, base, sizes.experts, cpu_budget, 0, None)
+    return _assemble(model, sizes, Layout(gpu, (), 0), experts, (None, None), gpu_budget, cpu_budget,
+                     context_length, min(DEFAULT_PROMPT_TOKENS, context_length), ())
+
+
+def _assemble(model: ModelFile, sizes: PackSizes, layout: Layout, experts: ExpertPlacement | None,
+              predictions: tuple[Timing | None, Timing | None], gpu_budget: int, cpu_budget: int,
+              context_length: int, prompt_tokens: int, notes) -> Plan:
+    """The Plan of a chosen layout: its groups, bytes per tier and peaks."""
+    config, globals_, layers, gpu = model.config, sizes.globals, sizes.layers, layout.gpu
+    kv_bytes = kv_cache_bytes(config, context_length)
+    kv_gpu = kv_bytes // config.num_layers * len(gpu)  # a layer on the GPU keeps its KV cache there
+    scratch = {"prefill": scratch_bytes(config, min(prompt_tokens, PREFILL_CHUNK), prompt_tokens),
+               "decode": scratch_bytes(config, 1, context_length)}
     resident = tuple(i for i in range(len(layers)) if i not in gpu and i not in layout.streamed)
     slot = max(x.nbytes for x in layers) if layout.depth else 0
     ring = (layout.depth + 1) * slot if layout.depth else 0
@@ -351,50 +354,33 @@ def make_plan(gguf: GGUFFile, config: ModelConfig, profile: HardwareProfile, *,
     def home(i: int) -> str:
         return "gpu" if i in gpu else "disk" if i in layout.streamed else "cpu"
 
-    groups = [GroupPlacement(globals_.groups[0][0], None, globals_.groups[0][1], "cpu", "cpu")]
+    groups = [GroupPlacement(name, None, nbytes, "cpu", "cpu") for name, nbytes in globals_.groups
+              if name == "embeddings"]
     groups += [GroupPlacement(name, i, nbytes, home(i), "gpu" if i in gpu else "cpu")
                for i, extent in enumerate(layers) for name, nbytes in extent.groups]
     if experts is not None:
-        groups += _expert_groups(experts, extents)
-    groups.append(GroupPlacement(globals_.groups[1][0], None, globals_.groups[1][1], "cpu", "cpu"))
+        groups += _expert_groups(experts, sizes.experts)
+    groups += [GroupPlacement(name, None, nbytes, "cpu", "cpu") for name, nbytes in globals_.groups
+               if name != "embeddings"]
     used = {"gpu": sum(layers[i].nbytes for i in gpu) + kv_gpu,
             "cpu": globals_.nbytes + sum(layers[i].nbytes for i in resident) + ring,
             "disk": sum(layers[i].nbytes for i in layout.streamed)}
     if experts is not None:
-        all_experts = sum(x.nbytes for layer in extents for x in layer)
-        used[experts.home] += all_experts
+        used[experts.home] += sum(x.nbytes for layer in sizes.experts for x in layer)
         if experts.cache is not None:
             used[experts.cache] += experts.cache_bytes
     peak = {phase: {"gpu": used["gpu"] + (scratch[phase] if gpu else 0),
                     "cpu": used["cpu"] + kv_bytes - kv_gpu + scratch[phase]} for phase in scratch}
-    return Plan(model=gguf.path.name, num_layers=config.num_layers, groups=tuple(groups), gpu_layers=gpu,
+    prefill, decode = predictions
+    return Plan(model=model.path.name, num_layers=config.num_layers, groups=tuple(groups), gpu_layers=gpu,
                 resident_layers=resident, streamed_layers=layout.streamed, prefetch_depth=layout.depth,
                 ring_slot_bytes=slot, ring_bytes=ring, kv_bytes=kv_bytes, kv_gpu_bytes=kv_gpu,
                 budget_bytes={"gpu": gpu_budget, "cpu": cpu_budget}, used_bytes=used, peak_bytes=peak,
                 prefill=prefill, decode=decode, context_length=context_length,
-                prompt_tokens=prompt_tokens, notes=tuple(costs.notes), experts=experts)
+                prompt_tokens=prompt_tokens, notes=tuple(notes), experts=experts)
 
 
 def _expert_groups(p: ExpertPlacement, extents: list[list[ExtentSize]]) -> list[GroupPlacement]:
     compute = "cpu or gpu" if p.cache == "gpu" else "cpu"
     return [GroupPlacement("expert", i, x.nbytes, p.home, compute, expert=e)
             for i, layer in enumerate(extents) for e, x in enumerate(layer)]
-
-
-def plan_model(model: str | os.PathLike | None, profile: HardwareProfile | Callable[[], HardwareProfile], *,
-               gpu_memory: int | str | None = None, cpu_memory: int | str | None = None,
-               context_length: int | None = None, prompt_tokens: int | None = None) -> Plan:
-    """The plan for a GGUF file (default: the bundled model), from its header alone. Budgets as
-    Engine.load takes them; context_length defaults like Engine.load's. `profile` may be a
-    function: it is called only once the budgets and the file have checked out."""
-    gpu_budget = None if gpu_memory is None else parse_size(gpu_memory)
-    cpu_budget = None if cpu_memory is None else parse_size(cpu_memory)
-    with read_gguf(resolve_model_path(model)) as gguf:
-        config = read_config(gguf)
-        check_tensors(gguf, config)
-        if context_length is None:
-            context_length = min(config.context_length, DEFAULT_CONTEXT_CAP)
-        if callable(profile):
-            profile = profile()
-        return make_plan(gguf, config, profile, gpu_budget=gpu_budget, cpu_budget=cpu_budget,
-                         context_length=context_length, prompt_tokens=prompt_tokens)

@@ -13,8 +13,8 @@ so the best is the least disturbed figure; GB = 1e9 bytes):
 - kernels: M = 1 and M = 32 products of the C kernels on random packed matrices (group 32),
   cycling through copies that together exceed 4x L3, so that the weights come from RAM (1x L3
   when quick: partly cached, so rougher). RAM and kernels are timed in interleaved rounds.
-- layer overhead: a decode step of the bundled model minus its matmuls alone, per layer (the
-  median of pairs taken back to back).
+The per-layer overhead of the decoder depends on the model's shape, so it is not measured here
+but for each model planned (runtime/overhead.py), and cached in the same file.
 - GPU (only with CUDA): pinned host to device copy speed.
 
 On a shared machine another process holding a core for a while can halve a figure even so:
@@ -30,7 +30,6 @@ import mmap
 import os
 import platform
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -69,13 +68,12 @@ class ProbeSizes:
     kernel_ring_l3: int  # the kernels' copies of a matrix together exceed this many L3 sizes
     disk_passes: int
     rounds: int  # of the RAM and kernel timings, after a warm-up round
-    decode_steps: int
     h2d_bytes: int
 
 
-FULL = ProbeSizes(256 * 2**20, 16, (4096, 4096), 4, disk_passes=3, rounds=5, decode_steps=24,
+FULL = ProbeSizes(256 * 2**20, 16, (4096, 4096), 4, disk_passes=3, rounds=5,
                   h2d_bytes=256 * 2**20)
-QUICK = ProbeSizes(32 * 2**20, 4, (1024, 1024), 1, disk_passes=2, rounds=1, decode_steps=6,
+QUICK = ProbeSizes(32 * 2**20, 4, (1024, 1024), 1, disk_passes=2, rounds=1,
                    h2d_bytes=64 * 2**20)
 
 
@@ -95,8 +93,6 @@ def probe(threads: int, directory: Path | None = None, quick: bool = False,
         with OtherProcesses() as others:
             say("RAM and kernel speeds")
             ram_gbps, single, batch = cpu_speeds(threads, sizes, l3_bytes)
-            say("decoder overhead per layer")
-            overhead = layer_overhead_s(threads, sizes.decode_steps)
     finally:
         kernels.set_threads(previous_threads)
     if others.busy_cores > BUSY_CORES:
@@ -107,7 +103,7 @@ def probe(threads: int, directory: Path | None = None, quick: bool = False,
     say("GPU")
     return HardwareProfile(threads=threads, cpu_name=cpu_name(), disk_read_gbps=disk_gbps,
                            disk_direct_io=direct, ram_read_gbps=ram_gbps, kernel_gbps=single,
-                           kernel_batch_gbps=batch, layer_overhead_s=overhead,
+                           kernel_batch_gbps=batch,
                            gpu=gpu_profile(sizes.h2d_bytes))
 
 
@@ -148,8 +144,13 @@ def load_profile(threads: int, refresh: bool = False, progress: Progress | None 
         if cached is not None and cached.threads == threads:
             return cached
     profile = probe(threads, progress=progress)
-    _write_atomically(path, profile.to_json())
+    save_profile(profile)
     return profile
+
+
+def save_profile(profile: HardwareProfile) -> None:
+    """Caches the profile (replacing the one of its thread count)."""
+    _write_atomically(profile_path(profile.threads), profile.to_json())
 
 
 def read_profile(path: Path) -> HardwareProfile | None:
@@ -263,64 +264,6 @@ def cpu_speeds(threads: int, sizes: ProbeSizes,
         best = best_of_rounds(tasks, sizes.rounds)
     return (best["ram"], {bits: best[bits, 1] for bits in KERNEL_BITS},
             {bits: best[bits, BATCH] for bits in KERNEL_BITS})
-
-
-# --- the decoder's fixed cost --------------------------------------------------------------------
-
-def layer_overhead_s(threads: int, steps: int) -> float:
-    """Seconds per layer per decode step beyond the matmuls (norms, rotary, attention over a short
-    context, activations, Python, waking the kernels' threads), on the bundled model, clamped at 0.
-
-    Each decode step is followed by the same model's matmuls alone, and the figure is the median of
-    the `steps` differences: the overhead is a fraction of a step, so the difference of two
-    separate best times swings with a shared machine's noise, while a pair taken back to back
-    mostly sees the same conditions. The context stays short (a few dozen positions): attention's
-    growth with the context is not part of this figure.
-    """
-    import torch
-
-    from tierflow.runtime.engine import Engine
-
-    torch_threads = torch.get_num_threads()
-    try:
-        with Engine.load(threads=threads, context_length=256) as engine, torch.inference_mode():
-            engine._claim_threads()
-            differences = _step_minus_matmul_seconds(engine, steps)
-            return max(0.0, float(np.median(differences)) / engine.config.num_layers)
-    finally:
-        torch.set_num_threads(torch_threads)
-
-
-def _step_minus_matmul_seconds(engine, steps: int) -> list[float]:
-    generator, matmuls = engine._generator, _matmul_calls(engine)
-    logits, _ = generator.prefill(engine.tokenize("The quick brown fox"), threading.Event(),
-                                  reuse_prefix=False)
-    differences = []
-    for step in range(steps + 1):  # the first pair warms up
-        token = int(np.argmax(logits))
-        started = time.perf_counter()
-        logits = generator.decode_step(token)
-        step_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        for linear, x in matmuls:
-            linear(x)
-        if step:
-            differences.append(step_seconds - (time.perf_counter() - started))
-    return differences
-
-
-def _matmul_calls(engine) -> list[tuple[Callable, np.ndarray]]:
-    """One token's matmuls, (linear, random input [1, in]): every layer's projections and the
-    output head."""
-    cfg, weights = engine.config, engine.weights
-    rng = np.random.default_rng(0)
-    hidden, attn, ffn = (rng.standard_normal((1, size), dtype=np.float32)
-                         for size in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.ffn_size))
-    calls = [(weights.output(), hidden)]
-    for layer_idx in range(cfg.num_layers):
-        w = weights.layer(layer_idx)
-        calls += [(w.qkv, hidden), (w.wo, attn), (w.gate_up, hidden), (w.down, ffn)]
-    return calls
 
 
 # --- the rest ------------------------------------------------------------------------------------

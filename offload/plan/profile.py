@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tierflow.errors import TierflowError
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -50,7 +50,11 @@ class HardwareProfile:
     # bits -> weight bytes per second per token in 32-token products (prefill): the time of a
     # 32-token product is 32 * bytes / this
     kernel_batch_gbps: dict[int, float]
-    layer_overhead_s: float  # fixed time per layer per decode step beyond its matmuls
+    # The planned model's fixed time per layer per decode step beyond its matmuls (norms, rotary,
+    # attention over a short context, activations, Python): it depends on the model's shape, so the
+    # loader sets it from overhead_by_shape (runtime/overhead.py measures a shape once).
+    layer_overhead_s: float = 0.0
+    overhead_by_shape: dict[str, float] = field(default_factory=dict)  # shape_key(config) -> seconds
     gpu: GpuProfile | None = None
     version: int = field(default=PROFILE_VERSION)
 

@@ -1,6 +1,6 @@
-"""TieredWeights: the WeightSource of a placement: layers on the GPU tier, in RAM, or streamed.
+"""TieredWeights: the WeightSource of a plan: layers on the GPU tier, in RAM, or streamed.
 
-Everything comes from the model's pack (packed_file.py): the globals (embeddings, output head,
+Everything comes from the model's pack (offload/pack/): the globals (embeddings, output head,
 norms) and the resident layers are read once into RAM at load; GPU layers are read once and
 copied to the device tier (device.py), where they are computed by the device's kernels (or, for
 the CPU standing in for a GPU with no kernels given, by the CPU kernels), with their KV cache
@@ -10,7 +10,7 @@ and the ring, which is what the cpu_memory budget bounds; the device tier counts
 against gpu_memory.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -18,38 +18,39 @@ import torch
 from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import PackedMatrix
 from tierflow.errors import UnsupportedModelError
-from tierflow.offload.experts.hybrid import ExpertCosts, HybridExperts
+from tierflow.offload.experts.hybrid import HybridExperts
 from tierflow.offload.experts.store import ExpertStore
 from tierflow.offload.io.disk import DiskFile, aligned_buffer
 from tierflow.offload.io.streamer import LayerStreamer
-from tierflow.offload.pack.packed_file import Extent, LoadProgress, PackedFile
+from tierflow.offload.pack.reader import Extent, PackedFile
+from tierflow.offload.pack.writer import LoadProgress
+from tierflow.offload.plan.planner import Plan
 from tierflow.offload.tiers.device import DeviceTier
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import ConcatLinear, DenseLinear, ExpertWeights, Kernels, LayerWeights, Linear
+from tierflow.runtime.model import ConcatLinear, DenseLinear, Kernels, Linear, Weights
 
 
 class TieredWeights:
-    def __init__(self, packed: PackedFile, streamed_layers: Sequence[int], depth: int,
-                 progress: LoadProgress | None = None, gpu_layers: Sequence[int] = (),
-                 device: DeviceTier | None = None, device_kernels: Kernels | None = None,
-                 expert_cache: tuple[ModelConfig, int] | None = None,
-                 gpu_experts: tuple[ModelConfig, int, ExpertCosts] | None = None):
-        """A MoE model's experts are resident in RAM, or with expert_cache (config, bytes) streamed
-        from disk through a cache of that many bytes in RAM (expert_store.py), or with gpu_experts
-        (config, bytes, costs) resident in RAM with a cache of that many bytes on the device tier's device
-        and scheduled between the two (expert_scheduler.py)."""
-        streamed, on_device = set(streamed_layers), set(gpu_layers)
+    def __init__(self, packed: PackedFile, config: ModelConfig, plan: Plan, device: DeviceTier | None = None,
+                 device_kernels: Kernels | None = None, progress: LoadProgress | None = None):
+        """Places the pack as `plan` says: its GPU layers on `device` (computed by device_kernels;
+        None: the CPU kernels, for the CPU standing in for a GPU), its streamed layers read through
+        a ring of plan.prefetch_depth + 1 slots, the rest in RAM. A MoE model's experts are in RAM,
+        or streamed from disk through an expert cache in RAM (expert_store.py), or in RAM with a
+        cache of them on the device, scheduled between the two (expert_scheduler.py)."""
+        streamed, on_device = set(plan.streamed_layers), set(plan.gpu_layers)
         if any(packed.experts) and (streamed or on_device):
             raise UnsupportedModelError("a MoE model's layers are neither streamed nor placed on the GPU "
-                                        "tier: its experts stream instead (expert_store.py)")
+                                        "tier: its experts stream instead (offload/experts/store.py)")
         self.packed, self.device, self.device_kernels = packed, device, device_kernels
         self.disk = DiskFile(packed.path)
         self.experts: ExpertStore | HybridExperts | None = None  # what the expert stats come from
-        if expert_cache is not None:
-            self.experts = ExpertStore(packed, self.disk, *expert_cache)
-        elif gpu_experts is not None:
-            config, budget, costs = gpu_experts
-            self.experts = HybridExperts(packed, config, {}, device, device_kernels, budget, costs)
+        cache = plan.experts.cache if plan.experts is not None else None
+        if cache == "cpu":  # home on disk, a cache in RAM
+            self.experts = ExpertStore(packed, self.disk, config, plan.experts.cache_bytes)
+        elif cache == "gpu":  # home in RAM, a cache in VRAM
+            self.experts = HybridExperts(packed, config, {}, device, device_kernels, plan.experts.cache_bytes,
+                                         plan.experts.scheduler)
         self._buffers = []  # the resident extents' memory, alive as long as the weights
         resident = [i for i in range(len(packed.layers)) if i not in streamed | on_device]
         streams_experts = isinstance(self.experts, ExpertStore)
@@ -62,7 +63,8 @@ class TieredWeights:
             globals_ = packed.global_weights(self._read(packed.globals, total))
             self._layers = {i: self._resident_layer(i, total) for i in resident}
             self._layers |= {i: self._to_device(i, total) for i in sorted(on_device)}
-            self.streamer = (LayerStreamer(self.disk, packed, sorted(streamed), depth) if streamed else None)
+            self.streamer = (LayerStreamer(self.disk, packed, sorted(streamed), plan.prefetch_depth)
+                             if streamed else None)
         except BaseException:
             self.close()
             raise
@@ -92,7 +94,7 @@ class TieredWeights:
             self._progress("load", self._loaded, total)
         return data
 
-    def _resident_layer(self, index: int, total: int) -> LayerWeights:
+    def _resident_layer(self, index: int, total: int) -> Weights:
         data = self._read(self.packed.layers[index], total)
         if not self.packed.experts[index]:
             return self.packed.layer_weights(index, data)
@@ -105,12 +107,12 @@ class TieredWeights:
                 return self.packed.layer_weights(index, data, ResidentExperts([w for w, _ in ram]))
             self.experts.ram[index] = ram
         weights = self.packed.layer_weights(index, data, self.experts.layer_experts(index))
-        router = weights.moe.router  # for predicting this layer's experts one layer early
+        router = weights.router  # for predicting this layer's experts one layer early
         matrix = router.weight.numpy() if isinstance(router, DenseLinear) else router.matrix.dequantize()
         self.experts.predictor.add_router(index, matrix, np.asarray(weights.ffn_norm))
         return weights
 
-    def _to_device(self, index: int, total: int) -> LayerWeights:
+    def _to_device(self, index: int, total: int) -> Weights:
         """Layer `index` copied to the device tier; its weights view the device copy."""
         copy = self.device.upload(self._read(self.packed.layers[index], total, keep=False))
         self.device.ready(copy)
@@ -133,7 +135,7 @@ class TieredWeights:
             return self._embedding.numpy()[token_ids]
         return self._embedding.row_slice(token_ids)
 
-    def layer(self, layer_idx: int) -> LayerWeights:
+    def layer(self, layer_idx: int) -> Weights:
         weights = self._layers.get(layer_idx)
         if weights is None:
             return self.streamer.get(layer_idx)
@@ -176,10 +178,10 @@ def _computed_by_kernels(linear: Linear) -> bool:
 class ResidentExperts:
     """A MoE layer's experts, all in RAM."""
 
-    def __init__(self, experts: list[ExpertWeights]):
+    def __init__(self, experts: list[Weights]):
         self.experts = experts
 
-    def each(self, chosen: np.ndarray, residual) -> Iterator[tuple[int, ExpertWeights]]:
+    def each(self, chosen: np.ndarray, residual) -> Iterator[tuple[int, Weights]]:
         return ((e, self.experts[e]) for e in np.unique(chosen).tolist())
 
 

@@ -112,7 +112,7 @@ def write_f32_copy(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
 _WIDTHS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 8192)
 _MIN_LAYERS = 16  # streaming work wants many layers; widen only while this many still fit
 _FFN_STEP = 256   # keeps ffn_size a multiple of every block size, K-quants included
-_SHAPE_FIELDS = {"num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
+_SHAPE_FIELDS = {"num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads", "head_size",
                  "expert_ffn_size", "shared_expert_ffn_size"}
 
 
@@ -127,7 +127,7 @@ def _ffn_step(spec: ModelSpec) -> int:
 def _num_kv_heads(num_heads: int, overrides: dict[str, Any]) -> int:
     """A quarter of the heads, or all of them where llama.cpp allows no GQA (olmoe)."""
     traits = ARCHS.get(overrides.get("arch", ModelSpec.arch))
-    return num_heads if traits and traits.qk_norm else max(1, num_heads // 4)
+    return num_heads if traits and traits.no_gqa else max(1, num_heads // 4)
 
 
 def _spec_of_width(num_bytes: int, width: int, overrides: dict[str, Any]) -> ModelSpec:
@@ -177,6 +177,7 @@ _OPTIONS = {  # flag -> (ModelSpec field, argparse keywords)
     "--shared-expert-ffn": ("shared_expert_ffn_size", {"type": int}),
     "--heads": ("num_heads", {"type": int}),
     "--kv-heads": ("num_kv_heads", {"type": int}),
+    "--head-size": ("head_size", {"type": int}),
     "--context": ("context_length", {"type": int}),
     "--rope-theta": ("rope_theta", {"type": float}),
     "--rope-scaling": ("rope_scaling", {"choices": ["linear", "yarn"]}),

@@ -74,7 +74,7 @@ from tests.support.model_spec import MAX_EXPERTS
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.reference import apply_rope, rms_norm_reference
 from tierflow.errors import TierflowError
-from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.model_file import read_config
 from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.gguf.reader import GGUFFile, TensorInfo, read_gguf
 from tierflow.runtime.config import ModelConfig
@@ -125,7 +125,7 @@ def _check_source(model: GGUFFile, num_experts: int, experts_used: int) -> int:
     arch = model.metadata.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{model.path}: MoEfication needs a dense 'llama' model, not {arch!r}")
-    config = read_config(model)
+    _, config = read_config(model)
     if config.num_experts or "blk.0.ffn_gate_inp.weight" in model.tensors:
         raise ValueError(f"{model.path}: already a mixture-of-experts model, not a dense one")
     if not 2 <= num_experts <= MAX_EXPERTS:
@@ -156,7 +156,7 @@ def fit_experts(model: GGUFFile, ids: list[int], num_experts: int, experts_used:
                 balance: float = 1.0, threads: int = 1) -> list[MoELayer]:
     """Each layer's experts and router, fit on the tokens `ids` layer by layer as the MoE model
     built so far computes them (see the module doc): one float32 torch pass, all tokens at once."""
-    config, previous_threads = read_config(model), torch.get_num_threads()
+    config, previous_threads = read_config(model)[1], torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         h = _embedding_rows(model, ids)  # [T, H], the residual stream

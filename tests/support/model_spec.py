@@ -26,7 +26,7 @@ output.weight for qwen2moe and olmoe, and an olmoe k norm as wide as the q norm 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import gguf
@@ -35,6 +35,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from tests.support.gguf_bytes import FLOAT32, STRING, UINT32, Typed
 from tests.support.gguf_writing import TensorEntry
+from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.models import architecture
+from tierflow.runtime.models.tensor_map import Field, Tensor, Vector
 
 Q = GGMLQuantizationType
 FILE_TYPES = {  # weight type name -> general.file_type
@@ -52,22 +55,24 @@ MAX_EXPERTS = 512  # llama.cpp's LLAMA_MAX_EXPERTS: past it, loading aborts the 
 
 @dataclass(frozen=True)
 class _ArchTraits:
-    qkv_bias: bool                  # attn_q/k/v carry a bias (qwen2, qwen2moe)
-    rope_freqs: bool                # llama.cpp accepts a rope_freqs.weight tensor for this arch
+    """What llama.cpp requires of a family's file beyond its tensors (which the family's tensor
+    map in tierflow.runtime.models gives)."""
+
+    rope_freqs: bool = False        # llama.cpp accepts a rope_freqs.weight tensor for this arch
     experts: str = "never"          # "never", "optional" (num_experts 0: dense) or "always"
-    qk_norm: bool = False           # attn_q_norm/attn_k_norm over whole projections (olmoe)
+    no_gqa: bool = False            # llama.cpp's k norm is as wide as the q norm (olmoe)
     shared_expert: bool = False     # a sigmoid-gated shared expert beside the routed ones
     expert_width_key: bool = False  # experts are {arch}.expert_feed_forward_length wide, not
                                     # feed_forward_length (ffn_size) wide
     untied_only: bool = False       # llama.cpp requires output.weight
 
 
-ARCHS = {"llama": _ArchTraits(qkv_bias=False, rope_freqs=True, experts="optional"),
-         "qwen2": _ArchTraits(qkv_bias=True, rope_freqs=False),
-         "qwen2moe": _ArchTraits(qkv_bias=True, rope_freqs=False, experts="always",
-                                 shared_expert=True, expert_width_key=True, untied_only=True),
-         "olmoe": _ArchTraits(qkv_bias=False, rope_freqs=False, experts="always", qk_norm=True,
-                              untied_only=True)}
+ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
+         "qwen2": _ArchTraits(),
+         "qwen2moe": _ArchTraits(experts="always", shared_expert=True, expert_width_key=True,
+                                 untied_only=True),
+         "olmoe": _ArchTraits(experts="always", no_gqa=True, untied_only=True),
+         "qwen3": _ArchTraits()}
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class ModelSpec:
                                                # ffn_size, as llama.cpp assumes without the key
     num_heads: int = 4
     num_kv_heads: int = 2
+    head_size: int | None = None     # attention.key_length, each head's size; None: hidden / heads
     context_length: int = 256
     rope_theta: float = 10000.0
     rope_scaling: str | None = None  # None, "linear" or "yarn" (writes {arch}.rope.scaling.*)
@@ -106,9 +112,10 @@ class ModelSpec:
                      "context_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_heads or self.head_dim % 2:
+        if self.head_size is None and self.hidden_size % self.num_heads or self.head_dim % 2 \
+                or self.head_dim < 2:
             raise ValueError(f"hidden_size {self.hidden_size} must split into {self.num_heads} "
-                             "heads of even size")
+                             "heads of even size, or head_size be even")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")
@@ -124,7 +131,7 @@ class ModelSpec:
         if traits.untied_only and self.tied_embeddings:
             raise ValueError(f"llama.cpp requires output.weight for arch {self.arch!r}: "
                              "tied_embeddings must be False")
-        if traits.qk_norm and self.num_kv_heads != self.num_heads:
+        if traits.no_gqa and self.num_kv_heads != self.num_heads:
             raise ValueError(f"llama.cpp's {self.arch!r} k norm is hidden_size wide: num_kv_heads "
                              f"{self.num_kv_heads} must equal num_heads {self.num_heads}")
 
@@ -169,7 +176,7 @@ class ModelSpec:
 
     def _row_lengths(self) -> tuple[int, ...]:
         """Every weight_type row length: matrices' inputs, the FFN's and experts' down rows."""
-        lengths = (self.hidden_size, self.ffn_size)
+        lengths = (self.hidden_size, self.ffn_size, self.num_heads * self.head_dim)
         if self.num_experts:
             lengths += (self.expert_ffn_width,)
         if self.num_experts and ARCHS[self.arch].shared_expert:
@@ -187,7 +194,7 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.hidden_size // self.num_heads if self.head_size is None else self.head_size
 
     @property
     def kv_size(self) -> int:
@@ -242,68 +249,51 @@ class PlannedTensor(NamedTuple):
         return TensorEntry(self.name, self.shape[::-1], self.qtype)
 
 
-def _matrix(name: str, rows: int, row_length: int, type_name: str, gain: float = 1.0
-            ) -> PlannedTensor:
-    return PlannedTensor(name, (rows, row_length), Q[type_name], gain / math.sqrt(row_length))
+def _role(name: str) -> str:
+    """A tensor's name without its layer: "blk.3.attn_q.weight" -> "attn_q.weight"."""
+    return name.split(".", 2)[2] if name.startswith("blk.") else name
 
 
-def _norm(name: str, size: int) -> PlannedTensor:
-    return PlannedTensor(name, (size,), Q.F32, _NORM_STD, mean=1.0)
+def _gain(role: str, moe: bool) -> float:
+    """What a matrix's outputs' spread is, for unit-RMS inputs (see the constants above)."""
+    gains = {"token_embd.weight": _LOGIT_GAIN, "output.weight": _LOGIT_GAIN,
+             "attn_output.weight": _MOE_ATTN_GAIN if moe else _RESIDUAL_GAIN,
+             "ffn_down.weight": _RESIDUAL_GAIN, "ffn_down_shexp.weight": _RESIDUAL_GAIN,
+             "ffn_down_exps.weight": _EXPERT_GAIN, "ffn_gate_inp.weight": _ROUTER_GAIN,
+             "ffn_gate_inp_shexp.weight": _SHARED_GATE_GAIN}
+    return gains.get(role, 1.0)
 
 
-def _experts(name: str, num_experts: int, rows: int, row_length: int, type_name: str,
-             gain: float = 1.0) -> PlannedTensor:
-    """A stack of per-expert matrices, [E, rows, row_length]; GGUF lists it reversed."""
-    return PlannedTensor(name, (num_experts, rows, row_length), Q[type_name],
-                         gain / math.sqrt(row_length))
+def _planned(tensor: Tensor, spec: ModelSpec, bias: bool = False) -> PlannedTensor:
+    """A tensor of the family's map with random contents of the spread its role calls for."""
+    shape, role, moe = tensor.shape[::-1], _role(tensor.name), spec.num_experts > 0
+    if bias:
+        std = _MOE_V_BIAS_STD if moe and role == "attn_v.bias" else _BIAS_STD
+        return PlannedTensor(tensor.name, shape, Q.F32, std)
+    if len(shape) == 1 and role != "ffn_gate_inp_shexp.weight":  # a norm's weight
+        return PlannedTensor(tensor.name, shape, Q.F32, _NORM_STD, mean=1.0)
+    qtype = (Q.F32 if role.startswith("ffn_gate_inp") else
+             Q[spec.embedding_type] if role == "token_embd.weight" else Q[spec.weight_type])
+    return PlannedTensor(tensor.name, shape, qtype, _gain(role, moe) / math.sqrt(tensor.shape[0]))
 
 
-def _attention_plan(spec: ModelSpec, prefix: str) -> list[PlannedTensor]:
-    h, w, traits = spec.hidden_size, spec.weight_type, ARCHS[spec.arch]
-    moe = spec.num_experts > 0
-    plan = [_norm(prefix + "attn_norm.weight", h)]
-    for name, rows in (("attn_q", h), ("attn_k", spec.kv_size), ("attn_v", spec.kv_size)):
-        plan.append(_matrix(f"{prefix}{name}.weight", rows, h, w))
-        if traits.qkv_bias:
-            std = _MOE_V_BIAS_STD if moe and name == "attn_v" else _BIAS_STD
-            plan.append(PlannedTensor(f"{prefix}{name}.bias", (rows,), Q.F32, std))
-    if traits.qk_norm:
-        plan += [_norm(prefix + "attn_q_norm.weight", h),
-                 _norm(prefix + "attn_k_norm.weight", spec.kv_size)]
-    return plan + [_matrix(prefix + "attn_output.weight", h, h, w,
-                           _MOE_ATTN_GAIN if moe else _RESIDUAL_GAIN),
-                   _norm(prefix + "ffn_norm.weight", h)]
-
-
-def _dense_ffn_plan(spec: ModelSpec, prefix: str, kind: str = "", width: int | None = None
-                    ) -> list[PlannedTensor]:
-    """gate, up and down of one SwiGLU FFN; kind "_shexp" names the shared expert."""
-    h, f, w = spec.hidden_size, width or spec.ffn_size, spec.weight_type
-    return [_matrix(f"{prefix}ffn_gate{kind}.weight", f, h, w),
-            _matrix(f"{prefix}ffn_up{kind}.weight", f, h, w),
-            _matrix(f"{prefix}ffn_down{kind}.weight", h, f, w, _RESIDUAL_GAIN)]
-
-
-def _moe_ffn_plan(spec: ModelSpec, prefix: str) -> list[PlannedTensor]:
-    """The router (never quantized, as llama.cpp's quantizer leaves it), the expert stacks and,
-    for qwen2moe, the shared expert with its 1-D gate."""
-    e, h, f, w = spec.num_experts, spec.hidden_size, spec.expert_ffn_width, spec.weight_type
-    plan = [PlannedTensor(prefix + "ffn_gate_inp.weight", (e, h), Q.F32,
-                          _ROUTER_GAIN / math.sqrt(h)),
-            _experts(prefix + "ffn_gate_exps.weight", e, f, h, w),
-            _experts(prefix + "ffn_up_exps.weight", e, f, h, w),
-            _experts(prefix + "ffn_down_exps.weight", e, h, f, w, _EXPERT_GAIN)]
-    if ARCHS[spec.arch].shared_expert:
-        plan.append(PlannedTensor(prefix + "ffn_gate_inp_shexp.weight", (h,), Q.F32,
-                                  _SHARED_GATE_GAIN / math.sqrt(h)))
-        plan += _dense_ffn_plan(spec, prefix, "_shexp", spec.shared_expert_ffn_width)
+def _field_plan(field: Field, spec: ModelSpec) -> list[PlannedTensor]:
+    """A field's tensors (each weight followed by its bias); a stacked expert tensor once, whole."""
+    kind = field.kind
+    if isinstance(kind, Vector):
+        return [_planned(kind.tensor, spec)]
+    plan = []
+    for weight in kind.weights:
+        plan.append(_planned(replace(weight, expert=None), spec))
+        if kind.bias == "required":
+            plan.append(_planned(kind.bias_tensor(weight), spec, bias=True))
     return plan
 
 
-def _layer_plan(spec: ModelSpec, layer_idx: int) -> list[PlannedTensor]:
-    prefix = f"blk.{layer_idx}."
-    ffn = _moe_ffn_plan if spec.num_experts else _dense_ffn_plan
-    return _attention_plan(spec, prefix) + ffn(spec, prefix)
+def spec_config(spec: ModelSpec, vocab_size: int) -> ModelConfig:
+    """The config tierflow reads from the metadata make_model writes for `spec`."""
+    metadata = {key: typed.value for key, typed in architecture_metadata(spec, vocab_size)}
+    return architecture(spec.arch).read_config(metadata, vocab_size, spec.tied_embeddings)
 
 
 def _llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
@@ -322,18 +312,21 @@ def _llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
 
 
 def tensor_plan(spec: ModelSpec, vocab_size: int) -> list[PlannedTensor]:
-    """The model's tensors in file order, with llama.cpp's names."""
-    plan = [_matrix("token_embd.weight", vocab_size, spec.hidden_size, spec.embedding_type,
-                    _LOGIT_GAIN)]
-    if spec.llama3_rope_freqs:
-        factors = _llama3_rope_factors(spec)
-        plan.append(PlannedTensor("rope_freqs.weight", factors.shape, Q.F32, 0.0, values=factors))
-    for layer_idx in range(spec.num_layers):
-        plan += _layer_plan(spec, layer_idx)
-    plan.append(_norm("output_norm.weight", spec.hidden_size))
-    if not spec.tied_embeddings:
-        plan.append(_matrix("output.weight", vocab_size, spec.hidden_size, spec.weight_type,
-                            _LOGIT_GAIN))
+    """The model's tensors in file order, as its family's tensor map (tierflow.runtime.models)
+    names and shapes them: the embeddings, each layer's fields (and its experts' stacks), then the
+    output norm, head and rope factors (Llama 3's only when asked for)."""
+    arch, config = architecture(spec.arch), spec_config(spec, vocab_size)
+    fields = [f for f in arch.global_fields(config) if f.name != "rope_freqs" or spec.llama3_rope_freqs]
+    plan = [t for f in fields if f.group == "embeddings" for t in _field_plan(f, spec)]
+    for i in range(spec.num_layers):
+        layer = arch.layer_fields(config, i) + (arch.expert_fields(config, i, 0) if spec.num_experts else [])
+        plan += [t for f in layer for t in _field_plan(f, spec)]
+    for field in (f for f in fields if f.group != "embeddings"):
+        if field.name == "rope_freqs":
+            factors = _llama3_rope_factors(spec)
+            plan.append(PlannedTensor("rope_freqs.weight", factors.shape, Q.F32, 0.0, values=factors))
+        else:
+            plan += _field_plan(field, spec)
     return plan
 
 
@@ -365,6 +358,9 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         (f"{arch}.rope.freq_base", f32(spec.rope_theta)),
         (f"{arch}.rope.dimension_count", u32(spec.head_dim)),
     ]
+    if spec.head_size is not None:
+        metadata += [(f"{arch}.attention.key_length", u32(spec.head_size)),
+                     (f"{arch}.attention.value_length", u32(spec.head_size))]
     if spec.rope_scaling is not None:
         metadata += [(f"{arch}.rope.scaling.type", Typed(STRING, spec.rope_scaling)),
                      (f"{arch}.rope.scaling.factor", f32(spec.rope_scaling_factor))]

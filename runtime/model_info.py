@@ -1,15 +1,22 @@
-"""What `tierflow info` shows: a model's shape and bytes, from its header alone."""
+"""What `tierflow info` shows: a model's family, shape, tensor types and bytes per tier under the
+default placement, from its header alone (through the loader, as a load would plan it)."""
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierflow.errors import ModelFileError
+from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
-from tierflow.offload.gguf.reader import GGUFFile, read_gguf
-from tierflow.offload.gguf.tensors import check_tensors
-from tierflow.offload.pack.extents import expert_extents, model_extents
+from tierflow.offload.pack.writer import pack_sizes
 from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.loader import (
+    context_length_for,
+    model_profile,
+    plan_load,
+    resolve_budgets,
+    thread_count,
+)
+from tierflow.runtime.models import architecture
 from tierflow.units import format_size
 
 
@@ -25,7 +32,8 @@ class ModelSummary:
     def rows(self) -> list[tuple[str, object]]:
         c = self.config
         return [
-            ("name", c.name), ("architecture", c.arch), ("parameters", f"{self.num_parameters:,}"),
+            ("name", c.name), ("architecture", f"{c.arch} ({architecture(c.arch).summary})"),
+            ("parameters", f"{self.num_parameters:,}"),
             ("file size", format_size(self.file_bytes)), ("layers", c.num_layers),
             ("hidden size", c.hidden_size), ("feed-forward size", c.ffn_size),
             ("attention heads", f"{c.num_heads} (key/value: {c.num_kv_heads}, size {c.head_dim})"),
@@ -43,29 +51,19 @@ class ModelSummary:
                 f"{c.expert_ffn_size}{shared}")
 
 
-def read_config(gguf: GGUFFile) -> ModelConfig:
-    """The model's config from the header; the vocabulary size is the embedding's row count."""
-    embedding = gguf.tensors.get("token_embd.weight")
-    if embedding is None or len(embedding.shape) != 2:
-        raise ModelFileError(f"{gguf.path.name}: missing 2-D tensor 'token_embd.weight'")
-    tied = "output.weight" not in gguf.tensors
-    return ModelConfig.from_metadata(gguf.metadata, embedding.shape[1], tied)
-
-
 def describe_model(model: str | os.PathLike | None) -> ModelSummary:
-    """Reads and validates the header; no weights are loaded."""
+    """Reads and validates the header; no weights are loaded (and the machine is measured only when
+    the model does not fit the default budget, as a load would measure it)."""
     path = resolve_model_path(model)
-    with read_gguf(path) as gguf:
-        config = read_config(gguf)
-        check_tensors(gguf, config)
+    with open_model_file(path) as opened:
         types: dict[str, tuple[int, int]] = {}
-        for info in gguf.tensors.values():
+        for info in opened.gguf.tensors.values():
             count, nbytes = types.get(info.type_name, (0, 0))
             types[info.type_name] = (count + 1, nbytes + info.nbytes)
-        num_parameters = sum(info.num_elements for info in gguf.tensors.values())
-        globals_, layers = model_extents(gguf, config)
-        experts = expert_extents(gguf, config)
-        expert_bytes = sum(x.nbytes for layer in experts for x in layer)
-        cpu_bytes = globals_.nbytes + sum(x.nbytes for x in layers) + expert_bytes
-    return ModelSummary(path, config, path.stat().st_size, num_parameters, types,
-                        {"gpu": 0, "cpu": cpu_bytes, "disk": 0})
+        num_parameters = sum(info.num_elements for info in opened.gguf.tensors.values())
+        budgets = resolve_budgets(opened, None, 0, context_length_for(None, opened.config))
+        plan = plan_load(opened, pack_sizes(opened), budgets,
+                         lambda: model_profile(opened, thread_count(None)))
+    return ModelSummary(path, opened.config, path.stat().st_size, num_parameters, types,
+                        dict(plan.used_bytes))
+

@@ -1,0 +1,208 @@
+"""The pack's layout, one walk for both the writer and the sizes the planner needs.
+
+Each extent (the globals, a layer, an expert) holds its fields' arrays in the order of its
+family's tensor map, each 64-byte aligned, the extent padded to 4 KiB. `ExtentLayout` walks the
+fields once: given only the GGUF header it computes every array's offset and size (the planner's
+byte counts, before anything is packed); given a `TensorDecoder` too, it also produces the bytes
+(the writer), and each array it produces must have the size the walk computed. A field becomes:
+
+    Vector   float32 [n]                                        [offset, nbytes]
+    Matmul   one matrix when its parts agree on a format (float32, or the same bits and group),
+             its rows the parts' rows in order, with the parts' biases (zeros where a part has
+             none) concatenated; else a concatenation of one matrix per part:
+                 {"kind": "dense", rows, cols, weight: [offset, nbytes], bias}
+                 {"kind": "packed", rows, cols, bits, group, data, scales, mins, bias}
+                 {"kind": "concat", parts: [...]}
+
+Packed matrices are cpu_kernels/packed.py's layout (rows padded to tiles of 64): data
+`tiles*64*cols*bits/8` bytes, scales and (when any part's format has an offset, or bits < 8)
+mins `tiles*64*(cols/group)` float16 each.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierflow.cpu_kernels.dequant import dequantize
+from tierflow.cpu_kernels.packed import TILE_ROWS, pack
+from tierflow.cpu_kernels.quant_groups import (
+    GROUPED_TYPES,
+    QuantGroups,
+    group_layout,
+    stack_rows,
+    to_quant_groups,
+)
+from tierflow.offload.gguf.reader import GGUFFile
+from tierflow.offload.io.disk import ALIGNMENT
+from tierflow.runtime.models.tensor_map import Field, Matmul, Tensor, Vector, field_tensors
+
+ARRAY_ALIGNMENT = 64
+
+
+@dataclass(frozen=True)
+class LinearSize:
+    nbytes: int
+    bits: int | None  # None: a float32 matrix, computed by torch
+
+
+@dataclass(frozen=True)
+class ExtentSize:
+    nbytes: int  # padded to ALIGNMENT
+    groups: tuple[tuple[str, int], ...]  # (plan group, bytes) in order, adding up to nbytes
+    linears: tuple[LinearSize, ...]  # the matmuls a pass computes with it
+
+
+class TensorDecoder:
+    """A GGUF's tensors decoded for the pack: quant groups (the packed kernels' input) or float32,
+    counting the source bytes decoded for a progress callback."""
+
+    def __init__(self, gguf: GGUFFile, progress: Callable[[int], None] | None = None):
+        self.gguf, self.progress = gguf, progress
+
+    def matrix(self, tensor: Tensor, grouped: bool) -> QuantGroups | np.ndarray:
+        """The tensor (or its expert slice) as a matrix [rows, cols]."""
+        data, info = self._data(tensor), self.gguf.tensors[tensor.name]
+        if grouped:
+            return to_quant_groups(data, info.ggml_type, info.shape[:2])
+        rows, cols = tensor.matrix_shape
+        return dequantize(data, info.ggml_type, info.shape[:2] if tensor.expert is not None else info.shape
+                          ).reshape(rows, cols)
+
+    def vector(self, tensor: Tensor) -> np.ndarray:
+        info = self.gguf.tensors[tensor.name]
+        return dequantize(self._data(tensor), info.ggml_type, info.shape).reshape(-1)
+
+    def _data(self, tensor: Tensor) -> np.ndarray:
+        info, data = self.gguf.tensors[tensor.name], self.gguf.tensor_data(tensor.name)
+        if tensor.expert is not None:  # the experts are the outermost dimension: each a run of bytes
+            per_expert = info.nbytes // info.shape[-1]
+            data = data[tensor.expert * per_expert: (tensor.expert + 1) * per_expert]
+        if self.progress is not None:
+            self.progress(len(data))
+        return data
+
+
+class ExtentLayout:
+    """One extent's arrays, laid out field by field; with a decoder, their bytes too."""
+
+    def __init__(self, gguf: GGUFFile, decoder: TensorDecoder | None = None):
+        self.gguf, self.decoder = gguf, decoder
+        self.size = 0
+        self.spec: dict = {}  # field name -> its arrays (the manifest's "weights")
+        self.chunks: list[tuple[int, Callable[[], np.ndarray]]] = []  # (offset, what fills it)
+        self.linears: list[LinearSize] = []
+        self._groups: list[tuple[str, int]] = []  # (group, offset where it starts)
+
+    def add_fields(self, fields: list[Field]) -> "ExtentLayout":
+        for field in fields:
+            if not field_tensors(field, self.gguf.tensors):
+                continue  # an optional field the file does not have
+            if not self._groups or self._groups[-1][0] != field.group:
+                self._groups.append((field.group, self._aligned()))
+            if isinstance(field.kind, Vector):
+                self.spec[field.name] = self._vector(field.kind.tensor)
+            else:
+                self.spec[field.name] = self._matmul(field.kind)
+        return self
+
+    def extent_size(self) -> ExtentSize:
+        padded = -(-self.size // ALIGNMENT) * ALIGNMENT
+        starts = [start for _, start in self._groups[1:]] + [padded]
+        groups = tuple((name, end - (0 if i == 0 else start))
+                       for i, ((name, start), end) in enumerate(zip(self._groups, starts)))
+        return ExtentSize(padded, groups, tuple(self.linears))
+
+    def bytes(self) -> bytes:
+        """The extent's bytes (padded), with every array filled in: the writer's."""
+        out = bytearray(self.extent_size().nbytes)
+        for at, fill in self.chunks:
+            raw = np.ascontiguousarray(fill()).tobytes()
+            out[at: at + len(raw)] = raw
+        return bytes(out)
+
+    # -- the walk -----------------------------------------------------------------------------
+
+    def _aligned(self) -> int:
+        return -(-self.size // ARRAY_ALIGNMENT) * ARRAY_ALIGNMENT
+
+    def _array(self, nbytes: int, fill: Callable[[], np.ndarray]) -> list[int]:
+        at = self._aligned()
+        self.size = at + nbytes
+
+        def checked() -> np.ndarray:
+            array = fill()
+            if array.nbytes != nbytes:
+                raise AssertionError(f"the pack's layout expected {nbytes} bytes, the writer made "
+                                     f"{array.nbytes}")
+            return array
+
+        self.chunks.append((at, checked))
+        return [at, nbytes]
+
+    def _vector(self, tensor: Tensor) -> list[int]:
+        count = int(np.prod(tensor.shape))
+        return self._array(4 * count, lambda: self.decoder.vector(tensor).astype(np.float32))
+
+    def _matmul(self, kind: Matmul) -> dict:
+        parts = [(weight, self._bias(kind, weight)) for weight in kind.weights]
+        formats = {self._format(weight) for weight, _ in parts}
+        if len(formats) == 1:
+            spec = self._matrix(parts, formats.pop())
+        else:
+            spec = {"kind": "concat", "parts": [self._matrix([part], self._format(part[0]))
+                                                for part in parts]}
+        return spec
+
+    def _bias(self, kind: Matmul, weight: Tensor) -> Tensor | None:
+        bias = kind.bias_tensor(weight)
+        if kind.bias == "required" or kind.bias == "optional" and bias.name in self.gguf.tensors:
+            return bias
+        return None
+
+    def _format(self, tensor: Tensor) -> tuple[int, int] | None:
+        """(bits, group) of a tensor the packed kernels compute; None: float32 (torch)."""
+        ggml_type = self.gguf.tensors[tensor.name].ggml_type
+        if ggml_type not in GROUPED_TYPES or len(tensor.shape) < 2:
+            return None
+        layout = group_layout(ggml_type)
+        return layout.bits, layout.group
+
+    def _matrix(self, parts: list[tuple[Tensor, Tensor | None]], fmt: tuple[int, int] | None) -> dict:
+        weights = [weight for weight, _ in parts]
+        rows, cols = sum(w.matrix_shape[0] for w in weights), weights[0].matrix_shape[1]
+        spec = {"rows": rows, "cols": cols, "bias": None}
+        if any(bias is not None for _, bias in parts):
+            spec["bias"] = self._array(4 * rows, lambda: self._biases(parts))
+        if fmt is None:
+            self.linears.append(LinearSize(4 * rows * cols, None))
+            return spec | {"kind": "dense", "weight": self._array(
+                4 * rows * cols, lambda: np.concatenate([self.decoder.matrix(w, False) for w in weights]))}
+        bits, group = fmt
+        types = [self.gguf.tensors[w.name].ggml_type for w in weights]
+        with_mins = bits != 8 or any(group_layout(t).has_min for t in types)
+        padded = -(-rows // TILE_ROWS) * TILE_ROWS
+        packed = _Once(lambda: pack(stack_rows([self.decoder.matrix(w, True) for w in weights]), with_mins))
+        params = padded * (cols // group) * 2
+        spec |= {"kind": "packed", "bits": bits, "group": group,
+                 "data": self._array(padded * cols * bits // 8, lambda: packed().data),
+                 "scales": self._array(params, lambda: packed().scales),
+                 "mins": self._array(params, lambda: packed().mins) if with_mins else None}
+        self.linears.append(LinearSize(padded * cols * bits // 8 + params * (2 if with_mins else 1), bits))
+        return spec
+
+    def _biases(self, parts: list[tuple[Tensor, Tensor | None]]) -> np.ndarray:
+        return np.concatenate([np.zeros(weight.matrix_shape[0], np.float32) if bias is None
+                               else self.decoder.vector(bias).astype(np.float32) for weight, bias in parts])
+
+
+class _Once:
+    """A value computed on first use (a packed matrix's three arrays come from one packing)."""
+
+    def __init__(self, make: Callable[[], object]):
+        self.make, self.value = make, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.make()
+        return self.value

@@ -1,0 +1,158 @@
+"""Writing a pack: a GGUF's weights in the kernels' layout, layer-major, built once per model.
+
+Loading a GGUF means decoding every tensor into the kernels' packed layout (cpu_kernels/packed.py),
+which takes seconds; streaming a layer from disk must be one sequential read of exactly the bytes
+the kernels use. So the first load of a model writes those bytes to a file in the user's cache
+directory, and every later load (and every streamed read) uses it.
+
+File (every extent 4 KiB-aligned and padded to 4 KiB, so O_DIRECT can read it; each extent's
+arrays as layout.py lays them out, its family's fields in order):
+
+    extent "globals"   the token embeddings, the output norm and head, rope factors
+    extent layer 0     its attention and FFN fields; in a MoE layer, its router (and shared expert)
+    extents experts    of a MoE layer: one extent per expert, the unit that streams and is cached
+    ...
+    extent layer L-1 (and its experts)
+    manifest           JSON: the source's identity, and per extent its offset, size, CRC-32 and
+                       its fields' arrays (layout.py)
+    trailer            MAGIC, manifest offset, manifest size, manifest CRC-32 (28 bytes)
+
+The file is written under a temporary name, synced, then renamed: a pack either exists whole or
+not at all. It is keyed by the source's absolute path; its manifest records the source's size and
+modification time and the format version, and a pack that disagrees (stale) or whose trailer,
+manifest or size is wrong (damaged) is rebuilt. Extents carry CRC-32s, checked as they are read.
+"""
+
+import hashlib
+import json
+import os
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierflow.errors import ModelFileError, TierflowError
+from tierflow.offload.gguf.model_file import ModelFile
+from tierflow.offload.pack.layout import ExtentLayout, ExtentSize, TensorDecoder
+from tierflow.offload.pack.reader import MAGIC, PACK_VERSION, TRAILER, PackedFile
+from tierflow.offload.plan.profile import cache_dir
+
+LoadProgress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
+
+
+@dataclass(frozen=True)
+class PackSizes:
+    """The pack's extents, sized from the header alone (no weight is read)."""
+
+    globals: ExtentSize
+    layers: list[ExtentSize]
+    experts: list[list[ExtentSize]]  # per layer, each expert's (none in a dense model)
+
+    @property
+    def total_bytes(self) -> int:
+        experts = (x for layer in self.experts for x in layer)
+        return sum(x.nbytes for x in [self.globals, *self.layers, *experts])
+
+
+def extents(model: ModelFile, decoder: TensorDecoder | None = None, all_experts: bool = True
+            ) -> Iterator[tuple[int | None, int | None, ExtentLayout]]:
+    """(layer, expert, layout) of every extent in file order: the globals (None, None), then each
+    layer (i, None) followed by its experts (i, e) (only the first unless all_experts). With a
+    decoder the layouts can write their bytes; without, they only size them."""
+    arch, config = model.arch, model.config
+    yield None, None, ExtentLayout(model.gguf, decoder).add_fields(arch.global_fields(config))
+    for i in range(config.num_layers):
+        yield i, None, ExtentLayout(model.gguf, decoder).add_fields(arch.layer_fields(config, i))
+        for e in range(config.num_experts if all_experts else min(config.num_experts, 1)):
+            yield i, e, ExtentLayout(model.gguf, decoder).add_fields(arch.expert_fields(config, i, e))
+
+
+def pack_sizes(model: ModelFile) -> PackSizes:
+    """Every extent's size, as the writer lays it out. A layer's experts all read the same
+    tensors' slices, so the first one's size serves them all."""
+    config = model.config
+    layouts = iter(extents(model, all_experts=False))
+    globals_ = next(layouts)[2].extent_size()
+    layers, experts = [], []
+    for layer, expert, layout in layouts:
+        if expert is None:
+            layers.append(layout.extent_size())
+            experts.append([])
+        else:
+            experts[layer] = [layout.extent_size()] * config.num_experts
+    return PackSizes(globals_, layers, experts)
+
+
+def pack_path(source: Path) -> Path:
+    """Where the pack of `source` lives: keyed by its absolute path."""
+    digest = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:16]
+    folder = cache_dir() / "packed"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise TierflowError(f"cannot create {folder} ({error.strerror or error}); set TIERFLOW_CACHE "
+                            f"to a writable folder") from error
+    return folder / f"{Path(source).stem}.{digest}.tfpack"
+
+
+def source_identity(source: Path) -> dict:
+    stat = Path(source).stat()
+    return {"path": str(Path(source).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "version": PACK_VERSION}
+
+
+def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = None) -> None:
+    """Writes the pack of `model` (whose tensors passed check_tensors) to path, atomically."""
+    total, done = sum(info.nbytes for info in model.gguf.tensors.values()), 0
+
+    def decoded(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        progress("packing the weights (once)", done, total)
+
+    decoder = TensorDecoder(model.gguf, decoded if progress is not None else None)
+    temporary = path.with_name(path.name + f".{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            manifest = {"version": PACK_VERSION, "source": source_identity(model.path), "layers": [],
+                        "experts": []}
+            for layer, expert, layout in extents(model, decoder):
+                data = layout.bytes()
+                entry = {"offset": f.tell(), "nbytes": len(data), "crc32": zlib.crc32(data),
+                         "weights": layout.spec}
+                f.write(data)
+                if layer is None:
+                    manifest["globals"] = entry
+                elif expert is None:
+                    manifest["layers"].append(entry)
+                    manifest["experts"].append([])
+                else:
+                    manifest["experts"][layer].append(entry)
+            raw = json.dumps(manifest).encode()
+            offset = f.tell()
+            f.write(raw)
+            f.write(TRAILER.pack(MAGIC, offset, len(raw), zlib.crc32(raw)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def open_pack(model: ModelFile, progress: LoadProgress | None = None) -> PackedFile:
+    """The model's pack from the cache, built first if it is missing, stale or damaged."""
+    path = pack_path(model.path)
+    if path.exists():
+        try:
+            packed = PackedFile(path)
+            if packed.source == source_identity(model.path) and len(packed.layers) == model.config.num_layers:
+                return packed
+        except ModelFileError:
+            pass  # damaged: rebuilt below
+    try:
+        build_pack(model, path, progress)
+    except OSError as error:  # a full disk, a read-only cache folder
+        raise TierflowError(f"cannot write the packed weights of {model.path.name} to {path.parent} "
+                            f"({error.strerror or error}); free space there or set TIERFLOW_CACHE to "
+                            f"another folder") from error
+    return PackedFile(path)

@@ -1,0 +1,25 @@
+"""One file per model family: the only place an architecture is named.
+
+Each family's file builds an `Architecture` (architecture.py): how its GGUF metadata becomes a
+ModelConfig, its tensor map (tensor_map.py) and its block (from the shared parts in layers.py).
+Adding a family is one new file here and one line below; see the README's "Adding an
+architecture".
+"""
+
+from tierflow.errors import UnsupportedModelError
+from tierflow.runtime.models import llama, olmoe, qwen2, qwen2moe, qwen3
+from tierflow.runtime.models.architecture import Architecture
+
+ARCHITECTURES: dict[str, Architecture] = {
+    family.ARCHITECTURE.name: family.ARCHITECTURE for family in (llama, qwen2, qwen2moe, olmoe, qwen3)
+}
+
+
+def architecture(name: object) -> Architecture:
+    """The family a file's `general.architecture` names; an unknown one is an
+    UnsupportedModelError listing those tierflow runs."""
+    found = ARCHITECTURES.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise UnsupportedModelError(f"architecture {name!r} is not supported "
+                                    f"(supported: {', '.join(ARCHITECTURES)})")
+    return found

@@ -1,0 +1,131 @@
+"""The parts of a block that families share, written against the `Kernels` protocol.
+
+A family's block composes these (pre_norm_block, attention with or without q/k norms, a SwiGLU
+FFN or a mixture of experts with its routing rule); the same block runs on the CPU kernels and on
+the GPU kernels, since everything device-specific goes through `p.kernels` and the weights' own
+linears.
+
+Shape legend: T new tokens, H query heads, K key/value heads, D head size, E hidden size,
+N experts in the layer, k experts used per token.
+"""
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.model import Activations, Kernels, LayerPass, Linear, Weights, concat
+
+FFN = Callable[[LayerPass, Weights, Activations, Activations], Activations]  # (p, w, h, residual)
+QKNorm = Callable[[LayerPass, Weights, Activations], Activations]  # qkv -> qkv
+Router = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # logits [T, N], k -> weights,
+# chosen experts, each [T, k]
+
+
+def pre_norm_block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, qk_norm: QKNorm | None = None
+                   ) -> Activations:
+    """x + attention(norm(x)), then + ffn(norm(x)): the block of Llama and its descendants."""
+    kernels, eps = p.kernels, p.config.rms_norm_eps
+    attended = attention(p, w, kernels.rms_norm(x, w.attn_norm, eps), qk_norm)
+    h = kernels.add_rms_norm(x, attended, w.ffn_norm, eps)  # x: the residual stream entering the FFN
+    x += ffn(p, w, h, x)
+    return x
+
+
+def attention(p: LayerPass, w: Weights, x: Activations, qk_norm: QKNorm | None = None) -> Activations:
+    """Causal self-attention with rotary positions over the layer's KV cache: x [T, E] -> [T, E]."""
+    cfg = p.config
+    qkv = w.qkv(x)  # [T, H*D + 2*K*D]
+    if qk_norm is not None:
+        qkv = qk_norm(p, w, qkv)
+    out = p.kernels.attention(qkv, p.keys, p.values, p.cos, p.sin, cfg.num_heads, p.start,
+                              cfg.rope_style == "neox", p.parents, p.tree_start)
+    return w.wo(out)
+
+
+def norm_whole_projections(p: LayerPass, w: Weights, qkv: Activations) -> Activations:
+    """RMSNorm over all of the queries and all of the keys (weights [H*D], [K*D]), before rotary."""
+    q, k, v = _split_qkv(p.config, qkv)
+    eps, kernels = p.config.rms_norm_eps, p.kernels
+    return concat([kernels.rms_norm(q, w.q_norm, eps), kernels.rms_norm(k, w.k_norm, eps), v])
+
+
+def norm_each_head(p: LayerPass, w: Weights, qkv: Activations) -> Activations:
+    """RMSNorm over each head's query and key (weights [D], shared by the heads), before rotary."""
+    cfg, kernels = p.config, p.kernels
+    q, k, v = _split_qkv(cfg, qkv)
+    tokens, d, eps = qkv.shape[0], cfg.head_dim, cfg.rms_norm_eps
+    q = kernels.rms_norm(q.reshape(tokens * cfg.num_heads, d), w.q_norm, eps).reshape(tokens, -1)
+    k = kernels.rms_norm(k.reshape(tokens * cfg.num_kv_heads, d), w.k_norm, eps).reshape(tokens, -1)
+    return concat([q, k, v])
+
+
+def swiglu(kernels: Kernels, gate_up: Linear, down: Linear, h: Activations) -> Activations:
+    """down(silu(gate h) * up h), gate and up one linear."""
+    return down(kernels.swiglu(gate_up, h))
+
+
+def dense_ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
+    return swiglu(p.kernels, w.gate_up, w.down, h)
+
+
+def softmax_top_k(renormalize: bool) -> Router:
+    """Each token's k experts of highest softmax probability, weighted by those probabilities,
+    rescaled to sum to 1 when `renormalize`."""
+    def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, chosen = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        if renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    return route
+
+
+def moe_ffn(router: Router, shared_expert: bool = False) -> FFN:
+    """A mixture of experts: the router picks each token's experts, whose SwiGLU outputs are summed
+    with the router's weights; with shared_expert, an expert every token uses is added, scaled by
+    sigmoid(h @ shared_gate)."""
+    def ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
+        out = routed_experts(p, w, h, residual, router)
+        if shared_expert:
+            hidden = torch.as_tensor(h)
+            gate = torch.sigmoid(torch.as_tensor(w.shared_gate(h)))  # [T, 1]
+            shared = swiglu(p.kernels, w.shared_gate_up, w.shared_down, p.kernels.take(hidden))
+            out += gate * torch.as_tensor(shared).to(out.device)
+        return p.kernels.take(out)
+
+    return ffn
+
+
+def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activations, router: Router
+                   ) -> torch.Tensor:
+    """Each expert computes all the tokens routed to it at once (wherever the layer's experts
+    live: `w.experts` hands them over in the order it picks); their outputs are summed in expert
+    order, so the result does not depend on that order. residual [T, E] (the stream entering the
+    FFN) lets the experts' source predict the next layer's routing."""
+    hidden = torch.as_tensor(h)  # [T, E], shares memory
+    weights, chosen = router(torch.as_tensor(w.router(h)), p.config.experts_used)  # [T, k] each
+    chosen_ids = chosen.cpu().numpy()
+    if p.on_routing is not None:
+        p.on_routing(p.layer_idx, chosen_ids)
+    outputs = {}  # expert id -> its rows, their top-k slots, its output (on its device until all ran)
+    for expert_id, expert in w.experts.each(chosen_ids, residual):
+        rows, slots = (chosen == expert_id).nonzero(as_tuple=True)
+        x = expert.kernels.take(hidden[rows])
+        outputs[expert_id] = rows, slots, swiglu(expert.kernels, expert.gate_up, expert.down, x)
+    out = torch.zeros_like(hidden)
+    for expert_id in sorted(outputs):
+        rows, slots, y = outputs[expert_id]
+        out.index_add_(0, rows, weights[rows, slots, None] * torch.as_tensor(y).to(out.device))
+    return out
+
+
+def _split_qkv(cfg: ModelConfig, qkv: Activations) -> tuple[Activations, Activations, Activations]:
+    q_end = cfg.num_heads * cfg.head_dim
+    k_end = q_end + cfg.num_kv_heads * cfg.head_dim
+    return tuple(_contiguous(qkv[:, a:b]) for a, b in ((0, q_end), (q_end, k_end), (k_end, qkv.shape[1])))
+
+
+def _contiguous(x: Activations) -> Activations:
+    return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous()
