@@ -56,6 +56,7 @@ from tierflow.runtime.sampler import Sampler, SamplingParams
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
+from tierflow.runtime.vocabulary import check_vocabulary
 from tierflow.speculative.drafts import ModelDraft, NgramDraft
 from tierflow.speculative.placement import LoadedDraft, load_draft
 from tierflow.speculative.sizing import TreeBudget
@@ -129,6 +130,7 @@ class Engine:
             config = read_config(gguf)
             context_length = _context_length(context_length, config)
             check_tensors(gguf, config)
+            check_vocabulary(gguf.metadata, gguf.path.name)  # some bad ones abort llama.cpp
             with llama_vocab_file(gguf) as vocab_path:
                 tokenizer = Tokenizer.from_gguf(vocab_path)
             loaded = None
