@@ -18,7 +18,6 @@ two tokens that differ only in invalid bytes count as the same token here.
 
 import re
 from collections.abc import Mapping
-from itertools import repeat
 from typing import Any, NoReturn
 
 import numpy as np
@@ -34,9 +33,9 @@ MERGES_KEY = "tokenizer.ggml.merges"
 
 MODELS = {"llama": "SentencePiece", "gpt2": "byte-level BPE"}
 # The pre-tokenizers llama.cpp (as llama-cpp-python 0.3.36 bundles it) knows for a byte-level BPE
-# vocabulary. It reports any other name as an error, but tierflow names the key. Left out:
-# 'whitespace', which only the 'whitespace' tokenizer can use: on a 'gpt2' vocabulary a space
-# reaches the merge lookup, and llama.cpp aborts.
+# vocabulary (tests/test_vocabulary.py loads each). llama.cpp reports any other name as an error;
+# tierflow's names the key. Left out: 'whitespace', which only the 'whitespace' tokenizer can use:
+# on a 'gpt2' vocabulary a space reaches the merge lookup, and llama.cpp aborts.
 PRE_TOKENIZERS = frozenset("""
     a.x-4.0 afmoe bailingmoe bailingmoe2 bloom chameleon chatglm-bpe codeshell cohere2moe command-r
     dbrx deepseek-coder deepseek-llm deepseek-r1-qwen deepseek-v3 default exaone exaone-moe exaone4
@@ -218,13 +217,13 @@ def _merges_name_tokens(merges: list[str], known: frozenset[str]) -> bool:
     Done with whole-list string operations, since a loop over the ~10^5 merges of a real
     vocabulary would take most of the check's time."""
     joined = "\n".join(merges)
-    if not merges or joined.count(" ") != len(merges):
-        return not merges
-    lefts, spaces, rights = zip(*map(str.partition, merges, repeat(" ")))
     merged = joined.replace(" ", "").split("\n")
-    return ("" not in spaces  # each merge has a space, so none has two
-            and len(merged) == len(merges)  # no merge holds a newline
-            and known.issuperset(lefts) and known.issuperset(rights) and known.issuperset(merged))
+    if len(merged) != len(merges):
+        return False
+    spaces = (np.fromiter(map(len, merges), np.int64, len(merges))
+              - np.fromiter(map(len, merged), np.int64, len(merges)))
+    parts = joined.replace("\n", " ").split(" ")  # left, right, left, right, ...
+    return bool((spaces == 1).all()) and known.issuperset(parts) and known.issuperset(merged)
 
 
 def _is_string_list(value: Any) -> bool:
@@ -237,7 +236,8 @@ def _kind(value: Any) -> str:
         return f"an array of {value.dtype}"
     if isinstance(value, list):
         return "an array of strings" if _is_string_list(value) else "an array of arrays"
-    return {bool: "a bool", int: "an integer", float: "a float", str: "a string"}[type(value)]
+    names = {bool: "a bool", int: "an integer", float: "a float", str: "a string"}
+    return names.get(type(value), f"a {type(value).__name__}")
 
 
 def _how_read(*tokens: str) -> str:
