@@ -41,6 +41,7 @@ from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder, Kernels
 from tierflow.runtime.overhead import measure_layer_overhead, shape_key
 from tierflow.runtime.tokenizer import Tokenizer
+from tierflow.runtime.vocabulary import check_vocabulary
 from tierflow.units import parse_size
 
 DEFAULT_CONTEXT_CAP = 4096  # the KV cache length a load defaults to
@@ -200,7 +201,9 @@ def load_model(model: ModelFile, budgets: Budgets, gpu: GpuTier, threads: int,
 
 
 def load_tokenizer(model: ModelFile) -> Tokenizer:
-    """llama.cpp's tokenizer for the model's vocabulary."""
+    """llama.cpp's tokenizer for the model's vocabulary, checked first (some bad ones would abort
+    llama.cpp, and the process with it)."""
+    check_vocabulary(model.gguf.metadata, model.path.name)
     with llama_vocab_file(model.gguf) as vocab_path:
         tokenizer = Tokenizer.from_gguf(vocab_path)
     if tokenizer.vocab_size > model.config.vocab_size:
