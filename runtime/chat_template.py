@@ -5,25 +5,36 @@ The template sees what Hugging Face templates expect (`messages`, `bos_token`, `
 semantics, `{% break %}`/`{% continue %}` and `{% generation %}`).
 
 Jinja's sandbox stops attribute escapes (`''.__class__.__mro__`) but not runaway work, so each
-render also carries a budget of time and size, checked where work can pile up:
-- between output chunks (the total output),
-- on every iteration of every `{% for %}` (the parse tree is rewritten so each loop's iterable
-  passes through a guard), which catches nested loops that print nothing,
-- after every call, filter, `~` concatenation, `{% set %}` block and `+`/`%`, and before `*` and
-  `**` (and any call or filter given an integer above the size limit, such as `center(10**9)`),
-  so no string can grow past the size limit step by step.
-What stays open: one C-level operation on values inside the limit can still allocate more
-(`replace` can square a string's length once; a width inside a `%` or `format` string is not
-inspected), and containers are measured by their length only, so a template that nests shared
-references ([x, x], then [that, that], ...) can build a value whose printing explodes. Full
-isolation would need a subprocess.
+render carries a budget of time (`time_limit_s`) and size (`max_output_chars`), held in two layers.
+
+Checks in the rendering process fail fast, with a message naming the limit:
+- between output chunks (the total output), and on every iteration of every `{% for %}` (the
+  parse tree is rewritten so each loop's iterable passes through a guard);
+- after every call, filter, `~` concatenation, `{% set %}` block and `+`/`*`/`%`;
+- before a call allocates (template_guards.py): integer arguments above the size limit
+  (`center(10**9)`); the length that string-building calls would return, estimated from their
+  arguments (`%` and the `format` filter, each str.format field's width and precision, `indent`,
+  `replace`, `wordwrap`, `join`, `expandtabs`, `lipsum`, `*` repetition); the printed length of a
+  container that is output, joined with `~`, formatted or passed to `tojson`/`string`, counting
+  shared references as often as printing repeats them; integers above 4096 bits from `*` or `**`.
+  (Jinja's sandbox itself caps `range` at 100,000 items.)
+
+A worker process (template_worker.py) holds hard limits on what those checks cannot see coming:
+one C call that runs long (`sum` over many lists, a sort of long equal strings), many values
+that each fit the size limit, the captured output of a macro or `{% filter %}` block joined
+unseen. The parent kills a worker whose answer is later than twice the time limit plus 0.25 s,
+and a render cannot map more than 64 MiB plus 16 bytes per `max_output_chars` beyond what its
+worker holds (a worker that kept more than that after a render is replaced).
+
+What stays open is what those bounds allow: a render may take up to twice its time limit plus a
+quarter second and map up to about twice its memory allowance before it fails. A worker round
+trip adds 0.1-0.3 ms to a render, and the first render in a process starts a worker (a fraction
+of a second). Rendering needs Linux (RLIMIT_AS, /proc).
 """
 
 import functools
 import json
-import time
-from collections.abc import Iterable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -32,6 +43,18 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tierflow.errors import TemplateError
+from tierflow.runtime.template_guards import (
+    BUDGET,
+    FILTER_SIZES,
+    Budget,
+    budgeted_str_format,
+    check_arguments,
+    check_binop,
+    check_call,
+    lipsum,
+    printable,
+)
+from tierflow.runtime.template_worker import POOL
 
 # Plain ChatML, for models whose file carries no template.
 CHATML_TEMPLATE = (
@@ -43,43 +66,17 @@ CHATML_TEMPLATE = (
 
 _LOOP_GUARD = "tierflow_loop_guard"
 _SIZE_GUARD = "tierflow_size_guard"
-# No chat template needs huge integers; Python would spend hours on 9 ** 999999999.
-_MAX_POWER_BITS = 4096
-
-
-class _Budget:
-    """The time and size limits of one render."""
-
-    def __init__(self, time_limit_s: float, max_chars: int) -> None:
-        self.time_limit_s = time_limit_s
-        self.max_chars = max_chars
-        self.deadline = time.monotonic() + time_limit_s
-
-    def check_time(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise TemplateError(f"chat template exceeded its time limit of {self.time_limit_s} s")
-
-    def check_length(self, length: int) -> None:
-        if length > self.max_chars:
-            raise TemplateError(
-                f"chat template exceeded its size limit of {self.max_chars} characters"
-            )
-
-    def checked(self, value: Any) -> Any:
-        """`value`, after checking that it is within the size limit."""
-        if isinstance(value, (str, bytes, list, tuple, dict)):
-            self.check_length(len(value))
-        return value
-
-
-# Set for the duration of one render; the environment's hooks read it.
-_BUDGET: ContextVar[_Budget] = ContextVar("tierflow_template_budget")
+_PRINT_GUARD = "tierflow_print_guard"
+# What a render may allocate beyond what its worker holds: room for the output and the copies
+# made on the way (4 bytes a character at worst, a few times over), plus the interpreter's slack.
+_MEMORY_BYTES_PER_OUTPUT_CHAR = 16
+_MEMORY_BASE_BYTES = 64 << 20
 
 
 def _guard_loop(iterable: Iterable) -> Iterator:
     # Not a generator function itself: reading the budget eagerly makes jinja's constant folder
     # give up (no budget at compile time) instead of folding the loop into a generator object.
-    budget = _BUDGET.get()
+    budget = BUDGET.get()
 
     def guarded() -> Iterator:
         for item in iterable:
@@ -90,53 +87,40 @@ def _guard_loop(iterable: Iterable) -> Iterator:
 
 
 def _guard_size(value: Any) -> Any:
-    return _BUDGET.get().checked(value)
+    return BUDGET.get().checked(value)
 
 
-def _check_arguments(args: tuple, kwargs: dict) -> None:
-    """Refuse size-like arguments above the limit before the call allocates (`center(10**9)`)."""
-    budget = _BUDGET.get()
-    budget.check_time()
-    for arg in (*args, *kwargs.values()):
-        if isinstance(arg, int):
-            budget.check_length(arg)
-
-
-def _budgeted_filter(func: Any) -> Any:
+def _budgeted_filter(func: Any, estimate: Callable[..., int | None] | None) -> Any:
     # The filtered value comes first, after the context when jinja passes one (pass_context
     # and friends); functools.wraps copies __dict__, which keeps that mark on the wrapper.
     num_leading = 2 if getattr(func, "jinja_pass_arg", None) else 1
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        _check_arguments(args[num_leading:], kwargs)
-        return _BUDGET.get().checked(func(*args, **kwargs))
+        check_arguments(args[num_leading:], kwargs)
+        if estimate is not None:
+            BUDGET.get().check_estimate(estimate, args[num_leading - 1:], kwargs)
+        return BUDGET.get().checked(func(*args, **kwargs))
 
     return wrapper
-
-
-def _check_binop_operands(operator: str, left: Any, right: Any) -> None:
-    budget = _BUDGET.get()
-    budget.check_time()
-    if operator == "**" and isinstance(left, int) and isinstance(right, int):
-        if abs(left) > 1 and right > 0 and left.bit_length() * right > _MAX_POWER_BITS:
-            raise TemplateError(f"chat template computed a power above {_MAX_POWER_BITS} bits")
-    elif operator == "*":
-        count, sequence = (left, right) if isinstance(left, int) else (right, left)
-        if isinstance(count, int) and isinstance(sequence, (str, bytes, list, tuple)):
-            budget.check_length(len(sequence) * count)
 
 
 class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-        _check_arguments(args, kwargs)
+        check_call(__obj, args, kwargs)
         return _guard_size(super().call(__context, __obj, *args, **kwargs))
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        _check_binop_operands(operator, left, right)
+        check_binop(operator, left, right)
         return _guard_size(super().call_binop(context, operator, left, right))
+
+    def wrap_str_format(self, value: Any) -> Any:
+        # The sandbox's own wrapper (None when `value` is no str.format or format_map) says which.
+        if super().wrap_str_format(value) is None:
+            return None
+        return functools.update_wrapper(budgeted_str_format(self, value), value)
 
 
 class _GenerationTag(Extension):
@@ -169,14 +153,16 @@ def _strftime_now(date_format: str) -> str:
 
 
 def _make_environment() -> _BudgetedEnvironment:
-    env = _BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True,
+    env = _BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, finalize=printable,
                                extensions=[loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
-    env.filters = {name: _budgeted_filter(func) for name, func in env.filters.items()}
+    env.filters = {name: _budgeted_filter(func, FILTER_SIZES.get(name))
+                   for name, func in env.filters.items()}
     # Added after wrapping: the guards are the budget checks themselves.
     env.filters[_LOOP_GUARD] = _guard_loop
     env.filters[_SIZE_GUARD] = _guard_size
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    env.filters[_PRINT_GUARD] = printable
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, lipsum=lipsum)
     return env
 
 
@@ -201,7 +187,10 @@ def _add_guards(tree: nodes.Template) -> None:
     for block in tree.find_all(nodes.AssignBlock):
         if block.filter is None:
             block.filter = _guard(None, _SIZE_GUARD, block.lineno)
-    # `a ~ b` compiles to a plain join; wrap each Concat where its parent holds it.
+    # `a ~ b` prints each operand, then joins them: a list of shared references can print
+    # enormous, so each operand is checked first, then each Concat where its parent holds it.
+    for concat in list(tree.find_all(nodes.Concat)):
+        concat.nodes = [_guard(operand, _PRINT_GUARD, concat.lineno) for operand in concat.nodes]
     for parent in list(tree.find_all(nodes.Node)):
         for field, child in parent.iter_fields():
             if isinstance(child, list):
@@ -232,13 +221,24 @@ def render_chat_template(template: str, messages: list[dict], *, bos_token: str 
                          **extra: Any) -> str:
     """Render `messages` through `template` in the sandbox; every failure is a TemplateError.
 
-    `extra` becomes template variables too (e.g. `tools`, `enable_thinking`).
+    `extra` becomes template variables too (e.g. `tools`, `enable_thinking`); like `messages`, it
+    must be plain data (it is pickled to the worker process).
     """
     _validate_messages(messages)
     variables = {"tools": None, **extra, "messages": messages, "bos_token": bos_token,
                  "eos_token": eos_token, "add_generation_prompt": add_generation_prompt}
-    budget = _Budget(time_limit_s, max_output_chars)
-    token = _BUDGET.set(budget)
+    memory_bytes = _MEMORY_BASE_BYTES + _MEMORY_BYTES_PER_OUTPUT_CHAR * max_output_chars
+    return POOL.render(template, variables, time_limit_s=time_limit_s, max_chars=max_output_chars,
+                       memory_bytes=memory_bytes)
+
+
+def render_in_process(template: str, variables: dict, time_limit_s: float, max_chars: int) -> str:
+    """Render with the in-process budget only: what a worker runs (render_chat_template is the API).
+
+    MemoryError passes through, for the worker to report against its memory limit.
+    """
+    budget = Budget(time_limit_s, max_chars)
+    token = BUDGET.set(budget)
     try:
         chunks, num_chars = [], 0
         for chunk in _compile(template).generate(variables):
@@ -247,7 +247,7 @@ def render_chat_template(template: str, messages: list[dict], *, bos_token: str 
             budget.check_time()
             chunks.append(chunk)
         return "".join(chunks)
-    except TemplateError:
+    except (TemplateError, MemoryError):
         raise
     except TemplateSyntaxError as exc:
         raise TemplateError(
@@ -258,4 +258,4 @@ def render_chat_template(template: str, messages: list[dict], *, bos_token: str 
             f"chat template failed: {type(exc).__name__}: {_one_line(str(exc))}"
         ) from exc
     finally:
-        _BUDGET.reset(token)
+        BUDGET.reset(token)
