@@ -144,6 +144,9 @@ def serve(model: ModelOpt = None,
                                                          help="require 'Authorization: Bearer KEY'")] = None,
           cors_origin: Annotated[Optional[list[str]], typer.Option(
               "--cors-origin", help="browser origin allowed to call the API (repeatable)")] = None,
+          max_prompt_chars: Annotated[Optional[int], typer.Option(
+              "--max-prompt-chars", help="characters of prompt text a request may send "
+              "(default: 16 per context position)")] = None,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None) -> None:
@@ -151,7 +154,8 @@ def serve(model: ModelOpt = None,
     from tierflow.cli.server import ServerSettings
     from tierflow.cli.server import serve as serve_forever
 
-    settings = ServerSettings(host=host, port=port, api_key=api_key, cors_origins=tuple(cors_origin or ()))
+    settings = ServerSettings(host=host, port=port, api_key=api_key, cors_origins=tuple(cors_origin or ()),
+                              max_prompt_chars=max_prompt_chars)
     engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
     if not settings.is_loopback and settings.api_key is None:
         err.print(f"[yellow]warning:[/yellow] {host} is reachable from other machines and no --api-key "

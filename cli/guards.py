@@ -1,10 +1,12 @@
-"""ASGI middleware that refuses a request before any route sees it: foreign Host, missing API key.
+"""ASGI middleware that refuses a request before any route sees it: foreign Host, foreign Origin,
+missing API key, a body that is not JSON.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would sit between a streaming
 response and the client's disconnect.
 """
 
 import hmac
+from collections.abc import Iterable
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -28,28 +30,91 @@ class HostGuard:
             error = ApiError(403, "the Host header must name this machine (127.0.0.1, localhost or "
                              "[::1] with the server's port)", type="permission_error",
                              code="host_not_allowed")
-            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+            await _refuse(error, scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
+class OriginGuard:
+    """Refuses a request whose Origin is another site than the server's own and not allowed.
+
+    Browsers send Origin with every cross-site POST, including the "simple" ones (a text/plain
+    body, no custom header) that CORS lets through without a preflight: without this, any web
+    page could make the server generate, though it could not read the answer. Clients that send
+    no Origin (curl, SDKs) are not browsers acting for a page, and pass.
+    """
+
+    def __init__(self, app: ASGIApp, allowed: Iterable[str]):
+        self.app = app
+        self.allowed = {origin.lower() for origin in allowed}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self._allows(scope):
+            error = ApiError(403, "requests from other web pages are refused; the server's --cors-origin "
+                             "option lists the origins allowed", type="permission_error",
+                             code="origin_not_allowed")
+            await _refuse(error, scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _allows(self, scope: Scope) -> bool:
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        if origin is None or "*" in self.allowed:
+            return True
+        own = f"{scope['scheme']}://{headers.get('host', '')}"  # the page at / calls from here
+        return origin.lower() in self.allowed | {own.lower()}
+
+
 class ApiKeyGuard:
-    """Requires `Authorization: Bearer KEY` on every path but public_paths."""
+    """Requires `Authorization: Bearer KEY` on every path but public_paths. The scheme's case is
+    free (RFC 7235); the key must match exactly."""
 
     def __init__(self, app: ASGIApp, api_key: str, public_paths: frozenset[str]):
         self.app, self.public_paths = app, public_paths
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public_paths:
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):  # constant time: no key guessing by timing
-                error = ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
-                                 type="authentication_error", code="invalid_api_key")
-                await JSONResponse(error.body(), status_code=401,
-                                   headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["path"] not in self.public_paths and not self._authorized(scope):
+            error = ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+                             type="authentication_error", code="invalid_api_key")
+            await _refuse(error, scope, receive, send, headers={"WWW-Authenticate": "Bearer"})
+            return
         await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        scheme, _, key = Headers(scope=scope).get("authorization", "").partition(" ")
+        # Headers arrive as latin-1; encoding back gives the bytes sent. Constant time: no key
+        # guessing by timing (the scheme is no secret).
+        given = key.lstrip(" ").encode("latin-1")
+        return hmac.compare_digest(given, self.expected) and scheme.lower() == "bearer"
+
+
+class JsonBodyGuard:
+    """Refuses a POST whose body is not declared `application/json` (parameters such as charset
+    allowed) with 415, before anything reads it. The HTML forms and text/plain bodies a web page
+    can send without a CORS preflight are never parsed."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not _is_json(scope):
+            error = ApiError(415, "the request body must be JSON, sent with 'Content-Type: application/json'",
+                             code="unsupported_media_type")
+            await _refuse(error, scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _refuse(error: ApiError, scope: Scope, receive: Receive, send: Send,
+                  headers: dict[str, str] | None = None) -> None:
+    await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
+
+
+def _is_json(scope: Scope) -> bool:
+    media_type = Headers(scope=scope).get("content-type", "").partition(";")[0]
+    return media_type.strip().lower() == "application/json"
 
 
 def _is_loopback_host(scope: Scope) -> bool:

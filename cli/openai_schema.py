@@ -5,12 +5,17 @@ this server does not know are ignored, since clients send many. Every failure be
 that the server renders as OpenAI's `{"error": {"message", "type", "param", "code"}}` body.
 """
 
+import gc
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, with_config
+from typing_extensions import NotRequired, TypedDict
 
 from tierflow.errors import ContextLengthError, TierflowError
 from tierflow.runtime.streams import GenerationResult
@@ -40,26 +45,42 @@ def engine_error(error: TierflowError, prompt_param: str) -> ApiError:
 
 # -- requests ---------------------------------------------------------------------------------
 
+STRICT = ConfigDict(extra="ignore", strict=True)
+TEMPLATE_CHARS_PER_MESSAGE = 16  # a chat message's framing in the template (role markers, separators)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = STRICT
 
 
-class TextPart(_Strict):
+# Messages and their parts are TypedDicts, not models: a megabyte of them validates several times
+# faster. Every list stops at its first bad item: a megabyte of bad items would otherwise build one
+# error each.
+
+@with_config(STRICT)
+class TextPart(TypedDict):
     type: Literal["text"]
     text: str
 
 
-class Message(_Strict):
+@with_config(STRICT)
+class Message(TypedDict):
     role: str
-    content: str | list[TextPart] | None = None
+    content: NotRequired[str | Annotated[list[TextPart], Field(fail_fast=True)] | None]
 
-    def as_template_message(self) -> dict:
-        """The plain {"role", "content"} the chat template expects; "developer" is OpenAI's new
-        name for "system"."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+def template_message(message: Message) -> dict:
+    """The plain {"role", "content"} the chat template expects; "developer" is OpenAI's new name
+    for "system"."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(part["text"] for part in content)
+    return {"role": "system" if message["role"] == "developer" else message["role"], "content": content or ""}
+
+
+def _content_chars(message: Message) -> int:
+    content = message.get("content") or ""
+    return len(content) if isinstance(content, str) else sum(len(part["text"]) for part in content)
 
 
 class StreamOptions(_Strict):
@@ -74,7 +95,7 @@ class _GenerationRequest(_Strict):
     min_p: float | None = None
     repeat_penalty: float | None = None
     seed: int | None = Field(None, ge=-1)  # -1: random, as in llama.cpp
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(fail_fast=True)] | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -105,26 +126,31 @@ class _GenerationRequest(_Strict):
 
 
 class ChatRequest(_GenerationRequest):
-    messages: list[Message] = Field(min_length=1)
+    messages: Annotated[list[Message], Field(fail_fast=True)] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)  # the newer name for max_tokens
     logprobs: bool | None = None
 
     def template_messages(self) -> list[dict]:
         if self.logprobs:
             raise ApiError(400, "logprobs are not supported", param="logprobs")
-        return [message.as_template_message() for message in self.messages]
+        return [template_message(message) for message in self.messages]
+
+    def prompt_chars(self) -> int:
+        """The characters the messages put into the prompt, each message's framing counted too."""
+        return sum(len(message["role"]) + _content_chars(message) + TEMPLATE_CHARS_PER_MESSAGE
+                   for message in self.messages)
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str]
+    prompt: str | Annotated[list[int], Field(fail_fast=True)] | Annotated[list[str], Field(fail_fast=True)]
     echo: bool | None = False
     logprobs: int | None = None
 
     def engine_prompt(self) -> str | list[int]:
-        """The prompt as text or token ids; a batch of several prompts is refused."""
+        """The prompt as text or token ids; an empty one, or a batch of several, is refused."""
         if self.echo or self.logprobs is not None:
             raise ApiError(400, "echo and logprobs are not supported",
                            param="echo" if self.echo else "logprobs")
@@ -132,21 +158,47 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise ApiError(400, "only one prompt per request is supported", param="prompt")
-            return prompt[0]
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
         return prompt
 
 
 def parse_request(model: type[_Strict], body: bytes) -> _Strict:
-    """The request parsed from a JSON body; bad JSON or a bad field is a 400 naming the field."""
+    """The request parsed from a JSON body; bad JSON or a bad field is a 400 naming the field.
+
+    This runs on the event loop (a worker thread would wait for the same interpreter lock), so its
+    cost is bounded per byte: the JSON becomes Python objects first, then is validated. Validating
+    the JSON directly costs more on bad input, since each error copies its input out of the JSON:
+    a field holding a megabyte of small lists took 100+ ms.
+    """
+    with _collector_paused():
+        try:
+            data = pydantic_core.from_json(body, allow_inf_nan=False)
+        except ValueError as error:
+            raise ApiError(400, f"the body is not valid JSON: {error}") from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as error:
+            first = error.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(part) for part in first["loc"]) or "body"
+    param = str(first["loc"][0]) if first["loc"] else None
+    raise ApiError(400, f"{where}: {first['msg']}", param=param)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pauses the cyclic garbage collector: a megabyte of JSON can be a few hundred thousand small
+    lists, which would set off several of its passes, costing ten times the parse. What the parse
+    builds and drops is freed by reference counting all the same."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
     try:
-        return model.model_validate_json(body)
-    except ValidationError as error:
-        first = error.errors(include_url=False)[0]
-        if first["type"] == "json_invalid":
-            raise ApiError(400, f"the body is not valid JSON: {first['msg']}") from None
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        param = str(first["loc"][0]) if first["loc"] else None
-        raise ApiError(400, f"{where}: {first['msg']}", param=param) from None
+        yield
+    finally:
+        gc.enable()
 
 
 # -- responses --------------------------------------------------------------------------------

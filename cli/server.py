@@ -2,17 +2,25 @@
 `/health`, and the chat page at `/`.
 
 Safe by default, for a server on a desktop: it binds loopback, refuses a foreign Host header there
-(DNS rebinding), checks an optional API key, sends no CORS headers unless origins are listed, and
-bounds body size, max_tokens and the queue. Generations run through the engine's async API, so
-the event loop keeps answering (health checks, 503s) while the model computes, and a client that
-goes away cancels its generation.
+(DNS rebinding), refuses a foreign Origin (a web page's request) unless it is listed for CORS,
+takes only JSON bodies, checks an optional API key, and bounds body size, prompt characters,
+max_tokens and the queue.
+
+The event loop never waits on request work, so it keeps answering (health checks, 503s) whatever
+is asked of it: a prompt is rendered and tokenized on a worker thread (llama.cpp splits special
+tokens in quadratic time), and only once the character limit and the queue have admitted it;
+generations run on the engine's compute thread, and a client that goes away cancels its own.
 """
 
 import asyncio
+import gc
 import ipaddress
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import uvicorn
@@ -21,7 +29,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tierflow.cli.guards import ApiKeyGuard, HostGuard
+from tierflow.cli.guards import ApiKeyGuard, HostGuard, JsonBodyGuard, OriginGuard
 from tierflow.cli.openai_schema import (
     ApiError,
     ChatRequest,
@@ -30,12 +38,14 @@ from tierflow.cli.openai_schema import (
     engine_error,
     parse_request,
 )
-from tierflow.errors import InvalidArgumentError, TierflowError
+from tierflow.errors import ContextLengthError, InvalidArgumentError, TierflowError
 from tierflow.runtime.engine import Engine
 from tierflow.runtime.streams import AsyncStream, GenerationResult
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 PUBLIC_PATHS = frozenset({"/health", "/"})  # no API key: the page holds no data and asks for the key
+CHARS_PER_POSITION = 16  # the default prompt character limit per context position: 4x typical text
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,8 +53,13 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # when set, every route but PUBLIC_PATHS needs `Bearer KEY`
-    cors_origins: tuple[str, ...] = ()  # origins allowed to call from a browser; none: no CORS
+    # Origins whose pages may call the API from a browser (CORS); any other Origin gets 403, but
+    # the server's own page and clients that send no Origin (curl, SDKs) are always let in.
+    cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 1_000_000
+    # Characters of prompt text (a completion's prompt, or all chat messages with their framing) a
+    # request may send, checked before tokenizing; None: CHARS_PER_POSITION per context position.
+    max_prompt_chars: int | None = None
     max_tokens_limit: int = 4096  # a request asking for more gets 400; also the default
     max_queued: int = 8  # requests waiting behind the running one; beyond: 503
 
@@ -53,6 +68,7 @@ class ServerSettings:
             (0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
             (self.max_body_bytes > 0, "max_body_bytes must be > 0"),
+            (self.max_prompt_chars is None or self.max_prompt_chars > 0, "max_prompt_chars must be > 0"),
             (self.max_tokens_limit > 0, "max_tokens_limit must be > 0"),
             (self.max_queued >= 0, "max_queued must be >= 0"),
         ]
@@ -82,9 +98,9 @@ def serve(engine: Engine, settings: ServerSettings) -> None:
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="tierflow", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tierflow", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan)
     model = engine.path.stem
-    slots = _Slots(1 + settings.max_queued)
+    generations = _Generations(engine, settings)
 
     @app.get("/health")
     async def health() -> dict:
@@ -110,33 +126,41 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_request(ChatRequest, await _read_body(request, settings.max_body_bytes))
-        kwargs = body.generation_kwargs(settings.max_tokens_limit)
-        try:
-            astream = engine.achat_stream(body.template_messages(), **kwargs)
-        except TierflowError as error:
-            raise engine_error(error, "messages") from None
-        return await _answer(request, astream, Reply.new(True, model), body, slots.acquire())
+        generations.check_chars(body.prompt_chars(), "messages")
+        messages = body.template_messages()
+        return await generations.answer(request, body, Reply.new(True, model), "messages",
+                                        partial(engine.tokenize_chat, messages))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_request(CompletionRequest, await _read_body(request, settings.max_body_bytes))
-        kwargs = body.generation_kwargs(settings.max_tokens_limit)
-        try:
-            astream = engine.astream(body.engine_prompt(), **kwargs)
-        except TierflowError as error:
-            raise engine_error(error, "prompt") from None
-        return await _answer(request, astream, Reply.new(False, model), body, slots.acquire())
+        prompt, reply = body.engine_prompt(), Reply.new(False, model)
+        if isinstance(prompt, str):
+            generations.check_chars(len(prompt), "prompt")
+            prompt = partial(engine.tokenize, prompt)
+        return await generations.answer(request, body, reply, "prompt", prompt)
 
     _add_error_handlers(app)
-    # The last added is the outermost: Host first, then CORS (preflights carry no key), then the key.
+    # The last added is the outermost: Host, Origin, CORS (preflights carry no key), key, JSON.
+    app.add_middleware(JsonBodyGuard)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key, public_paths=PUBLIC_PATHS)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(OriginGuard, allowed=settings.cors_origins)
     if settings.is_loopback:
         app.add_middleware(HostGuard)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # What is alive when serving starts (the engine, torch, the app) lives until it ends: frozen,
+    # the garbage collector's full passes skip it, which shortens each pass, a pause of the event
+    # loop, from about 90 ms to a few.
+    gc.freeze()
+    yield
 
 
 def _model_card(engine: Engine) -> dict:
@@ -144,9 +168,60 @@ def _model_card(engine: Engine) -> dict:
             "owned_by": "tierflow"}
 
 
+class _Generations:
+    """Admits and runs the generation requests: the character limit and the queue first, then the
+    prompt's tokenizing on a worker thread, then the generation on the engine's compute thread."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings):
+        self.engine, self.max_tokens_limit = engine, settings.max_tokens_limit
+        self.max_chars = settings.max_prompt_chars or CHARS_PER_POSITION * engine.context_length
+        self.slots = _Slots(1 + settings.max_queued)
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        """Refuses prompt text past the limit; for messages, num_chars counts their framing too."""
+        if num_chars > self.max_chars:
+            counted = " (each message's role and template framing count too)" if param == "messages" else ""
+            raise ApiError(400, f"{param}: {num_chars} characters of prompt text{counted}; this server "
+                           f"accepts at most {self.max_chars} (--max-prompt-chars)", param=param,
+                           code="prompt_too_long")
+
+    async def answer(self, request: Request, body: ChatRequest | CompletionRequest, reply: Reply,
+                     param: str, prompt: Callable[[], list[int]] | list[int]) -> Response:
+        """The response to one request: param names the prompt's field in errors; prompt is its
+        token ids, or the (slow) function that makes them."""
+        kwargs = body.generation_kwargs(self.max_tokens_limit)
+        release = self.slots.acquire()
+        try:
+            astream = await self._start(request, param, prompt, kwargs)
+        except BaseException:
+            release()
+            raise
+        if body.stream and astream is not None:  # the stream frees the slot when it ends
+            return _EventStream(_events(astream, reply, body.include_usage, param), astream, release)
+        try:
+            return await _whole_answer(request, astream, reply, param)
+        finally:
+            release()
+
+    async def _start(self, request: Request, param: str, prompt: Callable[[], list[int]] | list[int],
+                     kwargs: dict) -> AsyncStream | None:
+        """The generation's stream, or None if the client left while its prompt was tokenized."""
+        try:
+            if callable(prompt):
+                prompt = await _unless_disconnected(request, _on_worker_thread(prompt))
+                if prompt is None:
+                    return None
+            if len(prompt) > self.engine.context_length:  # refused before the engine checks each id
+                raise ContextLengthError(f"the prompt has {len(prompt)} tokens but the context holds "
+                                         f"{self.engine.context_length}")
+            return self.engine.astream(prompt, **kwargs)
+        except TierflowError as error:
+            raise engine_error(error, param) from None
+
+
 class _Slots:
-    """Generation requests in flight: one runs, the rest wait on the engine's lock. Touched only
-    from the event loop, so a plain counter suffices."""
+    """Generation requests in flight: one runs, the rest wait on the engine's lock (or tokenize).
+    Touched only from the event loop, so a plain counter suffices."""
 
     def __init__(self, capacity: int):
         self.capacity, self.used = capacity, 0
@@ -183,14 +258,25 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _answer(request: Request, astream: AsyncStream, reply: Reply,
-                  body: ChatRequest | CompletionRequest, release: Callable[[], None]) -> Response:
-    if body.stream:
-        return _EventStream(_events(astream, reply, body.include_usage), astream, release)
+async def _on_worker_thread(work: Callable[[], list[int]]) -> list[int]:
+    """work() on a worker thread. A thread cannot be stopped, so a cancelled caller waits for it to
+    end before it lets the cancellation through: the caller's queue slot stays held meanwhile, and
+    the slots bound the threads a client can set working and then leave."""
+    future = asyncio.get_running_loop().run_in_executor(None, work)
     try:
-        result = await _unless_disconnected(request, _collect(astream))
-    finally:
-        release()
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        raise
+
+
+async def _whole_answer(request: Request, astream: AsyncStream | None, reply: Reply, param: str) -> Response:
+    """The answer of a request that does not stream, or 499 once its client has left (astream is
+    None if it left while its prompt was tokenized)."""
+    try:
+        result = None if astream is None else await _unless_disconnected(request, _collect(astream))
+    except Exception as error:
+        raise _generation_error(error, param) from None
     if result is None:
         return Response(status_code=499)  # nobody is listening; nginx's code for it, for the log
     if result.finish_reason == "cancelled":
@@ -198,15 +284,15 @@ async def _answer(request: Request, astream: AsyncStream, reply: Reply,
     return JSONResponse(reply.response(result))
 
 
-async def _collect(astream: AsyncStream) -> GenerationResult:
+async def _collect(astream: AsyncStream) -> GenerationResult | None:
     async for _ in astream:
         pass
     return astream.result
 
 
 async def _unless_disconnected(request: Request, work: Awaitable) -> object | None:
-    """work's result, or None if the client disconnects first (work is then cancelled, which
-    cancels its generation)."""
+    """work's result, or None if the client disconnects first: work is then cancelled (which
+    cancels a generation) and waited for."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnect(request))
     try:
@@ -215,6 +301,7 @@ async def _unless_disconnected(request: Request, work: Awaitable) -> object | No
         watcher.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})
     return None if task.cancelled() else task.result()
 
 
@@ -224,24 +311,36 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _events(astream: AsyncStream, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: the role (chat), the text pieces, the finish, the usage, [DONE]."""
+async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param: str) -> AsyncIterator[str]:
+    """Server-sent events: the role (chat), the text pieces, the finish, the usage, [DONE]; or,
+    once something fails, an error event (OpenAI's error body) that ends the stream."""
     if reply.chat:
         yield _sse(reply.role_chunk())
     try:
         async for piece in astream:
             yield _sse(reply.text_chunk(piece))
-    except TierflowError as error:
-        yield _sse(ApiError(500, str(error), type="server_error").body())
+    except Exception as error:
+        yield _sse(_generation_error(error, param).body())
         return
     result = astream.result
-    if result.finish_reason == "cancelled":
+    if result is None or result.finish_reason == "cancelled":
         yield _sse(ApiError(503, "the generation was cancelled", type="server_error").body())
         return
     yield _sse(reply.final_chunk(result))
     if include_usage:
         yield _sse(reply.usage_chunk(result))
     yield "data: [DONE]\n\n"
+
+
+def _generation_error(error: Exception, param: str) -> ApiError:
+    """The API error for a generation that failed after it started."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, TierflowError):
+        return engine_error(error, param)
+    log.error("a generation failed", exc_info=error)
+    return ApiError(500, "the generation failed (an internal error; the server's log has the details)",
+                    type="server_error")
 
 
 def _sse(data: dict) -> str:

@@ -1,47 +1,26 @@
 """The OpenAI-compatible server, started for real on loopback: the official `openai` client for
 the happy paths (checked against in-process generation), raw HTTP for every refusal."""
 
-import socket
-import threading
+import json
+import logging
 import time
-from contextlib import contextmanager
+from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
+from live_server import assert_error, read_until_text, running_server
 from openai import OpenAI
 from typer.testing import CliRunner
 
 from tierflow.cli.app import app
-from tierflow.cli.server import ServerSettings, create_app
 from tierflow.errors import InvalidArgumentError
 
 KEY = "test-key"
 ORIGIN = "http://app.example"
 HI = [{"role": "user", "content": "Hi, who are you?"}]
 GREEDY = {"temperature": 0, "max_tokens": 6}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def running_server(engine, **settings):
-    """A real uvicorn server on a thread; yields its base URL."""
-    config = ServerSettings(port=free_port(), **settings)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host=config.host,
-                                           port=config.port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the server failed to start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{config.port}"
-    server.should_exit = True
-    thread.join(10)
+JSON = {"Content-Type": "application/json"}
+NAN_TEMPERATURE = 1e-320  # overflows the sampler to NaN probabilities: numpy raises ValueError
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +31,9 @@ def url(engine):
 
 @pytest.fixture(scope="module")
 def guarded_url(engine):
-    """An API key, CORS for one origin, a small body limit, max_tokens limit, and no queue."""
+    """An API key, CORS for one origin, small body, max_tokens and prompt limits, and no queue."""
     with running_server(engine, api_key=KEY, cors_origins=(ORIGIN,), max_body_bytes=2000,
-                        max_tokens_limit=16, max_queued=0) as base:
+                        max_tokens_limit=16, max_queued=0, max_prompt_chars=100) as base:
         yield base
 
 
@@ -67,22 +46,29 @@ def chat_body(**fields) -> dict:
     return {"messages": HI, **GREEDY, **fields}
 
 
-def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and "Traceback" not in error["message"]
-    if code:
-        assert error["code"] == code
-    return error
+def sse_events(response: httpx.Response) -> list[str]:
+    return [event.removeprefix("data: ") for event in response.text.split("\n\n") if event]
 
 
-def read_until_text(lines) -> None:
-    """Reads SSE lines until the first chunk with generated text. The caller keeps `lines`
-    referenced: a dropped httpx line iterator closes the connection."""
-    for line in lines:
-        if '"content": "' in line and '"content": ""' not in line or '"text": "' in line:
-            return
-    raise AssertionError("the stream ended without text")
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def server_errors() -> Iterator[list[logging.LogRecord]]:
+    """What the servers log as errors during the test: uvicorn's log (which does not propagate to
+    the root logger) and everything else's."""
+    handler, loggers = _Records(), [logging.getLogger(), logging.getLogger("uvicorn.error")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield handler.records
+    for logger in loggers:
+        logger.removeHandler(handler)
 
 
 # -- the openai client --------------------------------------------------------------------------
@@ -171,7 +157,7 @@ def test_stream_is_server_sent_events_ending_in_done(url):
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', "max_tokens"),
 ])
 def test_invalid_request_is_400(url, body, param):
-    response = httpx.post(f"{url}/v1/chat/completions", content=body)
+    response = httpx.post(f"{url}/v1/chat/completions", content=body, headers=JSON)
     assert assert_error(response, 400)["param"] == param
 
 
@@ -213,7 +199,7 @@ def test_loopback_host_names_are_accepted(url, name):
     assert httpx.get(f"{url}/v1/models", headers={"Host": f"{name}:{port}"}).status_code == 200
 
 
-@pytest.mark.parametrize("auth", [None, "Bearer wrong", KEY])
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", KEY, f"Bearer {KEY.upper()}", f"Basic {KEY}"])
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
                                           ("POST", "/v1/completions"), ("GET", "/v1/nothing")])
 def test_missing_or_wrong_api_key_is_401(guarded_url, auth, method, path):
@@ -224,6 +210,12 @@ def test_missing_or_wrong_api_key_is_401(guarded_url, auth, method, path):
 
 def test_right_api_key_is_accepted(guarded_url):
     response = httpx.get(f"{guarded_url}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "BeArEr"])
+def test_bearer_scheme_is_case_insensitive(guarded_url, scheme):
+    response = httpx.get(f"{guarded_url}/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
     assert response.status_code == 200
 
 
@@ -247,8 +239,78 @@ def test_body_over_the_limit_is_413(guarded_url):
 def test_chunked_body_over_the_limit_is_413(guarded_url):
     chunks = (b" " * 500 for _ in range(6))  # no Content-Length: the bytes read are counted
     response = httpx.post(f"{guarded_url}/v1/chat/completions", content=chunks,
-                          headers={"Authorization": f"Bearer {KEY}"})
+                          headers={"Authorization": f"Bearer {KEY}", **JSON})
     assert_error(response, 413)
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/jsonl"])
+def test_body_that_is_not_json_is_415(url, content_type):
+    headers = {"Content-Type": content_type} if content_type else {}
+    response = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(chat_body()), headers=headers)
+    assert_error(response, 415, "unsupported_media_type")
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON"])
+def test_json_content_type_parameters_and_case_are_accepted(url, content_type):
+    response = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(chat_body()),
+                          headers={"Content-Type": content_type})
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1"])
+def test_foreign_origin_is_403(url, origin):
+    # A web page's form-like POST: a CORS "simple request", sent without a preflight.
+    response = httpx.post(f"{url}/v1/completions", content=json.dumps({"prompt": "Hi", "max_tokens": 1}),
+                          headers={"Origin": origin, "Content-Type": "text/plain"})
+    assert_error(response, 403, "origin_not_allowed")
+
+
+@pytest.mark.parametrize("name", ["127.0.0.1", "localhost"])
+def test_own_origin_is_allowed(url, name):
+    own = url.replace("127.0.0.1", name)
+    response = httpx.post(f"{own}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                          headers={"Origin": own})
+    assert response.status_code == 200
+
+
+def test_listed_origin_is_allowed(guarded_url):
+    response = httpx.post(f"{guarded_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                          headers={"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == ORIGIN
+
+
+@pytest.mark.parametrize("prompt", ["", [""], []])
+def test_empty_prompt_is_400(url, prompt):
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert assert_error(response, 400)["param"] == "prompt"
+
+
+def test_token_id_prompt_over_the_context_is_400(url, engine):
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": [1] * (engine.context_length + 1)})
+    assert assert_error(response, 400, "context_length_exceeded")["param"] == "prompt"
+
+
+def test_prompt_character_limit_is_a_setting(guarded_url):
+    response = httpx.post(f"{guarded_url}/v1/completions", json={"prompt": "a" * 101, "max_tokens": 1},
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert "100" in assert_error(response, 400, "prompt_too_long")["message"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's overflow, on purpose
+def test_error_mid_stream_ends_it_with_an_error_event(url):
+    response = httpx.post(f"{url}/v1/chat/completions",
+                          json=chat_body(stream=True, temperature=NAN_TEMPERATURE))
+    events = sse_events(response)
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+    error = json.loads(events[-1])["error"]
+    assert error["type"] == "server_error" and "Traceback" not in error["message"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_error_in_a_whole_answer_is_an_openai_500(url):
+    response = httpx.post(f"{url}/v1/chat/completions", json=chat_body(temperature=NAN_TEMPERATURE))
+    assert assert_error(response, 500)["type"] == "server_error"
 
 
 def test_cors_headers_only_for_listed_origins(url, guarded_url):
@@ -298,11 +360,21 @@ def test_disconnect_while_waiting_for_a_whole_answer_cancels_it(url):
     assert response.status_code == 200 and time.perf_counter() - start < 5
 
 
+def test_disconnect_while_waiting_for_a_whole_answer_logs_no_error(url, server_errors):
+    body = {"prompt": "1, 2, 3, 4,", "max_tokens": 500, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=1)
+    # Answered once the abandoned generation has let go of the engine, so after its handler ended.
+    httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
+    assert [record.getMessage() for record in server_errors] == []
+
+
 def test_root_serves_the_chat_page(url):
     response = httpx.get(f"{url}/")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
 
 
-def test_serve_command_checks_settings_before_loading():
-    result = CliRunner().invoke(app, ["serve", "--port", "70000"])
+@pytest.mark.parametrize("option", [["--port", "70000"], ["--max-prompt-chars", "0"]])
+def test_serve_command_checks_settings_before_loading(option):
+    result = CliRunner().invoke(app, ["serve", *option])
     assert isinstance(result.exception, InvalidArgumentError)

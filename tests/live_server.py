@@ -1,0 +1,84 @@
+"""A real uvicorn server on a free loopback port, for tests that talk HTTP to it."""
+
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from tierflow.cli.server import ServerSettings, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(engine, **settings) -> Iterator[str]:
+    """A real uvicorn server on a thread; yields its base URL."""
+    config = ServerSettings(port=free_port(), **settings)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host=config.host,
+                                           port=config.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server failed to start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{config.port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@contextmanager
+def serve_command(*options: str) -> Iterator[str]:
+    """`tierflow serve` in its own process, as a user runs it; yields its base URL once /health
+    answers. Its log goes to a file: a pipe nobody reads would fill and stop the server."""
+    port = free_port()
+    command = [sys.executable, "-m", "tierflow.cli.app", "serve", "--port", str(port), *options]
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=log, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            while not _answers(f"{url}/health"):
+                if server.poll() is not None:
+                    log.seek(0)
+                    raise AssertionError(f"tierflow serve exited: {log.read()}")
+                time.sleep(0.1)
+            yield url
+        finally:
+            server.terminate()
+            server.wait(30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
+    """Checks the status and OpenAI's error body (no traceback in it); returns the error."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "Traceback" not in error["message"]
+    if code:
+        assert error["code"] == code
+    return error
+
+
+def read_until_text(lines) -> None:
+    """Reads SSE lines until the first chunk with generated text. The caller keeps `lines`
+    referenced: a dropped httpx line iterator closes the connection."""
+    for line in lines:
+        if '"content": "' in line and '"content": ""' not in line or '"text": "' in line:
+            return
+    raise AssertionError("the stream ended without text")

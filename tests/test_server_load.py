@@ -1,0 +1,169 @@
+"""The server never blocks its event loop on request work: a prompt is rendered and tokenized on a
+worker thread, and only once the character limit and the queue have admitted it; under a flood of
+hostile and normal requests, /health keeps answering within 100 ms."""
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from live_server import assert_error, read_until_text, running_server, serve_command
+
+from tierflow.cli.server import CHARS_PER_POSITION
+
+HEALTH_BOUND_S = 0.1  # the task's bound on a health check's latency, send to answer
+POLL_EVERY_S = 0.03
+# llama.cpp splits special tokens in quadratic time: tokenizing this took 15 s.
+QUADRATIC_PROMPT = "<|im_end|>a" * 50_000
+ONE_CHAR_MESSAGES = [{"role": "user", "content": "a"}] * 25_000
+NORMAL_CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0,
+               "max_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with running_server(engine) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def no_queue_url(engine):
+    with running_server(engine, max_queued=0) as base:
+        yield base
+
+
+def on_event_loop() -> bool:
+    """Whether the calling thread is running an asyncio event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.fixture
+def tokenizer_calls(engine, monkeypatch) -> list[bool]:
+    """One entry per chat-template render or tokenize the engine does: whether it ran on the event
+    loop's thread."""
+    calls = []
+    for name in ("apply_chat_template", "encode"):
+        real = getattr(engine.tokenizer, name)
+
+        def spy(*args, real=real, **kwargs):
+            calls.append(on_event_loop())
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine.tokenizer, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+])
+def test_prompts_are_tokenized_off_the_event_loop(url, tokenizer_calls, path, body):
+    assert httpx.post(f"{url}{path}", json=body).status_code == 200
+    assert tokenizer_calls and not any(tokenizer_calls)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": QUADRATIC_PROMPT}),
+    ("/v1/chat/completions", {"messages": ONE_CHAR_MESSAGES}),  # each message counts its template's text
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 9000}] * 2}),
+])
+def test_prompt_over_the_character_limit_is_refused_before_tokenizing(url, engine, tokenizer_calls, path,
+                                                                       body):
+    error = assert_error(httpx.post(f"{url}{path}", json=body), 400, "prompt_too_long")
+    assert str(CHARS_PER_POSITION * engine.context_length) in error["message"] and tokenizer_calls == []
+
+
+def test_full_queue_refuses_before_tokenizing(no_queue_url, tokenizer_calls):
+    running_body = {**NORMAL_CHAT, "stream": True}
+    with httpx.stream("POST", f"{no_queue_url}/v1/chat/completions", json=running_body) as running:
+        lines = running.iter_lines()
+        read_until_text(lines)
+        tokenizer_calls.clear()
+        busy = httpx.post(f"{no_queue_url}/v1/chat/completions", json={"messages": ONE_CHAR_MESSAGES[:50]})
+    assert_error(busy, 503, "server_busy")
+    assert tokenizer_calls == []
+
+
+class HealthPoller:
+    """Polls /health on its own connection every POLL_EVERY_S while in its `with` block, timing
+    each poll from sending the request to reading the answer."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.latencies: list[float] = []
+        self.statuses: list[int] = []
+        self._answered, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> "HealthPoller":
+        self._thread.start()
+        assert self._answered.wait(30), "the first health check got no answer"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=120) as client:
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                status = client.get(f"{self.url}/health").status_code
+                self.latencies.append(time.perf_counter() - start)
+                self.statuses.append(status)
+                self._answered.set()
+                self._stop.wait(POLL_EVERY_S)
+
+
+def chunks_past_one_megabyte() -> Iterator[bytes]:
+    """A chunked body (no Content-Length) of 1.2 MB: only the bytes read reveal its size."""
+    for _ in range(12):
+        yield b" " * 100_000
+
+
+def flood_requests() -> list[tuple[str, bytes | Iterator[bytes], int]]:
+    """(path, body, expected status): the attacks, with the normal requests they must not starve."""
+    def body(fields: dict) -> bytes:  # encoded before the flood: the client's work is not the server's
+        return json.dumps(fields).encode()
+
+    return [
+        ("/v1/completions", body({"prompt": QUADRATIC_PROMPT}), 400),
+        ("/v1/chat/completions", body({"messages": ONE_CHAR_MESSAGES}), 400),
+        # Under the character limit: tokenized (quadratically, on a worker thread), then too long.
+        ("/v1/completions", body({"prompt": "<|im_end|>a" * 1400}), 400),
+        # A megabyte of items that are all invalid: refused at the first, not one error per item.
+        ("/v1/chat/completions", body({"messages": [{"role": "user", "content": [[]] * 240_000}]}), 400),
+        ("/v1/chat/completions", b" " * 1_000_001, 413),
+        ("/v1/chat/completions", chunks_past_one_megabyte(), 413),
+        *[("/v1/chat/completions", body(NORMAL_CHAT), 200)] * 4,
+    ]
+
+
+@pytest.mark.slow
+def test_health_answers_within_100_ms_under_a_flood():
+    # The server runs as users run it, in its own process: the clients' threads here do not
+    # compete with it for Python's interpreter lock.
+    with serve_command("--ctx", "1024", "--threads", "2") as url:
+        poll_latencies = flood(url)
+    assert max(poll_latencies) < HEALTH_BOUND_S, sorted(poll_latencies)[-5:]
+    assert len(poll_latencies) >= 5
+
+
+def flood(url: str) -> list[float]:
+    """Sends every flood request at once and checks each answer; the health polls' latencies."""
+    requests = flood_requests()
+    with httpx.Client(timeout=600, headers={"Content-Type": "application/json"}) as client, \
+            ThreadPoolExecutor(len(requests)) as pool, HealthPoller(url) as poller:
+        sent = [pool.submit(client.post, f"{url}{path}", content=content) for path, content, _ in requests]
+        statuses = [future.result().status_code for future in sent]
+    assert statuses == [expected for _, _, expected in requests]
+    assert set(poller.statuses) == {200}
+    return poller.latencies
