@@ -17,7 +17,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, with_config
 from typing_extensions import NotRequired, TypedDict
 
-from tierflow.errors import ContextLengthError, TierflowError
+from tierflow.errors import ContextLengthError, InvalidArgumentError, TemplateError, TierflowError
 from tierflow.runtime.streams import GenerationResult
 
 
@@ -38,9 +38,9 @@ def engine_error(error: TierflowError, prompt_param: str) -> ApiError:
     """The API error for an engine error raised while starting a generation."""
     if isinstance(error, ContextLengthError):
         return ApiError(400, str(error), param=prompt_param, code="context_length_exceeded")
-    if isinstance(error, ValueError):  # InvalidArgumentError, TemplateError: the request's fault
+    if isinstance(error, (InvalidArgumentError, TemplateError)):  # the request's fault
         return ApiError(400, str(error))
-    return ApiError(500, str(error), type="server_error")
+    return ApiError(500, str(error), type="server_error")  # the model's or the machine's
 
 
 # -- requests ---------------------------------------------------------------------------------

@@ -7,20 +7,24 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import pytest
-from live_server import assert_error, read_until_text, running_server
 from openai import OpenAI
 from typer.testing import CliRunner
 
+from tests.support.live_server import assert_error, read_until_text, running_server
+from tests.support.make_model import ModelSpec, write_model
+from tierflow import Engine
 from tierflow.cli.app import app
 from tierflow.errors import InvalidArgumentError
+from tierflow.offload.gguf.reader import read_gguf
+from tierflow.runtime.sampler import Sampler
 
 KEY = "test-key"
 ORIGIN = "http://app.example"
 HI = [{"role": "user", "content": "Hi, who are you?"}]
 GREEDY = {"temperature": 0, "max_tokens": 6}
 JSON = {"Content-Type": "application/json"}
-NAN_TEMPERATURE = 1e-320  # overflows the sampler to NaN probabilities: numpy raises ValueError
 
 
 @pytest.fixture(scope="module")
@@ -297,20 +301,41 @@ def test_prompt_character_limit_is_a_setting(guarded_url):
     assert "100" in assert_error(response, 400, "prompt_too_long")["message"]
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's overflow, on purpose
-def test_error_mid_stream_ends_it_with_an_error_event(url):
-    response = httpx.post(f"{url}/v1/chat/completions",
-                          json=chat_body(stream=True, temperature=NAN_TEMPERATURE))
+@pytest.fixture(scope="module")
+def damaged_url(tmp_path_factory):
+    """A server over a model whose output norm is NaN: every logit is, and sampling refuses them."""
+    path = write_model(tmp_path_factory.mktemp("damaged") / "nan.gguf",
+                       ModelSpec(weight_type="F32", embedding_type="F32"))
+    with read_gguf(path) as model:
+        at = model.tensors["output_norm.weight"].offset
+    with open(path, "r+b") as file:
+        file.seek(at)
+        file.write(np.full(8, np.nan, np.float32).tobytes())
+    with Engine.load(path, threads=1, context_length=128) as damaged, running_server(damaged) as base:
+        yield base
+
+
+def test_error_mid_stream_ends_it_with_an_error_event(damaged_url):
+    response = httpx.post(f"{damaged_url}/v1/chat/completions", json=chat_body(stream=True))
     events = sse_events(response)
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
     error = json.loads(events[-1])["error"]
-    assert error["type"] == "server_error" and "Traceback" not in error["message"]
+    assert error["type"] == "server_error" and "non-finite logits" in error["message"]
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_error_in_a_whole_answer_is_an_openai_500(url):
-    response = httpx.post(f"{url}/v1/chat/completions", json=chat_body(temperature=NAN_TEMPERATURE))
-    assert assert_error(response, 500)["type"] == "server_error"
+def test_a_damaged_model_in_a_whole_answer_is_an_openai_500(damaged_url):
+    response = httpx.post(f"{damaged_url}/v1/chat/completions", json=chat_body())
+    error = assert_error(response, 500)
+    assert error["type"] == "server_error" and "non-finite logits" in error["message"]
+
+
+def test_an_internal_error_is_an_openai_500_without_its_details(url, monkeypatch):
+    def broken(self, logits, history=()):
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(Sampler, "sample", broken)
+    error = assert_error(httpx.post(f"{url}/v1/chat/completions", json=chat_body()), 500)
+    assert error["type"] == "server_error" and "secret" not in error["message"]
 
 
 def test_cors_headers_only_for_listed_origins(url, guarded_url):

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from live_server import assert_error, read_until_text, running_server, serve_command
 
+from tests.support.live_server import assert_error, read_until_text, running_server, serve_command
 from tierflow.cli.server import CHARS_PER_POSITION
 
 HEALTH_BOUND_S = 0.1  # the task's bound on a health check's latency, send to answer
