@@ -8,6 +8,7 @@
 
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from tierflow.offload.experts.routing_trace import RoutingRecorder
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import LoadProgress
+from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.loader import (
     LoadedModel,
     context_length_for,
@@ -43,6 +45,7 @@ from tierflow.speculative.sizing import TreeBudget
 from tierflow.speculative.speculator import Speculator
 from tierflow.units import format_size
 
+LOCK_POLL_S = 0.05  # how often a waiting generation checks whether it was cancelled
 TOKEN_IDS = "token ids (a sequence of ints, or a 1-D integer array)"
 
 
@@ -65,8 +68,10 @@ class Engine:
         self.speculator = speculator  # None: one token per pass
         self.draft = draft  # a draft model's weights, when the speculator runs one
         self._generator = model.generator
-        self._lock = threading.Lock()  # held by the one generation that runs
-        self._active: Stream | None = None  # that generation
+        self._lock = threading.Lock()  # held by what computes: one generation, logits(), close()
+        # The stream holding the lock, weakly: a stream its consumer dropped must be free to go,
+        # and its going lets go of the lock.
+        self._holder: weakref.ReferenceType[Stream] | None = None
         # Async generations run here, one at a time, like the lock runs them (see streams.py).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-compute")
 
@@ -165,10 +170,32 @@ class Engine:
         return self.stream(self.tokenize_chat(messages), **kwargs)
 
     def cancel(self) -> None:
-        """Stops the running generation (from any thread); it returns what it has so far."""
-        active = self._active
-        if active is not None:
-            active.cancel()
+        """Stops the running generation (from any thread); it returns what it has so far. A
+        stream suspended between two pieces (its consumer has not asked for the next) ends now."""
+        holder = self._holder() if self._holder is not None else None
+        if holder is not None:
+            holder.cancel()
+            if holder.suspended:
+                holder.close()
+
+    @contextmanager
+    def exclusive(self, stream: "weakref.ReferenceType[Stream] | None" = None,
+                  cancelled: threading.Event | None = None) -> Iterator[TokenGenerator | None]:
+        """Holds the engine for one generation (streams.py): waits for what runs now, then yields
+        the token generator over the model and its KV cache; yields None, having waited no more,
+        once `cancelled` is set. `stream` (weakly referenced) is the stream that holds it, which
+        cancel() stops. Not reentrant."""
+        with self._holding(cancelled) as held:
+            if not held:
+                yield None
+                return
+            self._holder = stream
+            self.weights.reset_peak()
+            try:
+                self._claim_threads()
+                yield self._generator
+            finally:
+                self._holder = None
 
     # -- async: the model runs on a worker thread, the event loop never waits on it ---------
 
@@ -215,10 +242,8 @@ class Engine:
         if not ids:
             raise InvalidArgumentError("logits() needs at least one token id")
         self._check_fits(len(ids), 0)
-        with self._lock:
-            self._claim_threads()
-            logits, _ = self._generator.prefill(ids, threading.Event(), all_logits=True,
-                                                reuse_prefix=False)
+        with self.exclusive() as generator:
+            logits, _ = generator.prefill(ids, threading.Event(), all_logits=True, reuse_prefix=False)
         return logits
 
     @contextmanager
@@ -232,12 +257,12 @@ class Engine:
                                        f"routing to record")
         recorder = RoutingRecorder(self.config.num_layers)
         decoder = self._generator.decoder
-        with self._lock:  # not while a generation runs
+        with self._holding():  # not while a generation runs
             decoder.on_routing = recorder
         try:
             yield recorder
         finally:
-            with self._lock:
+            with self._holding():
                 decoder.on_routing = None
 
     # -- lifetime --------------------------------------------------------------------------
@@ -250,11 +275,10 @@ class Engine:
 
     def close(self) -> None:
         """Stops the running generation, then releases the weights, the KV cache and the tokenizer;
-        later calls raise TierflowError, but closing again does nothing. (Not from inside the
-        iteration of the engine's own stream: that stream holds the lock close waits for.)"""
+        later calls raise TierflowError, but closing again does nothing."""
         self.cancel()
         self._compute.shutdown(wait=True, cancel_futures=True)
-        with self._lock:
+        with self._holding():
             if self._generator is None:  # closed already
                 return
             self.tokenizer.close()
@@ -270,6 +294,23 @@ class Engine:
         self.close()
 
     # -- internals -------------------------------------------------------------------------
+
+    @contextmanager
+    def _holding(self, cancelled: threading.Event | None = None) -> Iterator[bool]:
+        """The lock, held for the block (True), or False if `cancelled` was set first. A stream
+        suspended in the waiting thread itself can never resume and let go: it is ended."""
+        me = threading.get_ident()
+        while not self._lock.acquire(timeout=LOCK_POLL_S):
+            if cancelled is not None and cancelled.is_set():
+                yield False
+                return
+            holder = self._holder() if self._holder is not None else None
+            if holder is not None and holder.suspended_in(me):
+                holder.close()
+        try:
+            yield True
+        finally:
+            self._lock.release()
 
     def _claim_threads(self) -> None:
         """Called by each generation under the lock: the kernels' pool runs on the engine's

@@ -28,7 +28,9 @@ class GenerationStats:
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0  # of decode_seconds, spent by the draft proposing
     verify_seconds: float = 0.0  # of decode_seconds, spent by the target verifying guesses
-    peak_weight_bytes: dict[str, int] = field(default_factory=dict)  # per tier: gpu, cpu, disk
+    # per tier (gpu, cpu, disk): the most bytes of weights (and, on the GPU, KV cache) held during
+    # the generation, as TieredWeights.peak_bytes_by_tier measures them
+    peak_weight_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -1,14 +1,24 @@
 """One generation as an object: iterate its text pieces (sync or async), cancel it, read its result.
 
-A Stream holds the engine's lock while it computes, so generations run one at a time; a stream
-cancelled while it waits for the lock ends at once without computing anything. An AsyncStream runs
-its Stream on the engine's compute thread and hands pieces to the event loop, which never blocks on
-the model. One long-lived compute thread, not a thread per request: torch's OpenMP pool belongs to
-the thread that calls it, and a fresh thread ran the decoder's small matmuls 10-20% slower.
+A Stream holds the engine (`Engine.exclusive`) while it generates, so generations run one at a
+time; a stream cancelled while it waits for the engine ends at once without computing anything.
+Between two pieces a stream is suspended, still holding the engine, and its consumer may leave it
+there: a stream that is dropped (`break` out of its loop, `return` from inside it) is freed at
+once and lets go of the engine, since nothing refers to it but its consumer (the generator that
+computes it keeps only the generation's state, and the engine refers to the stream it runs
+weakly). `close()`, `engine.cancel()` and `engine.close()` end a suspended stream just as well,
+and a generation asked for in the very thread a stream is suspended in ends that stream (it could
+never resume while its own thread waits).
+
+An AsyncStream runs its Stream on the engine's compute thread and hands pieces to the event loop,
+which never blocks on the model. One long-lived compute thread, not a thread per request: torch's
+OpenMP pool belongs to the thread that calls it, and a fresh thread ran the decoder's small matmuls
+10-20% slower.
 """
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -21,8 +31,6 @@ from tierflow.runtime.text_stream import TextStream
 if TYPE_CHECKING:
     from tierflow.runtime.engine import Engine
 
-LOCK_POLL_S = 0.05  # how often a waiting stream checks whether it was cancelled
-
 
 @dataclass
 class GenerationResult:
@@ -32,75 +40,116 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
+@dataclass
+class _Generation:
+    """What one generation computes with and has computed: all its generator keeps."""
+
+    engine: "Engine"
+    prompt_ids: list[int]
+    sampler: Sampler
+    max_tokens: int
+    text: TextStream
+    tokens: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    result: GenerationResult | None = None
+
+    def finish(self, finish_reason: str) -> None:
+        if self.result is None:
+            self.result = GenerationResult(self.text.text, self.tokens, finish_reason, self.stats)
+
+
 class Stream:
     """Text pieces of one generation; `.result` is set once the iteration ends."""
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], sampler: Sampler, max_tokens: int,
                  text: TextStream):
-        self.engine, self.prompt_ids, self.sampler = engine, prompt_ids, sampler
-        self.max_tokens, self.text = max_tokens, text
-        self.tokens: list[int] = []
-        self.stats = GenerationStats(peak_weight_bytes=engine.weights.bytes_by_tier())
-        self.result: GenerationResult | None = None
-        self.cancelled = threading.Event()
-        self._tail = ""  # text held back until the end, released after the lock
-        self._iterator = self._pieces()
+        self._run = _Generation(engine, prompt_ids, sampler, max_tokens, text)
+        self._pieces = _pieces(self._run, weakref.ref(self))
+        self._computing = threading.Lock()  # held while a piece is computed, or the stream closed
+        self._advanced_by: int | None = None  # the thread that last asked for a piece
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._run.result
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._run.tokens
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self._run.stats
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._run.prompt_ids
 
     def __iter__(self) -> "Stream":
         return self
 
     def __next__(self) -> str:
-        return next(self._iterator)
+        with self._computing:
+            self._advanced_by = threading.get_ident()
+            return next(self._pieces)
 
     def cancel(self) -> None:
         """Stops this generation, from any thread; it ends with finish_reason "cancelled"."""
-        self.cancelled.set()
+        self._run.cancelled.set()
 
     def close(self) -> None:
-        self._iterator.close()
+        """Ends this generation now, from any thread (finish_reason "cancelled" unless it had
+        ended), and lets go of the engine."""
+        self._run.cancelled.set()
+        with self._computing:
+            self._pieces.close()
+        self._run.finish("cancelled")
 
-    def _pieces(self) -> Iterator[str]:
-        lock = self.engine._lock
-        while not lock.acquire(timeout=LOCK_POLL_S):
-            if self.cancelled.is_set():
-                self._finish("cancelled")
-                return
+    @property
+    def suspended(self) -> bool:
+        """Whether it waits between two pieces (not computing one, not closed by another thread)."""
+        return self._advanced_by is not None and not self._computing.locked()
+
+    def suspended_in(self, thread_ident: int) -> bool:
+        """Whether it waits between two pieces for the thread `thread_ident` to ask for the next."""
+        return self.suspended and self._advanced_by == thread_ident
+
+
+def _pieces(run: _Generation, stream: weakref.ReferenceType) -> Iterator[str]:
+    engine = run.engine
+    with engine.exclusive(stream, run.cancelled) as generator:
+        if generator is None:  # cancelled while it waited
+            run.finish("cancelled")
+            return
         try:
-            self.engine._active = self
-            self.engine._claim_threads()
-            yield from self._generate()
+            finish = yield from _generate(run, generator)
         finally:
-            self.engine._active = None
-            lock.release()
-        if self._tail:
-            yield self._tail
+            run.stats.peak_weight_bytes = engine.weights.peak_bytes_by_tier()
+    tail = run.text.flush()
+    run.finish(finish)
+    if tail:
+        yield tail  # text held back until the end, released after the engine
 
-    def _generate(self) -> Iterator[str]:
-        engine = self.engine
-        tokens = generate_tokens(engine._generator, self.prompt_ids, self.sampler, self.max_tokens,
-                                 engine.tokenizer.eog_ids, self.cancelled, self.stats,
-                                 engine.speculator and engine.speculator.for_generation(self.sampler))
-        finish = "stop"
-        try:
-            for token in tokens:
-                self.tokens.append(token)
-                piece = self.text.push(engine.tokenizer.token_bytes(token))
-                if piece:
-                    yield piece
-                if self.text.stopped:
-                    break
-            else:
-                if self.cancelled.is_set():
-                    finish = "cancelled"
-                elif len(self.tokens) >= self.max_tokens:
-                    finish = "length"
-        finally:
-            tokens.close()
-        self._tail = self.text.flush()
-        self._finish(finish)
 
-    def _finish(self, finish_reason: str) -> None:
-        self.result = GenerationResult(self.text.text, self.tokens, finish_reason, self.stats)
+def _generate(run: _Generation, generator) -> Iterator[str]:
+    """The pieces; returns the finish reason."""
+    engine = run.engine
+    tokens = generate_tokens(generator, run.prompt_ids, run.sampler, run.max_tokens, engine.tokenizer.eog_ids,
+                             run.cancelled, run.stats,
+                             engine.speculator and engine.speculator.for_generation(run.sampler))
+    try:
+        for token in tokens:
+            run.tokens.append(token)
+            piece = run.text.push(engine.tokenizer.token_bytes(token))
+            if piece:
+                yield piece
+            if run.text.stopped:
+                return "stop"
+    finally:
+        tokens.close()
+    if run.cancelled.is_set():
+        return "cancelled"
+    return "length" if len(run.tokens) >= run.max_tokens else "stop"
 
 
 class AsyncStream:

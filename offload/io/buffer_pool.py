@@ -22,6 +22,7 @@ class BufferPool:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.mapped_bytes = 0
+        self.peak_mapped_bytes = 0  # the most mapped_bytes has been since reset_peak()
         self._free: dict[int, list[mmap.mmap]] = {}  # by size
         self._returned = threading.Condition()
 
@@ -36,9 +37,14 @@ class BufferPool:
                     self._unmap_free(size)
                 if self.mapped_bytes + size <= self.budget_bytes:
                     self.mapped_bytes += size
+                    self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
                     break
                 self._returned.wait()
         return aligned_buffer(size)
+
+    def reset_peak(self) -> None:
+        with self._returned:
+            self.peak_mapped_bytes = self.mapped_bytes
 
     def give(self, buffer: mmap.mmap) -> None:
         """Returns a buffer taken from this pool; its holder keeps no view of it."""

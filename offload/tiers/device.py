@@ -20,6 +20,7 @@ from tierflow.units import format_size
 class DeviceTier:
     def __init__(self, device: torch.device, budget: int):
         self.device, self.budget, self.used = device, budget, 0
+        self.peak = 0  # the most `used` has been since reset_peak()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._events: dict[int, torch.cuda.Event] = {}  # by tensor data pointer
 
@@ -57,6 +58,10 @@ class DeviceTier:
                               f"{format_size(self.used)} of gpu_memory {format_size(self.budget)} "
                               f"used: lower gpu_memory") from error
         self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def reset_peak(self) -> None:
+        self.peak = self.used
 
     def ready(self, tensor: torch.Tensor) -> None:
         """Makes the current stream wait until tensor's copy has landed (no-op off CUDA, and once

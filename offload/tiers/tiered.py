@@ -79,6 +79,7 @@ class TieredWeights:
             in_ram += self.experts.nbytes
             on_disk += sum(_experts_bytes(packed, i) for i in range(len(packed.layers)))
         self._bytes = {"cpu": in_ram + ring, "disk": on_disk}
+        self._fixed_ram = in_ram + ring - (self.experts.nbytes if streams_experts else 0)
         layer_specs = [spec for extent in packed.layers for spec in extent.weights.values()
                        if isinstance(spec, dict)]  # the linears (the norms are [offset, size])
         self.uses_kernels = _computed_by_kernels(self._output) or any(map(_packed_spec, layer_specs))
@@ -156,6 +157,21 @@ class TieredWeights:
         """Bytes held on the device tier (layers and, once allocated, their KV caches, or cached
         experts), weight bytes held in RAM (globals, resident layers, the ring) and read from disk."""
         return {"gpu": self.device.used if self.device else 0, **self._bytes}
+
+    def reset_peak(self) -> None:
+        """Starts measuring peak_bytes_by_tier afresh (at a generation's start)."""
+        if self.device is not None:
+            self.device.reset_peak()
+        if isinstance(self.experts, ExpertStore):
+            self.experts.buffers.reset_peak()
+
+    def peak_bytes_by_tier(self) -> dict[str, int]:
+        """The most bytes held per tier since reset_peak(): what bytes_by_tier counts, with the
+        GPU tier's and the streamed experts' buffers at their highest (the rest does not change)."""
+        cpu = self._bytes["cpu"]
+        if isinstance(self.experts, ExpertStore):
+            cpu = self._fixed_ram + self.experts.buffers.peak_mapped_bytes
+        return {"gpu": self.device.peak if self.device else 0, "cpu": cpu, "disk": self._bytes["disk"]}
 
     def close(self) -> None:
         if getattr(self, "streamer", None) is not None:
