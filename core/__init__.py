@@ -10,6 +10,7 @@ Heavy modules (torch, llama.cpp) load on first use, so `tierflow --help` stays f
 from tierflow.errors import (
     BudgetError,
     ContextLengthError,
+    InvalidArgumentError,
     ModelFileError,
     TemplateError,
     TierflowError,
@@ -22,6 +23,7 @@ __all__ = [
     "GenerationResult",
     "BudgetError",
     "ContextLengthError",
+    "InvalidArgumentError",
     "ModelFileError",
     "TemplateError",
     "TierflowError",

@@ -4,7 +4,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -108,16 +107,24 @@ def test_cancel_from_another_thread_returns_partial_result(engine):
     assert engine.generate("Hi", max_tokens=3, **GREEDY).tokens  # still usable
 
 
-def test_ctrl_c_interrupts_and_leaves_the_engine_usable(engine):
+def test_ctrl_c_interrupts_and_leaves_the_engine_usable(engine, monkeypatch):
     short = engine.tokenize("List the numbers from one to ten:")
     before = engine.generate(short, max_tokens=10, **GREEDY).tokens
     long_prompt = (engine.tokenize("word " * 2000) * 2)[: engine.context_length - 1]
-    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    decoder, layers_run = engine._generator.decoder, []
+    block = decoder.block
+
+    def interrupted_midway(x, w, p):  # Ctrl-C lands while the prefill's first pass is half done
+        layers_run.append(p.layer_idx)
+        if len(layers_run) == engine.config.num_layers // 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return block(x, w, p)
+
+    monkeypatch.setattr(decoder, "block", interrupted_midway)
     with pytest.raises(KeyboardInterrupt):
-        engine.generate(long_prompt, max_tokens=1)  # a prefill of seconds: the signal lands in it
-        time.sleep(10)
-    timer.join()
+        engine.generate(long_prompt, max_tokens=1)
+    assert len(layers_run) == engine.config.num_layers // 2  # the pass stopped where the signal came
+    monkeypatch.undo()
     assert engine.generate(short, max_tokens=10, **GREEDY).tokens == before
 
 
@@ -201,6 +208,14 @@ def test_bad_thread_count_is_rejected(model_path, threads):
         Engine.load(model_path, threads=threads)
 
 
+def test_every_error_the_readme_names_is_importable_from_tierflow():
+    import tierflow
+
+    for name in ("TierflowError", "ModelFileError", "UnsupportedModelError", "BudgetError",
+                 "ContextLengthError", "TemplateError", "InvalidArgumentError"):
+        assert issubclass(getattr(tierflow, name), tierflow.TierflowError) and name in tierflow.__all__
+
+
 def test_every_error_is_a_tierflow_error():
     for error in (BudgetError, ContextLengthError, InvalidArgumentError, ModelFileError):
         assert issubclass(error, TierflowError)
@@ -216,10 +231,14 @@ def test_load_reports_progress_up_to_the_total(model_path):
     assert calls[-1][0] == "load" and calls[-1][1] == calls[-1][2] > 0
 
 
-def test_resident_weights_stay_within_the_cpu_budget(model_path):
-    with Engine.load(model_path, cpu_memory="600MB") as engine:
+def test_weights_stay_within_a_cpu_budget_that_binds(model_path):
+    with Engine.load(model_path, threads=2, context_length=128) as engine:
+        everything = engine.weights.bytes_by_tier()["cpu"]
+    budget = everything * 3 // 4  # a quarter of the layers' bytes must stream
+    with Engine.load(model_path, threads=2, context_length=128, cpu_memory=budget) as engine:
         stats = engine.generate("Hi", max_tokens=2).stats
-    assert 0 < stats.peak_weight_bytes["cpu"] <= 600_000_000
+        assert engine.plan.streamed_layers and engine.weights.bytes_by_tier()["disk"] > 0
+    assert 0 < stats.peak_weight_bytes["cpu"] <= budget
 
 
 def test_a_closed_engine_raises_a_clear_error(model_path):

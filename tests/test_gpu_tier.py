@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tierflow import Engine
-from tierflow.errors import BudgetError, InvalidArgumentError, UnsupportedModelError
+from tierflow.errors import BudgetError, InvalidArgumentError
 from tierflow.offload.tiers.device import DeviceTier
 from tierflow.units import parse_size
 
@@ -45,10 +45,19 @@ def test_gpu_ram_and_disk_tiers_together_give_the_same_tokens(model_path, expect
         assert engine.generate(PROMPT, max_tokens=16, temperature=0).tokens == expected[0]
 
 
-def test_gpu_memory_without_a_gpu_or_gpu_kernels_is_refused(model_path):
-    error = UnsupportedModelError if torch.cuda.is_available() else BudgetError
-    with pytest.raises(error, match="gpu_memory"):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is there: gpu_memory is taken")
+def test_gpu_memory_without_a_cuda_gpu_is_refused(model_path):
+    with pytest.raises(BudgetError, match="gpu_memory was given but no CUDA GPU"):
         Engine.load(model_path, gpu_memory="1GiB")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_memory_on_a_cuda_gpu_places_the_first_layers_there(model_path):
+    with Engine.load(model_path, threads=2, context_length=256, gpu_memory="64MiB") as engine:
+        assert engine.weights.gpu_layers == list(range(len(engine.weights.gpu_layers))) != []
+        assert engine.weights.device.device.type == "cuda"
+        assert engine.generate("The capital of France is", max_tokens=4, temperature=0).tokens
 
 
 def test_an_unknown_gpu_device_is_refused(model_path):

@@ -134,6 +134,15 @@ def test_the_gpu_tier_counts_exactly_the_experts_cached_there_as_they_come_and_g
         assert engine.expert_stats.evictions > 0
 
 
+def test_peak_weight_bytes_is_the_gpu_tiers_high_water_mark_not_its_start(moe_path, budgets):
+    _, one, _ = budgets
+    stand_in = dict(gpu_memory=6 * one, gpu_device="cpu")
+    with Engine.load(moe_path, threads=2, context_length=CONTEXT, **stand_in) as engine:
+        assert engine.weights.bytes_by_tier()["gpu"] == 0  # no expert is cached before the first token
+        stats = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).stats
+        assert stats.peak_weight_bytes["gpu"] == engine.weights.device.peak > 0
+
+
 def test_gpu_experts_need_every_expert_in_ram(moe_path, budgets):
     base, one, all_experts = budgets
     with pytest.raises(PlanBudgetError, match="cpu_memory must hold the whole model, at least") as refused:
