@@ -22,16 +22,15 @@ bytes over the host-to-device speed, and copies queue on one copy stream ahead o
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from tierflow.offload.experts.cache import CacheStats, ExpertCache
+from tierflow.offload.experts.cache import ExpertCache
 from tierflow.offload.experts.policy import ExpertKey
-from tierflow.offload.experts.prediction import NextLayerPredictor
+from tierflow.offload.experts.tier import ExpertTier
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.offload.tiers.device import DeviceTier
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Activations, Kernels, Weights
+from tierflow.runtime.model import Kernels, Weights
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ class _DeviceExpert:
         self.weights, self.data, self.nbytes = weights, data, data.numel()
 
 
-class HybridExperts:
+class HybridExperts(ExpertTier):
     """Every MoE layer's experts in RAM, a cache of them on the GPU, and the schedule between."""
 
     def __init__(self, packed: PackedFile, config: ModelConfig,
@@ -104,47 +103,26 @@ class HybridExperts:
         which holds the cache (of budget_bytes, within its own budget); kernels: those of its
         device (None: the CPU standing in for a GPU, computing with the CPU kernels)."""
         self.packed, self.ram, self.tier, self.kernels, self.costs = packed, ram, tier, kernels, costs
-        self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
-                                 self._upload, policy, discard=lambda key, payload: tier.free(payload.data))
-        self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
-                                            config.rms_norm_eps)
+        super().__init__(config, ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
+                                             self._upload, policy,
+                                             discard=lambda key, payload: tier.free(payload.data)))
         self.schedules = SchedulerStats()
 
-    @property
-    def stats(self) -> CacheStats:
-        return self.cache.stats
-
-    def layer_experts(self, layer_idx: int) -> "HybridLayerExperts":
-        return HybridLayerExperts(self, layer_idx)
-
-    def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
-             ) -> Iterator[tuple[int, Weights]]:
-        """Runs the cached experts first (on the GPU, asynchronously), then the CPU's share; the
-        next layer's predicted experts are copied to the GPU as far as the cache admits them."""
-        ids, counts = np.unique(chosen, return_counts=True)
-        expert_tokens = dict(zip(ids.tolist(), counts.tolist()))
-        prediction = self.predictor.step(layer_idx, chosen, np.asarray(torch.as_tensor(residual).cpu()))
-        if prediction is not None:
-            self.cache.predict(layer_idx + 1, *prediction)
+    def _route(self, layer_idx: int, expert_tokens: dict[int, int]
+               ) -> tuple[list[int], Iterator[tuple[int, Weights]]]:
+        """The schedule: the cached experts and those worth their copy run on the GPU (launched
+        first, asynchronously), the rest on the CPU from RAM."""
         nbytes = self.packed.experts[layer_idx][0].nbytes
         cached = {e for e in expert_tokens if (layer_idx, e) in self.cache}
         plan = schedule_experts(expert_tokens, cached, nbytes, self.costs)
         self.schedules.on_gpu += len(plan.on_gpu)
         self.schedules.fetched += len(plan.fetched)
         self.schedules.on_cpu += len(plan.on_cpu)
-        on_device = plan.on_gpu + plan.fetched
-        payloads = self.cache.get(layer_idx, on_device) if on_device else []
-        if prediction is not None:
-            self.cache.prefetch(layer_idx + 1)
-        try:
-            for e, payload in zip(on_device, payloads):  # launched first
-                self.tier.ready(payload.data)
-                yield e, payload.weights
-            yield from ((e, self.ram[layer_idx][e][0]) for e in plan.on_cpu)
-        finally:
-            self.cache.release()
-            if layer_idx == len(self.packed.layers) - 1:
-                self.cache.next_token(len(chosen))
+        return plan.on_gpu + plan.fetched, ((e, self.ram[layer_idx][e][0]) for e in plan.on_cpu)
+
+    def _weights(self, payload: _DeviceExpert) -> Weights:
+        self.tier.ready(payload.data)  # the compute stream waits for the copy, the host does not
+        return payload.weights
 
     def _upload(self, key: ExpertKey) -> _DeviceExpert:
         layer_idx, expert_id = key
@@ -154,13 +132,3 @@ class HybridExperts:
         else:
             weights = self.packed.device_expert_weights(layer_idx, expert_id, copy, self.kernels)
         return _DeviceExpert(weights, copy)
-
-
-class HybridLayerExperts:
-    """One MoE layer's view of HybridExperts (runtime.model.Experts)."""
-
-    def __init__(self, hybrid: HybridExperts, layer_idx: int):
-        self.hybrid, self.layer_idx = hybrid, layer_idx
-
-    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, Weights]]:
-        return self.hybrid.step(self.layer_idx, chosen, residual)

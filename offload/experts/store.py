@@ -24,17 +24,14 @@ import mmap
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
-import torch
-
-from tierflow.offload.experts.cache import CacheStats, ExpertCache
+from tierflow.offload.experts.cache import ExpertCache
 from tierflow.offload.experts.policy import ExpertKey
-from tierflow.offload.experts.prediction import NextLayerPredictor
+from tierflow.offload.experts.tier import ExpertTier
 from tierflow.offload.io.buffer_pool import BufferPool
 from tierflow.offload.io.disk import DiskFile
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Activations, Weights
+from tierflow.runtime.model import Weights
 
 READERS = 2  # reads in flight: two kept this machine's disk busier than one (1.2 vs 1.0 GB/s)
 
@@ -50,27 +47,17 @@ class _ExpertRead:
         return self.future.result()[0]
 
 
-class ExpertStore:
-    """The experts of every MoE layer of a pack, through one cache of `budget_bytes`."""
+class ExpertStore(ExpertTier):
+    """The experts of every MoE layer of a pack, through one cache of `budget_bytes` in RAM."""
 
     def __init__(self, packed: PackedFile, disk: DiskFile, config: ModelConfig, budget_bytes: int,
                  policy: str = "score"):
         self.packed, self.disk, self.config = packed, disk, config
         self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tierflow-experts")
         self.buffers = BufferPool(budget_bytes)
-        self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
-                                 self._fetch, policy, discard=self._discard)
-        self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
-                                            config.rms_norm_eps)
-        self.prefetch = True  # predict and read ahead (off: demand reads only, for comparison)
+        super().__init__(config, ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
+                                             self._fetch, policy, discard=self._discard))
         self._checked: set[ExpertKey] = set()  # experts whose checksum this process has verified
-
-    def layer_experts(self, layer_idx: int) -> "StreamedExperts":
-        return StreamedExperts(self, layer_idx)
-
-    @property
-    def stats(self) -> CacheStats:
-        return self.cache.stats
 
     @property
     def nbytes(self) -> int:
@@ -79,26 +66,14 @@ class ExpertStore:
     def close(self) -> None:
         self._reader.shutdown(wait=True, cancel_futures=True)
 
-    def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
-             ) -> Iterator[tuple[int, Weights]]:
-        expert_ids = np.unique(chosen).tolist()
-        residual = np.asarray(torch.as_tensor(residual).cpu())
-        prediction = self.predictor.step(layer_idx, chosen, residual) if self.prefetch else None
-        if prediction is not None:
-            self.cache.predict(layer_idx + 1, *prediction)
-        hits = [e for e in expert_ids if (layer_idx, e) in self.cache]
-        misses = [e for e in expert_ids if (layer_idx, e) not in self.cache]
-        order = hits + misses
-        reads = self.cache.get(layer_idx, order)
-        if prediction is not None:
-            self.cache.prefetch(layer_idx + 1)
-        try:
-            for expert_id, read in zip(order, reads):
-                yield expert_id, read.weights()
-        finally:
-            self.cache.release()
-            if layer_idx == self.config.num_layers - 1:
-                self.cache.next_token(residual.shape[0])
+    def _route(self, layer_idx: int, expert_tokens: dict[int, int]
+               ) -> tuple[list[int], Iterator[tuple[int, Weights]]]:
+        """Every expert through the cache, those at hand first: the misses have longest to arrive."""
+        hits = [e for e in expert_tokens if (layer_idx, e) in self.cache]
+        return hits + [e for e in expert_tokens if (layer_idx, e) not in self.cache], iter(())
+
+    def _weights(self, read: _ExpertRead) -> Weights:
+        return read.weights()
 
     def _fetch(self, key: ExpertKey) -> _ExpertRead:
         extent = self.packed.experts[key[0]][key[1]]
@@ -129,13 +104,3 @@ class ExpertStore:
     def _give_back(self, read: Future) -> None:
         if not read.cancelled() and read.exception() is None:
             self.buffers.give(read.result()[1])
-
-
-class StreamedExperts:
-    """One MoE layer's view of the ExpertStore (runtime.model.Experts)."""
-
-    def __init__(self, store: ExpertStore, layer_idx: int):
-        self.store, self.layer_idx = store, layer_idx
-
-    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, Weights]]:
-        return self.store.step(self.layer_idx, chosen, residual)

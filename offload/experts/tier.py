@@ -1,0 +1,83 @@
+"""What the two expert tiers share: one MoE layer step through an expert cache, with prediction.
+
+A tier keeps one ExpertCache (cache.py) of the experts its fast memory holds and a
+NextLayerPredictor (prediction.py). A layer step, the same in both:
+
+1. predicts the next MoE layer's experts (its router applied early to this layer's residual
+   stream, plus cross-layer affinity) and records the prediction in the cache;
+2. asks the tier which of this step's experts come through the cache, in what order, and which
+   are served another way (`_route`);
+3. gets those from the cache (hits at once, misses fetched), then starts fetching the next
+   layer's predicted experts, so that fetches overlap this layer's compute;
+4. hands the experts to the decoder, the cached ones first;
+5. releases them, and after the model's last layer moves the cache's clock on by the step's tokens.
+
+ExpertStore (store.py) streams experts from disk into a cache in RAM; HybridExperts (hybrid.py)
+keeps them in RAM with a cache on the GPU and schedules each between the devices.
+"""
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from tierflow.offload.experts.cache import CacheStats, ExpertCache
+from tierflow.offload.experts.prediction import NextLayerPredictor
+from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.model import Activations, Weights
+
+
+class ExpertTier:
+    def __init__(self, config: ModelConfig, cache: ExpertCache):
+        self.cache, self.num_layers = cache, config.num_layers
+        self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
+                                            config.rms_norm_eps)
+        self.prefetch = True  # predict and fetch ahead (off: demand fetches only, for comparison)
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.cache.stats
+
+    def layer_experts(self, layer_idx: int) -> "LayerExperts":
+        return LayerExperts(self, layer_idx)
+
+    def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
+             ) -> Iterator[tuple[int, Weights]]:
+        """The experts of one layer step (chosen int64 [T, k]), as runtime.model.Experts hands them."""
+        ids, counts = np.unique(chosen, return_counts=True)
+        residual = np.asarray(torch.as_tensor(residual).cpu())
+        prediction = self.predictor.step(layer_idx, chosen, residual) if self.prefetch else None
+        if prediction is not None:
+            self.cache.predict(layer_idx + 1, *prediction)
+        cached, others = self._route(layer_idx, dict(zip(ids.tolist(), counts.tolist())))
+        payloads = self.cache.get(layer_idx, cached) if cached else []
+        if prediction is not None:
+            self.cache.prefetch(layer_idx + 1)
+        try:
+            for expert_id, payload in zip(cached, payloads):
+                yield expert_id, self._weights(payload)
+            yield from others
+        finally:
+            self.cache.release()
+            if layer_idx == self.num_layers - 1:
+                self.cache.next_token(len(chosen))
+
+    def _route(self, layer_idx: int, expert_tokens: dict[int, int]
+               ) -> tuple[list[int], Iterator[tuple[int, Weights]]]:
+        """(the experts that come through the cache, in the order to hand them over; the others,
+        with their weights), given each active expert's token count."""
+        raise NotImplementedError
+
+    def _weights(self, payload) -> Weights:
+        """The weights of an expert the cache holds (its payload)."""
+        raise NotImplementedError
+
+
+class LayerExperts:
+    """One MoE layer's view of an expert tier (runtime.model.Experts)."""
+
+    def __init__(self, tier: ExpertTier, layer_idx: int):
+        self.tier, self.layer_idx = tier, layer_idx
+
+    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, Weights]]:
+        return self.tier.step(self.layer_idx, chosen, residual)
