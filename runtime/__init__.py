@@ -1,1 +1,16 @@
-"""tierflow.runtime"""
+"""tierflow.runtime: the engine, the decoder and what turns text into tokens and back.
+
+    engine.py         Engine: load, generate, stream, chat, score (sync, streaming, async, cancellable)
+    loader.py         the one loader: budgets, plan, pack, weights (Engine.load, drafts, plan, info)
+    models/           one file per model family: its config, tensor map and block
+    model.py          the decoder loop, the Kernels protocol, Weights, the CPU kernels' bindings
+    generation.py     the token loop: prefill, decode, verify passes, prefix reuse
+    streams.py        a generation as an object: Stream, AsyncStream
+    kv_cache.py       the KV cache; rope.py the rotary tables
+    sampler.py        sampling settings and the sampler
+    tokenizer.py      llama.cpp's tokenizer; vocabulary.py checks a vocabulary before it loads
+    chat_template.py  chat templates in a sandbox (template_guards.py, template_worker.py)
+    text_stream.py    token bytes to text pieces, stop strings
+    config.py         ModelConfig and typed metadata reads; overhead.py the per-layer fixed cost
+    model_info.py     what `tierflow info` shows
+"""

@@ -1,1 +1,8 @@
-"""tierflow.offload.pack"""
+"""tierflow.offload.pack: the packed model file, in the kernels' layout, built once per model.
+
+    layout.py   one walk over a family's tensor map that sizes every extent's arrays from the
+                header alone (the planner's bytes) or, with a decoder, also writes them
+    writer.py   build_pack / open_pack: the file (extents, manifest, trailer), atomic and keyed by the
+                source, rebuilt when stale or damaged; pack_sizes for the planner
+    reader.py   PackedFile: the manifest, and Weights viewing an extent's bytes in RAM or on a device
+"""
