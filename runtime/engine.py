@@ -139,24 +139,29 @@ class Engine:
     # -- generation ------------------------------------------------------------------------
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
-                 stop: Sequence[str] | str | None = None, **sampling) -> GenerationResult:
+                 stop: Sequence[str] | str | None = None, parse_special: bool = False,
+                 **sampling) -> GenerationResult:
         """Completes a prompt: text, or token ids (a sequence of ints or a 1-D integer numpy array).
-        Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed
-        (see SamplingParams). An empty prompt is refused, unless the model starts every text with
-        BOS: then "" is just BOS, as in llama.cpp. A bad argument is an InvalidArgumentError."""
-        stream = self.stream(prompt, max_tokens=max_tokens, stop=stop, **sampling)
+        Text is text: "<|im_end|>" in it is those characters, not the special token, unless
+        parse_special. Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty,
+        repeat_last_n, seed (see SamplingParams). An empty prompt is refused, unless the model
+        starts every text with BOS: then "" is just BOS, as in llama.cpp. A bad argument is an
+        InvalidArgumentError."""
+        stream = self.stream(prompt, max_tokens=max_tokens, stop=stop, parse_special=parse_special,
+                             **sampling)
         for _ in stream:
             pass
         return stream.result
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
-               stop: Sequence[str] | str | None = None, **sampling) -> Stream:
+               stop: Sequence[str] | str | None = None, parse_special: bool = False,
+               **sampling) -> Stream:
         """Like generate, as a Stream of text pieces (whole UTF-8 characters); its .result is
         set once iterated to the end, and .cancel() stops it."""
         self._check_open()
         sampler = Sampler(SamplingParams.from_keywords(sampling))
         max_tokens, stops = as_count("max_tokens", max_tokens), _stop_strings(stop)
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self._prompt_ids(prompt, _flag("parse_special", parse_special))
         self._check_fits(len(prompt_ids), 1)
         # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
         max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
@@ -218,18 +223,21 @@ class Engine:
 
     # -- tokens and scores -----------------------------------------------------------------
 
-    def tokenize(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of text; add_bos None follows the model (see Tokenizer.encode)."""
+    def tokenize(self, text: str, *, add_bos: bool | None = None,
+                 parse_special: bool = False) -> list[int]:
+        """Token ids of text (special-token strings in it stay text unless parse_special);
+        add_bos None follows the model (see Tokenizer.encode)."""
         self._check_open()
         if add_bos is not None and not isinstance(add_bos, bool):
             raise InvalidArgumentError(f"add_bos must be True, False or None, got {add_bos!r}")
-        return self._encode(text, "text", add_bos)
+        return self._encode(text, "text", add_bos, _flag("parse_special", parse_special))
 
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        """The prompt ids chat() generates from: messages through the model's chat template."""
+        """The prompt ids chat() generates from: messages through the model's chat template, whose
+        own markup alone becomes special tokens (a message holding "<|im_end|>" cannot end its
+        turn or forge another)."""
         self._check_open()
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self._encode(text, "the chat prompt", None)
+        return _utf8("the chat messages", self.tokenizer.encode_chat, messages)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_open()
@@ -319,23 +327,19 @@ class Engine:
         kernels.set_threads(self.threads)
         torch.set_num_threads(1 if self.weights.uses_kernels else self.threads)
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | Sequence[int], parse_special: bool) -> list[int]:
         if isinstance(prompt, str):
-            ids = self._encode(prompt, "prompt", None)
+            ids = self._encode(prompt, "prompt", None, parse_special)
         else:
             ids = self._check_ids(prompt, "prompt", f"text (a str) or {TOKEN_IDS}")
         if not ids:
             raise InvalidArgumentError("the prompt is empty: there is no token to generate from")
         return ids
 
-    def _encode(self, text: str, name: str, add_bos: bool | None) -> list[int]:
+    def _encode(self, text: str, name: str, add_bos: bool | None, parse_special: bool) -> list[int]:
         if not isinstance(text, str):
             raise InvalidArgumentError(f"{name} must be a str, not {type(text).__name__}")
-        try:
-            return self.tokenizer.encode(text, add_bos=add_bos)
-        except UnicodeEncodeError as error:  # a lone surrogate, as from undecodable bytes
-            raise InvalidArgumentError(f"{name} cannot be encoded as UTF-8: {error.reason} "
-                                       f"({error.object[error.start:error.end]!r})") from error
+        return _utf8(name, lambda: self.tokenizer.encode(text, add_bos=add_bos, special=parse_special))
 
     def _check_ids(self, ids: Sequence[int], name: str, must: str = TOKEN_IDS) -> list[int]:
         ids = _token_ids(ids, name, must)
@@ -371,6 +375,22 @@ def _token_ids(ids: object, name: str, must: str) -> list[int]:
         if isinstance(token, bool) or not isinstance(token, Integral):
             raise InvalidArgumentError(f"{name} must be {must}: {name}[{position}] is {token!r}")
     return [int(token) for token in ids]
+
+
+def _utf8(name: str, encode, *args) -> list[int]:
+    """encode(*args), with text that cannot be UTF-8 (a lone surrogate, as from undecodable bytes)
+    an InvalidArgumentError naming `name`."""
+    try:
+        return encode(*args)
+    except UnicodeEncodeError as error:
+        raise InvalidArgumentError(f"{name} cannot be encoded as UTF-8: {error.reason} "
+                                   f"({error.object[error.start:error.end]!r})") from error
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _stop_strings(stop: object) -> list[str]:

@@ -24,6 +24,7 @@ import llama_cpp
 
 from tierflow.errors import InvalidArgumentError, ModelFileError, TierflowError
 from tierflow.runtime.chat_template import CHATML_TEMPLATE, render_chat_template
+from tierflow.runtime.special_tokens import SpecialToken, escape, marker_for, partition, strings
 
 LLAMA_TOKEN_NULL = -1
 
@@ -100,6 +101,7 @@ class Tokenizer:
         self.bos_token = self._token_text(self.bos_id)
         self.eos_token = self._token_text(self.eos_id)
         self.chat_template: str | None = _metadata_string(model, "tokenizer.chat_template")
+        self.specials = self._special_tokens()  # what only a chat template may write
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -108,23 +110,26 @@ class Tokenizer:
             raise ModelFileError(f"model file not found: {path}")
         return cls(_load_vocab_only(path), path)
 
-    def encode(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
         """Token ids of `text`.
 
         add_bos: None follows the model (`self.add_bos`) but never adds a second BOS when the text
         already starts with one (chat templates often write `bos_token` themselves).
-        special: text such as "<|im_start|>" becomes that special token, as chat templates need.
+        special: text such as "<|im_start|>" becomes that special token (else it is text).
         """
-        vocab, data = self._open_vocab(), text.encode("utf-8")
-        ids = _grow_until_fits(
-            lambda buf, n: llama_cpp.llama_tokenize(vocab, data, len(data), buf, n, False, special),
-            llama_cpp.llama_token, len(data) + 8)  # ids never outnumber bytes, bar a space prefix
-        starts_with_bos = bool(ids) and ids[0] == self.bos_id
-        if add_bos is None:
-            add_bos = self.add_bos and not starts_with_bos
-        if add_bos and self.bos_id is not None:
-            ids.insert(0, self.bos_id)
-        return ids
+        return self._with_bos(self._tokenize(text, special), add_bos)
+
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    **extra: Any) -> list[int]:
+        """The prompt ids of `messages` through the chat template: the template's own markup
+        becomes special tokens, the messages' text never does (special_tokens.py)."""
+        marker = marker_for([*strings(messages), self.chat_template or CHATML_TEMPLATE])
+        text = self.apply_chat_template(escape(messages, self.specials, marker),
+                                        add_generation_prompt=add_generation_prompt, **extra)
+        ids = []
+        for piece in partition(text, self.specials):
+            ids += [piece] if isinstance(piece, int) else self._tokenize(piece.replace(marker, ""), False)
+        return self._with_bos(ids, None)
 
     def decode(self, ids: Sequence[int], *, special: bool = True) -> str:
         """The text of `ids`; special tokens are written out unless `special` is False.
@@ -156,6 +161,29 @@ class Tokenizer:
         return render_chat_template(self.chat_template or CHATML_TEMPLATE, messages,
                                     bos_token=self.bos_token, eos_token=self.eos_token,
                                     add_generation_prompt=add_generation_prompt, **extra)
+
+    def _tokenize(self, text: str, special: bool) -> list[int]:
+        vocab, data = self._open_vocab(), text.encode("utf-8")
+        return _grow_until_fits(
+            lambda buf, n: llama_cpp.llama_tokenize(vocab, data, len(data), buf, n, False, special),
+            llama_cpp.llama_token, len(data) + 8)  # ids never outnumber bytes, bar a space prefix
+
+    def _with_bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
+        if add_bos is None:
+            add_bos = self.add_bos and not (ids and ids[0] == self.bos_id)
+        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+
+    def _special_tokens(self) -> list[SpecialToken]:
+        """The control tokens (and the unknown token), as llama.cpp's special parsing finds them."""
+        attr = llama_cpp.llama_vocab_get_attr
+        special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        found = []
+        for i in range(self.vocab_size):
+            flags = attr(self._vocab, i)
+            if flags & special and (text := self._token_text(i)):
+                found.append(SpecialToken(text, i, bool(flags & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP),
+                                          bool(flags & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP)))
+        return found
 
     def close(self) -> None:
         """Frees llama.cpp's vocabulary; later calls raise instead of touching freed memory."""

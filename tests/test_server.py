@@ -87,7 +87,7 @@ def test_chat_completion_matches_in_process_chat(client, engine):
 
 def test_chat_completion_reports_usage_and_timings(client, engine):
     reply = client.chat.completions.create(model="any", messages=HI, **GREEDY)
-    prompt_tokens = len(engine.tokenize(engine.tokenizer.apply_chat_template(HI, add_generation_prompt=True)))
+    prompt_tokens = len(engine.tokenize_chat(HI))
     assert reply.usage.prompt_tokens == prompt_tokens
     assert reply.usage.completion_tokens == GREEDY["max_tokens"]
     assert reply.usage.total_tokens == prompt_tokens + GREEDY["max_tokens"]

@@ -80,8 +80,8 @@ def tiny(tmp_path):
 @pytest.mark.parametrize("text", TEXTS + ["<|im_start|>user\nhi<|im_end|>\n"])
 def test_ids_match_llama_cpp(tokenizer, oracle, text):
     data = text.encode()
-    assert tokenizer.encode(text) == oracle.tokenize(data, add_bos=True, special=True)
-    assert tokenizer.encode(text, add_bos=False) == oracle.tokenize(data, add_bos=False,
+    assert tokenizer.encode(text, special=True) == oracle.tokenize(data, add_bos=True, special=True)
+    assert tokenizer.encode(text, add_bos=False, special=True) == oracle.tokenize(data, add_bos=False,
                                                                     special=True)
     assert tokenizer.encode(text, special=False) == oracle.tokenize(data, special=False)
 
@@ -93,7 +93,7 @@ def test_decode_round_trips_ordinary_text(tokenizer, text):
 
 @pytest.mark.parametrize("special_text", ["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
 def test_special_token_text_becomes_one_id_only_when_special(tokenizer, special_text):
-    (token_id,) = tokenizer.encode(special_text, add_bos=False)
+    (token_id,) = tokenizer.encode(special_text, add_bos=False, special=True)
     assert tokenizer.decode([token_id]) == special_text
     assert len(tokenizer.encode(special_text, add_bos=False, special=False)) > 1
 
@@ -162,8 +162,8 @@ def test_broken_template_still_loads_and_fails_only_when_rendered(tmp_path):
 def test_bos_follows_the_model_but_is_never_doubled(tiny):
     hi = tiny.encode("hi", add_bos=False)
     assert tiny.encode("hi") == [tiny.bos_id, *hi]
-    assert tiny.encode("<s>hi") == [tiny.bos_id, *hi]
-    assert tiny.encode("<s>hi", add_bos=True) == [tiny.bos_id, tiny.bos_id, *hi]
+    assert tiny.encode("<s>hi", special=True) == [tiny.bos_id, *hi]
+    assert tiny.encode("<s>hi", add_bos=True, special=True) == [tiny.bos_id, tiny.bos_id, *hi]
 
 
 def test_explicit_add_bos_overrides_the_model(tokenizer):
@@ -172,7 +172,7 @@ def test_explicit_add_bos_overrides_the_model(tokenizer):
 
 
 def test_eog_ids_of_the_tiny_vocabulary(tiny):
-    assert tiny.eog_ids == {tiny.eos_id, tiny.encode("<|im_end|>", add_bos=False)[0]}
+    assert tiny.eog_ids == {tiny.eos_id, tiny.encode("<|im_end|>", add_bos=False, special=True)[0]}
 
 
 @pytest.mark.parametrize("contents", [None, b"", b"not a gguf file at all"])
