@@ -109,7 +109,7 @@ def _to_half(values: np.ndarray, what: str) -> np.ndarray:
     with np.errstate(over="ignore"):
         half = values.astype(np.float16)
     if not np.isfinite(half).all():
-        raise ValueError(f"a {what} is outside the float16 range")
+        raise ValueError(f"a {what} of {np.max(np.abs(values)):g} is outside the float16 range")
     return half
 
 

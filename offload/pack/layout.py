@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierflow.cpu_kernels.dequant import dequantize
-from tierflow.cpu_kernels.packed import TILE_ROWS, pack
+from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, pack
 from tierflow.cpu_kernels.quant_groups import (
     GROUPED_TYPES,
     QuantGroups,
@@ -33,6 +33,7 @@ from tierflow.cpu_kernels.quant_groups import (
     stack_rows,
     to_quant_groups,
 )
+from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.offload.gguf.reader import GGUFFile
 from tierflow.offload.io.disk import ALIGNMENT
 from tierflow.runtime.models.tensor_map import Field, Matmul, Tensor, Vector, field_tensors
@@ -182,7 +183,7 @@ class ExtentLayout:
         types = [self.gguf.tensors[w.name].ggml_type for w in weights]
         with_mins = bits != 8 or any(group_layout(t).has_min for t in types)
         padded = -(-rows // TILE_ROWS) * TILE_ROWS
-        packed = _Once(lambda: pack(stack_rows([self.decoder.matrix(w, True) for w in weights]), with_mins))
+        packed = _Once(lambda: self._packed(weights, with_mins))
         params = padded * (cols // group) * 2
         spec |= {"kind": "packed", "bits": bits, "group": group,
                  "data": self._array(padded * cols * bits // 8, lambda: packed().data),
@@ -190,6 +191,22 @@ class ExtentLayout:
                  "mins": self._array(params, lambda: packed().mins) if with_mins else None}
         self.linears.append(LinearSize(padded * cols * bits // 8 + params * (2 if with_mins else 1), bits))
         return spec
+
+    def _packed(self, weights: list[Tensor], with_mins: bool) -> PackedMatrix:
+        """The tensors packed as one matrix. A scale or offset that is not a number means a damaged
+        file; one too large for the packed layout's float16 (a Q4_0 block of scale 65504 has an
+        offset of -8 x 65504) is a file tierflow cannot hold."""
+        groups = [self.decoder.matrix(w, True) for w in weights]
+        names = ", ".join(f"'{w.name}'" for w in weights)
+        for weight, group in zip(weights, groups):
+            if not (np.isfinite(group.scale).all() and np.isfinite(group.min).all()):
+                raise ModelFileError(f"{self.gguf.path.name}: tensor '{weight.name}' has block scales "
+                                     f"that are not finite numbers (the file is damaged)")
+        try:
+            return pack(stack_rows(groups), with_mins)
+        except ValueError as error:
+            raise UnsupportedModelError(f"{self.gguf.path.name}: tensor {names}: {error} (tierflow's packed "
+                                        f"layout keeps block scales and offsets in float16)") from None
 
     def _biases(self, parts: list[tuple[Tensor, Tensor | None]]) -> np.ndarray:
         return np.concatenate([np.zeros(weight.matrix_shape[0], np.float32) if bias is None
