@@ -129,6 +129,17 @@ def _exit_text(status: int) -> tuple[str, str]:
     return "exit", f"exited with status {os.WEXITSTATUS(status)} without reporting"
 
 
+def _outcome(child: _Child, messages: list[dict], status: int, timed_out: bool) -> dict:
+    """The child's own report, or else what its end says: the deadline, a signal, an exit."""
+    final = next((message for message in messages if "status" in message), None)
+    if final is not None:
+        return final
+    if timed_out:
+        return {"status": "timeout", "detail": f"no answer within {child.deadline - child.started:.0f} s"}
+    kind, text = _exit_text(status)
+    return {"status": kind, "detail": text}
+
+
 def _finish(child: _Child, timed_out: bool) -> dict:
     """Reap the child, kill what it left running, and make its result."""
     os.close(child.reader)
@@ -137,22 +148,16 @@ def _finish(child: _Child, timed_out: bool) -> dict:
     except ProcessLookupError:
         pass
     _, status = os.waitpid(child.pid, 0)
-    messages = [json.loads(line) for line in child.received.decode("utf-8").splitlines() if line.strip()]
-    notes = [message["note"] for message in messages if "note" in message]
-    final = next((message for message in messages if "status" in message), None)
-    if final is not None:
-        result = final
-    elif timed_out:
-        result = {"status": "timeout", "detail": f"no answer within {child.deadline - child.started:.0f} s"}
-    else:
-        kind, text = _exit_text(status)
-        result = {"status": kind, "detail": text}
-    if result["status"] != "ok":
-        output = (child.folder / "output.txt").read_bytes()[-OUTPUT_TAIL_BYTES:]
-        result["detail"] += "\noutput: " + output.decode("utf-8", "replace") if output.strip() else ""
+    # Whole lines only: a child killed while writing leaves a partial last one.
+    messages = [json.loads(line) for line in child.received.split(b"\n")[:-1]]
+    result = _outcome(child, messages, status, timed_out)
+    output_path = child.folder / "output.txt"  # made by the child, unless it failed before
+    output = output_path.read_bytes()[-OUTPUT_TAIL_BYTES:] if output_path.exists() else b""
+    if result["status"] != "ok" and output.strip():
+        result["detail"] += "\noutput: " + output.decode("utf-8", "replace")
     shutil.rmtree(child.folder, ignore_errors=True)
-    return {"index": child.index, "label": child.label, "notes": notes,
-            "seconds": round(time.monotonic() - child.started, 3), **result}
+    return {"index": child.index, "label": child.label, "seconds": round(time.monotonic() - child.started, 3),
+            "notes": [message["note"] for message in messages if "note" in message], **result}
 
 
 def run_batch(batch: dict, work: Path) -> None:

@@ -158,6 +158,30 @@ class SetArchitecture:
         return f"set architecture {self.name!r}{moved}"
 
 
+@dataclass(frozen=True)
+class SetVersion:
+    version: int
+
+    def apply(self, parts: ModelParts, seed: Seed) -> None:
+        parts.version = self.version
+
+    def __str__(self) -> str:
+        return f"set the GGUF version to {self.version}"
+
+
+@dataclass(frozen=True)
+class SetAlignment:
+    """Lay the tensor data out at another alignment, and say so in general.alignment."""
+
+    alignment: int
+
+    def apply(self, parts: ModelParts, seed: Seed) -> None:
+        parts.alignment = self.alignment
+
+    def __str__(self) -> str:
+        return f"lay out the tensor data at alignment {self.alignment}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensor table and data
 

@@ -18,7 +18,7 @@ from tests.fuzz.values import (
     plausible_value,
     wrong_type,
 )
-from tests.support.gguf_bytes import STRING, Typed
+from tests.support.gguf_bytes import STRING, UINT32, Typed
 from tierflow.ggml_types import QUANT_SIZES
 
 # Keys a family may read that the seeds do not all carry ({arch} is the seed's architecture).
@@ -64,6 +64,12 @@ def metadata_key(rng: random.Random, seed: Seed) -> m.DeleteKey | m.DuplicateKey
 
 def architecture(rng: random.Random, seed: Seed) -> m.SetArchitecture:
     return m.SetArchitecture(rng.choice(ARCHITECTURE_NAMES), rename_keys=rng.random() < 0.7)
+
+
+def header(rng: random.Random, seed: Seed) -> m.SetVersion | m.SetAlignment:
+    if rng.random() < 0.3:
+        return m.SetVersion(rng.choice((0, 1, 2, 4, 0x03000000)))
+    return m.SetAlignment(rng.choice((1, 2, 4, 8, 16, 64, 4096)))
 
 
 def _shape(rng: random.Random, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -118,9 +124,17 @@ def vocabulary(rng: random.Random, seed: Seed):
     if kind == 5:
         return m.SetValue("tokenizer.ggml.pre", Typed(STRING, rng.choice(PRE_TOKENIZERS)))
     if kind == 6:
-        special = [k for k in seed.metadata if k.endswith("_token_id")] + ["tokenizer.ggml.sep_token_id"]
-        return m.SetValue(rng.choice(special), boundary_int(rng, len(seed.metadata["tokenizer.ggml.tokens"])))
+        return _special_token_id(rng, seed)
     return m.SetValue(key, wrong_type(rng))
+
+
+def _special_token_id(rng: random.Random, seed: Seed) -> m.SetValue:
+    """bos, eos, ... set to another token, or to a boundary integer near the vocabulary's size."""
+    keys = [key for key in seed.metadata if key.endswith("_token_id")] + ["tokenizer.ggml.sep_token_id"]
+    num_tokens = len(seed.metadata["tokenizer.ggml.tokens"])
+    if rng.random() < 0.5:
+        return m.SetValue(rng.choice(keys), Typed(UINT32, rng.randrange(num_tokens)))
+    return m.SetValue(rng.choice(keys), boundary_int(rng, num_tokens))
 
 
 def _item(rng: random.Random, items) -> object:
@@ -167,6 +181,7 @@ STRUCTURED_FAMILIES = {  # family -> (weight, mutator)
     "metadata value": (25, metadata_value),
     "metadata key": (8, metadata_key),
     "architecture": (7, architecture),
+    "header": (4, header),
     "tensor table": (20, tensor),
     "vocabulary": (15, vocabulary),
     "chat template": (10, chat_template),

@@ -8,7 +8,7 @@ build_gguf lays out a file from them again. Decoded values and byte spans serve 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +34,19 @@ Value = Typed | Raw  # a metadata value as build_gguf writes it
 
 @dataclass
 class ModelParts:
-    """A GGUF file as build_gguf writes it: metadata entries in order (a key may repeat) and
-    tensors in order (data included). Mutators edit a copy."""
+    """A GGUF file as build_gguf writes it: metadata entries in order (a key may repeat), tensors
+    in order (data included) and the header's fields. Mutators edit a copy."""
 
     kvs: list[tuple[str | bytes, Value]]
     tensors: list[TensorSpec]
+    version: int = 3
+    alignment: int = 32  # the data's; other than 32, build_gguf also writes general.alignment
 
     def copy(self) -> ModelParts:
-        return ModelParts(list(self.kvs), list(self.tensors))
+        return replace(self, kvs=list(self.kvs), tensors=list(self.tensors))
 
     def to_bytes(self) -> bytes:
-        return build_gguf(self.kvs, self.tensors)
+        return build_gguf(self.kvs, self.tensors, version=self.version, alignment=self.alignment)
 
     def set_value(self, key: str, value: Value) -> None:
         """Replace the key's value in place, or append the key when absent."""
