@@ -1,0 +1,38 @@
+"""Named cases: the attacker's findings against an older tierflow (each now refused with a
+TierflowError, each a test in test_fuzz.py), and the fuzzer's own findings that still fail (the
+quick run includes them, so it fails until they are fixed)."""
+
+import numpy as np
+
+from tests.fuzz.cases import Case
+from tests.fuzz.mutations import CopyArrayItem, DropTensor, SetBlockScale, SetValue
+from tests.support.gguf_bytes import ARRAY, STRING, UINT32, Typed
+
+TOKENS = "tokenizer.ggml.tokens"
+FLOAT16_INF, FLOAT16_MAX = 0x7C00, 0x7BFF
+
+REGRESSIONS = {
+    "duplicated_token": Case("llama-q8", (CopyArrayItem(TOKENS, 500, 501),)),
+    "sentencepiece_model_on_bpe_vocabulary": Case(
+        "llama-q8", (SetValue("tokenizer.ggml.model", Typed(STRING, "llama")),)),
+    "no_vocab_tokenizer": Case("llama-q8", (SetValue("tokenizer.ggml.model", Typed(STRING, "no_vocab")),)),
+    "billion_layers": Case("llama-q8", (SetValue("llama.block_count", Typed(UINT32, 10**9)),)),
+    "string_rope_freq_base": Case("llama-q8", (SetValue("llama.rope.freq_base", Typed(STRING, "abc")),)),
+    "array_head_count_kv": Case("llama-q8", (SetValue("llama.attention.head_count_kv",
+                                                      Typed(ARRAY, np.array([2, 2], np.uint32), UINT32)),)),
+    "block_count_past_the_tensors": Case("llama-q8", (SetValue("llama.block_count", Typed(UINT32, 2**24)),)),
+    "key_length_that_does_not_fit": Case("llama-q8", (SetValue("llama.attention.key_length",
+                                                               Typed(UINT32, 48)),)),
+    "missing_shared_expert": Case("qwen2moe", (DropTensor("blk.0.ffn_up_shexp.weight"),)),
+    "infinite_quant_scale": Case("llama-q8", (SetBlockScale("blk.0.attn_q.weight", 0, FLOAT16_INF),)),
+}
+
+# The fuzzer's findings that tierflow still gets wrong, each reduced to its smallest form.
+KNOWN_FAILURES = {
+    # Q4_0 packs as scale and min (-8 * scale) in float16: the largest float16 scale makes a min
+    # outside float16, and the packer's ValueError escapes the load.
+    "largest_float16_scale_in_q4_0": Case("llama-q4-yarn",
+                                          (SetBlockScale("blk.0.attn_k.weight", 1, FLOAT16_MAX),)),
+}
+
+NAMED_CASES = {**REGRESSIONS, **KNOWN_FAILURES}
