@@ -17,13 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-# The test session's setup (tests/conftest.py): a temporary TIERFLOW_CACHE holding a fixed
-# hardware profile, so that no case measures the machine and the user's cache stays untouched.
-import tests.conftest  # noqa: F401
 from tests.fuzz.cases import random_case
 from tests.fuzz.corpus import NAMED_CASES
 from tests.fuzz.harness import DEFAULT_MEMORY_BYTES, DEFAULT_TIMEOUT_S, ForkServer, Result, case_call
 from tests.fuzz.seeds import load_seeds
+from tests.support.test_cache import use_test_cache
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,6 +71,7 @@ def _run(cases: list[int | str], args: argparse.Namespace, seeds_folder: str, wo
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
+    use_test_cache()  # no case measures the machine, nor writes in the user's cache
     cases = _cases(args)
     if not cases:
         sys.exit("give --seed, --case or --cases")

@@ -112,7 +112,12 @@ def test_a_missing_shared_expert_is_a_model_file_error(server, seeds_folder):
 
 def test_an_infinite_quant_scale_is_a_model_file_error(server, seeds_folder):
     refusal = _load_refusal(server, seeds_folder, "infinite_quant_scale")
-    assert refusal.startswith("ModelFileError")
+    assert refusal.startswith("ModelFileError") and "'blk.0.attn_q.weight'" in refusal
+
+
+def test_a_scale_too_large_for_the_packed_layout_is_refused_by_name(server, seeds_folder):
+    refusal = _load_refusal(server, seeds_folder, "largest_float16_scale_in_q4_0")
+    assert refusal.startswith("UnsupportedModelError") and "'blk.0.attn_k.weight'" in refusal
 
 
 # -- the harness -------------------------------------------------------------------------------
