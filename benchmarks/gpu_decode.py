@@ -52,10 +52,9 @@ from benchmarks.decode import build_prompt, measure, positive_int, summarize
 from benchmarks.streaming import model_file
 from tierflow import Engine
 from tierflow.gpu_kernels.launch import load_all_kernels
-from tierflow.offload.gguf.model_info import read_config
-from tierflow.offload.gguf.reader import read_gguf
-from tierflow.offload.pack.extents import model_extents
-from tierflow.offload.plan.planner import kv_cache_bytes
+from tierflow.offload.gguf.model_file import open_model_file
+from tierflow.offload.pack.writer import pack_sizes
+from tierflow.offload.plan.budgets import kv_cache_bytes
 from tierflow.offload.plan.profile import cache_dir
 from tierflow.units import parse_size
 
@@ -89,9 +88,9 @@ class Sizes:
 
 
 def read_sizes(path: Path, context_length: int) -> Sizes:
-    with read_gguf(path) as gguf:
-        config = read_config(gguf)
-        globals_, layers = model_extents(gguf, config)
+    with open_model_file(path) as model:
+        config, sizes = model.config, pack_sizes(model)
+    globals_, layers = sizes.globals, sizes.layers
     kv = kv_cache_bytes(config, context_length) // config.num_layers
     return Sizes(globals_.nbytes, [layer.nbytes for layer in layers], kv)
 

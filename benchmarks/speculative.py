@@ -17,16 +17,14 @@ Every run's tokens are checked equal to the target's own. The figures are the me
 
 import argparse
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.support.make_model import write_f32_copy
 from tierflow import Engine
 from tierflow.offload.gguf.convert import convert_model
-from tierflow.offload.gguf.model_info import read_config
+from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
-from tierflow.offload.gguf.reader import read_gguf
-from tierflow.offload.pack.extents import model_extents
+from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.profile import cache_dir
 from tierflow.units import format_size
 
@@ -49,15 +47,15 @@ def bench_files() -> tuple[Path, Path, Path]:
         convert_model(None, three_bit, 3, "search")
     f32 = folder / "smollm2-f32.gguf"
     if not f32.exists():
-        maker = Path(__file__).resolve().parents[1] / "tests" / "make_model.py"
-        subprocess.run([sys.executable, str(maker), str(f32), "--f32-copy-of", str(target)], check=True)
+        write_f32_copy(target, f32)
     return target, three_bit, f32
 
 
 def quarter_resident_budget(model: Path) -> int:
     """cpu_memory that keeps the embeddings, a quarter of the layer bytes and a streaming ring."""
-    with read_gguf(model) as gguf:
-        globals_, layers = model_extents(gguf, read_config(gguf))
+    with open_model_file(model) as opened:
+        sizes = pack_sizes(opened)
+    globals_, layers = sizes.globals, sizes.layers
     largest = max(layer.nbytes for layer in layers)
     return globals_.nbytes + sum(layer.nbytes for layer in layers) // 4 + 3 * largest
 

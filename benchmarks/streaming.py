@@ -28,12 +28,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from tierflow import Engine
-from tierflow.offload.gguf.model_info import read_config
-from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.io.disk import DiskFile, aligned_buffer
+from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.planner import make_plan
-from tierflow.offload.plan.probe import load_profile
 from tierflow.offload.plan.profile import cache_dir
+from tierflow.runtime.loader import model_profile
 from tierflow.units import format_size, parse_size
 
 CONTEXT = 256
@@ -100,7 +100,8 @@ def main() -> None:
     args = parser.parse_args()
 
     path = args.model or model_file(parse_size(args.size), args.type)
-    profile = load_profile(args.threads)
+    with open_model_file(path) as model:
+        profile = model_profile(model, args.threads)
     rows = []
     with Engine.load(path, threads=args.threads, context_length=CONTEXT) as engine:
         weight_bytes = engine.weights.bytes_by_tier()["cpu"]
@@ -115,11 +116,10 @@ def main() -> None:
             row["disk_gbps"] = disk_read_gbps(engine)
             row["limit_tok_s"] = row["disk_gbps"] * 1e9 / row["bytes_per_token"]
             row["of_limit"] = row["decode_tok_s"] / row["limit_tok_s"]
-            with read_gguf(path) as gguf:
-                config = read_config(gguf)
+            with open_model_file(path) as model:
                 same_disk = replace(profile, disk_read_gbps=row["disk_gbps"])
                 for key, speeds in (("predicted_tok_s", profile), ("predicted_same_disk_tok_s", same_disk)):
-                    plan = make_plan(gguf, config, speeds, gpu_budget=0, cpu_budget=budget,
+                    plan = make_plan(model, pack_sizes(model), speeds, gpu_budget=0, cpu_budget=budget,
                                      context_length=CONTEXT, prompt_tokens=16)
                     row[key] = plan.predicted_decode_tps
             rows.append(row)
