@@ -62,6 +62,25 @@ def test_streamed_experts_give_the_resident_tokens_and_logits_bit_for_bit(moe_pa
         assert engine.expert_stats.misses > 0
 
 
+def test_a_streamed_expert_changed_in_place_after_its_first_read_is_an_error(moe_path, budgets, resident,
+                                                                             tmp_path):
+    own = tmp_path / "moe.gguf"  # a pack of its own, to damage
+    own.write_bytes(moe_path.read_bytes())
+    with streamed(own, budgets, experts_held=8) as engine:  # one layer's worth: experts are read again
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == resident[0]
+        packed = engine.weights.packed
+        with open(packed.path, "r+b") as f:  # every expert of layer 0, past its first read
+            for extent in packed.experts[0]:
+                f.seek(extent.offset + 64)
+                byte = f.read(1)[0]
+                f.seek(extent.offset + 64)
+                f.write(bytes([byte ^ 0xFF]))
+        with pytest.raises(ModelFileError, match="checksum"):
+            engine.generate("Something else entirely", max_tokens=TOKENS, temperature=0)
+    with streamed(own, budgets, experts_held=8) as engine:  # rebuilt
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == resident[0]
+
+
 def test_the_expert_cache_holds_what_the_budget_leaves_and_no_more(moe_path, budgets):
     base, one, all_experts = budgets
     budget = base + 12 * one

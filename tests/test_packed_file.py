@@ -5,6 +5,7 @@ own cache folder (conftest.py sets TIERFLOW_CACHE), keyed by the model's path.
 """
 
 import errno
+import json
 import os
 import time
 import zlib
@@ -157,6 +158,29 @@ def test_a_damaged_pack_is_rebuilt_never_used(model, builds, damage):
     assert greedy_tokens(model) == expected
     assert builds == [path, path]  # the first load's build, then the rebuild
     assert_whole_pack(path)
+
+
+def _rewrite_manifest(path: Path, change) -> None:
+    """The pack with change(manifest) applied, under a valid checksum and trailer."""
+    data = path.read_bytes()
+    _, offset, length, _ = TRAILER.unpack(data[-TRAILER.size:])
+    manifest = json.loads(data[offset:offset + length])
+    change(manifest)
+    raw = json.dumps(manifest).encode()
+    path.write_bytes(data[:offset] + raw + TRAILER.pack(b"TFPACK01", offset, len(raw), zlib.crc32(raw)))
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m["layers"][1].update(nbytes=10**12),
+    lambda m: m["layers"][0]["weights"]["qkv"].update(rows=10**9),
+    lambda m: m["layers"][2].update(offset=m["layers"][1]["offset"]),
+], ids=["absurd-extent-size", "absurd-matrix-rows", "overlapping-extents"])
+def test_a_crafted_manifest_with_a_valid_checksum_is_rebuilt_not_read(model, builds, change):
+    expected = greedy_tokens(model)
+    _rewrite_manifest(pack_path(model), change)
+    assert greedy_tokens(model) == expected
+    assert builds == [pack_path(model)] * 2  # the first load's build, then the rebuild
+    assert_whole_pack(pack_path(model))
 
 
 # -- layout -----------------------------------------------------------------------------------

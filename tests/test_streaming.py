@@ -292,6 +292,22 @@ def test_a_damaged_streamed_extent_fails_the_generation_and_the_next_load_rebuil
         assert zlib.crc32(f.read(extent.nbytes)) == extent.crc32
 
 
+def test_a_pack_changed_in_place_after_its_first_read_is_an_error_not_wrong_output(own_model, half, resident):
+    path = pack_path(own_model)
+    with load(own_model, cpu_memory=half) as engine:
+        assert generate(engine) == resident["tokens"][:16]  # every streamed layer read (and checked) once
+        extent = engine.weights.packed.layers[engine.weights.streamed_layers[0]]
+        with open(path, "r+b") as f:
+            f.seek(extent.offset + 100)
+            byte = f.read(1)[0]
+            f.seek(extent.offset + 100)
+            f.write(bytes([byte ^ 0xFF]))
+        error = in_thread(lambda: generate(engine)).get("error")
+        assert isinstance(error, ModelFileError) and "checksum" in str(error), error
+    with load(own_model, cpu_memory=half) as engine:  # rebuilt
+        assert generate(engine) == resident["tokens"][:16]
+
+
 # -- O_DIRECT and its fallback ------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ the room the budget leaves, holds those the policy keeps. A layer step:
 
 A prefetched expert that the next layer does not use is dropped at once (its read cancelled if it
 has not started). Reads use O_DIRECT (offload/io/disk.py), so the page cache never holds experts and
-the budget is what RAM holds; an expert's CRC-32 is checked the first time it is read. Each read
+the budget is what RAM holds; an expert's CRC-32 is checked every time it is read. Each read
 fills a buffer from a BufferPool of the cache's budget, which a dropped expert gives back for the
 next read (mapping fresh memory for every read cost more than the reads themselves).
 """
@@ -57,7 +57,6 @@ class ExpertStore(ExpertTier):
         self.buffers = BufferPool(budget_bytes)
         super().__init__(config, ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
                                              self._fetch, policy, discard=self._discard))
-        self._checked: set[ExpertKey] = set()  # experts whose checksum this process has verified
 
     @property
     def nbytes(self) -> int:
@@ -85,9 +84,7 @@ class ExpertStore(ExpertTier):
         buffer = self.buffers.take(extent.nbytes)
         try:
             data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
-            if key not in self._checked:
-                self.packed.check(extent, data)
-                self._checked.add(key)
+            self.packed.check(extent, data, self.disk.fd)  # every read: the file may change under us
             return self.packed.expert_weights(layer_idx, expert_id, data), buffer
         except BaseException:
             self.buffers.give(buffer)

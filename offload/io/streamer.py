@@ -15,18 +15,18 @@ Plain threads rather than aiofiles: aiofiles runs each blocking read on a thread
 an asyncio loop in between would add a hop per read and a loop to keep alive, for nothing. Two
 threads and a queue are the whole scheduler.
 
-A read that fails (an I/O error, a truncated file, a damaged extent) ends the generation that
-needed it with that error; the ring is then emptied and restarts cleanly on the next request.
+Every read is checked against its extent's CRC-32 (on the reader threads, which release the GIL
+for it: it runs faster than the disk), so a pack changed in place while it streams is an error,
+never wrong output. A read that fails (an I/O error, a truncated file, a damaged extent) ends the
+generation that needed it with that error; the ring is then emptied and restarts cleanly on the
+next request.
 """
 
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from tierflow.errors import ModelFileError
 from tierflow.offload.io.disk import DiskFile, aligned_buffer
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.runtime.model import Weights
@@ -50,7 +50,6 @@ class LayerStreamer:
         self.slots = [aligned_buffer(packed.largest_layer_bytes) for _ in range(min(depth + 1, len(layers)))]
         self.slot_bytes = len(self.slots[0]) if self.slots else 0
         self._position = {layer: k for k, layer in enumerate(layers)}
-        self._checked: set[int] = set()  # extents whose checksum this process has verified
         self._reads: dict[int, _Read] = {}  # by sequence number
         self._scheduled = self._consumed = 0  # sequence numbers: read n is of layer order[n % S]
         self._released = True  # whether the layer last returned is done with (its slot free)
@@ -142,26 +141,10 @@ class LayerStreamer:
                     self._count_read(-1)
                 with self._stats_lock:
                     self.bytes_read += extent.nbytes
-                if read.layer not in self._checked:
-                    try:
-                        self.packed.check(extent, data)
-                    except ModelFileError:
-                        _discard_if_open(self.packed.path, self.disk.fd)  # the next load rebuilds it
-                        raise
-                    self._checked.add(read.layer)
+                self.packed.check(extent, data, self.disk.fd)  # every read: the file may change under us
                 read.weights = self.packed.layer_weights(read.layer, data)
             except BaseException as error:  # handed to the compute thread, which raises it
                 read.error = error
             finally:
                 read.done.set()
 
-
-def _discard_if_open(path: Path, fd: int) -> None:
-    """Deletes a damaged pack, unless another process has already put a new one at its path (this
-    engine keeps reading its open file either way)."""
-    try:
-        opened, current = os.fstat(fd), os.stat(path)
-    except OSError:
-        return
-    if (opened.st_dev, opened.st_ino) == (current.st_dev, current.st_ino):
-        path.unlink(missing_ok=True)

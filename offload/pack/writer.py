@@ -20,7 +20,9 @@ arrays as layout.py lays them out, its family's fields in order):
 The file is written under a temporary name, synced, then renamed: a pack either exists whole or
 not at all. It is keyed by the source's absolute path; its manifest records the source's size and
 modification time and the format version, and a pack that disagrees (stale) or whose trailer,
-manifest or size is wrong (damaged) is rebuilt. Extents carry CRC-32s, checked as they are read.
+manifest or size is wrong (damaged), or whose manifest is not exactly the layout the header
+implies (a crafted one with a valid checksum), is rebuilt. Extents carry CRC-32s, checked every
+time they are read.
 """
 
 import hashlib
@@ -81,6 +83,27 @@ def pack_sizes(model: ModelFile) -> PackSizes:
         else:
             experts[layer] = [layout.extent_size()] * config.num_experts
     return PackSizes(globals_, layers, experts)
+
+
+def _laid_out_as_the_header_says(packed: PackedFile, model: ModelFile) -> bool:
+    """Whether the manifest is exactly the layout the header implies: every extent where the
+    writer puts it, back to back, of its size, with its arrays where the layout walk places them
+    (a layer's experts all as its first). A manifest with a valid checksum but other sizes or
+    offsets would have the readers read past their extents."""
+    config = model.config
+    if len(packed.layers) != config.num_layers or any(len(xs) != config.num_experts for xs in packed.experts):
+        return False
+    expected = {(layer, expert): (layout.extent_size().nbytes, json.loads(json.dumps(layout.spec)))
+                for layer, expert, layout in extents(model, all_experts=False)}
+    offset = 0
+    entries = [((None, None), packed.globals)]
+    for i, layer in enumerate(packed.layers):
+        entries += [((i, None), layer)] + [((i, 0), expert) for expert in packed.experts[i]]
+    for key, extent in entries:
+        if extent.offset != offset or (extent.nbytes, extent.weights) != expected[key]:
+            return False
+        offset += extent.nbytes
+    return True
 
 
 def pack_path(source: Path) -> Path:
@@ -145,7 +168,7 @@ def open_pack(model: ModelFile, progress: LoadProgress | None = None) -> PackedF
     if path.exists():
         try:
             packed = PackedFile(path)
-            if packed.source == source_identity(model.path) and len(packed.layers) == model.config.num_layers:
+            if packed.source == source_identity(model.path) and _laid_out_as_the_header_says(packed, model):
                 return packed
         except ModelFileError:
             pass  # damaged: rebuilt below
