@@ -5,9 +5,11 @@ from dataclasses import replace
 import pytest
 
 from tests.support.make_model import ModelSpec, write_model
+from tests.support.test_cache import TEST_PROFILE
 from tierflow import Engine
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.plan.probe import load_profile
+from tierflow.offload.plan.probe import load_profile, save_profile
+from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime import loader
 from tierflow.runtime.overhead import measure_layer_overhead, shape_key
 
@@ -32,6 +34,8 @@ def test_a_wider_model_costs_more_per_layer(model_path):
 
 
 def test_a_streamed_load_measures_its_shape_once_and_caches_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path / "cache"))  # no shape measured yet
+    save_profile(HardwareProfile(threads=2, **TEST_PROFILE))
     path = write_model(tmp_path / "streamed.gguf", STREAMED)
     with open_model_file(path) as model:
         key = shape_key(model.config)

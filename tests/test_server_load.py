@@ -4,8 +4,8 @@ hostile and normal requests, /health keeps answering within 100 ms."""
 
 import asyncio
 import json
-import threading
-import time
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -92,35 +92,44 @@ def test_full_queue_refuses_before_tokenizing(no_queue_url, tokenizer_calls):
     assert tokenizer_calls == []
 
 
+# Polls /health every POLL_EVERY_S until its stdin closes, then prints each poll's status and
+# latency (send to answer). A process of its own: the test process's garbage collections and
+# threads, which a long test session makes slow, must not count as the server's latency.
+POLL = """
+import json, select, sys, time, httpx
+url, every = sys.argv[1], float(sys.argv[2])
+polls = []
+with httpx.Client(timeout=120) as client:
+    while not select.select([sys.stdin], [], [], every)[0]:
+        start = time.perf_counter()
+        status = client.get(url).status_code
+        polls.append((status, time.perf_counter() - start))
+        if len(polls) == 1:
+            print("answered", flush=True)
+print(json.dumps(polls), flush=True)
+"""
+
+
 class HealthPoller:
-    """Polls /health on its own connection every POLL_EVERY_S while in its `with` block, timing
-    each poll from sending the request to reading the answer."""
+    """Polls /health from a process of its own while in its `with` block: `latencies` and
+    `statuses` of every poll once the block has ended."""
 
     def __init__(self, url: str):
-        self.url = url
+        self._process = subprocess.Popen([sys.executable, "-c", POLL, f"{url}/health", str(POLL_EVERY_S)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.latencies: list[float] = []
         self.statuses: list[int] = []
-        self._answered, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def __enter__(self) -> "HealthPoller":
-        self._thread.start()
-        assert self._answered.wait(30), "the first health check got no answer"
+        assert self._process.stdout.readline().strip() == "answered", "the first health check got no answer"
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _poll(self) -> None:
-        with httpx.Client(timeout=120) as client:
-            while not self._stop.is_set():
-                start = time.perf_counter()
-                status = client.get(f"{self.url}/health").status_code
-                self.latencies.append(time.perf_counter() - start)
-                self.statuses.append(status)
-                self._answered.set()
-                self._stop.wait(POLL_EVERY_S)
+        self._process.stdin.close()
+        polls = json.loads(self._process.stdout.read())
+        self._process.wait(30)
+        self.statuses = [status for status, _ in polls]
+        self.latencies = [seconds for _, seconds in polls]
 
 
 def chunks_past_one_megabyte() -> Iterator[bytes]:
