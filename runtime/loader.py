@@ -192,9 +192,15 @@ def load_model(model: ModelFile, budgets: Budgets, gpu: GpuTier, threads: int,
     """Plans the model under the budgets (measuring the machine only if the plan needs it) and
     places its weights."""
     plan = plan_load(model, pack_sizes(model), budgets, lambda: model_profile(model, threads, gpu, progress))
+    return load_planned(model, plan, gpu, progress)
+
+
+def load_planned(model: ModelFile, plan: Plan, gpu: GpuTier, progress: LoadProgress | None = None
+                 ) -> LoadedModel:
+    """The model's weights placed as `plan` says, with a decoder and KV cache over them."""
     weights = place_weights(model, plan, gpu, progress)
     try:
-        return LoadedModel(model, plan, weights, budgets.context_length)
+        return LoadedModel(model, plan, weights, plan.context_length)
     except BaseException:
         weights.close()
         raise

@@ -11,7 +11,7 @@ from tierflow.offload.gguf.reader import GGUFFile
 from tierflow.offload.pack.writer import LoadProgress, pack_sizes
 from tierflow.offload.plan.budgets import kv_cache_bytes
 from tierflow.offload.plan.planner import resident_plan
-from tierflow.runtime.loader import Budgets, GpuTier, LoadedModel, place_weights
+from tierflow.runtime.loader import Budgets, GpuTier, LoadedModel, load_planned
 from tierflow.units import format_size
 
 VOCAB_KEY = "tokenizer.ggml.tokens"
@@ -42,12 +42,7 @@ def load_draft(model: str | os.PathLike, target: ModelFile, budgets: Budgets, gp
                               f"{path.name} ({format_size(in_ram)} in RAM), which is placed first")
         plan = resident_plan(draft, sizes, on_gpu=on_gpu, gpu_budget=budgets.gpu_bytes,
                              cpu_budget=budgets.cpu_bytes, context_length=budgets.context_length)
-        weights = place_weights(draft, plan, gpu, progress)
-        try:
-            return LoadedModel(draft, plan, weights, budgets.context_length)
-        except BaseException:
-            weights.close()
-            raise
+        return load_planned(draft, plan, gpu, progress)
 
 
 def _check_vocabulary(draft: GGUFFile, target: GGUFFile) -> None:

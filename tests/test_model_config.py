@@ -7,7 +7,7 @@ from tests.support.gguf_bytes import TensorSpec, build_gguf, build_tiny_gguf, ti
 from tierflow import Engine
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.models import architecture
+from tierflow.runtime.models import ARCHITECTURES, architecture
 
 LLAMA = {
     "general.architecture": "llama",
@@ -45,9 +45,10 @@ def test_missing_required_metadata_is_named(key):
         config(**{key: None})
 
 
-def test_unsupported_architecture_is_named():
-    with pytest.raises(UnsupportedModelError, match="mamba"):
+def test_unsupported_architecture_is_named_with_the_supported_ones():
+    with pytest.raises(UnsupportedModelError, match="mamba") as refused:
         config(**{"general.architecture": "mamba"})
+    assert all(name in str(refused.value) for name in ARCHITECTURES)  # the list runtime/models/ holds
 
 
 def test_heads_not_divisible_by_kv_heads_is_rejected():
