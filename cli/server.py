@@ -39,6 +39,7 @@ from tierflow.cli.openai_schema import (
     parse_request,
 )
 from tierflow.errors import ContextLengthError, InvalidArgumentError, TierflowError
+from tierflow.runtime.chat_template import start_render_workers
 from tierflow.runtime.engine import Engine
 from tierflow.runtime.streams import AsyncStream, GenerationResult
 
@@ -125,7 +126,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_request(ChatRequest, await _read_body(request, settings.max_body_bytes))
+        body = await parse_request(ChatRequest, await _read_body(request, settings.max_body_bytes))
         generations.check_chars(body.prompt_chars(), "messages")
         messages = body.template_messages()
         return await generations.answer(request, body, Reply.new(True, model), "messages",
@@ -133,7 +134,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_request(CompletionRequest, await _read_body(request, settings.max_body_bytes))
+        body = await parse_request(CompletionRequest, await _read_body(request, settings.max_body_bytes))
         prompt, reply = body.engine_prompt(), Reply.new(False, model)
         if isinstance(prompt, str):
             generations.check_chars(len(prompt), "prompt")
@@ -156,6 +157,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # The chat template's worker processes start now: a burst of first chat requests would
+    # otherwise start a burst of processes, competing with the event loop for the CPU.
+    await asyncio.to_thread(start_render_workers)
     # What is alive when serving starts (the engine, torch, the app) lives until it ends: frozen,
     # the garbage collector's full passes skip it, which shortens each pass, a pause of the event
     # loop, from about 90 ms to a few.

@@ -29,7 +29,7 @@ worker holds (a worker that kept more than that after a render is replaced).
 What stays open is what those bounds allow: a render may take up to twice its time limit plus a
 quarter second and map up to about twice its memory allowance before it fails. A worker round
 trip adds 0.1-0.3 ms to a render, and the first render in a process starts a worker (a fraction
-of a second). Rendering needs Linux (RLIMIT_AS, /proc).
+of a second) unless start_render_workers() started them. Rendering needs Linux (RLIMIT_AS, /proc).
 """
 
 import functools
@@ -230,6 +230,12 @@ def render_chat_template(template: str, messages: list[dict], *, bos_token: str 
     memory_bytes = _MEMORY_BASE_BYTES + _MEMORY_BYTES_PER_OUTPUT_CHAR * max_output_chars
     return POOL.render(template, variables, time_limit_s=time_limit_s, max_chars=max_output_chars,
                        memory_bytes=memory_bytes)
+
+
+def start_render_workers() -> None:
+    """Starts the worker processes that renders take, ahead of the first renders (each start is a
+    fraction of a second of CPU): for a server, before it answers requests."""
+    POOL.start_idle_workers()
 
 
 def render_in_process(template: str, variables: dict, time_limit_s: float, max_chars: int) -> str:

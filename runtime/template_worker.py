@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from tierflow.errors import TemplateError
@@ -134,6 +135,16 @@ class WorkerPool:
             raise TemplateError(text)
         return text
 
+    def start_idle_workers(self) -> None:
+        """Starts workers, in parallel, until as many wait as the pool keeps idle: a server does this
+        before it serves, so a burst of first requests does not start a burst of processes."""
+        with self._lock:
+            missing = _MAX_IDLE_WORKERS - len(self._idle)
+        with ThreadPoolExecutor(max(missing, 1)) as starting:
+            started = list(starting.map(lambda _: _Worker(), range(missing)))
+        for worker in started:
+            self._keep_idle(worker)
+
     def _take(self) -> _Worker:
         with self._lock:
             if self._pid != os.getpid():  # a forked child: the workers are its parent's
@@ -150,10 +161,15 @@ class WorkerPool:
         # so a worker that kept more than one allowance is replaced: no render maps much more
         # than twice its own.
         if worker.grown_bytes() <= memory_bytes:
-            with self._lock:
-                if len(self._idle) < _MAX_IDLE_WORKERS:
-                    self._idle.append(worker)
-                    return
+            self._keep_idle(worker)
+        else:
+            worker.stop()
+
+    def _keep_idle(self, worker: _Worker) -> None:
+        with self._lock:
+            if len(self._idle) < _MAX_IDLE_WORKERS:
+                self._idle.append(worker)
+                return
         worker.stop()
 
     def close(self) -> None:

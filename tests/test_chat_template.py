@@ -4,14 +4,16 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tierflow.errors import ModelFileError, TemplateError
 from tierflow.offload.gguf.model_path import bundled_model_path
-from tierflow.runtime.chat_template import CHATML_TEMPLATE, render_chat_template
+from tierflow.runtime.chat_template import CHATML_TEMPLATE, render_chat_template, start_render_workers
 
 CONVERSATION = [
     {"role": "user", "content": "Hello"},
@@ -286,6 +288,14 @@ def test_concurrent_renders_each_get_their_own_output():
     for thread in threads:
         thread.join()
     assert outputs == {name: name for name in names}
+
+
+def test_renders_after_start_render_workers_start_no_process():
+    start_render_workers()
+    started = {child.pid for child in psutil.Process().children()}
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: render_chat_template(CHATML_TEMPLATE, CONVERSATION), range(4)))
+    assert {child.pid for child in psutil.Process().children()} == started
 
 
 def test_variables_that_cannot_be_pickled_are_template_errors():

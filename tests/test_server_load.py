@@ -4,15 +4,12 @@ hostile and normal requests, /health keeps answering within 100 ms."""
 
 import asyncio
 import json
-import subprocess
-import sys
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from tests.support.live_server import assert_error, read_until_text, running_server, serve_command
+from tests.support.load_clients import Body, HealthPoller, send_at_once
 from tierflow.cli.server import CHARS_PER_POSITION
 
 HEALTH_BOUND_S = 0.1  # the task's bound on a health check's latency, send to answer
@@ -92,53 +89,12 @@ def test_full_queue_refuses_before_tokenizing(no_queue_url, tokenizer_calls):
     assert tokenizer_calls == []
 
 
-# Polls /health every POLL_EVERY_S until its stdin closes, then prints each poll's status and
-# latency (send to answer). A process of its own: the test process's garbage collections and
-# threads, which a long test session makes slow, must not count as the server's latency.
-POLL = """
-import json, select, sys, time, httpx
-url, every = sys.argv[1], float(sys.argv[2])
-polls = []
-with httpx.Client(timeout=120) as client:
-    while not select.select([sys.stdin], [], [], every)[0]:
-        start = time.perf_counter()
-        status = client.get(url).status_code
-        polls.append((status, time.perf_counter() - start))
-        if len(polls) == 1:
-            print("answered", flush=True)
-print(json.dumps(polls), flush=True)
-"""
-
-
-class HealthPoller:
-    """Polls /health from a process of its own while in its `with` block: `latencies` and
-    `statuses` of every poll once the block has ended."""
-
-    def __init__(self, url: str):
-        self._process = subprocess.Popen([sys.executable, "-c", POLL, f"{url}/health", str(POLL_EVERY_S)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.latencies: list[float] = []
-        self.statuses: list[int] = []
-
-    def __enter__(self) -> "HealthPoller":
-        assert self._process.stdout.readline().strip() == "answered", "the first health check got no answer"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._process.stdin.close()
-        polls = json.loads(self._process.stdout.read())
-        self._process.wait(30)
-        self.statuses = [status for status, _ in polls]
-        self.latencies = [seconds for _, seconds in polls]
-
-
-def chunks_past_one_megabyte() -> Iterator[bytes]:
+def chunks_past_one_megabyte() -> list[bytes]:
     """A chunked body (no Content-Length) of 1.2 MB: only the bytes read reveal its size."""
-    for _ in range(12):
-        yield b" " * 100_000
+    return [b" " * 100_000] * 12
 
 
-def flood_requests() -> list[tuple[str, bytes | Iterator[bytes], int]]:
+def flood_requests() -> list[tuple[str, Body, int]]:
     """(path, body, expected status): the attacks, with the normal requests they must not starve."""
     def body(fields: dict) -> bytes:  # encoded before the flood: the client's work is not the server's
         return json.dumps(fields).encode()
@@ -158,21 +114,11 @@ def flood_requests() -> list[tuple[str, bytes | Iterator[bytes], int]]:
 
 @pytest.mark.slow
 def test_health_answers_within_100_ms_under_a_flood():
-    # The server runs as users run it, in its own process: the clients' threads here do not
-    # compete with it for Python's interpreter lock.
-    with serve_command("--ctx", "1024", "--threads", "2") as url:
-        poll_latencies = flood(url)
-    assert max(poll_latencies) < HEALTH_BOUND_S, sorted(poll_latencies)[-5:]
-    assert len(poll_latencies) >= 5
-
-
-def flood(url: str) -> list[float]:
-    """Sends every flood request at once and checks each answer; the health polls' latencies."""
+    # The server runs as users run it, in its own process, and so do the clients: the test
+    # process's threads and garbage collections do not compete with the server for the CPU.
     requests = flood_requests()
-    with httpx.Client(timeout=600, headers={"Content-Type": "application/json"}) as client, \
-            ThreadPoolExecutor(len(requests)) as pool, HealthPoller(url) as poller:
-        sent = [pool.submit(client.post, f"{url}{path}", content=content) for path, content, _ in requests]
-        statuses = [future.result().status_code for future in sent]
+    with serve_command("--ctx", "1024", "--threads", "2") as url, HealthPoller(url, POLL_EVERY_S) as poller:
+        statuses = send_at_once(url, [(path, body) for path, body, _ in requests])
     assert statuses == [expected for _, _, expected in requests]
-    assert set(poller.statuses) == {200}
-    return poller.latencies
+    assert set(poller.statuses) == {200} and len(poller.latencies) >= 5
+    assert max(poller.latencies) < HEALTH_BOUND_S, sorted(poller.latencies)[-5:]
