@@ -1,6 +1,7 @@
 """tierflow.runtime: the engine, the decoder and what turns text into tokens and back.
 
     engine.py         Engine: load, generate, stream, chat, score (sync, streaming, async, cancellable)
+    arguments.py      checks of the public API's arguments (ids, stop strings, flags, UTF-8 text)
     loader.py         the one loader: budgets, plan, pack, weights (Engine.load, drafts, plan, info)
     models/           one file per model family: its config, tensor map and block
     model.py          the decoder loop, the Kernels protocol, Weights, the CPU kernels' bindings

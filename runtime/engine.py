@@ -12,7 +12,6 @@ import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from tierflow.offload.experts.routing_trace import RoutingRecorder
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import LoadProgress
+from tierflow.runtime.arguments import TOKEN_IDS, flag, stop_strings, token_ids, utf8_encoded
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.loader import (
     LoadedModel,
@@ -39,14 +39,11 @@ from tierflow.runtime.sampler import Sampler, SamplingParams, as_count
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
-from tierflow.speculative.drafts import ModelDraft, NgramDraft
 from tierflow.speculative.placement import load_draft
-from tierflow.speculative.sizing import TreeBudget
-from tierflow.speculative.speculator import Speculator
+from tierflow.speculative.speculator import Speculator, check_draft_options, make_speculator
 from tierflow.units import format_size
 
 LOCK_POLL_S = 0.05  # how often a waiting generation checks whether it was cancelled
-TOKEN_IDS = "token ids (a sequence of ints, or a 1-D integer array)"
 
 
 class Engine:
@@ -104,12 +101,7 @@ class Engine:
         path = resolve_model_path(model)
         threads = thread_count(threads)
         gpu = gpu_tier(gpu_memory, gpu_device)
-        if draft_shape not in ("tree", "chain"):
-            raise InvalidArgumentError(f"draft_shape must be 'tree' or 'chain', not {draft_shape!r}")
-        if draft_tokens is not None and (isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int)
-                                         or not 1 <= draft_tokens <= MAX_TREE):
-            raise InvalidArgumentError(f"draft_tokens must be an integer from 1 to {MAX_TREE}, "
-                                       f"got {draft_tokens!r}")
+        check_draft_options(draft_shape, draft_tokens)
         with open_model_file(path) as target:  # validated before llama.cpp sees the file
             context_length = context_length_for(context_length, target.config)
             budgets = resolve_budgets(target, cpu_memory, gpu.budget, context_length)
@@ -133,7 +125,10 @@ class Engine:
                 if drafted is not None:
                     drafted.close()
                 raise
-        speculator = _speculator(draft, draft_shape, draft_tokens, drafted, target.config.vocab_size)
+        speculator = None
+        if draft is not None:
+            draft_model = None if drafted is None else drafted.generator
+            speculator = make_speculator(draft_model, draft_shape, draft_tokens, target.config.vocab_size)
         return cls(loaded, tokenizer, threads, speculator, drafted)
 
     # -- generation ------------------------------------------------------------------------
@@ -160,8 +155,8 @@ class Engine:
         set once iterated to the end, and .cancel() stops it."""
         self._check_open()
         sampler = Sampler(SamplingParams.from_keywords(sampling))
-        max_tokens, stops = as_count("max_tokens", max_tokens), _stop_strings(stop)
-        prompt_ids = self._prompt_ids(prompt, _flag("parse_special", parse_special))
+        max_tokens, stops = as_count("max_tokens", max_tokens), stop_strings(stop)
+        prompt_ids = self._prompt_ids(prompt, flag("parse_special", parse_special))
         self._check_fits(len(prompt_ids), 1)
         # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
         max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
@@ -230,14 +225,14 @@ class Engine:
         self._check_open()
         if add_bos is not None and not isinstance(add_bos, bool):
             raise InvalidArgumentError(f"add_bos must be True, False or None, got {add_bos!r}")
-        return self._encode(text, "text", add_bos, _flag("parse_special", parse_special))
+        return self._encode(text, "text", add_bos, flag("parse_special", parse_special))
 
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         """The prompt ids chat() generates from: messages through the model's chat template, whose
         own markup alone becomes special tokens (a message holding "<|im_end|>" cannot end its
         turn or forge another)."""
         self._check_open()
-        return _utf8("the chat messages", self.tokenizer.encode_chat, messages)
+        return utf8_encoded("the chat messages", self.tokenizer.encode_chat, messages)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_open()
@@ -339,10 +334,10 @@ class Engine:
     def _encode(self, text: str, name: str, add_bos: bool | None, parse_special: bool) -> list[int]:
         if not isinstance(text, str):
             raise InvalidArgumentError(f"{name} must be a str, not {type(text).__name__}")
-        return _utf8(name, lambda: self.tokenizer.encode(text, add_bos=add_bos, special=parse_special))
+        return utf8_encoded(name, lambda: self.tokenizer.encode(text, add_bos=add_bos, special=parse_special))
 
     def _check_ids(self, ids: Sequence[int], name: str, must: str = TOKEN_IDS) -> list[int]:
-        ids = _token_ids(ids, name, must)
+        ids = token_ids(ids, name, must)
         bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
         if bad:
             raise InvalidArgumentError(
@@ -360,62 +355,3 @@ class Engine:
                 f"the prompt has {num_prompt_tokens} tokens but the context holds "
                 f"{self.context_length}" + (" (one more is needed to generate)" if room else "")
             )
-
-
-def _token_ids(ids: object, name: str, must: str) -> list[int]:
-    """ids as a list of Python ints. Integers only (numpy's too): text, bytes, floats and bools are
-    refused, not read as ids."""
-    if isinstance(ids, np.ndarray):
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidArgumentError(f"{name} must be {must}, not a {ids.ndim}-D {ids.dtype} array")
-        return ids.tolist()
-    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes, bytearray)):
-        raise InvalidArgumentError(f"{name} must be {must}, not {type(ids).__name__}")
-    for position, token in enumerate(ids):
-        if isinstance(token, bool) or not isinstance(token, Integral):
-            raise InvalidArgumentError(f"{name} must be {must}: {name}[{position}] is {token!r}")
-    return [int(token) for token in ids]
-
-
-def _utf8(name: str, encode, *args) -> list[int]:
-    """encode(*args), with text that cannot be UTF-8 (a lone surrogate, as from undecodable bytes)
-    an InvalidArgumentError naming `name`."""
-    try:
-        return encode(*args)
-    except UnicodeEncodeError as error:
-        raise InvalidArgumentError(f"{name} cannot be encoded as UTF-8: {error.reason} "
-                                   f"({error.object[error.start:error.end]!r})") from error
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def _stop_strings(stop: object) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
-        return list(stop)
-    raise InvalidArgumentError(f"stop must be a str or a sequence of str, got {stop!r}")
-
-
-MAX_GUESSES = 16  # prompt lookup's guesses per pass: 16 tokens cost about what 1 does here
-MAX_TREE = 64  # a draft model's tree; TreeBudget finds the size that pays on this machine
-MAX_CHAIN = 16
-
-
-def _speculator(draft, shape: str, tokens: int | None, loaded: LoadedModel | None,
-                vocab_size: int) -> Speculator | None:
-    if draft is None:
-        return None
-    if loaded is None:
-        size = tokens or MAX_GUESSES
-        return Speculator(NgramDraft(vocab_size, size), TreeBudget(size, start=4, fixed=tokens is not None))
-    chain = shape == "chain"
-    budget = TreeBudget(tokens or (MAX_CHAIN if chain else MAX_TREE), start=4 if chain else 8,
-                        fixed=tokens is not None)
-    return Speculator(ModelDraft(loaded.generator, max_width=1 if chain else 4), budget)

@@ -4,12 +4,39 @@ accepted path and the target's next token come back; both models' caches keep on
 import time
 from collections.abc import Sequence
 
+from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.generation import GenerationStats, TokenGenerator
 from tierflow.runtime.sampler import Sampler
 from tierflow.speculative.acceptance import accept_tree
 from tierflow.speculative.drafts import ModelDraft, NgramDraft
 from tierflow.speculative.sizing import TreeBudget
 from tierflow.speculative.tree import TokenTree
+
+MAX_GUESSES = 16  # prompt lookup's guesses per pass: 16 tokens cost about what 1 does here
+MAX_TREE = 64  # a draft model's tree; TreeBudget finds the size that pays on this machine
+MAX_CHAIN = 16
+
+
+def check_draft_options(shape: str, tokens: int | None) -> None:
+    """Refuses a draft shape other than "tree" or "chain", and a guess count out of range."""
+    if shape not in ("tree", "chain"):
+        raise InvalidArgumentError(f"draft_shape must be 'tree' or 'chain', not {shape!r}")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
+                               or not 1 <= tokens <= MAX_TREE):
+        raise InvalidArgumentError(f"draft_tokens must be an integer from 1 to {MAX_TREE}, got {tokens!r}")
+
+
+def make_speculator(draft_model: TokenGenerator | None, shape: str, tokens: int | None,
+                    vocab_size: int) -> "Speculator":
+    """Prompt lookup when there is no draft model, else the draft model's tree (or chain); sized by
+    measured cost unless `tokens` fixes the guesses per pass."""
+    if draft_model is None:
+        size = tokens or MAX_GUESSES
+        return Speculator(NgramDraft(vocab_size, size), TreeBudget(size, start=4, fixed=tokens is not None))
+    chain = shape == "chain"
+    budget = TreeBudget(tokens or (MAX_CHAIN if chain else MAX_TREE), start=4 if chain else 8,
+                        fixed=tokens is not None)
+    return Speculator(ModelDraft(draft_model, max_width=1 if chain else 4), budget)
 
 
 class Speculator:

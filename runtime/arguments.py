@@ -1,0 +1,52 @@
+"""Checks of the public API's arguments: a wrong type or value is an InvalidArgumentError that names
+the argument, never a TypeError or UnicodeEncodeError from deep inside."""
+
+from collections.abc import Sequence
+from numbers import Integral
+
+import numpy as np
+
+from tierflow.errors import InvalidArgumentError
+
+TOKEN_IDS = "token ids (a sequence of ints, or a 1-D integer array)"
+
+
+def token_ids(ids: object, name: str, must: str) -> list[int]:
+    """ids as a list of Python ints. Integers only (numpy's too): text, bytes, floats and bools are
+    refused, not read as ids."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidArgumentError(f"{name} must be {must}, not a {ids.ndim}-D {ids.dtype} array")
+        return ids.tolist()
+    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes, bytearray)):
+        raise InvalidArgumentError(f"{name} must be {must}, not {type(ids).__name__}")
+    for position, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, Integral):
+            raise InvalidArgumentError(f"{name} must be {must}: {name}[{position}] is {token!r}")
+    return [int(token) for token in ids]
+
+
+def utf8_encoded(name: str, encode, *args) -> list[int]:
+    """encode(*args), with text that cannot be UTF-8 (a lone surrogate, as from undecodable bytes)
+    an InvalidArgumentError naming `name`."""
+    try:
+        return encode(*args)
+    except UnicodeEncodeError as error:
+        raise InvalidArgumentError(f"{name} cannot be encoded as UTF-8: {error.reason} "
+                                   f"({error.object[error.start:error.end]!r})") from error
+
+
+def flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def stop_strings(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise InvalidArgumentError(f"stop must be a str or a sequence of str, got {stop!r}")
