@@ -1,5 +1,6 @@
 """The `tierflow` command: thin wrappers that parse arguments and call the Python API."""
 
+import importlib.metadata
 import io
 import json
 import sys
@@ -15,32 +16,42 @@ from rich.table import Table
 from tierflow.errors import TierflowError
 from tierflow.units import format_size
 
-app = typer.Typer(help="Run language models larger than your GPU.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, add_completion=False)
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False)
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
+
+
+def _option(flag: str, *aliases: str, **settings) -> typer.models.OptionInfo:
+    """An option the environment can set too: --cpu-memory is also TIERFLOW_CPU_MEMORY."""
+    return typer.Option(flag, *aliases, envvar="TIERFLOW_" + flag.lstrip("-").replace("-", "_").upper(),
+                        **settings)
+
+
 ModelOpt = Annotated[
-    Optional[Path], typer.Option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M-Instruct)")
+    Optional[Path], _option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M-Instruct)")
 ]
-GpuOpt = Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU weight budget, e.g. 4GiB")]
-CpuOpt = Annotated[Optional[str], typer.Option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads")]
-CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="context length (KV cache size)")]
-DraftOpt = Annotated[Optional[str], typer.Option(
+GpuOpt = Annotated[Optional[str], _option("--gpu-memory", help="GPU weight budget, e.g. 4GiB")]
+CpuOpt = Annotated[Optional[str], _option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
+ThreadsOpt = Annotated[Optional[int], _option("--threads", "-t", help="CPU threads")]
+CtxOpt = Annotated[Optional[int], _option("--ctx", help="context length (KV cache size)")]
+DraftOpt = Annotated[Optional[str], _option(
     "--draft", help="speculative decoding: 'ngram' (prompt lookup) or a smaller GGUF with the same "
     "vocabulary (e.g. this model converted to 3 bits); the output follows the model's own")]
-DraftShapeOpt = Annotated[str, typer.Option("--draft-shape", help="a draft model's guesses: tree or chain")]
-DraftTokensOpt = Annotated[Optional[int], typer.Option(
+DraftShapeOpt = Annotated[str, _option("--draft-shape", help="a draft model's guesses: tree or chain")]
+DraftTokensOpt = Annotated[Optional[int], _option(
     "--draft-tokens", help="guesses per pass (default: sized by measured speed)")]
-MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
-TempOpt = Annotated[float, typer.Option("--temperature", help="0 is greedy")]
-TopKOpt = Annotated[int, typer.Option("--top-k")]
-TopPOpt = Annotated[float, typer.Option("--top-p")]
-MinPOpt = Annotated[float, typer.Option("--min-p")]
-PenaltyOpt = Annotated[float, typer.Option("--repeat-penalty")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed")]
-StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="stop string (repeatable)")]
+MaxTokensOpt = Annotated[int, _option("--max-tokens", "-n", help="tokens to generate at most")]
+# Sampling options left unset take the model file's recommendation (general.sampling.*), else
+# tierflow's defaults (SamplingParams).
+_MODEL_DEFAULT = "[default: the model's recommendation, else tierflow's]"
+TempOpt = Annotated[Optional[float], _option("--temperature", help=f"0 is greedy {_MODEL_DEFAULT}")]
+TopKOpt = Annotated[Optional[int], _option("--top-k", help=f"0 disables {_MODEL_DEFAULT}")]
+TopPOpt = Annotated[Optional[float], _option("--top-p", help=f"1 disables {_MODEL_DEFAULT}")]
+MinPOpt = Annotated[Optional[float], _option("--min-p", help=f"0 disables {_MODEL_DEFAULT}")]
+PenaltyOpt = Annotated[Optional[float], _option("--repeat-penalty", help=f"1 disables {_MODEL_DEFAULT}")]
+SeedOpt = Annotated[Optional[int], _option("--seed")]
+StopOpt = Annotated[Optional[list[str]], _option("--stop", help="stop string (repeatable)")]
 
 
 def main() -> None:
@@ -50,6 +61,22 @@ def main() -> None:
     except TierflowError as error:
         err.print(f"[red]error:[/red] {error}", soft_wrap=True)
         sys.exit(2)
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        out.print(f"tierflow {importlib.metadata.version('tierflow')}")
+        raise typer.Exit()
+
+
+VersionOpt = Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="print the version and exit")]
+
+
+@app.callback()
+def _options_of_every_command(version: VersionOpt = False) -> None:
+    """Run language models larger than your GPU. Every option can also be set in the environment:
+    --cpu-memory as TIERFLOW_CPU_MEMORY, --model as TIERFLOW_MODEL, and so on."""
 
 
 @contextmanager
@@ -87,10 +114,10 @@ def _load(model, gpu_memory, cpu_memory, threads, ctx, draft=None, draft_shape="
 
 @app.command()
 def run(prompt: Annotated[str, typer.Argument(help="text to complete")], model: ModelOpt = None,
-        max_tokens: MaxTokensOpt = 256, temperature: TempOpt = 0.8, top_k: TopKOpt = 40,
-        top_p: TopPOpt = 0.95, min_p: MinPOpt = 0.05, repeat_penalty: PenaltyOpt = 1.0,
+        max_tokens: MaxTokensOpt = 256, temperature: TempOpt = None, top_k: TopKOpt = None,
+        top_p: TopPOpt = None, min_p: MinPOpt = None, repeat_penalty: PenaltyOpt = None,
         seed: SeedOpt = None, stop: StopOpt = None,
-        as_json: Annotated[bool, typer.Option("--json", help="print text, tokens and stats as JSON")] = False,
+        as_json: Annotated[bool, _option("--json", help="print text, tokens and stats as JSON")] = False,
         gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
         ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
         draft_tokens: DraftTokensOpt = None) -> None:
@@ -115,9 +142,9 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete")], model: 
 
 @app.command()
 def chat(model: ModelOpt = None,
-         system: Annotated[Optional[str], typer.Option("--system", help="system prompt")] = None,
-         max_tokens: MaxTokensOpt = 1024, temperature: TempOpt = 0.8, top_k: TopKOpt = 40,
-         top_p: TopPOpt = 0.95, min_p: MinPOpt = 0.05, repeat_penalty: PenaltyOpt = 1.0,
+         system: Annotated[Optional[str], _option("--system", help="system prompt")] = None,
+         max_tokens: MaxTokensOpt = 1024, temperature: TempOpt = None, top_k: TopKOpt = None,
+         top_p: TopPOpt = None, min_p: MinPOpt = None, repeat_penalty: PenaltyOpt = None,
          seed: SeedOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None, draft: DraftOpt = None,
          draft_shape: DraftShapeOpt = "tree", draft_tokens: DraftTokensOpt = None) -> None:
@@ -137,14 +164,14 @@ def chat(model: ModelOpt = None,
 
 @app.command()
 def serve(model: ModelOpt = None,
-          host: Annotated[str, typer.Option("--host", help="address to bind; keep loopback unless "
+          host: Annotated[str, _option("--host", help="address to bind; keep loopback unless "
                                             "other machines must reach it")] = "127.0.0.1",
-          port: Annotated[int, typer.Option("--port")] = 8000,
-          api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TIERFLOW_API_KEY",
-                                                         help="require 'Authorization: Bearer KEY'")] = None,
-          cors_origin: Annotated[Optional[list[str]], typer.Option(
+          port: Annotated[int, _option("--port")] = 8000,
+          api_key: Annotated[Optional[str], _option(
+              "--api-key", help="require 'Authorization: Bearer KEY'")] = None,
+          cors_origin: Annotated[Optional[list[str]], _option(
               "--cors-origin", help="browser origin allowed to call the API (repeatable)")] = None,
-          max_prompt_chars: Annotated[Optional[int], typer.Option(
+          max_prompt_chars: Annotated[Optional[int], _option(
               "--max-prompt-chars", help="characters of prompt text a request may send "
               "(default: 16 per context position)")] = None,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
@@ -169,14 +196,15 @@ BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 @app.command()
 def bench(model: ModelOpt = None,
-          prompt: Annotated[str, typer.Option("--prompt", "-p", help="text to complete")] = BENCH_PROMPT,
-          max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate")] = 128,
-          repetitions: Annotated[int, typer.Option("--repetitions", "-r", help="timed runs")] = 3,
-          temperature: TempOpt = 0.0, seed: SeedOpt = None,
-          as_json: Annotated[bool, typer.Option("--json", help="print the figures as JSON")] = False,
+          prompt: Annotated[str, _option("--prompt", "-p", help="text to complete")] = BENCH_PROMPT,
+          max_tokens: Annotated[int, _option("--max-tokens", "-n", help="tokens to generate")] = 128,
+          repetitions: Annotated[int, _option("--repetitions", "-r", help="timed runs")] = 3,
+          temperature: Annotated[float, _option("--temperature", help="0 is greedy")] = 0.0,
+          seed: SeedOpt = None,
+          as_json: Annotated[bool, _option("--json", help="print the figures as JSON")] = False,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
-        draft_tokens: DraftTokensOpt = None) -> None:
+          draft_tokens: DraftTokensOpt = None) -> None:
     """Time prompt processing and generation (greedy by default): the median of the timed runs,
     after one untimed warm-up; with --draft, also guesses accepted and tokens per target pass."""
     if repetitions < 1 or max_tokens < 1:
@@ -214,10 +242,12 @@ def _bench_figures(runs: list) -> dict:
             "accepted_of_drafted": median([r.accepted_tokens / max(r.drafted_tokens, 1) for r in runs])}
 
 
-def _sampling(**settings) -> dict:
-    """The sampling settings, checked before a model loads so a typo fails fast."""
+def _sampling(**options) -> dict:
+    """The sampling settings given (the rest take the model's defaults), checked before a model
+    loads so a typo fails fast."""
     from tierflow.runtime.sampler import SamplingParams
 
+    settings = {name: value for name, value in options.items() if value is not None}
     SamplingParams(**settings)
     return settings
 
@@ -243,10 +273,10 @@ def info(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (defaul
 def plan(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
          model_opt: ModelOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None,
-         prompt_tokens: Annotated[Optional[int], typer.Option(
+         prompt_tokens: Annotated[Optional[int], _option(
              "--prompt-tokens", help="prompt length of the prefill prediction, and the position of "
              "the decode one (default: 512, at most the context)")] = None,
-         as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False) -> None:
+         as_json: Annotated[bool, _option("--json", help="print the plan as JSON")] = False) -> None:
     """Show where each layer would live and compute, the memory it takes and the predicted
     tokens/s, before anything loads (reads the header and the cached hardware profile)."""
     from tierflow.offload.plan.profile import profile_path
@@ -272,9 +302,9 @@ def plan(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (defaul
 
 @app.command()
 def probe(threads: ThreadsOpt = None,
-          refresh: Annotated[bool, typer.Option("--refresh", help="measure again, replacing the "
+          refresh: Annotated[bool, _option("--refresh", help="measure again, replacing the "
                                                 "cached profile")] = False,
-          as_json: Annotated[bool, typer.Option("--json", help="print the profile as JSON")] = False) -> None:
+          as_json: Annotated[bool, _option("--json", help="print the profile as JSON")] = False) -> None:
     """Measure disk, RAM and kernel speeds: the hardware profile the planner predicts with.
 
     Measured once (about 20 s) and cached; --refresh measures again."""
@@ -332,12 +362,12 @@ def _print_profile(profile) -> None:
 
 @app.command()
 def convert(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
-            bits: Annotated[int, typer.Option("--bits", "-b", help="4 (Q4_1, which llama.cpp loads "
+            bits: Annotated[int, _option("--bits", "-b", help="4 (Q4_1, which llama.cpp loads "
                                               "too), 3 or 2 (tierflow's TQ3_1, TQ2_1)")] = 4,
-            output: Annotated[Optional[Path], typer.Option("--output", "-o", help="file to write")] = None,
-            method: Annotated[str, typer.Option("--method", help="search (lower error) or rtn "
+            output: Annotated[Optional[Path], _option("--output", "-o", help="file to write")] = None,
+            method: Annotated[str, _option("--method", help="search (lower error) or rtn "
                                                 "(round to nearest, fast)")] = "search",
-            force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+            force: Annotated[bool, _option("--force", help="replace OUT if it exists")] = False,
             model_opt: ModelOpt = None) -> None:
     """Requantize a model's layer weights to 4, 3 or 2 bits and write them to OUT (-o)."""
     from tierflow.errors import InvalidArgumentError

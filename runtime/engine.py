@@ -6,11 +6,12 @@
         print(piece, end="")
 """
 
+import asyncio
 import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from tierflow.runtime.loader import (
     resolve_budgets,
     thread_count,
 )
-from tierflow.runtime.sampler import Sampler, SamplingParams, as_count
+from tierflow.runtime.sampler import Sampler, SamplingParams, as_count, recommended_sampling
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
@@ -54,7 +55,8 @@ class Engine:
     """
 
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer, threads: int,
-                 speculator: Speculator | None = None, draft: LoadedModel | None = None):
+                 speculator: Speculator | None = None, draft: LoadedModel | None = None,
+                 sampling_defaults: dict | None = None):
         self.path: Path = model.path
         self.arch, self.config = model.arch, model.config  # the family (runtime/models/), its sizes
         self.plan = model.plan  # where every layer (and expert) lives and computes
@@ -64,6 +66,9 @@ class Engine:
         self.threads = threads
         self.speculator = speculator  # None: one token per pass
         self.draft = draft  # a draft model's weights, when the speculator runs one
+        # What a generation's sampling keywords default to: the model file's recommendation
+        # (general.sampling.*), over SamplingParams' own defaults.
+        self.sampling_defaults = dict(sampling_defaults or {})
         self._generator = model.generator
         self._lock = threading.Lock()  # held by what computes: one generation, logits(), close()
         # The stream holding the lock, weakly: a stream its consumer dropped must be free to go,
@@ -129,7 +134,8 @@ class Engine:
         if draft is not None:
             draft_model = None if drafted is None else drafted.generator
             speculator = make_speculator(draft_model, draft_shape, draft_tokens, target.config.vocab_size)
-        return cls(loaded, tokenizer, threads, speculator, drafted)
+        sampling_defaults = recommended_sampling(target.gguf.metadata, context_length)
+        return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -139,9 +145,9 @@ class Engine:
         """Completes a prompt: text, or token ids (a sequence of ints or a 1-D integer numpy array).
         Text is text: "<|im_end|>" in it is those characters, not the special token, unless
         parse_special. Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty,
-        repeat_last_n, seed (see SamplingParams). An empty prompt is refused, unless the model
-        starts every text with BOS: then "" is just BOS, as in llama.cpp. A bad argument is an
-        InvalidArgumentError."""
+        repeat_last_n, seed (see SamplingParams); those not given take sampling_defaults. An empty
+        prompt is refused, unless the model starts every text with BOS: then "" is just BOS, as in
+        llama.cpp. A bad argument is an InvalidArgumentError."""
         stream = self.stream(prompt, max_tokens=max_tokens, stop=stop, parse_special=parse_special,
                              **sampling)
         for _ in stream:
@@ -154,7 +160,7 @@ class Engine:
         """Like generate, as a Stream of text pieces (whole UTF-8 characters); its .result is
         set once iterated to the end, and .cancel() stops it."""
         self._check_open()
-        sampler = Sampler(SamplingParams.from_keywords(sampling))
+        sampler = Sampler(SamplingParams.from_keywords(self.sampling_defaults | sampling))
         max_tokens, stops = as_count("max_tokens", max_tokens), stop_strings(stop)
         prompt_ids = self._prompt_ids(prompt, flag("parse_special", parse_special))
         self._check_fits(len(prompt_ids), 1)
@@ -198,6 +204,21 @@ class Engine:
                 self._holder = None
 
     # -- async: the model runs on a worker thread, the event loop never waits on it ---------
+
+    @classmethod
+    async def aload(cls, model: str | os.PathLike | None = None, **options) -> "Engine":
+        """Engine.load (same arguments) on a worker thread: an app's event loop keeps running
+        while the model loads. Cancelled, it lets the load finish and closes the engine."""
+        loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-load")
+        loading = loader.submit(cls.load, model, **options)
+        loader.shutdown(wait=False)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(loading))
+        except asyncio.CancelledError:
+            # Called at once if the load has ended, else on its thread when it ends: no event loop
+            # needs to be running then.
+            loading.add_done_callback(_close_loaded)
+            raise
 
     async def agenerate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
         """generate() for asyncio; cancelling the awaiting task cancels the generation."""
@@ -355,3 +376,8 @@ class Engine:
                 f"the prompt has {num_prompt_tokens} tokens but the context holds "
                 f"{self.context_length}" + (" (one more is needed to generate)" if room else "")
             )
+
+
+def _close_loaded(loading: "Future[Engine]") -> None:
+    if not loading.cancelled() and loading.exception() is None:
+        loading.result().close()

@@ -17,6 +17,7 @@ from tierflow.runtime.loader import (
     thread_count,
 )
 from tierflow.runtime.models import architecture
+from tierflow.runtime.sampler import recommended_sampling
 from tierflow.units import format_size
 
 
@@ -28,6 +29,7 @@ class ModelSummary:
     num_parameters: int
     tensor_types: dict[str, tuple[int, int]]  # type name -> (tensor count, bytes in the file)
     bytes_by_tier: dict[str, int]  # weights resident per tier under the default placement
+    sampling: dict[str, float | int]  # what the file recommends (general.sampling.*)
 
     def rows(self) -> list[tuple[str, object]]:
         c = self.config
@@ -42,6 +44,8 @@ class ModelSummary:
             ("tied embeddings", c.tied_embeddings),
             *([("experts", self._experts())] if c.is_moe else []),
             *((f"weights on {tier}", format_size(n)) for tier, n in self.bytes_by_tier.items()),
+            ("recommended sampling", ", ".join(f"{name} {value:g}" for name, value in self.sampling.items())
+             or "none (tierflow's defaults apply)"),
         ]
 
     def _experts(self) -> str:
@@ -61,9 +65,10 @@ def describe_model(model: str | os.PathLike | None) -> ModelSummary:
             count, nbytes = types.get(info.type_name, (0, 0))
             types[info.type_name] = (count + 1, nbytes + info.nbytes)
         num_parameters = sum(info.num_elements for info in opened.gguf.tensors.values())
-        budgets = resolve_budgets(opened, None, 0, context_length_for(None, opened.config))
+        context_length = context_length_for(None, opened.config)
+        budgets = resolve_budgets(opened, None, 0, context_length)
         plan = plan_load(opened, pack_sizes(opened), budgets,
                          lambda: model_profile(opened, thread_count(None)))
     return ModelSummary(path, opened.config, path.stat().st_size, num_parameters, types,
-                        dict(plan.used_bytes))
+                        dict(plan.used_bytes), recommended_sampling(opened.gguf.metadata, context_length))
 

@@ -5,6 +5,7 @@ the untempered distribution, so the same settings select the same candidate set 
 """
 
 import difflib
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -13,6 +14,8 @@ from numbers import Integral, Real
 import numpy as np
 
 from tierflow.errors import InvalidArgumentError, ModelFileError
+
+log = logging.getLogger(__name__)
 
 # The real-valued settings: what a value must satisfy, and how to say so. Each must also be a
 # finite number (numpy's included; a bool is not a number here).
@@ -56,6 +59,35 @@ class SamplingParams:
                 raise InvalidArgumentError(f"unknown sampling keyword {name!r}{hint}: the sampling "
                                            f"keywords are {', '.join(names)}")
         return cls(**settings)
+
+
+# The sampling a model's makers recommend, stored in its file as llama.cpp reads it: key -> keyword.
+_RECOMMENDED_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repeat_penalty",
+    "general.sampling.penalty_last_n": "repeat_last_n",
+}
+
+
+def recommended_sampling(metadata: Mapping[str, object], context_length: int) -> dict[str, float | int]:
+    """The sampling keywords a model file recommends (`general.sampling.*`). A value no setting
+    accepts is left out with a warning: a bad hint is no reason to refuse the model. A
+    penalty_last_n of -1 means the whole context, as in llama.cpp."""
+    settings = {}
+    for key, name in _RECOMMENDED_KEYS.items():
+        if key not in metadata:
+            continue
+        value = metadata[key]
+        if name == "repeat_last_n" and value == -1:
+            value = context_length
+        try:
+            settings[name] = getattr(SamplingParams(**{name: value}), name)
+        except InvalidArgumentError as error:
+            log.warning("ignoring the model file's %s: %s", key, error)
+    return settings
 
 
 def as_count(name: str, value: object, must: str = "a non-negative integer") -> int:

@@ -47,6 +47,42 @@ def test_the_event_loop_keeps_running_during_generation(engine):
     assert ticks >= seconds / 0.01 * 0.5  # the loop ran at least half its ticks meanwhile
 
 
+def test_aload_loads_while_the_event_loop_keeps_running(model_path):
+    async def main():
+        ticks = 0
+        loading = asyncio.create_task(Engine.aload(model_path, threads=2, context_length=256))
+        while not loading.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+        return ticks, await loading
+
+    ticks, engine = asyncio.run(main())
+    with engine:
+        assert engine.generate("Hi", max_tokens=2, **GREEDY).tokens
+    assert ticks > 1  # a load that held the loop would let it tick once, after the load
+
+
+def test_a_cancelled_aload_closes_the_engine_it_loads(model_path, monkeypatch):
+    closed = threading.Event()
+    close = Engine.close
+
+    def recording_close(self):
+        close(self)
+        closed.set()
+
+    monkeypatch.setattr(Engine, "close", recording_close)
+
+    async def main():
+        loading = asyncio.create_task(Engine.aload(model_path, threads=2, context_length=256))
+        await asyncio.sleep(0)  # the load has started on its thread
+        loading.cancel()
+        await asyncio.gather(loading, return_exceptions=True)
+        return loading.cancelled()
+
+    assert asyncio.run(main())
+    assert closed.wait(120)
+
+
 def test_cancelling_the_task_cancels_the_generation(engine):
     async def main():
         stream = engine.astream("Tell me a long story.", **LONG)

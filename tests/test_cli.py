@@ -1,13 +1,18 @@
 """The `tierflow` command, run as a user runs it: a subprocess of the installed console script."""
 
+import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+from tests.support.gguf_bytes import FLOAT32, Typed
+from tests.support.gguf_writing import rewrite_metadata
 
 TIERFLOW = [sys.executable, "-m", "tierflow.cli.app"]
 
@@ -23,6 +28,38 @@ def test_run_json_prints_text_tokens_and_stats():
     result = json.loads(done.stdout)
     assert set(result) == {"text", "tokens", "finish_reason", "stats"}
     assert len(result["tokens"]) <= 6 and result["stats"]["generated_tokens"] == len(result["tokens"])
+
+
+def test_run_without_sampling_options_samples_as_the_model_file_recommends(model_path, tmp_path):
+    greedy_model = rewrite_metadata(model_path, tmp_path / "greedy.gguf",
+                                    {"general.sampling.temp": Typed(FLOAT32, 0.0)})
+    runs = [tierflow("run", "Once upon a time", "-m", str(greedy_model), "-n", "8", "--seed", seed, "--json")
+            for seed in ("1", "2")]
+    assert all(done.returncode == 0 for done in runs), runs[0].stderr
+    first, second = (json.loads(done.stdout)["tokens"] for done in runs)
+    assert first == second
+
+
+def test_an_option_can_be_set_in_the_environment():
+    done = subprocess.run([*TIERFLOW, "run", "The capital of France is", "--json"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "TIERFLOW_MAX_TOKENS": "3"})
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["tokens"]) == 3
+
+
+def test_version_prints_the_installed_version():
+    done = tierflow("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"tierflow {importlib.metadata.version('tierflow')}"
+
+
+def test_the_shell_completes_command_names():
+    script = shutil.which("tierflow")
+    assert script is not None, "the tierflow console script is not installed"
+    completing = {"_TIERFLOW_COMPLETE": "complete_bash", "COMP_WORDS": "tierflow se", "COMP_CWORD": "1"}
+    done = subprocess.run([script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **completing})
+    assert done.stdout.split() == ["serve"]
 
 
 def test_bench_prints_speeds_and_tokens_per_pass_with_a_draft():

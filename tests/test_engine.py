@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.gguf_writing import encoded_kvs
+from tests.support.gguf_bytes import FLOAT32, INT32, Typed
+from tests.support.gguf_writing import encoded_kvs, rewrite_metadata
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import (
@@ -395,3 +396,13 @@ def test_tokenize_refuses_an_add_bos_that_is_not_a_bool(engine):
 def test_a_chat_message_that_cannot_be_encoded_as_utf8_is_refused(engine):
     with pytest.raises(InvalidArgumentError, match="cannot be encoded as UTF-8"):
         engine.chat([{"role": "user", "content": "\ud800"}], max_tokens=1)
+
+
+def test_the_model_files_recommended_sampling_is_what_a_generation_defaults_to(model_path, tmp_path):
+    recommended = {"general.sampling.temp": Typed(FLOAT32, 0.0), "general.sampling.top_k": Typed(INT32, 5)}
+    path = rewrite_metadata(model_path, tmp_path / "greedy.gguf", recommended)
+    with Engine.load(path, threads=2, context_length=128) as engine:
+        assert engine.sampling_defaults == {"temperature": 0.0, "top_k": 5}
+        greedy = engine.generate("Once upon a time", max_tokens=12, temperature=0, seed=1).tokens
+        assert engine.generate("Once upon a time", max_tokens=12, seed=2).tokens == greedy
+        assert engine.generate("Once upon a time", max_tokens=12, seed=2, temperature=2.0).tokens != greedy

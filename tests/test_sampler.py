@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from tierflow.errors import InvalidArgumentError, ModelFileError
-from tierflow.runtime.sampler import Sampler, SamplingParams
+from tierflow.runtime.sampler import Sampler, SamplingParams, recommended_sampling
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, -1.0], dtype=np.float32)
 
@@ -104,3 +104,22 @@ def test_numpy_and_integer_settings_become_python_numbers(name, value, expected)
 def test_an_unknown_sampling_keyword_is_named_with_the_likely_one():
     with pytest.raises(InvalidArgumentError, match="unknown sampling keyword 'temprature'.*'temperature'"):
         SamplingParams.from_keywords({"temprature": 1})
+
+
+def test_a_model_files_recommended_sampling_becomes_keywords():
+    metadata = {"general.sampling.temp": 0.6, "general.sampling.top_k": 20, "general.sampling.top_p": 0.9,
+                "general.sampling.min_p": 0.0, "general.sampling.penalty_repeat": 1.05,
+                "general.sampling.penalty_last_n": 128, "general.name": "x"}
+    assert recommended_sampling(metadata, 4096) == {"temperature": 0.6, "top_k": 20, "top_p": 0.9,
+                                                    "min_p": 0.0, "repeat_penalty": 1.05,
+                                                    "repeat_last_n": 128}
+
+
+def test_a_penalty_window_of_minus_one_is_the_whole_context():
+    assert recommended_sampling({"general.sampling.penalty_last_n": -1}, 4096) == {"repeat_last_n": 4096}
+
+
+def test_a_recommended_value_no_setting_accepts_is_left_out_with_a_warning(caplog):
+    metadata = {"general.sampling.temp": float("nan"), "general.sampling.top_k": 20}
+    assert recommended_sampling(metadata, 4096) == {"top_k": 20}
+    assert "general.sampling.temp" in caplog.text

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support.gguf_bytes import ARRAY, STRING, UINT32, Typed, pack_kv
-from tests.support.gguf_writing import TensorEntry, encoded_kvs, write_gguf
+from tests.support.gguf_bytes import ARRAY, STRING, UINT32, Typed
+from tests.support.gguf_writing import rewrite_metadata
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import ModelFileError
@@ -73,20 +73,6 @@ def _strings(values: list[str]) -> Typed:
 
 def _token_id(token_id: int) -> Typed:
     return Typed(UINT32, token_id)  # the type llama.cpp reads token ids as
-
-
-def _rewrite(source: Path, dest: Path, changes: Mapping[str, Any], tensors: bool = True) -> Path:
-    """A copy of `source` with metadata entries replaced or added (a None value removes one),
-    with its tensors or none."""
-    kvs = encoded_kvs(source)
-    for key, value in changes.items():
-        kvs[key] = None if value is None else pack_kv(key, value)
-    kvs = [kv for kv in kvs.values() if kv is not None]
-    with read_gguf(source) as model:
-        infos = list(model.tensors.values()) if tensors else []
-        entries = [TensorEntry(info.name, info.shape, info.ggml_type) for info in infos]
-        return write_gguf(dest, kvs, entries, (model.tensor_data(info.name) for info in infos),
-                          model.alignment)
 
 
 def _as_read(metadata: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
@@ -164,7 +150,7 @@ ATTACKS = {  # name -> (the changes to the bundled vocabulary, the error they mu
 @pytest.mark.parametrize("attack", ATTACKS)
 def test_attack_is_a_model_file_error_not_an_abort(small_model, smollm2, tmp_path, attack):
     changes, error = ATTACKS[attack]
-    path = _rewrite(small_model, tmp_path / f"{attack}.gguf", changes(smollm2))
+    path = rewrite_metadata(small_model, tmp_path / f"{attack}.gguf", changes(smollm2))
     printed = _run_child(LOAD_AND_ENCODE, str(path))
     assert printed.startswith(f"ModelFileError: {path.name}: ")
     assert re.search(error, printed), printed
@@ -182,7 +168,7 @@ def test_generated_models_load(tmp_path, arch):
 
 
 def test_spm_vocabulary_with_every_byte_loads_and_encodes_newlines(small_model, tmp_path):
-    path = _rewrite(small_model, tmp_path / "spm.gguf", _spm_vocabulary())
+    path = rewrite_metadata(small_model, tmp_path / "spm.gguf", _spm_vocabulary())
     with Engine.load(path, threads=1, context_length=64) as engine:
         assert engine.tokenizer.encode("hi\n", add_bos=False)[-1] == 3 + 0x0A  # <0x0A>
 
@@ -194,7 +180,8 @@ def test_spm_byte_token_may_be_the_ascii_character_itself(smollm2):
 
 def test_bpe_vocabulary_missing_byte_tokens_drops_those_bytes(tmp_path):
     # llama.cpp skips a byte a BPE vocabulary has no token for (it aborts only for SentencePiece)
-    path = _rewrite(bundled_model_path(), tmp_path / "bpe.gguf", _tiny_bpe_vocabulary(), tensors=False)
+    path = rewrite_metadata(bundled_model_path(), tmp_path / "bpe.gguf", _tiny_bpe_vocabulary(),
+                            tensors=False)
     assert _run_child(TOKENIZE, "ab é\x01ab", str(path)) == "'ab ab'\n"
 
 
@@ -211,7 +198,7 @@ except ModelFileError as error:
 
 def test_an_unknown_pre_tokenizer_is_llama_cpps_load_error(tmp_path):
     vocabulary = _tiny_bpe_vocabulary("bogus")
-    path = _rewrite(bundled_model_path(), tmp_path / "bogus.gguf", vocabulary, tensors=False)
+    path = rewrite_metadata(bundled_model_path(), tmp_path / "bogus.gguf", vocabulary, tensors=False)
     check_vocabulary(_as_read({}, vocabulary), "bogus.gguf")  # ours lets llama.cpp decide
     assert "could not load the vocabulary" in _run_child(LOAD, str(path))
 

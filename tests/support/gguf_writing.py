@@ -14,9 +14,9 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -36,8 +36,10 @@ from tests.support.gguf_bytes import (
     UINT32,
     UINT64,
     TensorSpec,
+    pack_kv,
     pack_tensor_info,
 )
+from tierflow.offload.gguf.reader import read_gguf
 
 ALIGNMENT = 32  # the GGUF default; generated files keep it
 _VERSION = 3
@@ -139,3 +141,18 @@ def encoded_kvs(path: str | os.PathLike) -> dict[str, bytes]:
             kvs[buf[pos + 8:key_end].decode("utf-8")] = buf[pos:end]
             pos = end
     return kvs
+
+
+def rewrite_metadata(source: str | os.PathLike, dest: str | os.PathLike, changes: Mapping[str, Any],
+                     tensors: bool = True) -> Path:
+    """A copy of `source` with metadata entries replaced or added (a None value removes one),
+    with its tensors or none."""
+    kvs = encoded_kvs(source)
+    for key, value in changes.items():
+        kvs[key] = None if value is None else pack_kv(key, value)
+    kvs = [kv for kv in kvs.values() if kv is not None]
+    with read_gguf(source) as model:
+        infos = list(model.tensors.values()) if tensors else []
+        entries = [TensorEntry(info.name, info.shape, info.ggml_type) for info in infos]
+        return write_gguf(dest, kvs, entries, (model.tensor_data(info.name) for info in infos),
+                          model.alignment)
