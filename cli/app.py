@@ -2,6 +2,7 @@
 
 import io
 import json
+import logging
 import sys
 import warnings
 from contextlib import contextmanager
@@ -55,13 +56,20 @@ def main() -> None:
 @contextmanager
 def _progress_bar(label: str):
     """A progress bar on stderr (when stderr is a terminal), fed (phase, bytes done, total)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     if not err.is_terminal:
         yield None
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                  console=err, transient=True) as bar:
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
         task = bar.add_task(label, total=None)
         yield lambda phase, done, total: bar.update(task, description=f"{label}: {phase}", completed=done,
                                                     total=total or None)
@@ -76,10 +84,31 @@ def _loading(path: Optional[Path]):
     return _progress_bar(f"loading {_model_name(path)}")
 
 
+class _Notices(logging.Handler):
+    """Shows the library's INFO messages (a pack's size and place, as it is built) on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        err.print(record.getMessage(), soft_wrap=True)
+
+
+@contextmanager
+def _pack_notices():
+    """Shows, while a model loads, where its pack goes and how large it is, if it is built."""
+    logger, handler = logging.getLogger("tierflow.offload.pack"), _Notices(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _load(model, gpu_memory, cpu_memory, threads, ctx, draft=None, draft_shape="tree", draft_tokens=None):
     from tierflow.runtime.engine import Engine
 
-    with _loading(model) as progress:
+    with _pack_notices(), _loading(model) as progress:
         return Engine.load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads,
                            context_length=ctx, progress=progress, draft=draft, draft_shape=draft_shape,
                            draft_tokens=draft_tokens)
@@ -353,6 +382,65 @@ def convert(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (def
               f"layer weights as {report.quant_type} ({report.requantized_bits_per_weight:.1f} bits "
               f"per weight, {report.method}), {report.num_copied} tensors copied; "
               f"{report.seconds:.1f} s", soft_wrap=True)
+
+
+cache_app = typer.Typer(help="List and remove the packs: each model's weights in the kernels' layout, "
+                        "written to the cache folder on first load.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("list")
+def cache_list(as_json: Annotated[bool, typer.Option("--json", help="print the packs as JSON")] = False
+               ) -> None:
+    """Show each pack: its model file, size, last use, and whether that file is still there."""
+    from datetime import datetime
+
+    from tierflow.offload.pack.cache import list_packs, packs_folder, total_bytes
+
+    packs = list_packs()
+    if as_json:
+        print(json.dumps({"folder": str(packs_folder()), "total_bytes": total_bytes(packs),
+                          "packs": [pack.as_dict() for pack in packs]}))
+        return
+    table = Table(title=f"packs in {packs_folder()}", caption=f"total {format_size(total_bytes(packs))}")
+    for column in ("pack", "model file"):
+        table.add_column(column, overflow="fold")  # whole: a name is what `cache rm` takes
+    for column in ("size", "last used", "model file present"):
+        table.add_column(column)
+    for pack in packs:
+        last_used = datetime.fromtimestamp(pack.last_used_ns / 1e9).strftime("%Y-%m-%d %H:%M")
+        table.add_row(pack.path.name, str(pack.source or "unknown"), format_size(pack.nbytes), last_used,
+                      "yes" if pack.source_exists else "no")
+    out.print(table)
+
+
+@cache_app.command("rm")
+def cache_rm(name_or_path: Annotated[str, typer.Argument(
+        help="a pack's name (as `tierflow cache list` shows it) or path, or a model file for its pack")]
+             ) -> None:
+    """Remove one pack (the model file itself is never touched)."""
+    from tierflow.offload.pack.cache import find_pack, remove_pack
+
+    pack = find_pack(name_or_path)
+    size = pack.stat().st_size
+    remove_pack(pack)
+    out.print(f"removed {pack} ({format_size(size)})", soft_wrap=True)
+
+
+@cache_app.command("prune")
+def cache_prune(max_size: Annotated[Optional[str], typer.Option(
+        "--max-size", help="what the packs may take afterwards, e.g. 20GiB (default: TIERFLOW_CACHE_MAX, "
+        "else a quarter of the cache's disk)")] = None) -> None:
+    """Remove the packs whose model file is gone or changed, then the least recently used ones
+    until the rest fit --max-size."""
+    from tierflow.offload.pack.cache import prune, total_bytes
+    from tierflow.units import parse_size
+
+    removed = prune(None if max_size is None else parse_size(max_size))
+    for pack in removed:
+        why = "least recently used" if pack.source_exists else "model file gone"
+        out.print(f"removed {pack.path.name} ({format_size(pack.nbytes)}, {why})", soft_wrap=True)
+    out.print(f"freed {format_size(total_bytes(removed))}")
 
 
 if __name__ == "__main__":
