@@ -70,9 +70,15 @@ def _progress_bar(label: str):
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=err, transient=True) as bar:
-        task = bar.add_task(label, total=None)
-        yield lambda phase, done, total: bar.update(task, description=f"{label}: {phase}", completed=done,
-                                                    total=total or None)
+        task, phases = bar.add_task(label, total=None), [None]
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase != phases[-1]:  # a new phase: its rate and time left are its own
+                phases.append(phase)
+                bar.reset(task, description=f"{label}: {phase}")
+            bar.update(task, completed=done, total=total or None)
+
+        yield update
 
 
 def _model_name(path: Optional[Path]) -> str:
@@ -88,12 +94,16 @@ class _Notices(logging.Handler):
     """Shows the library's INFO messages (a pack's size and place, as it is built) on stderr."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        err.print(record.getMessage(), soft_wrap=True)
+        err.print(record.getMessage(), markup=False, soft_wrap=True)
 
 
 @contextmanager
 def _pack_notices():
-    """Shows, while a model loads, where its pack goes and how large it is, if it is built."""
+    """Shows, while a model loads, where its pack goes and how large it is, if it is built (on a
+    terminal, like the progress bar: piped stderr stays one line per error)."""
+    if not err.is_terminal:
+        yield
+        return
     logger, handler = logging.getLogger("tierflow.offload.pack"), _Notices(logging.INFO)
     level = logger.level
     logger.addHandler(handler)

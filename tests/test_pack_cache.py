@@ -8,7 +8,11 @@ Each test has a cache folder of its own (TIERFLOW_CACHE in tmp_path) and small r
 
 import json
 import os
+import pty
 import shutil
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -224,7 +228,37 @@ def test_cache_prune_max_size_keeps_the_most_recently_used_packs(tmp_path):
     assert [pack.exists() for pack in packs] == [True, False, True]
 
 
-def test_loading_from_the_cli_names_the_new_pack_and_its_size(model):
-    done = cli("run", "Hello", "-m", str(model), "-n", "1", "--threads", "1", "--ctx", "64")
+def terminal_stderr(*args: str) -> str:
+    """What `tierflow ARGS` shows on stderr when stderr is a terminal (a pseudo-terminal here)."""
+    primary, secondary = pty.openpty()
+    shown = bytearray()
+
+    def drain() -> None:  # while the command runs: a full terminal buffer would block it
+        while True:
+            try:
+                chunk = os.read(primary, 1 << 16)
+            except OSError:  # EIO: the command's end closed the terminal
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "tierflow.cli.app", *args], stdout=subprocess.PIPE,
+                              stderr=secondary, timeout=120)
+    finally:
+        os.close(secondary)
+    reader.join(timeout=60)  # the terminal closes with the command; a guard, not a wait
+    os.close(primary)
+    assert not reader.is_alive(), "the terminal stayed open after the command ended"
+    assert done.returncode == 0, shown.decode(errors="replace")
+    return shown.decode(errors="replace")
+
+
+def test_loading_on_a_terminal_names_the_new_pack_its_size_and_place(model):
+    shown = terminal_stderr("run", "Hello", "-m", str(model), "-n", "1", "--threads", "1", "--ctx", "64")
     pack = pack_path(model)
-    assert f"{pack}, {format_size(pack.stat().st_size)}" in done.stderr
+    assert f"{format_size(pack_bytes(model))} into {pack}" in shown  # before the build
+    assert f"packed model.gguf: {pack}, {format_size(pack.stat().st_size)}" in shown  # after it

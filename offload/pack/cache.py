@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import weakref
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -41,8 +42,10 @@ DISK_MARGIN_BYTES = 1 << 30
 DEFAULT_CAP_SHARE = 0.25
 CAP_VARIABLE = "TIERFLOW_CACHE_MAX"
 
-# The packs this process has opened and still holds: never evicted from under it.
+# The packs this process has opened and still holds: never evicted from under it. Engines may load
+# on several threads, and a WeakSet must not change while it is read.
 _open_packs: "weakref.WeakSet[PackedFile]" = weakref.WeakSet()
+_open_packs_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ def record_use(packed: PackedFile, source: Path) -> None:
     names the source and is touched (its mtime is the last use: a touch costs microseconds, where
     a rewrite would cost a rename per load). A cache folder this user cannot write only loses the
     record."""
-    _open_packs.add(packed)
+    with _open_packs_lock:
+        _open_packs.add(packed)
     record, source = _use_record(packed.path), str(Path(source).resolve())
     temporary = record.with_name(record.name + f".{os.getpid()}.tmp")
     try:
@@ -264,7 +268,8 @@ def _with_source(pack: CachedPack) -> CachedPack:
 
 
 def _held_paths() -> set[Path]:
-    return {packed.path for packed in _open_packs}
+    with _open_packs_lock:
+        return {packed.path for packed in _open_packs}
 
 
 def _evicted(packs: list[CachedPack], excess: int) -> list[CachedPack]:
