@@ -103,13 +103,15 @@ def test_first_load_writes_the_pack_and_the_second_reuses_it(model, builds):
 
 def test_reusing_a_pack_is_much_faster_than_building_it(model):
     with open_model_file(model) as opened:
-        started = time.perf_counter()
-        open_pack(opened)
-        build_s = time.perf_counter() - started
-        started = time.perf_counter()
-        open_pack(opened)
-        reuse_s = time.perf_counter() - started
+        build_s = _timed(lambda: open_pack(opened))
+        reuse_s = min(_timed(lambda: open_pack(opened)) for _ in range(3))  # the least disturbed
     assert reuse_s * 10 < build_s, (reuse_s, build_s)  # a manifest read vs packing every tensor
+
+
+def _timed(work) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
 
 
 # -- stale and damaged packs are rebuilt ------------------------------------------------------

@@ -179,7 +179,7 @@ def _check_disk(folder: Path, nbytes: int, evictable: int, model_name: str) -> N
 
 
 def prune(max_bytes: int | None = None) -> list[CachedPack]:
-    """Removes the packs whose source is gone (or changed), then the least recently used ones
+    """Removes the packs whose source is gone, changed or unknown, then the least recently used ones
     until the rest take at most max_bytes (default: the cap); returns those removed."""
     folder = packs_folder()
     packs = list_packs()
