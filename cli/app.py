@@ -3,6 +3,7 @@
 import importlib.metadata
 import io
 import json
+import logging
 import sys
 import warnings
 from contextlib import contextmanager
@@ -13,45 +14,40 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tierflow.cli.cache_commands import cache_app
+from tierflow.cli.options import option
 from tierflow.errors import TierflowError
 from tierflow.units import format_size
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False)
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
-
-
-
-def _option(flag: str, *aliases: str, **settings) -> typer.models.OptionInfo:
-    """An option the environment can set too: --cpu-memory is also TIERFLOW_CPU_MEMORY."""
-    return typer.Option(flag, *aliases, envvar="TIERFLOW_" + flag.lstrip("-").replace("-", "_").upper(),
-                        **settings)
-
+app.add_typer(cache_app, name="cache")
 
 ModelOpt = Annotated[
-    Optional[Path], _option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M-Instruct)")
+    Optional[Path], option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M-Instruct)")
 ]
-GpuOpt = Annotated[Optional[str], _option("--gpu-memory", help="GPU weight budget, e.g. 4GiB")]
-CpuOpt = Annotated[Optional[str], _option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
-ThreadsOpt = Annotated[Optional[int], _option("--threads", "-t", help="CPU threads")]
-CtxOpt = Annotated[Optional[int], _option("--ctx", help="context length (KV cache size)")]
-DraftOpt = Annotated[Optional[str], _option(
+GpuOpt = Annotated[Optional[str], option("--gpu-memory", help="GPU weight budget, e.g. 4GiB")]
+CpuOpt = Annotated[Optional[str], option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
+ThreadsOpt = Annotated[Optional[int], option("--threads", "-t", help="CPU threads")]
+CtxOpt = Annotated[Optional[int], option("--ctx", help="context length (KV cache size)")]
+DraftOpt = Annotated[Optional[str], option(
     "--draft", help="speculative decoding: 'ngram' (prompt lookup) or a smaller GGUF with the same "
     "vocabulary (e.g. this model converted to 3 bits); the output follows the model's own")]
-DraftShapeOpt = Annotated[str, _option("--draft-shape", help="a draft model's guesses: tree or chain")]
-DraftTokensOpt = Annotated[Optional[int], _option(
+DraftShapeOpt = Annotated[str, option("--draft-shape", help="a draft model's guesses: tree or chain")]
+DraftTokensOpt = Annotated[Optional[int], option(
     "--draft-tokens", help="guesses per pass (default: sized by measured speed)")]
-MaxTokensOpt = Annotated[int, _option("--max-tokens", "-n", help="tokens to generate at most")]
+MaxTokensOpt = Annotated[int, option("--max-tokens", "-n", help="tokens to generate at most")]
 # Sampling options left unset take the model file's recommendation (general.sampling.*), else
 # tierflow's defaults (SamplingParams).
 _MODEL_DEFAULT = "[default: the model's recommendation, else tierflow's]"
-TempOpt = Annotated[Optional[float], _option("--temperature", help=f"0 is greedy {_MODEL_DEFAULT}")]
-TopKOpt = Annotated[Optional[int], _option("--top-k", help=f"0 disables {_MODEL_DEFAULT}")]
-TopPOpt = Annotated[Optional[float], _option("--top-p", help=f"1 disables {_MODEL_DEFAULT}")]
-MinPOpt = Annotated[Optional[float], _option("--min-p", help=f"0 disables {_MODEL_DEFAULT}")]
-PenaltyOpt = Annotated[Optional[float], _option("--repeat-penalty", help=f"1 disables {_MODEL_DEFAULT}")]
-SeedOpt = Annotated[Optional[int], _option("--seed")]
-StopOpt = Annotated[Optional[list[str]], _option("--stop", help="stop string (repeatable)")]
+TempOpt = Annotated[Optional[float], option("--temperature", help=f"0 is greedy {_MODEL_DEFAULT}")]
+TopKOpt = Annotated[Optional[int], option("--top-k", help=f"0 disables {_MODEL_DEFAULT}")]
+TopPOpt = Annotated[Optional[float], option("--top-p", help=f"1 disables {_MODEL_DEFAULT}")]
+MinPOpt = Annotated[Optional[float], option("--min-p", help=f"0 disables {_MODEL_DEFAULT}")]
+PenaltyOpt = Annotated[Optional[float], option("--repeat-penalty", help=f"1 disables {_MODEL_DEFAULT}")]
+SeedOpt = Annotated[Optional[int], option("--seed")]
+StopOpt = Annotated[Optional[list[str]], option("--stop", help="stop string (repeatable)")]
 
 
 def main() -> None:
@@ -82,16 +78,29 @@ def _options_of_every_command(version: VersionOpt = False) -> None:
 @contextmanager
 def _progress_bar(label: str):
     """A progress bar on stderr (when stderr is a terminal), fed (phase, bytes done, total)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     if not err.is_terminal:
         yield None
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                  console=err, transient=True) as bar:
-        task = bar.add_task(label, total=None)
-        yield lambda phase, done, total: bar.update(task, description=f"{label}: {phase}", completed=done,
-                                                    total=total or None)
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        task, phases = bar.add_task(label, total=None), [None]
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase != phases[-1]:  # a new phase: its rate and time left are its own
+                phases.append(phase)
+                bar.reset(task, description=f"{label}: {phase}")
+            bar.update(task, completed=done, total=total or None)
+
+        yield update
 
 
 def _model_name(path: Optional[Path]) -> str:
@@ -103,10 +112,35 @@ def _loading(path: Optional[Path]):
     return _progress_bar(f"loading {_model_name(path)}")
 
 
+class _Notices(logging.Handler):
+    """Shows the library's INFO messages (a pack's size and place, as it is built) on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        err.print(record.getMessage(), markup=False, soft_wrap=True)
+
+
+@contextmanager
+def _pack_notices():
+    """Shows, while a model loads, where its pack goes and how large it is, if it is built (on a
+    terminal, like the progress bar: piped stderr stays one line per error)."""
+    if not err.is_terminal:
+        yield
+        return
+    logger, handler = logging.getLogger("tierflow.offload.pack"), _Notices(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _load(model, gpu_memory, cpu_memory, threads, ctx, draft=None, draft_shape="tree", draft_tokens=None):
     from tierflow.runtime.engine import Engine
 
-    with _loading(model) as progress:
+    with _pack_notices(), _loading(model) as progress:
         return Engine.load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads,
                            context_length=ctx, progress=progress, draft=draft, draft_shape=draft_shape,
                            draft_tokens=draft_tokens)
@@ -117,7 +151,7 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete")], model: 
         max_tokens: MaxTokensOpt = 256, temperature: TempOpt = None, top_k: TopKOpt = None,
         top_p: TopPOpt = None, min_p: MinPOpt = None, repeat_penalty: PenaltyOpt = None,
         seed: SeedOpt = None, stop: StopOpt = None,
-        as_json: Annotated[bool, _option("--json", help="print text, tokens and stats as JSON")] = False,
+        as_json: Annotated[bool, option("--json", help="print text, tokens and stats as JSON")] = False,
         gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
         ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
         draft_tokens: DraftTokensOpt = None) -> None:
@@ -142,7 +176,7 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete")], model: 
 
 @app.command()
 def chat(model: ModelOpt = None,
-         system: Annotated[Optional[str], _option("--system", help="system prompt")] = None,
+         system: Annotated[Optional[str], option("--system", help="system prompt")] = None,
          max_tokens: MaxTokensOpt = 1024, temperature: TempOpt = None, top_k: TopKOpt = None,
          top_p: TopPOpt = None, min_p: MinPOpt = None, repeat_penalty: PenaltyOpt = None,
          seed: SeedOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
@@ -164,14 +198,14 @@ def chat(model: ModelOpt = None,
 
 @app.command()
 def serve(model: ModelOpt = None,
-          host: Annotated[str, _option("--host", help="address to bind; keep loopback unless "
+          host: Annotated[str, option("--host", help="address to bind; keep loopback unless "
                                             "other machines must reach it")] = "127.0.0.1",
-          port: Annotated[int, _option("--port")] = 8000,
-          api_key: Annotated[Optional[str], _option(
+          port: Annotated[int, option("--port")] = 8000,
+          api_key: Annotated[Optional[str], option(
               "--api-key", help="require 'Authorization: Bearer KEY'")] = None,
-          cors_origin: Annotated[Optional[list[str]], _option(
+          cors_origin: Annotated[Optional[list[str]], option(
               "--cors-origin", help="browser origin allowed to call the API (repeatable)")] = None,
-          max_prompt_chars: Annotated[Optional[int], _option(
+          max_prompt_chars: Annotated[Optional[int], option(
               "--max-prompt-chars", help="characters of prompt text a request may send "
               "(default: 16 per context position)")] = None,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
@@ -196,12 +230,12 @@ BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 @app.command()
 def bench(model: ModelOpt = None,
-          prompt: Annotated[str, _option("--prompt", "-p", help="text to complete")] = BENCH_PROMPT,
-          max_tokens: Annotated[int, _option("--max-tokens", "-n", help="tokens to generate")] = 128,
-          repetitions: Annotated[int, _option("--repetitions", "-r", help="timed runs")] = 3,
-          temperature: Annotated[float, _option("--temperature", help="0 is greedy")] = 0.0,
+          prompt: Annotated[str, option("--prompt", "-p", help="text to complete")] = BENCH_PROMPT,
+          max_tokens: Annotated[int, option("--max-tokens", "-n", help="tokens to generate")] = 128,
+          repetitions: Annotated[int, option("--repetitions", "-r", help="timed runs")] = 3,
+          temperature: Annotated[float, option("--temperature", help="0 is greedy")] = 0.0,
           seed: SeedOpt = None,
-          as_json: Annotated[bool, _option("--json", help="print the figures as JSON")] = False,
+          as_json: Annotated[bool, option("--json", help="print the figures as JSON")] = False,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None) -> None:
@@ -273,10 +307,10 @@ def info(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (defaul
 def plan(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
          model_opt: ModelOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None,
-         prompt_tokens: Annotated[Optional[int], _option(
+         prompt_tokens: Annotated[Optional[int], option(
              "--prompt-tokens", help="prompt length of the prefill prediction, and the position of "
              "the decode one (default: 512, at most the context)")] = None,
-         as_json: Annotated[bool, _option("--json", help="print the plan as JSON")] = False) -> None:
+         as_json: Annotated[bool, option("--json", help="print the plan as JSON")] = False) -> None:
     """Show where each layer would live and compute, the memory it takes and the predicted
     tokens/s, before anything loads (reads the header and the cached hardware profile)."""
     from tierflow.offload.plan.profile import profile_path
@@ -302,9 +336,9 @@ def plan(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (defaul
 
 @app.command()
 def probe(threads: ThreadsOpt = None,
-          refresh: Annotated[bool, _option("--refresh", help="measure again, replacing the "
+          refresh: Annotated[bool, option("--refresh", help="measure again, replacing the "
                                                 "cached profile")] = False,
-          as_json: Annotated[bool, _option("--json", help="print the profile as JSON")] = False) -> None:
+          as_json: Annotated[bool, option("--json", help="print the profile as JSON")] = False) -> None:
     """Measure disk, RAM and kernel speeds: the hardware profile the planner predicts with.
 
     Measured once (about 20 s) and cached; --refresh measures again."""
@@ -362,12 +396,12 @@ def _print_profile(profile) -> None:
 
 @app.command()
 def convert(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
-            bits: Annotated[int, _option("--bits", "-b", help="4 (Q4_1, which llama.cpp loads "
+            bits: Annotated[int, option("--bits", "-b", help="4 (Q4_1, which llama.cpp loads "
                                               "too), 3 or 2 (tierflow's TQ3_1, TQ2_1)")] = 4,
-            output: Annotated[Optional[Path], _option("--output", "-o", help="file to write")] = None,
-            method: Annotated[str, _option("--method", help="search (lower error) or rtn "
+            output: Annotated[Optional[Path], option("--output", "-o", help="file to write")] = None,
+            method: Annotated[str, option("--method", help="search (lower error) or rtn "
                                                 "(round to nearest, fast)")] = "search",
-            force: Annotated[bool, _option("--force", help="replace OUT if it exists")] = False,
+            force: Annotated[bool, option("--force", help="replace OUT if it exists")] = False,
             model_opt: ModelOpt = None) -> None:
     """Requantize a model's layer weights to 4, 3 or 2 bits and write them to OUT (-o)."""
     from tierflow.errors import InvalidArgumentError

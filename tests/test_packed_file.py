@@ -1,7 +1,7 @@
 """The packed model file: built once, reused, rebuilt when stale or damaged, 4 KiB-aligned, atomic.
 
 Models are small random GGUFs made in tmp_path (tests/support/make_model.py); packs go to the test run's
-own cache folder (conftest.py sets TIERFLOW_CACHE), keyed by the model's path.
+own cache folder (conftest.py sets TIERFLOW_CACHE), keyed by the model file's identity.
 """
 
 import errno
@@ -27,8 +27,9 @@ from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.reader import read_gguf
 from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
 from tierflow.offload.pack import writer
+from tierflow.offload.pack.cache import pack_path, source_identity
 from tierflow.offload.pack.reader import TRAILER, PackedFile
-from tierflow.offload.pack.writer import open_pack, pack_path, source_identity
+from tierflow.offload.pack.writer import open_pack
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder, DenseLinear, Weights
 from tierflow.runtime.models import architecture
@@ -102,13 +103,15 @@ def test_first_load_writes_the_pack_and_the_second_reuses_it(model, builds):
 
 def test_reusing_a_pack_is_much_faster_than_building_it(model):
     with open_model_file(model) as opened:
-        started = time.perf_counter()
-        open_pack(opened)
-        build_s = time.perf_counter() - started
-        started = time.perf_counter()
-        open_pack(opened)
-        reuse_s = time.perf_counter() - started
+        build_s = _timed(lambda: open_pack(opened))
+        reuse_s = min(_timed(lambda: open_pack(opened)) for _ in range(3))  # the least disturbed
     assert reuse_s * 10 < build_s, (reuse_s, build_s)  # a manifest read vs packing every tensor
+
+
+def _timed(work) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
 
 
 # -- stale and damaged packs are rebuilt ------------------------------------------------------

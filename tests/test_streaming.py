@@ -27,8 +27,8 @@ from tierflow.errors import BudgetError, ModelFileError, TierflowError
 from tierflow.offload.io import disk as disk_module
 from tierflow.offload.io import streamer as streamer_module
 from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
+from tierflow.offload.pack.cache import pack_path
 from tierflow.offload.pack.reader import PackedFile
-from tierflow.offload.pack.writer import pack_path
 from tierflow.offload.plan.profile import HardwareProfile, profile_path
 from tierflow.units import parse_size
 

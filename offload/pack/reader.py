@@ -23,7 +23,7 @@ from tierflow.gpu_kernels.matmul import DeviceLinear
 from tierflow.gpu_kernels.packed import view_matrix
 from tierflow.runtime.model import ConcatLinear, DenseLinear, Experts, Kernels, Linear, Weights
 
-PACK_VERSION = 3
+PACK_VERSION = 4  # 4: the source identified by device, inode and sampled content
 MAGIC = b"TFPACK01"
 TRAILER = struct.Struct("<8sQQI")  # magic, manifest offset, manifest size, manifest CRC-32
 

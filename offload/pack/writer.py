@@ -18,15 +18,16 @@ arrays as layout.py lays them out, its family's fields in order):
     trailer            MAGIC, manifest offset, manifest size, manifest CRC-32 (28 bytes)
 
 The file is written under a temporary name, synced, then renamed: a pack either exists whole or
-not at all. It is keyed by the source's absolute path; its manifest records the source's size and
-modification time and the format version, and a pack that disagrees (stale) or whose trailer,
-manifest or size is wrong (damaged), or whose manifest is not exactly the layout the header
-implies (a crafted one with a valid checksum), is rebuilt. Extents carry CRC-32s, checked every
-time they are read.
+not at all. Where it lives and what makes it the source's is cache.py's: its manifest records the
+source's identity (cache.source_identity) and the format version, and a pack that disagrees
+(stale) or whose trailer, manifest or size is wrong (damaged), or whose manifest is not exactly
+the layout the header implies (a crafted one with a valid checksum), is rebuilt. Extents carry
+CRC-32s, checked every time they are read. Before a build, cache.make_room checks the cap and the
+disk against the pack's size, known from the header (pack_sizes).
 """
 
-import hashlib
 import json
+import logging
 import os
 import zlib
 from collections.abc import Callable, Iterator
@@ -35,11 +36,14 @@ from pathlib import Path
 
 from tierflow.errors import ModelFileError, TierflowError
 from tierflow.offload.gguf.model_file import ModelFile
+from tierflow.offload.pack.cache import make_room, pack_path, record_use, source_identity
 from tierflow.offload.pack.layout import ExtentLayout, ExtentSize, TensorDecoder
 from tierflow.offload.pack.reader import MAGIC, PACK_VERSION, TRAILER, PackedFile
-from tierflow.offload.plan.profile import cache_dir
+from tierflow.units import format_size
 
 LoadProgress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
+# Where a build starts and ends, with the pack's size and place (the CLI shows these at INFO).
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,24 +110,6 @@ def _laid_out_as_the_header_says(packed: PackedFile, model: ModelFile) -> bool:
     return True
 
 
-def pack_path(source: Path) -> Path:
-    """Where the pack of `source` lives: keyed by its absolute path."""
-    digest = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:16]
-    folder = cache_dir() / "packed"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise TierflowError(f"cannot create {folder} ({error.strerror or error}); set TIERFLOW_CACHE "
-                            f"to a writable folder") from error
-    return folder / f"{Path(source).stem}.{digest}.tfpack"
-
-
-def source_identity(source: Path) -> dict:
-    stat = Path(source).stat()
-    return {"path": str(Path(source).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "version": PACK_VERSION}
-
-
 def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = None) -> None:
     """Writes the pack of `model` (whose tensors passed check_tensors) to path, atomically."""
     total, done = sum(info.nbytes for info in model.gguf.tensors.values()), 0
@@ -163,19 +149,39 @@ def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = Non
 
 
 def open_pack(model: ModelFile, progress: LoadProgress | None = None) -> PackedFile:
-    """The model's pack from the cache, built first if it is missing, stale or damaged."""
-    path = pack_path(model.path)
-    if path.exists():
-        try:
-            packed = PackedFile(path)
-            if packed.source == source_identity(model.path) and _laid_out_as_the_header_says(packed, model):
-                return packed
-        except ModelFileError:
-            pass  # damaged: rebuilt below
+    """The model's pack from the cache, built first if it is missing, stale or damaged (once the
+    cap and the disk have room for it)."""
+    identity = source_identity(model.path)
+    path = pack_path(model.path, identity)
+    packed = _cached_pack(path, identity, model)
+    if packed is None:
+        packed = _new_pack(model, path, progress)
+    record_use(packed, model.path)
+    return packed
+
+
+def _cached_pack(path: Path, identity: dict, model: ModelFile) -> PackedFile | None:
+    """The pack at path if it is whole and of this very source; None if it must be (re)built."""
+    if not path.exists():
+        return None
+    try:
+        packed = PackedFile(path)
+    except ModelFileError:
+        return None  # damaged
+    if packed.source == identity and _laid_out_as_the_header_says(packed, model):
+        return packed
+    return None
+
+
+def _new_pack(model: ModelFile, path: Path, progress: LoadProgress | None) -> PackedFile:
+    nbytes = pack_sizes(model).total_bytes
+    make_room(path, nbytes, model.path.name)
+    log.info("packing the weights of %s once: %s into %s", model.path.name, format_size(nbytes), path)
     try:
         build_pack(model, path, progress)
     except OSError as error:  # a full disk, a read-only cache folder
         raise TierflowError(f"cannot write the packed weights of {model.path.name} to {path.parent} "
                             f"({error.strerror or error}); free space there or set TIERFLOW_CACHE to "
                             f"another folder") from error
+    log.info("packed %s: %s, %s", model.path.name, path, format_size(path.stat().st_size))
     return PackedFile(path)

@@ -1,0 +1,289 @@
+"""The pack cache: which pack belongs to which model file, how much disk the packs may take, and
+which packs go when room is needed.
+
+A pack is named after its source file's device and inode, so every name of one file (a symlink, a
+hard link, the file after a move within its filesystem) finds the same pack. Its manifest records
+the file's whole identity (device, inode, size, modification time and a hash of sampled content)
+and a pack is used only while all of it matches: a file changed in place, even one that kept its
+modification time, has its pack rebuilt under the same name, not a second one left beside it.
+
+Beside each pack a use record (NAME.used: the path it was last opened through; its mtime, when) is
+touched on every open; `tierflow cache list` shows it and eviction goes by it, least recently
+used first. Before a pack is built, `make_room` evicts packs over the cap (TIERFLOW_CACHE_MAX) and
+checks the disk has room, before any byte is written.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import weakref
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import BinaryIO
+
+from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError, TierflowError
+from tierflow.offload.pack.reader import PackedFile
+from tierflow.offload.plan.profile import cache_dir
+from tierflow.units import format_size, parse_size
+
+SUFFIX = ".tfpack"
+USE_SUFFIX = ".used"
+SAMPLE_BYTES = 64 << 10
+SAMPLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the content samples start (the last ends the file)
+# Left free on the cache's disk after a pack: a disk filled to its last byte breaks other programs
+# (editors, databases, the system's logs), and the manifest is written after the extents.
+DISK_MARGIN_BYTES = 1 << 30
+# Without TIERFLOW_CACHE_MAX the packs may take a quarter of the cache disk: room for a few models'
+# packs without crowding out the user's files. It is no reason to refuse a model whose pack alone
+# is larger (the free-space check guards the disk then); a cap the user sets is kept strictly.
+DEFAULT_CAP_SHARE = 0.25
+CAP_VARIABLE = "TIERFLOW_CACHE_MAX"
+
+# The packs this process has opened and still holds: never evicted from under it. Engines may load
+# on several threads, and a WeakSet must not change while it is read.
+_open_packs: "weakref.WeakSet[PackedFile]" = weakref.WeakSet()
+_open_packs_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class CachedPack:
+    path: Path
+    nbytes: int
+    last_used_ns: int
+    source: Path | None = None  # the model file it was last opened through (None: not recorded)
+    source_exists: bool = False  # that file is still there and still the one packed
+
+    def as_dict(self) -> dict:
+        return {"name": self.path.name, "path": str(self.path), "bytes": self.nbytes,
+                "source": None if self.source is None else str(self.source),
+                "source_name": None if self.source is None else self.source.name,
+                "source_exists": self.source_exists, "last_used": _iso_time(self.last_used_ns)}
+
+
+def packs_folder() -> Path:
+    """The cache folder's `packed` folder (created)."""
+    folder = cache_dir() / "packed"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise TierflowError(f"cannot create {folder} ({error.strerror or error}); set TIERFLOW_CACHE "
+                            f"to a writable folder") from error
+    return folder
+
+
+def source_identity(source: Path) -> dict:
+    """What a pack's manifest records of its source, and must match to be used. The content hash
+    reads a few fixed samples (constant time whatever the size): with size and mtime it catches a
+    file rewritten in place, though not a change confined to bytes no sample covers."""
+    with open(source, "rb") as f:
+        stat = os.fstat(f.fileno())
+        return {"device": stat.st_dev, "inode": stat.st_ino, "size": stat.st_size,
+                "mtime_ns": stat.st_mtime_ns, "sample_sha256": _sample_hash(f, stat.st_size)}
+
+
+def _sample_hash(f: BinaryIO, size: int) -> str:
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    for fraction in SAMPLE_FRACTIONS:
+        f.seek(min(int(size * fraction), max(size - SAMPLE_BYTES, 0)))
+        digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def pack_path(source: Path, identity: dict | None = None) -> Path:
+    """Where the pack of `source` lives: named after its device and inode (the pack already there
+    under another name of the same file, else one named after this one)."""
+    identity = identity or source_identity(source)
+    digest = hashlib.sha256(f"{identity['device']}:{identity['inode']}".encode()).hexdigest()[:16]
+    folder = packs_folder()
+    existing = sorted(folder.glob(f"*.{digest}{SUFFIX}"))
+    return existing[0] if existing else folder / f"{Path(source).resolve().stem}.{digest}{SUFFIX}"
+
+
+def record_use(packed: PackedFile, source: Path) -> None:
+    """Notes that `packed` was opened for `source` now: this process holds it, and its use record
+    names the source and is touched (its mtime is the last use: a touch costs microseconds, where
+    a rewrite would cost a rename per load). A cache folder this user cannot write only loses the
+    record."""
+    with _open_packs_lock:
+        _open_packs.add(packed)
+    record, source = _use_record(packed.path), str(Path(source).resolve())
+    temporary = record.with_name(record.name + f".{os.getpid()}.tmp")
+    try:
+        if _read_use(packed.path).get("source") == source:
+            os.utime(record)
+            return
+        temporary.write_text(json.dumps({"source": source}))
+        os.replace(temporary, record)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+
+
+def list_packs() -> list[CachedPack]:
+    """Every pack in the cache, most recently used first, with its source and whether it is
+    still there."""
+    return [_with_source(pack) for pack in _packs_by_use(packs_folder())]
+
+
+def total_bytes(packs: list[CachedPack]) -> int:
+    return sum(pack.nbytes for pack in packs)
+
+
+def cap_bytes() -> int | None:
+    """TIERFLOW_CACHE_MAX in bytes; None when it is not set."""
+    value = os.environ.get(CAP_VARIABLE)
+    if not value:
+        return None
+    try:
+        return parse_size(value)
+    except BudgetError as error:
+        raise BudgetError(f"{CAP_VARIABLE}: {error}") from None
+
+
+def default_cap_bytes(folder: Path) -> int:
+    return int(shutil.disk_usage(folder).total * DEFAULT_CAP_SHARE)
+
+
+def make_room(target: Path, nbytes: int, model_name: str) -> None:
+    """Before the pack `target` (nbytes) of `model_name` is built: refuses (BudgetError) a pack
+    larger than the cap or than the disk's free space allows, then evicts the least recently used
+    packs the cap needs gone. Neither `target` nor a pack this process holds is evicted."""
+    folder = target.parent
+    cap = cap_bytes()
+    if cap is not None and nbytes > cap:
+        raise BudgetError(f"the pack of {model_name} takes {format_size(nbytes)}, more than the pack "
+                          f"cache may hold ({CAP_VARIABLE}={format_size(cap)}); raise {CAP_VARIABLE}")
+    cap = max(default_cap_bytes(folder), nbytes) if cap is None else cap
+    others = [pack for pack in _packs_by_use(folder) if pack.path != target]
+    victims = _evicted(others, total_bytes(others) + nbytes - cap)
+    if total_bytes(others) - total_bytes(victims) + nbytes > cap:
+        held = total_bytes([pack for pack in others if pack.path in _held_paths()])
+        raise BudgetError(f"the pack of {model_name} ({format_size(nbytes)}) does not fit the pack cache's "
+                          f"cap ({CAP_VARIABLE}={format_size(cap)}) beside the packs this process holds "
+                          f"open ({format_size(held)}); raise {CAP_VARIABLE}")
+    _check_disk(folder, nbytes, total_bytes(victims), model_name)
+    for pack in victims:
+        remove_pack(pack.path)
+
+
+def _check_disk(folder: Path, nbytes: int, evictable: int, model_name: str) -> None:
+    free, needed = shutil.disk_usage(folder).free, nbytes + DISK_MARGIN_BYTES
+    if free + evictable < needed:
+        evicting = f" (and {format_size(evictable)} in packs it would evict)" if evictable else ""
+        raise BudgetError(f"not enough disk space to pack {model_name}: {folder} has {format_size(free)} "
+                          f"free{evicting}, the pack needs {format_size(needed)} ({format_size(nbytes)} "
+                          f"and {format_size(DISK_MARGIN_BYTES)} left free); free space there, remove "
+                          f"packs (tierflow cache prune) or set TIERFLOW_CACHE to a folder on another disk")
+
+
+def prune(max_bytes: int | None = None) -> list[CachedPack]:
+    """Removes the packs whose source is gone, changed or unknown, then the least recently used ones
+    until the rest take at most max_bytes (default: the cap); returns those removed."""
+    folder = packs_folder()
+    packs = list_packs()
+    gone = [pack for pack in packs if not pack.source_exists and pack.path not in _held_paths()]
+    kept = [pack for pack in packs if pack not in gone]
+    limit = max_bytes if max_bytes is not None else cap_bytes()
+    limit = default_cap_bytes(folder) if limit is None else limit
+    removed = gone + _evicted(kept, total_bytes(kept) - limit)
+    for pack in removed:
+        remove_pack(pack.path)
+    for record in folder.glob(f"*{USE_SUFFIX}"):  # of packs removed by hand
+        if not record.with_suffix(SUFFIX).exists():
+            record.unlink(missing_ok=True)
+    return removed
+
+
+def remove_pack(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+        _use_record(path).unlink(missing_ok=True)
+    except OSError as error:
+        raise TierflowError(f"cannot remove the pack {path} ({error.strerror or error})") from error
+
+
+def find_pack(name_or_path: str) -> Path:
+    """The pack a user names: a pack's file name (as `tierflow cache list` shows it) or path, or
+    a model file, for its pack. Only a file in the packs folder is ever named."""
+    folder = packs_folder()
+    given = Path(name_or_path).expanduser()
+    if given.is_file():
+        if given.resolve().parent == folder.resolve() and given.suffix == SUFFIX:
+            return given.resolve()
+        pack = pack_path(given)
+        if not pack.exists():
+            raise InvalidArgumentError(f"{given} has no pack in {folder}")
+        return pack
+    if given.name == name_or_path:  # a bare name: a pack's
+        for name in (given.name, given.name + SUFFIX):
+            if name.endswith(SUFFIX) and (folder / name).is_file():
+                return folder / name
+    raise InvalidArgumentError(f"no pack named {name_or_path!r} in {folder}, and no model file at that path "
+                               f"(tierflow cache list shows the packs)")
+
+
+# -- listing ----------------------------------------------------------------------------------
+
+
+def _use_record(pack: Path) -> Path:
+    return pack.with_suffix(USE_SUFFIX)
+
+
+def _read_use(pack: Path) -> dict:
+    try:
+        record = json.loads(_use_record(pack).read_text())
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _packs_by_use(folder: Path) -> list[CachedPack]:
+    """The packs in `folder` with their sizes, most recently used first (a pack without a use
+    record counts as used when it was written)."""
+    packs = []
+    for path in folder.glob(f"*{SUFFIX}"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        try:
+            used_ns = _use_record(path).stat().st_mtime_ns
+        except FileNotFoundError:
+            used_ns = stat.st_mtime_ns
+        packs.append(CachedPack(path, stat.st_size, used_ns))
+    return sorted(packs, key=lambda pack: pack.last_used_ns, reverse=True)
+
+
+def _with_source(pack: CachedPack) -> CachedPack:
+    source = _read_use(pack.path).get("source")
+    if not isinstance(source, str):
+        return pack
+    try:
+        exists = PackedFile(pack.path).source == source_identity(Path(source))
+    except (OSError, ModelFileError):
+        exists = False
+    return CachedPack(pack.path, pack.nbytes, pack.last_used_ns, Path(source), exists)
+
+
+def _held_paths() -> set[Path]:
+    with _open_packs_lock:
+        return {packed.path for packed in _open_packs}
+
+
+def _evicted(packs: list[CachedPack], excess: int) -> list[CachedPack]:
+    """The least recently used of `packs` (most recent first) whose bytes cover `excess`, none
+    that this process holds (fewer when those are not enough)."""
+    held, victims = _held_paths(), []
+    for pack in reversed(packs):
+        if excess <= 0:
+            break
+        if pack.path not in held:
+            victims.append(pack)
+            excess -= pack.nbytes
+    return victims
+
+
+def _iso_time(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, timezone.utc).isoformat(timespec="seconds")

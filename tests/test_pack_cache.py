@@ -1,0 +1,264 @@
+"""The pack cache on real files: one pack per model file whatever its name, a changed file's pack
+rebuilt, the disk checked and the cap kept (least recently used packs evicted) before a build,
+and `tierflow cache list|rm|prune`.
+
+Each test has a cache folder of its own (TIERFLOW_CACHE in tmp_path) and small random models
+(tests/support/make_model.py). The one fake is a full disk: shutil.disk_usage as cache.py calls it.
+"""
+
+import json
+import os
+import pty
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.support.make_model import write_model
+from tests.support.model_spec import ModelSpec
+from tests.support.test_cache import TEST_PROFILE
+from tierflow.cli.app import app
+from tierflow.errors import BudgetError, InvalidArgumentError
+from tierflow.offload.gguf.model_file import open_model_file
+from tierflow.offload.pack import cache, writer
+from tierflow.offload.pack.cache import pack_path, packs_folder
+from tierflow.offload.pack.reader import PackedFile
+from tierflow.offload.pack.writer import open_pack, pack_sizes
+from tierflow.offload.plan.profile import HardwareProfile, profile_path
+from tierflow.units import format_size
+
+SPEC = ModelSpec(num_layers=2, hidden_size=128, ffn_size=256, num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """A cache folder of the test's own, with the test profile (no load measures the machine)."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("TIERFLOW_CACHE", str(folder))
+    monkeypatch.delenv(cache.CAP_VARIABLE, raising=False)
+    profile_path(1).write_text(HardwareProfile(threads=1, **TEST_PROFILE).to_json())
+    return folder
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    return write_model(tmp_path / "model.gguf", SPEC)
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[Path]:
+    """The paths build_pack writes, in order."""
+    paths, build = [], writer.build_pack
+
+    def counted(model, path, *args, **kwargs):
+        paths.append(path)
+        return build(model, path, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "build_pack", counted)
+    return paths
+
+
+def pack_of(model: Path) -> Path:
+    """Opens the model's pack (building it if needed) and lets go of it."""
+    with open_model_file(model) as opened:
+        return open_pack(opened).path
+
+
+def pack_bytes(model: Path) -> int:
+    """The pack's extents as sized before a build (what the cap and disk checks compare)."""
+    with open_model_file(model) as opened:
+        return pack_sizes(opened).total_bytes
+
+
+def seeded(tmp_path: Path, name: str, seed: int) -> Path:
+    return write_model(tmp_path / name, ModelSpec(**{**SPEC.__dict__, "seed": seed}))
+
+
+# -- one pack per file ------------------------------------------------------------------------
+
+
+def _symlink(model: Path) -> Path:
+    link = model.with_name("link.gguf")
+    link.symlink_to(model)
+    return link
+
+
+def _hard_link(model: Path) -> Path:
+    link = model.with_name("hard.gguf")
+    os.link(model, link)
+    return link
+
+
+def _moved(model: Path) -> Path:
+    elsewhere = model.parent / "elsewhere"
+    elsewhere.mkdir()
+    return model.rename(elsewhere / "renamed.gguf")
+
+
+@pytest.mark.parametrize("other_name", [_symlink, _hard_link, _moved], ids=["symlink", "hard-link", "moved"])
+def test_another_name_of_the_same_file_shares_its_pack(model, builds, other_name):
+    first = pack_of(model)
+    assert pack_of(other_name(model)) == first
+    assert builds == [first]
+
+
+def test_a_copy_of_a_file_gets_a_pack_of_its_own(model, builds):
+    copy = Path(shutil.copy2(model, model.with_name("copy.gguf")))
+    assert pack_of(copy) != pack_of(model)
+    assert len(builds) == 2
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_kept_gets_its_pack_rebuilt(model, tmp_path, builds):
+    old = PackedFile(pack_of(model)).globals.crc32
+    stat = model.stat()
+    write_model(model, ModelSpec(**{**SPEC.__dict__, "seed": 1}))  # same size, other weights
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (model.stat().st_size, model.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    rebuilt = PackedFile(pack_of(model)).globals.crc32
+    assert len(builds) == 2 and rebuilt != old
+    assert rebuilt == PackedFile(pack_of(seeded(tmp_path, "fresh.gguf", 1))).globals.crc32
+
+
+# -- the disk and the cap, checked before a build ---------------------------------------------
+
+
+def test_a_disk_without_room_for_the_pack_is_refused_before_writing(model, builds, monkeypatch):
+    free = 10 << 20
+    real = shutil.disk_usage(packs_folder())
+    monkeypatch.setattr(cache.shutil, "disk_usage",
+                        lambda path: real._replace(free=free))
+    needed = pack_bytes(model) + cache.DISK_MARGIN_BYTES
+    with pytest.raises(BudgetError) as refused:
+        pack_of(model)
+    message = str(refused.value)
+    assert f"{format_size(free)} free" in message and f"needs {format_size(needed)}" in message
+    assert str(packs_folder()) in message
+    assert builds == [] and list(packs_folder().iterdir()) == []
+
+
+def test_a_pack_larger_than_the_cap_is_refused_naming_both(model, builds, monkeypatch):
+    nbytes = pack_bytes(model)
+    monkeypatch.setenv(cache.CAP_VARIABLE, str(nbytes // 2))
+    with pytest.raises(BudgetError) as refused:
+        pack_of(model)
+    assert format_size(nbytes) in str(refused.value) and format_size(nbytes // 2) in str(refused.value)
+    assert builds == []
+
+
+def test_the_cap_evicts_the_least_recently_used_pack(tmp_path, monkeypatch):
+    models = [seeded(tmp_path, f"{name}.gguf", seed) for seed, name in enumerate("abc")]
+    first = pack_of(models[0])
+    monkeypatch.setenv(cache.CAP_VARIABLE, str(first.stat().st_size * 5 // 2))  # room for two
+    second = pack_of(models[1])
+    assert pack_of(models[0]) == first  # used again: now the second is the least recently used
+    third = pack_of(models[2])
+    assert first.exists() and third.exists() and not second.exists()
+
+
+def test_a_pack_this_process_holds_open_is_never_evicted(tmp_path, monkeypatch):
+    held_model, new_model = seeded(tmp_path, "held.gguf", 0), seeded(tmp_path, "new.gguf", 1)
+    with open_model_file(held_model) as opened:
+        held = open_pack(opened)
+    monkeypatch.setenv(cache.CAP_VARIABLE, str(held.path.stat().st_size * 3 // 2))
+    with pytest.raises(BudgetError, match=cache.CAP_VARIABLE):
+        pack_of(new_model)
+    assert held.path.exists()
+
+
+# -- tierflow cache ---------------------------------------------------------------------------
+
+
+def cli(*args: str):
+    done = CliRunner().invoke(app, list(args))
+    if done.exception is not None and not isinstance(done.exception, SystemExit):
+        raise done.exception
+    assert done.exit_code == 0, done.output
+    return done
+
+
+def listed() -> dict:
+    return json.loads(cli("cache", "list", "--json").stdout)
+
+
+def test_cache_list_shows_each_pack_with_its_model_file_and_the_total(tmp_path):
+    models = [seeded(tmp_path, f"{name}.gguf", seed) for seed, name in enumerate("ab")]
+    packs = [pack_of(model) for model in models]
+    models[1].unlink()
+    shown = listed()
+    by_name = {pack["name"]: pack for pack in shown["packs"]}
+    assert set(by_name) == {pack.name for pack in packs}
+    assert [by_name[pack.name]["source"] for pack in packs] == [str(model.resolve()) for model in models]
+    assert [by_name[pack.name]["source_exists"] for pack in packs] == [True, False]
+    assert [by_name[pack.name]["bytes"] for pack in packs] == [pack.stat().st_size for pack in packs]
+    assert shown["total_bytes"] == sum(pack.stat().st_size for pack in packs)
+
+
+@pytest.mark.parametrize("naming", [lambda model, pack: str(model), lambda model, pack: pack.name,
+                                    lambda model, pack: str(pack)],
+                         ids=["model-file", "pack-name", "pack-path"])
+def test_cache_rm_removes_the_pack_named_and_never_the_model(model, naming):
+    pack = pack_of(model)
+    cli("cache", "rm", naming(model, pack))
+    assert not pack.exists() and model.exists()
+    assert listed()["packs"] == []
+
+
+def test_cache_rm_of_something_that_is_no_pack_is_a_clear_error(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="no pack named 'nothing.tfpack'"):
+        cli("cache", "rm", "nothing.tfpack")
+
+
+def test_cache_prune_removes_the_packs_whose_model_file_is_gone(tmp_path):
+    kept, gone = seeded(tmp_path, "kept.gguf", 0), seeded(tmp_path, "gone.gguf", 1)
+    kept_pack, gone_pack = pack_of(kept), pack_of(gone)
+    gone.unlink()
+    cli("cache", "prune")
+    assert kept_pack.exists() and not gone_pack.exists()
+
+
+def test_cache_prune_max_size_keeps_the_most_recently_used_packs(tmp_path):
+    models = [seeded(tmp_path, f"{name}.gguf", seed) for seed, name in enumerate("abc")]
+    packs = [pack_of(model) for model in models]
+    pack_of(models[0])  # the least recently used is now b
+    cli("cache", "prune", "--max-size", str(packs[0].stat().st_size * 5 // 2))
+    assert [pack.exists() for pack in packs] == [True, False, True]
+
+
+def terminal_stderr(*args: str) -> str:
+    """What `tierflow ARGS` shows on stderr when stderr is a terminal (a pseudo-terminal here)."""
+    primary, secondary = pty.openpty()
+    shown = bytearray()
+
+    def drain() -> None:  # while the command runs: a full terminal buffer would block it
+        while True:
+            try:
+                chunk = os.read(primary, 1 << 16)
+            except OSError:  # EIO: the command's end closed the terminal
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "tierflow.cli.app", *args], stdout=subprocess.PIPE,
+                              stderr=secondary, timeout=120)
+    finally:
+        os.close(secondary)
+    reader.join(timeout=60)  # the terminal closes with the command; a guard, not a wait
+    os.close(primary)
+    assert not reader.is_alive(), "the terminal stayed open after the command ended"
+    assert done.returncode == 0, shown.decode(errors="replace")
+    return shown.decode(errors="replace")
+
+
+def test_loading_on_a_terminal_names_the_new_pack_its_size_and_place(model):
+    shown = terminal_stderr("run", "Hello", "-m", str(model), "-n", "1", "--threads", "1", "--ctx", "64")
+    pack = pack_path(model)
+    assert f"{format_size(pack_bytes(model))} into {pack}" in shown  # before the build
+    assert f"packed model.gguf: {pack}, {format_size(pack.stat().st_size)}" in shown  # after it
