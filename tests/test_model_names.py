@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.support.gguf_split import split_gguf
 from tierflow.cli.app import app
-from tierflow.errors import ModelFileError, UnsupportedModelError
+from tierflow.errors import ModelFileError
+from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 
 DIGEST = "ab" * 32
@@ -253,11 +255,16 @@ def split_repo(home: Path, parts: list[int]) -> Path:
     return add_hf(hf_hub(home), "Org/Big-GGUF", files | {"model-Q8_0.gguf": None})
 
 
-def test_a_split_model_is_one_model_refused_by_its_first_part(home):
+def test_a_split_model_is_one_model_named_by_its_first_part(home):
     snapshot = split_repo(home, [1, 2, 3])
     first = snapshot / "Q4_K_M/model-Q4_K_M-00001-of-00003.gguf"
-    with pytest.raises(UnsupportedModelError, match=f"{first} is the first of 3 parts"):
-        resolve_model_path("Org/Big-GGUF:Q4_K_M")
+    assert resolve_model_path("Org/Big-GGUF:Q4_K_M") == first
+
+
+def test_a_later_part_given_as_a_path_means_the_first_part(home):
+    snapshot = split_repo(home, [1, 2, 3])
+    later = snapshot / "Q4_K_M/model-Q4_K_M-00003-of-00003.gguf"
+    assert resolve_model_path(later) == snapshot / "Q4_K_M/model-Q4_K_M-00001-of-00003.gguf"
 
 
 def test_a_split_model_with_a_missing_part_names_it(home):
@@ -265,6 +272,45 @@ def test_a_split_model_with_a_missing_part_names_it(home):
     missing = snapshot / "Q4_K_M/model-Q4_K_M-00002-of-00003.gguf"
     with pytest.raises(ModelFileError, match=f"{missing} is missing"):
         resolve_model_path("Org/Big-GGUF:Q4_K_M")
+
+
+def test_a_split_model_loads_whole_and_generates_as_the_single_file_does(tmp_path, model_path, engine):
+    from tierflow import Engine
+
+    parts = split_gguf(model_path, tmp_path / "smollm2", 3)
+    prompt = "The capital of France is"
+    with Engine.load(parts[0], threads=2, context_length=1024) as split_engine:
+        tokens = split_engine.generate(prompt, max_tokens=8, temperature=0).tokens
+    assert tokens == engine.generate(prompt, max_tokens=8, temperature=0).tokens
+
+
+def test_a_split_model_converts_to_one_file_without_split_keys(tmp_path, model_path):
+    from tierflow.offload.gguf.convert import convert_model
+    from tierflow.offload.gguf.reader import read_gguf
+
+    parts = split_gguf(model_path, tmp_path / "smollm2", 2)
+    convert_model(parts[0], tmp_path / "whole.gguf", 4, "rtn")
+    with read_gguf(tmp_path / "whole.gguf") as whole, read_gguf(model_path) as source:
+        assert not any(key.startswith("split.") for key in whole.metadata)
+        assert list(whole.tensors) == list(source.tensors)
+
+
+def test_a_changed_later_part_changes_the_identity_a_pack_is_kept_by(tmp_path, model_path):
+    from tierflow.offload.pack.writer import source_identity
+
+    parts = split_gguf(model_path, tmp_path / "smollm2", 2)
+    before = source_identity(parts[0])
+    os.utime(parts[1], ns=(0, parts[1].stat().st_mtime_ns + 10**9))
+    assert source_identity(parts[0]) != before
+
+
+def test_a_split_part_that_is_not_the_part_its_name_says_is_named(tmp_path, model_path):
+    parts = split_gguf(model_path, tmp_path / "smollm2", 3)
+    parts[1].rename(tmp_path / "swap")
+    parts[2].rename(parts[1])
+    (tmp_path / "swap").rename(parts[2])
+    with pytest.raises(ModelFileError, match="00002-of-00003.gguf: split.no is 2 .* named as part 2 of 3"):
+        open_model_file(parts[0])
 
 
 # loading and listing
@@ -306,6 +352,18 @@ def test_list_shows_a_model_it_cannot_read_with_its_error(home, model_path):
     errors = {entry["name"]: entry["error"] for entry in json.loads(done.stdout)}
     assert "not valid JSON" in errors["broken:latest"] and "junk.gguf" in errors["Org/Junk-GGUF"]
     assert errors["smollm2:135m"] is None
+
+
+def test_list_counts_every_part_of_a_split_model(home, model_path):
+    snapshot = hf_hub(home) / "models--Org--Big-GGUF/snapshots/main0rev"
+    snapshot.mkdir(parents=True)
+    (hf_hub(home) / "models--Org--Big-GGUF/refs").mkdir()
+    (hf_hub(home) / "models--Org--Big-GGUF/refs/main").write_text("main0rev")
+    parts = split_gguf(model_path, snapshot / "smollm2", 2)
+    done = CliRunner().invoke(app, ["list", "--json"])
+    [entry] = json.loads(done.stdout)
+    assert entry["name"] == "Org/Big-GGUF" and entry["path"] == str(parts[0]) and entry["error"] is None
+    assert entry["size_bytes"] == sum(part.stat().st_size for part in parts)
 
 
 def test_list_prints_a_table_of_the_models(home, model_path):

