@@ -117,17 +117,28 @@ def test_an_ollama_manifest_pointing_at_a_missing_blob_names_the_digest_and_the_
         resolve_model_path("llama3:8b")
 
 
-def test_an_ollama_manifest_that_is_not_json_is_named(home):
+@pytest.mark.parametrize("text", ['{"layers": [', "[" * 100_000])
+def test_an_ollama_manifest_that_is_not_json_is_named(home, text):
     manifest = ollama_root(home) / "manifests/registry.ollama.ai/library/llama3/8b"
-    put(manifest).write_text('{"layers": [')
+    put(manifest).write_text(text)
     with pytest.raises(ModelFileError, match=f"{manifest} is not valid JSON"):
         resolve_model_path("llama3:8b")
 
 
-def test_an_ollama_manifest_without_a_model_layer_is_named(home):
+@pytest.mark.parametrize("text", ['{"layers": [{"mediaType": "application/vnd.ollama.image.license"}]}',
+                                  '["layers"]', '{"layers": {"digest": "sha256:00"}}'])
+def test_an_ollama_manifest_without_a_model_layer_is_named(home, text):
     manifest = ollama_root(home) / "manifests/registry.ollama.ai/library/llama3/8b"
-    put(manifest).write_text('{"layers": [{"mediaType": "application/vnd.ollama.image.license"}]}')
+    put(manifest).write_text(text)
     with pytest.raises(ModelFileError, match="no model layer"):
+        resolve_model_path("llama3:8b")
+
+
+def test_an_ollama_digest_that_is_not_sha256_hex_is_named(home):
+    manifest = ollama_root(home) / "manifests/registry.ollama.ai/library/llama3/8b"
+    put(manifest).write_text(json.dumps({"layers": [
+        {"mediaType": "application/vnd.ollama.image.model", "digest": "sha256:../../../etc/passwd"}]}))
+    with pytest.raises(ModelFileError, match="is not sha256:<64 hex digits>"):
         resolve_model_path("llama3:8b")
 
 
@@ -161,6 +172,14 @@ def test_the_revision_refs_main_names_is_chosen_over_a_newer_snapshot(home):
     newer = add_hf(hf_hub(home), "Org/Model-GGUF", {"newer.gguf": None}, revision="bbb")
     (newer.parent.parent / "refs" / "main").write_text("aaa\n")
     assert resolve_model_path("Org/Model-GGUF") == current / "current.gguf"
+
+
+def test_a_refs_main_that_is_a_path_is_not_followed(home, tmp_path):
+    snapshot = add_hf(hf_hub(home), "Org/Model-GGUF", {"model.gguf": None})
+    put(tmp_path / "elsewhere" / "other.gguf")
+    outside = os.path.relpath(tmp_path / "elsewhere", snapshot.parent)
+    (snapshot.parent.parent / "refs" / "main").write_text(outside)
+    assert resolve_model_path("Org/Model-GGUF") == snapshot / "model.gguf"
 
 
 @pytest.mark.parametrize("variable, value, hub", [("HF_HOME", "hf", "hf/hub"),

@@ -20,6 +20,7 @@ OLLAMA_REGISTRY = "registry.ollama.ai"
 OLLAMA_NAMESPACE = "library"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 MAX_MANIFEST_BYTES = 1 << 20  # real manifests are a few hundred bytes
+MAX_REVISION_BYTES = 256  # refs/main holds a 40-character commit hash
 HF_HOSTS = ("hf.co/", "huggingface.co/")
 # One component of a name: no separators, and never "." or ".." (names become paths).
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -89,15 +90,23 @@ def _ollama_name(registry: str, namespace: str, model: str, tag: str) -> str:
     return f"{model}:{tag}" if namespace == OLLAMA_NAMESPACE else f"{namespace}/{model}:{tag}"
 
 
+def _read_manifest(manifest: Path) -> object:
+    """The manifest's JSON document; a deeply nested one is refused, not a RecursionError."""
+    try:
+        if manifest.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ModelFileError(f"ollama manifest {manifest} is larger than {MAX_MANIFEST_BYTES} bytes")
+        return json.loads(manifest.read_bytes())
+    except OSError as error:
+        raise ModelFileError(f"cannot read ollama manifest {manifest}: {error.strerror or error}") from None
+    except (ValueError, RecursionError) as error:
+        raise ModelFileError(f"ollama manifest {manifest} is not valid JSON ({error})") from None
+
+
 def _model_digest(manifest: Path) -> str:
     """The hex digest of the manifest's model layer."""
-    if manifest.stat().st_size > MAX_MANIFEST_BYTES:
-        raise ModelFileError(f"ollama manifest {manifest} is larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        layers = json.loads(manifest.read_bytes()).get("layers")
-    except (ValueError, AttributeError) as error:
-        raise ModelFileError(f"ollama manifest {manifest} is not valid JSON ({error})") from None
-    digests = [layer.get("digest") for layer in layers or () if isinstance(layer, dict)
+    document = _read_manifest(manifest)
+    layers = document.get("layers") if isinstance(document, dict) else None
+    digests = [layer.get("digest") for layer in layers if isinstance(layer, dict)
                and layer.get("mediaType") == OLLAMA_MODEL_LAYER] if isinstance(layers, list) else []
     if not digests:
         raise ModelFileError(f"ollama manifest {manifest} has no model layer ({OLLAMA_MODEL_LAYER})")
@@ -207,8 +216,10 @@ def _hf_snapshot(repo: Path) -> Path | None:
     """The revision refs/main names, else the newest snapshot."""
     ref = repo / "refs" / "main"
     if ref.is_file():
-        snapshot = repo / "snapshots" / ref.read_text(errors="replace").strip()
-        if _PART.fullmatch(snapshot.name) and snapshot.is_dir():
+        with open(ref, "rb") as file:
+            revision = file.read(MAX_REVISION_BYTES).decode(errors="replace").strip()
+        snapshot = repo / "snapshots" / revision
+        if _PART.fullmatch(revision) and snapshot.is_dir():  # a revision, never a path elsewhere
             return snapshot
     snapshots = [path for path in (repo / "snapshots").glob("*") if path.is_dir()]
     return max(snapshots, key=lambda path: path.stat().st_mtime, default=None)
