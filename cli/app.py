@@ -12,7 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
+from rich.table import Column, Table
 
 from tierflow.cli.cache_commands import cache_app
 from tierflow.cli.options import option
@@ -24,9 +25,10 @@ out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 app.add_typer(cache_app, name="cache")
 
-ModelOpt = Annotated[
-    Optional[Path], option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M-Instruct)")
-]
+ModelOpt = Annotated[Optional[str], option(
+    "--model", "-m", help="GGUF file, or a model name from ollama (llama3:8b), the Hugging Face cache or "
+    "LM Studio (Org/Model[:Q4_K_M]); see `tierflow list` (default: bundled SmolLM2-135M-Instruct)")]
+ModelArg = Annotated[Optional[str], typer.Argument(help="GGUF file or model name (default: bundled)")]
 GpuOpt = Annotated[Optional[str], option("--gpu-memory", help="GPU weight budget, e.g. 4GiB")]
 CpuOpt = Annotated[Optional[str], option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
 ThreadsOpt = Annotated[Optional[int], option("--threads", "-t", help="CPU threads")]
@@ -103,13 +105,16 @@ def _progress_bar(label: str):
         yield update
 
 
-def _model_name(path: Optional[Path]) -> str:
-    return path.name if path else "SmolLM2-135M-Instruct (bundled)"
+def _model_name(model: Optional[str]) -> str:
+    """A file's name, or the model name as given."""
+    if model is None:
+        return "SmolLM2-135M-Instruct (bundled)"
+    return Path(model).name if Path(model).exists() else model
 
 
-def _loading(path: Optional[Path]):
+def _loading(model: Optional[str]):
     """A progress bar on stderr while weights load (when stderr is a terminal)."""
-    return _progress_bar(f"loading {_model_name(path)}")
+    return _progress_bar(f"loading {_model_name(model)}")
 
 
 class _Notices(logging.Handler):
@@ -287,8 +292,7 @@ def _sampling(**options) -> dict:
 
 
 @app.command()
-def info(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
-         model_opt: ModelOpt = None) -> None:
+def info(model: ModelArg = None, model_opt: ModelOpt = None) -> None:
     """Show a model's architecture, sizes, tensor types and bytes per tier (loads no weights)."""
     from tierflow.runtime.model_info import describe_model
 
@@ -303,9 +307,30 @@ def info(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (defaul
     out.print(types)
 
 
+@app.command("list")
+def list_command(as_json: Annotated[bool, option("--json", help="print the list as JSON")] = False
+                 ) -> None:
+    """List the models ollama, the Hugging Face cache and LM Studio hold on this machine, by the name
+    -m takes (reads headers only)."""
+    from tierflow.offload.gguf.model_list import list_models
+
+    models = list_models()
+    if as_json:
+        print(json.dumps([model.as_dict() for model in models]))
+        return
+    table = Table(Column("name", no_wrap=True), "source", "size", "architecture", "weights",
+                  Column("path", overflow="fold"))
+    for model in models:
+        size = format_size(model.size_bytes) if model.size_bytes is not None else ""
+        details = (model.architecture or "", model.weight_type or "") if model.error is None else (
+            f"[red]{escape(model.error)}[/red]", "")
+        table.add_row(model.name, model.source, size, *details, model.path or "")
+    out.print(table if models else "no models found in ollama, the Hugging Face cache or LM Studio")
+
+
 @app.command()
-def plan(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
-         model_opt: ModelOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
+def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt = None,
+         cpu_memory: CpuOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None,
          prompt_tokens: Annotated[Optional[int], option(
              "--prompt-tokens", help="prompt length of the prefill prediction, and the position of "
@@ -395,7 +420,7 @@ def _print_profile(profile) -> None:
 
 
 @app.command()
-def convert(model: Annotated[Optional[Path], typer.Argument(help="GGUF file (default: bundled)")] = None,
+def convert(model: ModelArg = None,
             bits: Annotated[int, option("--bits", "-b", help="4 (Q4_1, which llama.cpp loads "
                                               "too), 3 or 2 (tierflow's TQ3_1, TQ2_1)")] = 4,
             output: Annotated[Optional[Path], option("--output", "-o", help="file to write")] = None,

@@ -33,6 +33,7 @@ from tierflow.ggml_types import QUANT_SIZES, type_name
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.gguf.reader import GGUFFile, TensorInfo, read_gguf
+from tierflow.offload.gguf.split_files import SPLIT_KEY_PREFIX
 from tierflow.runtime.models.tensor_map import Matmul
 
 ConvertProgress = Callable[[str, int, int], None]  # ("convert", source bytes done, total)
@@ -226,7 +227,7 @@ def _copy_metadata(model: GGUFFile, writer: GGUFWriter) -> None:
     Strings are copied as read_gguf decoded them, so a byte sequence that is not UTF-8 becomes
     U+FFFD. general.alignment also sets the writer's data alignment."""
     for key, value in model.metadata.items():
-        if key in _DROPPED_KEYS:
+        if key in _DROPPED_KEYS or key.startswith(SPLIT_KEY_PREFIX):  # the copy is one file
             continue
         vtype, element_type = model.value_types[key]
         if vtype == GGUFValueType.ARRAY:

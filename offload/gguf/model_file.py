@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierflow.errors import ModelFileError
-from tierflow.offload.gguf.reader import GGUFFile, read_gguf
+from tierflow.offload.gguf.reader import GGUFFile
+from tierflow.offload.gguf.split_files import read_model_gguf
 from tierflow.offload.gguf.tensors import check_tensors
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.models import architecture
@@ -54,8 +55,9 @@ def read_config(gguf: GGUFFile) -> tuple[Architecture, ModelConfig]:
 
 def open_model_file(path: str | os.PathLike) -> ModelFile:
     """The model in a GGUF file (validated: a malformed one is a ModelFileError, an unknown family or
-    tensor type an UnsupportedModelError); close it, or use `with`."""
-    gguf = read_gguf(path)
+    tensor type an UnsupportedModelError); a split model is read whole from its first part; close it,
+    or use `with`."""
+    gguf = read_model_gguf(path)
     try:
         model = ModelFile(gguf, *read_config(gguf))
         check_tensors(model.gguf, model.arch, model.config)

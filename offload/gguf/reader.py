@@ -16,7 +16,7 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
@@ -71,6 +71,7 @@ class TensorInfo:
     ggml_type: int  # a gguf.GGMLQuantizationType or tierflow.ggml_types.TierflowType value
     offset: int  # absolute byte offset of the data in the file
     nbytes: int
+    part: int = 0  # the file of a split model that holds the data: 0 the first (or only), i the i+1-th
 
     @property
     def type_name(self) -> str:
@@ -287,6 +288,20 @@ class GGUFFile:
         self.data_offset, self.metadata, self.tensors = data_offset, metadata, tensors
         self.value_types = value_types or {}  # metadata key -> its GGUF value type
         self.metadata_span = metadata_span  # byte range of the encoded key-value section
+        self.parts: tuple[GGUFFile, ...] = ()  # a split model's later files, in order
+
+    def join_parts(self, parts: list[GGUFFile]) -> GGUFFile:
+        """This file, a split model's first part, made the whole model: the later parts' tensors join
+        the table (each knowing its part), and the parts are closed with it. The metadata stays the
+        first part's, split.* keys included (metadata_bytes must match it)."""
+        tensors = dict(self.tensors)
+        for index, part in enumerate(parts, start=1):
+            for name, info in part.tensors.items():
+                if name in tensors:
+                    raise ModelFileError(f"{part.path.name}: tensor '{name}' is in an earlier part too")
+                tensors[name] = replace(info, part=index)
+        self.tensors, self.parts = tensors, tuple(parts)
+        return self
 
     def metadata_bytes(self) -> bytes:
         """The key-value section exactly as encoded in the file (a copy)."""
@@ -302,10 +317,14 @@ class GGUFFile:
         info = self.tensors.get(name)
         if info is None:
             raise ModelFileError(f"{self.path}: no tensor named '{name}'")
+        if info.part:
+            return self.parts[info.part - 1].tensor_data(name)
         return np.frombuffer(self._buf, np.uint8, count=info.nbytes, offset=info.offset)
 
     def close(self) -> None:
         """Release the map now, or when the last view from `tensor_data` is dropped."""
+        for part in self.parts:
+            part.close()
         if self._buf is not None:
             try:
                 self._buf.close()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError, TierflowError
+from tierflow.offload.gguf.split_files import split_parts
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.offload.plan.profile import cache_dir
 from tierflow.units import format_size, parse_size
@@ -77,11 +78,16 @@ def packs_folder() -> Path:
 def source_identity(source: Path) -> dict:
     """What a pack's manifest records of its source, and must match to be used. The content hash
     reads a few fixed samples (constant time whatever the size): with size and mtime it catches a
-    file rewritten in place, though not a change confined to bytes no sample covers."""
+    file rewritten in place, though not a change confined to bytes no sample covers. A split model's
+later parts count by size and mtime."""
     with open(source, "rb") as f:
         stat = os.fstat(f.fileno())
-        return {"device": stat.st_dev, "inode": stat.st_ino, "size": stat.st_size,
-                "mtime_ns": stat.st_mtime_ns, "sample_sha256": _sample_hash(f, stat.st_size)}
+        identity = {"device": stat.st_dev, "inode": stat.st_ino, "size": stat.st_size,
+                    "mtime_ns": stat.st_mtime_ns, "sample_sha256": _sample_hash(f, stat.st_size)}
+    later_parts = (split_parts(Path(source)) or [])[1:]  # a split model's: a changed one changes it
+    if later_parts:
+        identity["parts"] = [[part.stat().st_size, part.stat().st_mtime_ns] for part in later_parts]
+    return identity
 
 
 def _sample_hash(f: BinaryIO, size: int) -> str:

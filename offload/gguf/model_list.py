@@ -1,0 +1,66 @@
+"""What `tierflow list` shows: every model the stores hold, with its size and what its header says.
+
+Only headers are read (no tensor data), so listing a store of large models stays fast; a model that
+cannot be read is listed with its error.
+"""
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tierflow import ggml_types
+from tierflow.errors import TierflowError
+from tierflow.offload.gguf.model_path import stat_model_file
+from tierflow.offload.gguf.model_stores import StoredModel, default_stores
+from tierflow.offload.gguf.split_files import read_model_gguf, split_parts
+
+
+@dataclass(frozen=True)
+class ListedModel:
+    name: str  # as the user would type it after -m
+    source: str  # ollama, huggingface or lmstudio
+    path: str | None
+    size_bytes: int | None  # all parts of a split model
+    architecture: str | None
+    weight_type: str | None  # the tensor type holding most of the bytes, e.g. Q4_K
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def list_models(stores: list | None = None) -> list[ListedModel]:
+    """Every model of every store (this user's, by default), in store then name order."""
+    listed = []
+    for store in default_stores() if stores is None else stores:
+        for name in store.names():
+            try:
+                found = store.find(name)
+            except TierflowError as error:
+                listed.append(ListedModel(name, store.source, None, None, None, None, str(error)))
+                continue
+            listed += [_describe(name, model) for model in found]
+    return listed
+
+
+def _describe(name: str, model: StoredModel) -> ListedModel:
+    try:
+        size = sum(stat_model_file(part).st_size for part in split_parts(model.path) or [model.path])
+        architecture, weight_type = _header_summary(model.path)
+    except TierflowError as error:
+        return ListedModel(name, model.source, str(model.path), None, None, None, str(error))
+    return ListedModel(name, model.source, str(model.path), size, architecture, weight_type)
+
+
+def _header_summary(path: Path) -> tuple[str | None, str | None]:
+    """The architecture and the dominant tensor type, from the header alone."""
+    gguf = read_model_gguf(path)
+    try:
+        bytes_by_type = Counter()
+        for info in gguf.tensors.values():
+            bytes_by_type[info.ggml_type] += info.nbytes
+        dominant = bytes_by_type.most_common(1)
+        return (gguf.metadata.get("general.architecture"),
+                ggml_types.type_name(dominant[0][0]) if dominant else None)
+    finally:
+        gguf.close()
