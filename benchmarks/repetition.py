@@ -25,12 +25,10 @@ PROMPTS = [
 ]
 SETTINGS = {
     "0.8 k40 p.95 m.05": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0),
-    "0.8 ... rp1.1": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1),
-    "0.6 ... rp1.1": dict(temperature=0.6, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1),
-    "0.7 k40 p.95 m.05": dict(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0),
-    "0.6 k40 p.95 m.05": dict(temperature=0.6, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0),
+    "0.8 k40 p.95 m.1": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.1, repeat_penalty=1.0),
     "0.8 k40 p.9 m.1": dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.1, repeat_penalty=1.0),
-    "1.0 k40 p.95 m.1": dict(temperature=1.0, top_k=40, top_p=0.95, min_p=0.1, repeat_penalty=1.0),
+    "0.7 k40 p.9 m.1": dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.1, repeat_penalty=1.0),
+    "0.8 k40 p.95 m.05 rp1.1": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1),
     "greedy": dict(temperature=0.0),
 }
 NGRAM = 4

@@ -106,7 +106,8 @@ def test_sampled_tokens_of_a_drafted_tiny_model_follow_the_target(tiny_pair):
         first = Counter(tokens[0] for tokens in runs).most_common(1)[0][0]
         seconds = Counter(tokens[1] for tokens in runs if tokens[0] == first)
         sampler = Sampler(SamplingParams(**params))
-        candidates, probs = sampler.candidates(engine.logits([*prompt, first])[-1])
+        history = [*prompt, first]  # what the repetition penalty sees
+        candidates, probs = sampler.candidates(engine.logits(history)[-1], history)
         stats = engine.generate(prompt, max_tokens=8, seed=0, **params).stats
     trials = sum(seconds.values())
     assert stats.drafted_tokens > 0 and trials > 300

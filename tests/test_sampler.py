@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from tierflow.errors import InvalidArgumentError, ModelFileError
-from tierflow.runtime.sampler import Sampler, SamplingParams, recommended_sampling
+from tierflow.runtime.sampler import SAMPLED_REPEAT_PENALTY, Sampler, SamplingParams, recommended_sampling
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, -1.0], dtype=np.float32)
 
@@ -123,3 +123,9 @@ def test_a_recommended_value_no_setting_accepts_is_left_out_with_a_warning(caplo
     metadata = {"general.sampling.temp": float("nan"), "general.sampling.top_k": 20}
     assert recommended_sampling(metadata, 4096) == {"top_k": 20}
     assert "general.sampling.temp" in caplog.text
+
+
+def test_sampling_penalises_repetition_by_default_and_greedy_does_not():
+    assert SamplingParams(temperature=0.8).repeat_penalty == SAMPLED_REPEAT_PENALTY
+    assert SamplingParams(temperature=0).repeat_penalty == 1.0
+    assert SamplingParams(temperature=0.8, repeat_penalty=1.0).repeat_penalty == 1.0
