@@ -7,11 +7,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.live import Live
 from rich.markdown import Markdown
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from prompt_toolkit.history import History
 
 PROMPT = ">>> "
 LineReader = Callable[[], str]  # the next line; EOFError at the end, KeyboardInterrupt on Ctrl-C
@@ -23,7 +27,6 @@ def line_reader(history_path: Path) -> LineReader:
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         return lambda: input(PROMPT)
     from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory
     from prompt_toolkit.key_binding import KeyBindings
 
     keys = KeyBindings()
@@ -32,8 +35,29 @@ def line_reader(history_path: Path) -> LineReader:
     def _new_line(event) -> None:
         event.current_buffer.insert_text("\n")
 
-    session = PromptSession(history=FileHistory(str(history_path)), key_bindings=keys)
+    session = PromptSession(history=file_history(history_path), key_bindings=keys)
     return lambda: session.prompt(PROMPT)
+
+
+def file_history(path: Path) -> "History":
+    """The lines typed in earlier chats and this one, kept in `path`; a file that cannot be read or
+    written costs only the history, never the chat."""
+    from prompt_toolkit.history import FileHistory
+
+    class History(FileHistory):
+        def load_history_strings(self):
+            try:
+                return list(super().load_history_strings())
+            except OSError:
+                return []
+
+        def store_string(self, string: str) -> None:
+            try:
+                super().store_string(string)
+            except OSError:
+                pass
+
+    return History(str(path))
 
 
 class AnswerView:

@@ -1,6 +1,7 @@
 """`tierflow chat` as a user types it, at a real pseudo-terminal (pexpect), and as a script pipes
 it; `tierflow run -` and `--chat`. Answers are short (-n) and greedy where they are compared."""
 
+import io
 import json
 import os
 import re
@@ -9,6 +10,9 @@ import sys
 
 import pexpect
 import pytest
+from rich.console import Console
+
+from tierflow.cli.chat_terminal import AnswerView, file_history
 
 TIERFLOW = [sys.executable, "-m", "tierflow.cli.app"]
 # prompt_toolkit turns bracketed paste on as each prompt starts: the chat waits for a line.
@@ -217,3 +221,38 @@ def test_run_chat_answers_the_prompt_as_one_user_message(engine):
     question = "What is 2 + 2?"
     expected = engine.chat([{"role": "user", "content": question}], max_tokens=8, temperature=0)
     assert run("-", "--chat", input=question)["tokens"] == expected.tokens
+
+
+# -- the parts a terminal shows --------------------------------------------------------------------
+
+
+def shown(markdown: bool, pieces: list[str]) -> tuple[str, list[str]]:
+    """What an AnswerView writes to a terminal for a stream of pieces, and the reply it kept."""
+    screen = Console(file=io.StringIO(), force_terminal=True, width=60, color_system="standard")
+    quiet = Console(file=io.StringIO(), force_terminal=False)
+    reply: list[str] = []
+    view = AnswerView(screen, quiet, markdown=markdown)
+    view.show(iter(pieces), reply)
+    view.end()
+    return screen.file.getvalue(), reply
+
+
+MARKDOWN = ["# Fruit", "s\n\n", "- **ap", "ples**\n", "- pears\n"]
+
+
+def test_an_answer_on_a_terminal_is_rendered_as_markdown():
+    screen, reply = shown(True, MARKDOWN)
+    assert "**" not in screen and "# " not in screen and "apples" in screen
+    assert "\x1b[1m" in screen  # bold
+    assert reply == MARKDOWN
+
+
+def test_a_plain_answer_is_the_text_as_it_came():
+    screen, reply = shown(False, MARKDOWN)
+    assert screen == "".join(MARKDOWN) + "\n" and reply == MARKDOWN
+
+
+def test_a_history_file_that_cannot_be_used_costs_the_history_not_the_chat(tmp_path):
+    history = file_history(tmp_path)  # a folder: neither readable nor writable as a file
+    history.store_string("/help")
+    assert list(history.load_history_strings()) == []
