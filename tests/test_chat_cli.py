@@ -135,6 +135,11 @@ def test_save_then_load_restores_the_system_prompt_messages_and_settings(termina
     assert saved(tmp_path / "chat.json")["system"] == "You answer in French."
 
 
+def test_a_spinner_counts_the_prompt_tokens_processed_until_the_answer_begins(terminal):
+    shown = terminal("-n", "1", "--temperature", "0").type("word " * 600 + "\r")
+    assert re.search(r"processing the prompt: \d+/6\d\d tokens, \d+\.\d s", shown)
+
+
 def test_ctrl_c_mid_answer_keeps_the_chat_and_the_answer_so_far_marked_stopped(terminal, tmp_path):
     chat = terminal("-n", "2000", "--temperature", "0")
     chat.child.send("Tell me a very long story about a dragon.\r")
