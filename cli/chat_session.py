@@ -92,10 +92,9 @@ class ChatSession:
         result = stream.result
         if result is None or result.finish_reason != "length":
             return None
-        max_tokens = self.settings.get("max_tokens")
-        if max_tokens is not None and len(result.tokens) >= max_tokens:
-            return f"[cut at {max_tokens} tokens: /set max_tokens N for longer answers]"
-        return "[cut: the context is full; /reset starts a new conversation]"
+        if len(stream.prompt_ids) + len(result.tokens) >= self.engine.context_length:
+            return "[cut: the context is full; /reset starts a new conversation]"
+        return f"[cut at {len(result.tokens)} tokens: /set max_tokens N for longer answers]"
 
     def _say(self, text: Text | str) -> None:
         """One line however narrow the console: a pipe reads it whole."""
