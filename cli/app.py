@@ -152,31 +152,46 @@ def _load(model, gpu_memory, cpu_memory, threads, ctx, draft=None, draft_shape="
 
 
 @app.command()
-def run(prompt: Annotated[str, typer.Argument(help="text to complete")], model: ModelOpt = None,
+def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it from stdin")],
+        model: ModelOpt = None,
         max_tokens: MaxTokensOpt = 256, temperature: TempOpt = None, top_k: TopKOpt = None,
         top_p: TopPOpt = None, min_p: MinPOpt = None, repeat_penalty: PenaltyOpt = None,
         seed: SeedOpt = None, stop: StopOpt = None,
         as_json: Annotated[bool, option("--json", help="print text, tokens and stats as JSON")] = False,
+        as_chat: Annotated[bool, option("--chat", help="apply the chat template: PROMPT is one user "
+                                                      "message, the answer the assistant's")] = False,
         gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
         ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
         draft_tokens: DraftTokensOpt = None) -> None:
-    """Complete PROMPT once and print the completion."""
+    """Complete PROMPT once and print the completion (with --chat: answer it)."""
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
     sampling |= dict(max_tokens=max_tokens, stop=stop)
+    if prompt == "-":
+        prompt = _stdin_text()
     engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
+    stream = (engine.chat_stream([{"role": "user", "content": prompt}], **sampling) if as_chat
+              else engine.stream(prompt, **sampling))
     if as_json:
-        result = engine.generate(prompt, **sampling)
+        for _ in stream:
+            pass
+        result = stream.result
         print(json.dumps({"text": result.text, "tokens": result.tokens,
                           "finish_reason": result.finish_reason, "stats": result.stats.as_dict()}))
         return
     try:
-        for piece in engine.stream(prompt, **sampling):
+        for piece in stream:
             sys.stdout.write(piece)
             sys.stdout.flush()
     except KeyboardInterrupt:
         pass
     sys.stdout.write("\n")
+
+
+def _stdin_text() -> str:
+    """All of stdin, as text; bytes that are not UTF-8 reach the engine, which names the problem
+    (as they do from argv)."""
+    return sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
 
 
 @app.command()
@@ -186,10 +201,14 @@ def chat(model: ModelOpt = None,
          top_p: TopPOpt = None, min_p: MinPOpt = None, repeat_penalty: PenaltyOpt = None,
          seed: SeedOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None, draft: DraftOpt = None,
-         draft_shape: DraftShapeOpt = "tree", draft_tokens: DraftTokensOpt = None) -> None:
-    """Chat interactively. /reset forgets the conversation, /exit (or Ctrl-D) quits,
-    Ctrl-C stops the current answer."""
+         draft_shape: DraftShapeOpt = "tree", draft_tokens: DraftTokensOpt = None,
+         plain: Annotated[bool, option("--plain", help="print answers as plain text, not as "
+                                                     "rendered markdown")] = False) -> None:
+    """Chat interactively. /help lists the commands (/system, /set, /save, /load, /reset, /exit),
+    Ctrl-D quits, Ctrl-C stops the current answer; Up and Down recall earlier lines."""
     from tierflow.cli.chat_session import ChatSession
+    from tierflow.cli.chat_terminal import AnswerView, line_reader
+    from tierflow.offload.plan.profile import cache_dir
 
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
@@ -198,7 +217,9 @@ def chat(model: ModelOpt = None,
         # (a strict one would make input() raise UnicodeDecodeError), as argv does.
         sys.stdin.reconfigure(errors="surrogateescape")
     engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
-    ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out).run()
+    view = AnswerView(out, err, markdown=out.is_terminal and not plain)
+    ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out,
+                read_line=line_reader(cache_dir() / "chat_history"), view=view).run()
 
 
 @app.command()

@@ -2,7 +2,7 @@
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,6 +14,10 @@ from tierflow.runtime.model import Decoder
 from tierflow.runtime.sampler import Sampler
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds activation memory and cancel latency
+
+# Told (prompt tokens in the cache, prompt tokens) as a prefill starts and after each chunk: what a
+# long prompt's progress is shown with.
+PrefillProgress = Callable[[int, int], None]
 
 
 @dataclass
@@ -76,16 +80,22 @@ class TokenGenerator:
         self.cached_tokens: list[int] = []  # the tokens whose keys/values are in the cache
 
     def prefill(self, token_ids: list[int], cancel: threading.Event, all_logits: bool = False,
-                reuse_prefix: bool = True) -> tuple[np.ndarray | None, int]:
+                reuse_prefix: bool = True,
+                progress: PrefillProgress | None = None) -> tuple[np.ndarray | None, int]:
         """Feeds token_ids; returns (logits of the last token, or of all new tokens when
-        all_logits; None if cancelled) and how many leading tokens were reused from the cache."""
+        all_logits; None if cancelled) and how many leading tokens were reused from the cache;
+        progress, if given, is told how far it got chunk by chunk."""
         reused = self._reuse_prefix(token_ids) if reuse_prefix else 0
         self._truncate(reused)
         chunks = []
         for start in range(reused, len(token_ids), PREFILL_CHUNK):
+            if progress is not None:
+                progress(start, len(token_ids))
             if cancel.is_set():
                 return None, reused
             chunks.append(self._forward(token_ids[start:start + PREFILL_CHUNK], all_logits))
+        if progress is not None:
+            progress(len(token_ids), len(token_ids))
         return np.concatenate(chunks) if all_logits else chunks[-1][-1], reused
 
     def decode_step(self, token_id: int) -> np.ndarray:
@@ -151,18 +161,20 @@ class TokenGenerator:
 
 def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: Sampler,
                     max_tokens: int, stop_ids: frozenset[int], cancel: threading.Event,
-                    stats: GenerationStats, speculator=None) -> Iterator[int]:
+                    stats: GenerationStats, speculator=None,
+                    on_prefill: PrefillProgress | None = None) -> Iterator[int]:
     """Yields generated token ids (an end-of-generation token ends the loop and is not yielded).
 
     With a speculator (speculative/speculator.py) each pass verifies a draft's token tree and
     may yield several tokens; greedy output stays the target's own token for token, and sampled
     output follows its distribution exactly.
 
-    The caller stops early by closing the iterator; stats are filled in as it goes.
+    The caller stops early by closing the iterator; stats are filled in as it goes; on_prefill
+    follows the prompt's prefill.
     """
     stats.prompt_tokens = len(prompt_ids)
     started = time.perf_counter()
-    logits, stats.cached_prompt_tokens = generator.prefill(prompt_ids, cancel)
+    logits, stats.cached_prompt_tokens = generator.prefill(prompt_ids, cancel, progress=on_prefill)
     stats.prefill_seconds = time.perf_counter() - started
     if logits is None:
         return

@@ -24,7 +24,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tierflow.runtime.generation import GenerationStats, generate_tokens
+from tierflow.runtime.generation import GenerationStats, PrefillProgress, generate_tokens
 from tierflow.runtime.sampler import Sampler
 from tierflow.runtime.text_stream import TextStream
 
@@ -53,6 +53,7 @@ class _Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
     cancelled: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
+    on_prefill: PrefillProgress | None = None
 
     def finish(self, finish_reason: str) -> None:
         if self.result is None:
@@ -84,6 +85,16 @@ class Stream:
     @property
     def prompt_ids(self) -> list[int]:
         return self._run.prompt_ids
+
+    @property
+    def on_prefill(self) -> PrefillProgress | None:
+        """Called, in the thread that iterates, with (prompt tokens in the cache, prompt tokens) as
+        the prompt's prefill starts and after each chunk of it; set it before the first piece."""
+        return self._run.on_prefill
+
+    @on_prefill.setter
+    def on_prefill(self, progress: PrefillProgress | None) -> None:
+        self._run.on_prefill = progress
 
     def __iter__(self) -> "Stream":
         return self
@@ -136,7 +147,8 @@ def _generate(run: _Generation, generator) -> Iterator[str]:
     engine = run.engine
     tokens = generate_tokens(generator, run.prompt_ids, run.sampler, run.max_tokens, engine.tokenizer.eog_ids,
                              run.cancelled, run.stats,
-                             engine.speculator and engine.speculator.for_generation(run.sampler))
+                             engine.speculator and engine.speculator.for_generation(run.sampler),
+                             run.on_prefill)
     try:
         for token in tokens:
             run.tokens.append(token)

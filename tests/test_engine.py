@@ -21,6 +21,7 @@ from tierflow.errors import (
     TierflowError,
 )
 from tierflow.offload.gguf.reader import read_gguf
+from tierflow.runtime.generation import PREFILL_CHUNK
 
 GREEDY = dict(temperature=0)
 IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
@@ -51,6 +52,15 @@ def test_same_seed_gives_the_same_sampled_output(engine):
 def test_stream_pieces_join_to_the_generated_text(engine):
     pieces = list(engine.stream("Write a haiku about snow.", max_tokens=24, **GREEDY))
     assert "".join(pieces) == engine.generate("Write a haiku about snow.", max_tokens=24, **GREEDY).text
+
+
+def test_a_stream_reports_its_prefill_progress_chunk_by_chunk_before_its_first_piece(engine):
+    engine.generate(".", max_tokens=1)  # nothing of the prompt below is cached
+    stream = engine.stream("word " * 600, max_tokens=1, **GREEDY)
+    total, reported = len(stream.prompt_ids), []
+    stream.on_prefill = lambda done, of: reported.append((done, of))
+    next(stream)
+    assert reported == [(0, total), (PREFILL_CHUNK, total), (total, total)]
 
 
 def test_stop_string_ends_the_text_before_it(engine):
