@@ -3,11 +3,11 @@
 import importlib.metadata
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -54,8 +54,8 @@ def test_version_prints_the_installed_version():
 
 
 def test_the_shell_completes_command_names():
-    script = shutil.which("tierflow")
-    assert script is not None, "the tierflow console script is not installed"
+    script = Path(sys.executable).with_name("tierflow")  # where pip put this interpreter's scripts
+    assert script.is_file(), "the tierflow console script is not installed"
     completing = {"_TIERFLOW_COMPLETE": "complete_bash", "COMP_WORDS": "tierflow se", "COMP_CWORD": "1"}
     done = subprocess.run([script], capture_output=True, text=True, timeout=60,
                           env={**os.environ, **completing})
