@@ -5,13 +5,11 @@ from datetime import datetime
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from tierflow.cli.display import out
 from tierflow.cli.options import option
 from tierflow.units import format_size, parse_size
-
-out = Console(highlight=False)
 
 cache_app = typer.Typer(help="List and remove the packs: each model's weights in the kernels' layout, "
                         "written to the cache folder on first load.", no_args_is_help=True)

@@ -1,4 +1,6 @@
-"""What every command's options share."""
+"""The options the commands share; each can be set in the environment too (TIERFLOW_<OPTION>)."""
+
+from typing import Annotated, Optional
 
 import typer
 
@@ -7,3 +9,30 @@ def option(flag: str, *aliases: str, **settings) -> typer.models.OptionInfo:
     """An option the environment can set too: --cpu-memory is also TIERFLOW_CPU_MEMORY."""
     return typer.Option(flag, *aliases, envvar="TIERFLOW_" + flag.lstrip("-").replace("-", "_").upper(),
                         **settings)
+
+
+ModelOpt = Annotated[Optional[str], option(
+    "--model", "-m", help="GGUF file, or a model name from ollama (llama3:8b), the Hugging Face cache or "
+    "LM Studio (Org/Model[:Q4_K_M]); see `tierflow list` (default: bundled SmolLM2-135M-Instruct)")]
+ModelArg = Annotated[Optional[str], typer.Argument(help="GGUF file or model name (default: bundled)")]
+GpuOpt = Annotated[Optional[str], option("--gpu-memory", help="GPU weight budget, e.g. 4GiB")]
+CpuOpt = Annotated[Optional[str], option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
+ThreadsOpt = Annotated[Optional[int], option("--threads", "-t", help="CPU threads")]
+CtxOpt = Annotated[Optional[int], option("--ctx", help="context length (KV cache size)")]
+DraftOpt = Annotated[Optional[str], option(
+    "--draft", help="speculative decoding: 'ngram' (prompt lookup) or a smaller GGUF with the same "
+    "vocabulary (e.g. this model converted to 3 bits); the output follows the model's own")]
+DraftShapeOpt = Annotated[str, option("--draft-shape", help="a draft model's guesses: tree or chain")]
+DraftTokensOpt = Annotated[Optional[int], option(
+    "--draft-tokens", help="guesses per pass (default: sized by measured speed)")]
+MaxTokensOpt = Annotated[int, option("--max-tokens", "-n", help="tokens to generate at most")]
+# Sampling options left unset take the model file's recommendation (general.sampling.*), else
+# tierflow's defaults (SamplingParams).
+_MODEL_DEFAULT = "[default: the model's recommendation, else tierflow's]"
+TempOpt = Annotated[Optional[float], option("--temperature", help=f"0 is greedy {_MODEL_DEFAULT}")]
+TopKOpt = Annotated[Optional[int], option("--top-k", help=f"0 disables {_MODEL_DEFAULT}")]
+TopPOpt = Annotated[Optional[float], option("--top-p", help=f"1 disables {_MODEL_DEFAULT}")]
+MinPOpt = Annotated[Optional[float], option("--min-p", help=f"0 disables {_MODEL_DEFAULT}")]
+PenaltyOpt = Annotated[Optional[float], option("--repeat-penalty", help=f"1 disables {_MODEL_DEFAULT}")]
+SeedOpt = Annotated[Optional[int], option("--seed")]
+StopOpt = Annotated[Optional[list[str]], option("--stop", help="stop string (repeatable)")]
