@@ -17,25 +17,39 @@ from tierflow.cli.openai_schema import ApiError
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
 
-class HostGuard:
-    """For a server bound to loopback: refuses a Host header that is not a loopback name with the
-    bound port. A page on an attacker's domain that re-resolves to 127.0.0.1 (DNS rebinding)
-    still sends its own name as Host, so it never reaches the API."""
+class _Guard:
+    """Passes a request on, or answers it with the error `refusal` gives (HTTP requests only)."""
+
+    refusal_headers: dict[str, str] | None = None  # sent with every refusal
 
     def __init__(self, app: ASGIApp):
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not _is_loopback_host(scope):
-            error = ApiError(403, "the Host header must name this machine (127.0.0.1, localhost or "
-                             "[::1] with the server's port)", type="permission_error",
-                             code="host_not_allowed")
-            await _refuse(error, scope, receive, send)
+        error = self.refusal(scope) if scope["type"] == "http" else None
+        if error is None:
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        response = JSONResponse(error.body(), status_code=error.status, headers=self.refusal_headers)
+        await response(scope, receive, send)
+
+    def refusal(self, scope: Scope) -> ApiError | None:
+        raise NotImplementedError
 
 
-class OriginGuard:
+class HostGuard(_Guard):
+    """For a server bound to loopback: refuses a Host header that is not a loopback name with the
+    bound port. A page on an attacker's domain that re-resolves to 127.0.0.1 (DNS rebinding)
+    still sends its own name as Host, so it never reaches the API."""
+
+    def refusal(self, scope: Scope) -> ApiError | None:
+        if _is_loopback_host(scope):
+            return None
+        return ApiError(403, "the Host header must name this machine (127.0.0.1, localhost or [::1] with "
+                        "the server's port)", type="permission_error", code="host_not_allowed")
+
+
+class OriginGuard(_Guard):
     """Refuses a request whose Origin is another site than the server's own and not allowed.
 
     Browsers send Origin with every cross-site POST, including the "simple" ones (a text/plain
@@ -45,17 +59,15 @@ class OriginGuard:
     """
 
     def __init__(self, app: ASGIApp, allowed: Iterable[str]):
-        self.app = app
+        super().__init__(app)
         self.allowed = {origin.lower() for origin in allowed}
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._allows(scope):
-            error = ApiError(403, "requests from other web pages are refused; the server's --cors-origin "
-                             "option lists the origins allowed", type="permission_error",
-                             code="origin_not_allowed")
-            await _refuse(error, scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+    def refusal(self, scope: Scope) -> ApiError | None:
+        if self._allows(scope):
+            return None
+        return ApiError(403, "requests from other web pages are refused; the server's --cors-origin "
+                        "option lists the origins allowed", type="permission_error",
+                        code="origin_not_allowed")
 
     def _allows(self, scope: Scope) -> bool:
         headers = Headers(scope=scope)
@@ -66,21 +78,21 @@ class OriginGuard:
         return origin.lower() in self.allowed | {own.lower()}
 
 
-class ApiKeyGuard:
+class ApiKeyGuard(_Guard):
     """Requires `Authorization: Bearer KEY` on every path but public_paths. The scheme's case is
     free (RFC 7235); the key must match exactly."""
 
-    def __init__(self, app: ASGIApp, api_key: str, public_paths: frozenset[str]):
-        self.app, self.public_paths = app, public_paths
-        self.expected = api_key.encode()
+    refusal_headers = {"WWW-Authenticate": "Bearer"}
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public_paths and not self._authorized(scope):
-            error = ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
-                             type="authentication_error", code="invalid_api_key")
-            await _refuse(error, scope, receive, send, headers={"WWW-Authenticate": "Bearer"})
-            return
-        await self.app(scope, receive, send)
+    def __init__(self, app: ASGIApp, api_key: str, public_paths: frozenset[str]):
+        super().__init__(app)
+        self.public_paths, self.expected = public_paths, api_key.encode()
+
+    def refusal(self, scope: Scope) -> ApiError | None:
+        if scope["path"] in self.public_paths or self._authorized(scope):
+            return None
+        return ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+                        type="authentication_error", code="invalid_api_key")
 
     def _authorized(self, scope: Scope) -> bool:
         scheme, _, key = Headers(scope=scope).get("authorization", "").partition(" ")
@@ -90,26 +102,16 @@ class ApiKeyGuard:
         return hmac.compare_digest(given, self.expected) and scheme.lower() == "bearer"
 
 
-class JsonBodyGuard:
+class JsonBodyGuard(_Guard):
     """Refuses a POST whose body is not declared `application/json` (parameters such as charset
     allowed) with 415, before anything reads it. The HTML forms and text/plain bodies a web page
     can send without a CORS preflight are never parsed."""
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and not _is_json(scope):
-            error = ApiError(415, "the request body must be JSON, sent with 'Content-Type: application/json'",
-                             code="unsupported_media_type")
-            await _refuse(error, scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-async def _refuse(error: ApiError, scope: Scope, receive: Receive, send: Send,
-                  headers: dict[str, str] | None = None) -> None:
-    await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
+    def refusal(self, scope: Scope) -> ApiError | None:
+        if scope["method"] != "POST" or _is_json(scope):
+            return None
+        return ApiError(415, "the request body must be JSON, sent with 'Content-Type: application/json'",
+                        code="unsupported_media_type")
 
 
 def _is_json(scope: Scope) -> bool:

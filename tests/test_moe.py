@@ -4,6 +4,7 @@ through the expert cache when cpu_memory cannot hold them (llama.cpp as the orac
 import numpy as np
 import pytest
 
+from tests.support.damage import flip_byte
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError, PlanBudgetError
@@ -69,12 +70,8 @@ def test_a_streamed_expert_changed_in_place_after_its_first_read_is_an_error(moe
     with streamed(own, budgets, experts_held=8) as engine:  # one layer's worth: experts are read again
         assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == resident[0]
         packed = engine.weights.packed
-        with open(packed.path, "r+b") as f:  # every expert of layer 0, past its first read
-            for extent in packed.experts[0]:
-                f.seek(extent.offset + 64)
-                byte = f.read(1)[0]
-                f.seek(extent.offset + 64)
-                f.write(bytes([byte ^ 0xFF]))
+        for extent in packed.experts[0]:  # every expert of layer 0, past its first read
+            flip_byte(packed.path, extent.offset + 64)
         with pytest.raises(ModelFileError, match="checksum"):
             engine.generate("Something else entirely", max_tokens=TOKENS, temperature=0)
     with streamed(own, budgets, experts_held=8) as engine:  # rebuilt

@@ -24,7 +24,7 @@ from tests.support.test_cache import TEST_PROFILE
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError, InvalidArgumentError
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.pack import cache, writer
+from tierflow.offload.pack import cache
 from tierflow.offload.pack.cache import pack_path, packs_folder
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.offload.pack.writer import open_pack, pack_sizes
@@ -47,19 +47,6 @@ def own_cache(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def model(tmp_path) -> Path:
     return write_model(tmp_path / "model.gguf", SPEC)
-
-
-@pytest.fixture
-def builds(monkeypatch) -> list[Path]:
-    """The paths build_pack writes, in order."""
-    paths, build = [], writer.build_pack
-
-    def counted(model, path, *args, **kwargs):
-        paths.append(path)
-        return build(model, path, *args, **kwargs)
-
-    monkeypatch.setattr(writer, "build_pack", counted)
-    return paths
 
 
 def pack_of(model: Path) -> Path:

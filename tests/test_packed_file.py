@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.damage import flip_byte
 from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
 from tierflow import Engine
@@ -47,19 +48,6 @@ def model(tmp_path) -> Path:
     return write_model(tmp_path / "model.gguf", SPEC)
 
 
-@pytest.fixture
-def builds(monkeypatch) -> list[Path]:
-    """The paths build_pack writes, in order, as loads call it."""
-    paths, build = [], writer.build_pack
-
-    def counted(model, path, *args, **kwargs):
-        paths.append(path)
-        return build(model, path, *args, **kwargs)
-
-    monkeypatch.setattr(writer, "build_pack", counted)
-    return paths
-
-
 def load(model: Path, **kwargs) -> Engine:
     return Engine.load(model, threads=1, context_length=128, **kwargs)
 
@@ -76,14 +64,6 @@ def assert_whole_pack(path: Path) -> None:
         for extent in [packed.globals, *packed.layers]:
             f.seek(extent.offset)
             assert zlib.crc32(f.read(extent.nbytes)) == extent.crc32
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0xFF]))
 
 
 # -- built once, reused -----------------------------------------------------------------------

@@ -28,12 +28,6 @@ JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def url(engine):
-    with running_server(engine) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
 def guarded_url(engine):
     """An API key, CORS for one origin, small body, max_tokens and prompt limits, and no queue."""
     with running_server(engine, api_key=KEY, cors_origins=(ORIGIN,), max_body_bytes=2000,

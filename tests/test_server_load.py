@@ -22,12 +22,6 @@ NORMAL_CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "t
 
 
 @pytest.fixture(scope="module")
-def url(engine):
-    with running_server(engine) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
 def no_queue_url(engine):
     with running_server(engine, max_queued=0) as base:
         yield base

@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 import pytest
 
+from tests.support.damage import flip_byte
 from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
 from tierflow import Engine
@@ -278,11 +279,7 @@ def test_a_damaged_streamed_extent_fails_the_generation_and_the_next_load_rebuil
     path = pack_path(own_model)
     with load(own_model, cpu_memory=half) as engine:
         extent = engine.weights.packed.layers[engine.weights.streamed_layers[-1]]
-        with open(path, "r+b") as f:  # loaded, but this layer has not been read yet
-            f.seek(extent.offset + 100)
-            byte = f.read(1)[0]
-            f.seek(extent.offset + 100)
-            f.write(bytes([byte ^ 0xFF]))
+        flip_byte(path, extent.offset + 100)  # loaded, but this layer has not been read yet
         error = in_thread(lambda: generate(engine)).get("error")
         assert isinstance(error, ModelFileError) and "checksum" in str(error), error
     with load(own_model, cpu_memory=half) as engine:  # the same command again
@@ -297,11 +294,7 @@ def test_a_pack_changed_in_place_after_its_first_read_is_an_error_not_wrong_outp
     with load(own_model, cpu_memory=half) as engine:
         assert generate(engine) == resident["tokens"][:16]  # every streamed layer read (and checked) once
         extent = engine.weights.packed.layers[engine.weights.streamed_layers[0]]
-        with open(path, "r+b") as f:
-            f.seek(extent.offset + 100)
-            byte = f.read(1)[0]
-            f.seek(extent.offset + 100)
-            f.write(bytes([byte ^ 0xFF]))
+        flip_byte(path, extent.offset + 100)
         error = in_thread(lambda: generate(engine)).get("error")
         assert isinstance(error, ModelFileError) and "checksum" in str(error), error
     with load(own_model, cpu_memory=half) as engine:  # rebuilt

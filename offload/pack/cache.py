@@ -66,13 +66,7 @@ class CachedPack:
 
 def packs_folder() -> Path:
     """The cache folder's `packed` folder (created)."""
-    folder = cache_dir() / "packed"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise TierflowError(f"cannot create {folder} ({error.strerror or error}); set TIERFLOW_CACHE "
-                            f"to a writable folder") from error
-    return folder
+    return cache_dir("packed")
 
 
 def source_identity(source: Path) -> dict:

@@ -14,13 +14,15 @@ from tierflow.errors import TierflowError
 PROFILE_VERSION = 2
 
 
-def cache_dir() -> Path:
-    """$TIERFLOW_CACHE, else $XDG_CACHE_HOME/tierflow, else ~/.cache/tierflow (created)."""
+def cache_dir(*subfolders: str) -> Path:
+    """$TIERFLOW_CACHE, else $XDG_CACHE_HOME/tierflow, else ~/.cache/tierflow, or a folder in it
+    (created)."""
     root = os.environ.get("TIERFLOW_CACHE")
     if root:
         path = Path(root)
     else:
         path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierflow"
+    path = path.joinpath(*subfolders)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
