@@ -3,7 +3,7 @@ changed, and a conversation as a JSON file."""
 
 import difflib
 import json
-from dataclasses import fields
+from dataclasses import asdict
 from pathlib import Path
 
 from tierflow.errors import InvalidArgumentError
@@ -45,15 +45,15 @@ def with_setting(settings: dict, name: str, text: str) -> dict:
 
 def current_settings(settings: dict, model_defaults: dict) -> list[tuple[str, object, str]]:
     """(name, value, where it comes from) of every setting /set changes: set in this chat, the
-    model file's recommendation, or tierflow's default."""
-    defaults = {field.name: field.default for field in fields(SamplingParams)}
-    rows = []
-    for name in SETTINGS:
-        for source, values in (("set", settings), ("model", model_defaults), ("tierflow", defaults)):
-            if name in values:
-                rows.append((name, values[name], source))
-                break
-    return rows
+    model file's recommendation, or tierflow's default; the values are those generation uses
+    (tierflow's repeat penalty, for one, follows the temperature)."""
+    chosen = model_defaults | settings
+    used = asdict(SamplingParams.from_keywords({name: value for name, value in chosen.items()
+                                                if name != "max_tokens"})) | settings
+    def source(name: str) -> str:
+        return "set" if name in settings else "model" if name in model_defaults else "tierflow"
+
+    return [(name, used[name], source(name)) for name in SETTINGS if name in used]
 
 
 def save_conversation(path: Path, system: str | None, messages: list[dict], settings: dict) -> None:

@@ -13,6 +13,7 @@ import pytest
 from rich.console import Console
 
 from tierflow.cli.chat_terminal import AnswerView, file_history
+from tierflow.runtime.sampler import SAMPLED_REPEAT_PENALTY
 
 TIERFLOW = [sys.executable, "-m", "tierflow.cli.app"]
 # prompt_toolkit turns bracketed paste on as each prompt starts: the chat waits for a line.
@@ -175,6 +176,12 @@ def test_set_alone_shows_the_model_defaults_and_what_was_set():
     done = piped_chat("-n", "4", input="/set min_p 0.1\n/set\n")
     assert re.search(r"min_p\s+0\.1\s+\(set\)", done.stdout)
     assert re.search(r"temperature\s+\S+\s+\((model|tierflow)\)", done.stdout)
+
+
+def test_set_alone_shows_the_repeat_penalty_generation_uses_at_each_temperature():
+    done = piped_chat("-n", "4", input="/set\n/set temperature 0\n/set\n")
+    sampled, greedy = re.findall(r"repeat_penalty\s+(\S+)\s+\(tierflow\)", done.stdout)
+    assert (sampled, greedy) == (str(SAMPLED_REPEAT_PENALTY), "1.0")
 
 
 @pytest.mark.parametrize("content, problem", [
