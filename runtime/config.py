@@ -61,6 +61,9 @@ class ModelConfig:
     experts_used: int = 0  # experts each token is routed to
     expert_ffn_size: int = 0
     shared_expert_ffn_size: int = 0  # an expert every token uses beside the routed ones; 0: none
+    # Sliding-window attention: each layer's window in positions (a token sees itself and the
+    # window - 1 before it), 0 for a layer that sees the whole context; () when no layer slides.
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
@@ -85,6 +88,14 @@ class ModelConfig:
                                  f"got {self.experts_used}")
         if self.num_experts and self.expert_ffn_size <= 0:
             raise ModelFileError(f"expert feed-forward size must be positive, got {self.expert_ffn_size}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers
+                                   or any(w < 0 for w in self.layer_windows)):
+            raise ModelFileError(f"sliding windows must be one count >= 0 per layer ({self.num_layers}), "
+                                 f"got {len(self.layer_windows)}")
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window in positions, 0 if it attends to the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def is_moe(self) -> bool:
