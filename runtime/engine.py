@@ -147,7 +147,7 @@ class Engine:
         parse_special. Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty,
         repeat_last_n, seed (see SamplingParams); those not given take sampling_defaults. An empty
         prompt is refused, unless the model starts every text with BOS: then "" is just BOS, as in
-        llama.cpp. A bad argument is an InvalidArgumentError."""
+        llama.cpp. A bad argument is an InvalidArgumentError. context_shift: see stream."""
         stream = self.stream(prompt, max_tokens=max_tokens, stop=stop, parse_special=parse_special,
                              **sampling)
         for _ in stream:
