@@ -204,8 +204,8 @@ def _chat_prompt(engine: Engine, messages: list[dict], context_shift: bool, max_
     shift = f"dropped {len(fitted.dropped)} messages"
     if fitted.cut_chars:
         shift += f"; cut the first {fitted.cut_chars} characters of the last answer"
-    log.warning("context shift: %s of %d, to fit the context of %d tokens", shift, len(messages),
-                engine.context_length)
+    log.warning("context shift: %s of a conversation of %d, to fit the context of %d tokens", shift,
+                len(messages), engine.context_length)
     return _Prompt(fitted.prompt_ids, shift)
 
 

@@ -180,7 +180,7 @@ def test_the_chat_route_drops_the_oldest_turns_of_a_long_conversation_and_says_s
     assert response.status_code == 200, response.text
     assert response.headers["X-Context-Shift"] == f"dropped {len(expected.dropped)} messages"
     assert response.json()["usage"]["prompt_tokens"] == len(expected.prompt_ids)
-    assert f"context shift: dropped {len(expected.dropped)} messages of 26" in caplog.text
+    assert f"context shift: dropped {len(expected.dropped)} messages of a conversation of 26" in caplog.text
 
 
 def test_a_streamed_answer_says_so_too(small_url):
