@@ -153,6 +153,9 @@ def serve(model: ModelOpt = None,
           max_prompt_chars: Annotated[Optional[int], option(
               "--max-prompt-chars", help="characters of prompt text a request may send "
               "(default: 16 per context position)")] = None,
+          no_context_shift: Annotated[bool, option(
+              "--no-context-shift", help="refuse a chat longer than the context, as OpenAI's API does, "
+              "rather than drop its oldest turns")] = False,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None) -> None:
@@ -161,7 +164,7 @@ def serve(model: ModelOpt = None,
     from tierflow.cli.server import serve as serve_forever
 
     settings = ServerSettings(host=host, port=port, api_key=api_key, cors_origins=tuple(cors_origin or ()),
-                              max_prompt_chars=max_prompt_chars)
+                              max_prompt_chars=max_prompt_chars, context_shift=not no_context_shift)
     engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
     if not settings.is_loopback and settings.api_key is None:
         err.print(f"[yellow]warning:[/yellow] {host} is reachable from other machines and no --api-key "

@@ -16,6 +16,7 @@ from tierflow.cli.chat_settings import (
 )
 from tierflow.cli.chat_terminal import AnswerView, LineReader
 from tierflow.errors import ContextLengthError, InvalidArgumentError
+from tierflow.runtime.context_shift import FittedChat, fit_chat
 
 HINT = "/help lists the commands, Ctrl-D quits, Ctrl-C stops an answer"
 
@@ -25,7 +26,9 @@ class ChatSession:
 
     An answer stopped by Ctrl-C stays in the conversation as far as it got, as llama.cpp's and
     ollama's chats keep it: the model sees the partial text as its own turn, and the message
-    carries "stopped": true (kept by /save, never sent to the model).
+    carries "stopped": true (kept by /save, never sent to the model). So does an answer cut by
+    the end of the context: a conversation that outgrows the context drops its oldest turns
+    (runtime/context_shift.py), which the session forgets too, and says so once.
     """
 
     def __init__(self, engine, system: str | None, settings: dict, console: Console, *,
@@ -38,6 +41,8 @@ class ChatSession:
         self.read_line = read_line
         self.view = view
         self.done = False
+        # Turns were dropped: said once, and from then on the KV cache is shifted, not refilled.
+        self.shifting = False
 
     def run(self) -> None:
         self._say(Text(f"{self.engine.config.name} - {HINT}", style="dim"))
@@ -69,13 +74,18 @@ class ChatSession:
             self._say(Text(f"error: {error}", style="red"))
 
     def answer(self, text: str) -> None:
-        """Streams the model's answer to text; a prompt past the context is a one-line notice."""
-        prompt = self._for_model() + [{"role": "user", "content": text}]
+        """Streams the model's answer to text; a conversation whose kept turns still leave no room
+        is a one-line notice."""
+        engine = self.engine
         try:
-            stream = self.engine.chat_stream(prompt, **self.settings)
+            fitted = fit_chat(self._for_model() + [{"role": "user", "content": text}], engine.tokenize_chat,
+                              engine.context_length, self.settings.get("max_tokens"))
+            stream = engine.stream(fitted.prompt_ids, context_shift=self.shifting or fitted.shifted,
+                                   **self.settings)
         except ContextLengthError as error:
             self._say(Text(f"error: {error}; /reset starts a new conversation", style="red"))
             return
+        self._forget(fitted)
         self.messages.append({"role": "user", "content": text})
         reply: list[str] = []
         try:
@@ -87,13 +97,26 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": "".join(reply)})
         self.view.end(self._cut_notice(stream))
 
+    def _forget(self, fitted: FittedChat) -> None:
+        """Forgets what fit_chat left out of the conversation, saying so the first time."""
+        if not fitted.shifted:
+            return
+        offset = 1 if self.system else 0  # the system prompt led what was fitted
+        kept = [message for i, message in enumerate(self.messages, offset) if i not in fitted.dropped]
+        sent = fitted.messages[offset:-1]  # the same messages, the last answer maybe cut
+        self.messages = [message | {"content": shown["content"]} for message, shown in zip(kept, sent)]
+        if not self.shifting:
+            self._say(Text("(the context is full: the oldest turns are dropped from now on, keeping the "
+                           "system prompt and your first message)", style="dim"))
+        self.shifting = True
+
     def _cut_notice(self, stream) -> str | None:
         """Why the answer ended early, when it did not end by itself."""
         result = stream.result
         if result is None or result.finish_reason != "length":
             return None
         if len(stream.prompt_ids) + len(result.tokens) >= self.engine.context_length:
-            return "[cut: the context is full; /reset starts a new conversation]"
+            return "[cut: the context is full; the next turn drops the oldest turns]"
         return f"[cut at {len(result.tokens)} tokens: /set max_tokens N for longer answers]"
 
     def _say(self, text: Text | str) -> None:
@@ -137,10 +160,11 @@ class ChatSession:
     def load(self, file: str) -> None:
         path = _path_argument(file, "/load")
         self.system, self.messages, self.settings = load_conversation(path)
+        self.shifting = False
         self._say(Text(f"loaded {len(self.messages)} messages from {path}", style="dim"))
 
     def reset(self, _: str) -> None:
-        self.messages = []
+        self.messages, self.shifting = [], False
         self._say(Text("conversation cleared", style="dim"))
 
     def exit(self, _: str) -> None:

@@ -10,6 +10,10 @@ The event loop never waits on request work, so it keeps answering (health checks
 is asked of it: a prompt is rendered and tokenized on a worker thread (llama.cpp splits special
 tokens in quadratic time), and only once the character limit and the queue have admitted it;
 generations run on the engine's compute thread, and a client that goes away cancels its own.
+
+A conversation longer than the context is not refused: its oldest turns are dropped as
+`tierflow chat` drops them (runtime/context_shift.py), which the response's `X-Context-Shift`
+header and the log say; only one whose kept messages do not fit gets the 400.
 """
 
 import asyncio
@@ -40,6 +44,7 @@ from tierflow.cli.openai_schema import (
 )
 from tierflow.errors import ContextLengthError, InvalidArgumentError, TierflowError
 from tierflow.runtime.chat_template import start_render_workers
+from tierflow.runtime.context_shift import fit_chat
 from tierflow.runtime.engine import Engine
 from tierflow.runtime.streams import AsyncStream, GenerationResult
 
@@ -63,6 +68,9 @@ class ServerSettings:
     max_prompt_chars: int | None = None
     max_tokens_limit: int = 4096  # a request asking for more gets 400; also the default
     max_queued: int = 8  # requests waiting behind the running one; beyond: 503
+    # A chat longer than the context drops its oldest turns (runtime/context_shift.py); off: 400,
+    # as OpenAI's API answers, for clients that trim their conversations themselves.
+    context_shift: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -130,7 +138,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         generations.check_chars(body.prompt_chars(), "messages")
         messages = body.template_messages()
         return await generations.answer(request, body, Reply.new(True, model), "messages",
-                                        partial(engine.tokenize_chat, messages))
+                                        partial(_chat_prompt, engine, messages, settings.context_shift))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -138,7 +146,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         prompt, reply = body.engine_prompt(), Reply.new(False, model)
         if isinstance(prompt, str):
             generations.check_chars(len(prompt), "prompt")
-            prompt = partial(engine.tokenize, prompt)
+            prompt = partial(_text_prompt, engine, prompt)
+        else:
+            prompt = _Prompt(prompt)
         return await generations.answer(request, body, reply, "prompt", prompt)
 
     _add_error_handlers(app)
@@ -167,6 +177,42 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """A request's prompt ids, and what was left out of its messages to fit the context."""
+
+    ids: list[int]
+    shift: str | None = None  # what was left out, if anything: the X-Context-Shift header
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {} if self.shift is None else {"X-Context-Shift": self.shift}
+
+
+# A prompt, or (for one whose making is slow) what makes it from the request's max_tokens.
+PromptSource = _Prompt | Callable[[int], _Prompt]
+
+
+def _chat_prompt(engine: Engine, messages: list[dict], context_shift: bool, max_tokens: int) -> _Prompt:
+    """The messages' prompt, with context_shift their oldest turns dropped if they and the answer
+    would not fit."""
+    if not context_shift:
+        return _Prompt(engine.tokenize_chat(messages))
+    fitted = fit_chat(messages, engine.tokenize_chat, engine.context_length, max_tokens)
+    if not fitted.shifted:
+        return _Prompt(fitted.prompt_ids)
+    shift = f"dropped {len(fitted.dropped)} messages"
+    if fitted.cut_chars:
+        shift += f"; cut the first {fitted.cut_chars} characters of the last answer"
+    log.warning("context shift: %s of a conversation of %d, to fit the context of %d tokens", shift,
+                len(messages), engine.context_length)
+    return _Prompt(fitted.prompt_ids, shift)
+
+
+def _text_prompt(engine: Engine, text: str, max_tokens: int) -> _Prompt:
+    return _Prompt(engine.tokenize(text))
+
+
 def _model_card(engine: Engine) -> dict:
     return {"id": engine.path.stem, "object": "model", "created": int(engine.path.stat().st_mtime),
             "owned_by": "tierflow"}
@@ -190,35 +236,40 @@ class _Generations:
                            code="prompt_too_long")
 
     async def answer(self, request: Request, body: ChatRequest | CompletionRequest, reply: Reply,
-                     param: str, prompt: Callable[[], list[int]] | list[int]) -> Response:
-        """The response to one request: param names the prompt's field in errors; prompt is its
-        token ids, or the (slow) function that makes them."""
+                     param: str, source: PromptSource) -> Response:
+        """The response to one request: param names the prompt's field in errors."""
         kwargs = body.generation_kwargs(self.max_tokens_limit)
         release = self.slots.acquire()
         try:
-            astream = await self._start(request, param, prompt, kwargs)
+            prompt = await self._prompt(request, param, source, kwargs["max_tokens"])
+            astream = None if prompt is None else self._start(param, prompt, kwargs)
         except BaseException:
             release()
             raise
+        headers = {} if prompt is None else prompt.headers
         if body.stream and astream is not None:  # the stream frees the slot when it ends
-            return _EventStream(_events(astream, reply, body.include_usage, param), astream, release)
+            return _EventStream(_events(astream, reply, body.include_usage, param), astream, release, headers)
         try:
-            return await _whole_answer(request, astream, reply, param)
+            return await _whole_answer(request, astream, reply, param, headers)
         finally:
             release()
 
-    async def _start(self, request: Request, param: str, prompt: Callable[[], list[int]] | list[int],
-                     kwargs: dict) -> AsyncStream | None:
-        """The generation's stream, or None if the client left while its prompt was tokenized."""
+    async def _prompt(self, request: Request, param: str, source: PromptSource,
+                      max_tokens: int) -> _Prompt | None:
+        """The prompt, made on a worker thread; None if the client left meanwhile."""
+        if isinstance(source, _Prompt):
+            return source
         try:
-            if callable(prompt):
-                prompt = await _unless_disconnected(request, _on_worker_thread(prompt))
-                if prompt is None:
-                    return None
-            if len(prompt) > self.engine.context_length:  # refused before the engine checks each id
-                raise ContextLengthError(f"the prompt has {len(prompt)} tokens but the context holds "
+            return await _unless_disconnected(request, _on_worker_thread(partial(source, max_tokens)))
+        except TierflowError as error:
+            raise engine_error(error, param) from None
+
+    def _start(self, param: str, prompt: _Prompt, kwargs: dict) -> AsyncStream:
+        try:
+            if len(prompt.ids) > self.engine.context_length:  # refused before the engine checks each id
+                raise ContextLengthError(f"the prompt has {len(prompt.ids)} tokens but the context holds "
                                          f"{self.engine.context_length}")
-            return self.engine.astream(prompt, **kwargs)
+            return self.engine.astream(prompt.ids, context_shift=prompt.shift is not None, **kwargs)
         except TierflowError as error:
             raise engine_error(error, param) from None
 
@@ -262,7 +313,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _on_worker_thread(work: Callable[[], list[int]]) -> list[int]:
+async def _on_worker_thread(work: Callable[[], _Prompt]) -> _Prompt:
     """work() on a worker thread. A thread cannot be stopped, so a cancelled caller waits for it to
     end before it lets the cancellation through: the caller's queue slot stays held meanwhile, and
     the slots bound the threads a client can set working and then leave."""
@@ -274,7 +325,8 @@ async def _on_worker_thread(work: Callable[[], list[int]]) -> list[int]:
         raise
 
 
-async def _whole_answer(request: Request, astream: AsyncStream | None, reply: Reply, param: str) -> Response:
+async def _whole_answer(request: Request, astream: AsyncStream | None, reply: Reply, param: str,
+                        headers: dict[str, str]) -> Response:
     """The answer of a request that does not stream, or 499 once its client has left (astream is
     None if it left while its prompt was tokenized)."""
     try:
@@ -285,7 +337,7 @@ async def _whole_answer(request: Request, astream: AsyncStream | None, reply: Re
         return Response(status_code=499)  # nobody is listening; nginx's code for it, for the log
     if result.finish_reason == "cancelled":
         raise ApiError(503, "the generation was cancelled (the server is stopping)", type="server_error")
-    return JSONResponse(reply.response(result))
+    return JSONResponse(reply.response(result), headers=headers)
 
 
 async def _collect(astream: AsyncStream) -> GenerationResult | None:
@@ -355,9 +407,10 @@ class _EventStream(StreamingResponse):
     """An SSE response that, however it ends (finished, client gone, never started), cancels its
     generation and frees its queue slot. Starlette cancels the body's task on disconnect."""
 
-    def __init__(self, events: AsyncIterator[str], astream: AsyncStream, release: Callable[[], None]):
+    def __init__(self, events: AsyncIterator[str], astream: AsyncStream, release: Callable[[], None],
+                 headers: dict[str, str]):
         super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         self._astream, self._release = astream, release
 
     async def __call__(self, scope, receive, send) -> None:

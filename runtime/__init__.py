@@ -5,9 +5,10 @@
     loader.py         the one loader: budgets, plan, pack, weights (Engine.load, drafts, plan, info)
     models/           one file per model family: its config, tensor map and block
     model.py          the decoder loop, the Kernels protocol, Weights, the CPU kernels' bindings
-    generation.py     the token loop: prefill, decode, verify passes, prefix reuse
+    generation.py     the token loop: prefill, decode, verify passes, prefix reuse, shifted-cache reuse
     streams.py        a generation as an object: Stream, AsyncStream
-    kv_cache.py       the KV cache; rope.py the rotary tables
+    kv_cache.py       the KV cache and its context shift; rope.py the rotary tables
+    context_shift.py  which turns a conversation that outgrows the context drops (chat and server)
     sampler.py        sampling settings and the sampler
     tokenizer.py      llama.cpp's tokenizer; vocabulary.py checks a vocabulary before it loads
     chat_template.py  chat templates in a sandbox (template_guards.py, template_worker.py)

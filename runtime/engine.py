@@ -147,7 +147,7 @@ class Engine:
         parse_special. Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty,
         repeat_last_n, seed (see SamplingParams); those not given take sampling_defaults. An empty
         prompt is refused, unless the model starts every text with BOS: then "" is just BOS, as in
-        llama.cpp. A bad argument is an InvalidArgumentError."""
+        llama.cpp. A bad argument is an InvalidArgumentError. context_shift: see stream."""
         stream = self.stream(prompt, max_tokens=max_tokens, stop=stop, parse_special=parse_special,
                              **sampling)
         for _ in stream:
@@ -156,17 +156,24 @@ class Engine:
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
                stop: Sequence[str] | str | None = None, parse_special: bool = False,
-               **sampling) -> Stream:
+               context_shift: bool = False, **sampling) -> Stream:
         """Like generate, as a Stream of text pieces (whole UTF-8 characters); its .result is
-        set once iterated to the end, and .cancel() stops it."""
+        set once iterated to the end, and .cancel() stops it.
+
+        context_shift says that the prompt continues a conversation whose oldest turns were
+        dropped (runtime/context_shift.py): the KV cache is then shifted rather than the kept
+        history prefilled again. The shifted entries were computed with the dropped turns in
+        view, so the output may differ from a fresh prefill's; without it, only entries a fresh
+        prefill would write bit for bit are reused."""
         self._check_open()
+        context_shift = flag("context_shift", context_shift)
         sampler = Sampler(SamplingParams.from_keywords(self.sampling_defaults | sampling))
         max_tokens, stops = as_count("max_tokens", max_tokens), stop_strings(stop)
         prompt_ids = self._prompt_ids(prompt, flag("parse_special", parse_special))
         self._check_fits(len(prompt_ids), 1)
         # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
         max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
-        return Stream(self, prompt_ids, sampler, max_tokens, TextStream(stops))
+        return Stream(self, prompt_ids, sampler, max_tokens, TextStream(stops), context_shift)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """Generates the assistant's reply to messages, using the model's chat template."""

@@ -72,20 +72,31 @@ class GenerationStats:
 
 class TokenGenerator:
     """Runs the decoder over one KV cache, remembering which tokens the cache holds so that a
-    prompt sharing a prefix with the previous one (a chat's history) skips that prefix."""
+    prompt sharing a prefix with the previous one (a chat's history) skips that prefix.
+
+    A prefix is reused only as far as the cache is exact (bit-identical to a fresh prefill of its
+    tokens: the decoder is batch-invariant), so output never depends on what ran before; a
+    context shift (`shift`) moves entries that were computed with the dropped tokens in view,
+    which only a prefill that asks for it (`shifted=True`, a conversation that dropped its oldest
+    turns) reuses.
+    """
 
     def __init__(self, decoder: Decoder, cache: KVCache):
         self.decoder = decoder
         self.cache = cache
         self.cached_tokens: list[int] = []  # the tokens whose keys/values are in the cache
+        self.exact_length = 0  # of those, the leading ones a fresh prefill would write bit for bit
 
     def prefill(self, token_ids: list[int], cancel: threading.Event, all_logits: bool = False,
-                reuse_prefix: bool = True,
-                progress: PrefillProgress | None = None) -> tuple[np.ndarray | None, int]:
+                reuse_prefix: bool = True, progress: PrefillProgress | None = None,
+                shifted: bool = False) -> tuple[np.ndarray | None, int]:
         """Feeds token_ids; returns (logits of the last token, or of all new tokens when
         all_logits; None if cancelled) and how many leading tokens were reused from the cache;
-        progress, if given, is told how far it got chunk by chunk."""
-        reused = self._reuse_prefix(token_ids) if reuse_prefix else 0
+        progress, if given, is told how far it got chunk by chunk. With shifted, a prompt that is
+        the cached tokens less one run after a kept prefix (cached[:a] + cached[b:c] + new
+        tokens) shifts the cache rather than prefilling cached[b:c] again (llama.cpp's server
+        calls it cache reuse), and entries an earlier shift moved are reused too."""
+        reused = self._reuse(token_ids, shifted) if reuse_prefix else 0
         self._truncate(reused)
         chunks = []
         for start in range(reused, len(token_ids), PREFILL_CHUNK):
@@ -127,6 +138,15 @@ class TokenGenerator:
         kept = [self.cached_tokens[start + i] for i in offsets]
         self.cache.keep_path(start, offsets)
         self.cached_tokens[start:] = kept
+        self.exact_length = min(self.exact_length, self.cache.length)
+
+    def shift(self, keep: int, num_dropped: int) -> None:
+        """Drops the cached tokens [keep, keep + num_dropped) and moves the later ones down, their
+        keys rotated to their new positions (KVCache.shift): llama.cpp's context shift."""
+        self.cache.shift(keep, num_dropped, self.decoder.cos[num_dropped], self.decoder.sin[num_dropped],
+                         self.decoder.config.rope_style == "neox")
+        del self.cached_tokens[keep:keep + num_dropped]
+        self.exact_length = min(self.exact_length, keep)
 
     def _forward(self, token_ids: list[int], all_logits: bool, parents: np.ndarray | None = None,
                  tree_start: int | None = None) -> np.ndarray:
@@ -143,26 +163,66 @@ class TokenGenerator:
         except BaseException:
             self._truncate(start)  # a half-written pass (Ctrl-C, error) leaves the cache as before
             raise
+        if self.exact_length == start:  # computed over an exact prefix: exact too
+            self.exact_length = self.cache.length
         self.cached_tokens.extend(token_ids)
         return logits
 
-    def _reuse_prefix(self, token_ids: list[int]) -> int:
-        common = 0
-        for cached, new in zip(self.cached_tokens, token_ids):
-            if cached != new:
-                break
-            common += 1
+    def _reuse(self, token_ids: list[int], shifted: bool) -> int:
+        """How many leading tokens of token_ids the cache holds (shifting it first if allowed)."""
+        common = _common_prefix(self.cached_tokens, token_ids)
+        if not shifted:
+            common = min(common, self.exact_length)
+        else:
+            run_start, run_length = _longest_run(self.cached_tokens, token_ids, common)
+            if run_length:
+                self._truncate(run_start + run_length)
+                self.shift(common, run_start - common)
+                common += run_length
         return min(common, len(token_ids) - 1)  # the last prompt token is always recomputed
 
     def _truncate(self, length: int) -> None:
         self.cache.truncate(length)
         del self.cached_tokens[length:]
+        self.exact_length = min(self.exact_length, length)
+
+
+def _common_prefix(cached: list[int], new: list[int]) -> int:
+    common = 0
+    for a, b in zip(cached, new):
+        if a != b:
+            break
+        common += 1
+    return common
+
+
+def _longest_run(cached: list[int], new: list[int], start: int) -> tuple[int, int]:
+    """(b, length) of the longest cached[b:b + length] == new[start:start + length] with b > start:
+    what a shift that drops cached[start:b] would reuse; (start, 0) if none. Candidates are
+    narrowed one token at a time, the survivors' matches measured at once when one is left."""
+    cached_ids, tail = np.asarray(cached, np.int64), np.asarray(new[start:], np.int64)
+    if start + 1 >= len(cached_ids) or not len(tail):
+        return start, 0
+    candidates = np.flatnonzero(cached_ids[start + 1:] == tail[0]) + start + 1
+    matched = 1
+    while len(candidates) > 1 and matched < len(tail):
+        inside = candidates[candidates + matched < len(cached_ids)]
+        going_on = inside[cached_ids[inside + matched] == tail[matched]]
+        if not len(going_on):
+            break
+        candidates, matched = going_on, matched + 1
+    if not len(candidates):
+        return start, 0
+    b = int(candidates[0])
+    length = min(len(cached_ids) - b, len(tail))
+    differs = np.flatnonzero(cached_ids[b:b + length] != tail[:length])
+    return b, int(differs[0]) if len(differs) else length
 
 
 def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: Sampler,
                     max_tokens: int, stop_ids: frozenset[int], cancel: threading.Event,
                     stats: GenerationStats, speculator=None,
-                    on_prefill: PrefillProgress | None = None) -> Iterator[int]:
+                    on_prefill: PrefillProgress | None = None, shifted: bool = False) -> Iterator[int]:
     """Yields generated token ids (an end-of-generation token ends the loop and is not yielded).
 
     With a speculator (speculative/speculator.py) each pass verifies a draft's token tree and
@@ -170,11 +230,12 @@ def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: S
     output follows its distribution exactly.
 
     The caller stops early by closing the iterator; stats are filled in as it goes; on_prefill
-    follows the prompt's prefill.
+    follows the prompt's prefill; shifted lets it shift the cache (TokenGenerator.prefill).
     """
     stats.prompt_tokens = len(prompt_ids)
     started = time.perf_counter()
-    logits, stats.cached_prompt_tokens = generator.prefill(prompt_ids, cancel, progress=on_prefill)
+    logits, stats.cached_prompt_tokens = generator.prefill(prompt_ids, cancel, progress=on_prefill,
+                                                           shifted=shifted)
     stats.prefill_seconds = time.perf_counter() - started
     if logits is None:
         return

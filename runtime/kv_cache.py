@@ -5,7 +5,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from tierflow.cpu_kernels.reference import apply_rope
+from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.config import ModelConfig
+
+SHIFT_CHUNK = 1024  # positions a context shift reads, re-rotates and writes at a time: bounds its copies
 
 
 class KVCache:
@@ -53,3 +57,58 @@ class KVCache:
                 keys[:, d // 16, :, d % 16] = keys[:, s // 16, :, s % 16]
                 values[:, d] = values[:, s]
         self.length = start + len(src)
+
+    def read(self, layer: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A layer's keys and values at positions (int64 [n]), each float32 numpy [K, n, D]."""
+        keys, values = self.keys[layer], self.values[layer]
+        index = _index_on(keys, positions)
+        blocked = keys[:, index // 16, :, index % 16]  # [n, K, D]: the indexed axes go first
+        return _numpy(blocked).transpose(1, 0, 2), _numpy(values[:, index])
+
+    def write(self, layer: int, positions: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
+        """Stores float32 keys and values [K, n, D] at a layer's positions (int64 [n])."""
+        cache_keys, cache_values = self.keys[layer], self.values[layer]
+        index = _index_on(cache_keys, positions)
+        cache_keys[:, index // 16, :, index % 16] = _like(cache_keys, keys.transpose(1, 0, 2))
+        cache_values[:, index] = _like(cache_values, values)
+
+    def shift(self, keep: int, num_dropped: int, cos: np.ndarray, sin: np.ndarray, neox: bool) -> None:
+        """llama.cpp's context shift: keeps positions [0, keep), drops the next num_dropped, and moves
+        the rest down by num_dropped, turning their keys back by as many positions.
+
+        Rotary turns pair i of a key at position p by p * f_i, so R(p - n) = R(-n) R(p): one
+        rotation by the angles of position n, the same for every moved key. cos, sin [R/2] are
+        the model's rotary row of position num_dropped (rope scaling and frequency factors in
+        it); YaRN's magnitude, which that row carries and the keys carry already, is divided out.
+        Features past rope_dim are not rotated. The moved entries were computed with the dropped
+        tokens in view, so they approximate what a fresh prefill of the kept tokens would hold.
+        """
+        if not (keep >= 0 and num_dropped > 0 and keep + num_dropped <= self.length):
+            raise InvalidArgumentError(f"cannot drop positions [{keep}, {keep + num_dropped}) of the "
+                                       f"{self.length} the cache holds")
+        magnitude = np.hypot(cos, sin)
+        back = torch.from_numpy(cos / magnitude)[None], torch.from_numpy(-sin / magnitude)[None]  # [1, R/2]
+        style = "neox" if neox else "normal"
+        for src in range(keep + num_dropped, self.length, SHIFT_CHUNK):
+            moved = np.arange(src, min(src + SHIFT_CHUNK, self.length))
+            for layer in range(len(self.keys)):
+                keys, values = self.read(layer, moved)
+                keys = apply_rope(torch.from_numpy(keys).double(), *(t.double() for t in back), style)
+                self.write(layer, moved - num_dropped, keys.float().numpy(), values)
+        self.length -= num_dropped
+
+
+def _index_on(cache: np.ndarray | torch.Tensor, positions: np.ndarray) -> np.ndarray | torch.Tensor:
+    index = np.asarray(positions, np.int64)
+    return torch.from_numpy(index).to(cache.device) if isinstance(cache, torch.Tensor) else index
+
+
+def _numpy(array: np.ndarray | torch.Tensor) -> np.ndarray:
+    return array.float().cpu().numpy() if isinstance(array, torch.Tensor) else array
+
+
+def _like(cache: np.ndarray | torch.Tensor, array: np.ndarray) -> np.ndarray | torch.Tensor:
+    """array where it is written: on the cache's device, in its dtype."""
+    if isinstance(cache, torch.Tensor):
+        return torch.from_numpy(np.ascontiguousarray(array)).to(cache.device, cache.dtype)
+    return array

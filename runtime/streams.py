@@ -54,6 +54,7 @@ class _Generation:
     cancelled: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
     on_prefill: PrefillProgress | None = None
+    context_shift: bool = False  # the prompt may reuse a shifted cache (TokenGenerator.prefill)
 
     def finish(self, finish_reason: str) -> None:
         if self.result is None:
@@ -64,8 +65,8 @@ class Stream:
     """Text pieces of one generation; `.result` is set once the iteration ends."""
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], sampler: Sampler, max_tokens: int,
-                 text: TextStream):
-        self._run = _Generation(engine, prompt_ids, sampler, max_tokens, text)
+                 text: TextStream, context_shift: bool = False):
+        self._run = _Generation(engine, prompt_ids, sampler, max_tokens, text, context_shift=context_shift)
         self._pieces = _pieces(self._run, weakref.ref(self))
         self._computing = threading.Lock()  # held while a piece is computed, or the stream closed
         self._advanced_by: int | None = None  # the thread that last asked for a piece
@@ -148,7 +149,7 @@ def _generate(run: _Generation, generator) -> Iterator[str]:
     tokens = generate_tokens(generator, run.prompt_ids, run.sampler, run.max_tokens, engine.tokenizer.eog_ids,
                              run.cancelled, run.stats,
                              engine.speculator and engine.speculator.for_generation(run.sampler),
-                             run.on_prefill)
+                             run.on_prefill, run.context_shift)
     try:
         for token in tokens:
             run.tokens.append(token)

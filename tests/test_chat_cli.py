@@ -205,13 +205,30 @@ def test_an_answer_cut_by_max_tokens_says_so():
     assert "[cut at 3 tokens: /set max_tokens N for longer answers]" in done.stdout
 
 
-def test_a_full_context_is_a_notice_and_the_chat_goes_on():
-    done = piped_chat("-n", "500", "--ctx", "64", "--temperature", "0",
-                input="Tell me a very long story.\nAnd another.\n/reset\n/set top_k 2\n")
+SHIFT_NOTICE = "(the context is full: the oldest turns are dropped from now on"
+QUESTIONS = [f"Tell me about {thing}." for thing in ("the sea", "mountains", "rivers", "forests", "deserts")]
+
+
+def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns_saying_so_once(tmp_path):
+    done = piped_chat("-n", "40", "--ctx", "256", "--temperature", "0",
+                      input="".join(f"{q}\n" for q in QUESTIONS) + f"/save {tmp_path / 'chat.json'}\n")
     assert done.returncode == 0, done.stderr
-    assert "[cut: the context is full; /reset starts a new conversation]" in done.stdout
-    assert re.search(r"error: the prompt has \d+ tokens but the context holds 64.*; /reset", done.stdout)
-    assert "top_k = 2" in done.stdout
+    assert done.stdout.count(SHIFT_NOTICE) == 1 and "error" not in done.stdout
+    messages = saved(tmp_path / "chat.json")["messages"]
+    asked = [m["content"] for m in messages if m["role"] == "user"]
+    assert asked[0] == QUESTIONS[0] and asked[-1] == QUESTIONS[-1] and len(asked) < len(QUESTIONS)
+    assert messages[-1]["role"] == "assistant" and messages[-1]["content"]
+
+
+def test_an_answer_cut_by_the_context_end_is_kept_and_the_next_turn_goes_on(tmp_path):
+    done = piped_chat("-n", "500", "--ctx", "64", "--temperature", "0",
+                      input=f"Tell me a very long story.\nAnd another.\n/save {tmp_path / 'chat.json'}\n")
+    assert done.returncode == 0, done.stderr
+    assert "[cut: the context is full; the next turn drops the oldest turns]" in done.stdout
+    assert done.stdout.count(SHIFT_NOTICE) == 1 and "error" not in done.stdout
+    roles = [(m["role"], m["content"][:1]) for m in saved(tmp_path / "chat.json")["messages"]]
+    assert roles[:3] == [("user", "T"), ("assistant", "…"), ("user", "A")]  # the story's start cut
+    assert roles[3][0] == "assistant"
 
 
 # -- tierflow run ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.support.gpu import load_gpu_kernels_or_skip
+from tests.support.kv_shift import shifted_and_fresh_keys, text_ids, within_float_error
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import BudgetError
@@ -74,6 +75,14 @@ def test_a_gpu_layers_kv_cache_lives_on_the_gpu_within_the_budget(models):
                    for keys in cache.keys)
         layers = sum(engine.weights.packed.layers[i].nbytes for i in (0, 1))
         assert engine.weights.bytes_by_tier()["gpu"] == layers + cache.num_bytes
+
+
+def test_a_shift_of_a_kv_cache_on_the_gpu_gives_the_first_layer_the_keys_a_fresh_prefill_writes(models):
+    with Engine.load(models["qwen2-F32"], threads=2, context_length=CONTEXT, gpu_memory="64MiB",
+                     **GPU) as engine:
+        assert isinstance(engine._generator.cache.keys[0], torch.Tensor)
+        shifted, fresh = shifted_and_fresh_keys(engine, text_ids(engine, CONTEXT), keep=10, drop=20)
+    assert within_float_error(shifted, fresh)
 
 
 def test_token_trees_verified_on_gpu_layers_keep_the_greedy_tokens(models):
