@@ -25,7 +25,8 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
 
 def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.ndarray, sin: np.ndarray,
               heads: int, start: int, neox: bool, parents: np.ndarray | None = None,
-              tree_start: int | None = None) -> np.ndarray:
+              tree_start: int | None = None, window: int = 0, scale: float | None = None,
+              softcap: float = 0.0) -> np.ndarray:
     """Causal attention of T new tokens in cache slots start .. start + T - 1.
 
     qkv [T, (H + 2K) * D] (rotated in place); keys [K, C/16, D, 16] (blocks of 16 positions,
@@ -37,10 +38,14 @@ def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.nda
     or an earlier one. A tree token sees positions 0 .. tree_start - 1 and its ancestors, and gets
     the same bits as if decoded right after them (its rotary rows in cos, sin are those of
     position tree_start + its depth).
+    Scores q.k are multiplied by scale (default D ** -0.5), then with softcap > 0 become
+    softcap * tanh(score / softcap); with window > 0 the token at position p sees positions
+    p - window + 1 .. p only (a tree token's position being tree_start + its depth).
     Returns [T, H * D].
     """
     head_dim = values.shape[-1]
     out = np.empty((qkv.shape[0], heads * head_dim), np.float32)
     _kernels.attention(qkv, keys, values, cos, sin, out, heads, start, 2 * cos.shape[-1], neox,
-                       head_dim**-0.5, parents, start if tree_start is None else tree_start)
+                       head_dim**-0.5 if scale is None else scale, parents,
+                       start if tree_start is None else tree_start, window, softcap)
     return out

@@ -112,9 +112,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 
 def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, heads: int, start: int, neox: bool,
-                        parents: np.ndarray | None = None, tree_start: int | None = None) -> torch.Tensor:
+                        parents: np.ndarray | None = None, tree_start: int | None = None, window: int = 0,
+                        scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """ops.attention in torch, on any device (the GPU kernel's reference too): the same cache
-    writes (keys [K, C/16, D, 16], values [K, C, D]) and token trees; qkv is not modified.
+    writes (keys [K, C/16, D, 16], values [K, C, D]), token trees, window, scale and soft cap;
+    qkv is not modified.
 
     Returns [T, H * D].
     """
@@ -130,24 +132,31 @@ def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     values[:, start: start + tokens] = v.reshape(tokens, kv_heads, head_dim).transpose(0, 1)
     group = heads // kv_heads  # query head h uses key/value head h // group
     q = q.reshape(kv_heads, group * tokens, head_dim)
-    scores = q @ flat_keys[:, : start + tokens].transpose(1, 2) * head_dim**-0.5  # [K, G*T, S]
-    visible = torch.from_numpy(_visible(start, tokens, parents, tree_start)).to(qkv.device)  # [T, S]
-    scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
+    scores = q @ flat_keys[:, : start + tokens].transpose(1, 2) * (head_dim**-0.5 if scale is None else scale)
+    if softcap:  # [K, G*T, S]
+        scores = torch.tanh(scores * (1 / softcap)) * softcap
+    visible = _visible(start, tokens, parents, tree_start, window)
+    scores = scores.masked_fill(~torch.from_numpy(visible).to(qkv.device).repeat(group, 1), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ values[:, : start + tokens]  # [K, G*T, D]
     return out.reshape(heads, tokens, head_dim).transpose(0, 1).reshape(tokens, heads * head_dim)
 
 
-def _visible(start: int, tokens: int, parents: np.ndarray | None, tree_start: int | None) -> np.ndarray:
-    """[T, start + T] bool: which cache positions each new token attends to. Causal, or for a
-    token tree from slot tree_start: everything before the tree, and the token's ancestors."""
-    positions = np.arange(start + tokens)
+def _visible(start: int, tokens: int, parents: np.ndarray | None, tree_start: int | None,
+             window: int = 0) -> np.ndarray:
+    """[T, start + T] bool: which cache slots each new token attends to. Causal, or for a token
+    tree from slot tree_start: everything before the tree, and the token's ancestors; with a
+    window, of those only the slots whose positions are within window - 1 of the token's
+    (a tree token's position is tree_start + its depth)."""
+    positions = np.arange(start + tokens)  # each slot's
     visible = positions[None, :] <= start + np.arange(tokens)[:, None]
-    if parents is None:
-        return visible
-    tree_start = start if tree_start is None else tree_start
-    ancestry = np.eye(len(parents), dtype=bool)  # [tree token, tree token]: itself or an ancestor
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            ancestry[node] |= ancestry[parent]
-    visible[:, tree_start:] = ancestry[start - tree_start:]
+    if parents is not None:
+        tree_start = start if tree_start is None else tree_start
+        ancestry = np.eye(len(parents), dtype=bool)  # [tree token, tree token]: itself or an ancestor
+        for node, parent in enumerate(parents):
+            if parent >= 0:
+                ancestry[node] |= ancestry[parent]
+        visible[:, tree_start:] = ancestry[start - tree_start:]
+        positions[tree_start:] = tree_start + ancestry.sum(axis=1) - 1  # its depth
+    if window:
+        visible &= positions[None, :] > positions[start:, None] - window
     return visible

@@ -8,24 +8,31 @@ its own, still fills the GPU: about two programs per streaming multiprocessor, e
 number of BLOCK_S positions.
 """
 
+import math
+
 import torch
 
 from tierflow.gpu_kernels.launch import cdiv, check_device, check_tensor, load_kernels, num_sms, power_of_two
 
 
 def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor, heads: int, start: int, neox: bool,
-              num_splits: int | None = None) -> torch.Tensor:
+              sin: torch.Tensor, heads: int, start: int, neox: bool, num_splits: int | None = None,
+              window: int = 0, scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of T new tokens in cache slots start .. start + T - 1 -> [T, H D] float32.
 
     qkv [T, (H + 2 KvH) D] (read only); one layer's keys [KvH, C/16, D, 16] and values [KvH, C, D],
     into which the tokens' rotated keys and their values are written; cos, sin [T, R/2], the
     rows of the tokens' positions. Token i sees positions 0 .. start + i; query head h reads
     key/value head h // (H / KvH). All float32, as the CPU kernel. num_splits fixes the number of
-    position splits (by default, chosen to fill the GPU).
+    position splits (by default, chosen to fill the GPU). Scores are scaled by scale (default
+    D^-0.5), capped to softcap tanh(score / softcap) when softcap > 0, and with window > 0 token i
+    sees positions start + i - window + 1 .. start + i only.
     """
     kernels = load_kernels("attention_kernels")
     kv_heads, capacity, head_dim, tokens, half = _check(qkv, keys, values, cos, sin, heads, start)
+    if window < 0 or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"window must be >= 0 and softcap a finite number >= 0 (0: none), "
+                         f"not {window} and {softcap}")
     check_device(kernels, qkv=qkv, keys=keys, values=values, cos=cos, sin=sin)
     out = torch.empty(tokens, heads * head_dim, dtype=torch.float32, device=qkv.device)
     if tokens == 0:
@@ -39,11 +46,13 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
         partials = torch.empty(tokens * heads * splits, head_dim, dtype=torch.float32, device=qkv.device)
         stats = torch.empty(tokens * heads * splits, 2, dtype=torch.float32, device=qkv.device)
     block_d = max(16, power_of_two(head_dim))
+    scale = head_dim**-0.5 if scale is None else scale
     kernels.attention_kernel[(tokens, kv_heads, splits)](
         qkv, keys, values, cos, sin, out, partials, stats, start, heads, kv_heads, capacity,
-        head_dim**-0.5 * kernels.LOG2_E, split_size, splits, D=head_dim, HALF=half, GROUP=heads // kv_heads,
-        NEOX=bool(neox), SPLIT=splits > 1, BLOCK_G=max(16, power_of_two(heads // kv_heads)),
-        BLOCK_S=kernels.BLOCK_S, BLOCK_D=block_d)
+        scale if softcap else scale * kernels.LOG2_E, split_size, splits, window or capacity, softcap,
+        D=head_dim, HALF=half, GROUP=heads // kv_heads, NEOX=bool(neox), SPLIT=splits > 1,
+        SOFTCAP=softcap > 0, BLOCK_G=max(16, power_of_two(heads // kv_heads)), BLOCK_S=kernels.BLOCK_S,
+        BLOCK_D=block_d)
     if splits > 1:
         kernels.merge_splits_kernel[(tokens * heads,)](partials, stats, out, splits, D=head_dim,
                                                        BLOCK_SPLITS=power_of_two(splits), BLOCK_D=block_d)

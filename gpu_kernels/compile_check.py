@@ -26,7 +26,7 @@ MATRIX = {"x": "*fp16", "data": "*u8", "scales": "*fp16", "mins": "*fp16", "out"
           "N": "i32", "N_OUT": "i32", "K": "i32", "stride_x": "i32"}
 ATTENTION = {name: "*fp32" for name in ("qkv", "keys", "values", "cos", "sin", "out", "partials", "stats")}
 ATTENTION |= {"start": "i32", "H": "i32", "KVH": "i32", "C": "i32", "scale": "fp32", "SPLIT_SIZE": "i32",
-              "NUM_SPLITS": "i32"}
+              "NUM_SPLITS": "i32", "WINDOW": "i32", "softcap": "fp32"}
 
 
 def variants(all_configs: bool) -> list[tuple]:
@@ -43,9 +43,10 @@ def variants(all_configs: bool) -> list[tuple]:
             builds.append((matmul_kernels.matmul_kernel, MATRIX | layout | {"M_BUCKET": "i32"},
                            flags | dict(F32=x == "*fp32", **config.kwargs),
                            dict(num_warps=config.num_warps, num_stages=config.num_stages)))
-    for head_dim, neox, split in [(128, True, True), (80, False, False)]:
-        shape = dict(D=head_dim, HALF=head_dim // 4, GROUP=4, NEOX=neox, SPLIT=split, BLOCK_G=16,
-                     BLOCK_S=attention_kernels.BLOCK_S, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()))
+    for head_dim, neox, split, softcap in [(128, True, True, False), (80, False, False, True)]:
+        shape = dict(D=head_dim, HALF=head_dim // 4, GROUP=4, NEOX=neox, SPLIT=split, SOFTCAP=softcap,
+                     BLOCK_G=16, BLOCK_S=attention_kernels.BLOCK_S,
+                     BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()))
         builds.append((attention_kernels.attention_kernel, ATTENTION, shape, dict(num_warps=4)))
     builds.append((attention_kernels.merge_splits_kernel,
                    {"partials": "*fp32", "stats": "*fp32", "out": "*fp32", "NUM_SPLITS": "i32"},

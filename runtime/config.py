@@ -64,6 +64,14 @@ class ModelConfig:
     # Sliding-window attention: each layer's window in positions (a token sees itself and the
     # window - 1 before it), 0 for a layer that sees the whole context; () when no layer slides.
     layer_windows: tuple[int, ...] = ()
+    # Rotary base of the sliding-window layers, which rotate unscaled (llama.cpp's
+    # rope_freq_base_train_swa with a scale of 1); 0: they rotate as the other layers.
+    sliding_rope_theta: float = 0.0
+    embedding_scale: float = 1.0  # the embeddings' rows are multiplied by it (Gemma: sqrt(hidden))
+    attention_scale: float = 0.0  # queries' scale before the softmax; 0: head_dim ** -0.5
+    # Soft caps, cap * tanh(x / cap), of the attention scores and of the output logits; 0: none.
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
@@ -92,10 +100,28 @@ class ModelConfig:
                                    or any(w < 0 for w in self.layer_windows)):
             raise ModelFileError(f"sliding windows must be one count >= 0 per layer ({self.num_layers}), "
                                  f"got {len(self.layer_windows)}")
+        self._check_scales()
+
+    def _check_scales(self) -> None:
+        """The Gemma-style constants, where a file sets them: finite, and 0 only where 0 means none."""
+        theta = self.sliding_rope_theta
+        if theta and not (math.isfinite(theta) and theta > 1):
+            raise ModelFileError(f"sliding-window rope frequency base must be a number above 1, "
+                                 f"got {self.sliding_rope_theta}")
+        if not (math.isfinite(self.embedding_scale) and self.embedding_scale > 0):
+            raise ModelFileError(f"embedding scale must be a positive number, got {self.embedding_scale}")
+        for field in ("attention_scale", "attn_logit_softcap", "final_logit_softcap"):
+            if not (math.isfinite(getattr(self, field)) and getattr(self, field) >= 0):
+                raise ModelFileError(f"{field} must be a number >= 0, got {getattr(self, field)}")
 
     def window(self, layer: int) -> int:
         """The layer's sliding window in positions, 0 if it attends to the whole context."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def query_scale(self) -> float:
+        """What attention scores are multiplied by before the softmax."""
+        return self.attention_scale or self.head_dim ** -0.5
 
     @property
     def is_moe(self) -> bool:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tierflow.cpu_kernels import ops
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.rope import rope_tables
+from tierflow.runtime.rope import layer_rope_tables
 
 Activations = np.ndarray | torch.Tensor  # float32 [T, width]: numpy on the CPU, torch on a device
 Linear = Callable[[Activations], Activations]  # x [T, in] -> [T, out], bias included
@@ -42,7 +42,8 @@ class Kernels(Protocol):
 
     def attention(self, qkv: Activations, keys: Activations, values: Activations, cos: Activations,
                   sin: Activations, heads: int, start: int, neox: bool, parents: np.ndarray | None,
-                  tree_start: int | None) -> Activations: ...
+                  tree_start: int | None, window: int = 0, scale: float | None = None,
+                  softcap: float = 0.0) -> Activations: ...
 
 
 class CpuKernels:
@@ -61,8 +62,10 @@ class CpuKernels:
     def swiglu(self, gate_up: Linear, x: np.ndarray) -> np.ndarray:
         return ops.silu_mul(gate_up(x))
 
-    def attention(self, qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start) -> np.ndarray:
-        return ops.attention(qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start)
+    def attention(self, qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start, window=0,
+                  scale=None, softcap=0.0) -> np.ndarray:
+        return ops.attention(qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start, window,
+                             scale, softcap)
 
 
 CPU_KERNELS = CpuKernels()
@@ -155,16 +158,17 @@ Block = Callable[[Activations, Weights, LayerPass], Activations]  # a family's l
 
 
 class Decoder:
-    """Runs tokens through the model, appending to a KV cache: the embeddings, each layer's
-    block (its family's, `block`), the final norm and the output head."""
+    """Runs tokens through the model, appending to a KV cache: the embeddings (times the config's
+    embedding scale), each layer's block (its family's, `block`) with the layer's rotary tables,
+    the final norm and the output head (its logits soft-capped where the config says so)."""
 
     def __init__(self, config: ModelConfig, block: Block, weights: WeightSource, max_positions: int):
         self.config = config
         self.block = block
         self.weights = weights
         self.on_routing: RoutingHook | None = None  # told each MoE layer's routing (Engine.record_routing)
-        cos, sin = rope_tables(config, max_positions, weights.rope_freq_factors())
-        self.cos, self.sin = cos.numpy(), sin.numpy()
+        tables = layer_rope_tables(config, max_positions, weights.rope_freq_factors())
+        self.rotary = [(cos.numpy(), sin.numpy()) for cos, sin in tables]  # per layer, shared arrays
 
     @torch.inference_mode()
     def forward(self, token_ids: np.ndarray, cache: KVCache, all_logits: bool = False,
@@ -183,23 +187,33 @@ class Decoder:
         else:
             tree_start = start_pos if tree_start is None else tree_start
             positions = tree_start + tree_depths(parents)[start_pos - tree_start:]
-        rotary = {}  # kernels -> the tokens' cos, sin rows on their device, moved once per pass
+        rotary = {}  # (kernels, cos table) -> the tokens' cos, sin rows on that device, moved once per pass
         x = self.weights.embedding_rows(token_ids)  # [T, E], a new tensor: updated in place below
+        if self.config.embedding_scale != 1.0:
+            x *= np.float32(self.config.embedding_scale)
         for layer_idx in range(self.config.num_layers):
             w = self.weights.layer(layer_idx)
-            kernels = w.kernels
+            kernels, (cos, sin) = w.kernels, self.rotary[layer_idx]
             x = kernels.take(x)
-            if kernels not in rotary:
-                rotary[kernels] = kernels.take(self.cos[positions]), kernels.take(self.sin[positions])
+            if (kernels, id(cos)) not in rotary:
+                rotary[kernels, id(cos)] = kernels.take(cos[positions]), kernels.take(sin[positions])
             step = LayerPass(self.config, layer_idx, kernels, cache.keys[layer_idx], cache.values[layer_idx],
-                             *rotary[kernels], start_pos, parents, tree_start, self.on_routing)
+                             *rotary[kernels, id(cos)], start_pos, parents, tree_start, self.on_routing)
             x = self.block(x, w, step)
         cache.length = start_pos + token_ids.shape[0]
         x = CPU_KERNELS.take(x)
         if not all_logits:
             x = x[-1:]
         x = ops.rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)
-        return self.weights.output()(x)  # [T or 1, V]
+        return soft_cap(self.weights.output()(x), self.config.final_logit_softcap)  # [T or 1, V]
+
+
+def soft_cap(logits: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(logits / cap) in float32, in llama.cpp's order (times 1 / cap, tanh, times cap);
+    the logits themselves for cap 0."""
+    if not cap:
+        return logits
+    return np.tanh(logits * (np.float32(1) / np.float32(cap))) * np.float32(cap)
 
 
 def concat(parts: list[Activations]) -> Activations:

@@ -37,8 +37,9 @@ def shape_key(config: ModelConfig) -> str:
 
 def measure_layer_overhead(arch: Architecture, config: ModelConfig, threads: int, steps: int = 24) -> float:
     """Seconds per layer per decode step beyond the matmuls: the median of `steps` steps."""
-    config = replace(config, num_layers=min(config.num_layers, MEASURED_LAYERS), context_length=CONTEXT,
-                     vocab_size=1)
+    layers = min(config.num_layers, MEASURED_LAYERS)
+    config = replace(config, num_layers=layers, layer_windows=config.layer_windows[:layers],
+                     context_length=CONTEXT, vocab_size=1)
     source = _CostlessWeights(arch, config)
     decoder = Decoder(config, arch.block, source, CONTEXT)
     cache = KVCache(config, CONTEXT)

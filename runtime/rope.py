@@ -3,14 +3,31 @@
 The formulas follow llama.cpp's rope so that tierflow matches it as an oracle: linear scaling
 divides positions by the factor; YaRN blends interpolated and extrapolated frequencies with a ramp
 over the "correction dimensions" and scales magnitudes by 1 + 0.1 ln(factor); some families carry
-per-frequency divisors in a `rope_freqs.weight` tensor.
+per-frequency divisors in a `rope_freqs.weight` tensor. Sliding-window layers may rotate with a
+base of their own, unscaled (Gemma's local layers).
 """
 
 import math
+from dataclasses import replace
 
 import torch
 
-from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.config import ModelConfig, RopeScaling
+
+Tables = tuple[torch.Tensor, torch.Tensor]  # cos, sin, each [positions, rope_dim // 2] float32
+
+
+def layer_rope_tables(config: ModelConfig, num_positions: int, freq_factors: torch.Tensor | None = None
+                      ) -> list[Tables]:
+    """Each layer's cos and sin tables (layers that rotate alike share them): the model's, or for
+    the sliding-window layers of a model with `sliding_rope_theta`, that base without scaling
+    (llama.cpp's rope_freq_base_train_swa, with rope_freq_scale_train_swa 1)."""
+    shared = rope_tables(config, num_positions, freq_factors)
+    if not config.sliding_rope_theta:
+        return [shared] * config.num_layers
+    local_config = replace(config, rope_theta=config.sliding_rope_theta, rope_scaling=RopeScaling())
+    local = rope_tables(local_config, num_positions, freq_factors)
+    return [local if config.window(layer) else shared for layer in range(config.num_layers)]
 
 
 def rope_tables(

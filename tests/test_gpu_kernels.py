@@ -221,13 +221,14 @@ def filled_cache(qkv: torch.Tensor, start: int, head_dim: int, rope_dim: int, ne
 
 
 def check_attention(tokens: int, start: int, head_dim: int, rope_dim: int, neox: bool, splits=None,
-                    capacity: int = CAPACITY) -> None:
+                    capacity: int = CAPACITY, **scores) -> None:
+    """scores: the window, scale and soft cap, given to the kernel and its reference alike."""
     qkv = qkv_rows(start + tokens, head_dim)
     ours = filled_cache(qkv, start, head_dim, rope_dim, neox, capacity)
     theirs = tuple(t.clone() for t in ours)
     new, cos_sin = qkv[start:].contiguous(), rope_rows(slice(start, start + tokens), rope_dim)
-    out = attention(new, *ours, *cos_sin, HEADS, start, neox, num_splits=splits)
-    expected = reference.attention_reference(new, *theirs, *cos_sin, HEADS, start, neox)
+    out = attention(new, *ours, *cos_sin, HEADS, start, neox, num_splits=splits, **scores)
+    expected = reference.attention_reference(new, *theirs, *cos_sin, HEADS, start, neox, **scores)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-6)
     assert torch.equal(ours[1], theirs[1])
@@ -247,6 +248,15 @@ def test_attention_split_over_positions_matches_reference(splits):
 
 def test_attention_with_a_head_size_that_is_not_a_power_of_two():
     check_attention(2, 19, 24, 16, True)
+
+
+@pytest.mark.parametrize("scores", [dict(window=5), dict(window=17), dict(softcap=1.5), dict(scale=0.7),
+                                    dict(window=7, softcap=2.0, scale=0.3)],
+                         ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_with_a_window_soft_cap_and_scale_matches_reference(scores, splits):
+    """Windows that start inside a block of 16 cached keys, and splits that see no position."""
+    check_attention(3, 40, 16, 16, True, splits, **scores)
 
 
 @pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])

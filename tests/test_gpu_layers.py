@@ -34,7 +34,10 @@ def models(tmp_path_factory):
              "qwen2-F32": ModelSpec(arch="qwen2", num_layers=2, hidden_size=64, weight_type="F32",
                                     embedding_type="F32", seed=5),
              # per-head q/k norms: a device path that dropped them would change every logit
-             "qwen3-Q8_0": ModelSpec(arch="qwen3", num_layers=2, hidden_size=64, head_size=32, seed=6)}
+             "qwen3-Q8_0": ModelSpec(arch="qwen3", num_layers=2, hidden_size=64, head_size=32, seed=6),
+             # sandwich norms, GeGLU, a window of 3 the prompt crosses, and soft caps
+             "gemma2-Q8_0": ModelSpec(arch="gemma2", num_layers=2, hidden_size=64, head_size=32,
+                                      sliding_window=3, attn_logit_softcap=2.0, seed=7)}
     return {name: write_model(folder / f"{name}.gguf", spec) for name, spec in specs.items()}
 
 
@@ -44,7 +47,7 @@ def cpu_result(path, draft=None):
         return tokens, engine.logits(engine.tokenize(PROMPT) + tokens)
 
 
-@pytest.mark.parametrize("name", ["llama-Q8_0", "llama-Q4_0", "qwen2-F32", "qwen3-Q8_0"])
+@pytest.mark.parametrize("name", ["llama-Q8_0", "llama-Q4_0", "qwen2-F32", "qwen3-Q8_0", "gemma2-Q8_0"])
 def test_layers_on_the_gpu_give_the_cpu_tokens_and_logits(models, name):
     tokens, logits = cpu_result(models[name])
     with Engine.load(models[name], threads=2, context_length=CONTEXT, gpu_memory="64MiB", **GPU) as engine:

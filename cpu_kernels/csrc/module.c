@@ -6,6 +6,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -261,22 +262,24 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(attention_doc,
 "attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale, parents=None,\n"
-"          tree_start=start)\n--\n\n"
+"          tree_start=start, window=0, softcap=0)\n--\n\n"
 "Causal attention of T new tokens at positions start ..: rotates q and k in qkv\n"
 "[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache (keys in\n"
 "blocks of 16 positions, [kv_heads, capacity / 16, head_dim, 16]; values [kv_heads, capacity,\n"
 "head_dim]), and writes out [T, heads * head_dim]. With parents the tokens extend a tree begun at\n"
 "slot tree_start: parents (int32 [start - tree_start + T]) gives each tree token's parent, -1 or\n"
-"an earlier one, and a token sees the cache before tree_start and its ancestors.");
+"an earlier one, and a token sees the cache before tree_start and its ancestors. Scores are scaled by\n"
+"scale, then with softcap > 0 capped to softcap * tanh(score / softcap); with window > 0 the token at\n"
+"position p sees positions p - window + 1 .. p only (a tree token's position: tree_start + its depth).");
 
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     PyObject *objs[7] = {NULL};
-    Py_ssize_t heads, start, rope_dim, tree_start = -1;
+    Py_ssize_t heads, start, rope_dim, tree_start = -1, window = 0;
     int neox;
-    float scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf|On:attention", &objs[0], &objs[1], &objs[2], &objs[3],
+    float scale, softcap = 0.0f;
+    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf|Onnf:attention", &objs[0], &objs[1], &objs[2], &objs[3],
                           &objs[4], &objs[5], &heads, &start, &rope_dim, &neox, &scale, &objs[6],
-                          &tree_start))
+                          &tree_start, &window, &softcap))
         return NULL;
     if (tree_start < 0) tree_start = start;
     buffer_arg buf[7] = {{.held = 0}};
@@ -304,6 +307,9 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     else if (buf[5].view.shape[0] != tokens || buf[5].view.shape[1] != heads * shape.head_dim)
         problem = "out must be [T, heads * head_dim]";
     else if (parents && tree_start > start) problem = "tree_start is after start";
+    else if (window < 0) problem = "window must be >= 0 (0: none)";
+    else if (!isfinite(scale) || !(softcap >= 0.0f) || !isfinite(softcap))
+        problem = "scale must be finite and softcap a finite number >= 0 (0: none)";
     else if (parents && buf[6].view.len != (start - tree_start + tokens) * 4)
         problem = "parents must hold one index per tree token (start - tree_start + T)";
     for (Py_ssize_t i = 0; parents && !problem && i < start - tree_start + tokens; i++) {
@@ -324,7 +330,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     }
     attention_job job = {shape, buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, buf[3].view.buf,
                          buf[4].view.buf, tokens, start, scale, parents, tree_start, scores, paths,
-                         buf[5].view.buf};
+                         buf[5].view.buf, window, softcap};
     Py_BEGIN_ALLOW_THREADS
     attention_prepare(&job);
     /* Short contexts take microseconds: waking the pool would cost more than it saves. */

@@ -119,6 +119,18 @@ static inline void score16(const float *q, int count, int64_t dim, const float *
     }
 }
 
+/* A block of scores, scaled and, with a soft cap, capped in llama.cpp's order: x * (1 / cap), tanh, * cap. */
+static inline v16f scaled16(v16f score, float scale, float softcap) {
+    score *= scale;
+    if (softcap == 0.0f) return score;
+    float lanes[16];
+    memcpy(lanes, &score, sizeof lanes);
+    const float inverse = 1.0f / softcap;
+    for (int l = 0; l < 16; l++) lanes[l] = tanhf(lanes[l] * inverse) * softcap;
+    memcpy(&score, lanes, sizeof score);
+    return score;
+}
+
 /* The cache slots a tree token sees, as the sequence it would have seen decoded alone: positions
  * 0 .. tree_start - 1, then its ancestors from the root down (slot tree_start + path[j] holds the
  * one at depth j). Returns the sequence's length. */
@@ -134,12 +146,17 @@ static int64_t visible_path(const attention_job *job, int64_t token, int64_t *pa
  * 0 .. start + token (causal; in a tree, path != NULL, the positions of its ancestors instead):
  * each key and value is read once for the whole group. A tree token's scores are moved to the
  * positions its ancestors would hold in a sequence before the softmax, so it gets the same bits
- * as the token decoded after exactly those ancestors. */
+ * as the token decoded after exactly those ancestors. With a window, the positions before
+ * `first` are neither scored (whole blocks of them) nor seen: the mask is by position in that
+ * sequence, whichever slots hold them. */
 TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_t kv_head, float *scores,
                                  int64_t *path) {
     const attention_shape *s = &job->shape;
     const int64_t group = s->heads / s->kv_heads, slots = job->start + token + 1, dim = s->head_dim;
     const int64_t length = path ? visible_path(job, token, path) : slots, root = job->tree_start;
+    /* the token's own position is length - 1 */
+    const int64_t first = job->window && length > job->window ? length - job->window : 0;
+    const int64_t first_block = first / 16 * 16;
     const int64_t padded = (slots + 15) / 16 * 16, row = (s->heads + 2 * s->kv_heads) * dim;
     const float *q = job->qkv + token * row + kv_head * group * dim;
     const float *keys = job->keys + kv_head * s->capacity * dim; /* [capacity / 16][dim][16] */
@@ -148,10 +165,12 @@ TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_
      * slots not yet written (zeros or an older sequence's) and are set to -inf below. */
     for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
         const int count = group - g0 < HEAD_BLOCK ? (int)(group - g0) : HEAD_BLOCK;
-        for (int64_t t = 0; t < padded; t += 16) {
+        for (int64_t t = first_block; t < padded; t += 16) {
             v16f block[HEAD_BLOCK];
             score16(q + g0 * dim, count, dim, keys + t * dim, block);
-            for (int g = 0; g < count; g++) store16(scores + (g0 + g) * padded + t, block[g] * job->scale);
+            for (int g = 0; g < count; g++) {
+                store16(scores + (g0 + g) * padded + t, scaled16(block[g], job->scale, job->softcap));
+            }
         }
     }
     float *out = job->out + (token * s->heads + kv_head * group) * dim;
@@ -160,18 +179,21 @@ TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * padded;
         /* path[j] >= j, and ascending j never overwrites a slot a later j still reads */
-        for (int64_t j = 0; path && root + j < length; j++) sg[root + j] = sg[root + path[j]];
+        for (int64_t j = first > root ? first - root : 0; path && root + j < length; j++) {
+            sg[root + j] = sg[root + path[j]];
+        }
+        for (int64_t t = first_block; t < first; t++) sg[t] = -INFINITY;
         for (int64_t t = length; t < visible_padded; t++) sg[t] = -INFINITY;
         float best = -INFINITY;
-        for (int64_t t = 0; t < length; t++) best = sg[t] > best ? sg[t] : best;
+        for (int64_t t = first; t < length; t++) best = sg[t] > best ? sg[t] : best;
         v16f total = {0};
-        for (int64_t t = 0; t < visible_padded; t += 16) {
+        for (int64_t t = first_block; t < visible_padded; t += 16) {
             v16f e = exp16(load16(sg + t) - best);
             store16(sg + t, e);
             total += e;
         }
         const float inv_total = 1.0f / sum16(total);
-        for (int64_t t = 0; t < length; t++) {
+        for (int64_t t = first; t < length; t++) {
             const float p = sg[t] * inv_total;
             const float *v = values + (path && t >= root ? root + path[t - root] : t) * dim;
             int64_t d = 0;

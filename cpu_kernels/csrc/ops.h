@@ -28,6 +28,9 @@ typedef struct {
     float *scores; /* scratch: 16-padded [start + tokens] per query head and token */
     int64_t *paths; /* scratch for a tree: [start - tree_start + tokens] per item; NULL without one */
     float *out;    /* [tokens, heads * head_dim] */
+    /* The token at position p sees positions p - window + 1 .. p only; 0: no window. */
+    int64_t window;
+    float softcap; /* scores become softcap * tanh(scores / softcap); 0: uncapped */
 } attention_job;
 
 /* Rotates q and k and writes k and v of every token into the cache. */

@@ -1,14 +1,15 @@
 """The parts of a block that families share, written against the `Kernels` protocol.
 
-A family's block composes these (pre_norm_block, attention with or without q/k norms, a SwiGLU
-FFN or a mixture of experts with its routing rule); the same block runs on the CPU kernels and on
-the GPU kernels, since everything device-specific goes through `p.kernels` and the weights' own
-linears.
+A family's block composes these (pre_norm_block or Gemma's sandwich_norm_block, attention with or
+without q/k norms, a SwiGLU or GeGLU FFN or a mixture of experts with its routing rule); the same
+block runs on the CPU kernels and on the GPU kernels, since everything device-specific goes through
+`p.kernels` and the weights' own linears.
 
 Shape legend: T new tokens, H query heads, K key/value heads, D head size, E hidden size,
 N experts in the layer, k experts used per token.
 """
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -33,14 +34,27 @@ def pre_norm_block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, qk_norm: 
     return x
 
 
+def sandwich_norm_block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, qk_norm: QKNorm | None = None
+                        ) -> Activations:
+    """Gemma's block: the attention's and the FFN's outputs are normed again before each joins the
+    residual stream (attn_post_norm, ffn_post_norm), four norms in all."""
+    kernels, eps = p.kernels, p.config.rms_norm_eps
+    attended = attention(p, w, kernels.rms_norm(x, w.attn_norm, eps), qk_norm)
+    h = kernels.add_rms_norm(x, kernels.rms_norm(attended, w.attn_post_norm, eps), w.ffn_norm, eps)
+    x += kernels.rms_norm(ffn(p, w, h, x), w.ffn_post_norm, eps)
+    return x
+
+
 def attention(p: LayerPass, w: Weights, x: Activations, qk_norm: QKNorm | None = None) -> Activations:
-    """Causal self-attention with rotary positions over the layer's KV cache: x [T, E] -> [T, E]."""
+    """Causal self-attention with rotary positions over the layer's KV cache, with the layer's
+    sliding window and the model's score scale and soft cap: x [T, E] -> [T, E]."""
     cfg = p.config
     qkv = w.qkv(x)  # [T, H*D + 2*K*D]
     if qk_norm is not None:
         qkv = qk_norm(p, w, qkv)
     out = p.kernels.attention(qkv, p.keys, p.values, p.cos, p.sin, cfg.num_heads, p.start,
-                              cfg.rope_style == "neox", p.parents, p.tree_start)
+                              cfg.rope_style == "neox", p.parents, p.tree_start, cfg.window(p.layer_idx),
+                              cfg.query_scale, cfg.attn_logit_softcap)
     return w.wo(out)
 
 
@@ -68,6 +82,34 @@ def swiglu(kernels: Kernels, gate_up: Linear, down: Linear, h: Activations) -> A
 
 def dense_ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
     return swiglu(p.kernels, w.gate_up, w.down, h)
+
+
+def geglu_ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
+    """down(gelu(gate h) * up h), GELU's tanh form as llama.cpp's CPU backend computes it (see
+    gelu_as_llama_cpp)."""
+    gate, up = torch.as_tensor(w.gate_up(h)).chunk(2, dim=-1)  # [T, F] each
+    return w.down(p.kernels.take(gelu_as_llama_cpp(gate) * up))
+
+
+def gelu_as_llama_cpp(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh form) as ggml's CPU GeGLU computes it on float32: x rounded to float16 and looked
+    up in a table of float16 results; 0 at or below -10 and x itself at or above 10. An exact
+    oracle needs the same rounding (a relative 2^-11 per activation), and a lookup gives every
+    token the same bits whatever its batch."""
+    table = _gelu_table(x.device)
+    codes = x.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    looked_up = table[codes]
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, looked_up))
+
+
+@functools.cache
+def _gelu_table(device: torch.device) -> torch.Tensor:
+    """float32 [65536]: for each float16 bit pattern x, gelu(x) evaluated in float32 in ggml's
+    order (0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))) and rounded to float16."""
+    x = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    inner = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)  # float32 throughout
+    gelu = 0.5 * x * (1.0 + torch.tanh(inner))
+    return gelu.to(torch.float16).float().to(device)
 
 
 def softmax_top_k(renormalize: bool) -> Router:

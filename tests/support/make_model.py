@@ -22,6 +22,8 @@ that dequantizes the original's weights.
     python -m tests.support.make_model OUT.gguf --arch qwen2 --layers 4 --hidden 256
     python -m tests.support.make_model OUT.gguf --size 2GB
     python -m tests.support.make_model OUT.gguf --arch qwen2moe --experts 8 --expert-ffn 64
+    python -m tests.support.make_model OUT.gguf --arch gemma3 --layers 6 --sliding-window 32
+    python -m tests.support.make_model OUT.gguf --arch gemma3 --hidden 640 --weight-type Q4_K_M
     python -m tests.support.make_model OUT.gguf --size 2GB --experts 8 --experts-used 2
     python -m tests.support.make_model OUT.gguf --f32-copy-of SRC.gguf
 
@@ -46,7 +48,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from tests.support.gguf_bytes import UINT32, Typed, pack_kv
 from tests.support.gguf_writing import TensorEntry, encoded_kvs, file_size, write_gguf
-from tests.support.model_spec import ARCHS, FILE_TYPES, ModelSpec, architecture_metadata, tensor_plan
+from tests.support.model_spec import ARCHS, FILE_TYPES, MIXES, ModelSpec, architecture_metadata, tensor_plan
 from tests.support.random_weights import random_tensor_bytes
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.errors import TierflowError
@@ -119,7 +121,7 @@ _SHAPE_FIELDS = {"num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_h
 def _ffn_step(spec: ModelSpec) -> int:
     """ffn_size's step. MoE layers grow num_experts times faster with it, so theirs is finer:
     32 (every legacy block size), or a K-quant's 256."""
-    if not spec.num_experts:
+    if not spec.num_experts or spec.weight_type in MIXES:
         return _FFN_STEP
     return max(32, GGML_QUANT_SIZES[GGMLQuantizationType[spec.weight_type]][0])
 
@@ -184,8 +186,11 @@ _OPTIONS = {  # flag -> (ModelSpec field, argparse keywords)
     "--rope-scaling-factor": ("rope_scaling_factor", {"type": float}),
     "--llama3-rope-freqs": ("llama3_rope_freqs", {"action": "store_const", "const": True}),
     "--untied": ("tied_embeddings", {"action": "store_const", "const": False}),
-    "--weight-type": ("weight_type", {"choices": sorted(FILE_TYPES)}),
-    "--embedding-type": ("embedding_type", {"choices": sorted(FILE_TYPES)}),
+    "--sliding-window": ("sliding_window", {"type": int}),
+    "--attn-softcap": ("attn_logit_softcap", {"type": float}),
+    "--final-softcap": ("final_logit_softcap", {"type": float}),
+    "--weight-type": ("weight_type", {"choices": sorted(FILE_TYPES | MIXES)}),
+    "--embedding-type": ("embedding_type", {"choices": sorted(FILE_TYPES | MIXES)}),
     "--seed": ("seed", {"type": int}),
 }
 

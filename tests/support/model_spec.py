@@ -21,6 +21,20 @@ olmoe: norm_w false; rope NEOX; no biases; q = RMSNorm(x @ Wq) * attn_q_norm and
     feed_forward_length wide.
 No {arch}.expert_weights_scale is written, so llama.cpp scales no weights. llama.cpp requires
 output.weight for qwen2moe and olmoe, and an olmoe k norm as wide as the q norm (no GQA).
+
+gemma2 and gemma3 (src/models/gemma2*.cpp, gemma3*.cpp): x = token_embd[ids] * sqrtf(hidden);
+per layer h = attn_post_norm(attention(attn_norm(x))) + x, then x = ffn_post_norm(ffn(ffn_norm(h)))
++ h, the FFN down(gelu_tanh(gate h) * up h); neox rope; queries scaled by 1/sqrt(head_dim) (no key
+sets it); sliding windows on layers i % 2 < 1 (gemma2) or i % 6 < 5 (gemma3) of
+attention.sliding_window positions (gemma2 default 4096; gemma3 none without the key), gemma3's
+local layers rotating with base 10000; gemma3 per-head q/k norms; gemma2 caps attention scores and
+logits, cap * tanh(x / cap), at attn_logit_softcapping (default 50) and final_logit_softcapping
+(default 30), gemma3 logits only where that key is written. gemma2 reads no output.weight.
+
+Weight mixes: "Q4_K_M" types each tensor as llama.cpp's llama-quant.cpp does for a dense model
+(Q6_K for the output head, and attn_v and ffn_down on its "more bits" layers; Q4_K otherwise)
+and falls back, as it does, where a row is not a multiple of 256: Q4_K to Q5_0, Q6_K to Q8_0
+(Gemma 3 1B's hidden size of 1152 makes real files mix all four).
 """
 
 from __future__ import annotations
@@ -65,6 +79,10 @@ class _ArchTraits:
     expert_width_key: bool = False  # experts are {arch}.expert_feed_forward_length wide, not
                                     # feed_forward_length (ffn_size) wide
     untied_only: bool = False       # llama.cpp requires output.weight
+    tied_only: bool = False         # llama.cpp reads no output.weight (the head is token_embd)
+    window_key: bool = False        # reads {arch}.attention.sliding_window and
+                                    # {arch}.final_logit_softcapping
+    attn_softcap_key: bool = False  # reads {arch}.attn_logit_softcapping
 
 
 ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
@@ -72,7 +90,11 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
          "qwen2moe": _ArchTraits(experts="always", shared_expert=True, expert_width_key=True,
                                  untied_only=True),
          "olmoe": _ArchTraits(experts="always", no_gqa=True, untied_only=True),
-         "qwen3": _ArchTraits()}
+         "qwen3": _ArchTraits(),
+         "gemma2": _ArchTraits(tied_only=True, window_key=True, attn_softcap_key=True),
+         "gemma3": _ArchTraits(window_key=True)}
+MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
+_MIX_BLOCK = 32  # every type a mix falls back to packs rows in blocks of 32
 
 
 @dataclass(frozen=True)
@@ -99,8 +121,13 @@ class ModelSpec:
     llama3_rope_freqs: bool = False  # add rope_freqs.weight with llama3-style factors (llama)
     tied_embeddings: bool | None = None  # no output.weight: llama.cpp reuses token_embd; None:
                                          # tied where the arch allows it (not qwen2moe, olmoe)
-    weight_type: str = "Q8_0"        # every 2-D matrix and expert stack, output.weight included
-    embedding_type: str = "Q8_0"     # token_embd.weight
+    sliding_window: int | None = None  # attention.sliding_window (gemma2, gemma3); None: not
+                                       # written (gemma2: 4096 then, gemma3: no window)
+    attn_logit_softcap: float | None = None   # gemma2's attn_logit_softcapping; None: not written
+    final_logit_softcap: float | None = None  # final_logit_softcapping (gemma2, gemma3)
+    weight_type: str = "Q8_0"        # every 2-D matrix and expert stack, output.weight included:
+                                     # a type, or a mix (MIXES) that types each by its role
+    embedding_type: str = "Q8_0"     # token_embd.weight (a mix: typed as the mix types it)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -108,6 +135,7 @@ class ModelSpec:
             raise ValueError(f"arch must be one of {sorted(ARCHS)}, not {self.arch!r}")
         if self.tied_embeddings is None:  # resolved here, so the field always reads as a bool
             object.__setattr__(self, "tied_embeddings", not ARCHS[self.arch].untied_only)
+        self._check_gemma_keys()
         for name in ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
                      "context_length"):
             if getattr(self, name) < 1:
@@ -134,6 +162,19 @@ class ModelSpec:
         if traits.no_gqa and self.num_kv_heads != self.num_heads:
             raise ValueError(f"llama.cpp's {self.arch!r} k norm is hidden_size wide: num_kv_heads "
                              f"{self.num_kv_heads} must equal num_heads {self.num_heads}")
+
+    def _check_gemma_keys(self) -> None:
+        traits = ARCHS[self.arch]
+        if traits.tied_only and not self.tied_embeddings:
+            raise ValueError(f"llama.cpp reads no output.weight for arch {self.arch!r}: "
+                             "tied_embeddings must be True")
+        given = {"sliding_window": traits.window_key, "final_logit_softcap": traits.window_key,
+                 "attn_logit_softcap": traits.attn_softcap_key}
+        for name, read in given.items():
+            if getattr(self, name) is not None and not read:
+                raise ValueError(f"llama.cpp reads no {name} for arch {self.arch!r}")
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     def _check_experts(self) -> None:
         traits = ARCHS[self.arch]
@@ -185,9 +226,9 @@ class ModelSpec:
 
     def _check_type(self, field: str, row_lengths: tuple[int, ...]) -> None:
         name = getattr(self, field)
-        if name not in FILE_TYPES:
-            raise ValueError(f"{field} must be one of {sorted(FILE_TYPES)}, not {name!r}")
-        block_size = GGML_QUANT_SIZES[Q[name]][0]
+        if name not in FILE_TYPES and name not in MIXES:
+            raise ValueError(f"{field} must be one of {sorted(FILE_TYPES | MIXES)}, not {name!r}")
+        block_size = _MIX_BLOCK if name in MIXES else GGML_QUANT_SIZES[Q[name]][0]
         if any(length % block_size for length in row_lengths):
             raise ValueError(f"{field} {name} packs rows in blocks of {block_size}: row lengths "
                              f"{row_lengths} do not divide")
@@ -234,6 +275,11 @@ _EXPERT_GAIN = 5.0
 _SHARED_GATE_GAIN = 1.0  # qwen2moe's shared-expert gate: sigmoid mostly within 0.2..0.8
 _MOE_ATTN_GAIN = 1.0
 _MOE_V_BIAS_STD = 0.2
+# Gemma scales the embeddings by sqrt(hidden), so its stream starts at RMS ~_LOGIT_GAIN, and
+# normalises each layer's outputs (post norms) before they join it: post norms of this mean make
+# the layers write as much louder than the embeddings as a Llama block's _RESIDUAL_GAIN does.
+_POST_NORM_MEAN = _RESIDUAL_GAIN * _LOGIT_GAIN
+_POST_NORMS = {"post_attention_norm.weight", "post_ffw_norm.weight"}
 
 
 class PlannedTensor(NamedTuple):
@@ -271,10 +317,32 @@ def _planned(tensor: Tensor, spec: ModelSpec, bias: bool = False) -> PlannedTens
         std = _MOE_V_BIAS_STD if moe and role == "attn_v.bias" else _BIAS_STD
         return PlannedTensor(tensor.name, shape, Q.F32, std)
     if len(shape) == 1 and role != "ffn_gate_inp_shexp.weight":  # a norm's weight
-        return PlannedTensor(tensor.name, shape, Q.F32, _NORM_STD, mean=1.0)
-    qtype = (Q.F32 if role.startswith("ffn_gate_inp") else
-             Q[spec.embedding_type] if role == "token_embd.weight" else Q[spec.weight_type])
+        mean = _POST_NORM_MEAN if role in _POST_NORMS else 1.0
+        return PlannedTensor(tensor.name, shape, Q.F32, _NORM_STD * mean, mean=mean)
+    qtype = Q.F32 if role.startswith("ffn_gate_inp") else _weight_type(tensor, spec)
     return PlannedTensor(tensor.name, shape, qtype, _gain(role, moe) / math.sqrt(tensor.shape[0]))
+
+
+def _weight_type(tensor: Tensor, spec: ModelSpec) -> GGMLQuantizationType:
+    """A matrix's type: the spec's, or what its mix gives the tensor's role and layer."""
+    role = _role(tensor.name)
+    name = spec.embedding_type if role == "token_embd.weight" else spec.weight_type
+    if name not in MIXES:
+        return Q[name]
+    head = role == "output.weight" or role == "token_embd.weight" and spec.tied_embeddings
+    layer = int(tensor.name.split(".")[1]) if tensor.name.startswith("blk.") else 0
+    more_bits = role in ("attn_v.weight", "ffn_down.weight") and _use_more_bits(layer, spec.num_layers)
+    qtype = Q.Q6_K if head or more_bits else Q.Q4_K
+    if tensor.shape[0] % 256:  # llama-quant.cpp's fallback for rows K-quants cannot pack
+        qtype = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}[qtype]
+    return qtype
+
+
+def _use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama-quant.cpp's layers that Q4_K_M gives Q6_K attn_v and ffn_down: the first and last
+    eighth, and every third in between."""
+    eighth = num_layers // 8
+    return layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
 
 
 def _field_plan(field: Field, spec: ModelSpec) -> list[PlannedTensor]:
@@ -344,7 +412,7 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         ("general.architecture", Typed(STRING, arch)),
         ("general.name", Typed(STRING, f"tierflow-random-{arch}-{spec.num_layers}x"
                                        f"{spec.hidden_size}" + _experts_label(spec))),
-        ("general.file_type", u32(FILE_TYPES[spec.weight_type])),
+        ("general.file_type", u32((FILE_TYPES | MIXES)[spec.weight_type])),
         ("general.quantization_version", u32(gguf.GGML_QUANT_VERSION)),
         (f"{arch}.vocab_size", u32(vocab_size)),
         (f"{arch}.block_count", u32(spec.num_layers)),
@@ -367,7 +435,15 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
     if spec.rope_scaling == "yarn":
         original = int(spec.context_length / spec.rope_scaling_factor)
         metadata.append((f"{arch}.rope.scaling.original_context_length", u32(original)))
-    return metadata
+    return metadata + _gemma_metadata(spec)
+
+
+def _gemma_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
+    keys = {"attention.sliding_window": (spec.sliding_window, UINT32),
+            "attn_logit_softcapping": (spec.attn_logit_softcap, FLOAT32),
+            "final_logit_softcapping": (spec.final_logit_softcap, FLOAT32)}
+    return [(f"{spec.arch}.{key}", Typed(kind, value)) for key, (value, kind) in keys.items()
+            if value is not None]
 
 
 def _experts_label(spec: ModelSpec) -> str:
