@@ -143,8 +143,8 @@ class TokenGenerator:
     def shift(self, keep: int, num_dropped: int) -> None:
         """Drops the cached tokens [keep, keep + num_dropped) and moves the later ones down, their
         keys rotated to their new positions (KVCache.shift): llama.cpp's context shift."""
-        self.cache.shift(keep, num_dropped, self.decoder.cos[num_dropped], self.decoder.sin[num_dropped],
-                         self.decoder.config.rope_style == "neox")
+        rotations = [(cos[num_dropped], sin[num_dropped]) for cos, sin in self.decoder.rotary]
+        self.cache.shift(keep, num_dropped, rotations, self.decoder.config.rope_style == "neox")
         del self.cached_tokens[keep:keep + num_dropped]
         self.exact_length = min(self.exact_length, keep)
 

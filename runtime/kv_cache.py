@@ -72,28 +72,30 @@ class KVCache:
         cache_keys[:, index // 16, :, index % 16] = _like(cache_keys, keys.transpose(1, 0, 2))
         cache_values[:, index] = _like(cache_values, values)
 
-    def shift(self, keep: int, num_dropped: int, cos: np.ndarray, sin: np.ndarray, neox: bool) -> None:
+    def shift(self, keep: int, num_dropped: int, rotations: Sequence[tuple[np.ndarray, np.ndarray]],
+              neox: bool) -> None:
         """llama.cpp's context shift: keeps positions [0, keep), drops the next num_dropped, and moves
         the rest down by num_dropped, turning their keys back by as many positions.
 
         Rotary turns pair i of a key at position p by p * f_i, so R(p - n) = R(-n) R(p): one
-        rotation by the angles of position n, the same for every moved key. cos, sin [R/2] are
-        the model's rotary row of position num_dropped (rope scaling and frequency factors in
-        it); YaRN's magnitude, which that row carries and the keys carry already, is divided out.
+        rotation by the angles of position n, the same for every moved key of a layer.
+        rotations[layer] is that layer's rotary row (cos, sin [R/2]) of position num_dropped (rope
+        scaling and frequency factors in it; layers may rotate with different bases); YaRN's
+        magnitude, which that row carries and the keys carry already, is divided out.
         Features past rope_dim are not rotated. The moved entries were computed with the dropped
         tokens in view, so they approximate what a fresh prefill of the kept tokens would hold.
         """
         if not (keep >= 0 and num_dropped > 0 and keep + num_dropped <= self.length):
             raise InvalidArgumentError(f"cannot drop positions [{keep}, {keep + num_dropped}) of the "
                                        f"{self.length} the cache holds")
-        magnitude = np.hypot(cos, sin)
-        back = torch.from_numpy(cos / magnitude)[None], torch.from_numpy(-sin / magnitude)[None]  # [1, R/2]
         style = "neox" if neox else "normal"
-        for src in range(keep + num_dropped, self.length, SHIFT_CHUNK):
-            moved = np.arange(src, min(src + SHIFT_CHUNK, self.length))
-            for layer in range(len(self.keys)):
+        for layer, (cos, sin) in enumerate(rotations):
+            magnitude = np.hypot(cos, sin)
+            back = [torch.from_numpy(row / magnitude)[None].double() for row in (cos, -sin)]  # [1, R/2] each
+            for src in range(keep + num_dropped, self.length, SHIFT_CHUNK):
+                moved = np.arange(src, min(src + SHIFT_CHUNK, self.length))
                 keys, values = self.read(layer, moved)
-                keys = apply_rope(torch.from_numpy(keys).double(), *(t.double() for t in back), style)
+                keys = apply_rope(torch.from_numpy(keys).double(), *back, style)
                 self.write(layer, moved - num_dropped, keys.float().numpy(), values)
         self.length -= num_dropped
 

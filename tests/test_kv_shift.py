@@ -58,7 +58,8 @@ def test_a_shift_moves_keys_as_if_written_at_their_new_positions(rope, storage):
     for layer in range(config.num_layers):
         cache.write(layer, positions, rotated(raw, cos, sin, positions, config), values)
     cache.length = length
-    cache.shift(keep, drop, cos[drop].numpy(), sin[drop].numpy(), config.rope_style == "neox")
+    rotation = cos[drop].numpy(), sin[drop].numpy()
+    cache.shift(keep, drop, [rotation] * config.num_layers, config.rope_style == "neox")
     kept = np.r_[0:keep, keep + drop:length]  # the tokens left, now at positions 0, 1, ...
     expected = rotated(raw[:, kept], cos, sin, np.arange(len(kept)), config)
     keys, moved_values = cache.read(1, np.arange(len(kept)))
