@@ -117,8 +117,19 @@ static void rotate(float *head, const float *cos, const float *sin, int64_t rope
  * cache; only the writes round, as llama.cpp's reference quantizers do. */
 
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(1)));
+typedef int16_t v16s16 __attribute__((vector_size(32), aligned(1)));
 typedef int8_t v16s8 __attribute__((vector_size(16), aligned(1)));
 typedef uint8_t v16u8 __attribute__((vector_size(16), aligned(1)));
+
+/* 16 bytes widened to 32-bit lanes through 16 bits: GCC 12 vectorizes each step (vpmovsxbw,
+ * vpmovsxwd), not the direct conversion (16 scalar moves). */
+static inline v16i widen_signed(const int8_t *p) {
+    return __builtin_convertvector(__builtin_convertvector(*(const v16s8 *)p, v16s16), v16i);
+}
+
+static inline v16i widen_unsigned(const uint8_t *p) {
+    return __builtin_convertvector(__builtin_convertvector(*(const v16u8 *)p, v16s16), v16i);
+}
 
 static inline v16f bits_as_floats(v16i bits) {
     v16f f;
@@ -140,10 +151,16 @@ static inline v16f floats_from_halves(v16i h) {
 }
 
 static inline float float_from_half(uint16_t h) {
-    float lanes[16];
-    v16f f = floats_from_halves((v16i){0} + h);
-    memcpy(lanes, &f, sizeof lanes);
-    return lanes[0];
+    const uint32_t magnitude = (uint32_t)(h & 0x7fff) << 13;
+    float scaled;
+    memcpy(&scaled, &magnitude, sizeof scaled);
+    scaled *= 0x1p112f;
+    uint32_t bits;
+    memcpy(&bits, &scaled, sizeof bits);
+    if ((h & 0x7c00) == 0x7c00) bits = magnitude | 0x7f800000u;
+    bits |= (uint32_t)(h & 0x8000) << 16;
+    memcpy(&scaled, &bits, sizeof scaled);
+    return scaled;
 }
 
 /* float32 to half bits, rounded to nearest even (as F16C, numpy and torch round). */
@@ -172,17 +189,16 @@ static inline v16f load16_halves(const uint16_t *p) {
 /* The scales of the 16 positions of a transposed q8_0 / q4_0 block: their low bytes, then their
  * high bytes. */
 static inline v16f load16_scales(const uint8_t *p) {
-    const v16i low = __builtin_convertvector(*(const v16u8 *)p, v16i);
-    return floats_from_halves(low | __builtin_convertvector(*(const v16u8 *)(p + 16), v16i) << 8);
+    return floats_from_halves(widen_unsigned(p) | widen_unsigned(p + 16) << 8);
 }
 
 static inline v16f load16_q8(const int8_t *p, v16f scale) {
-    return __builtin_convertvector(*(const v16s8 *)p, v16f) * scale;
+    return __builtin_convertvector(widen_signed(p), v16f) * scale;
 }
 
 /* Lanes of 16 packed q4_0 bytes: their low nibbles (high = 0) or high nibbles, as d * (q - 8). */
 static inline v16f load16_q4(const uint8_t *p, int high, v16f scale) {
-    const v16i bytes = __builtin_convertvector(*(const v16u8 *)p, v16i);
+    const v16i bytes = widen_unsigned(p);
     return __builtin_convertvector(((high ? bytes >> 4 : bytes) & 15) - 8, v16f) * scale;
 }
 
@@ -219,16 +235,19 @@ static void store_row(const float *x, int64_t dim, kv_format kv, void *dst, int6
 
 /* -- attention ---------------------------------------------------------------------------- */
 
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
 /* Adds q[g] * k, k the keys of one block of 16 positions at feature d, to out[g]: each score one
  * lane, summed over d in order whatever the type. */
-static inline void add_feature(const float *q, int count, int64_t dim, int64_t d, v16f k, v16f out[HEAD_BLOCK]) {
+static ALWAYS_INLINE void add_feature(const float *q, const int count, int64_t dim, int64_t d, v16f k,
+                                      v16f out[HEAD_BLOCK]) {
     for (int g = 0; g < count; g++) out[g] += q[g * dim + d] * k;
 }
 
 /* Scores of query heads q[0 .. count) (count <= HEAD_BLOCK) at the 16 positions of one block of
  * keys, stored [row][16]. */
-static inline void score16(const attention_shape *s, const float *q, int count, const void *block,
-                           v16f out[HEAD_BLOCK]) {
+static ALWAYS_INLINE void score16(const attention_shape *s, const float *q, const int count, const void *block,
+                                  v16f out[HEAD_BLOCK]) {
     const int64_t dim = s->head_dim;
     for (int g = 0; g < count; g++) out[g] = (v16f){0};
     if (s->kv == KV_F32) {
@@ -242,36 +261,90 @@ static inline void score16(const attention_shape *s, const float *q, int count, 
             const uint8_t *codes = (const uint8_t *)block + b * block_bytes * 16;
             const v16f scale = load16_scales(codes);
             codes += 32;
-            for (int j = 0; j < QBLOCK; j++) {
-                const v16f k = s->kv == KV_Q8_0 ? load16_q8((const int8_t *)codes + 16 * j, scale)
-                                                : load16_q4(codes + 16 * (j % 16), j >= 16, scale);
-                add_feature(q, count, dim, b * QBLOCK + j, k, out);
+            if (s->kv == KV_Q8_0) {
+                for (int j = 0; j < QBLOCK; j++)
+                    add_feature(q, count, dim, b * QBLOCK + j, load16_q8((const int8_t *)codes + 16 * j, scale), out);
+            } else {
+                for (int j = 0; j < QBLOCK; j++)
+                    add_feature(q, count, dim, b * QBLOCK + j, load16_q4(codes + 16 * (j % 16), j >= 16, scale), out);
             }
         }
     }
 }
 
-/* out[g] += p[g] * v for the group's heads, v one position's value row: 16 features at a time,
- * so each out[g][d] sums over the positions in order. */
-static inline void add_value(const attention_shape *s, const void *row, const float *p, int64_t group, float *out) {
-    const int64_t dim = s->head_dim;
-    int64_t d = 0;
-    for (; d + 16 <= dim; d += 16) {
-        v16f v;
-        if (s->kv == KV_F32) v = load16((const float *)row + d);
-        else if (s->kv == KV_F16) v = load16_halves((const uint16_t *)row + d);
-        else {
-            const int64_t block_bytes = s->kv == KV_Q8_0 ? 34 : 18, b = d / QBLOCK, half = d % QBLOCK / 16;
-            const uint8_t *block = (const uint8_t *)row + b * block_bytes;
-            const v16f scale = (v16f){0} + float_from_half((uint16_t)(block[0] | block[1] << 8));
-            v = s->kv == KV_Q8_0 ? load16_q8((const int8_t *)block + 2 + 16 * half, scale)
-                                 : load16_q4(block + 2, (int)half, scale);
-        }
-        for (int64_t g = 0; g < group; g++) store16(out + g * dim + d, load16(out + g * dim + d) + p[g] * v);
+/* Scaled scores of `count` query heads over positions 0 .. padded: scores[g][t]. */
+static ALWAYS_INLINE void score_heads(const attention_shape *s, const float *q, const int count, const char *keys,
+                                      int64_t row_bytes, int64_t padded, float scale, float *scores) {
+    for (int64_t t = 0; t < padded; t += 16) {
+        v16f block[HEAD_BLOCK];
+        score16(s, q, count, keys + t * row_bytes, block);
+        for (int g = 0; g < count; g++) store16(scores + g * padded + t, block[g] * scale);
     }
-    for (; d < dim; d++) { /* a float type's tail (quantized rows are whole blocks of 32) */
-        const float v = s->kv == KV_F32 ? ((const float *)row)[d] : float_from_half(((const uint16_t *)row)[d]);
-        for (int64_t g = 0; g < group; g++) out[g * dim + d] += p[g] * v;
+}
+
+#define VALUE_CHUNKS 4 /* 16-feature chunks of a head's output kept in registers: 64 features */
+
+/* Feature chunk c (16 features from d) of a value row, as floats. */
+static ALWAYS_INLINE v16f value16(kv_format kv, const void *row, int64_t d) {
+    if (kv == KV_F32) return load16((const float *)row + d);
+    if (kv == KV_F16) return load16_halves((const uint16_t *)row + d);
+    const uint8_t *block = (const uint8_t *)row + d / QBLOCK * (kv == KV_Q8_0 ? 34 : 18);
+    const v16f scale = (v16f){0} + float_from_half((uint16_t)(block[0] | block[1] << 8));
+    return kv == KV_Q8_0 ? load16_q8((const int8_t *)block + 2 + d % QBLOCK, scale)
+                         : load16_q4(block + 2, d % QBLOCK >= 16, scale);
+}
+
+/* The weighted values: every visible position's probs[g][t] * value, added in position order into
+ * out[g][d0 .. d0 + 16 * chunks) of `count` heads, in registers (each row read once for them). */
+static ALWAYS_INLINE void add_values(const attention_job *job, const char *values, int64_t row_bytes,
+                                     const float *probs, int64_t padded, int64_t length, const int64_t *path,
+                                     const int count, int64_t d0, const int chunks, float *out) {
+    const attention_shape *s = &job->shape;
+    const int64_t root = job->tree_start;
+    v16f acc[HEAD_BLOCK][VALUE_CHUNKS];
+    for (int g = 0; g < count; g++) {
+        for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = (v16f){0};
+    }
+    for (int64_t t = 0; t < length; t++) {
+        const char *row = values + (path && t >= root ? root + path[t - root] : t) * row_bytes;
+        v16f v[VALUE_CHUNKS];
+        for (int c = 0; c < chunks; c++) v[c] = value16(s->kv, row, d0 + 16 * c);
+        for (int g = 0; g < count; g++) {
+            const float p = probs[g * padded + t];
+            for (int c = 0; c < chunks; c++) acc[g][c] += p * v[c];
+        }
+    }
+    for (int g = 0; g < count; g++) {
+        for (int c = 0; c < chunks; c++) store16(out + g * s->head_dim + d0 + 16 * c, acc[g][c]);
+    }
+}
+
+/* add_values over a head's features, in ranges of 64, 32 and 16 (so that the chunks in registers
+ * are a constant number). */
+static ALWAYS_INLINE void add_all_values(const attention_job *job, const char *values, int64_t row_bytes,
+                                         const float *probs, int64_t padded, int64_t length, const int64_t *path,
+                                         const int count, float *out) {
+    const int64_t dim = job->shape.head_dim;
+    int64_t d0 = 0;
+    for (; d0 + 64 <= dim; d0 += 64) add_values(job, values, row_bytes, probs, padded, length, path, count, d0, 4, out);
+    if (dim - d0 >= 32) {
+        add_values(job, values, row_bytes, probs, padded, length, path, count, d0, 2, out);
+        d0 += 32;
+    }
+    if (dim - d0 >= 16) add_values(job, values, row_bytes, probs, padded, length, path, count, d0, 1, out);
+}
+
+/* The features past the last whole chunk of 16 (float types only: quantized rows are blocks of 32). */
+static void add_value_tail(const attention_job *job, const char *values, int64_t row_bytes, const float *probs,
+                           int64_t padded, int64_t length, const int64_t *path, int64_t group, float *out) {
+    const attention_shape *s = &job->shape;
+    const int64_t dim = s->head_dim, root = job->tree_start;
+    for (int64_t t = 0; t < length; t++) {
+        const char *row = values + (path && t >= root ? root + path[t - root] : t) * row_bytes;
+        for (int64_t d = dim / 16 * 16; d < dim; d++) {
+            const float v = s->kv == KV_F32 ? ((const float *)row)[d] : float_from_half(((const uint16_t *)row)[d]);
+            for (int64_t g = 0; g < group; g++) out[g * dim + d] += probs[g * padded + t] * v;
+        }
     }
 }
 
@@ -291,49 +364,67 @@ static int64_t visible_path(const attention_job *job, int64_t token, int64_t *pa
  * each key and value is read once for the whole group. A tree token's scores are moved to the
  * positions its ancestors would hold in a sequence before the softmax, so it gets the same bits
  * as the token decoded after exactly those ancestors. */
+/* Softmax of one head's scores over positions 0 .. length (a tree token's moved to the positions
+ * its ancestors would hold in a sequence), turned into probabilities in place. */
+static ALWAYS_INLINE void softmax(float *sg, int64_t length, const int64_t *path, int64_t root) {
+    /* path[j] >= j, and ascending j never overwrites a slot a later j still reads */
+    for (int64_t j = 0; path && root + j < length; j++) sg[root + j] = sg[root + path[j]];
+    const int64_t visible_padded = (length + 15) / 16 * 16;
+    for (int64_t t = length; t < visible_padded; t++) sg[t] = -INFINITY;
+    float best = -INFINITY;
+    for (int64_t t = 0; t < length; t++) best = sg[t] > best ? sg[t] : best;
+    v16f total = {0};
+    for (int64_t t = 0; t < visible_padded; t += 16) {
+        v16f e = exp16(load16(sg + t) - best);
+        store16(sg + t, e);
+        total += e;
+    }
+    const float inv_total = 1.0f / sum16(total);
+    for (int64_t t = 0; t < length; t++) sg[t] *= inv_total;
+}
+
+/* Calls f(..., count, ...) with count a constant 1 .. HEAD_BLOCK, so that its accumulators are
+ * registers. */
+#define WITH_COUNT(count, call) \
+    switch (count) {            \
+    case 1: call(1); break;     \
+    case 2: call(2); break;     \
+    case 3: call(3); break;     \
+    default: call(4); break;    \
+    }
+
+/* The query heads of key/value head `kv_head` for token `token`, over cache positions
+ * 0 .. start + token (causal; in a tree, path != NULL, the positions of its ancestors instead):
+ * each key and value row is read once per block of HEAD_BLOCK query heads. A tree token's scores
+ * are moved to the positions its ancestors would hold in a sequence before the softmax, so it
+ * gets the same bits as the token decoded after exactly those ancestors. */
 TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_t kv_head, float *scores,
                                  int64_t *path) {
     const attention_shape *s = &job->shape;
     const int64_t group = s->heads / s->kv_heads, slots = job->start + token + 1, dim = s->head_dim;
-    const int64_t length = path ? visible_path(job, token, path) : slots, root = job->tree_start;
+    const int64_t length = path ? visible_path(job, token, path) : slots;
     const int64_t padded = (slots + 15) / 16 * 16, row = (s->heads + 2 * s->kv_heads) * dim;
     const int64_t item = s->kv == KV_F32 ? 4 : s->kv == KV_F16 ? 2 : 1, row_bytes = s->row * item;
     const float *q = job->qkv + token * row + kv_head * group * dim;
     const char *keys = (const char *)job->keys + kv_head * s->capacity * row_bytes; /* [capacity / 16][row][16] */
     const char *values = (const char *)job->values + kv_head * s->capacity * row_bytes;
-    /* Scores, a block of 16 positions at a time; the last block's lanes past the token read
-     * slots not yet written (zeros or an older sequence's) and are set to -inf below. */
-    for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
-        const int count = group - g0 < HEAD_BLOCK ? (int)(group - g0) : HEAD_BLOCK;
-        for (int64_t t = 0; t < padded; t += 16) {
-            v16f block[HEAD_BLOCK];
-            score16(s, q + g0 * dim, count, keys + t * row_bytes, block);
-            for (int g = 0; g < count; g++) store16(scores + (g0 + g) * padded + t, block[g] * job->scale);
-        }
-    }
-    const int64_t visible_padded = (length + 15) / 16 * 16; /* <= padded */
-    float inv_total[MAX_GROUP], p[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * padded;
-        /* path[j] >= j, and ascending j never overwrites a slot a later j still reads */
-        for (int64_t j = 0; path && root + j < length; j++) sg[root + j] = sg[root + path[j]];
-        for (int64_t t = length; t < visible_padded; t++) sg[t] = -INFINITY;
-        float best = -INFINITY;
-        for (int64_t t = 0; t < length; t++) best = sg[t] > best ? sg[t] : best;
-        v16f total = {0};
-        for (int64_t t = 0; t < visible_padded; t += 16) {
-            v16f e = exp16(load16(sg + t) - best);
-            store16(sg + t, e);
-            total += e;
-        }
-        inv_total[g] = 1.0f / sum16(total);
-    }
-    /* Each value row is read (and dequantized) once for the whole group. */
     float *out = job->out + (token * s->heads + kv_head * group) * dim;
-    memset(out, 0, group * dim * sizeof(float));
-    for (int64_t t = 0; t < length; t++) {
-        for (int64_t g = 0; g < group; g++) p[g] = scores[g * padded + t] * inv_total[g];
-        add_value(s, values + (path && t >= root ? root + path[t - root] : t) * row_bytes, p, group, out);
+    /* Scores, a block of 16 positions at a time; the last block's lanes past the token read
+     * slots not yet written (zeros or an older sequence's) and are set to -inf by softmax. */
+    for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
+#define SCORE(count) score_heads(s, q + g0 * dim, count, keys, row_bytes, padded, job->scale, scores + g0 * padded)
+        WITH_COUNT(group - g0, SCORE)
+#undef SCORE
+    }
+    for (int64_t g = 0; g < group; g++) softmax(scores + g * padded, length, path, job->tree_start);
+    for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
+#define ADD(count) add_all_values(job, values, row_bytes, scores + g0 * padded, padded, length, path, count, out + g0 * dim)
+        WITH_COUNT(group - g0, ADD)
+#undef ADD
+    }
+    if (dim % 16) {
+        for (int64_t g = 0; g < group; g++) memset(out + g * dim + dim / 16 * 16, 0, dim % 16 * sizeof(float));
+        add_value_tail(job, values, row_bytes, scores, padded, length, path, group, out);
     }
 }
 
