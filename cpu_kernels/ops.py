@@ -29,9 +29,10 @@ def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.nda
               softcap: float = 0.0) -> np.ndarray:
     """Causal attention of T new tokens in cache slots start .. start + T - 1.
 
-    qkv [T, (H + 2K) * D] (rotated in place); keys [K, C/16, D, 16] (blocks of 16 positions,
-    transposed) and values [K, C, D], one layer's cache, into which the tokens' keys and values
-    are written; cos, sin [T, R/2].
+    qkv [T, (H + 2K) * D] (rotated in place); keys [K, C/16, I, 16] and values [K, C, I], one
+    layer's cache in any of its types (rows of I items, keys transposed in blocks of 16 positions:
+    kv_layout.py), into which the tokens' keys and values are written in that type before any is
+    read; cos, sin [T, R/2].
     Token i sees cache positions 0 .. start + i; query head h uses key/value head h // (H / K).
     With parents the tokens extend a token tree begun at slot tree_start (default: start), maybe
     in earlier calls: parents (int32 [start - tree_start + T]) holds each tree token's parent, -1
@@ -43,7 +44,7 @@ def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.nda
     p - window + 1 .. p only (a tree token's position being tree_start + its depth).
     Returns [T, H * D].
     """
-    head_dim = values.shape[-1]
+    head_dim = qkv.shape[1] // (heads + 2 * keys.shape[0])
     out = np.empty((qkv.shape[0], heads * head_dim), np.float32)
     _kernels.attention(qkv, keys, values, cos, sin, out, heads, start, 2 * cos.shape[-1], neox,
                        head_dim**-0.5 if scale is None else scale, parents,

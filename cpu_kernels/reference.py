@@ -10,6 +10,7 @@ approximation, the int8 quantization of activations (as in ggml's Q8 dot product
 import numpy as np
 import torch
 
+from tierflow.cpu_kernels.kv_layout import decode, encode, kv_type_of, read_rows, write_rows
 from tierflow.cpu_kernels.packed import PackedMatrix
 
 
@@ -115,29 +116,32 @@ def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                         parents: np.ndarray | None = None, tree_start: int | None = None, window: int = 0,
                         scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """ops.attention in torch, on any device (the GPU kernel's reference too): the same cache
-    writes (keys [K, C/16, D, 16], values [K, C, D]), token trees, window, scale and soft cap;
-    qkv is not modified.
+    writes, in the cache's type (keys [K, C/16, I, 16], values [K, C, I]: kv_layout.py), then
+    attention over the dequantized cache; token trees, window, scale and soft cap alike. qkv is
+    not modified.
 
     Returns [T, H * D].
     """
-    kv_heads, _, head_dim = values.shape
-    tokens = qkv.shape[0]
+    kv_heads, tokens = keys.shape[0], qkv.shape[0]
+    head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    kv = kv_type_of(keys, head_dim)
     q, k, v = qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     style = "neox" if neox else "normal"
     q = apply_rope(q.reshape(tokens, heads, head_dim).transpose(0, 1), cos, sin, style)  # [H, T, D]
-    k = apply_rope(k.reshape(tokens, kv_heads, head_dim).transpose(0, 1), cos, sin, style)
-    flat_keys = keys.transpose(2, 3).reshape(kv_heads, -1, head_dim)  # [K, C, D], a copy
-    flat_keys[:, start: start + tokens] = k
-    keys.copy_(flat_keys.reshape(kv_heads, -1, 16, head_dim).transpose(2, 3))
-    values[:, start: start + tokens] = v.reshape(tokens, kv_heads, head_dim).transpose(0, 1)
+    k = apply_rope(k.reshape(tokens, kv_heads, head_dim).transpose(0, 1), cos, sin, style)  # [K, T, D]
+    v = v.reshape(tokens, kv_heads, head_dim).transpose(0, 1)
+    new = torch.arange(start, start + tokens, device=keys.device)
+    write_rows(keys, values, new, encode(k, kv), encode(v, kv))
+    seen = torch.arange(start + tokens, device=keys.device)
+    seen_keys, seen_values = (decode(rows, kv) for rows in read_rows(keys, values, seen))  # [K, S, D]
     group = heads // kv_heads  # query head h uses key/value head h // group
     q = q.reshape(kv_heads, group * tokens, head_dim)
-    scores = q @ flat_keys[:, : start + tokens].transpose(1, 2) * (head_dim**-0.5 if scale is None else scale)
-    if softcap:  # [K, G*T, S]
+    scores = q @ seen_keys.transpose(1, 2) * (head_dim**-0.5 if scale is None else scale)  # [K, G*T, S]
+    if softcap:
         scores = torch.tanh(scores * (1 / softcap)) * softcap
-    visible = _visible(start, tokens, parents, tree_start, window)
-    scores = scores.masked_fill(~torch.from_numpy(visible).to(qkv.device).repeat(group, 1), float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ values[:, : start + tokens]  # [K, G*T, D]
+    visible = torch.from_numpy(_visible(start, tokens, parents, tree_start, window)).to(qkv.device)  # [T, S]
+    scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ seen_values  # [K, G*T, D]
     return out.reshape(heads, tokens, head_dim).transpose(0, 1).reshape(tokens, heads * head_dim)
 
 

@@ -12,7 +12,10 @@ import math
 
 import torch
 
+from tierflow.cpu_kernels.kv_layout import kv_type_of
 from tierflow.gpu_kernels.launch import cdiv, check_device, check_tensor, load_kernels, num_sms, power_of_two
+
+CACHE_DTYPES = (torch.float32, torch.float16, torch.uint8)  # of the cache types' rows
 
 
 def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
@@ -20,16 +23,18 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
               window: int = 0, scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of T new tokens in cache slots start .. start + T - 1 -> [T, H D] float32.
 
-    qkv [T, (H + 2 KvH) D] (read only); one layer's keys [KvH, C/16, D, 16] and values [KvH, C, D],
-    into which the tokens' rotated keys and their values are written; cos, sin [T, R/2], the
-    rows of the tokens' positions. Token i sees positions 0 .. start + i; query head h reads
-    key/value head h // (H / KvH). All float32, as the CPU kernel. num_splits fixes the number of
-    position splits (by default, chosen to fill the GPU). Scores are scaled by scale (default
-    D^-0.5), capped to softcap tanh(score / softcap) when softcap > 0, and with window > 0 token i
-    sees positions start + i - window + 1 .. start + i only.
+    qkv [T, (H + 2 KvH) D] (read only); one layer's keys [KvH, C/16, I, 16] and values [KvH, C, I]
+    in any cache type (rows of I items: cpu_kernels/kv_layout.py), into which the tokens' rotated
+    keys and their values are written in that type; cos, sin [T, R/2], the rows of the tokens'
+    positions. Token i sees positions 0 .. start + i; query head h reads key/value head
+    h // (H / KvH). float32 as the CPU kernel, which it matches to float32 rounding. num_splits
+    fixes the number of position splits (by default, chosen to fill the GPU). Scores are scaled by
+    scale (default D^-0.5), capped to softcap tanh(score / softcap) when softcap > 0, and with
+    window > 0 token i sees positions start + i - window + 1 .. start + i only.
     """
     kernels = load_kernels("attention_kernels")
     kv_heads, capacity, head_dim, tokens, half = _check(qkv, keys, values, cos, sin, heads, start)
+    kv = kv_type_of(keys, head_dim)
     if window < 0 or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"window must be >= 0 and softcap a finite number >= 0 (0: none), "
                          f"not {window} and {softcap}")
@@ -52,7 +57,7 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
         scale if softcap else scale * kernels.LOG2_E, split_size, splits, window or capacity, softcap,
         D=head_dim, HALF=half, GROUP=heads // kv_heads, NEOX=bool(neox), SPLIT=splits > 1,
         SOFTCAP=softcap > 0, BLOCK_G=max(16, power_of_two(heads // kv_heads)), BLOCK_S=kernels.BLOCK_S,
-        BLOCK_D=block_d)
+        BLOCK_D=block_d, KV=kernels.KV_CODES[kv.name])
     if splits > 1:
         kernels.merge_splits_kernel[(tokens * heads,)](partials, stats, out, splits, D=head_dim,
                                                        BLOCK_SPLITS=power_of_two(splits), BLOCK_D=block_d)
@@ -61,14 +66,17 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
 
 def _check(qkv, keys, values, cos, sin, heads: int, start: int) -> tuple[int, int, int, int, int]:
     """(KvH, C, D, T, R/2) once every argument agrees with the others."""
-    check_tensor("values", values, (torch.float32,), (None, None, None))
-    kv_heads, capacity, head_dim = values.shape
+    check_tensor("values", values, CACHE_DTYPES, (None, None, None))
+    kv_heads, capacity, items = values.shape
     if capacity % 16:
         raise ValueError(f"the cache capacity must be a multiple of 16, not {capacity}")
-    check_tensor("keys", keys, (torch.float32,), (kv_heads, capacity // 16, head_dim, 16))
+    check_tensor("keys", keys, (values.dtype,), (kv_heads, capacity // 16, items, 16))
     if kv_heads == 0 or heads <= 0 or heads % kv_heads:
         raise ValueError(f"heads is not a multiple of the {kv_heads} key/value heads: {heads}")
+    check_tensor("qkv", qkv, (torch.float32,), (None, None))
+    head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
     check_tensor("qkv", qkv, (torch.float32,), (None, (heads + 2 * kv_heads) * head_dim))
+    kv_type_of(keys, head_dim)  # rows of a type, for this head size
     tokens = qkv.shape[0]
     check_tensor("cos", cos, (torch.float32,), (tokens, None))
     check_tensor("sin", sin, (torch.float32,), tuple(cos.shape))

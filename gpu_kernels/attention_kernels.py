@@ -5,13 +5,16 @@ head, D head size, R = 2 HALF rotated features, C cache capacity; BG, BS, BD blo
 
 One program per (new token, key/value head, split of the positions), flash-decoding style: it
 rotates its GS query heads in registers and keeps a running softmax over the positions of its
-split. Positions before `start` are read from the cache (keys [KvH, C/16, D, 16], values
-[KvH, C, D]), a contiguous [D, 16] block of keys per step; the new tokens' own positions are read
-from qkv, one at a time, their keys rotated on the fly (a [BS, D] tile of rotated keys would need
-per-element partner addresses and spill registers for the whole kernel). So no program reads a
-cache slot that this launch writes, and the writes (split 0 of each token and key/value head
-rotates its key and stores it and its value) need no grid-wide barrier. With more than one split,
-`merge_splits_kernel` combines the splits' partial results.
+split. Positions before `start` are read from the cache in its type (KV: f32, f16, q8_0, q4_0;
+keys [KvH, C/16, I, 16], values [KvH, C, I], rows of I items: cpu_kernels/kv_layout.py), a
+contiguous [I, 16] block of keys per step, each value converted exactly to float32; the new
+tokens' own positions are read from qkv, one at a time, their keys rotated on the fly (a [BS, D]
+tile of rotated keys would need per-element partner addresses and spill registers for the whole
+kernel) and both rounded through the type in registers, as the cache will hold them. So no
+program reads a cache slot that this launch writes, and the writes (split 0 of each token and
+key/value head rotates its key and stores it and its value, quantized as llama.cpp's reference
+quantizers do) need no grid-wide barrier. With more than one split, `merge_splits_kernel`
+combines the splits' partial results.
 
 Prefill works (token i of T scores its i + 1 new positions one by one) but is made for decode and
 verify batches of a few tokens: a long prompt wants a flash-attention prefill kernel.
@@ -54,6 +57,122 @@ def _base2_logits(scores, softcap, SOFTCAP: tl.constexpr):
     return scores
 
 
+KV_CODES = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}  # the KV constexpr: the cache's type
+
+
+@triton.jit
+def _row_items(D: tl.constexpr, KV: tl.constexpr):
+    """Items of a cache row (cpu_kernels/kv_layout.py): D values, or the D/32 blocks' bytes."""
+    if KV == 2:
+        return D // 32 * 34
+    elif KV == 3:
+        return D // 32 * 18
+    else:
+        return D
+
+
+@triton.jit
+def _item(d, KV: tl.constexpr):
+    """The item of a row that holds feature d, and (q4_0) the shift of its nibble."""
+    if KV == 2:
+        return d // 32 * 34 + 2 + d % 32, 0
+    elif KV == 3:
+        return d // 32 * 18 + 2 + d % 16, d % 32 // 16 * 4
+    else:
+        return d, 0
+
+
+@triton.jit
+def _scale(byte_at, step, mask):
+    """A block's f16 scale from its two bytes (low at byte_at, high at byte_at + step), as float32."""
+    low = tl.load(byte_at, mask=mask, other=0).to(tl.uint16)
+    high = tl.load(byte_at + step, mask=mask, other=0).to(tl.uint16)
+    return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _load_items(rows, at, d, block_at, step, mask, KV: tl.constexpr):
+    """Features d of rows stored in the type, as float32 (exact): at the items at + step * item,
+    their blocks' scales at block_at + step * (d // 32 * block bytes)."""
+    item, shift = _item(d, KV)
+    x = tl.load(rows + at + step * item, mask=mask, other=0)
+    if KV == 2:
+        scale = _scale(rows + block_at + step * (d // 32 * 34), step, mask)
+        return x.to(tl.int8, bitcast=True).to(tl.float32) * scale
+    elif KV == 3:
+        scale = _scale(rows + block_at + step * (d // 32 * 18), step, mask)
+        return (((x >> shift) & 15).to(tl.int32) - 8).to(tl.float32) * scale
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _roundf(v):
+    """C's roundf (halves away from zero) exactly: floor(|v| + 0.5) would round before the floor."""
+    a = tl.abs(v)
+    whole = tl.floor(a)
+    rounded = whole + tl.floor(2 * (a - whole))
+    return tl.where(v < 0, -rounded, rounded)
+
+
+@triton.jit
+def _quantize(x, BLOCK_D: tl.constexpr, KV: tl.constexpr):
+    """Row x [BLOCK_D] (zeros past D) as llama.cpp's reference quantizer does it: the codes
+    [BLOCK_D / 32, 32] (q8_0: q; q4_0: q in 0..15) and each block's scale d as float16."""
+    blocks = tl.reshape(x, [BLOCK_D // 32, 32])
+    j = tl.arange(0, 32)[None, :]
+    if KV == 2:
+        d = tl.max(tl.abs(blocks), axis=1) / 127
+        inverse = tl.where(d == 0, 0.0, 1 / d)
+        codes = _roundf(blocks * inverse[:, None])
+    else:  # d = m / -8 for the first value of largest magnitude
+        largest = tl.argmax(tl.abs(blocks), axis=1, tie_break_left=True)
+        d = tl.sum(tl.where(j == largest[:, None], blocks, 0.0), axis=1) / -8
+        inverse = tl.where(d == 0, 0.0, 1 / d)
+        codes = tl.minimum(tl.floor(blocks * inverse[:, None] + 8.5), 15.0)
+    return codes, d.to(tl.float16)
+
+
+@triton.jit
+def _roundtrip(x, BLOCK_D: tl.constexpr, KV: tl.constexpr):
+    """Row x [BLOCK_D] as the cache gives it back once stored in the type (float32)."""
+    if KV == 0:
+        return x
+    elif KV == 1:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        codes, d = _quantize(x, BLOCK_D, KV)
+        values = (codes - 8.0 if KV == 3 else codes) * d.to(tl.float32)[:, None]
+        return tl.reshape(values, [BLOCK_D])
+
+
+@triton.jit
+def _store_row(rows, at, step, x, BLOCK_D: tl.constexpr, D: tl.constexpr, KV: tl.constexpr):
+    """Stores row x [BLOCK_D] in the type: item i at rows + at + step * i (1: a value row; 16: a key
+    row into its transposed block)."""
+    dims = tl.arange(0, BLOCK_D)
+    if KV < 2:
+        tl.store(rows + at + step * dims, x.to(rows.dtype.element_ty), mask=dims < D)
+    else:
+        codes, d = _quantize(x, BLOCK_D, KV)
+        block_bytes: tl.constexpr = 34 if KV == 2 else 18
+        b = tl.arange(0, BLOCK_D // 32)
+        bits = d.to(tl.uint16, bitcast=True)
+        block_at = rows + at + step * (b * block_bytes)
+        tl.store(block_at, (bits & 255).to(tl.uint8), mask=b < D // 32)
+        tl.store(block_at + step, (bits >> 8).to(tl.uint8), mask=b < D // 32)
+        if KV == 2:
+            feature = tl.reshape(dims, [BLOCK_D // 32, 32])
+            byte = codes.to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True)
+            tl.store(rows + at + step * (feature // 32 * 34 + 2 + feature % 32), byte, mask=feature < D)
+        else:  # byte j of a block: q[j] | q[j + 16] << 4
+            halves = tl.reshape(codes.to(tl.int32), [BLOCK_D // 32, 2, 16])
+            low, high = tl.split(tl.permute(halves, [0, 2, 1]))  # [BLOCK_D / 32, 16] each
+            item = tl.arange(0, BLOCK_D // 32)[:, None] * 18 + 2 + tl.arange(0, 16)[None, :]
+            tl.store(rows + at + step * item, (low | (high << 4)).to(tl.uint8),
+                     mask=tl.arange(0, BLOCK_D // 32)[:, None] < D // 32)
+
+
 @triton.jit
 def _rotated(qkv, at, d, cos, sin, cs_at, mask, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr):
     """Features d of the heads at qkv + at, rotated by the cos/sin rows at cs_at (broadcasting)."""
@@ -90,10 +209,12 @@ def _softmax_step(q, keys_t, values, seen, m_i, l_i, acc, softcap, SOFTCAP: tl.c
 def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H, KVH, C, scale,
                      SPLIT_SIZE, NUM_SPLITS, WINDOW, softcap, D: tl.constexpr, HALF: tl.constexpr,
                      GROUP: tl.constexpr, NEOX: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-                     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                     KV: tl.constexpr = 0):
     """out [T, H, D] (one split), else partials [T, H, splits, D] and stats [T, H, splits, 2].
     WINDOW: positions a token sees (C or more: all of them); scale: the attention scale, times
-    log2 e unless SOFTCAP."""
+    log2 e unless SOFTCAP. KV: the cache's type (KV_CODES); the new tokens' keys and values are
+    read as stored in it."""
     tl.static_assert(BLOCK_S == 16, "a step scores one block of 16 cached keys")
     token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = (H + 2 * KVH) * D  # of qkv
@@ -104,14 +225,15 @@ def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H
                  D, HALF, NEOX) * scale  # [BG, BD]
     position = start + token
     first = tl.maximum(position + 1 - WINDOW, 0)  # the first position the token sees
-    block_keys = keys + kv_head * (C // 16) * D * 16  # this head's [C/16, D, 16]
-    head_values = values + kv_head * C * D  # [C, D]
+    ROW: tl.constexpr = _row_items(D, KV)
+    block_keys = keys + kv_head * (C // 16) * ROW * 16  # this head's [C/16, ROW, 16]
+    head_values = values + kv_head * C * ROW  # [C, ROW]
     if split == 0:
         key_at = token * row + (H + kv_head) * D
         k = _rotated(qkv, key_at, dims, cos, sin, token * HALF, dims < D, D, HALF, NEOX)
-        tl.store(block_keys + ((position // 16) * D + dims) * 16 + position % 16, k, mask=dims < D)
-        v = tl.load(qkv + key_at + KVH * D + dims, mask=dims < D)
-        tl.store(head_values + position * D + dims, v, mask=dims < D)
+        _store_row(block_keys, (position // 16) * ROW * 16 + position % 16, 16, k, BLOCK_D, D, KV)
+        v = tl.load(qkv + key_at + KVH * D + dims, mask=dims < D, other=0.0)
+        _store_row(head_values, position * ROW, 1, v, BLOCK_D, D, KV)
 
     lo = split * SPLIT_SIZE
     hi = tl.minimum(lo + SPLIT_SIZE, position + 1)  # causal: positions 0 .. start + token
@@ -123,16 +245,19 @@ def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H
     for s0 in range(tl.maximum(lo, first // BLOCK_S * BLOCK_S), cached_hi, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         seen = (s < cached_hi) & (s >= first)
-        keys_t = tl.load(block_keys + (s0 // 16 * D + dims[:, None]) * 16 + tl.arange(0, BLOCK_S)[None, :],
-                         mask=seen[None, :] & (dims[:, None] < D), other=0.0)  # [BD, BS]
-        vals = tl.load(head_values + s[:, None] * D + d, mask=seen[:, None] & (d < D), other=0.0)  # [BS, BD]
+        key_at = s0 // 16 * ROW * 16 + tl.arange(0, BLOCK_S)[None, :]
+        keys_t = _load_items(block_keys, key_at, dims[:, None], key_at, 16,
+                             seen[None, :] & (dims[:, None] < D), KV)  # [BD, BS]
+        vals = _load_items(head_values, s[:, None] * ROW, d, s[:, None] * ROW, 1, seen[:, None] & (d < D),
+                           KV)  # [BS, BD]
         m_i, l_i, acc = _softmax_step(q, keys_t, vals, seen, m_i, l_i, acc, softcap, SOFTCAP)
     for s in range(tl.maximum(tl.maximum(lo, start), first), hi):  # this launch's tokens, from qkv
-
         new_at = (s - start) * row
         k = _rotated(qkv, new_at + (H + kv_head) * D, dims, cos, sin, (s - start) * HALF, dims < D, D, HALF,
                      NEOX)
-        v = tl.load(qkv + new_at + (H + KVH + kv_head) * D + dims, mask=dims < D, other=0.0)
+        k = _roundtrip(k, BLOCK_D, KV)  # as split 0 stores it
+        v = _roundtrip(tl.load(qkv + new_at + (H + KVH + kv_head) * D + dims, mask=dims < D, other=0.0),
+                       BLOCK_D, KV)
         score = _base2_logits(tl.sum(q * k[None, :], axis=1), softcap, SOFTCAP)  # [BG]
         m_new = tl.maximum(m_i, score)
         alpha, p = tl.exp2(m_i - m_new), tl.exp2(score - m_new)

@@ -43,11 +43,15 @@ def variants(all_configs: bool) -> list[tuple]:
             builds.append((matmul_kernels.matmul_kernel, MATRIX | layout | {"M_BUCKET": "i32"},
                            flags | dict(F32=x == "*fp32", **config.kwargs),
                            dict(num_warps=config.num_warps, num_stages=config.num_stages)))
-    for head_dim, neox, split, softcap in [(128, True, True, False), (80, False, False, True)]:
+    attention_builds = [(128, True, True, "q8_0", False), (80, False, False, "f32", True),
+                        (64, True, True, "q4_0", False), (96, False, True, "f16", False)]
+    for head_dim, neox, split, kv, softcap in attention_builds:
         shape = dict(D=head_dim, HALF=head_dim // 4, GROUP=4, NEOX=neox, SPLIT=split, SOFTCAP=softcap,
                      BLOCK_G=16, BLOCK_S=attention_kernels.BLOCK_S,
-                     BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()))
-        builds.append((attention_kernels.attention_kernel, ATTENTION, shape, dict(num_warps=4)))
+                     BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), KV=attention_kernels.KV_CODES[kv])
+        rows = {"f32": "*fp32", "f16": "*fp16"}.get(kv, "*u8")
+        builds.append((attention_kernels.attention_kernel, ATTENTION | {"keys": rows, "values": rows}, shape,
+                       dict(num_warps=4)))
     builds.append((attention_kernels.merge_splits_kernel,
                    {"partials": "*fp32", "stats": "*fp32", "out": "*fp32", "NUM_SPLITS": "i32"},
                    dict(D=128, BLOCK_SPLITS=64, BLOCK_D=128), dict(num_warps=4)))

@@ -5,37 +5,67 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes, decode, encode, read_rows, write_rows
 from tierflow.cpu_kernels.reference import apply_rope
 from tierflow.errors import InvalidArgumentError
+from tierflow.kv_types import KV_TYPES, KVType
 from tierflow.runtime.config import ModelConfig
 
 SHIFT_CHUNK = 1024  # positions a context shift reads, re-rotates and writes at a time: bounds its copies
 
+# allocate(layer_idx, shape, dtype) -> a zeroed array of the layer's cache, where it computes
+Allocate = Callable[[int, tuple[int, ...], torch.dtype], np.ndarray | torch.Tensor]
+
+
+def allocate_in_ram(_: int, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+    return torch.zeros(shape, dtype=dtype).numpy()
+
 
 class KVCache:
-    """Keys and values of every layer, float32, filled up to `length` positions.
+    """Keys and values of every layer in one of llama.cpp's cache types, filled up to `length`.
 
-    A layer's keys are stored in blocks of 16 positions, each block transposed: [KvH, C/16, D, 16],
-    so that the attention kernel scores 16 positions with vertical multiply-adds over one
-    contiguous block; its values are [KvH, C, D]. C is the context length rounded up to 16.
-    `allocate(layer, shape)` gives a layer's zeroed arrays: by default numpy, in RAM; a layer
+    Each head's key or value at a position is a row in the type (D floats or halves, or q8_0 /
+    q4_0 blocks: cpu_kernels/kv_layout.py). A layer's keys are [K, C/16, R, 16], the rows of 16
+    positions transposed so that the attention kernels score 16 positions with vertical
+    multiply-adds over one contiguous block; its values are [K, C, R]. C is the context length
+    rounded up to 16. `allocate` gives a layer's zeroed arrays: by default numpy, in RAM; a layer
     computed on the GPU keeps its cache there (offload.tiered.TieredWeights.allocate_cache).
     """
 
-    def __init__(self, config: ModelConfig, context_length: int,
-                 allocate: Callable[[int, tuple[int, ...]], np.ndarray | torch.Tensor] | None = None):
+    def __init__(self, config: ModelConfig, context_length: int, allocate: Allocate | None = None,
+                 kv_type: KVType | None = None):
+        self.kv_type = KV_TYPES["f32"] if kv_type is None else kv_type
+        self.kv_type.check_head_dim(config.head_dim)
         capacity = -(-context_length // 16) * 16
-        heads, dim = config.num_kv_heads, config.head_dim
-        allocate = allocate or (lambda _, shape: np.zeros(shape, np.float32))
+        key_shape, value_shape = cache_shapes(self.kv_type, config.num_kv_heads, capacity, config.head_dim)
+        dtype, allocate = CACHE_DTYPES[self.kv_type.name], allocate or allocate_in_ram
         layers = range(config.num_layers)
-        self.keys = [allocate(i, (heads, capacity // 16, dim, 16)) for i in layers]
-        self.values = [allocate(i, (heads, capacity, dim)) for i in layers]
+        self.keys = [allocate(i, key_shape, dtype) for i in layers]
+        self.values = [allocate(i, value_shape, dtype) for i in layers]
         self.context_length = context_length
         self.length = 0  # positions holding valid entries, the same for every layer
 
     @property
     def num_bytes(self) -> int:
         return sum(array.nbytes for array in [*self.keys, *self.values])
+
+    def read(self, layer: int, positions: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Layer `layer`'s (keys, values) at the positions, each float32 [K, n, D], dequantized."""
+        keys, values, index = self._tensors(layer, positions)
+        return tuple(decode(rows, self.kv_type).cpu().numpy() for rows in read_rows(keys, values, index))
+
+    def write(self, layer: int, positions: Sequence[int] | np.ndarray, keys: np.ndarray | torch.Tensor,
+              values: np.ndarray | torch.Tensor) -> None:
+        """Stores keys and values [K, n, D] (float32) at the positions of layer `layer`, in the
+        cache's type (quantized as llama.cpp does)."""
+        store_keys, store_values, index = self._tensors(layer, positions)
+        rows = [encode(torch.as_tensor(x, device=store_keys.device), self.kv_type) for x in (keys, values)]
+        write_rows(store_keys, store_values, index, *rows)
+
+    def _tensors(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s arrays as tensors sharing their memory, and the positions on their device."""
+        keys, values = (torch.as_tensor(array) for array in (self.keys[layer], self.values[layer]))
+        return keys, values, torch.as_tensor(np.asarray(positions, np.int64), device=keys.device)
 
     def truncate(self, length: int) -> None:
         """Forgets positions >= length (the entries are overwritten by the next write)."""
@@ -45,32 +75,15 @@ class KVCache:
         """Of the tokens written from slot `start` on (a token tree), keeps those at the given
         offsets (a root-to-node path, ascending) as positions start, start + 1, ..., and forgets
         the rest. Their keys were rotated for those positions already (a tree token's position
-        is start plus its depth), so moving them is all it takes."""
+        is start plus its depth), so moving their rows, in whatever type, is all it takes."""
         src = start + np.asarray(offsets, np.int64)
         dst = start + np.arange(len(src))
         moved = src != dst
         if moved.any():
-            s, d = src[moved], dst[moved]
-            for keys, values in zip(self.keys, self.values):
-                if isinstance(keys, torch.Tensor):
-                    s, d = torch.from_numpy(s).to(keys.device), torch.from_numpy(d).to(keys.device)
-                keys[:, d // 16, :, d % 16] = keys[:, s // 16, :, s % 16]
-                values[:, d] = values[:, s]
+            for layer in range(len(self.keys)):
+                keys, values, s = self._tensors(layer, src[moved])
+                write_rows(keys, values, s.new_tensor(dst[moved]), *read_rows(keys, values, s))
         self.length = start + len(src)
-
-    def read(self, layer: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """A layer's keys and values at positions (int64 [n]), each float32 numpy [K, n, D]."""
-        keys, values = self.keys[layer], self.values[layer]
-        index = _index_on(keys, positions)
-        blocked = keys[:, index // 16, :, index % 16]  # [n, K, D]: the indexed axes go first
-        return _numpy(blocked).transpose(1, 0, 2), _numpy(values[:, index])
-
-    def write(self, layer: int, positions: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
-        """Stores float32 keys and values [K, n, D] at a layer's positions (int64 [n])."""
-        cache_keys, cache_values = self.keys[layer], self.values[layer]
-        index = _index_on(cache_keys, positions)
-        cache_keys[:, index // 16, :, index % 16] = _like(cache_keys, keys.transpose(1, 0, 2))
-        cache_values[:, index] = _like(cache_values, values)
 
     def shift(self, keep: int, num_dropped: int, rotations: Sequence[tuple[np.ndarray, np.ndarray]],
               neox: bool) -> None:
@@ -93,24 +106,13 @@ class KVCache:
             magnitude = np.hypot(cos, sin)
             back = [torch.from_numpy(row / magnitude)[None].double() for row in (cos, -sin)]  # [1, R/2] each
             for src in range(keep + num_dropped, self.length, SHIFT_CHUNK):
-                moved = np.arange(src, min(src + SHIFT_CHUNK, self.length))
-                keys, values = self.read(layer, moved)
-                keys = apply_rope(torch.from_numpy(keys).double(), *back, style)
-                self.write(layer, moved - num_dropped, keys.float().numpy(), values)
+                positions = np.arange(src, min(src + SHIFT_CHUNK, self.length))
+                keys, values, moved = self._tensors(layer, positions)
+                key_rows, value_rows = read_rows(keys, values, moved)  # copies: the moves may overlap
+                turned = apply_rope(decode(key_rows, self.kv_type).double(),
+                                    *(row.to(keys.device) for row in back), style)
+                # the values move as stored; only the keys, turned, are stored again in the type
+                key_rows = encode(turned.float(), self.kv_type)
+                write_rows(keys, values, moved - num_dropped, key_rows, value_rows)
         self.length -= num_dropped
 
-
-def _index_on(cache: np.ndarray | torch.Tensor, positions: np.ndarray) -> np.ndarray | torch.Tensor:
-    index = np.asarray(positions, np.int64)
-    return torch.from_numpy(index).to(cache.device) if isinstance(cache, torch.Tensor) else index
-
-
-def _numpy(array: np.ndarray | torch.Tensor) -> np.ndarray:
-    return array.float().cpu().numpy() if isinstance(array, torch.Tensor) else array
-
-
-def _like(cache: np.ndarray | torch.Tensor, array: np.ndarray) -> np.ndarray | torch.Tensor:
-    """array where it is written: on the cache's device, in its dtype."""
-    if isinstance(cache, torch.Tensor):
-        return torch.from_numpy(np.ascontiguousarray(array)).to(cache.device, cache.dtype)
-    return array

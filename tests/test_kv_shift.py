@@ -36,7 +36,7 @@ ROPES = {
     "yarn": (rope_config(style="neox", scaling=RopeScaling("yarn", 4.0, original_context_length=1024)), None),
     "freq-factors": (rope_config(), torch.linspace(1.0, 8.0, 16)),
 }
-STORAGES = {"numpy": None, "torch": lambda _, shape: torch.zeros(shape)}
+STORAGES = {"numpy": None, "torch": lambda _, shape, dtype: torch.zeros(shape, dtype=dtype)}
 
 
 def rotated(raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: np.ndarray,

@@ -1,22 +1,25 @@
 """The fused layer operations match their torch formulations, and give every token the same bits
-whether it is computed alone or in a batch."""
+whether it is computed alone or in a batch, with the KV cache in every type."""
 
 import numpy as np
 import pytest
 import torch
 
 from tierflow.cpu_kernels import _kernels
+from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes
 from tierflow.cpu_kernels.ops import attention, rms_norm, silu_mul
 from tierflow.cpu_kernels.reference import attention_reference, rms_norm_reference, silu_mul_reference
+from tierflow.kv_types import KV_TYPES
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 
-HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 16, 48
+HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 32, 48
+TYPES = list(KV_TYPES)
 
 
-def random_qkv(tokens: int, seed: int = 0) -> torch.Tensor:
+def random_qkv(tokens: int, seed: int = 0, head_dim: int = HEAD_DIM) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator)
+    return torch.randn(tokens, (HEADS + 2 * KV_HEADS) * head_dim, generator=generator)
 
 
 def rope_rows(tokens: int, start: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,9 +28,10 @@ def rope_rows(tokens: int, start: int, rope_dim: int) -> tuple[torch.Tensor, tor
     return torch.cos(angles), torch.sin(angles)
 
 
-def empty_cache() -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's keys [K, C/16, D, 16] and values [K, C, D] (ops take their .numpy())."""
-    return torch.zeros(KV_HEADS, CAPACITY // 16, HEAD_DIM, 16), torch.zeros(KV_HEADS, CAPACITY, HEAD_DIM)
+def empty_cache(name: str = "f32", head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's keys [K, C/16, I, 16] and values [K, C, I] in the type (ops take their .numpy())."""
+    shapes = cache_shapes(KV_TYPES[name], KV_HEADS, CAPACITY, head_dim)
+    return tuple(torch.zeros(shape, dtype=CACHE_DTYPES[name]) for shape in shapes)
 
 
 def run_attention(qkv, cache, cos, sin, start, neox) -> torch.Tensor:
@@ -48,13 +52,11 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(torch.from_numpy(silu_mul(gate_up.numpy())), silu_mul_reference(gate_up))
 
 
-@pytest.mark.parametrize("neox", [False, True])
-@pytest.mark.parametrize("rope_dim", [HEAD_DIM, HEAD_DIM // 2])
-@pytest.mark.parametrize("tokens,start", [(1, 0), (1, 17), (7, 0), (5, 11)])
-def test_attention_matches_torch_and_fills_the_cache(neox, rope_dim, tokens, start):
-    qkv = random_qkv(start + tokens)
+def check_attention(name: str, head_dim: int, neox: bool, rope_dim: int, tokens: int, start: int) -> None:
+    """The kernel's output is the reference's, and the bytes it writes into the cache are too."""
+    qkv = random_qkv(start + tokens, head_dim=head_dim)
     cos, sin = rope_rows(start + tokens, 0, rope_dim)
-    ours, theirs = empty_cache(), empty_cache()
+    ours, theirs = empty_cache(name, head_dim), empty_cache(name, head_dim)
     if start:  # an earlier prompt fills positions 0 .. start - 1
         run_attention(qkv[:start], ours, cos[:start], sin[:start], 0, neox)
         attention_reference(qkv[:start].clone(), *theirs, cos[:start], sin[:start], HEADS, 0, neox)
@@ -62,18 +64,31 @@ def test_attention_matches_torch_and_fills_the_cache(neox, rope_dim, tokens, sta
     out = run_attention(qkv[new], ours, cos[new], sin[new], start, neox)
     expected = attention_reference(qkv[new].clone(), *theirs, cos[new], sin[new], HEADS, start, neox)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours[0], theirs[0])
-    torch.testing.assert_close(ours[1], theirs[1])
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
-def test_tree_attention_matches_torch_in_one_call_and_across_two():
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("rope_dim", [HEAD_DIM, HEAD_DIM // 2])
+@pytest.mark.parametrize("tokens,start", [(1, 0), (1, 17), (7, 0), (5, 11)])
+@pytest.mark.parametrize("name", TYPES)
+def test_attention_matches_torch_and_fills_the_cache(name, neox, rope_dim, tokens, start):
+    check_attention(name, HEAD_DIM, neox, rope_dim, tokens, start)
+
+
+@pytest.mark.parametrize("name", ["f32", "f16"])
+def test_attention_with_a_head_size_that_is_not_a_multiple_of_16(name):
+    check_attention(name, 24, True, 16, 3, 18)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_tree_attention_matches_torch_in_one_call_and_across_two(name):
     """A 5-token prompt, then a tree (two branches from one root) fed as 2 tokens and 3 more."""
     parents = np.array([-1, 0, 1, 0, 3], np.int32)
     depths = 5 + np.array([0, 1, 2, 1, 2])
     qkv = random_qkv(10)
     cos, sin = rope_rows(8, 0, HEAD_DIM)
     cos, sin = torch.cat([cos[:5], cos[depths]]), torch.cat([sin[:5], sin[depths]])
-    ours, theirs = empty_cache(), empty_cache()
+    ours, theirs = empty_cache(name), empty_cache(name)
     run_attention(qkv[:5], ours, cos[:5], sin[:5], 0, False)
     attention_reference(qkv[:5].clone(), *theirs, cos[:5], sin[:5], HEADS, 0, False)
     for part in (slice(5, 7), slice(7, 10)):
@@ -86,21 +101,24 @@ def test_tree_attention_matches_torch_in_one_call_and_across_two():
         torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_attention_of_a_batch_equals_token_by_token_bit_for_bit():
+@pytest.mark.parametrize("name", TYPES)
+def test_attention_of_a_batch_equals_token_by_token_bit_for_bit(name):
+    """A token reads its own key as stored in the type, as every later token does."""
     qkv = random_qkv(9)
     cos, sin = rope_rows(9, 0, HEAD_DIM)
-    batch = run_attention(qkv, empty_cache(), cos, sin, 0, False)
-    cache = empty_cache()
+    batch = run_attention(qkv, empty_cache(name), cos, sin, 0, False)
+    cache = empty_cache(name)
     steps = [run_attention(qkv[i: i + 1], cache, cos[i: i + 1], sin[i: i + 1], i, False) for i in range(9)]
     assert torch.equal(batch, torch.cat(steps))
 
 
-def test_model_logits_of_a_prefill_equal_those_of_decoding_token_by_token(engine):
+@pytest.mark.parametrize("name", TYPES)
+def test_model_logits_of_a_prefill_equal_those_of_decoding_token_by_token(engine, name):
     """So greedy output never depends on how a prompt was split (prefix reuse, verify batches)."""
     decoder = Decoder(engine.config, engine.arch.block, engine.weights, 64)
     ids = np.array(engine.tokenize("Batches and single steps agree."))
-    all_at_once = decoder.forward(ids, KVCache(engine.config, 64), all_logits=True)
-    cache = KVCache(engine.config, 64)
+    all_at_once = decoder.forward(ids, KVCache(engine.config, 64, kv_type=KV_TYPES[name]), all_logits=True)
+    cache = KVCache(engine.config, 64, kv_type=KV_TYPES[name])
     one_by_one = np.concatenate([decoder.forward(ids[i: i + 1], cache) for i in range(len(ids))])
     assert np.array_equal(all_at_once, one_by_one)
 
@@ -118,6 +136,25 @@ def test_attention_refuses_inconsistent_arguments(problem, heads, start, rope_di
     with pytest.raises(ValueError, match=problem):
         _kernels.attention(random_qkv(2).numpy(), keys, values, cos, sin, torch.empty(2, out_width).numpy(),
                            heads, start, rope_dim, False, 1.0)
+
+
+@pytest.mark.parametrize("keys_type,values_type,problem", [
+    ("q8_0", "q4_0", "keys must be"),
+    ("f16", "f32", "differ in type"),
+])
+def test_attention_refuses_a_cache_whose_keys_and_values_disagree(keys_type, values_type, problem):
+    keys, values = empty_cache(keys_type)[0].numpy(), empty_cache(values_type)[1].numpy()
+    cos, sin = (t.numpy() for t in rope_rows(2, 0, HEAD_DIM))
+    with pytest.raises(ValueError, match=problem):
+        attention(random_qkv(2).numpy(), keys, values, cos, sin, HEADS, 0, False)
+
+
+def test_attention_refuses_byte_rows_that_are_no_block_type():
+    keys = torch.zeros(KV_HEADS, 3, 40, 16, dtype=torch.uint8)  # rows of 40 bytes for head size 32
+    values = torch.zeros(KV_HEADS, 48, 40, dtype=torch.uint8)
+    cos, sin = (t.numpy() for t in rope_rows(2, 0, HEAD_DIM))
+    with pytest.raises(ValueError, match="q8_0 .34 bytes. or q4_0"):
+        attention(random_qkv(2).numpy(), keys.numpy(), values.numpy(), cos, sin, HEADS, 0, False)
 
 
 def test_ops_refuse_wrong_dtypes_and_shapes():

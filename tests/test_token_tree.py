@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import pytest
 
+from tierflow.kv_types import KV_TYPES
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder, tree_depths
@@ -15,10 +16,11 @@ TREE_TOKENS = [11, 260, 1050, 370, 42, 503, 260, 9, 31]
 TREE_PARENTS = [-1, 0, 1, 2, 0, 4, 4, 6, 1]
 
 
-@pytest.fixture(scope="module")
-def generator(engine):
+@pytest.fixture(scope="module", params=list(KV_TYPES))
+def generator(engine, request):
+    """A generator over a KV cache of each type: a tree's tokens read their ancestors' stored rows."""
     decoder = Decoder(engine.config, engine.arch.block, engine.weights, 256)
-    return TokenGenerator(decoder, KVCache(engine.config, 256))
+    return TokenGenerator(decoder, KVCache(engine.config, 256, kv_type=KV_TYPES[request.param]))
 
 
 def path_to(node: int) -> list[int]:

@@ -217,6 +217,52 @@ static int get_floats(PyObject *obj, buffer_arg *arg, const char *name, int ndim
     return 0;
 }
 
+/* A layer's keys or values: float32, float16 or uint8 rows, C-contiguous, `ndim` dimensions. */
+static int get_cache(PyObject *obj, buffer_arg *arg, const char *name, int ndim) {
+    if (PyObject_GetBuffer(obj, &arg->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous, writable array", name), -1;
+    }
+    arg->held = 1;
+    const char *format = arg->view.format ? arg->view.format : "B";
+    if (format[0] == '<' || format[0] == '=' || format[0] == '@') format++;
+    const Py_ssize_t size = arg->view.itemsize;
+    if (!((size == 4 && !strcmp(format, "f")) || (size == 2 && !strcmp(format, "e")) ||
+          (size == 1 && !strcmp(format, "B")))) {
+        PyErr_Format(PyExc_TypeError, "%s has item format '%s'; expected float32, float16 or uint8", name,
+                     arg->view.format);
+        return -1;
+    }
+    if (arg->view.ndim != ndim) {
+        PyErr_Format(PyExc_ValueError, "%s must be %d-D, not %d-D", name, ndim, arg->view.ndim);
+        return -1;
+    }
+    return 0;
+}
+
+/* Checks the cache's layout and qkv's width against each other and sets shape's head_dim, type
+ * and row (items); returns the problem, or NULL. */
+static const char *cache_problem(attention_shape *shape, const Py_buffer *keys, const Py_buffer *values,
+                                 Py_ssize_t width) {
+    const Py_ssize_t *ks = keys->shape, *vs = values->shape, heads = shape->heads, kv_heads = shape->kv_heads;
+    if (ks[0] != vs[0] || ks[1] * 16 != vs[1] || ks[2] != vs[2] || ks[3] != 16)
+        return "keys must be [kv_heads, capacity / 16, R, 16] and values [kv_heads, capacity, R]";
+    if (keys->itemsize != values->itemsize) return "keys and values differ in type";
+    if (heads < 1 || kv_heads < 1 || heads % kv_heads) return "heads is not a multiple of kv_heads";
+    if (heads / kv_heads > 64) return "more than 64 query heads per key/value head";
+    if (width % (heads + 2 * kv_heads)) return "qkv has the wrong width";
+    const int64_t head_dim = width / (heads + 2 * kv_heads);
+    shape->head_dim = head_dim, shape->row = vs[2];
+    if (keys->itemsize > 1) {
+        shape->kv = keys->itemsize == 4 ? KV_F32 : KV_F16;
+        return shape->row == head_dim ? NULL : "float32 or float16 cache rows must hold head_dim values";
+    }
+    if (head_dim % 32 == 0 && shape->row == head_dim / 32 * 34) shape->kv = KV_Q8_0;
+    else if (head_dim % 32 == 0 && shape->row == head_dim / 32 * 18) shape->kv = KV_Q4_0;
+    else return "uint8 cache rows must be head_dim / 32 blocks of q8_0 (34 bytes) or q4_0 (18 bytes)";
+    return NULL;
+}
+
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     PyObject *x_obj, *w_obj, *out_obj;
     float eps;
@@ -260,13 +306,33 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The other arguments of attention against the shape; the problem, or NULL. */
+static const char *argument_problem(const attention_shape *shape, const buffer_arg *buf, Py_ssize_t tokens,
+                                    Py_ssize_t start, Py_ssize_t tree_start, const int32_t *parents) {
+    const Py_ssize_t rope_dim = shape->rope_dim, *cos = buf[3].view.shape, *sin = buf[4].view.shape;
+    if (rope_dim < 0 || rope_dim % 2 || rope_dim > shape->head_dim) return "rope_dim must be even and <= head_dim";
+    if (cos[0] != tokens || cos[1] != rope_dim / 2 || sin[0] != tokens || sin[1] != rope_dim / 2)
+        return "cos and sin must be [T, rope_dim / 2]";
+    if (start < 0 || start + tokens > shape->capacity) return "the tokens do not fit in the cache";
+    if (buf[5].view.shape[0] != tokens || buf[5].view.shape[1] != shape->heads * shape->head_dim)
+        return "out must be [T, heads * head_dim]";
+    if (parents && tree_start > start) return "tree_start is after start";
+    if (parents && buf[6].view.len != (start - tree_start + tokens) * 4)
+        return "parents must hold one index per tree token (start - tree_start + T)";
+    for (Py_ssize_t i = 0; parents && i < start - tree_start + tokens; i++) {
+        if (parents[i] < -1 || parents[i] >= i) return "parents[i] must be -1 (a root) or an earlier token";
+    }
+    return NULL;
+}
+
 PyDoc_STRVAR(attention_doc,
 "attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale, parents=None,\n"
 "          tree_start=start, window=0, softcap=0)\n--\n\n"
 "Causal attention of T new tokens at positions start ..: rotates q and k in qkv\n"
-"[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache (keys in\n"
-"blocks of 16 positions, [kv_heads, capacity / 16, head_dim, 16]; values [kv_heads, capacity,\n"
-"head_dim]), and writes out [T, heads * head_dim]. With parents the tokens extend a tree begun at\n"
+"[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache in its type\n"
+"(rows of R items: float32 or float16 [head_dim], or uint8 q8_0 / q4_0 blocks; keys in blocks of 16\n"
+"positions, [kv_heads, capacity / 16, R, 16]; values [kv_heads, capacity, R]), and writes out\n"
+"[T, heads * head_dim]. With parents the tokens extend a tree begun at\n"
 "slot tree_start: parents (int32 [start - tree_start + T]) gives each tree token's parent, -1 or\n"
 "an earlier one, and a token sees the cache before tree_start and its ancestors. Scores are scaled by\n"
 "scale, then with softcap > 0 capped to softcap * tanh(score / softcap); with window > 0 the token at\n"
@@ -283,38 +349,21 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         return NULL;
     if (tree_start < 0) tree_start = start;
     buffer_arg buf[7] = {{.held = 0}};
-    if (get_floats(objs[0], &buf[0], "qkv", 2, 1) || get_floats(objs[1], &buf[1], "keys", 4, 1) ||
-        get_floats(objs[2], &buf[2], "values", 3, 1) || get_floats(objs[3], &buf[3], "cos", 2, 0) ||
+    if (get_floats(objs[0], &buf[0], "qkv", 2, 1) || get_cache(objs[1], &buf[1], "keys", 4) ||
+        get_cache(objs[2], &buf[2], "values", 3) || get_floats(objs[3], &buf[3], "cos", 2, 0) ||
         get_floats(objs[4], &buf[4], "sin", 2, 0) || get_floats(objs[5], &buf[5], "out", 2, 1) ||
         (objs[6] && objs[6] != Py_None && get_buffer(objs[6], &buf[6], "parents", 4, "i", 0))) {
         release(buf, 7);
         return NULL;
     }
     const int32_t *parents = buf[6].held ? buf[6].view.buf : NULL;
-    const Py_ssize_t *ks = buf[1].view.shape, *vs = buf[2].view.shape, tokens = buf[0].view.shape[0];
-    attention_shape shape = {heads, vs[0], vs[2], rope_dim, vs[1], neox};
-    const char *problem = NULL;
-    if (buf[1].view.ndim != 4 || ks[0] != vs[0] || ks[1] * 16 != vs[1] || ks[2] != vs[2] || ks[3] != 16)
-        problem = "keys must be [kv_heads, capacity / 16, head_dim, 16] and values [kv_heads, capacity, head_dim]";
-    else if (heads < 1 || shape.kv_heads < 1 || heads % shape.kv_heads) problem = "heads is not a multiple of kv_heads";
-    else if (heads / shape.kv_heads > 64) problem = "more than 64 query heads per key/value head";
-    else if (rope_dim < 0 || rope_dim % 2 || rope_dim > shape.head_dim) problem = "rope_dim must be even and <= head_dim";
-    else if (buf[3].view.shape[0] != tokens || buf[3].view.shape[1] != rope_dim / 2 ||
-             buf[4].view.shape[0] != tokens || buf[4].view.shape[1] != rope_dim / 2)
-        problem = "cos and sin must be [T, rope_dim / 2]";
-    else if (start < 0 || start + tokens > shape.capacity) problem = "the tokens do not fit in the cache";
-    else if (buf[0].view.shape[1] != (heads + 2 * shape.kv_heads) * shape.head_dim) problem = "qkv has the wrong width";
-    else if (buf[5].view.shape[0] != tokens || buf[5].view.shape[1] != heads * shape.head_dim)
-        problem = "out must be [T, heads * head_dim]";
-    else if (parents && tree_start > start) problem = "tree_start is after start";
-    else if (window < 0) problem = "window must be >= 0 (0: none)";
-    else if (!isfinite(scale) || !(softcap >= 0.0f) || !isfinite(softcap))
+    const Py_ssize_t tokens = buf[0].view.shape[0];
+    attention_shape shape = {heads, buf[2].view.shape[0], 0, rope_dim, buf[2].view.shape[1], neox, KV_F32, 0};
+    const char *problem = cache_problem(&shape, &buf[1].view, &buf[2].view, buf[0].view.shape[1]);
+    if (!problem) problem = argument_problem(&shape, buf, tokens, start, tree_start, parents);
+    if (!problem && window < 0) problem = "window must be >= 0 (0: none)";
+    if (!problem && (!isfinite(scale) || !(softcap >= 0.0f) || !isfinite(softcap)))
         problem = "scale must be finite and softcap a finite number >= 0 (0: none)";
-    else if (parents && buf[6].view.len != (start - tree_start + tokens) * 4)
-        problem = "parents must hold one index per tree token (start - tree_start + T)";
-    for (Py_ssize_t i = 0; parents && !problem && i < start - tree_start + tokens; i++) {
-        if (parents[i] < -1 || parents[i] >= i) problem = "parents[i] must be -1 (a root) or an earlier token";
-    }
     if (problem) {
         release(buf, 7);
         return PyErr_Format(PyExc_ValueError, "attention: %s", problem);

@@ -8,16 +8,23 @@ void rms_norm_rows(const float *x, const float *weight, int64_t rows, int64_t si
                    float *out);
 void silu_mul_rows(const float *gate_up, int64_t rows, int64_t size, float *out);
 
+/* The types a KV cache stores its rows in (tierflow.kv_types; layouts: cpu_kernels/kv_layout.py):
+ * a head's key or value at one position is a row of `row` items, head_dim float32 or float16, or
+ * head_dim / 32 blocks of llama.cpp's q8_0 (34 bytes) or q4_0 (18 bytes). */
+typedef enum { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 2, KV_Q4_0 = 3 } kv_format;
+
 typedef struct {
     int64_t heads, kv_heads, head_dim, rope_dim, capacity; /* capacity: cache positions */
     int neox;
+    kv_format kv;
+    int64_t row; /* items of a cache row */
 } attention_shape;
 
 typedef struct {
     attention_shape shape;
     float *qkv;             /* [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place */
-    float *keys;            /* one layer's keys in blocks of 16 positions: [kv_heads, capacity / 16, head_dim, 16] */
-    float *values;          /* one layer's values [kv_heads, capacity, head_dim] */
+    void *keys;             /* one layer's keys, rows transposed in blocks of 16 positions: [kv_heads, capacity / 16, row, 16] */
+    void *values;           /* one layer's values [kv_heads, capacity, row] */
     const float *cos, *sin; /* [tokens, rope_dim / 2] */
     int64_t tokens, start;  /* the tokens sit at positions start .. start + tokens - 1 */
     float scale;
@@ -33,7 +40,7 @@ typedef struct {
     float softcap; /* scores become softcap * tanh(scores / softcap); 0: uncapped */
 } attention_job;
 
-/* Rotates q and k and writes k and v of every token into the cache. */
+/* Rotates q and k and writes k and v of every token into the cache, in its type. */
 void attention_prepare(attention_job *job);
 /* Attention of one token's query heads that share key/value head k, item = token * kv_heads + k:
  * a pool item. */

@@ -39,10 +39,10 @@ class DeviceTier:
             self._events[copy.data_ptr()] = event
             return copy
 
-    def zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zeroed float32 tensor on the device (a layer's KV cache), counted against the budget."""
-        with self._allocating(4 * int(np.prod(shape)), "a KV cache array"):
-            return torch.zeros(shape, dtype=torch.float32, device=self.device)
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zeroed tensor on the device (a layer's KV cache), counted against the budget."""
+        with self._allocating(dtype.itemsize * int(np.prod(shape)), "a KV cache array"):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @contextmanager
     def _allocating(self, nbytes: int, what: str) -> Iterator[None]:

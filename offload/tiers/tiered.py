@@ -121,12 +121,13 @@ class TieredWeights:
             return self.packed.device_layer_weights(index, copy, self.device_kernels)
         return self.packed.layer_weights(index, memoryview(copy.numpy()))  # the CPU stand-in's memory
 
-    def allocate_cache(self, layer_idx: int, shape: tuple[int, ...]) -> np.ndarray | torch.Tensor:
-        """A zeroed float32 KV cache array of layer `layer_idx`, where the layer is computed: for
-        a layer on the device tier, there (counted against gpu_memory); else in RAM."""
+    def allocate_cache(self, layer_idx: int, shape: tuple[int, ...],
+                       dtype: torch.dtype = torch.float32) -> np.ndarray | torch.Tensor:
+        """A zeroed KV cache array of layer `layer_idx`, where the layer is computed: for a layer
+        on the device tier, there (counted against gpu_memory); else in RAM."""
         if layer_idx not in self.gpu_layers:
-            return np.zeros(shape, np.float32)
-        array = self.device.zeros(shape)
+            return torch.zeros(shape, dtype=dtype).numpy()
+        array = self.device.zeros(shape, dtype)
         return array if self.device_kernels is not None else array.numpy()
 
     # -- the WeightSource interface --------------------------------------------------------
