@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from tierflow.kv_types import KVType
 from tierflow.runtime.config import ModelConfig
 
 
@@ -19,7 +20,9 @@ class KVCache:
     """
 
     def __init__(self, config: ModelConfig, context_length: int,
-                 allocate: Callable[[int, tuple[int, ...]], np.ndarray | torch.Tensor] | None = None):
+                 allocate: Callable[[int, tuple[int, ...]], np.ndarray | torch.Tensor] | None = None,
+                 kv_type: KVType | None = None):
+        self.kv_type = kv_type  # the type asked for; the storage stays float32 until it is implemented
         capacity = -(-context_length // 16) * 16
         heads, dim = config.num_kv_heads, config.head_dim
         allocate = allocate or (lambda _, shape: np.zeros(shape, np.float32))
