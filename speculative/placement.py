@@ -38,10 +38,11 @@ def load_draft(model: str | os.PathLike, target: ModelFile, budgets: Budgets, gp
         budgets.kv.check_head_dim(config.head_dim)
         sizes = pack_sizes(draft)
         cache = CacheFootprint.of(config, budgets.context_length, budgets.kv, budgets.kv_on_cpu)
-        gpu = tuple(range(config.num_layers))
+        every_layer = tuple(range(config.num_layers))
         layer_bytes = sum(x.nbytes for x in sizes.layers)
-        on_gpu = not config.is_moe and 0 < layer_bytes + cache.gpu_bytes(gpu) <= budgets.gpu_bytes
-        in_ram = sizes.total_bytes - (layer_bytes if on_gpu else 0) + cache.ram_bytes(gpu if on_gpu else ())
+        on_gpu = not config.is_moe and 0 < layer_bytes + cache.gpu_bytes(every_layer) <= budgets.gpu_bytes
+        gpu_layers = every_layer if on_gpu else ()
+        in_ram = sizes.total_bytes - (layer_bytes if on_gpu else 0) + cache.ram_bytes(gpu_layers)
         if in_ram > budgets.cpu_bytes:
             raise BudgetError(f"cpu_memory {format_size(budgets.cpu_bytes)} cannot hold the draft model "
                               f"{path.name} ({format_size(in_ram)} in RAM with its KV cache and "
