@@ -24,7 +24,7 @@ from tierflow.offload.experts.cache import CacheStats
 from tierflow.offload.experts.routing_trace import RoutingRecorder
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
-from tierflow.offload.pack.writer import LoadProgress
+from tierflow.offload.pack.writer import LoadProgress, pack_sizes
 from tierflow.runtime.arguments import TOKEN_IDS, flag, stop_strings, token_ids, utf8_encoded
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.loader import (
@@ -120,8 +120,8 @@ class Engine:
         cache = CacheOptions(context_length, kv_cache_type, flag("kv_on_cpu", kv_on_cpu),
                              flag("allow_context_extension", allow_context_extension))
         with open_model_file(path) as target:  # validated before llama.cpp sees the file
-            profile = profile_source(target, threads, gpu, progress)
-            budgets = resolve_budgets(target, cpu_memory, gpu.budget, cache, profile)
+            profile, sizes = profile_source(target, threads, gpu, progress), pack_sizes(target)
+            budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile)
             tokenizer = load_tokenizer(target)
             drafted = None
             try:
@@ -129,7 +129,7 @@ class Engine:
                     drafted = load_draft(draft, target, budgets, gpu, progress)
                     budgets = budgets.less(drafted.bytes_by_tier())
                 try:
-                    loaded = load_model(target, budgets, gpu, profile, progress)
+                    loaded = load_model(target, sizes, budgets, gpu, profile, progress)
                 except BudgetError as error:
                     if drafted is None:
                         raise

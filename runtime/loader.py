@@ -1,7 +1,7 @@
 """The one loader: from a model file and the user's budgets to its weights, placed as planned.
 
     model = open_model_file(path)                         # header, family, config, tensors checked
-    budgets = resolve_budgets(model, cpu_memory, gpu_budget, cache, profile)  # and the context
+    budgets = resolve_budgets(model, sizes, cpu_memory, gpu_budget, cache, profile)  # and the context
     plan = plan_load(model, sizes, budgets, profile)      # offload/plan/planner.py
     weights = place_weights(model, plan, gpu, progress)   # the pack (built once), placed as planned
 
@@ -119,16 +119,15 @@ def thread_count(threads: int | None) -> int:
     return threads
 
 
-def resolve_budgets(model: ModelFile, cpu_memory: int | str | None, gpu_budget: int, cache: CacheOptions,
-                    profile: ProfileSource) -> Budgets:
+def resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | None, gpu_budget: int,
+                    cache: CacheOptions, profile: ProfileSource) -> Budgets:
     """The budgets of a load: cpu_memory as given, or by default the available RAM less a margin;
     the KV cache's type; and the context (offload/plan/context.py), which may need the machine's
-    speeds (profile) to see whether a placement fits."""
+    speeds (profile) to see whether a placement of the pack (sizes) fits."""
     kv = kv_type(cache.kv_cache_type)
     kv.check_head_dim(model.config.head_dim)
     check_context(cache.context_length, model.config, cache.allow_context_extension)
     cpu = parse_size(cpu_memory) if cpu_memory is not None else available_ram_bytes()
-    sizes = pack_sizes(model)
 
     def plan_at(context_length: int) -> Plan:
         return make_plan(model, sizes, profile, gpu_budget=gpu_budget, cpu_budget=cpu,
@@ -217,11 +216,11 @@ def place_weights(model: ModelFile, plan: Plan, gpu: GpuTier, progress: LoadProg
         return place(open_pack(model, progress))
 
 
-def load_model(model: ModelFile, budgets: Budgets, gpu: GpuTier, profile: ProfileSource,
+def load_model(model: ModelFile, sizes: PackSizes, budgets: Budgets, gpu: GpuTier, profile: ProfileSource,
                progress: LoadProgress | None = None) -> LoadedModel:
     """Plans the model under the budgets (measuring the machine only if the plan needs it) and
     places its weights."""
-    plan = plan_load(model, pack_sizes(model), budgets, profile)
+    plan = plan_load(model, sizes, budgets, profile)
     return load_planned(model, plan, gpu, progress)
 
 
@@ -256,6 +255,6 @@ def plan_file(model: str | os.PathLike | None, *, threads: int, cpu_memory: int 
     machine is measured first if it never was); nothing is loaded."""
     gpu_budget = parse_size(gpu_memory) if gpu_memory is not None else 0
     with open_model_file(resolve_model_path(model)) as opened:
-        profile = model_profile(opened, threads)
-        budgets = resolve_budgets(opened, cpu_memory, gpu_budget, cache, profile)
-        return plan_load(opened, pack_sizes(opened), budgets, profile, prompt_tokens)
+        profile, sizes = model_profile(opened, threads), pack_sizes(opened)
+        budgets = resolve_budgets(opened, sizes, cpu_memory, gpu_budget, cache, profile)
+        return plan_load(opened, sizes, budgets, profile, prompt_tokens)

@@ -66,9 +66,9 @@ def describe_model(model: str | os.PathLike | None) -> ModelSummary:
             count, nbytes = types.get(info.type_name, (0, 0))
             types[info.type_name] = (count + 1, nbytes + info.nbytes)
         num_parameters = sum(info.num_elements for info in opened.gguf.tensors.values())
-        profile = profile_source(opened, thread_count(None))
-        budgets = resolve_budgets(opened, None, 0, CacheOptions(), profile)
-        plan = plan_load(opened, pack_sizes(opened), budgets, profile)
+        profile, sizes = profile_source(opened, thread_count(None)), pack_sizes(opened)
+        budgets = resolve_budgets(opened, sizes, None, 0, CacheOptions(), profile)
+        plan = plan_load(opened, sizes, budgets, profile)
     file_bytes = sum(part.stat().st_size for part in split_parts(path) or [path])
     return ModelSummary(path, opened.config, file_bytes, num_parameters, types, plan.weight_bytes(),
                         recommended_sampling(opened.gguf.metadata, budgets.context_length))

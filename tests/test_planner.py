@@ -256,7 +256,7 @@ def test_the_default_cpu_budget_is_available_ram_less_a_margin(deep, monkeypatch
         total, available = 16 << 30, 8 << 30
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
-    budgets = resolve_budgets(deep[0], None, 0, CacheOptions(context_length=CTX), PROFILE)
+    budgets = resolve_budgets(deep[0], deep[1], None, 0, CacheOptions(context_length=CTX), PROFILE)
     margin = max(int(0.1 * Memory.total), 1 << 30)
     assert budgets.cpu_bytes == Memory.available - margin  # the KV cache is planned within it
 
