@@ -52,6 +52,7 @@ from benchmarks.decode import build_prompt, measure, positive_int, summarize
 from benchmarks.streaming import model_file
 from tierflow import Engine
 from tierflow.gpu_kernels.launch import load_all_kernels
+from tierflow.kv_types import kv_type
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.budgets import kv_cache_bytes
@@ -77,7 +78,7 @@ class Sizes:
 
     globals_bytes: int
     layer_bytes: list[int]
-    kv_per_layer_bytes: int  # each layer's share of the float32 KV cache
+    kv_per_layer_bytes: int  # each layer's share of the KV cache (the default type)
 
     def gpu_budget(self, num_gpu: int) -> int:
         return sum(self.layer_bytes[:num_gpu]) + num_gpu * self.kv_per_layer_bytes
@@ -91,7 +92,7 @@ def read_sizes(path: Path, context_length: int) -> Sizes:
     with open_model_file(path) as model:
         config, sizes = model.config, pack_sizes(model)
     globals_, layers = sizes.globals, sizes.layers
-    kv = kv_cache_bytes(config, context_length) // config.num_layers
+    kv = kv_cache_bytes(config, context_length, kv_type(None)) // config.num_layers  # the default type
     return Sizes(globals_.nbytes, [layer.nbytes for layer in layers], kv)
 
 

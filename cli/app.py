@@ -18,7 +18,10 @@ from tierflow.cli.options import (
     DraftOpt,
     DraftShapeOpt,
     DraftTokensOpt,
+    ExtendOpt,
     GpuOpt,
+    KvOnCpuOpt,
+    KvTypeOpt,
     MaxTokensOpt,
     MinPOpt,
     ModelOpt,
@@ -61,13 +64,22 @@ def _options_of_every_command(version: VersionOpt = False) -> None:
     --cpu-memory as TIERFLOW_CPU_MEMORY, --model as TIERFLOW_MODEL, and so on."""
 
 
-def _load(model, gpu_memory, cpu_memory, threads, ctx, draft=None, draft_shape="tree", draft_tokens=None):
+def _load(model, **options):
+    """Engine.load with the command's options; what the load decided for the user (a shorter
+    default context) is said once, on stderr."""
     from tierflow.runtime.engine import Engine
 
     with pack_notices(), loading(model) as progress:
-        return Engine.load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads,
-                           context_length=ctx, progress=progress, draft=draft, draft_shape=draft_shape,
-                           draft_tokens=draft_tokens)
+        engine = Engine.load(model, progress=progress, **options)
+    for notice in engine.notices:
+        err.print(f"[yellow]note:[/yellow] {notice}", soft_wrap=True)
+    return engine
+
+
+def _cache(ctx, kv_type, kv_on_cpu, allow_context_extension) -> dict:
+    """Engine.load's KV cache keywords from the shared options."""
+    return dict(context_length=ctx, kv_cache_type=kv_type, kv_on_cpu=kv_on_cpu,
+                allow_context_extension=allow_context_extension)
 
 
 @app.command()
@@ -81,14 +93,17 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it
                                                       "message, the answer the assistant's")] = False,
         gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
         ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
-        draft_tokens: DraftTokensOpt = None) -> None:
+        draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
+        allow_context_extension: ExtendOpt = False) -> None:
     """Complete PROMPT once and print the completion (with --chat: answer it)."""
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
     sampling |= dict(max_tokens=max_tokens, stop=stop)
     if prompt == "-":
         prompt = _stdin_text()
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
+    engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
+                   draft_shape=draft_shape, draft_tokens=draft_tokens,
+                   **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
     stream = (engine.chat_stream([{"role": "user", "content": prompt}], **sampling) if as_chat
               else engine.stream(prompt, **sampling))
     if as_json:
@@ -121,6 +136,7 @@ def chat(model: ModelOpt = None,
          seed: SeedOpt = None, gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None, draft: DraftOpt = None,
          draft_shape: DraftShapeOpt = "tree", draft_tokens: DraftTokensOpt = None,
+         kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False, allow_context_extension: ExtendOpt = False,
          plain: Annotated[bool, option("--plain", help="print answers as plain text, not as "
                                                      "rendered markdown")] = False) -> None:
     """Chat interactively. /help lists the commands (/system, /set, /save, /load, /reset, /exit),
@@ -135,7 +151,9 @@ def chat(model: ModelOpt = None,
         # Input that is not UTF-8 reaches the engine, which names the problem, whatever the locale
         # (a strict one would make input() raise UnicodeDecodeError), as argv does.
         sys.stdin.reconfigure(errors="surrogateescape")
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
+    engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
+                   draft_shape=draft_shape, draft_tokens=draft_tokens,
+                   **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
     view = AnswerView(out, err, markdown=out.is_terminal and not plain)
     ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out,
                 read_line=line_reader(cache_dir() / "chat_history"), view=view).run()
@@ -158,14 +176,17 @@ def serve(model: ModelOpt = None,
               "rather than drop its oldest turns")] = False,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
-          draft_tokens: DraftTokensOpt = None) -> None:
+          draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
+          allow_context_extension: ExtendOpt = False) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page."""
     from tierflow.cli.server import ServerSettings
     from tierflow.cli.server import serve as serve_forever
 
     settings = ServerSettings(host=host, port=port, api_key=api_key, cors_origins=tuple(cors_origin or ()),
                               max_prompt_chars=max_prompt_chars, context_shift=not no_context_shift)
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
+    engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
+                   draft_shape=draft_shape, draft_tokens=draft_tokens,
+                   **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
     if not settings.is_loopback and settings.api_key is None:
         err.print(f"[yellow]warning:[/yellow] {host} is reachable from other machines and no --api-key "
                   "is set", soft_wrap=True)
@@ -186,13 +207,16 @@ def bench(model: ModelOpt = None,
           as_json: Annotated[bool, option("--json", help="print the figures as JSON")] = False,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
-          draft_tokens: DraftTokensOpt = None) -> None:
+          draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
+          allow_context_extension: ExtendOpt = False) -> None:
     """Time prompt processing and generation (greedy by default): the median of the timed runs,
     after one untimed warm-up; with --draft, also guesses accepted and tokens per target pass."""
     if repetitions < 1 or max_tokens < 1:
         raise typer.BadParameter("--repetitions and --max-tokens must be at least 1")
     sampling = _sampling(temperature=temperature, seed=seed)
-    engine = _load(model, gpu_memory, cpu_memory, threads, ctx, draft, draft_shape, draft_tokens)
+    engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
+                   draft_shape=draft_shape, draft_tokens=draft_tokens,
+                   **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
     with engine:
         engine.generate(prompt, max_tokens=max_tokens, **sampling)
         runs = []

@@ -9,7 +9,18 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from tierflow.cli.display import err, model_name, out, progress_bar, status
-from tierflow.cli.options import CpuOpt, CtxOpt, GpuOpt, ModelArg, ModelOpt, ThreadsOpt, option
+from tierflow.cli.options import (
+    CpuOpt,
+    CtxOpt,
+    ExtendOpt,
+    GpuOpt,
+    KvOnCpuOpt,
+    KvTypeOpt,
+    ModelArg,
+    ModelOpt,
+    ThreadsOpt,
+    option,
+)
 from tierflow.units import format_size
 
 
@@ -50,21 +61,24 @@ def list_command(as_json: Annotated[bool, option("--json", help="print the list 
 
 def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt = None,
          cpu_memory: CpuOpt = None,
-         threads: ThreadsOpt = None, ctx: CtxOpt = None,
+         threads: ThreadsOpt = None, ctx: CtxOpt = None, kv_type: KvTypeOpt = None,
+         kv_on_cpu: KvOnCpuOpt = False, allow_context_extension: ExtendOpt = False,
          prompt_tokens: Annotated[Optional[int], option(
-             "--prompt-tokens", help="prompt length of the prefill prediction, and the position of "
-             "the decode one (default: 512, at most the context)")] = None,
+             "--prompt-tokens", help="prompt length of the prefill prediction (default: 512, at most the "
+             "context); decode is predicted with the context full")] = None,
          as_json: Annotated[bool, option("--json", help="print the plan as JSON")] = False) -> None:
-    """Show where each layer would live and compute, the memory it takes and the predicted
-    tokens/s, before anything loads (reads the header and the cached hardware profile)."""
+    """Show where each layer would live and compute, the memory it and its KV cache take, the
+    context and the predicted tokens/s, before anything loads (reads the header and the cached
+    hardware profile)."""
     from tierflow.offload.plan.profile import profile_path
-    from tierflow.runtime.loader import plan_file, thread_count
+    from tierflow.runtime.loader import CacheOptions, plan_file, thread_count
 
     threads = thread_count(threads)
     if not profile_path(threads).exists():
         err.print("measuring this machine once for the planner (tierflow probe), about 20 s", soft_wrap=True)
+    cache = CacheOptions(ctx, kv_type, kv_on_cpu, allow_context_extension)
     result = plan_file(model or model_opt, threads=threads, gpu_memory=gpu_memory, cpu_memory=cpu_memory,
-                       context_length=ctx, prompt_tokens=prompt_tokens)
+                       cache=cache, prompt_tokens=prompt_tokens)
     if as_json:
         print(json.dumps(result.as_dict()))
         return

@@ -18,7 +18,15 @@ ModelArg = Annotated[Optional[str], typer.Argument(help="GGUF file or model name
 GpuOpt = Annotated[Optional[str], option("--gpu-memory", help="GPU weight budget, e.g. 4GiB")]
 CpuOpt = Annotated[Optional[str], option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
 ThreadsOpt = Annotated[Optional[int], option("--threads", "-t", help="CPU threads")]
-CtxOpt = Annotated[Optional[int], option("--ctx", help="context length (KV cache size)")]
+CtxOpt = Annotated[Optional[int], option(
+    "--ctx", help="context length: the positions the KV cache holds (default: the model's trained context if "
+    "the memory budgets hold it, else the most they do)")]
+KvTypeOpt = Annotated[Optional[str], option(
+    "--kv-type", help="KV cache type: f16 (default), f32, q8_0 or q4_0 (llama.cpp's -ctk/-ctv)")]
+KvOnCpuOpt = Annotated[bool, option(
+    "--kv-on-cpu", help="keep every layer's KV cache in RAM, the GPU layers' too (llama.cpp's -nkvo)")]
+ExtendOpt = Annotated[bool, option(
+    "--allow-context-extension", help="allow a --ctx past the model's trained context")]
 DraftOpt = Annotated[Optional[str], option(
     "--draft", help="speculative decoding: 'ngram' (prompt lookup) or a smaller GGUF with the same "
     "vocabulary (e.g. this model converted to 3 bits); the output follows the model's own")]

@@ -11,7 +11,8 @@
 In q4_0, q[j] is the low nibble of qs[j] for j < 16, else the high nibble of qs[j - 16].
 
 A block runs along one head's features, so the quantized types need a head size that is a
-multiple of 32. The planner, the cache and the benchmarks all size a cache through `row_bytes`.
+multiple of 32. The planner, the cache and the benchmarks all size a cache through `row_bytes`
+and `cache_positions`.
 """
 
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class KVType:
 KV_TYPES = {kv.name: kv for kv in (KVType("f32", 0, 1, 4), KVType("f16", 1, 1, 2),
                                      KVType("q8_0", 8, 32, 34), KVType("q4_0", 2, 32, 18))}
 DEFAULT_KV_TYPE = "f16"
+MAX_PASS_TOKENS = 512  # the most positions one forward pass writes: a prefill chunk (PREFILL_CHUNK)
 
 
 def kv_type(name: str | None) -> KVType:
@@ -49,3 +51,11 @@ def kv_type(name: str | None) -> KVType:
     if not isinstance(name, str) or name.lower() not in KV_TYPES:
         raise InvalidArgumentError(f"unknown KV cache type {name!r}: choose one of {', '.join(KV_TYPES)}")
     return KV_TYPES[name.lower()]
+
+
+def cache_positions(context_length: int, window: int) -> int:
+    """Positions one layer's cache holds, rounded up to 16 (a block of keys): the whole context.
+    A sliding-window layer (window > 0) is masked to its window but still stores every position:
+    a ring of the window plus the most one pass writes (MAX_PASS_TOKENS) is not built yet, and the
+    budgets count what the cache holds."""
+    return -(-context_length // 16) * 16

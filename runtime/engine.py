@@ -24,15 +24,16 @@ from tierflow.offload.experts.cache import CacheStats
 from tierflow.offload.experts.routing_trace import RoutingRecorder
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
-from tierflow.offload.pack.writer import LoadProgress
+from tierflow.offload.pack.writer import LoadProgress, pack_sizes
 from tierflow.runtime.arguments import TOKEN_IDS, flag, stop_strings, token_ids, utf8_encoded
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.loader import (
+    CacheOptions,
     LoadedModel,
-    context_length_for,
     gpu_tier,
     load_model,
     load_tokenizer,
+    profile_source,
     resolve_budgets,
     thread_count,
 )
@@ -56,13 +57,15 @@ class Engine:
 
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer, threads: int,
                  speculator: Speculator | None = None, draft: LoadedModel | None = None,
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, notices: tuple[str, ...] = ()):
         self.path: Path = model.path
         self.arch, self.config = model.arch, model.config  # the family (runtime/models/), its sizes
         self.plan = model.plan  # where every layer (and expert) lives and computes
         self.weights = model.weights
         self.tokenizer = tokenizer
         self.context_length = model.context_length
+        # What the load decided that its caller should hear: a default context shortened to fit.
+        self.notices = notices
         self.threads = threads
         self.speculator = speculator  # None: one token per pass
         self.draft = draft  # a draft model's weights, when the speculator runs one
@@ -82,13 +85,20 @@ class Engine:
              cpu_memory: int | str | None = None, threads: int | None = None,
              context_length: int | None = None, progress: LoadProgress | None = None,
              gpu_device: str | None = None, draft: str | os.PathLike | None = None,
-             draft_shape: str = "tree", draft_tokens: int | None = None) -> "Engine":
+             draft_shape: str = "tree", draft_tokens: int | None = None, kv_cache_type: str | None = None,
+             kv_on_cpu: bool = False, allow_context_extension: bool = False) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes held on each tier ("4GiB", "512MB" or an int):
-        weights, and on the GPU the KV cache of the layers computed there; threads is the CPU
-        thread count (default: physical cores); context_length the KV cache size (default: the
-        model's, capped at 4096); progress(phase, done, total) is called as bytes load.
+        the weights, and the KV cache of the layers computed there; cpu_memory also keeps room
+        for the activations of a pass (default: the available RAM less a margin). threads is
+        the CPU thread count (default: physical cores). context_length is the positions the KV
+        cache holds: by default the model's trained context if the budgets hold it, else the
+        largest multiple of 256 they do (engine.notices says so); more than the model was
+        trained on only with allow_context_extension. kv_cache_type is the cache's type: "f16"
+        (default), "f32", "q8_0" or "q4_0" (llama.cpp's formats); kv_on_cpu keeps every
+        layer's cache in RAM, the GPU layers' too (llama.cpp's -nkvo). progress(phase, done,
+        total) is called as bytes load.
         With gpu_memory, the first layers that fit run on the CUDA GPU with tierflow's Triton
         kernels, the rest on the CPU. Without a GPU, for testing: gpu_device="cpu" lets torch's
         CPU device stand in for the GPU tier, with the same budget, its layers computed by the
@@ -107,9 +117,11 @@ class Engine:
         threads = thread_count(threads)
         gpu = gpu_tier(gpu_memory, gpu_device)
         check_draft_options(draft_shape, draft_tokens)
+        cache = CacheOptions(context_length, kv_cache_type, flag("kv_on_cpu", kv_on_cpu),
+                             flag("allow_context_extension", allow_context_extension))
         with open_model_file(path) as target:  # validated before llama.cpp sees the file
-            context_length = context_length_for(context_length, target.config)
-            budgets = resolve_budgets(target, cpu_memory, gpu.budget, context_length)
+            profile, sizes = profile_source(target, threads, gpu, progress), pack_sizes(target)
+            budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile)
             tokenizer = load_tokenizer(target)
             drafted = None
             try:
@@ -117,7 +129,7 @@ class Engine:
                     drafted = load_draft(draft, target, budgets, gpu, progress)
                     budgets = budgets.less(drafted.bytes_by_tier())
                 try:
-                    loaded = load_model(target, budgets, gpu, threads, progress)
+                    loaded = load_model(target, sizes, budgets, gpu, profile, progress)
                 except BudgetError as error:
                     if drafted is None:
                         raise
@@ -134,8 +146,8 @@ class Engine:
         if draft is not None:
             draft_model = None if drafted is None else drafted.generator
             speculator = make_speculator(draft_model, draft_shape, draft_tokens, target.config.vocab_size)
-        sampling_defaults = recommended_sampling(target.gguf.metadata, context_length)
-        return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults)
+        sampling_defaults = recommended_sampling(target.gguf.metadata, budgets.context_length)
+        return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults, budgets.notices)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -297,6 +309,12 @@ class Engine:
                 decoder.on_routing = None
 
     # -- lifetime --------------------------------------------------------------------------
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The bytes the KV cache holds, every layer's, wherever it is."""
+        self._check_open()
+        return self._generator.cache.num_bytes
 
     @property
     def expert_stats(self) -> CacheStats | None:

@@ -9,11 +9,12 @@ import numpy as np
 import torch
 
 from tierflow.errors import BudgetError
+from tierflow.kv_types import MAX_PASS_TOKENS
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 from tierflow.runtime.sampler import Sampler
 
-PREFILL_CHUNK = 512  # tokens per prefill pass: bounds activation memory and cancel latency
+PREFILL_CHUNK = MAX_PASS_TOKENS  # tokens per prefill pass: bounds activation memory and cancel latency
 
 # Told (prompt tokens in the cache, prompt tokens) as a prefill starts and after each chunk: what a
 # long prompt's progress is shown with.

@@ -1,42 +1,47 @@
 """The one loader: from a model file and the user's budgets to its weights, placed as planned.
 
     model = open_model_file(path)                         # header, family, config, tensors checked
-    budgets = resolve_budgets(model, sizes, cpu_memory, gpu_budget, context_length)
-    plan = make_plan(model, sizes, profile, **budgets)    # offload/plan/planner.py
+    budgets = resolve_budgets(model, sizes, cpu_memory, gpu_budget, cache, profile)  # and the context
+    plan = plan_load(model, sizes, budgets, profile)      # offload/plan/planner.py
     weights = place_weights(model, plan, gpu, progress)   # the pack (built once), placed as planned
 
 Engine.load, the draft's placement, `tierflow plan` and `tierflow info` all go through here, so
 the placement `tierflow plan` prints is the one a load then holds. This is the one place default
 budgets are decided:
 - gpu_memory: 0 (the GPU is used when asked for);
-- cpu_memory: the available RAM less a margin (max(10% of RAM, 1 GiB)), the KV cache and the
-  activations of a prefill chunk;
-- context length: the model's, capped at DEFAULT_CONTEXT_CAP.
+- cpu_memory: the available RAM less a margin (max(10% of RAM, 1 GiB)); it holds the weights
+  kept in RAM, the KV cache of the layers computed there and the largest pass's activations;
+- context length: the model's trained context if the budgets hold its KV cache and activations,
+  else the largest multiple of 256 that they hold, with a notice (offload/plan/context.py);
+- KV cache type: kv_types.DEFAULT_KV_TYPE (f16).
 The machine's speeds are needed only when something streams or a GPU budget is given; they are
 measured once (`tierflow probe`, cached), and the per-layer overhead once per model shape.
 """
 
+import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import psutil
 import torch
 
-from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentError, ModelFileError
+from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError
 from tierflow.gpu_kernels.launch import load_all_kernels
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
+from tierflow.kv_types import KV_TYPES, KVType, kv_type
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.gguf.vocab_file import llama_vocab_file
 from tierflow.offload.pack.writer import LoadProgress, PackSizes, open_pack, pack_sizes
-from tierflow.offload.plan.budgets import available_ram_bytes, kv_cache_bytes, scratch_bytes
-from tierflow.offload.plan.planner import DEFAULT_PROMPT_TOKENS, Plan, make_plan
+from tierflow.offload.plan.budgets import available_ram_bytes
+from tierflow.offload.plan.context import check_context, plan_context
+from tierflow.offload.plan.planner import Plan, ProfileSource, make_plan
 from tierflow.offload.plan.probe import load_profile, save_profile
 from tierflow.offload.plan.profile import GpuProfile, HardwareProfile
 from tierflow.offload.tiers.device import DeviceTier
 from tierflow.offload.tiers.tiered import TieredWeights
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.generation import PREFILL_CHUNK, TokenGenerator
+from tierflow.runtime.generation import TokenGenerator
+from tierflow.runtime.host_attention import HostAttention
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder, Kernels
 from tierflow.runtime.overhead import measure_layer_overhead, shape_key
@@ -44,7 +49,6 @@ from tierflow.runtime.tokenizer import Tokenizer
 from tierflow.runtime.vocabulary import check_vocabulary
 from tierflow.units import parse_size
 
-DEFAULT_CONTEXT_CAP = 4096  # the KV cache length a load defaults to
 GPU_DEVICES = ("cpu", "interpret")
 
 
@@ -58,10 +62,23 @@ class GpuTier:
 
 
 @dataclass(frozen=True)
+class CacheOptions:
+    """What a load asks of its KV cache (Engine.load's keywords of the same names)."""
+
+    context_length: int | None = None  # None: the trained context, or the largest that fits
+    kv_cache_type: str | None = None  # a kv_types.KV_TYPES name; None: the default
+    kv_on_cpu: bool = False  # every layer's cache in RAM (llama.cpp's -nkvo)
+    allow_context_extension: bool = False  # a context past the trained one is refused unless set
+
+
+@dataclass(frozen=True)
 class Budgets:
-    cpu_bytes: int  # weights in RAM (the ring and expert caches included)
+    cpu_bytes: int  # RAM: weights (ring, expert caches), the KV cache kept there, activations
     gpu_bytes: int  # weights and their KV caches on the GPU
     context_length: int
+    kv: KVType
+    kv_on_cpu: bool = False
+    notices: tuple[str, ...] = field(default=(), compare=False)  # what choosing the context decided
 
     def less(self, held: dict[str, int]) -> "Budgets":
         """What is left after `held` bytes per tier ("cpu", "gpu") were placed first."""
@@ -70,16 +87,24 @@ class Budgets:
 
 class LoadedModel:
     """A model's weights placed as planned, and a decoder over them with its KV cache (each
-    layer's where it computes, allocated here: the budgets of what loads next see it)."""
+    layer's where it computes, or all in RAM with kv_on_cpu; allocated here: the budgets of what
+    loads next see it)."""
 
     def __init__(self, model: ModelFile, plan: Plan, weights: TieredWeights, context_length: int):
         self.path, self.arch, self.config = model.path, model.arch, model.config
         self.plan, self.weights, self.context_length = plan, weights, context_length
-        decoder = Decoder(self.config, self.arch.block, weights, context_length)
-        self.generator = TokenGenerator(decoder, KVCache(self.config, context_length, weights.allocate_cache))
+        source, allocate = weights, weights.allocate_cache
+        if plan.kv_on_cpu:
+            source, allocate = HostAttention.over(weights), None
+        decoder = Decoder(self.config, self.arch.block, source, context_length)
+        cache = KVCache(self.config, context_length, allocate, kv_type=KV_TYPES[plan.kv_type])
+        self.generator = TokenGenerator(decoder, cache)
 
     def bytes_by_tier(self) -> dict[str, int]:
-        return self.weights.bytes_by_tier()
+        """Bytes held per tier: the weights (and the KV caches on the GPU) as placed, and the
+        KV cache in RAM as planned."""
+        held = self.weights.bytes_by_tier()
+        return held | {"cpu": held["cpu"] + self.plan.kv_bytes - self.plan.kv_gpu_bytes}
 
     def close(self) -> None:
         self.weights.close()
@@ -94,28 +119,23 @@ def thread_count(threads: int | None) -> int:
     return threads
 
 
-def context_length_for(requested: int | None, config: ModelConfig) -> int:
-    if requested is None:
-        return min(config.context_length, DEFAULT_CONTEXT_CAP)
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise InvalidArgumentError(f"context_length must be a positive integer, got {requested!r}")
-    if requested > config.context_length:
-        raise ContextLengthError(f"context_length {requested} exceeds the model's {config.context_length}")
-    return requested
+def resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | None, gpu_budget: int,
+                    cache: CacheOptions, profile: ProfileSource) -> Budgets:
+    """The budgets of a load: cpu_memory as given, or by default the available RAM less a margin;
+    the KV cache's type; and the context (offload/plan/context.py), which may need the machine's
+    speeds (profile) to see whether a placement of the pack (sizes) fits."""
+    kv = kv_type(cache.kv_cache_type)
+    kv.check_head_dim(model.config.head_dim)
+    check_context(cache.context_length, model.config, cache.allow_context_extension)
+    cpu = parse_size(cpu_memory) if cpu_memory is not None else available_ram_bytes()
 
+    def plan_at(context_length: int) -> Plan:
+        return make_plan(model, sizes, profile, gpu_budget=gpu_budget, cpu_budget=cpu,
+                         context_length=context_length, kv=kv, kv_on_cpu=cache.kv_on_cpu)
 
-def resolve_budgets(model: ModelFile, cpu_memory: int | str | None, gpu_budget: int,
-                    context_length: int) -> Budgets:
-    """The budgets of a load: cpu_memory as given, or by default the available RAM less a
-    margin and what the KV cache and a prefill chunk's activations will take."""
-    if cpu_memory is not None:
-        cpu = parse_size(cpu_memory)
-    else:
-        prompt = min(DEFAULT_PROMPT_TOKENS, context_length)
-        reserved = (kv_cache_bytes(model.config, context_length)
-                    + scratch_bytes(model.config, min(prompt, PREFILL_CHUNK), prompt))
-        cpu = available_ram_bytes(reserved)
-    return Budgets(cpu, gpu_budget, context_length)
+    plan, notice = plan_context(plan_at, cache.context_length, model.config.context_length)
+    notices = () if notice is None else (notice,)
+    return Budgets(cpu, gpu_budget, plan.context_length, kv, cache.kv_on_cpu, notices)
 
 
 def gpu_tier(gpu_memory: int | str | None, gpu_device: str | None) -> GpuTier:
@@ -164,11 +184,20 @@ def model_profile(model: ModelFile, threads: int, gpu: GpuTier | None = None,
     return profile
 
 
-def plan_load(model: ModelFile, sizes: PackSizes, budgets: Budgets, profile, prompt_tokens: int | None = None
-              ) -> Plan:
-    """The planner's plan under resolved budgets; `profile` may be a function (see make_plan)."""
-    return make_plan(model, sizes, profile, gpu_budget=budgets.gpu_bytes, cpu_budget=budgets.cpu_bytes,
-                     context_length=budgets.context_length, prompt_tokens=prompt_tokens)
+def plan_load(model: ModelFile, sizes: PackSizes, budgets: Budgets, profile: ProfileSource,
+              prompt_tokens: int | None = None) -> Plan:
+    """The planner's plan under resolved budgets, with their notices among its notes; `profile`
+    may be a function (see make_plan)."""
+    plan = make_plan(model, sizes, profile, gpu_budget=budgets.gpu_bytes, cpu_budget=budgets.cpu_bytes,
+                     context_length=budgets.context_length, prompt_tokens=prompt_tokens, kv=budgets.kv,
+                     kv_on_cpu=budgets.kv_on_cpu)
+    return replace(plan, notes=(*plan.notes, *budgets.notices))
+
+
+def profile_source(model: ModelFile, threads: int, gpu: GpuTier | None = None,
+                   progress: LoadProgress | None = None) -> ProfileSource:
+    """model_profile as a function called at most once, when a plan first needs it."""
+    return functools.cache(lambda: model_profile(model, threads, gpu, progress))
 
 
 def place_weights(model: ModelFile, plan: Plan, gpu: GpuTier, progress: LoadProgress | None = None
@@ -187,11 +216,11 @@ def place_weights(model: ModelFile, plan: Plan, gpu: GpuTier, progress: LoadProg
         return place(open_pack(model, progress))
 
 
-def load_model(model: ModelFile, budgets: Budgets, gpu: GpuTier, threads: int,
+def load_model(model: ModelFile, sizes: PackSizes, budgets: Budgets, gpu: GpuTier, profile: ProfileSource,
                progress: LoadProgress | None = None) -> LoadedModel:
     """Plans the model under the budgets (measuring the machine only if the plan needs it) and
     places its weights."""
-    plan = plan_load(model, pack_sizes(model), budgets, lambda: model_profile(model, threads, gpu, progress))
+    plan = plan_load(model, sizes, budgets, profile)
     return load_planned(model, plan, gpu, progress)
 
 
@@ -220,12 +249,12 @@ def load_tokenizer(model: ModelFile) -> Tokenizer:
 
 
 def plan_file(model: str | os.PathLike | None, *, threads: int, cpu_memory: int | str | None = None,
-              gpu_memory: int | str | None = None, context_length: int | None = None,
+              gpu_memory: int | str | None = None, cache: CacheOptions = CacheOptions(),
               prompt_tokens: int | None = None) -> Plan:
     """The plan a load of this file under these budgets would follow, with its predictions (the
     machine is measured first if it never was); nothing is loaded."""
     gpu_budget = parse_size(gpu_memory) if gpu_memory is not None else 0
     with open_model_file(resolve_model_path(model)) as opened:
-        context = context_length_for(context_length, opened.config)
-        budgets = resolve_budgets(opened, cpu_memory, gpu_budget, context)
-        return plan_load(opened, pack_sizes(opened), budgets, model_profile(opened, threads), prompt_tokens)
+        profile, sizes = model_profile(opened, threads), pack_sizes(opened)
+        budgets = resolve_budgets(opened, sizes, cpu_memory, gpu_budget, cache, profile)
+        return plan_load(opened, sizes, budgets, profile, prompt_tokens)

@@ -11,9 +11,9 @@ from tierflow.offload.gguf.split_files import split_parts
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.loader import (
-    context_length_for,
-    model_profile,
+    CacheOptions,
     plan_load,
+    profile_source,
     resolve_budgets,
     thread_count,
 )
@@ -66,11 +66,10 @@ def describe_model(model: str | os.PathLike | None) -> ModelSummary:
             count, nbytes = types.get(info.type_name, (0, 0))
             types[info.type_name] = (count + 1, nbytes + info.nbytes)
         num_parameters = sum(info.num_elements for info in opened.gguf.tensors.values())
-        context_length = context_length_for(None, opened.config)
-        budgets = resolve_budgets(opened, None, 0, context_length)
-        plan = plan_load(opened, pack_sizes(opened), budgets,
-                         lambda: model_profile(opened, thread_count(None)))
+        profile, sizes = profile_source(opened, thread_count(None)), pack_sizes(opened)
+        budgets = resolve_budgets(opened, sizes, None, 0, CacheOptions(), profile)
+        plan = plan_load(opened, sizes, budgets, profile)
     file_bytes = sum(part.stat().st_size for part in split_parts(path) or [path])
-    return ModelSummary(path, opened.config, file_bytes, num_parameters, types, dict(plan.used_bytes),
-                        recommended_sampling(opened.gguf.metadata, context_length))
+    return ModelSummary(path, opened.config, file_bytes, num_parameters, types, plan.weight_bytes(),
+                        recommended_sampling(opened.gguf.metadata, budgets.context_length))
 

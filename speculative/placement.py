@@ -1,6 +1,7 @@
 """Loading a draft model beside its target: checked against the target's vocabulary, and placed
 before it (the draft runs every step): on the GPU tier when there is a GPU budget and all of it
-fits with its KV cache, else in RAM, never streamed. The target then plans with what is left."""
+fits with its KV cache (unless kv_on_cpu keeps that in RAM), else in RAM, never streamed. Its KV
+cache has the target's type and context. The target then plans with what is left."""
 
 import os
 
@@ -9,7 +10,7 @@ from tierflow.offload.gguf.model_file import ModelFile, open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.gguf.reader import GGUFFile
 from tierflow.offload.pack.writer import LoadProgress, pack_sizes
-from tierflow.offload.plan.budgets import kv_cache_bytes
+from tierflow.offload.plan.budgets import CacheFootprint
 from tierflow.offload.plan.planner import resident_plan
 from tierflow.runtime.loader import Budgets, GpuTier, LoadedModel, load_planned
 from tierflow.units import format_size
@@ -29,19 +30,26 @@ def load_draft(model: str | os.PathLike, target: ModelFile, budgets: Budgets, gp
             raise InvalidArgumentError(f"the draft {path.name} scores {config.vocab_size} tokens, the target "
                                        f"{target.config.vocab_size}: a draft must share the target's "
                                        f"vocabulary")
-        if budgets.context_length > config.context_length:
+        # A target run past its trained context was asked to (the loader refuses it otherwise).
+        extended = budgets.context_length > target.config.context_length
+        if budgets.context_length > config.context_length and not extended:
             raise ContextLengthError(f"the draft {path.name} holds {config.context_length} positions, "
                                      f"fewer than context_length {budgets.context_length}")
+        budgets.kv.check_head_dim(config.head_dim)
         sizes = pack_sizes(draft)
+        cache = CacheFootprint.of(config, budgets.context_length, budgets.kv, budgets.kv_on_cpu)
+        every_layer = tuple(range(config.num_layers))
         layer_bytes = sum(x.nbytes for x in sizes.layers)
-        on_gpu = not config.is_moe and 0 < layer_bytes + kv_cache_bytes(config, budgets.context_length) \
-            <= budgets.gpu_bytes
-        in_ram = sizes.total_bytes - (layer_bytes if on_gpu else 0)
+        on_gpu = not config.is_moe and 0 < layer_bytes + cache.gpu_bytes(every_layer) <= budgets.gpu_bytes
+        gpu_layers = every_layer if on_gpu else ()
+        in_ram = sizes.total_bytes - (layer_bytes if on_gpu else 0) + cache.ram_bytes(gpu_layers)
         if in_ram > budgets.cpu_bytes:
             raise BudgetError(f"cpu_memory {format_size(budgets.cpu_bytes)} cannot hold the draft model "
-                              f"{path.name} ({format_size(in_ram)} in RAM), which is placed first")
+                              f"{path.name} ({format_size(in_ram)} in RAM with its KV cache and "
+                              f"activations), which is placed first")
         plan = resident_plan(draft, sizes, on_gpu=on_gpu, gpu_budget=budgets.gpu_bytes,
-                             cpu_budget=budgets.cpu_bytes, context_length=budgets.context_length)
+                             cpu_budget=budgets.cpu_bytes, context_length=budgets.context_length,
+                             kv=budgets.kv, kv_on_cpu=budgets.kv_on_cpu)
         return load_planned(draft, plan, gpu, progress)
 
 

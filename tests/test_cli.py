@@ -115,6 +115,9 @@ def test_ctrl_c_stops_the_answer_but_not_the_chat():
         (["run", b"caf\xe9"], "cannot be encoded as UTF-8"),  # not UTF-8: a lone surrogate in argv
         (["run", "hi", "--seed", "-1"], "seed"),
         (["bench", "--prompt", "", "-n", "2", "-r", "1"], "the prompt is empty"),
+        (["run", "hi", "--kv-type", "q5_1"], "choose one of f32, f16, q8_0, q4_0"),
+        (["run", "hi", "--ctx", "9000"], "context_length 9000 exceeds the 8192 positions"),
+        (["plan", "--ctx", "9000"], "--allow-context-extension"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_code_2(args, message):
@@ -148,3 +151,19 @@ def test_a_file_that_is_not_gguf_is_exit_code_2(tmp_path):
 def test_prompt_longer_than_the_context_is_exit_code_2():
     done = tierflow("run", "word " * 400, "--ctx", "64")
     assert done.returncode == 2 and "context" in done.stderr
+
+
+def test_a_default_context_shortened_to_fit_is_said_once_on_stderr():
+    done = tierflow("run", "hi", "-n", "2", "--json", "--cpu-memory", "300MiB")
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stderr.splitlines() if "not the model's 8192" in line]
+    assert len(notes) == 1 and "note: context:" in notes[0]
+
+
+def test_the_kv_cache_options_are_read_from_the_command_line_and_the_environment():
+    env = {**os.environ, "TIERFLOW_KV_TYPE": "q8_0"}
+    done = subprocess.run([*TIERFLOW, "plan", "--ctx", "512", "--kv-on-cpu", "--json"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["kv_type"] == "q8_0" and plan["kv_on_cpu"] and plan["context_length"] == 512

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support.budgets import ram_beside_weights
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError
 from tierflow.offload.gguf.convert import convert_model
@@ -11,6 +12,10 @@ from tierflow.speculative.placement import _check_vocabulary
 
 PROMPTS = ["The sky is blue because", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
            "Name three colours."]
+# The budgets below are for this context: at 256 positions the bundled model needs 45.5 MiB
+# (embeddings, two streaming slots, KV cache and activations), the 3-bit draft 79.6 MiB and
+# with its cache and activations 92.1 MiB.
+CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +65,21 @@ def test_cancel_and_max_tokens_hold_with_a_draft(drafting):
 
 
 def test_the_draft_is_placed_first_within_the_cpu_budget(model_path, draft_path):
-    with Engine.load(model_path, threads=2, draft=draft_path) as alone:
-        draft_bytes = alone.draft.bytes_by_tier()["cpu"]
+    with Engine.load(model_path, threads=2, draft=draft_path, context_length=CONTEXT) as alone:
+        draft_bytes = alone.draft.bytes_by_tier()["cpu"]  # its weights and KV cache
         target_bytes = alone.weights.bytes_by_tier()["cpu"]
-    budget = draft_bytes + target_bytes // 2
-    with Engine.load(model_path, threads=2, draft=draft_path, cpu_memory=budget, draft_tokens=4) as engine:
-        held = engine.draft.bytes_by_tier()["cpu"] + engine.weights.bytes_by_tier()["cpu"]
-        assert held <= budget and engine.weights.streamed_layers
+    budget = draft_bytes + target_bytes // 2 + ram_beside_weights(model_path, CONTEXT)
+    with Engine.load(model_path, threads=2, draft=draft_path, cpu_memory=budget, draft_tokens=4,
+                     context_length=CONTEXT) as engine:
+        held = engine.draft.bytes_by_tier()["cpu"] + engine.plan.used_bytes["cpu"]
+        assert held + engine.plan.activation_bytes <= budget and engine.weights.streamed_layers
         fast = engine.generate(PROMPTS[0], max_tokens=16, temperature=0)
         assert fast.stats.accepted_tokens > 0
 
 
 def test_a_streamed_target_gives_its_own_tokens_with_a_draft(engine, model_path, draft_path):
     plain = engine.generate(PROMPTS[1], max_tokens=24, temperature=0)
-    with Engine.load(model_path, threads=2, draft=draft_path, cpu_memory="130MiB",
+    with Engine.load(model_path, threads=2, draft=draft_path, cpu_memory="150MiB", context_length=CONTEXT,
                      draft_tokens=8) as streamed:
         assert streamed.weights.streamed_layers
         assert streamed.generate(PROMPTS[1], max_tokens=24, temperature=0).tokens == plain.tokens
@@ -91,12 +97,12 @@ def test_the_draft_goes_to_the_gpu_tier_first(model_path, draft_path):
 
 def test_a_budget_too_small_for_the_draft_names_it(model_path, draft_path):
     with pytest.raises(BudgetError, match="draft"):
-        Engine.load(model_path, draft=draft_path, cpu_memory="8MiB")
+        Engine.load(model_path, draft=draft_path, cpu_memory="60MiB", context_length=CONTEXT)
 
 
 def test_a_budget_the_draft_leaves_too_small_for_the_target_says_so(model_path, draft_path):
     with pytest.raises(BudgetError, match="after the draft model"):
-        Engine.load(model_path, draft=draft_path, cpu_memory="100MiB")
+        Engine.load(model_path, draft=draft_path, cpu_memory="100MiB", context_length=CONTEXT)
 
 
 def test_a_draft_with_another_vocabulary_is_refused():

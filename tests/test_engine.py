@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.budgets import ram_beside_weights
 from tests.support.gguf_bytes import FLOAT32, INT32, Typed
 from tests.support.gguf_writing import encoded_kvs, rewrite_metadata
 from tests.support.make_model import ModelSpec, write_model
@@ -246,7 +247,8 @@ def test_weights_stay_within_a_cpu_budget_that_binds(model_path):
     with Engine.load(model_path, threads=2, context_length=128) as engine:
         everything = engine.weights.bytes_by_tier()["cpu"]
     budget = everything * 3 // 4  # a quarter of the layers' bytes must stream
-    with Engine.load(model_path, threads=2, context_length=128, cpu_memory=budget) as engine:
+    cpu_memory = budget + ram_beside_weights(model_path, 128)
+    with Engine.load(model_path, threads=2, context_length=128, cpu_memory=cpu_memory) as engine:
         stats = engine.generate("Hi", max_tokens=2).stats
         assert engine.plan.streamed_layers and engine.weights.bytes_by_tier()["disk"] > 0
     assert 0 < stats.peak_weight_bytes["cpu"] <= budget

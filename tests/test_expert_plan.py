@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
+from tests.support.budgets import ram_beside_weights
 from tests.support.make_model import ModelSpec, write_model
 from tests.test_planner import FAKE_GPU, PROFILE
 from tierflow import Engine
@@ -28,25 +29,33 @@ def moe_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe(moe_path):
-    """(model file and its pack sizes, config, bytes of everything but the experts, one expert's
-    bytes, all experts' bytes)."""
+    """(model file, its pack sizes and what cpu_memory holds beside its weights; config, bytes of
+    everything but the experts, one expert's bytes, all experts' bytes)."""
     with open_model_file(moe_path) as model:
         sizes = pack_sizes(model)
         experts = [x.nbytes for layer in sizes.experts for x in layer]
-        yield ((model, sizes), model.config, sizes.globals.nbytes + sum(x.nbytes for x in sizes.layers),
-               max(experts), sum(experts))
+        yield ((model, sizes, ram_beside_weights(moe_path, CTX)), model.config,
+               sizes.globals.nbytes + sum(x.nbytes for x in sizes.layers), max(experts), sum(experts))
 
 
-def plan_for(moe, cpu_budget, profile=PROFILE, gpu_budget=0):
-    (model, sizes), *_ = moe
-    return make_plan(model, sizes, profile, gpu_budget=gpu_budget, cpu_budget=cpu_budget, context_length=CTX)
+def cpu_memory(moe, weight_bytes: int) -> int:
+    """The budget that leaves `weight_bytes` to the weights."""
+    (_, _, beside), *_ = moe
+    return weight_bytes + beside
+
+
+def plan_for(moe, weight_bytes, profile=PROFILE, gpu_budget=0):
+    """The plan whose cpu_memory leaves `weight_bytes` to the weights."""
+    (model, sizes, _), *_ = moe
+    return make_plan(model, sizes, profile, gpu_budget=gpu_budget, cpu_budget=cpu_memory(moe, weight_bytes),
+                     context_length=CTX)
 
 
 def test_a_moe_model_that_fits_keeps_every_expert_in_ram(moe):
     _, config, base, _, all_experts = moe
     plan = plan_for(moe, base + all_experts)
     assert plan.experts.home == "cpu" and plan.experts.cache is None and plan.experts.hit_rate == 1.0
-    assert plan.used_bytes == {"gpu": 0, "cpu": base + all_experts, "disk": 0}
+    assert plan.used_bytes == {"gpu": 0, "cpu": base + all_experts + plan.kv_bytes, "disk": 0}
     assert plan.decode.io_s == 0
 
 
@@ -64,7 +73,7 @@ def test_experts_over_budget_live_on_disk_behind_a_cache_of_the_ram_left(moe):
     plan = plan_for(moe, base + 12 * one)
     assert plan.experts.home == "disk" and plan.experts.cache == "cpu"
     assert plan.experts.cache_bytes == 12 * one and plan.experts.cached_experts == 12
-    assert plan.used_bytes == {"gpu": 0, "cpu": base + 12 * one, "disk": all_experts}
+    assert plan.used_bytes == {"gpu": 0, "cpu": base + 12 * one + plan.kv_bytes, "disk": all_experts}
     assert plan.experts.hit_rate == pytest.approx(12 / 32)
     assert plan.experts.miss_bytes_per_token == pytest.approx(4 * 2 * (1 - 12 / 32) * one)
 
@@ -89,7 +98,8 @@ def test_a_budget_without_room_for_one_layers_experts_names_the_least_that_works
     _, _, base, one, _ = moe
     with pytest.raises(PlanBudgetError, match="the least that works is") as refused:
         plan_for(moe, base + 7 * one)
-    assert plan_for(moe, refused.value.minimum_bytes).experts.cache_bytes >= 8 * one
+    least = refused.value.minimum_bytes - cpu_memory(moe, 0)
+    assert plan_for(moe, least).experts.cache_bytes >= 8 * one
 
 
 def test_a_gpu_budget_caches_experts_in_vram_scheduled_against_their_home_in_ram(moe):
@@ -97,7 +107,7 @@ def test_a_gpu_budget_caches_experts_in_vram_scheduled_against_their_home_in_ram
     profile = replace(PROFILE, gpu=replace(FAKE_GPU, kernel_gbps={4: 200.0}))
     plan = plan_for(moe, base + all_experts, profile, gpu_budget=10 * one)
     assert plan.experts.home == "cpu" and plan.experts.cache == "gpu" and plan.experts.cached_experts == 10
-    assert plan.used_bytes == {"gpu": 10 * one, "cpu": base + all_experts, "disk": 0}
+    assert plan.used_bytes == {"gpu": 10 * one, "cpu": base + all_experts + plan.kv_bytes, "disk": 0}
     assert {g.compute for g in plan.groups if g.name == "expert"} == {"cpu or gpu"}
     assert plan.experts.scheduler.gpu_gbps == 200.0 and plan.experts.scheduler.copy_gbps == FAKE_GPU.h2d_gbps
     assert plan.predicted_decode_tps > plan_for(moe, base + all_experts).predicted_decode_tps
@@ -107,14 +117,14 @@ def test_a_gpu_budget_without_every_expert_in_ram_names_the_least_that_works(moe
     _, _, base, one, all_experts = moe
     with pytest.raises(PlanBudgetError, match="cpu_memory must hold the whole model") as refused:
         plan_for(moe, base + 16 * one, replace(PROFILE, gpu=FAKE_GPU), gpu_budget=10 * one)
-    assert refused.value.minimum_bytes >= base + all_experts
+    assert refused.value.minimum_bytes >= cpu_memory(moe, base + all_experts)
 
 
 def test_the_engine_places_experts_as_the_plan_says(moe, moe_path):
     _, _, base, one, all_experts = moe
     budget = base + 12 * one
     plan = plan_for(moe, budget)
-    with Engine.load(moe_path, threads=2, context_length=CTX, cpu_memory=budget) as engine:
+    with Engine.load(moe_path, threads=2, context_length=CTX, cpu_memory=cpu_memory(moe, budget)) as engine:
         assert engine.weights.experts.cache.budget_bytes == plan.experts.cache_bytes
         assert engine.weights.bytes_by_tier()["disk"] == plan.used_bytes["disk"] == all_experts
 
@@ -122,8 +132,9 @@ def test_the_engine_places_experts_as_the_plan_says(moe, moe_path):
 def test_plan_command_shows_the_experts_and_their_cache(moe_path, moe, monkeypatch):
     _, _, base, one, _ = moe
     monkeypatch.setattr("tierflow.offload.plan.probe.load_profile", lambda threads, **kwargs: PROFILE)
-    done = CliRunner().invoke(app, ["plan", str(moe_path), "--cpu-memory", str(base + 12 * one),
-                                    "--threads", "2", "--ctx", str(CTX)])
+    budget = cpu_memory(moe, base + 12 * one)
+    done = CliRunner().invoke(app, ["plan", str(moe_path), "--cpu-memory", str(budget), "--threads", "2",
+                                    "--ctx", str(CTX)])
     assert done.exit_code == 0, done.output
     for text in ("experts 0-7", "attention+router", "home disk", "a cache of 12", "hit rate"):
         assert text in done.output

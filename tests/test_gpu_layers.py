@@ -88,6 +88,17 @@ def test_a_shift_of_a_kv_cache_on_the_gpu_gives_the_first_layer_the_keys_a_fresh
     assert within_float_error(shifted, fresh)
 
 
+def test_kv_on_cpu_attends_on_the_cpu_over_caches_in_ram_and_keeps_the_tokens(models):
+    path = models["llama-Q8_0"]
+    tokens, _ = cpu_result(path)
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="64MiB", kv_on_cpu=True,
+                     draft="ngram", **GPU) as engine:  # verify passes too attend over the RAM cache
+        assert engine.weights.gpu_layers == [0, 1] and engine.plan.kv_gpu_bytes == 0
+        assert all(isinstance(keys, np.ndarray) for keys in engine._generator.cache.keys)
+        result = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+    assert result.tokens == tokens and result.stats.drafted_tokens > 0
+
+
 def test_token_trees_verified_on_gpu_layers_keep_the_greedy_tokens(models):
     path = models["llama-Q8_0"]
     tokens, _ = cpu_result(path)

@@ -4,6 +4,7 @@ through the expert cache when cpu_memory cannot hold them (llama.cpp as the orac
 import numpy as np
 import pytest
 
+from tests.support.budgets import ram_beside_weights
 from tests.support.damage import flip_byte
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
@@ -40,8 +41,11 @@ def sizes(engine) -> tuple[int, int, int]:
 
 @pytest.fixture(scope="module")
 def budgets(moe_path):
+    """sizes(), the first with what cpu_memory keeps beside the weights at CONTEXT: base + n * one
+    is the budget that leaves n experts' bytes to the experts."""
     with Engine.load(moe_path, threads=2, context_length=CONTEXT) as engine:
-        return sizes(engine)
+        base, one, all_experts = sizes(engine)
+    return base + ram_beside_weights(moe_path, CONTEXT), one, all_experts
 
 
 def streamed(moe_path, budgets, experts_held: int, **kwargs) -> Engine:
@@ -161,7 +165,7 @@ def test_peak_weight_bytes_is_the_gpu_tiers_high_water_mark_not_its_start(moe_pa
 
 def test_gpu_experts_need_every_expert_in_ram(moe_path, budgets):
     base, one, all_experts = budgets
-    with pytest.raises(PlanBudgetError, match="cpu_memory must hold the whole model, at least") as refused:
+    with pytest.raises(PlanBudgetError, match="cpu_memory must hold the whole model.*, at least") as refused:
         Engine.load(moe_path, threads=2, cpu_memory=base + 10 * one, gpu_memory=10 * one, gpu_device="cpu")
     assert refused.value.minimum_bytes >= base + all_experts
 

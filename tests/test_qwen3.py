@@ -7,6 +7,7 @@ a draft, and with its layers on the GPU tier (test_gpu_layers.py, with the kerne
 
 import pytest
 
+from tests.support.budgets import ram_beside_weights
 from tests.support.make_model import ModelSpec, write_model
 from tests.support.oracle import (
     EXACT_TIE,
@@ -69,7 +70,7 @@ def greedy(path, **load) -> list[int]:
 def test_streamed_qwen3_gives_the_resident_tokens(qwen3):
     with Engine.load(qwen3, threads=2, context_length=128) as engine:
         layers = [engine.weights.packed.globals.nbytes] + [x.nbytes for x in engine.weights.packed.layers]
-    budget = layers[0] + sum(layers[1:4])  # the globals and half the layers' bytes
+    budget = layers[0] + sum(layers[1:4]) + ram_beside_weights(qwen3, 128)  # the globals, half the layers
     with Engine.load(qwen3, threads=2, context_length=128, cpu_memory=budget) as engine:
         assert engine.plan.streamed_layers
     assert greedy(qwen3, cpu_memory=budget) == greedy(qwen3)

@@ -2,7 +2,8 @@
 
 Models are random GGUFs made here (tests/support/make_model.py). Budgets are computed from the pack:
 the globals extent, the layers to keep resident, and a ring of 3 slots (prefetch depth 2) of the
-largest layer, so a test says about how much streams rather than guessing sizes (the planner picks
+largest layer, plus what cpu_memory keeps beside the weights (the KV cache, activations), so a
+test says about how much streams rather than guessing sizes (the planner picks
 the depth, 1 to 4, so the count streamed may differ by a layer or two). A fixed hardware profile
 is written into the test cache, so no load spends seconds measuring this machine.
 """
@@ -20,6 +21,7 @@ import numpy as np
 import psutil
 import pytest
 
+from tests.support.budgets import ram_beside_weights
 from tests.support.damage import flip_byte
 from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
@@ -47,10 +49,13 @@ def load(model: Path, **kwargs) -> Engine:
     return Engine.load(model, threads=1, context_length=CONTEXT, **kwargs)
 
 
-def budget(packed: PackedFile, num_streamed: int) -> int:
-    """cpu_memory for the globals, all but the last num_streamed layers, and the ring."""
+def budget(model: Path, packed: PackedFile, num_streamed: int, kv_cache_type: str | None = None) -> int:
+    """cpu_memory for the globals, all but the last num_streamed layers and the ring, beside the
+    KV cache and activations."""
     resident = packed.layers[: len(packed.layers) - num_streamed]
-    return packed.globals.nbytes + sum(e.nbytes for e in resident) + RING_SLOTS * packed.largest_layer_bytes
+    ring = RING_SLOTS * packed.largest_layer_bytes
+    return packed.globals.nbytes + sum(e.nbytes for e in resident) + ring + ram_beside_weights(
+        model, CONTEXT, kv_cache_type)
 
 
 def generate(engine: Engine, max_tokens: int = 16) -> list[int]:
@@ -118,9 +123,9 @@ def own_model(tmp_path, resident) -> Path:
 
 
 @pytest.fixture(scope="module")
-def half(packed) -> int:
+def half(model, packed) -> int:
     """cpu_memory that streams half the layers (of any copy of the model: the packs are alike)."""
-    return budget(packed, SPEC.num_layers // 2)
+    return budget(model, packed, SPEC.num_layers // 2)
 
 
 # -- exact results ------------------------------------------------------------------------------
@@ -129,7 +134,7 @@ def half(packed) -> int:
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.9])
 def test_streamed_generation_matches_resident_exactly(model, resident, packed, fraction):
     num_streamed = round(fraction * SPEC.num_layers)
-    with load(model, cpu_memory=budget(packed, num_streamed)) as engine:
+    with load(model, cpu_memory=budget(model, packed, num_streamed)) as engine:
         assert abs(len(engine.weights.streamed_layers) - num_streamed) <= 2
         tokens = generate(engine, 40)
         assert tokens == resident["tokens"]
@@ -141,18 +146,18 @@ def test_streamed_generation_matches_resident_exactly(model, resident, packed, f
 
 def test_weights_in_ram_never_exceed_the_budget(model, packed):
     slot, total = packed.largest_layer_bytes, packed.globals.nbytes + sum(e.nbytes for e in packed.layers)
-    smallest = packed.globals.nbytes + 2 * slot
-    budgets = sorted({*range(smallest, total, (total - smallest) // 9), smallest + slot // 2 + 1,
-                      smallest + slot - 1, total - 1, total, total + slot})
-    for cpu_memory in budgets:
-        with load(model, cpu_memory=cpu_memory) as engine:
+    smallest, beside = packed.globals.nbytes + 2 * slot, ram_beside_weights(model, CONTEXT)
+    weight_budgets = sorted({*range(smallest, total, (total - smallest) // 9), smallest + slot // 2 + 1,
+                             smallest + slot - 1, total - 1, total, total + slot})
+    for weights in weight_budgets:
+        with load(model, cpu_memory=weights + beside) as engine:
             held = engine.weights.bytes_by_tier()
-            assert held["cpu"] <= cpu_memory, (cpu_memory, held)
-            assert (held["disk"] == 0) == (cpu_memory >= total), (cpu_memory, held)
+            assert held["cpu"] <= weights, (weights, held)
+            assert (held["disk"] == 0) == (weights >= total), (weights, held)
 
 
 BIG_SPEC = ModelSpec(num_layers=16, hidden_size=256, ffn_size=4096, num_heads=4, num_kv_heads=2)  # ~72 MB
-RSS_MARGIN = 16 << 20  # beside the KV cache: activations, logits, the tokenizer, allocator slack
+RSS_MARGIN = 16 << 20  # beside cpu_memory: logits, the tokenizer, the decoder's tables, allocator slack
 
 
 def _rss_growth(model: Path, **kwargs) -> tuple[int, dict, int]:
@@ -185,11 +190,12 @@ def test_rss_growth_stays_within_the_budget_and_streaming_saves_the_streamed_byt
     model = write_model(tmp_path / "big.gguf", BIG_SPEC)
     load(model).close()  # builds the pack; the first load's one-off costs are not measured
     packed = PackedFile(pack_path(model))
-    cpu_memory = budget(packed, BIG_SPEC.num_layers - 2)
-    _rss_growth(model, cpu_memory=cpu_memory)  # warm-up: the allocator's pools, the tokenizer
-    streamed_growth, streamed_held, kv_bytes = _rss_growth(model, cpu_memory=cpu_memory)
-    resident_growth, resident_held, _ = _rss_growth(model)
-    assert streamed_growth <= cpu_memory + kv_bytes + RSS_MARGIN, (streamed_growth, cpu_memory, kv_bytes)
+    f32 = dict(kv_cache_type="f32")  # the type the cache stores so far: planned bytes are held bytes
+    cpu_memory = budget(model, packed, BIG_SPEC.num_layers - 2, **f32)
+    _rss_growth(model, cpu_memory=cpu_memory, **f32)  # warm-up: the allocator's pools, the tokenizer
+    streamed_growth, streamed_held, kv_bytes = _rss_growth(model, cpu_memory=cpu_memory, **f32)
+    resident_growth, resident_held, _ = _rss_growth(model, **f32)
+    assert streamed_growth <= cpu_memory + RSS_MARGIN, (streamed_growth, cpu_memory, kv_bytes)
     saved = resident_held["cpu"] - streamed_held["cpu"]  # the streamed layers, less the ring
     assert saved > 2 * RSS_MARGIN  # the model is large enough for the difference to show
     assert 0.75 * saved <= resident_growth - streamed_growth <= saved + RSS_MARGIN, (

@@ -1,20 +1,34 @@
 """The memory a model takes besides its weights, and the budgets a machine offers by default.
 
 runtime/loader.py is the one place these become a load's budgets; the planner and the draft's
-placement count with the same figures.
+placement count with the same figures. cpu_memory holds, beside the weights kept in RAM, the KV
+cache of the layers computed there and the activations of the largest pass; gpu_memory the GPU
+layers and their caches.
 """
+
+from dataclasses import dataclass
 
 import psutil
 
+from tierflow.errors import PlanBudgetError
+from tierflow.kv_types import KVType, cache_positions
 from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.generation import PREFILL_CHUNK
+from tierflow.units import format_size, round_up_as_printed
 
 CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # the default cpu_memory keeps this much RAM free
 
 
-def kv_cache_bytes(config: ModelConfig, context_length: int) -> int:
-    """KVCache's float32 keys and values, capacity rounded up to 16 positions as it allocates."""
-    capacity = -(-context_length // 16) * 16
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 * capacity
+def layer_kv_bytes(config: ModelConfig, layer_idx: int, context_length: int, kv: KVType) -> int:
+    """One layer's keys and values stored as `kv`: a ring for a sliding-window layer, else the
+    whole context (cache_positions)."""
+    positions = cache_positions(context_length, config.window(layer_idx))
+    return 2 * config.num_kv_heads * kv.row_bytes(config.head_dim) * positions
+
+
+def kv_cache_bytes(config: ModelConfig, context_length: int, kv: KVType) -> int:
+    """The whole KV cache: every layer's keys and values."""
+    return sum(layer_kv_bytes(config, i, context_length, kv) for i in range(config.num_layers))
 
 
 def scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
@@ -24,8 +38,72 @@ def scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
     return 4 * (tokens * (c.hidden_size + 2 * c.ffn_size + qkv) + tokens * keys * c.num_heads + c.vocab_size)
 
 
-def available_ram_bytes(reserved_bytes: int = 0) -> int:
-    """Available RAM less max(10% of total, 1 GiB) and `reserved_bytes`."""
+def activation_bytes(config: ModelConfig, context_length: int) -> int:
+    """The activations of the largest pass: a prefill chunk at the context's end, whose attention
+    scores every key (what cpu_memory keeps for them)."""
+    return scratch_bytes(config, min(PREFILL_CHUNK, context_length), context_length)
+
+
+@dataclass(frozen=True)
+class RamBudget:
+    """cpu_memory, of which `reserved` (the KV cache in RAM and the activations) is not the
+    weights': their room is what is left."""
+
+    budget: int
+    reserved: int
+
+    @property
+    def room(self) -> int:
+        return self.budget - self.reserved
+
+    def beside(self) -> str:
+        """What a refusal adds to the weights it names."""
+        return (f" beside the KV cache and activations it keeps ({format_size(self.reserved)})"
+                if self.reserved else "")
+
+    def minimum(self, weight_bytes: int) -> int:
+        """The least cpu_memory that holds `weight_bytes` of weights, rounded up as printed."""
+        return round_up_as_printed(weight_bytes + self.reserved)
+
+    def refuse(self, need: str, weight_bytes: int) -> PlanBudgetError:
+        """The error for a budget that cannot hold `need`, `weight_bytes` of weights."""
+        minimum = self.minimum(weight_bytes)
+        return PlanBudgetError(f"cpu_memory {format_size(self.budget)} cannot hold {need}{self.beside()}: "
+                               f"at least {format_size(minimum)} is needed", minimum)
+
+
+@dataclass(frozen=True)
+class CacheFootprint:
+    """A load's KV cache, layer by layer, and the activations of its largest pass: what its
+    budgets hold beside the weights."""
+
+    kv: KVType
+    on_cpu: bool  # every layer's cache in RAM, the GPU layers' too (llama.cpp's -nkvo)
+    layer_bytes: tuple[int, ...]
+    activation_bytes: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, context_length: int, kv: KVType, on_cpu: bool) -> "CacheFootprint":
+        layer_bytes = tuple(layer_kv_bytes(config, i, context_length, kv) for i in range(config.num_layers))
+        return cls(kv, on_cpu, layer_bytes, activation_bytes(config, context_length))
+
+    def on_gpu(self) -> list[int]:
+        """Each layer's cache bytes on the GPU were the layer computed there (0 with on_cpu)."""
+        return [0 if self.on_cpu else n for n in self.layer_bytes]
+
+    def gpu_bytes(self, gpu_layers: tuple[int, ...]) -> int:
+        return 0 if self.on_cpu else sum(self.layer_bytes[i] for i in gpu_layers)
+
+    def ram_bytes(self, gpu_layers: tuple[int, ...]) -> int:
+        """What cpu_memory holds beside the weights: the caches in RAM and the activations."""
+        return sum(self.layer_bytes) - self.gpu_bytes(gpu_layers) + self.activation_bytes
+
+    def ram(self, cpu_budget: int, gpu_layers: tuple[int, ...]) -> RamBudget:
+        return RamBudget(cpu_budget, self.ram_bytes(gpu_layers))
+
+
+def available_ram_bytes() -> int:
+    """Available RAM less max(10% of total, 1 GiB): the default cpu_memory."""
     memory = psutil.virtual_memory()
     margin = max(int(CPU_MARGIN_FRACTION * memory.total), CPU_MARGIN_MIN)
-    return max(0, memory.available - margin - reserved_bytes)
+    return max(0, memory.available - margin)

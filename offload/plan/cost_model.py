@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tierflow.kv_types import KVType
 from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.config import ModelConfig
@@ -49,10 +50,12 @@ class Stage:
 
 
 class Costs:
-    """Seconds per stage under the profile; see the module docstring for each formula."""
+    """Seconds per stage under the profile; see the module docstring for each formula. Attention
+    runs where the layer's KV cache is: a GPU layer's on the GPU, unless kv_on_cpu puts every
+    cache in RAM (then the CPU attends)."""
 
-    def __init__(self, profile: HardwareProfile, config: ModelConfig):
-        self.p, self.c = profile, config
+    def __init__(self, profile: HardwareProfile, config: ModelConfig, kv: KVType, kv_on_cpu: bool = False):
+        self.p, self.c, self.kv, self.kv_on_cpu = profile, config, kv, kv_on_cpu
         gpu = profile.gpu
         self.gpu_gbps = dict(gpu.kernel_gbps) if gpu is not None else {}
         self.notes = []
@@ -74,19 +77,26 @@ class Costs:
                 total += tokens * linear.nbytes / (rate * 1e9)
         return total
 
-    def layer_s(self, extent: ExtentSize, device: str, tokens: int, start: int) -> float:
-        """One layer over `tokens` new tokens at positions start..; tokens == 1 is decode."""
-        c = self.c
+    def layer_s(self, layer_idx: int, extent: ExtentSize, device: str, tokens: int, start: int) -> float:
+        """Layer `layer_idx` over `tokens` new tokens at positions start..; tokens == 1 is decode."""
         seconds = self.matmul_s(extent.linears, tokens, device, tokens > 1) + self.p.layer_overhead_s
+        return seconds + self.attention_s(layer_idx, "cpu" if self.kv_on_cpu else device, tokens, start)
+
+    def attention_s(self, layer_idx: int, device: str, tokens: int, start: int) -> float:
+        """Decode reads every key and value it attends to, in the cache's type, where the cache
+        is; prefill on the CPU is counted in flops (on the GPU it is left out)."""
+        c, window = self.c, self.c.window(layer_idx)
         if tokens == 1:
-            cache_bytes = 2 * c.num_kv_heads * c.head_dim * 4 * start
+            attended = min(start + 1, window) if window else start + 1
+            cache_bytes = 2 * c.num_kv_heads * self.kv.row_bytes(c.head_dim) * attended
             rate = (self.p.ram_read_gbps if device == "cpu"
                     else _nearest(self.gpu_gbps, 8, PLACEHOLDER_GPU_GBPS))
-            return seconds + cache_bytes / (rate * 1e9)
-        if device == "cpu":
-            flops = 4 * c.num_heads * c.head_dim * tokens * (start + (tokens + 1) / 2)
-            seconds += flops / (2e9 * _nearest(self.p.kernel_batch_gbps, 8, self.p.ram_read_gbps))
-        return seconds
+            return cache_bytes / (rate * 1e9)
+        if device != "cpu":
+            return 0.0
+        keys = start + (tokens + 1) / 2  # a token's keys, on average over the pass
+        flops = 4 * c.num_heads * c.head_dim * tokens * (min(keys, window) if window else keys)
+        return flops / (2e9 * _nearest(self.p.kernel_batch_gbps, 8, self.p.ram_read_gbps))
 
     def read_s(self, extent: ExtentSize) -> float:
         return extent.nbytes / (self.p.disk_read_gbps * 1e9)
@@ -121,14 +131,16 @@ class Layout:
 
 
 def timings(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], costs: Costs,
-             prompt_tokens: int, experts: "ExpertStages | None" = None) -> tuple[Timing, Timing]:
-    """(prefill, decode); `experts` adds a MoE model's experts to every layer's stage (their
-    reads, if any, run ahead by experts.read_ahead_layers)."""
+             prompt_tokens: int, context_length: int, experts: "ExpertStages | None" = None
+             ) -> tuple[Timing, Timing]:
+    """(prefill of prompt_tokens, a decode step with the context full); `experts` adds a MoE
+    model's experts to every layer's stage (their reads, if any, run ahead by
+    experts.read_ahead_layers)."""
     def device(i: int) -> str:
         return "gpu" if i in layout.gpu else "cpu"
 
     def stage(i: int, x: ExtentSize, tokens: int, start: int) -> Stage:
-        compute = costs.layer_s(x, device(i), tokens, start)
+        compute = costs.layer_s(i, x, device(i), tokens, start)
         read = costs.read_s(x) if i in layout.streamed else 0.0
         if experts is not None:
             expert_compute, expert_read = experts.layer_s(tokens)
@@ -140,7 +152,7 @@ def timings(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], cost
         return stages + [Stage(costs.matmul_s(globals_.linears, 1, "cpu", False))]
 
     depth = layout.depth if experts is None else max(layout.depth, experts.read_ahead_layers)
-    step = pass_(1, prompt_tokens)
+    step = pass_(1, context_length - 1)
     ends = run_pipeline([step] * _DECODE_PASSES, depth)
     period = (ends[-1] - ends[-1 - _STEADY_PASSES]) / _STEADY_PASSES
     decode = Timing(1, period, sum(s.compute_s for s in step), sum(s.read_s for s in step))

@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from tierflow.errors import PlanBudgetError
 from tierflow.offload.experts.hybrid import ExpertCosts, schedule_experts
 from tierflow.offload.pack.layout import ExtentSize
+from tierflow.offload.plan.budgets import RamBudget
 from tierflow.offload.plan.cost_model import PLACEHOLDER_GPU_GBPS, Costs
 from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.config import ModelConfig
-from tierflow.units import format_size, round_up_as_printed
+from tierflow.units import format_size
 
 READ_AHEAD_SHARE = 0.5  # of the misses, those read a layer ahead (expert_stats' prediction precision)
 CACHE_POLICY = "score"  # offload/experts/policy.py: recency, frequency and the prediction
@@ -66,9 +67,10 @@ def expert_costs(profile: HardwareProfile) -> ExpertCosts:
 
 
 def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: list[list[ExtentSize]],
-                  cpu_budget: int, gpu_budget: int, profile: HardwareProfile) -> ExpertPlacement:
+                  ram: RamBudget, gpu_budget: int, profile: HardwareProfile) -> ExpertPlacement:
     """The placement of `experts` (per layer, each expert's extent) beside base_bytes (globals and
-    layers without their experts, all in RAM); a budget that cannot work raises PlanBudgetError."""
+    layers without their experts, all in RAM) in the RAM's room for weights; a budget that cannot
+    work raises PlanBudgetError."""
     all_bytes = sum(x.nbytes for layer in experts for x in layer)
     one_layer = max(sum(x.nbytes for x in layer) for layer in experts)
     expert_bytes = max(x.nbytes for layer in experts for x in layer)
@@ -82,23 +84,23 @@ def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: lis
                                scheduler=scheduler)
 
     if gpu_budget:
-        if base_bytes + all_bytes > cpu_budget:
-            minimum = round_up_as_printed(base_bytes + all_bytes)
-            raise PlanBudgetError(f"cpu_memory {format_size(cpu_budget)} is too small for {model} with "
+        if base_bytes + all_bytes > ram.room:
+            minimum = ram.minimum(base_bytes + all_bytes)
+            raise PlanBudgetError(f"cpu_memory {format_size(ram.budget)} is too small for {model} with "
                                   f"gpu_memory: experts cached on the GPU are scheduled against their home "
-                                  f"in RAM, so cpu_memory must hold the whole model, at least "
+                                  f"in RAM, so cpu_memory must hold the whole model{ram.beside()}, at least "
                                   f"{format_size(minimum)} (or leave out gpu_memory to stream the experts "
                                   f"from disk)", minimum)
         return placement("cpu", "gpu", gpu_budget, expert_costs(profile))
-    if base_bytes + all_bytes <= cpu_budget:
+    if base_bytes + all_bytes <= ram.room:
         return placement("cpu", None, 0)
-    if cpu_budget < base_bytes + one_layer:
-        minimum = round_up_as_printed(base_bytes + one_layer)
-        raise PlanBudgetError(f"cpu_memory {format_size(cpu_budget)} is too small for {model}: its globals, "
+    if ram.room < base_bytes + one_layer:
+        minimum = ram.minimum(base_bytes + one_layer)
+        raise PlanBudgetError(f"cpu_memory {format_size(ram.budget)} is too small for {model}: its globals, "
                               f"attention and routers take {format_size(base_bytes)} and the expert cache "
-                              f"needs room for one layer's experts ({format_size(one_layer)}); the least "
-                              f"that works is {format_size(minimum)}", minimum)
-    return placement("disk", "cpu", cpu_budget - base_bytes)
+                              f"needs room for one layer's experts ({format_size(one_layer)}){ram.beside()}; "
+                              f"the least that works is {format_size(minimum)}", minimum)
+    return placement("disk", "cpu", ram.room - base_bytes)
 
 
 class ExpertStages:
