@@ -46,7 +46,9 @@ LONG_IDS = 200
 
 def pair(tmp_path, spec: ModelSpec, f32_kv: bool = True):
     path = write_model(tmp_path / f"{spec.arch}.gguf", spec)
-    return Engine.load(path, threads=2, context_length=256), llama_cpp_model(path, n_ctx=256, f32_kv=f32_kv)
+    kv = "f32" if f32_kv else "f16"  # the cache type llama.cpp holds
+    return (Engine.load(path, threads=2, context_length=256, kv_cache_type=kv),
+            llama_cpp_model(path, n_ctx=256, f32_kv=f32_kv))
 
 
 def assert_matches_llama_cpp_exactly(engine, llama):

@@ -91,7 +91,7 @@ def test_tierflow_computes_llama_cpps_logits_and_greedy_tokens_on_its_f32_copy(m
     path = write_f32_copy(moe_path, tmp_path / "moe-f32.gguf")
     llama = llama_cpp_model(path, n_ctx=256, f32_kv=True)
     try:
-        with Engine.load(path, threads=1, context_length=256) as engine:
+        with Engine.load(path, threads=1, context_length=256, kv_cache_type="f32") as engine:
             ids = engine.tokenize(LONG_TEXT)[:64]
             assert_logits_agree(engine, llama, ids, max_mean_diff=0.01, near_tie=EXACT_TIE)
             assert_greedy_agrees(engine, llama, "The history of the printing press begins in",

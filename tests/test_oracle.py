@@ -63,7 +63,7 @@ def test_greedy_tokens_match_llama_cpp(engine, oracle, prompt):
 @pytest.fixture(scope="module")
 def f32_pair(tmp_path_factory, model_path):
     path = write_f32_copy(model_path, tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf")
-    engine = Engine.load(path, threads=2, context_length=512)
+    engine = Engine.load(path, threads=2, context_length=512, kv_cache_type="f32")
     llama = llama_cpp_model(path, f32_kv=True)
     yield engine, llama
     llama.close()
@@ -90,7 +90,8 @@ SMALL = dict(num_layers=2, hidden_size=256, ffn_size=512, num_heads=4, num_kv_he
 
 def generated_pair(tmp_path, f32_kv: bool, **spec):
     path = write_model(tmp_path / "model.gguf", ModelSpec(**(SMALL | spec)))
-    return (Engine.load(path, threads=2, context_length=256),
+    # tierflow's cache in f32 whatever llama.cpp's: the regime these bounds were measured in
+    return (Engine.load(path, threads=2, context_length=256, kv_cache_type="f32"),
             llama_cpp_model(path, n_ctx=256, f32_kv=f32_kv))
 
 

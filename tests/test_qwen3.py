@@ -28,7 +28,9 @@ SPEC = ModelSpec(arch="qwen3", num_layers=2, hidden_size=256, num_heads=4, num_k
 
 def pair(tmp_path, f32_kv: bool, **changes):
     path = write_model(tmp_path / "qwen3.gguf", ModelSpec(**(SPEC.__dict__ | changes)))
-    return Engine.load(path, threads=2, context_length=256), llama_cpp_model(path, n_ctx=256, f32_kv=f32_kv)
+    kv = "f32" if f32_kv else "f16"  # the cache type llama.cpp holds
+    return (Engine.load(path, threads=2, context_length=256, kv_cache_type=kv),
+            llama_cpp_model(path, n_ctx=256, f32_kv=f32_kv))
 
 
 @pytest.mark.parametrize("changes", [{}, dict(head_size=None), dict(num_kv_heads=1),
