@@ -202,7 +202,7 @@ def logits_drift(types: list[str], context: int, threads: int) -> dict[str, floa
 # -- the run ----------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> dict:
-    path = llama_1b_model()
+    path = Path(args.model) if args.model else llama_1b_model()
     steps, rows = args.decode_tokens, []
     for kv in args.types:
         with Engine.load(path, threads=args.threads, context_length=max(args.contexts) + steps,
@@ -248,6 +248,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         return names
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF file (default: the generated Llama-3.2-1B shape)")
     parser.add_argument("--contexts", type=numbers, default=[1024, 8192, 32768])
     parser.add_argument("--types", type=types, default=list(KV_TYPES))
     parser.add_argument("--decode-tokens", type=int, default=16)
