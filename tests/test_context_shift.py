@@ -148,7 +148,8 @@ QUESTIONS = ["Name a colour.", "Name a fruit.", "Name a tree.", "Name a bird.", 
 
 
 def test_a_turn_that_drops_the_oldest_turns_prefills_only_what_is_new(model_path):
-    with Engine.load(model_path, threads=2, context_length=256) as engine:
+    # the answers' lengths, which decide when the context fills, are those of an f32 cache
+    with Engine.load(model_path, threads=2, context_length=256, kv_cache_type="f32") as engine:
         turns = chat_turns(engine, QUESTIONS, context_shift=True)
         question = len(engine.tokenize_chat([SYSTEM, {"role": "user", "content": QUESTIONS[-1]}]))
     shifted = [(fitted, stats) for fitted, stats in turns if fitted.dropped]
