@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.gguf.model_path import resolve_model_path
-from tierflow.offload.gguf.split_files import split_parts
+from tierflow.offload.gguf.model_path import model_file_bytes, resolve_model_path
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.loader import (
@@ -70,7 +69,6 @@ def describe_model(model: str | os.PathLike | None) -> ModelSummary:
         budgets = resolve_budgets(opened, None, 0, context_length)
         plan = plan_load(opened, pack_sizes(opened), budgets,
                          lambda: model_profile(opened, thread_count(None)))
-    file_bytes = sum(part.stat().st_size for part in split_parts(path) or [path])
-    return ModelSummary(path, opened.config, file_bytes, num_parameters, types, dict(plan.used_bytes),
-                        recommended_sampling(opened.gguf.metadata, context_length))
+    return ModelSummary(path, opened.config, model_file_bytes(path), num_parameters, types,
+                        dict(plan.used_bytes), recommended_sampling(opened.gguf.metadata, context_length))
 
