@@ -258,7 +258,6 @@ def _sampling(**options) -> dict:
     return settings
 
 
-
 for command in (info, plan, probe, convert):
     app.command()(command)
 app.command("list")(list_command)

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.gguf.model_path import resolve_model_path
-from tierflow.offload.gguf.split_files import split_parts
+from tierflow.offload.gguf.model_path import model_file_bytes, resolve_model_path
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.loader import (
@@ -69,7 +68,6 @@ def describe_model(model: str | os.PathLike | None) -> ModelSummary:
         profile, sizes = profile_source(opened, thread_count(None)), pack_sizes(opened)
         budgets = resolve_budgets(opened, sizes, None, 0, CacheOptions(), profile)
         plan = plan_load(opened, sizes, budgets, profile)
-    file_bytes = sum(part.stat().st_size for part in split_parts(path) or [path])
-    return ModelSummary(path, opened.config, file_bytes, num_parameters, types, plan.weight_bytes(),
-                        recommended_sampling(opened.gguf.metadata, budgets.context_length))
+    return ModelSummary(path, opened.config, model_file_bytes(path), num_parameters, types,
+                        plan.weight_bytes(), recommended_sampling(opened.gguf.metadata, budgets.context_length))
 

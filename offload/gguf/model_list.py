@@ -10,9 +10,9 @@ from pathlib import Path
 
 from tierflow import ggml_types
 from tierflow.errors import TierflowError
-from tierflow.offload.gguf.model_path import stat_model_file
+from tierflow.offload.gguf.model_path import model_file_bytes
 from tierflow.offload.gguf.model_stores import StoredModel, default_stores
-from tierflow.offload.gguf.split_files import read_model_gguf, split_parts
+from tierflow.offload.gguf.split_files import read_model_gguf
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def list_models(stores: list | None = None) -> list[ListedModel]:
 
 def _describe(name: str, model: StoredModel) -> ListedModel:
     try:
-        size = sum(stat_model_file(part).st_size for part in split_parts(model.path) or [model.path])
+        size = model_file_bytes(model.path)
         architecture, weight_type = _header_summary(model.path)
     except TierflowError as error:
         return ListedModel(name, model.source, str(model.path), None, None, None, str(error))

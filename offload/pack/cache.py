@@ -80,7 +80,7 @@ later parts count by size and mtime."""
                     "mtime_ns": stat.st_mtime_ns, "sample_sha256": _sample_hash(f, stat.st_size)}
     later_parts = (split_parts(Path(source)) or [])[1:]  # a split model's: a changed one changes it
     if later_parts:
-        identity["parts"] = [[part.stat().st_size, part.stat().st_mtime_ns] for part in later_parts]
+        identity["parts"] = [[stat.st_size, stat.st_mtime_ns] for stat in map(os.stat, later_parts)]
     return identity
 
 
