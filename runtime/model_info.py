@@ -68,6 +68,7 @@ def describe_model(model: str | os.PathLike | None) -> ModelSummary:
         profile, sizes = profile_source(opened, thread_count(None)), pack_sizes(opened)
         budgets = resolve_budgets(opened, sizes, None, 0, CacheOptions(), profile)
         plan = plan_load(opened, sizes, budgets, profile)
+    sampling = recommended_sampling(opened.gguf.metadata, budgets.context_length)
     return ModelSummary(path, opened.config, model_file_bytes(path), num_parameters, types,
-                        plan.weight_bytes(), recommended_sampling(opened.gguf.metadata, budgets.context_length))
+                        plan.weight_bytes(), sampling)
 
