@@ -15,7 +15,8 @@ afresh:
 - half on GPU: gpu_memory holds the first num_layers // 2 layers and their KV cache, the rest
   stay in RAM;
 - GPU + streamed: the same gpu_memory, and cpu_memory of the globals (embeddings, output head)
-  plus a quarter of all layers' bytes (at least two streaming buffers), so that most of the rest
+  plus a quarter of all layers' bytes (at least two streaming buffers), beside the RAM layers' KV
+  cache and the activations, so that most of the rest
   streams from disk every token; the script checks that the planner did stream and reports how
   many layers it streamed.
 Budgets are sized from the planner's own layer extents (offload/pack/extents.py), so the split is
@@ -111,8 +112,11 @@ def smoke_model() -> Path:
 def run_case(case: Case, path: Path, sizes: Sizes, args: argparse.Namespace) -> dict:
     num_layers = len(sizes.layer_bytes)
     num_gpu = int(num_layers * case.gpu_share)
+    from tests.support.budgets import ram_beside_weights
+
+    beside = ram_beside_weights(path, args.context_length, gpu_layers=tuple(range(num_gpu)))
     budgets = {"gpu_memory": sizes.gpu_budget(num_gpu),
-               "cpu_memory": sizes.streaming_cpu_budget() if case.streamed else None}
+               "cpu_memory": sizes.streaming_cpu_budget() + beside if case.streamed else None}
     with Engine.load(path, threads=args.threads, context_length=args.context_length,
                      gpu_device=args.gpu_device, **budgets) as engine:
         weights = engine.weights

@@ -9,8 +9,9 @@ routing, written once by the project's generator (tests/support/make_model.py) i
 Three systems decode the same prompt ids greedily, loaded side by side:
 
 - tierflow, experts streamed: cpu_memory = everything but the experts (globals, attention,
-  routers) + --fraction of the expert bytes; the experts are read from the pack with O_DIRECT
-  (the page cache never holds them) into the expert cache (offload/experts/store.py);
+  routers, the KV cache and activations) + --fraction of the expert bytes; the experts are read
+  from the pack with O_DIRECT (the page cache never holds them) into the expert cache
+  (offload/experts/store.py);
 - tierflow, fully resident (no budget);
 - llama.cpp on the same file, fully resident (its own mmap), the same thread count.
 
@@ -39,6 +40,7 @@ import torch
 
 from benchmarks.decode import Sample, build_prompt, run_llama_cpp, run_tierflow
 from benchmarks.moe import belady_hit_rate
+from tests.support.budgets import ram_beside_weights
 from tests.support.make_model import spec_for_size, write_model
 from tierflow import Engine
 from tierflow.offload.experts.policy import make_policy  # noqa: E402
@@ -46,6 +48,8 @@ from tierflow.offload.experts.store import READERS  # noqa: E402
 from tierflow.offload.io.disk import DiskFile, aligned_buffer  # noqa: E402
 from tierflow.offload.plan.profile import cache_dir  # noqa: E402
 from tierflow.units import format_size, parse_size  # noqa: E402
+
+CONTEXT = 2048  # tokens each engine holds: --prompt-tokens plus --decode-tokens must fit
 
 EXPERTS, USED = 8, 2
 
@@ -62,12 +66,13 @@ def model_file(size: int, weight_type: str) -> Path:
 
 
 def expert_budget(path: Path, threads: int, fraction: float) -> tuple[int, int]:
-    """(cpu_memory that leaves `fraction` of the expert bytes to the cache, all expert bytes)."""
-    with Engine.load(path, threads=threads) as engine:  # builds the pack once
+    """(cpu_memory that leaves `fraction` of the expert bytes to the cache beside the rest of the
+    weights, the KV cache and the activations; all expert bytes)."""
+    with Engine.load(path, threads=threads, context_length=CONTEXT) as engine:  # builds the pack once
         packed = engine.weights.packed
     base = packed.globals.nbytes + sum(layer.nbytes for layer in packed.layers)
     experts = sum(x.nbytes for layer in packed.experts for x in layer)
-    return base + int(fraction * experts), experts
+    return base + ram_beside_weights(path, CONTEXT) + int(fraction * experts), experts
 
 
 def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int
@@ -133,10 +138,10 @@ def main() -> None:
 
     path = model_file(parse_size(args.size), args.weight_type)
     cpu_memory, expert_bytes = expert_budget(path, args.threads, args.fraction)
-    streamed = Engine.load(path, threads=args.threads, cpu_memory=cpu_memory)
+    streamed = Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=cpu_memory)
     streamed.weights.experts.cache.policy = make_policy(args.policy)  # before any expert is cached
     streamed.weights.experts.prefetch = not args.no_prefetch
-    resident = Engine.load(path, threads=args.threads)
+    resident = Engine.load(path, threads=args.threads, context_length=CONTEXT)
     llama = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.decode_tokens + 8, n_batch=512,
                             n_threads=args.threads, verbose=False)
     prompt = build_prompt(resident, args.prompt_tokens)

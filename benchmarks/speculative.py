@@ -19,6 +19,7 @@ import argparse
 import statistics
 from pathlib import Path
 
+from tests.support.budgets import ram_beside_weights
 from tests.support.make_model import write_f32_copy
 from tierflow import Engine
 from tierflow.offload.gguf.convert import convert_model
@@ -28,6 +29,7 @@ from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.profile import cache_dir
 from tierflow.units import format_size
 
+CONTEXT = 1024
 PROMPTS = {
     "open prose": "The sky is blue because",
     "code": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
@@ -52,12 +54,14 @@ def bench_files() -> tuple[Path, Path, Path]:
 
 
 def quarter_resident_budget(model: Path) -> int:
-    """cpu_memory that keeps the embeddings, a quarter of the layer bytes and a streaming ring."""
+    """cpu_memory that keeps the embeddings, a quarter of the layer bytes and a streaming ring,
+    beside the KV cache and activations of CONTEXT tokens."""
     with open_model_file(model) as opened:
         sizes = pack_sizes(opened)
     globals_, layers = sizes.globals, sizes.layers
     largest = max(layer.nbytes for layer in layers)
-    return globals_.nbytes + sum(layer.nbytes for layer in layers) // 4 + 3 * largest
+    weights = globals_.nbytes + sum(layer.nbytes for layer in layers) // 4 + 3 * largest
+    return weights + ram_beside_weights(model, CONTEXT)
 
 
 def run(engine: Engine, prompt: str, tokens: int, repeats: int) -> tuple[float, float, list[int]]:
@@ -78,7 +82,7 @@ def compare(title: str, target: Path, variants: dict, prompts: dict, args) -> No
     engines = {}
     try:
         for name, options in variants.items():
-            engines[name] = Engine.load(target, threads=args.threads, context_length=1024, **options)
+            engines[name] = Engine.load(target, threads=args.threads, context_length=CONTEXT, **options)
             for warm_up in ("Tell me about the ocean.", "List the planets of the solar system."):
                 engines[name].generate(warm_up, max_tokens=args.tokens, temperature=0)
         for label, prompt in prompts.items():
@@ -98,8 +102,9 @@ def compare(title: str, target: Path, variants: dict, prompts: dict, args) -> No
 
 
 def draft_bytes(target: Path, draft: Path) -> int:
-    with Engine.load(target, threads=1, draft=draft) as engine:
-        return engine.draft.bytes_by_tier()["cpu"]
+    """The draft's weights in RAM and what its cache and activations keep beside them."""
+    with Engine.load(target, threads=1, context_length=CONTEXT, draft=draft) as engine:
+        return engine.draft.bytes_by_tier()["cpu"] + ram_beside_weights(draft, CONTEXT)
 
 
 def main() -> None:

@@ -4,8 +4,9 @@
                                    [--tokens 24] [--fractions 0.25,0.5] [--json]
 
 A `llama` model of about --size, written once by the project's generator (tests/support/make_model.py)
-into the cache directory, is loaded with --cpu-memory set to each fraction of its weight bytes, so
-that the rest streams from disk every token. For each budget the script reports:
+into the cache directory, is loaded with --cpu-memory set to each fraction of its weight bytes (plus
+the KV cache and activations that cpu_memory also holds), so that the rest streams from disk every
+token. For each budget the script reports:
 - decode tokens/s (greedy, after a short prompt);
 - bytes read per token (the streamed layers) and the disk-bound limit: the disk's read speed,
   measured in the same run by reading the same pack's streamed extents back to back with the
@@ -27,6 +28,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from tests.support.budgets import ram_beside_weights
 from tierflow import Engine
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.io.disk import DiskFile, aligned_buffer
@@ -107,7 +109,7 @@ def main() -> None:
         weight_bytes = engine.weights.bytes_by_tier()["cpu"]
         rows.append({"budget": "all", "cpu_memory": weight_bytes} | decode(engine, args.tokens))
     for fraction in (float(f) for f in args.fractions.split(",")):
-        budget = int(weight_bytes * fraction)
+        budget = int(weight_bytes * fraction) + ram_beside_weights(path, CONTEXT)
         with Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=budget) as engine:
             row = {"budget": f"{fraction:.0%}", "cpu_memory": budget,
                    "streamed_layers": len(engine.weights.streamed_layers),
