@@ -41,8 +41,9 @@ def models(tmp_path_factory):
     return {name: write_model(folder / f"{name}.gguf", spec) for name, spec in specs.items()}
 
 
-def cpu_result(path, draft=None):
-    with Engine.load(path, threads=2, context_length=CONTEXT, draft=draft) as engine:
+def cpu_result(path, draft=None, kv_cache_type=None):
+    with Engine.load(path, threads=2, context_length=CONTEXT, draft=draft,
+                     kv_cache_type=kv_cache_type) as engine:
         tokens = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens
         return tokens, engine.logits(engine.tokenize(PROMPT) + tokens)
 
@@ -56,7 +57,7 @@ def test_layers_on_the_gpu_give_the_cpu_tokens_and_logits(models, name):
         assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
         got = engine.logits(engine.tokenize(PROMPT) + tokens)
     assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
-    assert (got.argmax(-1) == logits.argmax(-1)).mean() > 0.9
+    assert np.abs(got - logits).mean() < 0.005 * np.abs(logits).max()
 
 
 def test_activations_cross_between_gpu_and_cpu_layers(models):
@@ -82,7 +83,7 @@ def test_a_gpu_layers_kv_cache_lives_on_the_gpu_within_the_budget(models):
 
 def test_a_shift_of_a_kv_cache_on_the_gpu_gives_the_first_layer_the_keys_a_fresh_prefill_writes(models):
     with Engine.load(models["qwen2-F32"], threads=2, context_length=CONTEXT, gpu_memory="64MiB",
-                     **GPU) as engine:
+                     kv_cache_type="f32", **GPU) as engine:  # the rotation exactly, no storage rounding
         assert isinstance(engine._generator.cache.keys[0], torch.Tensor)
         shifted, fresh = shifted_and_fresh_keys(engine, text_ids(engine, CONTEXT), keep=10, drop=20)
     assert within_float_error(shifted, fresh)
@@ -111,8 +112,11 @@ def test_token_trees_verified_on_gpu_layers_keep_the_greedy_tokens(models):
 def test_experts_cached_on_the_gpu_run_its_kernels_and_keep_the_cpu_tokens(tmp_path):
     spec = ModelSpec(num_layers=2, hidden_size=64, num_experts=4, experts_used=2, weight_type="Q4_0", seed=8)
     path = write_model(tmp_path / "moe.gguf", spec)
-    tokens, logits = cpu_result(path)
-    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="1MiB", **GPU) as engine:
+    # f32 caches: with a lossy one, the two devices' last-bit differences in a key flip this random
+    # model's top-2-of-4 routing at some positions, and a flipped expert moves the logits by far more
+    tokens, logits = cpu_result(path, kv_cache_type="f32")
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="1MiB", kv_cache_type="f32",
+                     **GPU) as engine:
         assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
         got = engine.logits(engine.tokenize(PROMPT) + tokens)
         assert engine.weights.experts.schedules.on_gpu + engine.weights.experts.schedules.fetched > 0

@@ -39,7 +39,7 @@ def test_the_gpu_tier_holds_the_earliest_layers_within_its_budget(model_path):
 
 def test_gpu_ram_and_disk_tiers_together_give_the_same_tokens(model_path, expected):
     with Engine.load(model_path, threads=2, context_length=256, gpu_memory="30MiB", gpu_device="cpu",
-                     cpu_memory="52MiB", kv_cache_type="f32") as engine:  # f32: the type the cache stores
+                     cpu_memory="52MiB") as engine:
         tiers = engine.weights.bytes_by_tier()
         assert tiers["gpu"] > 0 and tiers["disk"] > 0 and tiers["cpu"] <= parse_size("52MiB")
         assert engine.generate(PROMPT, max_tokens=16, temperature=0).tokens == expected[0]

@@ -293,7 +293,7 @@ class DenseWeights:
 def test_a_float_model_packs_dense_float32_and_computes_the_same_logits(tmp_path):
     spec = ModelSpec(**{**SPEC.__dict__, "weight_type": "F32", "embedding_type": "F32"})
     model = write_model(tmp_path / "f32.gguf", spec)
-    with load(model) as engine:
+    with load(model, kv_cache_type="f32") as engine:  # the cache type of the reference decoder below
         logits = engine.logits(PROMPT)
         assert not engine.weights.uses_kernels
     packed = PackedFile(pack_path(model))

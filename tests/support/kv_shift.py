@@ -48,5 +48,10 @@ def shifted_and_fresh_keys(engine, ids: list[int], keep: int, drop: int) -> tupl
     return shifted, fresh
 
 
-def within_float_error(got: np.ndarray, expected: np.ndarray) -> bool:
-    return bool(np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max())
+def within_float_error(got: np.ndarray, expected: np.ndarray, relative: float = 1e-5) -> bool:
+    return bool(np.abs(got - expected).max() <= relative * np.abs(expected).max())
+
+
+# A half rounds to 11 significant bits: a shifted key and a fresh one, each rounded from floats a
+# float32 error apart, are at most one half's step (2^-10 relative) apart.
+HALF_STEP = 2.0**-10
