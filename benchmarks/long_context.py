@@ -81,7 +81,7 @@ def tierflow_decode(engine: Engine, contexts: list[int], steps: int) -> dict[int
                 token = int(np.argmax(logits[-1]))
             seconds[context] = statistics.median(times)
         generator.cached_tokens = []  # the cache holds no real prompt now
-        cache.length = 0
+        cache.truncate(0)
     return seconds
 
 

@@ -54,8 +54,29 @@ def kv_type(name: str | None) -> KVType:
 
 
 def cache_positions(context_length: int, window: int) -> int:
-    """Positions one layer's cache holds, rounded up to 16 (a block of keys): the whole context.
-    A sliding-window layer (window > 0) is masked to its window but still stores every position:
-    a ring of the window plus the most one pass writes (MAX_PASS_TOKENS) is not built yet, and the
-    budgets count what the cache holds."""
-    return -(-context_length // 16) * 16
+    """Positions one layer's cache holds, a multiple of 16 (a block of keys): the whole context, or
+    for a sliding-window layer (window W > 0) whose context is longer, a ring (`ring_positions`)."""
+    whole = -(-context_length // 16) * 16
+    return min(whole, ring_positions(window)) if window else whole
+
+
+def ring_positions(window: int) -> int:
+    """The ring of a layer with window W: position p lives in slot p % ring.
+
+    A pass of T <= MAX_PASS_TOKENS tokens at positions s .. s + T - 1 scores whole blocks of 16
+    slots, from the block holding the first position its first token sees, s + 1 - W, to s + T
+    rounded up to 16: at most ceil16(W + T - 1 + 15) slots when s + 1 - W sits at the end of its
+    block. A ring of ceil16(W + MAX_PASS_TOKENS + 14) slots (W + MAX_PASS_TOKENS and a slack of 14
+    to 29) therefore never holds two of one pass's positions in one slot. It also means a pass
+    never overwrites what the window before it needs: its writes evict positions below
+    s + T - ring < s + 1 - W, so a failed or cancelled pass can be rewound to s.
+    """
+    return -(-(window + MAX_PASS_TOKENS + 14) // 16) * 16
+
+
+def scored_slots(start: int, end: int, window: int) -> int:
+    """Slots a pass scores whose tokens sit at positions start .. end - 1 (a token tree: start is
+    its first slot, end its last slot + 1): from the block of the first position its first
+    token sees to end rounded up to 16. A cache of C positions takes the pass if this is <= C."""
+    first = max(start + 1 - window, 0) if window else 0
+    return -(-end // 16) * 16 - first // 16 * 16

@@ -22,7 +22,7 @@ B = D/32 blocks.
 import numpy as np
 import torch
 
-from tierflow.kv_types import KV_TYPES, KVType
+from tierflow.kv_types import KV_TYPES, KVType, scored_slots
 
 BLOCK = 32  # values per block of the quantized types
 CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8_0": torch.uint8, "q4_0": torch.uint8}
@@ -49,6 +49,18 @@ def kv_type_of(keys: np.ndarray | torch.Tensor, head_dim: int) -> KVType:
             return kv
     raise ValueError(f"a KV cache of {dtype} rows of {items} items is no cache type's "
                      f"for head size {head_dim}")
+
+
+def check_pass_fits(capacity: int, start: int, tokens: int, tree_start: int, window: int,
+                    held_from: int) -> None:
+    """Raises ValueError, as the kernels do, for a pass that does not fit in a cache of `capacity`
+    positions (kv_types.scored_slots: a ring must hold the window before it and its tokens) or a
+    held_from after its first token."""
+    if scored_slots(tree_start, start + tokens, window) > capacity:
+        raise ValueError(f"attention: positions {tree_start} .. {start + tokens - 1} with a window of "
+                         f"{window} do not fit in the cache of {capacity} positions")
+    if not 0 <= held_from <= tree_start:
+        raise ValueError(f"attention: held_from must be from 0 to {tree_start}, not {held_from}")
 
 
 def encode(x: torch.Tensor, kv: KVType) -> torch.Tensor:

@@ -26,8 +26,8 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
 def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.ndarray, sin: np.ndarray,
               heads: int, start: int, neox: bool, parents: np.ndarray | None = None,
               tree_start: int | None = None, window: int = 0, scale: float | None = None,
-              softcap: float = 0.0) -> np.ndarray:
-    """Causal attention of T new tokens in cache slots start .. start + T - 1.
+              softcap: float = 0.0, held_from: int = 0) -> np.ndarray:
+    """Causal attention of T new tokens at cache positions start .. start + T - 1.
 
     qkv [T, (H + 2K) * D] (rotated in place); keys [K, C/16, I, 16] and values [K, C, I], one
     layer's cache in any of its types (rows of I items, keys transposed in blocks of 16 positions:
@@ -42,11 +42,14 @@ def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.nda
     Scores q.k are multiplied by scale (default D ** -0.5), then with softcap > 0 become
     softcap * tanh(score / softcap); with window > 0 the token at position p sees positions
     p - window + 1 .. p only (a tree token's position being tree_start + its depth).
+    Position p is in slot p % C: with a window and a longer context the cache is a ring, which
+    must hold the window before the pass and its tokens (kv_types.scored_slots <= C; else
+    ValueError). No token sees a position before held_from (the oldest the cache still holds).
     Returns [T, H * D].
     """
     head_dim = qkv.shape[1] // (heads + 2 * keys.shape[0])
     out = np.empty((qkv.shape[0], heads * head_dim), np.float32)
     _kernels.attention(qkv, keys, values, cos, sin, out, heads, start, 2 * cos.shape[-1], neox,
                        head_dim**-0.5 if scale is None else scale, parents,
-                       start if tree_start is None else tree_start, window, softcap)
+                       start if tree_start is None else tree_start, window, softcap, held_from)
     return out

@@ -10,7 +10,7 @@ approximation, the int8 quantization of activations (as in ggml's Q8 dot product
 import numpy as np
 import torch
 
-from tierflow.cpu_kernels.kv_layout import decode, encode, kv_type_of, read_rows, write_rows
+from tierflow.cpu_kernels.kv_layout import check_pass_fits, decode, encode, kv_type_of, read_rows, write_rows
 from tierflow.cpu_kernels.packed import PackedMatrix
 
 
@@ -114,43 +114,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, heads: int, start: int, neox: bool,
                         parents: np.ndarray | None = None, tree_start: int | None = None, window: int = 0,
-                        scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
+                        scale: float | None = None, softcap: float = 0.0, held_from: int = 0) -> torch.Tensor:
     """ops.attention in torch, on any device (the GPU kernel's reference too): the same cache
-    writes, in the cache's type (keys [K, C/16, I, 16], values [K, C, I]: kv_layout.py), then
-    attention over the dequantized cache; token trees, window, scale and soft cap alike. qkv is
-    not modified.
+    writes, in the cache's type (keys [K, C/16, I, 16], values [K, C, I]: kv_layout.py), position
+    p in slot p % C, then attention over the dequantized cache; token trees, window, scale, soft
+    cap and held_from alike. qkv is not modified.
 
     Returns [T, H * D].
     """
-    kv_heads, tokens = keys.shape[0], qkv.shape[0]
+    kv_heads, tokens, capacity = keys.shape[0], qkv.shape[0], values.shape[1]
     head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
     kv = kv_type_of(keys, head_dim)
+    first_slot = start if parents is None or tree_start is None else tree_start
+    check_pass_fits(capacity, start, tokens, first_slot, window, held_from)
     q, k, v = qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     style = "neox" if neox else "normal"
     q = apply_rope(q.reshape(tokens, heads, head_dim).transpose(0, 1), cos, sin, style)  # [H, T, D]
     k = apply_rope(k.reshape(tokens, kv_heads, head_dim).transpose(0, 1), cos, sin, style)  # [K, T, D]
     v = v.reshape(tokens, kv_heads, head_dim).transpose(0, 1)
     new = torch.arange(start, start + tokens, device=keys.device)
-    write_rows(keys, values, new, encode(k, kv), encode(v, kv))
-    seen = torch.arange(start + tokens, device=keys.device)
-    seen_keys, seen_values = (decode(rows, kv) for rows in read_rows(keys, values, seen))  # [K, S, D]
+    write_rows(keys, values, new % capacity, encode(k, kv), encode(v, kv))
+    visible = _visible(start, tokens, parents, tree_start, window, held_from)  # [T, start + T]
+    oldest = int(visible.any(axis=0).argmax()) if visible.size else 0  # a ring holds none before it
+    visible = torch.from_numpy(visible[:, oldest:]).to(qkv.device)  # [T, S]
+    seen = torch.arange(oldest, start + tokens, device=keys.device)
+    seen_rows = read_rows(keys, values, seen % capacity)
+    seen_keys, seen_values = (decode(rows, kv) for rows in seen_rows)  # [K, S, D]
     group = heads // kv_heads  # query head h uses key/value head h // group
     q = q.reshape(kv_heads, group * tokens, head_dim)
     scores = q @ seen_keys.transpose(1, 2) * (head_dim**-0.5 if scale is None else scale)  # [K, G*T, S]
     if softcap:
         scores = torch.tanh(scores * (1 / softcap)) * softcap
-    visible = torch.from_numpy(_visible(start, tokens, parents, tree_start, window)).to(qkv.device)  # [T, S]
     scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ seen_values  # [K, G*T, D]
     return out.reshape(heads, tokens, head_dim).transpose(0, 1).reshape(tokens, heads * head_dim)
 
 
 def _visible(start: int, tokens: int, parents: np.ndarray | None, tree_start: int | None,
-             window: int = 0) -> np.ndarray:
-    """[T, start + T] bool: which cache slots each new token attends to. Causal, or for a token
-    tree from slot tree_start: everything before the tree, and the token's ancestors; with a
+             window: int = 0, held_from: int = 0) -> np.ndarray:
+    """[T, start + T] bool: which positions (in a tree: slots) each new token attends to. Causal,
+    or for a token tree from slot tree_start: everything before the tree, and the token's ancestors; with a
     window, of those only the slots whose positions are within window - 1 of the token's
-    (a tree token's position is tree_start + its depth)."""
+    (a tree token's position is tree_start + its depth); none before held_from."""
     positions = np.arange(start + tokens)  # each slot's
     visible = positions[None, :] <= start + np.arange(tokens)[:, None]
     if parents is not None:
@@ -163,4 +168,4 @@ def _visible(start: int, tokens: int, parents: np.ndarray | None, tree_start: in
         positions[tree_start:] = tree_start + ancestry.sum(axis=1) - 1  # its depth
     if window:
         visible &= positions[None, :] > positions[start:, None] - window
-    return visible
+    return visible & (positions >= held_from)[None, :]

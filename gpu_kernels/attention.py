@@ -1,18 +1,19 @@
 """Launcher of the fused attention kernel: `attention`, cpu_kernels.ops.attention on the GPU.
 
 Legend: T new tokens, H query heads, KvH key/value heads, D head size, C cache capacity, R rotary
-size, S = start + T positions seen by the last token.
+size, S positions from the block of the first one the first token sees to the last token.
 
 The positions are split over programs (flash-decoding) so that a decode step, T KvH programs on
 its own, still fills the GPU: about two programs per streaming multiprocessor, each split a whole
-number of BLOCK_S positions.
+number of BLOCK_S positions. Position p is in slot p % C (a sliding window's ring, when the
+context is longer than C).
 """
 
 import math
 
 import torch
 
-from tierflow.cpu_kernels.kv_layout import kv_type_of
+from tierflow.cpu_kernels.kv_layout import check_pass_fits, kv_type_of
 from tierflow.gpu_kernels.launch import cdiv, check_device, check_tensor, load_kernels, num_sms, power_of_two
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.uint8)  # of the cache types' rows
@@ -20,7 +21,8 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.uint8)  # of the cache types
 
 def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor, heads: int, start: int, neox: bool, num_splits: int | None = None,
-              window: int = 0, scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
+              window: int = 0, scale: float | None = None, softcap: float = 0.0,
+              held_from: int = 0) -> torch.Tensor:
     """Causal attention of T new tokens in cache slots start .. start + T - 1 -> [T, H D] float32.
 
     qkv [T, (H + 2 KvH) D] (read only); one layer's keys [KvH, C/16, I, 16] and values [KvH, C, I]
@@ -30,7 +32,9 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
     h // (H / KvH). float32 as the CPU kernel, which it matches to float32 rounding. num_splits
     fixes the number of position splits (by default, chosen to fill the GPU). Scores are scaled by
     scale (default D^-0.5), capped to softcap tanh(score / softcap) when softcap > 0, and with
-    window > 0 token i sees positions start + i - window + 1 .. start + i only.
+    window > 0 token i sees positions start + i - window + 1 .. start + i only; none sees a
+    position before held_from (the oldest the cache holds). Position p is in slot p % C: the
+    window before the tokens and they must fit (kv_layout.check_pass_fits).
     """
     kernels = load_kernels("attention_kernels")
     kv_heads, capacity, head_dim, tokens, half = _check(qkv, keys, values, cos, sin, heads, start)
@@ -38,11 +42,14 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
     if window < 0 or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"window must be >= 0 and softcap a finite number >= 0 (0: none), "
                          f"not {window} and {softcap}")
+    check_pass_fits(capacity, start, tokens, start, window, held_from)
     check_device(kernels, qkv=qkv, keys=keys, values=values, cos=cos, sin=sin)
     out = torch.empty(tokens, heads * head_dim, dtype=torch.float32, device=qkv.device)
     if tokens == 0:
         return out
-    seen = start + tokens
+    # the splits cover the blocks from the first position the first token sees
+    base = max(start + 1 - window if window else 0, held_from) // kernels.BLOCK_S * kernels.BLOCK_S
+    seen = start + tokens - base
     splits = num_splits or min(cdiv(seen, kernels.BLOCK_S), cdiv(2 * num_sms(qkv.device), tokens * kv_heads))
     split_size = cdiv(cdiv(seen, min(max(1, splits), kernels.MAX_SPLITS)), kernels.BLOCK_S) * kernels.BLOCK_S
     splits = cdiv(seen, split_size)
@@ -54,7 +61,8 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
     scale = head_dim**-0.5 if scale is None else scale
     kernels.attention_kernel[(tokens, kv_heads, splits)](
         qkv, keys, values, cos, sin, out, partials, stats, start, heads, kv_heads, capacity,
-        scale if softcap else scale * kernels.LOG2_E, split_size, splits, window or capacity, softcap,
+        scale if softcap else scale * kernels.LOG2_E, base, split_size, splits, window or capacity, held_from,
+        softcap,
         D=head_dim, HALF=half, GROUP=heads // kv_heads, NEOX=bool(neox), SPLIT=splits > 1,
         SOFTCAP=softcap > 0, BLOCK_G=max(16, power_of_two(heads // kv_heads)), BLOCK_S=kernels.BLOCK_S,
         BLOCK_D=block_d, KV=kernels.KV_CODES[kv.name])
@@ -84,6 +92,6 @@ def _check(qkv, keys, values, cos, sin, heads: int, start: int) -> tuple[int, in
     if not 0 < 2 * half <= head_dim:
         raise ValueError(f"cos and sin must be [{tokens}, R/2] with 2 <= R <= {head_dim}, "
                          f"not {list(cos.shape)}")
-    if start < 0 or start + tokens > capacity:
-        raise ValueError(f"positions {start} .. {start + tokens - 1} do not fit in the cache of {capacity}")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, not {start}")
     return kv_heads, capacity, head_dim, tokens, half

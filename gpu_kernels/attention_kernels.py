@@ -20,7 +20,11 @@ Prefill works (token i of T scores its i + 1 new positions one by one) but is ma
 verify batches of a few tokens: a long prompt wants a flash-attention prefill kernel.
 
 A sliding window (token at position p sees p - WINDOW + 1 .. p) starts each program at the first
-block holding a position it sees and masks the positions before it; a soft cap turns each score
+block holding a position it sees and masks the positions before it, as it masks those before
+HELD_FROM (the oldest the cache holds). Position p is in slot p % C: a block of 16 positions is a
+block of 16 slots (C is a multiple of 16), and the launcher has checked that no two positions one
+launch reads or writes share a slot of a ring (so what the launch writes are slots it does not
+read, as above). A soft cap turns each score
 s (queries scaled by the attention scale alone) into cap tanh(s / cap) before the base-2 softmax.
 
 Rotation: feature d pairs with `partner` (d ^ 1 "normal", d +- R/2 "neox") and uses angle `pair`;
@@ -207,14 +211,15 @@ def _softmax_step(q, keys_t, values, seen, m_i, l_i, acc, softcap, SOFTCAP: tl.c
 
 @triton.jit
 def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H, KVH, C, scale,
-                     SPLIT_SIZE, NUM_SPLITS, WINDOW, softcap, D: tl.constexpr, HALF: tl.constexpr,
-                     GROUP: tl.constexpr, NEOX: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-                     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                     KV: tl.constexpr = 0):
+                     BASE, SPLIT_SIZE, NUM_SPLITS, WINDOW, HELD_FROM, softcap, D: tl.constexpr,
+                     HALF: tl.constexpr, GROUP: tl.constexpr, NEOX: tl.constexpr, SPLIT: tl.constexpr,
+                     SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                     BLOCK_D: tl.constexpr, KV: tl.constexpr = 0):
     """out [T, H, D] (one split), else partials [T, H, splits, D] and stats [T, H, splits, 2].
-    WINDOW: positions a token sees (C or more: all of them); scale: the attention scale, times
-    log2 e unless SOFTCAP. KV: the cache's type (KV_CODES); the new tokens' keys and values are
-    read as stored in it."""
+    WINDOW: positions a token sees (C or more: all of them); HELD_FROM: the first position the
+    cache holds; scale: the attention scale, times log2 e unless SOFTCAP. The splits cover the
+    positions from BASE (a multiple of 16) on. KV: the cache's type (KV_CODES); the new tokens'
+    keys and values are read as stored in it."""
     tl.static_assert(BLOCK_S == 16, "a step scores one block of 16 cached keys")
     token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = (H + 2 * KVH) * D  # of qkv
@@ -224,18 +229,19 @@ def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H
     q = _rotated(qkv, token * row + (kv_head * GROUP + g) * D, d, cos, sin, token * HALF, g < GROUP,
                  D, HALF, NEOX) * scale  # [BG, BD]
     position = start + token
-    first = tl.maximum(position + 1 - WINDOW, 0)  # the first position the token sees
+    first = tl.maximum(position + 1 - WINDOW, HELD_FROM)  # the first position the token sees
     ROW: tl.constexpr = _row_items(D, KV)
     block_keys = keys + kv_head * (C // 16) * ROW * 16  # this head's [C/16, ROW, 16]
     head_values = values + kv_head * C * ROW  # [C, ROW]
     if split == 0:
         key_at = token * row + (H + kv_head) * D
         k = _rotated(qkv, key_at, dims, cos, sin, token * HALF, dims < D, D, HALF, NEOX)
-        _store_row(block_keys, (position // 16) * ROW * 16 + position % 16, 16, k, BLOCK_D, D, KV)
+        slot = position % C
+        _store_row(block_keys, (slot // 16) * ROW * 16 + slot % 16, 16, k, BLOCK_D, D, KV)
         v = tl.load(qkv + key_at + KVH * D + dims, mask=dims < D, other=0.0)
-        _store_row(head_values, position * ROW, 1, v, BLOCK_D, D, KV)
+        _store_row(head_values, slot * ROW, 1, v, BLOCK_D, D, KV)
 
-    lo = split * SPLIT_SIZE
+    lo = BASE + split * SPLIT_SIZE
     hi = tl.minimum(lo + SPLIT_SIZE, position + 1)  # causal: positions 0 .. start + token
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -245,11 +251,11 @@ def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H
     for s0 in range(tl.maximum(lo, first // BLOCK_S * BLOCK_S), cached_hi, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         seen = (s < cached_hi) & (s >= first)
-        key_at = s0 // 16 * ROW * 16 + tl.arange(0, BLOCK_S)[None, :]
+        key_at = s0 % C // 16 * ROW * 16 + tl.arange(0, BLOCK_S)[None, :]
         keys_t = _load_items(block_keys, key_at, dims[:, None], key_at, 16,
                              seen[None, :] & (dims[:, None] < D), KV)  # [BD, BS]
-        vals = _load_items(head_values, s[:, None] * ROW, d, s[:, None] * ROW, 1, seen[:, None] & (d < D),
-                           KV)  # [BS, BD]
+        value_at = s[:, None] % C * ROW
+        vals = _load_items(head_values, value_at, d, value_at, 1, seen[:, None] & (d < D), KV)  # [BS, BD]
         m_i, l_i, acc = _softmax_step(q, keys_t, vals, seen, m_i, l_i, acc, softcap, SOFTCAP)
     for s in range(tl.maximum(tl.maximum(lo, start), first), hi):  # this launch's tokens, from qkv
         new_at = (s - start) * row

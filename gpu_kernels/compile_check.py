@@ -25,8 +25,9 @@ from tierflow.gpu_kernels import attention_kernels, matmul_kernels, ops_kernels
 MATRIX = {"x": "*fp16", "data": "*u8", "scales": "*fp16", "mins": "*fp16", "out": "*fp16", "M": "i32",
           "N": "i32", "N_OUT": "i32", "K": "i32", "stride_x": "i32"}
 ATTENTION = {name: "*fp32" for name in ("qkv", "keys", "values", "cos", "sin", "out", "partials", "stats")}
-ATTENTION |= {"start": "i32", "H": "i32", "KVH": "i32", "C": "i32", "scale": "fp32", "SPLIT_SIZE": "i32",
-              "NUM_SPLITS": "i32", "WINDOW": "i32", "softcap": "fp32"}
+ATTENTION |= {"start": "i32", "H": "i32", "KVH": "i32", "C": "i32", "scale": "fp32", "BASE": "i32",
+              "SPLIT_SIZE": "i32", "NUM_SPLITS": "i32", "WINDOW": "i32", "HELD_FROM": "i32",
+              "softcap": "fp32"}
 
 
 def variants(all_configs: bool) -> list[tuple]:

@@ -79,7 +79,9 @@ class TokenGenerator:
     tokens: the decoder is batch-invariant), so output never depends on what ran before; a
     context shift (`shift`) moves entries that were computed with the dropped tokens in view,
     which only a prefill that asks for it (`shifted=True`, a conversation that dropped its oldest
-    turns) reuses.
+    turns) reuses. A sliding-window layer's ring goes back only as far as it still holds the
+    window before the new end (KVCache.can_truncate_to): a prefix that diverges further back is
+    prefilled again from the start.
     """
 
     def __init__(self, decoder: Decoder, cache: KVCache):
@@ -121,8 +123,15 @@ class TokenGenerator:
         return self._forward(token_ids, all_logits=True)
 
     def keep(self, length: int) -> None:
-        """Forgets the cache past `length` tokens (guesses the target did not accept)."""
-        self._truncate(length)
+        """Forgets the cache past `length` tokens (guesses the target did not accept). Where a ring
+        no longer holds the window before `length`, the tokens up to it are prefilled again."""
+        if self.cache.can_truncate_to(length):
+            self._truncate(length)
+            return
+        tokens = self.cached_tokens[:length]
+        self._truncate(0)
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            self._forward(tokens[start:start + PREFILL_CHUNK], all_logits=False)
 
     def verify_tree(self, token_ids: list[int], parents: list[int],
                     tree_start: int | None = None) -> np.ndarray:
@@ -147,7 +156,8 @@ class TokenGenerator:
         rotations = [(cos[num_dropped], sin[num_dropped]) for cos, sin in self.decoder.rotary]
         self.cache.shift(keep, num_dropped, rotations, self.decoder.config.rope_style == "neox")
         del self.cached_tokens[keep:keep + num_dropped]
-        self.exact_length = min(self.exact_length, keep)
+        # a ring that had overwritten kept positions no longer holds what a fresh prefill would
+        self.exact_length = min(self.exact_length, keep) if not any(self.cache.held_from) else 0
 
     def _forward(self, token_ids: list[int], all_logits: bool, parents: np.ndarray | None = None,
                  tree_start: int | None = None) -> np.ndarray:
@@ -176,11 +186,12 @@ class TokenGenerator:
             common = min(common, self.exact_length)
         else:
             run_start, run_length = _longest_run(self.cached_tokens, token_ids, common)
-            if run_length:
+            if run_length and self.cache.can_truncate_to(run_start + run_length):
                 self._truncate(run_start + run_length)
                 self.shift(common, run_start - common)
                 common += run_length
-        return min(common, len(token_ids) - 1)  # the last prompt token is always recomputed
+        reused = min(common, len(token_ids) - 1)  # the last prompt token is always recomputed
+        return reused if self.cache.can_truncate_to(reused) else 0
 
     def _truncate(self, length: int) -> None:
         self.cache.truncate(length)

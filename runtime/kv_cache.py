@@ -1,6 +1,7 @@
-"""The key/value cache, preallocated for the whole context so decoding never allocates."""
+"""The key/value cache, preallocated for the whole context (a ring for a sliding-window layer) so
+decoding never allocates."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -8,7 +9,7 @@ import torch
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes, decode, encode, read_rows, write_rows
 from tierflow.cpu_kernels.reference import apply_rope
 from tierflow.errors import InvalidArgumentError
-from tierflow.kv_types import KV_TYPES, KVType
+from tierflow.kv_types import KV_TYPES, MAX_PASS_TOKENS, KVType, cache_positions, scored_slots
 from tierflow.runtime.config import ModelConfig
 
 SHIFT_CHUNK = 1024  # positions a context shift reads, re-rotates and writes at a time: bounds its copies
@@ -27,30 +28,44 @@ class KVCache:
     Each head's key or value at a position is a row in the type (D floats or halves, or q8_0 /
     q4_0 blocks: cpu_kernels/kv_layout.py). A layer's keys are [K, C/16, R, 16], the rows of 16
     positions transposed so that the attention kernels score 16 positions with vertical
-    multiply-adds over one contiguous block; its values are [K, C, R]. C is the context length
-    rounded up to 16. `allocate` gives a layer's zeroed arrays: by default numpy, in RAM; a layer
-    computed on the GPU keeps its cache there (offload.tiered.TieredWeights.allocate_cache).
+    multiply-adds over one contiguous block; its values are [K, C, R]. C, the layer's capacity
+    (`capacities`), is the context rounded up to 16, or for a sliding-window layer whose context
+    is longer a ring of its window and a pass (kv_types.cache_positions): position p is in slot
+    p % C, so a ring holds the latest C positions written. `allocate` gives a layer's zeroed
+    arrays: by default numpy, in RAM; a layer computed on the GPU keeps its cache there
+    (offload.tiers.tiered.TieredWeights.allocate_cache).
+
+    A ring can go back (`truncate`) only as far as it still holds the window before the new end
+    (`can_truncate_to`). After a context shift, a ring that had overwritten some of the kept
+    positions no longer holds them: `held_from[layer]` is the oldest position a layer holds, and
+    the kernels attend to none before it, as llama.cpp's sliding-window cache drops its evicted
+    cells.
     """
 
     def __init__(self, config: ModelConfig, context_length: int, allocate: Allocate | None = None,
                  kv_type: KVType | None = None):
         self.kv_type = KV_TYPES["f32"] if kv_type is None else kv_type
         self.kv_type.check_head_dim(config.head_dim)
-        capacity = -(-context_length // 16) * 16
-        key_shape, value_shape = cache_shapes(self.kv_type, config.num_kv_heads, capacity, config.head_dim)
-        dtype, allocate = CACHE_DTYPES[self.kv_type.name], allocate or allocate_in_ram
         layers = range(config.num_layers)
-        self.keys = [allocate(i, key_shape, dtype) for i in layers]
-        self.values = [allocate(i, value_shape, dtype) for i in layers]
+        self.windows = [config.window(i) for i in layers]
+        self.capacities = [cache_positions(context_length, window) for window in self.windows]
+        dtype, allocate = CACHE_DTYPES[self.kv_type.name], allocate or allocate_in_ram
+        shapes = [cache_shapes(self.kv_type, config.num_kv_heads, capacity, config.head_dim)
+                  for capacity in self.capacities]
+        self.keys = [allocate(i, shapes[i][0], dtype) for i in layers]
+        self.values = [allocate(i, shapes[i][1], dtype) for i in layers]
         self.context_length = context_length
         self.length = 0  # positions holding valid entries, the same for every layer
+        self.held_from = [0] * config.num_layers  # per layer: none before it since a context shift
+        self._written = 0  # 1 + the last position written: a ring holds none before _written - C
 
     @property
     def num_bytes(self) -> int:
         return sum(array.nbytes for array in [*self.keys, *self.values])
 
     def read(self, layer: int, positions: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Layer `layer`'s (keys, values) at the positions, each float32 [K, n, D], dequantized."""
+        """Layer `layer`'s (keys, values) at the positions (ones it holds), each float32 [K, n, D],
+        dequantized."""
         keys, values, index = self._tensors(layer, positions)
         return tuple(decode(rows, self.kv_type).cpu().numpy() for rows in read_rows(keys, values, index))
 
@@ -61,28 +76,73 @@ class KVCache:
         store_keys, store_values, index = self._tensors(layer, positions)
         rows = [encode(torch.as_tensor(x, device=store_keys.device), self.kv_type) for x in (keys, values)]
         write_rows(store_keys, store_values, index, *rows)
+        if len(index):
+            self._written = max(self._written, int(np.max(positions)) + 1)
+
+    def will_write(self, first: int, end: int) -> None:
+        """Told before a pass writes positions up to `end` (its first slot `first`: a token tree's
+        start, or its first token's position): refuses, before anything is written, a pass that a
+        layer cannot take (a ring holds the window before a pass and at most MAX_PASS_TOKENS of
+        its tokens), and notes what the rings overwrite."""
+        for layer, (window, capacity) in enumerate(zip(self.windows, self.capacities)):
+            if scored_slots(first, end, window) > capacity:
+                raise InvalidArgumentError(
+                    f"positions {first} .. {end - 1} do not fit in layer {layer}'s cache of {capacity} "
+                    f"positions" + (f" (a ring of its window of {window} and a pass of at most "
+                                    f"{MAX_PASS_TOKENS} tokens)" if window else ""))
+        self._written = max(self._written, end)
 
     def _tensors(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s arrays as tensors sharing their memory, and the positions on their device."""
+        """Layer `layer`'s arrays as tensors sharing their memory, and the positions' slots on their
+        device."""
         keys, values = (torch.as_tensor(array) for array in (self.keys[layer], self.values[layer]))
-        return keys, values, torch.as_tensor(np.asarray(positions, np.int64), device=keys.device)
+        slots = np.asarray(positions, np.int64) % self.capacities[layer]
+        return keys, values, torch.as_tensor(slots, device=keys.device)
+
+    def _oldest(self, layer: int) -> int:
+        """The oldest position layer `layer` holds: all from it to the last written are there."""
+        return max(self.held_from[layer], self._written - self.capacities[layer])
+
+    def can_truncate_to(self, length: int) -> bool:
+        """Whether the cache can go back to `length` positions (and hold there what it held before):
+        every layer still holds the positions that a token at `length` sees and the cache had
+        not lost to a context shift (a ring may have overwritten them since)."""
+        length = max(0, min(length, self.length))
+        return length == 0 or all(self._holds_window(layer, length) for layer in range(len(self.keys)))
+
+    def _holds_window(self, layer: int, length: int) -> bool:
+        window, held_from = self.windows[layer], self.held_from[layer]
+        first_seen = max(length - window + 1, held_from) if window else held_from
+        return held_from <= length and self._oldest(layer) <= first_seen
 
     def truncate(self, length: int) -> None:
-        """Forgets positions >= length (the entries are overwritten by the next write)."""
-        self.length = max(0, min(length, self.length))
+        """Forgets positions >= length (the entries are overwritten by the next write); going back
+        further than `can_truncate_to` allows is refused. At 0 the cache holds nothing, lost or not."""
+        length = max(0, min(length, self.length))
+        if not self.can_truncate_to(length):
+            raise InvalidArgumentError(f"the KV cache cannot go back to {length} positions: a sliding-window "
+                                       f"layer's ring no longer holds the window before it")
+        self.length = length
+        if length == 0:
+            self.held_from = [0] * len(self.held_from)
+            self._written = 0
 
     def keep_path(self, start: int, offsets: Sequence[int]) -> None:
         """Of the tokens written from slot `start` on (a token tree), keeps those at the given
         offsets (a root-to-node path, ascending) as positions start, start + 1, ..., and forgets
         the rest. Their keys were rotated for those positions already (a tree token's position
         is start plus its depth), so moving their rows, in whatever type, is all it takes."""
+        if not self.can_truncate_to(start):
+            raise InvalidArgumentError(f"a token tree from position {start}: the cache no longer holds the "
+                                       f"window before it")
         src = start + np.asarray(offsets, np.int64)
         dst = start + np.arange(len(src))
         moved = src != dst
         if moved.any():
             for layer in range(len(self.keys)):
                 keys, values, s = self._tensors(layer, src[moved])
-                write_rows(keys, values, s.new_tensor(dst[moved]), *read_rows(keys, values, s))
+                d = self._tensors(layer, dst[moved])[2]
+                write_rows(keys, values, d, *read_rows(keys, values, s))
         self.length = start + len(src)
 
     def shift(self, keep: int, num_dropped: int, rotations: Sequence[tuple[np.ndarray, np.ndarray]],
@@ -97,22 +157,39 @@ class KVCache:
         magnitude, which that row carries and the keys carry already, is divided out.
         Features past rope_dim are not rotated. The moved entries were computed with the dropped
         tokens in view, so they approximate what a fresh prefill of the kept tokens would hold.
+        A ring moves the positions it holds; kept positions it had overwritten stay lost
+        (`held_from`).
         """
         if not (keep >= 0 and num_dropped > 0 and keep + num_dropped <= self.length):
             raise InvalidArgumentError(f"cannot drop positions [{keep}, {keep + num_dropped}) of the "
                                        f"{self.length} the cache holds")
-        style = "neox" if neox else "normal"
         for layer, (cos, sin) in enumerate(rotations):
             magnitude = np.hypot(cos, sin)
             back = [torch.from_numpy(row / magnitude)[None].double() for row in (cos, -sin)]  # [1, R/2] each
-            for src in range(keep + num_dropped, self.length, SHIFT_CHUNK):
-                positions = np.arange(src, min(src + SHIFT_CHUNK, self.length))
-                keys, values, moved = self._tensors(layer, positions)
-                key_rows, value_rows = read_rows(keys, values, moved)  # copies: the moves may overlap
-                turned = apply_rope(decode(key_rows, self.kv_type).double(),
-                                    *(row.to(keys.device) for row in back), style)
-                # the values move as stored; only the keys, turned, are stored again in the type
-                key_rows = encode(turned.float(), self.kv_type)
-                write_rows(keys, values, moved - num_dropped, key_rows, value_rows)
+            oldest = self._oldest(layer)
+            self._move_back(layer, np.arange(max(keep + num_dropped, oldest), self.length), num_dropped, back,
+                            "neox" if neox else "normal")
+            self.held_from[layer] = oldest if oldest <= keep else max(oldest - num_dropped, keep)
         self.length -= num_dropped
+        self._written = self.length  # what a ring holds is now counted in the new positions
 
+    def _move_back(self, layer: int, positions: np.ndarray, distance: int, back: list[torch.Tensor],
+                   style: str) -> None:
+        """Moves the entries at the positions (ascending) `distance` positions down, their keys
+        turned back (rotary rows `back`), a chunk at a time. Where a layer's positions wrap around
+        its ring, a move can land on the slot of a position still to be moved: there every chunk
+        is read before any is written."""
+        chunks = [positions[i:i + SHIFT_CHUNK] for i in range(0, len(positions), SHIFT_CHUNK)]
+        staged: Iterator | list = (self._stored_rows(layer, chunk) for chunk in chunks)
+        if self.length > self.capacities[layer]:
+            staged = list(staged)  # at most a ring's rows
+        for chunk, (key_rows, value_rows) in zip(chunks, staged):
+            keys, values, moved = self._tensors(layer, chunk - distance)
+            turned = apply_rope(decode(key_rows, self.kv_type).double(),
+                                *(row.to(keys.device) for row in back), style)
+            # the values move as stored; only the keys, turned, are stored again in the type
+            write_rows(keys, values, moved, encode(turned.float(), self.kv_type), value_rows)
+
+    def _stored_rows(self, layer: int, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the rows (in the type) at the positions."""
+        return read_rows(*self._tensors(layer, positions))

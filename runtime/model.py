@@ -43,7 +43,7 @@ class Kernels(Protocol):
     def attention(self, qkv: Activations, keys: Activations, values: Activations, cos: Activations,
                   sin: Activations, heads: int, start: int, neox: bool, parents: np.ndarray | None,
                   tree_start: int | None, window: int = 0, scale: float | None = None,
-                  softcap: float = 0.0) -> Activations: ...
+                  softcap: float = 0.0, held_from: int = 0) -> Activations: ...
 
 
 class CpuKernels:
@@ -63,9 +63,9 @@ class CpuKernels:
         return ops.silu_mul(gate_up(x))
 
     def attention(self, qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start, window=0,
-                  scale=None, softcap=0.0) -> np.ndarray:
+                  scale=None, softcap=0.0, held_from=0) -> np.ndarray:
         return ops.attention(qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start, window,
-                             scale, softcap)
+                             scale, softcap, held_from)
 
 
 CPU_KERNELS = CpuKernels()
@@ -148,10 +148,11 @@ class LayerPass:
     values: Activations
     cos: Activations  # [T, R/2] rotary rows of the pass's tokens, on the layer's device
     sin: Activations
-    start: int  # cache slot of the first new token
+    start: int  # position of the first new token (its cache slot: start % the layer's capacity)
     parents: np.ndarray | None  # a token tree's parents (Decoder.forward)
     tree_start: int | None
     on_routing: RoutingHook | None = None
+    held_from: int = 0  # the oldest position the layer's cache holds (KVCache.held_from)
 
 
 Block = Callable[[Activations, Weights, LayerPass], Activations]  # a family's layer: x [T, E] -> x, in place
@@ -187,6 +188,7 @@ class Decoder:
         else:
             tree_start = start_pos if tree_start is None else tree_start
             positions = tree_start + tree_depths(parents)[start_pos - tree_start:]
+        cache.will_write(start_pos if parents is None else tree_start, start_pos + token_ids.shape[0])
         rotary = {}  # (kernels, cos table) -> the tokens' cos, sin rows on that device, moved once per pass
         x = self.weights.embedding_rows(token_ids)  # [T, E], a new tensor: updated in place below
         if self.config.embedding_scale != 1.0:
@@ -198,7 +200,8 @@ class Decoder:
             if (kernels, id(cos)) not in rotary:
                 rotary[kernels, id(cos)] = kernels.take(cos[positions]), kernels.take(sin[positions])
             step = LayerPass(self.config, layer_idx, kernels, cache.keys[layer_idx], cache.values[layer_idx],
-                             *rotary[kernels, id(cos)], start_pos, parents, tree_start, self.on_routing)
+                             *rotary[kernels, id(cos)], start_pos, parents, tree_start, self.on_routing,
+                             cache.held_from[layer_idx])
             x = self.block(x, w, step)
         cache.length = start_pos + token_ids.shape[0]
         x = CPU_KERNELS.take(x)

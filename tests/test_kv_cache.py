@@ -16,7 +16,7 @@ from tierflow.kv_types import KV_TYPES
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 
-CONFIG = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=64)
+CONFIG = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=64, window=lambda layer: 0)  # no windows
 CONTEXT = 40  # capacity 48: three blocks of 16 positions
 TYPES = list(KV_TYPES)
 GGML_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
@@ -105,7 +105,8 @@ def test_num_bytes_counts_each_row_in_its_type(name):
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
 def test_a_block_type_refuses_a_head_size_that_is_not_a_multiple_of_32(name):
     with pytest.raises(InvalidArgumentError, match="head size is 48"):
-        KVCache(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=48), CONTEXT, kv_type=KV_TYPES[name])
+        KVCache(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=48, window=CONFIG.window), CONTEXT,
+                kv_type=KV_TYPES[name])
 
 
 # -- what a lossy cache costs the bundled model --------------------------------------------------

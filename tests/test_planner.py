@@ -14,7 +14,7 @@ from tests.support.budgets import ram_beside_weights
 from tests.support.make_model import ModelSpec, write_model
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError, PlanBudgetError
-from tierflow.kv_types import KV_TYPES, cache_positions, kv_type
+from tierflow.kv_types import KV_TYPES, cache_positions, kv_type, ring_positions
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.offload.pack.writer import build_pack, pack_sizes
@@ -240,12 +240,14 @@ def test_the_cache_is_counted_in_its_types_bytes(deep, name, bytes_per_32_values
     assert kv_cache_bytes(c, 100, kv_type(name)) == expected
 
 
-def test_a_sliding_window_layer_is_counted_as_the_whole_context_it_stores(deep):
+def test_a_sliding_window_layer_is_counted_as_the_ring_it_stores(deep):
     config = replace(deep[0].config, layer_windows=(1000, 0) * 8)
     f16 = KV_TYPES["f16"]
-    assert cache_positions(8192, 1000) == cache_positions(8192, 0) == 8192
-    assert layer_kv_bytes(config, 0, 8192, f16) == layer_kv_bytes(config, 1, 8192, f16)
-    assert kv_cache_bytes(config, 8192, f16) == 16 * layer_kv_bytes(config, 1, 8192, f16)
+    assert cache_positions(8192, 1000) == ring_positions(1000) == 1536 and cache_positions(8192, 0) == 8192
+    assert layer_kv_bytes(config, 0, 8192, f16) * 8192 == layer_kv_bytes(config, 1, 8192, f16) * 1536
+    assert kv_cache_bytes(config, 8192, f16) == 8 * (layer_kv_bytes(config, 0, 8192, f16)
+                                                      + layer_kv_bytes(config, 1, 8192, f16))
+    assert layer_kv_bytes(config, 0, 1024, f16) == layer_kv_bytes(config, 1, 1024, f16)  # shorter than a ring
 
 
 def test_the_default_cpu_budget_is_available_ram_less_a_margin(deep, monkeypatch):

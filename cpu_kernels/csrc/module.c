@@ -306,17 +306,33 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Whether the pass fits in the cache: the slots it scores, from the block of the first position its
+ * first token sees to the last token rounded up to 16, are no more than the capacity (as
+ * tierflow.kv_types.scored_slots counts them), so that no two of its positions share a slot of a
+ * ring. A whole-context cache (no window) thus needs start + tokens <= capacity. */
+static int pass_fits(const attention_shape *shape, Py_ssize_t tokens, Py_ssize_t start, Py_ssize_t tree_start,
+                     Py_ssize_t window) {
+    const Py_ssize_t first = window && tree_start + 1 > window ? tree_start + 1 - window : 0;
+    return (start + tokens + 15) / 16 * 16 - first / 16 * 16 <= shape->capacity;
+}
+
 /* The other arguments of attention against the shape; the problem, or NULL. */
 static const char *argument_problem(const attention_shape *shape, const buffer_arg *buf, Py_ssize_t tokens,
-                                    Py_ssize_t start, Py_ssize_t tree_start, const int32_t *parents) {
+                                    Py_ssize_t start, Py_ssize_t tree_start, const int32_t *parents,
+                                    Py_ssize_t window, Py_ssize_t held_from) {
     const Py_ssize_t rope_dim = shape->rope_dim, *cos = buf[3].view.shape, *sin = buf[4].view.shape;
     if (rope_dim < 0 || rope_dim % 2 || rope_dim > shape->head_dim) return "rope_dim must be even and <= head_dim";
     if (cos[0] != tokens || cos[1] != rope_dim / 2 || sin[0] != tokens || sin[1] != rope_dim / 2)
         return "cos and sin must be [T, rope_dim / 2]";
-    if (start < 0 || start + tokens > shape->capacity) return "the tokens do not fit in the cache";
+    if (window < 0) return "window must be >= 0 (0: none)";
+    if (start < 0 || (parents && tree_start > start)) return "start must be >= 0 and tree_start <= start";
+    if (!pass_fits(shape, tokens, start, parents ? tree_start : start, window))
+        return window ? "the pass's tokens and the window before them do not fit in the cache's ring"
+                      : "the tokens do not fit in the cache";
+    if (held_from < 0 || held_from > (parents ? tree_start : start))
+        return "held_from must be >= 0 and at most the first new token's position";
     if (buf[5].view.shape[0] != tokens || buf[5].view.shape[1] != shape->heads * shape->head_dim)
         return "out must be [T, heads * head_dim]";
-    if (parents && tree_start > start) return "tree_start is after start";
     if (parents && buf[6].view.len != (start - tree_start + tokens) * 4)
         return "parents must hold one index per tree token (start - tree_start + T)";
     for (Py_ssize_t i = 0; parents && i < start - tree_start + tokens; i++) {
@@ -327,7 +343,7 @@ static const char *argument_problem(const attention_shape *shape, const buffer_a
 
 PyDoc_STRVAR(attention_doc,
 "attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale, parents=None,\n"
-"          tree_start=start, window=0, softcap=0)\n--\n\n"
+"          tree_start=start, window=0, softcap=0, held_from=0)\n--\n\n"
 "Causal attention of T new tokens at positions start ..: rotates q and k in qkv\n"
 "[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache in its type\n"
 "(rows of R items: float32 or float16 [head_dim], or uint8 q8_0 / q4_0 blocks; keys in blocks of 16\n"
@@ -336,16 +352,19 @@ PyDoc_STRVAR(attention_doc,
 "slot tree_start: parents (int32 [start - tree_start + T]) gives each tree token's parent, -1 or\n"
 "an earlier one, and a token sees the cache before tree_start and its ancestors. Scores are scaled by\n"
 "scale, then with softcap > 0 capped to softcap * tanh(score / softcap); with window > 0 the token at\n"
-"position p sees positions p - window + 1 .. p only (a tree token's position: tree_start + its depth).");
+"position p sees positions p - window + 1 .. p only (a tree token's position: tree_start + its depth).\n"
+"Position p is in slot p % capacity: a ring, with a window, when the context is longer than the\n"
+"capacity; a pass must fit (the window before its tokens and they, in whole blocks of 16, at most\n"
+"the capacity). No position before held_from (the oldest the cache holds) is seen.");
 
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     PyObject *objs[7] = {NULL};
-    Py_ssize_t heads, start, rope_dim, tree_start = -1, window = 0;
+    Py_ssize_t heads, start, rope_dim, tree_start = -1, window = 0, held_from = 0;
     int neox;
     float scale, softcap = 0.0f;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf|Onnf:attention", &objs[0], &objs[1], &objs[2], &objs[3],
+    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf|Onnfn:attention", &objs[0], &objs[1], &objs[2], &objs[3],
                           &objs[4], &objs[5], &heads, &start, &rope_dim, &neox, &scale, &objs[6],
-                          &tree_start, &window, &softcap))
+                          &tree_start, &window, &softcap, &held_from))
         return NULL;
     if (tree_start < 0) tree_start = start;
     buffer_arg buf[7] = {{.held = 0}};
@@ -360,8 +379,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     const Py_ssize_t tokens = buf[0].view.shape[0];
     attention_shape shape = {heads, buf[2].view.shape[0], 0, rope_dim, buf[2].view.shape[1], neox, KV_F32, 0};
     const char *problem = cache_problem(&shape, &buf[1].view, &buf[2].view, buf[0].view.shape[1]);
-    if (!problem) problem = argument_problem(&shape, buf, tokens, start, tree_start, parents);
-    if (!problem && window < 0) problem = "window must be >= 0 (0: none)";
+    if (!problem) problem = argument_problem(&shape, buf, tokens, start, tree_start, parents, window, held_from);
     if (!problem && (!isfinite(scale) || !(softcap >= 0.0f) || !isfinite(softcap)))
         problem = "scale must be finite and softcap a finite number >= 0 (0: none)";
     if (problem) {
@@ -379,7 +397,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     }
     attention_job job = {shape, buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, buf[3].view.buf,
                          buf[4].view.buf, tokens, start, scale, parents, tree_start, scores, paths,
-                         buf[5].view.buf, window, softcap};
+                         buf[5].view.buf, window, softcap, held_from};
     Py_BEGIN_ALLOW_THREADS
     attention_prepare(&job);
     /* Short contexts take microseconds: waking the pool would cost more than it saves. */

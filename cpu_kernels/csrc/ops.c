@@ -285,13 +285,14 @@ static inline v16f scaled16(v16f score, float scale, float softcap) {
 }
 
 /* Scaled (and soft-capped) scores of `count` query heads over positions from .. padded (from a
- * multiple of 16): scores[g][t]. */
+ * multiple of 16): scores[g][t]. Position t's key is in slot t % capacity: a block of 16
+ * positions is a block of 16 slots, as the capacity is a multiple of 16. */
 static ALWAYS_INLINE void score_heads(const attention_shape *s, const float *q, const int count, const char *keys,
                                       int64_t row_bytes, int64_t from, int64_t padded, float scale, float softcap,
                                       float *scores) {
     for (int64_t t = from; t < padded; t += 16) {
         v16f block[HEAD_BLOCK];
-        score16(s, q, count, keys + t * row_bytes, block);
+        score16(s, q, count, keys + t % s->capacity * row_bytes, block);
         for (int g = 0; g < count; g++) store16(scores + g * padded + t, scaled16(block[g], scale, softcap));
     }
 }
@@ -308,6 +309,13 @@ static ALWAYS_INLINE v16f value16(kv_format kv, const void *row, int64_t d) {
                          : load16_q4(block + 2, d % QBLOCK >= 16, scale);
 }
 
+/* The cache slot of the value at sequence position t: a tree token's ancestors are at the slots
+ * of the tree (root + path[j]); every slot wraps around the capacity (a sliding window's ring). */
+static ALWAYS_INLINE int64_t value_slot(const attention_job *job, int64_t t, const int64_t *path) {
+    const int64_t root = job->tree_start;
+    return (path && t >= root ? root + path[t - root] : t) % job->shape.capacity;
+}
+
 /* The weighted values: every visible position's (first .. length) probs[g][t] * value, added in
  * position order into out[g][d0 .. d0 + 16 * chunks) of `count` heads, in registers (each row read
  * once for them). */
@@ -315,13 +323,12 @@ static ALWAYS_INLINE void add_values(const attention_job *job, const char *value
                                      const float *probs, int64_t padded, int64_t first, int64_t length,
                                      const int64_t *path, const int count, int64_t d0, const int chunks, float *out) {
     const attention_shape *s = &job->shape;
-    const int64_t root = job->tree_start;
     v16f acc[HEAD_BLOCK][VALUE_CHUNKS];
     for (int g = 0; g < count; g++) {
         for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = (v16f){0};
     }
     for (int64_t t = first; t < length; t++) {
-        const char *row = values + (path && t >= root ? root + path[t - root] : t) * row_bytes;
+        const char *row = values + value_slot(job, t, path) * row_bytes;
         v16f v[VALUE_CHUNKS];
         for (int c = 0; c < chunks; c++) v[c] = value16(s->kv, row, d0 + 16 * c);
         for (int g = 0; g < count; g++) {
@@ -356,9 +363,9 @@ static void add_value_tail(const attention_job *job, const char *values, int64_t
                            int64_t padded, int64_t first, int64_t length, const int64_t *path, int64_t group,
                            float *out) {
     const attention_shape *s = &job->shape;
-    const int64_t dim = s->head_dim, root = job->tree_start;
+    const int64_t dim = s->head_dim;
     for (int64_t t = first; t < length; t++) {
-        const char *row = values + (path && t >= root ? root + path[t - root] : t) * row_bytes;
+        const char *row = values + value_slot(job, t, path) * row_bytes;
         for (int64_t d = dim / 16 * 16; d < dim; d++) {
             const float v = s->kv == KV_F32 ? ((const float *)row)[d] : float_from_half(((const uint16_t *)row)[d]);
             for (int64_t g = 0; g < group; g++) out[g * dim + d] += probs[g * padded + t] * v;
@@ -419,16 +426,19 @@ TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_
     const attention_shape *s = &job->shape;
     const int64_t group = s->heads / s->kv_heads, slots = job->start + token + 1, dim = s->head_dim;
     const int64_t length = path ? visible_path(job, token, path) : slots;
-    /* the token's own position is length - 1; a window hides the positions before first */
-    const int64_t first = job->window && length > job->window ? length - job->window : 0;
+    /* the token's own position is length - 1; a window hides the positions before first, and so
+     * does the cache, which no longer holds those before held_from (<= tree_start) */
+    const int64_t windowed = job->window && length > job->window ? length - job->window : 0;
+    const int64_t first = windowed > job->held_from ? windowed : job->held_from;
     const int64_t padded = (slots + 15) / 16 * 16, row = (s->heads + 2 * s->kv_heads) * dim;
     const int64_t item = s->kv == KV_F32 ? 4 : s->kv == KV_F16 ? 2 : 1, row_bytes = s->row * item;
     const float *q = job->qkv + token * row + kv_head * group * dim;
     const char *keys = (const char *)job->keys + kv_head * s->capacity * row_bytes; /* [capacity / 16][row][16] */
     const char *values = (const char *)job->values + kv_head * s->capacity * row_bytes;
     float *out = job->out + (token * s->heads + kv_head * group) * dim;
-    /* Scores, a block of 16 positions at a time; the last block's lanes past the token read
-     * slots not yet written (zeros or an older sequence's) and are set to -inf by softmax. */
+    /* Scores, a block of 16 positions at a time; the first block's lanes before `first` and the
+     * last block's past the token read slots that hold other positions (zeros, an older sequence's,
+     * or a ring's older or newer ones) and are set to -inf by softmax. */
     for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
 #define SCORE(count) \
     score_heads(s, q + g0 * dim, count, keys, row_bytes, first / 16 * 16, padded, job->scale, job->softcap, \
@@ -459,11 +469,11 @@ void attention_prepare(attention_job *job) {
         for (int64_t h = 0; h < s->heads; h++) rotate(q + h * s->head_dim, cos, sin, s->rope_dim, s->neox);
         for (int64_t h = 0; h < s->kv_heads; h++) {
             rotate(k + h * s->head_dim, cos, sin, s->rope_dim, s->neox);
-            const int64_t position = job->start + token;
-            char *block = (char *)job->keys + (h * s->capacity + position / 16 * 16) * s->row * item;
-            store_row(k + h * s->head_dim, s->head_dim, s->kv, block + position % 16 * item, 16);
+            const int64_t slot = (job->start + token) % s->capacity;
+            char *block = (char *)job->keys + (h * s->capacity + slot / 16 * 16) * s->row * item;
+            store_row(k + h * s->head_dim, s->head_dim, s->kv, block + slot % 16 * item, 16);
             store_row(v + h * s->head_dim, s->head_dim, s->kv,
-                      (char *)job->values + (h * s->capacity + position) * s->row * item, 1);
+                      (char *)job->values + (h * s->capacity + slot) * s->row * item, 1);
         }
     }
 }

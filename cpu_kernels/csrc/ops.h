@@ -14,7 +14,8 @@ void silu_mul_rows(const float *gate_up, int64_t rows, int64_t size, float *out)
 typedef enum { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 2, KV_Q4_0 = 3 } kv_format;
 
 typedef struct {
-    int64_t heads, kv_heads, head_dim, rope_dim, capacity; /* capacity: cache positions */
+    /* capacity: cache slots; position p is in slot p % capacity (a ring when the context is longer) */
+    int64_t heads, kv_heads, head_dim, rope_dim, capacity;
     int neox;
     kv_format kv;
     int64_t row; /* items of a cache row */
@@ -38,6 +39,7 @@ typedef struct {
     /* The token at position p sees positions p - window + 1 .. p only; 0: no window. */
     int64_t window;
     float softcap; /* scores become softcap * tanh(scores / softcap); 0: uncapped */
+    int64_t held_from; /* the oldest position the cache holds (<= tree_start): none before it is seen */
 } attention_job;
 
 /* Rotates q and k and writes k and v of every token into the cache, in its type. */

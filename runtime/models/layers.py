@@ -54,7 +54,7 @@ def attention(p: LayerPass, w: Weights, x: Activations, qk_norm: QKNorm | None =
         qkv = qk_norm(p, w, qkv)
     out = p.kernels.attention(qkv, p.keys, p.values, p.cos, p.sin, cfg.num_heads, p.start,
                               cfg.rope_style == "neox", p.parents, p.tree_start, cfg.window(p.layer_idx),
-                              cfg.query_scale, cfg.attn_logit_softcap)
+                              cfg.query_scale, cfg.attn_logit_softcap, p.held_from)
     return w.wo(out)
 
 
