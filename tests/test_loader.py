@@ -88,6 +88,14 @@ def test_a_default_context_the_budget_cannot_hold_is_the_largest_that_fits(long_
         Engine.load(long_model, threads=2, cpu_memory=budget, context_length=context + CONTEXT_STEP)
 
 
+def test_a_budget_no_context_fits_names_what_the_smallest_context_needs(long_model):
+    with pytest.raises(BudgetError) as smallest:
+        Engine.load(long_model, threads=2, cpu_memory="1MiB", context_length=CONTEXT_STEP)
+    with pytest.raises(BudgetError) as default:  # not the trained context's need, many times more
+        Engine.load(long_model, threads=2, cpu_memory="1MiB")
+    assert default.value.minimum_bytes == smallest.value.minimum_bytes
+
+
 def test_the_trained_context_is_the_default_when_the_budget_holds_it(long_model, long_weights):
     budget = long_weights + ram_beside_weights(long_model, LONG_SPEC.context_length)
     with Engine.load(long_model, threads=2, cpu_memory=budget) as engine:

@@ -40,6 +40,8 @@ def plan_context(plan_at: Callable[[int], Plan], requested: int | None, trained:
     except PlanBudgetError as error:
         largest = largest_fitting(plan_at, target - 1)
         if largest is None:
+            if target > CONTEXT_STEP:
+                plan_at(CONTEXT_STEP)  # raises: the need named is the smallest context's, not this one's
             raise
         if requested is not None:
             raise PlanBudgetError(f"{error}; or a context of at most {largest} positions fits "
