@@ -35,8 +35,9 @@ def mapped_packages() -> dict[str, str]:
 # (target attributes) and chosen at run time, so no -march flag ties the build to this machine.
 KERNELS = Extension(
     "tierflow.cpu_kernels._kernels",
-    sources=[f"cpu_kernels/csrc/{name}.c" for name in ("module", "lut", "int8", "ops", "pool")],
-    depends=["cpu_kernels/csrc/kernels.h", "cpu_kernels/csrc/ops.h"],
+    sources=[f"cpu_kernels/csrc/{name}.c" for name in ("module", "lut", "int8", "ops", "pool",
+                                                             "attend_avx512", "attend_avx2", "attend_portable")],
+    depends=[f"cpu_kernels/csrc/{name}.h" for name in ("kernels", "ops", "vec16", "attend")],
     extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wall", "-Wno-psabi"],
     extra_link_args=["-pthread"],
 )
