@@ -208,9 +208,9 @@ static inline v16f scaled16(v16f score, float scale, float softcap) {
 static ALWAYS_INLINE void score_heads(const attention_shape *s, const float *q, const int count, const char *keys,
                                       int64_t row_bytes, int64_t from, int64_t padded, float scale, float softcap,
                                       float *scores) {
-    for (int64_t t = from; t < padded; t += 16) {
+    for (int64_t t = from, slot = from % s->capacity; t < padded; t += 16, slot = slot + 16 < s->capacity ? slot + 16 : 0) {
         v16f block[HEAD_BLOCK];
-        score16(s, q, count, keys + t % s->capacity * row_bytes, block);
+        score16(s, q, count, keys + slot * row_bytes, block);
         for (int g = 0; g < count; g++) store16(scores + g * padded + t, scaled16(block[g], scale, softcap));
     }
 }
@@ -240,11 +240,22 @@ static ALWAYS_INLINE void values16(kv_format kv, const void *row, int64_t d0, co
     }
 }
 
-/* The cache slot of the value at sequence position t: a tree token's ancestors are at the slots
- * of the tree (root + path[j]); every slot wraps around the capacity (a sliding window's ring). */
-static ALWAYS_INLINE int64_t value_slot(const attention_job *job, int64_t t, const int64_t *path) {
-    const int64_t root = job->tree_start;
-    return (path && t >= root ? root + path[t - root] : t) % job->shape.capacity;
+/* Where a pass's value rows are: position t >= first is in slot t % capacity, a tree token's
+ * ancestors in the tree's slots (root + path[j]). Slots are counted from first's and the root's
+ * rather than divided per position: no position a token sees is a whole capacity past them. */
+typedef struct {
+    int64_t first, first_slot, root, root_slot, capacity;
+    const int64_t *path;
+} slot_map;
+
+static ALWAYS_INLINE slot_map slots_from(const attention_job *job, int64_t first, const int64_t *path) {
+    const int64_t capacity = job->shape.capacity;
+    return (slot_map){first, first % capacity, job->tree_start, job->tree_start % capacity, capacity, path};
+}
+
+static ALWAYS_INLINE int64_t value_slot(const slot_map *m, int64_t t) {
+    const int64_t slot = m->path && t >= m->root ? m->root_slot + m->path[t - m->root] : m->first_slot + (t - m->first);
+    return slot < m->capacity ? slot : slot - m->capacity;
 }
 
 /* The weighted values: every visible position's (first .. length) probs[g][t] * value, added in
@@ -254,13 +265,14 @@ static ALWAYS_INLINE void add_values(const attention_job *job, const char *value
                                      const float *probs, int64_t padded, int64_t first, int64_t length,
                                      const int64_t *path, const int count, int64_t d0, const int chunks, float *out) {
     const attention_shape *s = &job->shape;
+    const slot_map slots = slots_from(job, first, path);
     v16f acc[HEAD_BLOCK][VALUE_CHUNKS];
     for (int g = 0; g < count; g++) {
         for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = (v16f){0};
     }
     for (int64_t t = first; t < length; t++) {
         v16f v[VALUE_CHUNKS];
-        values16(s->kv, values + value_slot(job, t, path) * row_bytes, d0, chunks, v);
+        values16(s->kv, values + value_slot(&slots, t) * row_bytes, d0, chunks, v);
         for (int g = 0; g < count; g++) {
             const float p = probs[g * padded + t];
             for (int c = 0; c < chunks; c++) acc[g][c] += p * v[c];
@@ -294,8 +306,9 @@ static void add_value_tail(const attention_job *job, const char *values, int64_t
                            float *out) {
     const attention_shape *s = &job->shape;
     const int64_t dim = s->head_dim;
+    const slot_map slots = slots_from(job, first, path);
     for (int64_t t = first; t < length; t++) {
-        const char *row = values + value_slot(job, t, path) * row_bytes;
+        const char *row = values + value_slot(&slots, t) * row_bytes;
         for (int64_t d = dim / 16 * 16; d < dim; d++) {
             const float v = s->kv == KV_F32 ? ((const float *)row)[d] : float_from_half(((const uint16_t *)row)[d]);
             for (int64_t g = 0; g < group; g++) out[g * dim + d] += probs[g * padded + t] * v;
@@ -325,8 +338,15 @@ static ALWAYS_INLINE void softmax(float *sg, int64_t first, int64_t length, cons
     const int64_t first_block = first / 16 * 16, visible_padded = (length + 15) / 16 * 16;
     for (int64_t t = first_block; t < first; t++) sg[t] = -INFINITY;
     for (int64_t t = length; t < visible_padded; t++) sg[t] = -INFINITY;
+    /* the largest score, lane by lane over whole blocks (those outside first .. length are -inf
+     * now): what a scan in order finds, but 16 at a time */
+    v16f lanes = (v16f){0} - INFINITY;
+    for (int64_t t = first_block; t < visible_padded; t += 16) {
+        const v16f block = load16(sg + t);
+        lanes = select16(block > lanes, block, lanes);
+    }
     float best = -INFINITY;
-    for (int64_t t = first; t < length; t++) best = sg[t] > best ? sg[t] : best;
+    for (int l = 0; l < 16; l++) best = lanes[l] > best ? lanes[l] : best;
     v16f total = {0};
     for (int64_t t = first_block; t < visible_padded; t += 16) {
         v16f e = exp16(load16(sg + t) - best);
