@@ -3,7 +3,8 @@
  * With the matmuls in the kernels, a decode step of a small model spent most of its time in
  * Python and in torch's per-operation overhead (about 40 tensor operations per layer). These
  * functions do the same arithmetic as runtime/model.py's torch code, in float32, in one call
- * each: RMSNorm, SiLU(gate) * up, and rotary embedding + KV-cache write + causal attention.
+ * each: RMSNorm, SiLU(gate) * up, and rotary embedding + KV-cache write + causal attention (the
+ * attention of one item is in attend.h, compiled once per ISA).
  *
  * Every result row depends only on its own inputs, computed in a fixed order: a token gets
  * bit-identical results whether it is decoded alone or computed in a prefill batch, so greedy
