@@ -59,8 +59,11 @@ static ALWAYS_INLINE float float_from_half(uint16_t h) { return _cvtsh_ss(h); }
 
 #elif defined(__AVX2__) && defined(__F16C__)
 
+/* Through a union: GCC lowers a shuffle into a 64-byte vector, which AVX2 has no registers for,
+ * one lane at a time. */
 static ALWAYS_INLINE v16f from_m256(__m256 low, __m256 high) {
-    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    union { __m256 halves[2]; v16f whole; } both = {{low, high}};
+    return both.whole;
 }
 
 static ALWAYS_INLINE v16f load16_halves(const uint16_t *p) {
