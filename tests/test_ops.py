@@ -112,6 +112,38 @@ def test_attention_of_a_batch_equals_token_by_token_bit_for_bit(name):
     assert torch.equal(batch, torch.cat(steps))
 
 
+@pytest.fixture
+def restore_isa():
+    isa = _kernels.isa()
+    yield
+    _kernels.set_isa(isa)
+
+
+def prompt_then_tree(name: str, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """A 21-token prompt in one pass, then a 5-token tree (two branches from one root): both
+    passes' outputs and the cache they leave."""
+    parents = np.array([-1, 0, 1, 0, 3], np.int32)
+    qkv = random_qkv(26, seed=3, head_dim=head_dim)
+    cos, sin = rope_rows(26, 0, head_dim)
+    keys, values = cache = empty_cache(name, head_dim)
+    prompt = run_attention(qkv[:21], cache, cos[:21], sin[:21], 0, False)
+    tree = attention(qkv[21:].clone().numpy(), keys.numpy(), values.numpy(), cos[21:].contiguous().numpy(),
+                     sin[21:].contiguous().numpy(), HEADS, 21, False, parents, 21)
+    return prompt, torch.from_numpy(tree), keys, values
+
+
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+@pytest.mark.parametrize("name", TYPES)
+def test_every_isa_gives_attention_the_same_bits(name, head_dim, restore_isa):
+    """Each ISA's copy of the kernel (csrc/attend_*.c) does the same float32 steps in the same
+    order, so the choice of ISA never changes a token's output."""
+    results = []
+    for isa in _kernels.supported_isas():
+        _kernels.set_isa(isa)
+        results.append(prompt_then_tree(name, head_dim))
+    assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_model_logits_of_a_prefill_equal_those_of_decoding_token_by_token(engine, name):
     """So greedy output never depends on how a prompt was split (prefix reuse, verify batches)."""

@@ -386,18 +386,9 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         release(buf, 7);
         return PyErr_Format(PyExc_ValueError, "attention: %s", problem);
     }
-    float *scores = malloc((size_t)(tokens * heads * ((start + tokens + 15) / 16 * 16)) * sizeof(float));
-    const size_t path_items = (size_t)(tokens * shape.kv_heads * (start - tree_start + tokens));
-    int64_t *paths = parents ? malloc(path_items * sizeof(int64_t)) : NULL;
-    if (!scores || (parents && !paths)) {
-        free(scores);
-        free(paths);
-        release(buf, 7);
-        return PyErr_NoMemory();
-    }
-    attention_job job = {shape, buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, buf[3].view.buf,
-                         buf[4].view.buf, tokens, start, scale, parents, tree_start, scores, paths,
-                         buf[5].view.buf, window, softcap, held_from};
+    attention_job job = {shape, attend_kernel(active_isa), buf[0].view.buf, buf[1].view.buf, buf[2].view.buf,
+                         buf[3].view.buf, buf[4].view.buf, tokens, start, scale, parents, tree_start,
+                         buf[5].view.buf, window, softcap, held_from, 0};
     Py_BEGIN_ALLOW_THREADS
     attention_prepare(&job);
     /* Short contexts take microseconds: waking the pool would cost more than it saves. */
@@ -407,9 +398,8 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         for (Py_ssize_t item = 0; item < tokens * shape.kv_heads; item++) attention_item(&job, item);
     }
     Py_END_ALLOW_THREADS
-    free(scores);
-    free(paths);
     release(buf, 7);
+    if (atomic_load(&job.failed)) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 

@@ -3,69 +3,22 @@
  * With the matmuls in the kernels, a decode step of a small model spent most of its time in
  * Python and in torch's per-operation overhead (about 40 tensor operations per layer). These
  * functions do the same arithmetic as runtime/model.py's torch code, in float32, in one call
- * each: RMSNorm, SiLU(gate) * up, and rotary embedding + KV-cache write + causal attention.
+ * each: RMSNorm, SiLU(gate) * up, and rotary embedding + KV-cache write + causal attention (the
+ * attention of one item is in attend.h, compiled once per ISA).
  *
  * Every result row depends only on its own inputs, computed in a fixed order: a token gets
  * bit-identical results whether it is decoded alone or computed in a prefill batch, so greedy
  * output does not depend on how a prompt was split (KV-prefix reuse, speculative verification).
  */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
 #include "ops.h"
-
-/* 16 floats as one value: GCC/Clang vector extensions, compiled to each clone's widest vectors. */
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
-
-static inline v16f load16(const float *p) { return *(const v16f *)p; }
-static inline void store16(float *p, v16f v) { *(v16f *)p = v; }
-
-/* e^x for x <= 88 (below -87, 0), to about 2 ulp: x = n ln2 + r, e^r by a degree-6 polynomial
- * (Cephes' coefficients), times 2^n built in the exponent bits. Plain + and * in a fixed order,
- * so every ISA clone gives the same bits. */
-/* Lanes of a where mask is set (all ones), else of b. */
-static inline v16f select16(v16i mask, v16f a, v16f b) {
-    v16i ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    v16i chosen = (mask & ai) | (~mask & bi);
-    v16f result;
-    memcpy(&result, &chosen, sizeof result);
-    return result;
-}
-
-static inline v16f exp16(v16f x) {
-    const v16i underflow = x < -87.0f;
-    x = select16(underflow, (v16f){0} - 87.0f, x);
-    v16f n = x * 1.44269504088896341f;
-    n = (n + 12582912.0f) - 12582912.0f; /* round to nearest (see round_even) */
-    v16f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v16f p = (v16f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = (p * r) * r + r + 1.0f;
-    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    v16f result = p * scale;
-    return select16(underflow, (v16f){0}, result);
-}
-
-static inline float sum16(v16f v) {
-    float lanes[16];
-    memcpy(lanes, &v, sizeof lanes);
-    for (int width = 8; width >= 1; width /= 2) {
-        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
-    }
-    return lanes[0];
-}
-
+#include "vec16.h"
 
 void rms_norm_rows(const float *x, const float *weight, int64_t rows, int64_t size, float eps,
                    float *out) {
@@ -106,62 +59,7 @@ static void rotate(float *head, const float *cos, const float *sin, int64_t rope
     }
 }
 
-#define MAX_GROUP 64 /* query heads per key/value head */
-#define HEAD_BLOCK 4 /* query heads scored together (accumulators kept in registers) */
-#define QBLOCK 32    /* values per q8_0 / q4_0 block */
-
-/* -- cache rows: each type's items, converted 16 lanes at a time ------------------------------
- *
- * Every stored value converts exactly to float32 (a half, or d * q with an 11-bit d and a small
- * integer q), so a type's kernel computes what the float32 kernel would over the dequantized
- * cache; only the writes round, as llama.cpp's reference quantizers do. */
-
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(1)));
-typedef int16_t v16s16 __attribute__((vector_size(32), aligned(1)));
-typedef int8_t v16s8 __attribute__((vector_size(16), aligned(1)));
-typedef uint8_t v16u8 __attribute__((vector_size(16), aligned(1)));
-
-/* 16 bytes widened to 32-bit lanes through 16 bits: GCC 12 vectorizes each step (vpmovsxbw,
- * vpmovsxwd), not the direct conversion (16 scalar moves). */
-static inline v16i widen_signed(const int8_t *p) {
-    return __builtin_convertvector(__builtin_convertvector(*(const v16s8 *)p, v16s16), v16i);
-}
-
-static inline v16i widen_unsigned(const uint8_t *p) {
-    return __builtin_convertvector(__builtin_convertvector(*(const v16u8 *)p, v16s16), v16i);
-}
-
-static inline v16f bits_as_floats(v16i bits) {
-    v16f f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Half bit patterns (low 16 bits of each lane) to floats, exactly: the magnitude's bits moved to
- * a float's place and scaled by 2^112 (the exponents' bias difference) covers normal and
- * subnormal halves; infinities and NaNs keep an all-ones exponent. */
-static inline v16f floats_from_halves(v16i h) {
-    const v16i magnitude = (h & 0x7fff) << 13;
-    v16f scaled = bits_as_floats(magnitude) * 0x1p112f;
-    v16i bits;
-    memcpy(&bits, &scaled, sizeof bits);
-    const v16i special = (h & 0x7c00) == 0x7c00;
-    bits = (bits & ~special) | ((magnitude | 0x7f800000) & special);
-    return bits_as_floats(bits | ((h & 0x8000) << 16));
-}
-
-static inline float float_from_half(uint16_t h) {
-    const uint32_t magnitude = (uint32_t)(h & 0x7fff) << 13;
-    float scaled;
-    memcpy(&scaled, &magnitude, sizeof scaled);
-    scaled *= 0x1p112f;
-    uint32_t bits;
-    memcpy(&bits, &scaled, sizeof bits);
-    if ((h & 0x7c00) == 0x7c00) bits = magnitude | 0x7f800000u;
-    bits |= (uint32_t)(h & 0x8000) << 16;
-    memcpy(&scaled, &bits, sizeof scaled);
-    return scaled;
-}
+#define QBLOCK 32 /* values per q8_0 / q4_0 block */
 
 /* float32 to half bits, rounded to nearest even (as F16C, numpy and torch round). */
 static uint16_t half_from_float(float f) {
@@ -180,26 +78,6 @@ static uint16_t half_from_float(float f) {
         return sign | (uint16_t)(tb - 0x3f000000u);
     }
     return sign | (uint16_t)((a + 0xfffu + ((a >> 13) & 1) - 0x38000000u) >> 13);
-}
-
-static inline v16f load16_halves(const uint16_t *p) {
-    return floats_from_halves(__builtin_convertvector(*(const v16h *)p, v16i));
-}
-
-/* The scales of the 16 positions of a transposed q8_0 / q4_0 block: their low bytes, then their
- * high bytes. */
-static inline v16f load16_scales(const uint8_t *p) {
-    return floats_from_halves(widen_unsigned(p) | widen_unsigned(p + 16) << 8);
-}
-
-static inline v16f load16_q8(const int8_t *p, v16f scale) {
-    return __builtin_convertvector(widen_signed(p), v16f) * scale;
-}
-
-/* Lanes of 16 packed q4_0 bytes: their low nibbles (high = 0) or high nibbles, as d * (q - 8). */
-static inline v16f load16_q4(const uint8_t *p, int high, v16f scale) {
-    const v16i bytes = widen_unsigned(p);
-    return __builtin_convertvector(((high ? bytes >> 4 : bytes) & 15) - 8, v16f) * scale;
 }
 
 /* Writes row x [dim] in the type, item i at dst + i * stride items (1: a value row; 16: a key
@@ -233,232 +111,6 @@ static void store_row(const float *x, int64_t dim, kv_format kv, void *dst, int6
     }
 }
 
-/* -- attention ---------------------------------------------------------------------------- */
-
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-
-/* Adds q[g] * k, k the keys of one block of 16 positions at feature d, to out[g]: each score one
- * lane, summed over d in order whatever the type. */
-static ALWAYS_INLINE void add_feature(const float *q, const int count, int64_t dim, int64_t d, v16f k,
-                                      v16f out[HEAD_BLOCK]) {
-    for (int g = 0; g < count; g++) out[g] += q[g * dim + d] * k;
-}
-
-/* Scores of query heads q[0 .. count) (count <= HEAD_BLOCK) at the 16 positions of one block of
- * keys, stored [row][16]. */
-static ALWAYS_INLINE void score16(const attention_shape *s, const float *q, const int count, const void *block,
-                                  v16f out[HEAD_BLOCK]) {
-    const int64_t dim = s->head_dim;
-    for (int g = 0; g < count; g++) out[g] = (v16f){0};
-    if (s->kv == KV_F32) {
-        for (int64_t d = 0; d < dim; d++) add_feature(q, count, dim, d, load16((const float *)block + 16 * d), out);
-    } else if (s->kv == KV_F16) {
-        for (int64_t d = 0; d < dim; d++)
-            add_feature(q, count, dim, d, load16_halves((const uint16_t *)block + 16 * d), out);
-    } else {
-        const int64_t block_bytes = s->kv == KV_Q8_0 ? 34 : 18;
-        for (int64_t b = 0; b < dim / QBLOCK; b++) {
-            const uint8_t *codes = (const uint8_t *)block + b * block_bytes * 16;
-            const v16f scale = load16_scales(codes);
-            codes += 32;
-            if (s->kv == KV_Q8_0) {
-                for (int j = 0; j < QBLOCK; j++)
-                    add_feature(q, count, dim, b * QBLOCK + j, load16_q8((const int8_t *)codes + 16 * j, scale), out);
-            } else {
-                for (int j = 0; j < QBLOCK; j++)
-                    add_feature(q, count, dim, b * QBLOCK + j, load16_q4(codes + 16 * (j % 16), j >= 16, scale), out);
-            }
-        }
-    }
-}
-
-/* A block of scores, scaled and, with a soft cap, capped in llama.cpp's order: x * (1 / cap), tanh, * cap. */
-static inline v16f scaled16(v16f score, float scale, float softcap) {
-    score *= scale;
-    if (softcap == 0.0f) return score;
-    float lanes[16];
-    memcpy(lanes, &score, sizeof lanes);
-    const float inverse = 1.0f / softcap;
-    for (int l = 0; l < 16; l++) lanes[l] = tanhf(lanes[l] * inverse) * softcap;
-    memcpy(&score, lanes, sizeof score);
-    return score;
-}
-
-/* Scaled (and soft-capped) scores of `count` query heads over positions from .. padded (from a
- * multiple of 16): scores[g][t]. Position t's key is in slot t % capacity: a block of 16
- * positions is a block of 16 slots, as the capacity is a multiple of 16. */
-static ALWAYS_INLINE void score_heads(const attention_shape *s, const float *q, const int count, const char *keys,
-                                      int64_t row_bytes, int64_t from, int64_t padded, float scale, float softcap,
-                                      float *scores) {
-    for (int64_t t = from; t < padded; t += 16) {
-        v16f block[HEAD_BLOCK];
-        score16(s, q, count, keys + t % s->capacity * row_bytes, block);
-        for (int g = 0; g < count; g++) store16(scores + g * padded + t, scaled16(block[g], scale, softcap));
-    }
-}
-
-#define VALUE_CHUNKS 4 /* 16-feature chunks of a head's output kept in registers: 64 features */
-
-/* Feature chunk c (16 features from d) of a value row, as floats. */
-static ALWAYS_INLINE v16f value16(kv_format kv, const void *row, int64_t d) {
-    if (kv == KV_F32) return load16((const float *)row + d);
-    if (kv == KV_F16) return load16_halves((const uint16_t *)row + d);
-    const uint8_t *block = (const uint8_t *)row + d / QBLOCK * (kv == KV_Q8_0 ? 34 : 18);
-    const v16f scale = (v16f){0} + float_from_half((uint16_t)(block[0] | block[1] << 8));
-    return kv == KV_Q8_0 ? load16_q8((const int8_t *)block + 2 + d % QBLOCK, scale)
-                         : load16_q4(block + 2, d % QBLOCK >= 16, scale);
-}
-
-/* The cache slot of the value at sequence position t: a tree token's ancestors are at the slots
- * of the tree (root + path[j]); every slot wraps around the capacity (a sliding window's ring). */
-static ALWAYS_INLINE int64_t value_slot(const attention_job *job, int64_t t, const int64_t *path) {
-    const int64_t root = job->tree_start;
-    return (path && t >= root ? root + path[t - root] : t) % job->shape.capacity;
-}
-
-/* The weighted values: every visible position's (first .. length) probs[g][t] * value, added in
- * position order into out[g][d0 .. d0 + 16 * chunks) of `count` heads, in registers (each row read
- * once for them). */
-static ALWAYS_INLINE void add_values(const attention_job *job, const char *values, int64_t row_bytes,
-                                     const float *probs, int64_t padded, int64_t first, int64_t length,
-                                     const int64_t *path, const int count, int64_t d0, const int chunks, float *out) {
-    const attention_shape *s = &job->shape;
-    v16f acc[HEAD_BLOCK][VALUE_CHUNKS];
-    for (int g = 0; g < count; g++) {
-        for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = (v16f){0};
-    }
-    for (int64_t t = first; t < length; t++) {
-        const char *row = values + value_slot(job, t, path) * row_bytes;
-        v16f v[VALUE_CHUNKS];
-        for (int c = 0; c < chunks; c++) v[c] = value16(s->kv, row, d0 + 16 * c);
-        for (int g = 0; g < count; g++) {
-            const float p = probs[g * padded + t];
-            for (int c = 0; c < chunks; c++) acc[g][c] += p * v[c];
-        }
-    }
-    for (int g = 0; g < count; g++) {
-        for (int c = 0; c < chunks; c++) store16(out + g * s->head_dim + d0 + 16 * c, acc[g][c]);
-    }
-}
-
-/* add_values over a head's features, in ranges of 64, 32 and 16 (so that the chunks in registers
- * are a constant number). */
-static ALWAYS_INLINE void add_all_values(const attention_job *job, const char *values, int64_t row_bytes,
-                                         const float *probs, int64_t padded, int64_t first, int64_t length,
-                                         const int64_t *path, const int count, float *out) {
-    const int64_t dim = job->shape.head_dim;
-    int64_t d0 = 0;
-#define ADD_CHUNKS(chunks) add_values(job, values, row_bytes, probs, padded, first, length, path, count, d0, chunks, out)
-    for (; d0 + 64 <= dim; d0 += 64) ADD_CHUNKS(4);
-    if (dim - d0 >= 32) {
-        ADD_CHUNKS(2);
-        d0 += 32;
-    }
-    if (dim - d0 >= 16) ADD_CHUNKS(1);
-#undef ADD_CHUNKS
-}
-
-/* The features past the last whole chunk of 16 (float types only: quantized rows are blocks of 32). */
-static void add_value_tail(const attention_job *job, const char *values, int64_t row_bytes, const float *probs,
-                           int64_t padded, int64_t first, int64_t length, const int64_t *path, int64_t group,
-                           float *out) {
-    const attention_shape *s = &job->shape;
-    const int64_t dim = s->head_dim;
-    for (int64_t t = first; t < length; t++) {
-        const char *row = values + value_slot(job, t, path) * row_bytes;
-        for (int64_t d = dim / 16 * 16; d < dim; d++) {
-            const float v = s->kv == KV_F32 ? ((const float *)row)[d] : float_from_half(((const uint16_t *)row)[d]);
-            for (int64_t g = 0; g < group; g++) out[g * dim + d] += probs[g * padded + t] * v;
-        }
-    }
-}
-
-
-/* The cache slots a tree token sees, as the sequence it would have seen decoded alone: positions
- * 0 .. tree_start - 1, then its ancestors from the root down (slot tree_start + path[j] holds the
- * one at depth j). Returns the sequence's length. */
-static int64_t visible_path(const attention_job *job, int64_t token, int64_t *path) {
-    const int64_t node = job->start - job->tree_start + token;
-    int64_t depth = 0;
-    for (int64_t t = node; t >= 0; t = job->parents[t]) depth++;
-    for (int64_t t = node, j = depth - 1; t >= 0; t = job->parents[t], j--) path[j] = t;
-    return job->tree_start + depth;
-}
-
-/* Softmax of one head's scores over positions first .. length (a tree token's moved to the
- * positions its ancestors would hold in a sequence), turned into probabilities in place; scores
- * before first (a sliding window's) are not seen, whichever slots hold them. */
-static ALWAYS_INLINE void softmax(float *sg, int64_t first, int64_t length, const int64_t *path, int64_t root) {
-    /* path[j] >= j, and ascending j never overwrites a slot a later j still reads */
-    for (int64_t j = first > root ? first - root : 0; path && root + j < length; j++) sg[root + j] = sg[root + path[j]];
-    const int64_t first_block = first / 16 * 16, visible_padded = (length + 15) / 16 * 16;
-    for (int64_t t = first_block; t < first; t++) sg[t] = -INFINITY;
-    for (int64_t t = length; t < visible_padded; t++) sg[t] = -INFINITY;
-    float best = -INFINITY;
-    for (int64_t t = first; t < length; t++) best = sg[t] > best ? sg[t] : best;
-    v16f total = {0};
-    for (int64_t t = first_block; t < visible_padded; t += 16) {
-        v16f e = exp16(load16(sg + t) - best);
-        store16(sg + t, e);
-        total += e;
-    }
-    const float inv_total = 1.0f / sum16(total);
-    for (int64_t t = first; t < length; t++) sg[t] *= inv_total;
-}
-
-/* Calls f(..., count, ...) with count a constant 1 .. HEAD_BLOCK, so that its accumulators are
- * registers. */
-#define WITH_COUNT(count, call) \
-    switch (count) {            \
-    case 1: call(1); break;     \
-    case 2: call(2); break;     \
-    case 3: call(3); break;     \
-    default: call(4); break;    \
-    }
-
-/* The query heads of key/value head `kv_head` for token `token`, over cache positions
- * 0 .. start + token (causal; in a tree, path != NULL, the positions of its ancestors instead):
- * each key and value row is read once per block of HEAD_BLOCK query heads. A tree token's scores
- * are moved to the positions its ancestors would hold in a sequence before the softmax, so it
- * gets the same bits as the token decoded after exactly those ancestors. */
-TARGET_CLONES static void attend(const attention_job *job, int64_t token, int64_t kv_head, float *scores,
-                                 int64_t *path) {
-    const attention_shape *s = &job->shape;
-    const int64_t group = s->heads / s->kv_heads, slots = job->start + token + 1, dim = s->head_dim;
-    const int64_t length = path ? visible_path(job, token, path) : slots;
-    /* the token's own position is length - 1; a window hides the positions before first, and so
-     * does the cache, which no longer holds those before held_from (<= tree_start) */
-    const int64_t windowed = job->window && length > job->window ? length - job->window : 0;
-    const int64_t first = windowed > job->held_from ? windowed : job->held_from;
-    const int64_t padded = (slots + 15) / 16 * 16, row = (s->heads + 2 * s->kv_heads) * dim;
-    const int64_t item = s->kv == KV_F32 ? 4 : s->kv == KV_F16 ? 2 : 1, row_bytes = s->row * item;
-    const float *q = job->qkv + token * row + kv_head * group * dim;
-    const char *keys = (const char *)job->keys + kv_head * s->capacity * row_bytes; /* [capacity / 16][row][16] */
-    const char *values = (const char *)job->values + kv_head * s->capacity * row_bytes;
-    float *out = job->out + (token * s->heads + kv_head * group) * dim;
-    /* Scores, a block of 16 positions at a time; the first block's lanes before `first` and the
-     * last block's past the token read slots that hold other positions (zeros, an older sequence's,
-     * or a ring's older or newer ones) and are set to -inf by softmax. */
-    for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
-#define SCORE(count) \
-    score_heads(s, q + g0 * dim, count, keys, row_bytes, first / 16 * 16, padded, job->scale, job->softcap, \
-                scores + g0 * padded)
-        WITH_COUNT(group - g0, SCORE)
-#undef SCORE
-    }
-    for (int64_t g = 0; g < group; g++) softmax(scores + g * padded, first, length, path, job->tree_start);
-    for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
-#define ADD(count) \
-    add_all_values(job, values, row_bytes, scores + g0 * padded, padded, first, length, path, count, out + g0 * dim)
-        WITH_COUNT(group - g0, ADD)
-#undef ADD
-    }
-    if (dim % 16) {
-        for (int64_t g = 0; g < group; g++) memset(out + g * dim + dim / 16 * 16, 0, dim % 16 * sizeof(float));
-        add_value_tail(job, values, row_bytes, scores, padded, first, length, path, group, out);
-    }
-}
-
 void attention_prepare(attention_job *job) {
     const attention_shape *s = &job->shape;
     const int64_t row = (s->heads + 2 * s->kv_heads) * s->head_dim, half = s->rope_dim / 2;
@@ -478,10 +130,47 @@ void attention_prepare(attention_job *job) {
     }
 }
 
+/* Each thread's scratch for one item (its scores, then a tree token's path), kept for the thread's
+ * life and grown on demand: a pass needs threads x group x keys floats, whatever its tokens. */
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void create_scratch_key(void) { pthread_key_create(&scratch_key, free); }
+
+#define SCRATCH_HEADER 64 /* its capacity in bytes, then the scratch (64-byte aligned) */
+
+static void *thread_scratch(size_t bytes) {
+    pthread_once(&scratch_once, create_scratch_key);
+    size_t *held = pthread_getspecific(scratch_key);
+    if (held && *held >= bytes) return (char *)held + SCRATCH_HEADER;
+    size_t *grown = aligned_alloc(64, (bytes + SCRATCH_HEADER + 63) / 64 * 64);
+    if (!grown || pthread_setspecific(scratch_key, grown) != 0) {
+        free(grown);
+        return NULL;
+    }
+    free(held);
+    *grown = bytes;
+    return (char *)grown + SCRATCH_HEADER;
+}
+
+attend_fn attend_kernel(isa_t isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (isa == ISA_AVX512) return attend_avx512;
+    if (isa == ISA_AVX2) return attend_avx2;
+#endif
+    (void)isa;
+    return attend_portable;
+}
+
 void attention_item(void *ctx, int64_t item) {
     attention_job *job = ctx;
     const int64_t kv_heads = job->shape.kv_heads, group = job->shape.heads / kv_heads;
     const int64_t padded = (job->start + job->tokens + 15) / 16 * 16;
-    attend(job, item / kv_heads, item % kv_heads, job->scores + item * group * padded,
-           job->paths ? job->paths + item * (job->start - job->tree_start + job->tokens) : NULL);
+    const int64_t path_items = job->parents ? job->start - job->tree_start + job->tokens : 0;
+    float *scores = thread_scratch((size_t)(group * padded) * sizeof(float) + (size_t)path_items * sizeof(int64_t));
+    if (!scores) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
+    job->attend(job, item / kv_heads, item % kv_heads, scores, job->parents ? (int64_t *)(scores + group * padded) : NULL);
 }

@@ -2,7 +2,10 @@
 #ifndef TIERFLOW_OPS_H
 #define TIERFLOW_OPS_H
 
+#include <stdatomic.h>
 #include <stdint.h>
+
+#include "kernels.h"
 
 void rms_norm_rows(const float *x, const float *weight, int64_t rows, int64_t size, float eps,
                    float *out);
@@ -21,8 +24,16 @@ typedef struct {
     int64_t row; /* items of a cache row */
 } attention_shape;
 
-typedef struct {
+typedef struct attention_job attention_job;
+
+/* The attention of one item (attend.h): the query heads of token `token` that share key/value head
+ * kv_head, with the calling thread's scratch for their scores ([group][start + tokens, padded to
+ * 16]) and, in a tree, the token's path. */
+typedef void (*attend_fn)(const attention_job *job, int64_t token, int64_t kv_head, float *scores, int64_t *path);
+
+struct attention_job {
     attention_shape shape;
+    attend_fn attend;       /* the ISA's: attend_kernel */
     float *qkv;             /* [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place */
     void *keys;             /* one layer's keys, rows transposed in blocks of 16 positions: [kv_heads, capacity / 16, row, 16] */
     void *values;           /* one layer's values [kv_heads, capacity, row] */
@@ -33,17 +44,22 @@ typedef struct {
      * parents[i] is the parent of the token in slot tree_start + i, -1 for a root */
     const int32_t *parents;
     int64_t tree_start;
-    float *scores; /* scratch: 16-padded [start + tokens] per query head and token */
-    int64_t *paths; /* scratch for a tree: [start - tree_start + tokens] per item; NULL without one */
-    float *out;    /* [tokens, heads * head_dim] */
+    float *out;             /* [tokens, heads * head_dim] */
     /* The token at position p sees positions p - window + 1 .. p only; 0: no window. */
     int64_t window;
     float softcap; /* scores become softcap * tanh(scores / softcap); 0: uncapped */
     int64_t held_from; /* the oldest position the cache holds (<= tree_start): none before it is seen */
-} attention_job;
+    atomic_int failed; /* set when a thread's scratch could not be allocated */
+};
 
 /* Rotates q and k and writes k and v of every token into the cache, in its type. */
 void attention_prepare(attention_job *job);
+
+void attend_avx512(const attention_job *job, int64_t token, int64_t kv_head, float *scores, int64_t *path);
+void attend_avx2(const attention_job *job, int64_t token, int64_t kv_head, float *scores, int64_t *path);
+void attend_portable(const attention_job *job, int64_t token, int64_t kv_head, float *scores, int64_t *path);
+/* The attention of the ISA (each gives the same bits). */
+attend_fn attend_kernel(isa_t isa);
 /* Attention of one token's query heads that share key/value head k, item = token * kv_heads + k:
  * a pool item. */
 void attention_item(void *ctx, int64_t item);

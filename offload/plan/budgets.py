@@ -6,6 +6,7 @@ cache of the layers computed there and the activations of the largest pass; gpu_
 layers and their caches.
 """
 
+import os
 from dataclasses import dataclass
 
 import psutil
@@ -32,10 +33,13 @@ def kv_cache_bytes(config: ModelConfig, context_length: int, kv: KVType) -> int:
 
 
 def scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
-    """Activations of a pass of `tokens` tokens attending to `keys` positions (an estimate)."""
+    """Activations of a pass of `tokens` tokens attending to `keys` positions (an estimate). The
+    attention kernel's scores are per thread, not per token: each thread scores one token's query
+    heads of one key/value head at a time (group x keys floats), and the cores bound the threads."""
     c = config
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    return 4 * (tokens * (c.hidden_size + 2 * c.ffn_size + qkv) + tokens * keys * c.num_heads + c.vocab_size)
+    scores = (os.cpu_count() or 1) * (c.num_heads // c.num_kv_heads) * keys
+    return 4 * (tokens * (c.hidden_size + 2 * c.ffn_size + qkv) + scores + c.vocab_size)
 
 
 def activation_bytes(config: ModelConfig, context_length: int) -> int:

@@ -1,0 +1,58 @@
+/* 16 floats as one value: GCC/Clang vector extensions, compiled to the including code's widest
+ * vectors (each TARGET_CLONES clone, or each ISA's attention file). Plain + and * in a fixed
+ * order, so every ISA gives the same bits. */
+#ifndef TIERFLOW_VEC16_H
+#define TIERFLOW_VEC16_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+
+static inline v16f load16(const float *p) { return *(const v16f *)p; }
+static inline void store16(float *p, v16f v) { *(v16f *)p = v; }
+
+static inline v16f bits_as_floats(v16i bits) {
+    v16f f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Lanes of a where mask is set (all ones), else of b. */
+static inline v16f select16(v16i mask, v16f a, v16f b) {
+    v16i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    return bits_as_floats((mask & ai) | (~mask & bi));
+}
+
+/* e^x for x <= 88 (below -87, 0), to about 2 ulp: x = n ln2 + r, e^r by a degree-6 polynomial
+ * (Cephes' coefficients), times 2^n built in the exponent bits. */
+static inline v16f exp16(v16f x) {
+    const v16i underflow = x < -87.0f;
+    x = select16(underflow, (v16f){0} - 87.0f, x);
+    v16f n = x * 1.44269504088896341f;
+    n = (n + 12582912.0f) - 12582912.0f; /* round to nearest (see round_even) */
+    v16f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    v16f p = (v16f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * r) * r + r + 1.0f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return select16(underflow, (v16f){0}, p * bits_as_floats(bits));
+}
+
+static inline float sum16(v16f v) {
+    float lanes[16];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int width = 8; width >= 1; width /= 2) {
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    }
+    return lanes[0];
+}
+
+#endif
