@@ -2,7 +2,9 @@
 
 A position's key (or value) of one head is a row of R items, the type's own encoding of the D
 features: D float32 (f32), D float16 (f16), or the D/32 blocks' bytes of llama.cpp's q8_0 or
-q4_0 (R = row_bytes, see tierflow.kv_types), bit for bit what llama.cpp would store.
+q4_0 (R = row_bytes, see tierflow.kv_types), bit for bit what llama.cpp would store. A quantized
+type's rows are those of the Hadamard-rotated keys and values where llama.cpp rotates them
+(hadamard.py): `encode` and `decode` see the rows as stored, the caller rotates.
 
 A layer's values are [K, C, R]: a row per head and position. Its keys are [K, C/16, R, 16]: the
 rows of 16 positions stored transposed, item r of the 16 positions side by side, so that the C

@@ -29,7 +29,8 @@ def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.nda
               softcap: float = 0.0, held_from: int = 0) -> np.ndarray:
     """Causal attention of T new tokens at cache positions start .. start + T - 1.
 
-    qkv [T, (H + 2K) * D] (rotated in place); keys [K, C/16, I, 16] and values [K, C, I], one
+    qkv [T, (H + 2K) * D] (rotated in place; with a quantized cache, Hadamard-rotated too, the
+    values included: hadamard.py); keys [K, C/16, I, 16] and values [K, C, I], one
     layer's cache in any of its types (rows of I items, keys transposed in blocks of 16 positions:
     kv_layout.py), into which the tokens' keys and values are written in that type before any is
     read; cos, sin [T, R/2].

@@ -10,6 +10,7 @@ approximation, the int8 quantization of activations (as in ggml's Q8 dot product
 import numpy as np
 import torch
 
+from tierflow.cpu_kernels.hadamard import hadamard, rotation_sizes
 from tierflow.cpu_kernels.kv_layout import check_pass_fits, decode, encode, kv_type_of, read_rows, write_rows
 from tierflow.cpu_kernels.packed import PackedMatrix
 
@@ -118,7 +119,9 @@ def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     """ops.attention in torch, on any device (the GPU kernel's reference too): the same cache
     writes, in the cache's type (keys [K, C/16, I, 16], values [K, C, I]: kv_layout.py), position
     p in slot p % C, then attention over the dequantized cache; token trees, window, scale, soft
-    cap and held_from alike. qkv is not modified.
+    cap and held_from alike. A quantized cache rotates as llama.cpp's (hadamard.py): the queries
+    and keys after rotary embedding, the values before they are stored and the output back.
+    qkv is not modified.
 
     Returns [T, H * D].
     """
@@ -132,6 +135,8 @@ def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     q = apply_rope(q.reshape(tokens, heads, head_dim).transpose(0, 1), cos, sin, style)  # [H, T, D]
     k = apply_rope(k.reshape(tokens, kv_heads, head_dim).transpose(0, 1), cos, sin, style)  # [K, T, D]
     v = v.reshape(tokens, kv_heads, head_dim).transpose(0, 1)
+    key_rotation, value_rotation = rotation_sizes(kv, head_dim)
+    q, k, v = hadamard(q, key_rotation), hadamard(k, key_rotation), hadamard(v, value_rotation)
     new = torch.arange(start, start + tokens, device=keys.device)
     write_rows(keys, values, new % capacity, encode(k, kv), encode(v, kv))
     visible = _visible(start, tokens, parents, tree_start, window, held_from)  # [T, start + T]
@@ -146,7 +151,7 @@ def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     if softcap:
         scores = torch.tanh(scores * (1 / softcap)) * softcap
     scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ seen_values  # [K, G*T, D]
+    out = hadamard(torch.softmax(scores, dim=-1) @ seen_values, value_rotation)  # [K, G*T, D]
     return out.reshape(heads, tokens, head_dim).transpose(0, 1).reshape(tokens, heads * head_dim)
 
 

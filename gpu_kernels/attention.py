@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from tierflow.cpu_kernels.hadamard import rotation_sizes
 from tierflow.cpu_kernels.kv_layout import check_pass_fits, kv_type_of
 from tierflow.gpu_kernels.launch import cdiv, check_device, check_tensor, load_kernels, num_sms, power_of_two
 
@@ -34,7 +35,8 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
     scale (default D^-0.5), capped to softcap tanh(score / softcap) when softcap > 0, and with
     window > 0 token i sees positions start + i - window + 1 .. start + i only; none sees a
     position before held_from (the oldest the cache holds). Position p is in slot p % C: the
-    window before the tokens and they must fit (kv_layout.check_pass_fits).
+    window before the tokens and they must fit (kv_layout.check_pass_fits). A quantized cache holds
+    its rows Hadamard-rotated as llama.cpp's (cpu_kernels/hadamard.py).
     """
     kernels = load_kernels("attention_kernels")
     kv_heads, capacity, head_dim, tokens, half = _check(qkv, keys, values, cos, sin, heads, start)
@@ -59,13 +61,14 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
         stats = torch.empty(tokens * heads * splits, 2, dtype=torch.float32, device=qkv.device)
     block_d = max(16, power_of_two(head_dim))
     scale = head_dim**-0.5 if scale is None else scale
+    key_rotation, value_rotation = rotation_sizes(kv, head_dim)
     kernels.attention_kernel[(tokens, kv_heads, splits)](
         qkv, keys, values, cos, sin, out, partials, stats, start, heads, kv_heads, capacity,
         scale if softcap else scale * kernels.LOG2_E, base, split_size, splits, window or capacity, held_from,
         softcap,
         D=head_dim, HALF=half, GROUP=heads // kv_heads, NEOX=bool(neox), SPLIT=splits > 1,
         SOFTCAP=softcap > 0, BLOCK_G=max(16, power_of_two(heads // kv_heads)), BLOCK_S=kernels.BLOCK_S,
-        BLOCK_D=block_d, KV=kernels.KV_CODES[kv.name])
+        BLOCK_D=block_d, KV=kernels.KV_CODES[kv.name], ROT_K=key_rotation, ROT_V=value_rotation)
     if splits > 1:
         kernels.merge_splits_kernel[(tokens * heads,)](partials, stats, out, splits, D=head_dim,
                                                        BLOCK_SPLITS=power_of_two(splits), BLOCK_D=block_d)

@@ -29,6 +29,11 @@ s (queries scaled by the attention scale alone) into cap tanh(s / cap) before th
 
 Rotation: feature d pairs with `partner` (d ^ 1 "normal", d +- R/2 "neox") and uses angle `pair`;
 x'[d] = x[d] cos - x[partner] sin for the first of a pair, x[d] cos + x[partner] sin for the second.
+
+A quantized cache is Hadamard-rotated as llama.cpp's (cpu_kernels/hadamard.py): with ROT_K > 0 the
+queries and keys after rotary embedding in blocks of ROT_K features, with ROT_V > 0 the values
+before they are stored or read from qkv, and the output back, in blocks of ROT_V. `_hadamard` takes
+hadamard.py's float32 steps in its order (butterflies in registers, through reshapes).
 """
 
 import triton
@@ -197,6 +202,33 @@ def _rotated(qkv, at, d, cos, sin, cs_at, mask, D: tl.constexpr, HALF: tl.conste
 
 
 @triton.jit
+def _butterfly(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr):
+    """One stage of the Walsh-Hadamard transform of rows x [ROWS, BLOCK_D]: features j and j + HALF of
+    each run of 2 HALF become their sum and their difference."""
+    pairs = tl.permute(tl.reshape(x, [ROWS * BLOCK_D // (2 * HALF), 2, HALF]), [0, 2, 1])
+    first, second = tl.split(pairs)
+    return tl.reshape(tl.permute(tl.join(first + second, first - second), [0, 2, 1]), [ROWS, BLOCK_D])
+
+
+@triton.jit
+def _hadamard(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, N: tl.constexpr):
+    """Rows x [ROWS, BLOCK_D] with each block of N features times the orthonormal Hadamard matrix
+    (N = 0: x): the stages for N = 2, 4, ..., then times float32 N^-1/2 (hadamard.scale_of)."""
+    if N > 0:
+        for stage in tl.static_range(16):
+            if (1 << stage) < N:
+                x = _butterfly(x, ROWS, BLOCK_D, 1 << stage)
+        x = x * (N**-0.5)
+    return x
+
+
+@triton.jit
+def _hadamard_row(x, BLOCK_D: tl.constexpr, N: tl.constexpr):
+    """One row x [BLOCK_D], as _hadamard."""
+    return tl.reshape(_hadamard(tl.reshape(x, [1, BLOCK_D]), 1, BLOCK_D, N), [BLOCK_D])
+
+
+@triton.jit
 def _softmax_step(q, keys_t, values, seen, m_i, l_i, acc, softcap, SOFTCAP: tl.constexpr):
     """One block of positions into the running (max, sum, weighted values) of each query head."""
     scores = _base2_logits(tl.dot(q, keys_t, input_precision="ieee"), softcap, SOFTCAP)  # [BG, BS]
@@ -214,12 +246,13 @@ def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H
                      BASE, SPLIT_SIZE, NUM_SPLITS, WINDOW, HELD_FROM, softcap, D: tl.constexpr,
                      HALF: tl.constexpr, GROUP: tl.constexpr, NEOX: tl.constexpr, SPLIT: tl.constexpr,
                      SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                     BLOCK_D: tl.constexpr, KV: tl.constexpr = 0):
+                     BLOCK_D: tl.constexpr, KV: tl.constexpr = 0, ROT_K: tl.constexpr = 0,
+                     ROT_V: tl.constexpr = 0):
     """out [T, H, D] (one split), else partials [T, H, splits, D] and stats [T, H, splits, 2].
     WINDOW: positions a token sees (C or more: all of them); HELD_FROM: the first position the
     cache holds; scale: the attention scale, times log2 e unless SOFTCAP. The splits cover the
     positions from BASE (a multiple of 16) on. KV: the cache's type (KV_CODES); the new tokens'
-    keys and values are read as stored in it."""
+    keys and values are read as stored in it. ROT_K, ROT_V: the Hadamard sizes (0: none)."""
     tl.static_assert(BLOCK_S == 16, "a step scores one block of 16 cached keys")
     token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = (H + 2 * KVH) * D  # of qkv
@@ -227,7 +260,8 @@ def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H
     d = tl.arange(0, BLOCK_D)[None, :]
     dims = tl.arange(0, BLOCK_D)
     q = _rotated(qkv, token * row + (kv_head * GROUP + g) * D, d, cos, sin, token * HALF, g < GROUP,
-                 D, HALF, NEOX) * scale  # [BG, BD]
+                 D, HALF, NEOX)
+    q = _hadamard(q, BLOCK_G, BLOCK_D, ROT_K) * scale  # [BG, BD]
     position = start + token
     first = tl.maximum(position + 1 - WINDOW, HELD_FROM)  # the first position the token sees
     ROW: tl.constexpr = _row_items(D, KV)
@@ -235,10 +269,11 @@ def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H
     head_values = values + kv_head * C * ROW  # [C, ROW]
     if split == 0:
         key_at = token * row + (H + kv_head) * D
-        k = _rotated(qkv, key_at, dims, cos, sin, token * HALF, dims < D, D, HALF, NEOX)
+        k = _hadamard_row(_rotated(qkv, key_at, dims, cos, sin, token * HALF, dims < D, D, HALF, NEOX),
+                          BLOCK_D, ROT_K)
         slot = position % C
         _store_row(block_keys, (slot // 16) * ROW * 16 + slot % 16, 16, k, BLOCK_D, D, KV)
-        v = tl.load(qkv + key_at + KVH * D + dims, mask=dims < D, other=0.0)
+        v = _hadamard_row(tl.load(qkv + key_at + KVH * D + dims, mask=dims < D, other=0.0), BLOCK_D, ROT_V)
         _store_row(head_values, slot * ROW, 1, v, BLOCK_D, D, KV)
 
     lo = BASE + split * SPLIT_SIZE
@@ -261,9 +296,9 @@ def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H
         new_at = (s - start) * row
         k = _rotated(qkv, new_at + (H + kv_head) * D, dims, cos, sin, (s - start) * HALF, dims < D, D, HALF,
                      NEOX)
-        k = _roundtrip(k, BLOCK_D, KV)  # as split 0 stores it
-        v = _roundtrip(tl.load(qkv + new_at + (H + KVH + kv_head) * D + dims, mask=dims < D, other=0.0),
-                       BLOCK_D, KV)
+        k = _roundtrip(_hadamard_row(k, BLOCK_D, ROT_K), BLOCK_D, KV)  # as split 0 stores it
+        v = tl.load(qkv + new_at + (H + KVH + kv_head) * D + dims, mask=dims < D, other=0.0)
+        v = _roundtrip(_hadamard_row(v, BLOCK_D, ROT_V), BLOCK_D, KV)
         score = _base2_logits(tl.sum(q * k[None, :], axis=1), softcap, SOFTCAP)  # [BG]
         m_new = tl.maximum(m_i, score)
         alpha, p = tl.exp2(m_i - m_new), tl.exp2(score - m_new)
@@ -271,6 +306,7 @@ def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H
         acc = acc * alpha[:, None] + p[:, None] * v[None, :]
         m_i = m_new
 
+    acc = _hadamard(acc, BLOCK_G, BLOCK_D, ROT_V)  # back from the rotated values (linear: before the merge)
     heads = token * H + kv_head * GROUP + tl.arange(0, BLOCK_G)  # [BG] rows of [T, H]
     mask = (g < GROUP) & (d < D)
     if SPLIT:

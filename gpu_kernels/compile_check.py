@@ -20,7 +20,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from tierflow.cpu_kernels.hadamard import rotation_sizes
 from tierflow.gpu_kernels import attention_kernels, matmul_kernels, ops_kernels
+from tierflow.kv_types import KV_TYPES
 
 MATRIX = {"x": "*fp16", "data": "*u8", "scales": "*fp16", "mins": "*fp16", "out": "*fp16", "M": "i32",
           "N": "i32", "N_OUT": "i32", "K": "i32", "stride_x": "i32"}
@@ -50,6 +52,7 @@ def variants(all_configs: bool) -> list[tuple]:
         shape = dict(D=head_dim, HALF=head_dim // 4, GROUP=4, NEOX=neox, SPLIT=split, SOFTCAP=softcap,
                      BLOCK_G=16, BLOCK_S=attention_kernels.BLOCK_S,
                      BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), KV=attention_kernels.KV_CODES[kv])
+        shape |= dict(zip(("ROT_K", "ROT_V"), rotation_sizes(KV_TYPES[kv], head_dim)))  # q8_0, q4_0: on
         rows = {"f32": "*fp32", "f16": "*fp16"}.get(kv, "*u8")
         builds.append((attention_kernels.attention_kernel, ATTENTION | {"keys": rows, "values": rows}, shape,
                        dict(num_warps=4)))

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from tierflow.cpu_kernels.hadamard import hadamard, rotation_sizes
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes, decode, encode, read_rows, write_rows
 from tierflow.cpu_kernels.reference import apply_rope
 from tierflow.errors import InvalidArgumentError
@@ -31,7 +32,9 @@ class KVCache:
     multiply-adds over one contiguous block; its values are [K, C, R]. C, the layer's capacity
     (`capacities`), is the context rounded up to 16, or for a sliding-window layer whose context
     is longer a ring of its window and a pass (kv_types.cache_positions): position p is in slot
-    p % C, so a ring holds the latest C positions written. `allocate` gives a layer's zeroed
+    p % C, so a ring holds the latest C positions written. A quantized type holds its rows rotated
+    by a Walsh-Hadamard transform where llama.cpp's does (cpu_kernels/hadamard.py): `write` takes
+    and `read` gives them unrotated. `allocate` gives a layer's zeroed
     arrays: by default numpy, in RAM; a layer computed on the GPU keeps its cache there
     (offload.tiers.tiered.TieredWeights.allocate_cache).
 
@@ -46,6 +49,7 @@ class KVCache:
                  kv_type: KVType | None = None):
         self.kv_type = KV_TYPES["f32"] if kv_type is None else kv_type
         self.kv_type.check_head_dim(config.head_dim)
+        self.key_rotation, self.value_rotation = rotation_sizes(self.kv_type, config.head_dim)  # 0: none
         layers = range(config.num_layers)
         self.windows = [config.window(i) for i in layers]
         self.capacities = [cache_positions(context_length, window) for window in self.windows]
@@ -65,16 +69,19 @@ class KVCache:
 
     def read(self, layer: int, positions: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Layer `layer`'s (keys, values) at the positions (ones it holds), each float32 [K, n, D],
-        dequantized."""
+        dequantized and rotated back."""
         keys, values, index = self._tensors(layer, positions)
-        return tuple(decode(rows, self.kv_type).cpu().numpy() for rows in read_rows(keys, values, index))
+        sizes = (self.key_rotation, self.value_rotation)
+        return tuple(hadamard(decode(rows, self.kv_type), size).cpu().numpy()
+                     for rows, size in zip(read_rows(keys, values, index), sizes))
 
     def write(self, layer: int, positions: Sequence[int] | np.ndarray, keys: np.ndarray | torch.Tensor,
               values: np.ndarray | torch.Tensor) -> None:
         """Stores keys and values [K, n, D] (float32) at the positions of layer `layer`, in the
-        cache's type (quantized as llama.cpp does)."""
+        cache's type (rotated and quantized as llama.cpp does)."""
         store_keys, store_values, index = self._tensors(layer, positions)
-        rows = [encode(torch.as_tensor(x, device=store_keys.device), self.kv_type) for x in (keys, values)]
+        rows = [encode(hadamard(torch.as_tensor(x, device=store_keys.device), size), self.kv_type)
+                for x, size in ((keys, self.key_rotation), (values, self.value_rotation))]
         write_rows(store_keys, store_values, index, *rows)
         if len(index):
             self._written = max(self._written, int(np.max(positions)) + 1)
@@ -155,8 +162,10 @@ class KVCache:
         rotations[layer] is that layer's rotary row (cos, sin [R/2]) of position num_dropped (rope
         scaling and frequency factors in it; layers may rotate with different bases); YaRN's
         magnitude, which that row carries and the keys carry already, is divided out.
-        Features past rope_dim are not rotated. The moved entries were computed with the dropped
-        tokens in view, so they approximate what a fresh prefill of the kept tokens would hold.
+        Features past rope_dim are not rotated. A key stored Hadamard-rotated is rotated back before
+        it is turned and forward again before it is stored, as llama.cpp does. The moved entries
+        were computed with the dropped tokens in view, so they approximate what a fresh prefill of
+        the kept tokens would hold.
         A ring moves the positions it holds; kept positions it had overwritten stay lost
         (`held_from`).
         """
@@ -185,10 +194,11 @@ class KVCache:
             staged = list(staged)  # at most a ring's rows
         for chunk, (key_rows, value_rows) in zip(chunks, staged):
             keys, values, moved = self._tensors(layer, chunk - distance)
-            turned = apply_rope(decode(key_rows, self.kv_type).double(),
-                                *(row.to(keys.device) for row in back), style)
+            plain = hadamard(decode(key_rows, self.kv_type), self.key_rotation)
+            turned = apply_rope(plain.double(), *(row.to(keys.device) for row in back), style)
             # the values move as stored; only the keys, turned, are stored again in the type
-            write_rows(keys, values, moved, encode(turned.float(), self.kv_type), value_rows)
+            stored = encode(hadamard(turned.float(), self.key_rotation), self.kv_type)
+            write_rows(keys, values, moved, stored, value_rows)
 
     def _stored_rows(self, layer: int, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the rows (in the type) at the positions."""

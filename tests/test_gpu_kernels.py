@@ -281,10 +281,20 @@ def test_attention_reads_and_writes_each_cache_type_as_the_reference(name, split
     check_attention(3, 37, 32, 32, True, splits, name=name)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])  # keys rotated in blocks of 64 and 128, values of 64
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_attention_rotates_a_quantized_cache_as_the_reference(name, head_dim, splits):
+    """llama.cpp's Hadamard rotation (cpu_kernels/hadamard.py) of the queries, keys, values and
+    output, new tokens' keys and values included."""
+    check_attention(3, 37, head_dim, head_dim, True, splits, name=name)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])  # 64: a quantized cache rotated
 @pytest.mark.parametrize("name", list(KV_TYPES))
-def test_attention_of_a_batch_equals_token_by_token_in_each_cache_type(name):
+def test_attention_of_a_batch_equals_token_by_token_in_each_cache_type(name, head_dim):
     """A new token reads its own key rounded through the type, as a later token reads it stored."""
-    qkv, head_dim = qkv_rows(6, 32, seed=3), 32
+    qkv = qkv_rows(6, head_dim, seed=3)
     cos, sin = rope_rows(slice(0, 6), head_dim)
     empty = lambda: filled_cache(qkv, 0, head_dim, head_dim, False, name=name)  # noqa: E731
     batch = attention(qkv, *empty(), cos, sin, HEADS, 0, False)
@@ -294,10 +304,11 @@ def test_attention_of_a_batch_equals_token_by_token_in_each_cache_type(name):
     torch.testing.assert_close(batch, torch.cat(steps), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64])  # 64: a quantized cache rotated
 @pytest.mark.parametrize("name", list(KV_TYPES))
 @pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
-def test_attention_matches_the_cpu_kernel_over_a_prefill_and_decode_steps(neox, name):
-    qkv, head_dim = qkv_rows(8, 32, seed=5), 32
+def test_attention_matches_the_cpu_kernel_over_a_prefill_and_decode_steps(neox, name, head_dim):
+    qkv = qkv_rows(8, head_dim, seed=5)
     gpu_cache = filled_cache(qkv, 0, head_dim, head_dim, neox, name=name)
     cpu_cache = tuple(t.cpu().numpy().copy() for t in gpu_cache)
     for positions in (slice(0, 6), slice(6, 7), slice(7, 8)):

@@ -75,6 +75,13 @@ def test_attention_matches_torch_and_fills_the_cache(name, neox, rope_dim, token
     check_attention(name, HEAD_DIM, neox, rope_dim, tokens, start)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 192])  # keys rotated in blocks of 64, 128 and 64
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_attention_rotates_a_quantized_cache_as_the_reference(name, head_dim):
+    """llama.cpp's Hadamard rotation (cpu_kernels/hadamard.py): the same bytes in the cache."""
+    check_attention(name, head_dim, False, head_dim, 5, 11)
+
+
 @pytest.mark.parametrize("name", ["f32", "f16"])
 def test_attention_with_a_head_size_that_is_not_a_multiple_of_16(name):
     check_attention(name, 24, True, 16, 3, 18)
@@ -101,13 +108,14 @@ def test_tree_attention_matches_torch_in_one_call_and_across_two(name):
         torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])  # 64: a quantized cache rotated
 @pytest.mark.parametrize("name", TYPES)
-def test_attention_of_a_batch_equals_token_by_token_bit_for_bit(name):
+def test_attention_of_a_batch_equals_token_by_token_bit_for_bit(name, head_dim):
     """A token reads its own key as stored in the type, as every later token does."""
-    qkv = random_qkv(9)
-    cos, sin = rope_rows(9, 0, HEAD_DIM)
-    batch = run_attention(qkv, empty_cache(name), cos, sin, 0, False)
-    cache = empty_cache(name)
+    qkv = random_qkv(9, head_dim=head_dim)
+    cos, sin = rope_rows(9, 0, head_dim)
+    batch = run_attention(qkv, empty_cache(name, head_dim), cos, sin, 0, False)
+    cache = empty_cache(name, head_dim)
     steps = [run_attention(qkv[i: i + 1], cache, cos[i: i + 1], sin[i: i + 1], i, False) for i in range(9)]
     assert torch.equal(batch, torch.cat(steps))
 

@@ -59,6 +59,32 @@ static void rotate(float *head, const float *cos, const float *sin, int64_t rope
     }
 }
 
+/* llama.cpp's rotation of a quantized cache (cpu_kernels/hadamard.py): each block of n features of
+ * x [dim] times the orthonormal Walsh-Hadamard matrix, butterfly stages (a + b, a - b), then times
+ * float32 1/sqrt(n), the float32 steps of hadamard.py in its order, so the same bits. n = 0: none. */
+static void hadamard(float *x, int64_t dim, int64_t n) {
+    if (n == 0) return;
+    const float scale = (float)(1.0 / sqrt((double)n));
+    for (float *block = x; block < x + dim; block += n) {
+        for (int64_t half = 1; half < n; half *= 2) {
+            for (int64_t i = 0; i < n; i += 2 * half) { /* feature j meets j + half in each run of 2 half */
+                for (int64_t j = i; j < i + half; j++) {
+                    const float first = block[j], second = block[j + half];
+                    block[j] = first + second, block[j + half] = first - second;
+                }
+            }
+        }
+        for (int64_t j = 0; j < n; j++) block[j] *= scale;
+    }
+}
+
+/* The Hadamard size of a quantized cache's keys (and queries) or values, as llama.cpp chooses
+ * them (hadamard.rotation_sizes); 0 for plain rows. */
+static int64_t hadamard_size(const attention_shape *s, int keys) {
+    if ((s->kv != KV_Q8_0 && s->kv != KV_Q4_0) || s->head_dim % 64) return 0;
+    return keys ? s->head_dim & -s->head_dim : 64;
+}
+
 #define QBLOCK 32 /* values per q8_0 / q4_0 block */
 
 /* float32 to half bits, rounded to nearest even (as F16C, numpy and torch round). */
@@ -115,12 +141,16 @@ void attention_prepare(attention_job *job) {
     const attention_shape *s = &job->shape;
     const int64_t row = (s->heads + 2 * s->kv_heads) * s->head_dim, half = s->rope_dim / 2;
     const int64_t item = s->kv == KV_F32 ? 4 : s->kv == KV_F16 ? 2 : 1;
+    const int64_t key_rotation = hadamard_size(s, 1), value_rotation = hadamard_size(s, 0);
     for (int64_t token = 0; token < job->tokens; token++) {
         float *q = job->qkv + token * row, *k = q + s->heads * s->head_dim, *v = k + s->kv_heads * s->head_dim;
         const float *cos = job->cos + token * half, *sin = job->sin + token * half;
         for (int64_t h = 0; h < s->heads; h++) rotate(q + h * s->head_dim, cos, sin, s->rope_dim, s->neox);
+        hadamard(q, s->heads * s->head_dim, key_rotation); /* every head's blocks at once */
         for (int64_t h = 0; h < s->kv_heads; h++) {
             rotate(k + h * s->head_dim, cos, sin, s->rope_dim, s->neox);
+            hadamard(k + h * s->head_dim, s->head_dim, key_rotation);
+            hadamard(v + h * s->head_dim, s->head_dim, value_rotation);
             const int64_t slot = (job->start + token) % s->capacity;
             char *block = (char *)job->keys + (h * s->capacity + slot / 16 * 16) * s->row * item;
             store_row(k + h * s->head_dim, s->head_dim, s->kv, block + slot % 16 * item, 16);
@@ -173,4 +203,8 @@ void attention_item(void *ctx, int64_t item) {
         return;
     }
     job->attend(job, item / kv_heads, item % kv_heads, scores, job->parents ? (int64_t *)(scores + group * padded) : NULL);
+    /* the values were stored rotated: so is their weighted sum, until rotated back */
+    const int64_t dim = job->shape.head_dim;
+    hadamard(job->out + (item / kv_heads * job->shape.heads + item % kv_heads * group) * dim, group * dim,
+             hadamard_size(&job->shape, 0));
 }

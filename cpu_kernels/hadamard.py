@@ -1,0 +1,52 @@
+"""llama.cpp's rotation of a quantized KV cache, in torch (any device).
+
+A quantized cache (q8_0, q4_0) whose head size is a multiple of 64 holds its rows multiplied by an
+orthonormal Walsh-Hadamard matrix H, as llama.cpp's does (attn_rot_k, attn_rot_v; the environment
+variable LLAMA_ATTN_ROT_DISABLE turns it off there): a block's scale then fits values whose
+outlier features are spread over the block, instead of being set by one of them.
+
+- Keys: the queries and the keys after rotary embedding, in blocks of K features, K the largest
+  power of two dividing the head size. Scores are unchanged: (H q).(H k) = q.k.
+- Values: in blocks of 64 features before they are stored, and each head's attention output in
+  the same blocks afterwards, which undoes it (H is symmetric and its own inverse: the output is
+  a weighted sum of the rotated values).
+
+`hadamard` is the one definition of the transform: butterfly stages (a + b, a - b), then times
+float32 1/sqrt(n). The C kernel (csrc/ops.c) and the Triton kernel compute the same float32
+operations in the same order, so the cache rows they write are the ones this module writes.
+
+Legend: D head size, n the Hadamard size (a power of two dividing D).
+"""
+
+import torch
+
+from tierflow.kv_types import KVType
+
+VALUE_SIZE = 64  # llama.cpp rotates values in blocks of 64 whatever the head size
+
+
+def rotation_sizes(kv: KVType, head_dim: int) -> tuple[int, int]:
+    """(n of the queries and keys, n of the values) of a cache in the type: 0 where it holds
+    plain rows (a float type, or a head size that is not a multiple of 64)."""
+    if kv.block_values == 1 or head_dim % 64:
+        return 0, 0
+    return head_dim & -head_dim, VALUE_SIZE
+
+
+def hadamard(x: torch.Tensor, size: int) -> torch.Tensor:
+    """x [..., D] with each block of `size` features multiplied by H (size 0: x itself), float32."""
+    if not size:
+        return x
+    blocks = x.float().unflatten(-1, (-1, size))  # [..., D/n, n]
+    half = 1
+    while half < size:  # feature j meets feature j + half in each run of 2 * half
+        pairs = blocks.unflatten(-1, (size // (2 * half), 2, half))
+        first, second = pairs[..., 0, :], pairs[..., 1, :]
+        blocks = torch.stack((first + second, first - second), dim=-2).flatten(-3)
+        half *= 2
+    return (blocks * scale_of(size)).flatten(-2)
+
+
+def scale_of(size: int) -> float:
+    """n^-1/2 rounded to float32, the factor every kernel multiplies by after the butterflies."""
+    return float(torch.tensor(size**-0.5, dtype=torch.float32))
