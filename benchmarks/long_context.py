@@ -13,7 +13,8 @@ type, and decode speed does not depend on what the cache holds, only on how much
 So both caches are filled without computing: tierflow's rows are written into its KVCache
 (random keys and values, stored in the type), llama.cpp's are loaded as a sequence state built
 from the rows of a short real prefill, repeated. Then both decode the same tokens from there:
-`--decode-tokens` single-token passes (greedy argmax), timed, the median step reported.
+a few untimed single-token passes, then `--decode-tokens` more (greedy argmax), timed, the median
+step reported.
 
 llama.cpp gets flash attention for the quantized types (its CPU path needs it to store V
 quantized), and not for f32/f16, as `-ctk/-ctv` users run it.
@@ -46,6 +47,9 @@ from tierflow.offload.plan.profile import cache_dir
 LLAMA_1B = dict(arch="llama", num_layers=16, hidden_size=2048, ffn_size=8192, num_heads=32,
                 num_kv_heads=8, context_length=131072, weight_type="Q8_0", embedding_type="Q8_0")
 ACCURACY_POSITIONS = 32
+# untimed decode steps at each context: the first passes of a load run measurably slower (the first
+# row of a run once read 12 tok/s where the same load warm reads 22)
+WARM_UP_STEPS = 3
 
 
 def bundled_f32_copy() -> Path:
@@ -85,12 +89,13 @@ def tierflow_decode(engine: Engine, contexts: list[int], steps: int) -> dict[int
             filled = context
             times = []
             token = 1000
-            for step in range(steps):
+            for step in range(WARM_UP_STEPS + steps):
                 cache.length = context + step
                 started = time.perf_counter()
                 logits = decoder.forward(np.array([token]), cache)
                 times.append(time.perf_counter() - started)
                 token = int(np.argmax(logits[-1]))
+            del times[:WARM_UP_STEPS]
             seconds[context] = statistics.median(times)
         generator.cached_tokens = []  # the cache holds no real prompt now
         cache.truncate(0)
@@ -102,8 +107,8 @@ def tierflow_decode(engine: Engine, contexts: list[int], steps: int) -> dict[int
 def llama_cpp_decode(path: Path, kv: str, contexts: list[int], steps: int, threads: int) -> dict[int, float]:
     """Median seconds per decode step at each context, its cache loaded as a synthesized state."""
     type_id = KV_TYPES[kv].ggml_id
-    llama = llama_cpp.Llama(str(path), n_ctx=max(contexts) + steps + 32, n_batch=512, n_threads=threads,
-                            n_threads_batch=threads, type_k=type_id, type_v=type_id,
+    llama = llama_cpp.Llama(str(path), n_ctx=max(contexts) + WARM_UP_STEPS + steps + 32, n_batch=512,
+                            n_threads=threads, n_threads_batch=threads, type_k=type_id, type_v=type_id,
                             flash_attn=kv.startswith("q"), verbose=False)
     try:
         seed = list(range(1000, 1032))
@@ -117,11 +122,12 @@ def llama_cpp_decode(path: Path, kv: str, contexts: list[int], steps: int, threa
             llama.n_tokens = context
             times = []
             token = 1000
-            for _ in range(steps):
+            for _ in range(WARM_UP_STEPS + steps):
                 started = time.perf_counter()
                 llama.eval([token])
                 times.append(time.perf_counter() - started)
                 token = _argmax_last(llama)
+            del times[:WARM_UP_STEPS]
             seconds[context] = statistics.median(times)
         return seconds
     finally:
@@ -217,8 +223,8 @@ def run(args: argparse.Namespace) -> dict:
     path = Path(args.model) if args.model else llama_1b_model()
     steps, rows = args.decode_tokens, []
     for kv in args.types:
-        with Engine.load(path, threads=args.threads, context_length=max(args.contexts) + steps,
-                         kv_cache_type=kv) as engine:
+        context = max(args.contexts) + WARM_UP_STEPS + steps
+        with Engine.load(path, threads=args.threads, context_length=context, kv_cache_type=kv) as engine:
             held = engine.kv_cache_bytes
             ours = tierflow_decode(engine, args.contexts, steps)
         theirs = llama_cpp_decode(path, kv, args.contexts, steps, args.threads)
