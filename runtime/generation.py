@@ -127,11 +127,8 @@ class TokenGenerator:
         no longer holds the window before `length`, the tokens up to it are prefilled again."""
         if self.cache.can_truncate_to(length):
             self._truncate(length)
-            return
-        tokens = self.cached_tokens[:length]
-        self._truncate(0)
-        for start in range(0, len(tokens), PREFILL_CHUNK):
-            self._forward(tokens[start:start + PREFILL_CHUNK], all_logits=False)
+        else:
+            self.prefill(self.cached_tokens[:length], threading.Event(), reuse_prefix=False)
 
     def verify_tree(self, token_ids: list[int], parents: list[int],
                     tree_start: int | None = None) -> np.ndarray:
