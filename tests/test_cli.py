@@ -154,7 +154,8 @@ def test_prompt_longer_than_the_context_is_exit_code_2():
 
 
 def test_a_default_context_shortened_to_fit_is_said_once_on_stderr():
-    done = tierflow("run", "hi", "-n", "2", "--json", "--cpu-memory", "200MiB")  # an 8192 f16 cache is 180 MiB
+    # the bundled model's 8192-position f16 cache is 180 MiB
+    done = tierflow("run", "hi", "-n", "2", "--json", "--cpu-memory", "200MiB")
     assert done.returncode == 0, done.stderr
     notes = [line for line in done.stderr.splitlines() if "not the model's 8192" in line]
     assert len(notes) == 1 and "note: context:" in notes[0]
