@@ -198,6 +198,148 @@ def _decode_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     sixteens *= (_half(blocks, "d") * blocks["scales"])[:, :, None]
 
 
+# --- ggml's 2- and 3-bit K-quants, and ternary (TQ1_0, TQ2_0) -------------------------------------
+
+_TWO_BIT_PLANES = np.array([0, 2, 4, 6], np.uint8)[:, None]  # per plane j, broadcast over l
+
+
+def _planar_two_bit_codes(qs: np.ndarray) -> np.ndarray:
+    """[B, 32n] bytes -> codes [B, 128n] uint8 in ggml's K-quant order: weight 128h + 32j + l is
+    bits 2j and 2j+1 of qs[32h + l] (Q2_K, Q3_K's low bits, TQ2_0)."""
+    q = qs.reshape(len(qs), -1, 1, 32) >> _TWO_BIT_PLANES  # B, h, j, l
+    q &= 0x03
+    return q.reshape(len(qs), -1)
+
+
+def q2_k_codes(blocks: np.ndarray) -> np.ndarray:
+    return _planar_two_bit_codes(blocks["qs"])
+
+
+# 84 bytes: y = (d * (sc & 15)) * q - dmin * (sc >> 4), one scale byte per 16 weights
+@_register(T.Q2_K, 256, [("scales", "u1", 16), ("qs", "u1", 64), ("d", "<f2"), ("dmin", "<f2")])
+def _decode_q2_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[:] = q2_k_codes(blocks)
+    sixteens = out.reshape(-1, 16, 16)  # B, scale index, weight
+    sixteens *= (_half(blocks, "d") * (blocks["scales"] & 0x0F))[:, :, None]
+    sixteens -= (_half(blocks, "dmin") * (blocks["scales"] >> 4))[:, :, None]
+
+
+def q3_k_codes(blocks: np.ndarray) -> np.ndarray:
+    """Codes c [B, 256] uint8 in [0, 8) with value c - 4: two low bits as Q2_K's, the third from
+    bit 4h + j of hmask[l] for weight 128h + 32j + l (a set bit means "no -4")."""
+    high = blocks["hmask"][:, None, :] >> _GROUP_SHIFTS  # B, 32-weight run 4h + j, l
+    high &= 0x01
+    high <<= 2
+    q = high.reshape(len(blocks), 256)
+    q |= _planar_two_bit_codes(blocks["qs"])
+    return q
+
+
+def q3_k_scales(blocks: np.ndarray) -> np.ndarray:
+    """The sixteen sub-block scales d * (s - 32) [B, 16] float32, ggml's product. Six-bit s: low
+    nibble from byte j (j < 8) or the high nibble of byte j - 8; top 2 bits from bits 2(j // 4)
+    of byte 8 + j % 4."""
+    scales = blocks["scales"]
+    low = np.concatenate([scales[:, :8] & 0x0F, scales[:, :8] >> 4], axis=1)
+    high = scales[:, None, 8:] >> _TWO_BIT_PLANES  # B, j // 4, j % 4
+    high &= 0x03
+    six_bit = low | (high.reshape(-1, 16) << 4)
+    return _half(blocks, "d") * (six_bit.astype(np.float32) - 32)
+
+
+# 110 bytes: y = (d * (s - 32)) * (c - 4), one six-bit s per 16 weights
+@_register(T.Q3_K, 256, [("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2")])
+def _decode_q3_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[:] = q3_k_codes(blocks)
+    out -= 4
+    out.reshape(-1, 16, 16)[:] *= q3_k_scales(blocks)[:, :, None]
+
+
+# 66 bytes: y = (q - 1) * d, codes in K-quant order
+@_register(T.TQ2_0, 256, [("qs", "u1", 64), ("d", "<f2")])
+def _decode_tq2_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[:] = _planar_two_bit_codes(blocks["qs"])
+    out -= 1
+    out *= _half(blocks, "d")
+
+
+_POWERS_OF_THREE = np.array([1, 3, 9, 27, 81], np.uint8)[:, None]
+
+
+def _ternary_digits(packed: np.ndarray, num_digits: int) -> np.ndarray:
+    """[B, n] bytes of base-3 digits stored as ceil(x * 256 / 243) -> digits [B, num_digits * n]
+    in {0, 1, 2}, digit i of every byte before digit i + 1: (byte * 3^i mod 256) * 3 >> 8."""
+    shifted = packed[:, None, :] * _POWERS_OF_THREE[:num_digits]  # uint8: wraps mod 256
+    return ((shifted.astype(np.uint16) * 3) >> 8).astype(np.uint8).reshape(len(packed), -1)
+
+
+def tq1_0_codes(blocks: np.ndarray) -> np.ndarray:
+    """Codes [B, 256] in {0, 1, 2}: five digits of qs[0:32], five of qs[32:48], four of qh."""
+    qs = blocks["qs"]
+    return np.concatenate([_ternary_digits(qs[:, :32], 5), _ternary_digits(qs[:, 32:], 5),
+                           _ternary_digits(blocks["qh"], 4)], axis=1)
+
+
+# 54 bytes: y = (q - 1) * d
+@_register(T.TQ1_0, 256, [("qs", "u1", 48), ("qh", "u1", 4), ("d", "<f2")])
+def _decode_tq1_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[:] = tq1_0_codes(blocks)
+    out -= 1
+    out *= _half(blocks, "d")
+
+
+# --- codebook types: small integers from a 16-entry table, times a scale ----------------------
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # E2M1 x 2
+
+
+def table_codes(qs: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """[B, 16n] bytes -> int8 codes [B, 32n]: per 16 bytes, the low nibbles' table values then the
+    high nibbles'."""
+    nibbles = np.empty((len(qs), qs.shape[1] // 16, 2, 16), np.uint8)
+    _unpack_nibbles(qs.reshape(len(qs), -1, 16), nibbles[:, :, 0], nibbles[:, :, 1])
+    return table[nibbles.reshape(len(qs), -1)]
+
+
+# 18 bytes: y = d * table[nibble]
+@_register(T.IQ4_NL, 32, [("d", "<f2"), ("qs", "u1", 16)])
+def _decode_iq4_nl(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[:] = table_codes(blocks["qs"], IQ4_VALUES)
+    out *= _half(blocks, "d")
+
+
+def iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """d * (ls - 32) [B, 8] float32 per 32 weights: ls's low nibble from scales_l[i // 2] (low
+    nibble first), its top 2 bits from bits 2i of scales_h."""
+    low = np.empty((len(blocks), 4, 2), np.uint8)
+    _unpack_nibbles(blocks["scales_l"], low[:, :, 0], low[:, :, 1])
+    high = (blocks["scales_h"][:, None] >> (2 * np.arange(8, dtype=np.uint16))) & 0x03
+    six_bit = low.reshape(-1, 8) | (high.astype(np.uint8) << 4)
+    return _half(blocks, "d") * (six_bit.astype(np.float32) - 32)
+
+
+# 136 bytes: y = (d * (ls - 32)) * table[nibble], one six-bit ls per 32 weights
+@_register(T.IQ4_XS, 256, [("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)])
+def _decode_iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[:] = table_codes(blocks["qs"], IQ4_VALUES)
+    out.reshape(-1, 8, 32)[:] *= iq4_xs_scales(blocks)[:, :, None]
+
+
+def mxfp4_exponents(blocks: np.ndarray) -> np.ndarray:
+    """x [B] int32 with the block's scale 2^x: ggml halves the E8M0 scale 2^(e - 127) because its
+    table doubles the E2M1 values; e = 255 is 2^127, not NaN."""
+    return blocks["e"].astype(np.int32) - 128
+
+
+# 17 bytes: y = table[nibble] * 2^(e - 128)
+@_register(T.MXFP4, 32, [("e", "u1"), ("qs", "u1", 16)])
+def _decode_mxfp4(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[:] = table_codes(blocks["qs"], MXFP4_VALUES)
+    with np.errstate(over="ignore"):  # 12 x 2^127 is inf in ggml too
+        out *= np.ldexp(np.float32(1), mxfp4_exponents(blocks))[:, None]
+
+
 # --- tierflow's 2- and 3-bit types (formats in tierflow.ggml_types): y = d * q + m -------------
 
 _TWO_BIT_SHIFTS = np.array([0, 2, 4, 6], np.uint8)  # weight j is bits 2*(j%4).. of qs[j // 4]

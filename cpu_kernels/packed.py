@@ -25,8 +25,17 @@ How GGUF types land here (quant_groups.py does the decoding):
     Q5_1                int8, group 32, with mins: lossless
     Q5_K                int8, group 32, with mins: d*sc and dmin*m rounded to float16
     Q6_K                int8, group 16, no mins: d*sc rounded to float16
-Float16 holds d (a float16) times a 6- or 8-bit integer sub-scale to within 2^-11 relative, far
-below the quantization step itself; the Q4_0/Q4_1/Q8_0/Q5_x mappings are exact.
+    Q2_K                2 bits, group 16: scales d*(sc&15) and mins dmin*(sc>>4) rounded to float16
+    Q3_K                3 bits, group 16: scales d*(s-32) rounded to float16; mins -4 x scale, rounded
+                        alike (exactly -4 x the rounded scale unless that is a float16 subnormal)
+    TQ1_0, TQ2_0        2 bits, group 256 (one block): scale d, min -d: lossless
+    IQ4_NL              int8 (the codebook's integers), group 32, no mins: lossless
+    IQ4_XS              int8, group 32, no mins: d*(ls-32) rounded to float16
+    MXFP4               int8, group 32, no mins: 2^(e-128) is exact in float16 from 2^-24 to 2^15, and
+                        up to 2^18 by folding powers of two into the codes (quant_groups.py); a scale
+                        outside that is refused here, never rounded to 0 or inf
+Float16 holds d (a float16) times a 4- to 8-bit integer sub-scale to within 2^-11 relative, far
+below the quantization step itself; the Q4_0/Q4_1/Q8_0/Q5_x/IQ4_NL/MXFP4/TQ mappings are exact.
 
 Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second.
 """
@@ -106,10 +115,16 @@ class PackedMatrix:
 
 
 def _to_half(values: np.ndarray, what: str) -> np.ndarray:
-    with np.errstate(over="ignore"):
+    """Rounded to float16; a value that would become infinite, or zero when it is not, is refused
+    (an MXFP4 scale can be 2^127 or 2^-128), so no weight silently turns into inf or 0."""
+    with np.errstate(over="ignore", under="ignore"):
         half = values.astype(np.float16)
     if not np.isfinite(half).all():
         raise ValueError(f"a {what} of {np.max(np.abs(values)):g} is outside the float16 range")
+    flushed = (half == 0) & (values != 0)
+    if flushed.any():
+        raise ValueError(f"a {what} of {np.min(np.abs(values[flushed])):g} is outside the float16 range "
+                         f"(it would round to zero)")
     return half
 
 

@@ -6,7 +6,7 @@ Formats whose codes fit in 4 bits keep them as uint8 in [0, 16) (for the LUT ker
 become int8 codes (for the int8 kernel).
 
 Every mapping below is lossless: `QuantGroups.dequantize` reproduces `dequant.dequantize` bit for
-bit, save the sign of Q4_0's zeros. Three facts make that hold:
+bit, save the sign of zeros in Q4_0, Q3_K, TQ1_0 and TQ2_0. These facts make that hold:
 - ggml computes Q4_0 as `(q - 8) * d`; here it is `d * q + (-8 * d)`. `-8 * d` is exact (a
   power-of-two multiple of a float16), `d * q` is exact (11 + 4 significant bits), and so is
   their sum, `d * (q - 8)`, which is the very value ggml rounds to: no rounding anywhere. Only
@@ -16,6 +16,14 @@ bit, save the sign of Q4_0's zeros. Three facts make that hold:
   product of finite activations.
 - K-quants keep ggml's float32 products as they are: scale = `d * sc` and min = `-(dmin * m)`, so
   `scale * q + min` is ggml's `(d * sc) * q - dmin * m` (negation is exact, `a + -b` is `a - b`).
+- Q3_K (`(d * (s - 32)) * (c - 4)` in ggml) and the ternary types (`(q - 1) * d`) are Q4_0's case:
+  scale = dl and min = -4 * dl (or -d) are exact, dl * c is exact (dl has at most 11 + 6
+  significant bits, c 3), and so is the sum, the very value ggml rounds to; the same zeros differ.
+- Q2_K and IQ4_XS keep ggml's float32 products (`d * (sc & 15)`, `dmin * (sc >> 4)`,
+  `d * (ls - 32)`) as scale and min, as the other K-quants do.
+- The codebook types (IQ4_NL, IQ4_XS, MXFP4) become int8 codes: the tables hold small integers
+  (MXFP4's are E2M1 values doubled, its E8M0 scale halved), so ggml's `scale * table[nibble]` is
+  `scale * q` with q = table[nibble]. MXFP4's scale 2^(e - 128) is exact in float32 for every e.
 - Formats without an offset get min = -0.0, not +0.0: `x + -0.0` is `x` for every x, whereas
   `-0.0 + 0.0` would turn ggml's negative zeros (negative scale times a zero code) positive.
 """
@@ -30,15 +38,25 @@ from tierflow.cpu_kernels.dequant import (
     _CHUNK_ELEMENTS,
     _GROUP_SHIFTS,
     _Q6_HIGH_SHIFTS,
+    IQ4_VALUES,
+    MXFP4_VALUES,
     _check_size,
     _five_bit_quants,
     _format_of,
     _half,
     _k_scales_and_mins,
     _low_bits_first,
+    _planar_two_bit_codes,
     _two_bit_quants,
     _type_name,
     _unpack_nibbles,
+    iq4_xs_scales,
+    mxfp4_exponents,
+    q2_k_codes,
+    q3_k_codes,
+    q3_k_scales,
+    table_codes,
+    tq1_0_codes,
 )
 from tierflow.errors import UnsupportedModelError
 from tierflow.ggml_types import TierflowType
@@ -190,6 +208,82 @@ def _split_q6_k(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.n
     q[:] = codes.reshape(-1, 256)
     q -= 32
     np.multiply(_half(blocks, "d"), blocks["scales"], out=scale)
+    min_[:] = -0.0
+
+
+# Lossless: q = 2-bit code, scale = d * (sc & 15), min = -(dmin * (sc >> 4)), ggml's products.
+@_register(T.Q2_K, group=16, bits=2)
+def _split_q2_k(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = q2_k_codes(blocks)
+    np.multiply(_half(blocks, "d"), blocks["scales"] & 0x0F, out=scale)
+    np.multiply(_half(blocks, "dmin"), blocks["scales"] >> 4, out=min_)
+    np.negative(min_, out=min_)
+
+
+# Lossless but for the sign of zero weights (as Q4_0): q = c in [0, 8), scale = d * (s - 32),
+# min = -4 * scale.
+@_register(T.Q3_K, group=16, bits=3)
+def _split_q3_k(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = q3_k_codes(blocks)
+    scale[:] = q3_k_scales(blocks)
+    np.multiply(scale, -4, out=min_)
+
+
+# Lossless but for the sign of zero weights: q = ternary code in {0, 1, 2}, scale = d, min = -d,
+# one group per 256-weight block (the LUT kernel's widest 2-bit group is 344).
+@_register(T.TQ2_0, group=256, bits=2)
+def _split_tq2_0(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = _planar_two_bit_codes(blocks["qs"])
+    _ternary_scale_and_min(blocks, scale, min_)
+
+
+@_register(T.TQ1_0, group=256, bits=2)  # as TQ2_0
+def _split_tq1_0(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = tq1_0_codes(blocks)
+    _ternary_scale_and_min(blocks, scale, min_)
+
+
+def _ternary_scale_and_min(blocks: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    scale[:] = _half(blocks, "d")
+    np.negative(scale, out=min_)
+
+
+# --- codebook types: int8 codes = the table's small integers -------------------------------------
+
+@_register(T.IQ4_NL, group=32, bits=8, has_min=False)  # lossless: q = table[nibble], scale = d
+def _split_iq4_nl(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = table_codes(blocks["qs"], IQ4_VALUES)
+    scale[:] = _half(blocks, "d")
+    min_[:] = -0.0
+
+
+# lossless: q = table[nibble], scale = d * (ls - 32) per 32 weights, ggml's product
+@_register(T.IQ4_XS, group=32, bits=8, has_min=False)
+def _split_iq4_xs(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = table_codes(blocks["qs"], IQ4_VALUES)
+    scale[:] = iq4_xs_scales(blocks)
+    min_[:] = -0.0
+
+
+_HALF_MAX_EXPONENT = 15  # 2^15 is the largest power of two float16 holds
+# Per largest |code| p of a group (0..12): the most doublings that keep p * 2^k within int8.
+_FOLD_HEADROOM = np.array([0] + [(127 // peak).bit_length() - 1 for peak in range(1, 13)], np.int32)
+
+
+# Lossless: q = 2^k * table[nibble], scale = 2^(e - 128 - k). The E8M0 scale spans 2^-128 .. 2^127,
+# float16 only 2^-24 .. 2^15: k moves powers of two from a scale above 2^15 into the codes (as far
+# as int8 allows: 3 doublings for a code of 12), so the packed float16 scale stays exact. A group
+# of zero codes gets the scale 1 (any scale gives its +0.0). A scale below 2^-24 cannot move the
+# other way (the codes 1 and 3 are odd): it and any scale still above 2^15 are left for
+# `packed.pack` to refuse, rather than rounded to 0 or inf.
+@_register(T.MXFP4, group=32, bits=8, has_min=False)
+def _split_mxfp4(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    codes = table_codes(blocks["qs"], MXFP4_VALUES)  # [B, 32] int8
+    peak = np.abs(codes).max(axis=1)
+    exponent = mxfp4_exponents(blocks)
+    fold = np.clip(exponent - _HALF_MAX_EXPONENT, 0, _FOLD_HEADROOM[peak])
+    q[:] = codes << fold[:, None].astype(np.int8)
+    scale[:, 0] = np.ldexp(np.float32(1), np.where(peak == 0, 0, exponent - fold))
     min_[:] = -0.0
 
 

@@ -18,7 +18,11 @@ ALL_TYPES = sorted(SUPPORTED_TYPES - set(TierflowType), key=lambda t: T(t).name)
 HALF_FIELD_OFFSETS = {
     T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2],
     T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], TierflowType.TQ2_1: [0, 2], TierflowType.TQ3_1: [0, 2],
+    T.Q2_K: [80, 82], T.Q3_K: [108], T.IQ4_NL: [0], T.IQ4_XS: [0], T.TQ1_0: [52], T.TQ2_0: [64],
 }
+# MXFP4's scale is the byte 2^(e - 128): random ones from 2^-24 to 2^18, the range whose float16
+# form is exact (2^16 .. 2^18 by folding into the codes, see quant_groups.py).
+MXFP4_EXPONENTS = (104, 147)
 SHAPES = [(256,), (512, 3), (256, 2, 3)]  # GGUF order: ne0 first
 
 
@@ -31,6 +35,8 @@ def random_tensor(ggml_type: int, shape: tuple[int, ...], seed: int = 0) -> np.n
     for offset in HALF_FIELD_OFFSETS.get(ggml_type, []):
         scales = rng.standard_normal(num_blocks).astype(np.float16)
         raw[:, offset:offset + 2] = scales.view(np.uint8).reshape(num_blocks, 2)
+    if ggml_type == T.MXFP4:
+        raw[:, 0] = rng.integers(*MXFP4_EXPONENTS, num_blocks)
     raw = raw.reshape(-1)
     raw.flags.writeable = False
     return raw
@@ -50,7 +56,7 @@ def assert_bit_exact(actual: np.ndarray, expected: np.ndarray) -> None:
 def test_supported_types_are_the_documented_ones():
     names = {type_name(t) for t in SUPPORTED_TYPES}
     assert names == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
-                     "Q6_K", "TQ2_1", "TQ3_1"}
+                     "Q6_K", "TQ2_1", "TQ3_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "TQ2_0"}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -102,7 +108,16 @@ def test_read_only_memmap_input(tmp_path):
     assert_bit_exact(weights, reference(raw, T.Q5_0, (64, 4)))
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q2_K, T.IQ4_NL, T.I8])
+def test_mxfp4_every_exponent_matches_gguf_reference_bit_exactly():
+    # e from 0 (2^-128, a float32 subnormal) to 255 (2^127: 12 x 2^127 is inf in ggml too).
+    raw = random_tensor(T.MXFP4, (32, 256)).copy().reshape(256, 17)
+    raw[:, 0] = np.arange(256)
+    raw = raw.reshape(-1)
+    with np.errstate(over="ignore"):
+        assert_bit_exact(dequantize(raw, T.MXFP4, (32, 256)), reference(raw, T.MXFP4, (32, 256)))
+
+
+@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_S, T.IQ1_M, T.I8])
 def test_unsupported_type_is_named(ggml_type):
     with pytest.raises(UnsupportedModelError, match=rf"tensor type {ggml_type.name} .*Q4_K"):
         dequantize(np.zeros(1024, np.uint8), ggml_type, (256,))

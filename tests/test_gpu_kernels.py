@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from tests.support.gpu import load_gpu_kernels_or_skip
+from tests.test_kernels import WEIGHT_TYPES, weight_type_matrix
 from tests.test_packed import KINDS, kind_id, random_groups
 from tierflow.cpu_kernels import ops as cpu_ops
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes, decode, read_rows
 from tierflow.cpu_kernels.matmul import matmul as cpu_matmul
 from tierflow.cpu_kernels.packed import pack
+from tierflow.ggml_types import type_name
 from tierflow.gpu_kernels import reference
 from tierflow.gpu_kernels.attention import attention
 from tierflow.gpu_kernels.launch import (
@@ -97,6 +99,14 @@ def test_decode_matmul_split_over_k_matches_reference(kind, split_k):
 def test_prefill_matmul_matches_reference(kind):
     _, w = packed(kind, 65, 96, 32)
     x = activations(9, 96)
+    assert_matches_reference(matmul(w, x), w, x)
+
+
+@pytest.mark.parametrize("tokens", [2, 9], ids=["decode", "prefill"])
+@pytest.mark.parametrize("ggml_type", WEIGHT_TYPES, ids=type_name)
+def test_matmul_matches_reference_on_each_weight_type(ggml_type, tokens):
+    w = to_device(weight_type_matrix(ggml_type, 65, 256, seed=tokens), DEVICE)
+    x = activations(tokens, 256)
     assert_matches_reference(matmul(w, x), w, x)
 
 

@@ -6,14 +6,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
 
+from tests.test_dequant import random_tensor
 from tests.test_packed import KINDS, kind_id, random_groups
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.matmul import matmul
 from tierflow.cpu_kernels.packed import LUT_MAX_GROUP, PackedMatrix, pack
-from tierflow.cpu_kernels.quant_groups import QuantGroups
+from tierflow.cpu_kernels.quant_groups import QuantGroups, to_quant_groups
 from tierflow.cpu_kernels.reference import matmul_exact, matmul_reference
+from tierflow.ggml_types import type_name
 
 ISAS = _kernels.supported_isas()
 # M tokens, N rows, K columns, group. Together they cover: token blocks of 1..4 and a remainder
@@ -30,6 +33,8 @@ SHAPES = [
     (70, 63, 256, 16),
 ]
 shape_id = lambda s: "M{}-N{}-K{}-g{}".format(*s)  # noqa: E731
+# The GGUF types issue 17 added; the older ones reach the kernels as the KINDS above.
+WEIGHT_TYPES = [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.TQ1_0, T.TQ2_0]
 
 
 def lut_max_group(bits: int) -> int:
@@ -84,6 +89,22 @@ def test_kernel_matches_reference(isa, kind, shape):
     w, x = packed_and_acts(kind, tokens, rows, cols, group, seed=tokens)
     _kernels.set_isa(isa)
     assert_matches_reference(matmul(w, x), w, x)
+
+
+def weight_type_matrix(ggml_type: int, rows: int, cols: int, seed: int = 0) -> PackedMatrix:
+    """Random blocks of a GGUF type (finite scales), packed as the kernels read them."""
+    shape = (cols, rows)  # GGUF order
+    return pack(to_quant_groups(random_tensor(ggml_type, shape, seed), ggml_type, shape))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("ggml_type", WEIGHT_TYPES, ids=type_name)
+def test_kernel_matches_reference_on_each_weight_type(ggml_type, tokens):
+    w = weight_type_matrix(ggml_type, 65, 512, seed=tokens)
+    x = np.random.default_rng(tokens).standard_normal((tokens, 512)).astype(np.float32)
+    for isa in ISAS:
+        _kernels.set_isa(isa)
+        assert_matches_reference(matmul(w, x), w, x)
 
 
 @pytest.mark.parametrize("bits", (1, 2, 3, 4))

@@ -2,10 +2,14 @@
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
 
+from tests.test_dequant import random_tensor
+from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.matmul import matmul
 from tierflow.cpu_kernels.packed import TILE_ROWS, pack
-from tierflow.cpu_kernels.quant_groups import QuantGroups, stack_rows
+from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, QuantGroups, stack_rows, to_quant_groups
+from tierflow.ggml_types import TierflowType, type_name
 
 ALL_BITS = (1, 2, 3, 4, 8)
 ROW_COUNTS = (1, 63, 65, 130)  # within one tile, one short of it, just past it, past two
@@ -170,3 +174,30 @@ def test_param_outside_float16_is_refused(bits, param):
     getattr(groups, param)[1, 1] = 1e5  # float16 tops out at 65504
     with pytest.raises(ValueError, match=f"a {param} of .* is outside the float16 range"):
         pack(groups)
+
+
+@pytest.mark.parametrize("param", ["scale", "min"])
+def test_param_that_would_round_to_zero_in_float16_is_refused(param):
+    groups = random_groups(3, 64, 4, 32)
+    getattr(groups, param)[1, 1] = 2.0 ** -26  # half float16's smallest subnormal: rounds to 0
+    with pytest.raises(ValueError, match=f"a {param} of .* is outside the float16 range .*round to zero"):
+        pack(groups)
+
+
+# GGUF types whose scales and offsets are float16 values already (or powers of two within its range).
+EXACT_WHEN_PACKED = {T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.IQ4_NL, T.MXFP4, T.TQ1_0, T.TQ2_0,
+                     TierflowType.TQ2_1, TierflowType.TQ3_1}
+
+
+@pytest.mark.parametrize("ggml_type", sorted(GROUPED_TYPES, key=type_name), ids=type_name)
+def test_packed_weight_type_is_its_weights_up_to_float16_scales(ggml_type):
+    shape = (512, 65)  # GGUF order: two tiles of rows, K-quant and ternary blocks of 256
+    raw = random_tensor(ggml_type, shape, seed=7)
+    groups = to_quant_groups(raw, ggml_type, shape)
+    actual, expected = pack(groups).dequantize(), dequantize(raw, ggml_type, shape)
+    if ggml_type in EXACT_WHEN_PACKED:
+        assert np.array_equal(actual, expected)
+    else:  # each of scale and min rounded to float16: within 2^-11 of itself
+        q = groups.q.astype(np.float32).reshape(65, -1, groups.group)
+        terms = np.abs(q * groups.scale[..., None]) + np.abs(groups.min[..., None])
+        assert np.all(np.abs(actual - expected) <= 2.0 ** -11 * terms.reshape(65, 512))

@@ -19,10 +19,15 @@ GROUP_AND_BITS = {
     T.Q4_0: (32, 4), T.Q4_1: (32, 4), T.Q8_0: (32, 8), T.Q5_0: (32, 8), T.Q5_1: (32, 8),
     T.Q4_K: (32, 4), T.Q5_K: (32, 8), T.Q6_K: (16, 8),
     TierflowType.TQ2_1: (32, 2), TierflowType.TQ3_1: (32, 3),
+    T.Q2_K: (16, 2), T.Q3_K: (16, 3), T.TQ1_0: (256, 2), T.TQ2_0: (256, 2),
+    T.IQ4_NL: (32, 8), T.IQ4_XS: (32, 8), T.MXFP4: (32, 8),
 }
-# Range of the int8 codes for the 8-bit mappings: [low, high).
+# Range of the int8 codes for the 8-bit mappings: [low, high). MXFP4's +-12 reach +-96 where a
+# scale above 2^15 folds three doublings into them.
 INT8_RANGES = {T.Q8_0: (-128, 128), T.Q5_0: (-16, 16), T.Q5_1: (0, 32), T.Q5_K: (0, 32),
-               T.Q6_K: (-32, 32)}
+               T.Q6_K: (-32, 32), T.IQ4_NL: (-127, 114), T.IQ4_XS: (-127, 114), T.MXFP4: (-96, 97)}
+# Types whose offset turns ggml's -0.0 weights into +0.0 (see quant_groups' docstring).
+ZERO_SIGN_TYPES = {T.Q4_0, T.Q3_K, T.TQ1_0, T.TQ2_0}
 SHAPES = [(256, 1), (512, 3), (256, 7)]  # GGUF order: K columns, N rows
 QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1}  # those gguf-py can quantize
 type_id = type_name
@@ -39,10 +44,10 @@ def quantized_tensor(ggml_type: int, shape: tuple[int, int], seed: int = 0) -> n
 
 
 def assert_reconstructs(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> QuantGroups:
-    """Bit for bit, but Q4_0's zeros may lose their minus sign (see quant_groups' docstring)."""
+    """Bit for bit, but zeros may lose their minus sign in ZERO_SIGN_TYPES."""
     groups = to_quant_groups(raw, ggml_type, shape)
     actual, expected = groups.dequantize(), dequantize(raw, ggml_type, shape)
-    if ggml_type == T.Q4_0:
+    if ggml_type in ZERO_SIGN_TYPES:
         assert np.array_equal(actual, expected)
         actual, expected = actual + 0.0, expected + 0.0  # -0.0 + 0.0 is +0.0, all else unchanged
     assert_bit_exact(actual, expected)
@@ -51,7 +56,8 @@ def assert_reconstructs(raw: np.ndarray, ggml_type: int, shape: tuple[int, int])
 
 def test_grouped_types_are_the_quantized_ones():
     assert {type_name(t) for t in GROUPED_TYPES} == {
-        "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "TQ2_1", "TQ3_1"
+        "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "TQ2_1", "TQ3_1",
+        "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "TQ2_0",
     }
 
 
@@ -89,12 +95,14 @@ def test_low_bit_codes_are_uint8_below_two_to_the_bits(ggml_type):
     groups = to_quant_groups(random_tensor(ggml_type, (512, 3)), ggml_type, (512, 3))
     assert groups.q.dtype == np.uint8
     assert groups.q.max() < 2 ** groups.bits
-    assert len(np.unique(groups.q)) == 2 ** groups.bits  # random bytes reach every code
+    codes = 3 if ggml_type == T.TQ1_0 else 2 ** groups.bits  # a base-3 digit is 0, 1 or 2
+    assert len(np.unique(groups.q)) == codes  # random bytes reach every code
 
 
 @pytest.mark.parametrize("ggml_type", sorted(INT8_RANGES), ids=type_id)
 def test_eight_bit_codes_are_int8_in_the_format_range(ggml_type):
-    groups = to_quant_groups(random_tensor(ggml_type, (512, 3)), ggml_type, (512, 3))
+    shape = (512, 30)  # enough MXFP4 blocks to meet the largest folded scale
+    groups = to_quant_groups(random_tensor(ggml_type, shape), ggml_type, shape)
     low, high = INT8_RANGES[ggml_type]
     assert groups.q.dtype == np.int8
     assert (groups.q.min(), int(groups.q.max()) + 1) == (low, high)
@@ -110,7 +118,7 @@ def test_shapes_are_rows_by_columns_and_rows_by_groups(ggml_type, shape):
     assert groups.scale.dtype == groups.min.dtype == np.float32
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_0, T.Q6_K], ids=type_id)
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_0, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4], ids=type_id)
 def test_formats_without_offset_have_zero_min(ggml_type):
     groups = to_quant_groups(random_tensor(ggml_type, (256, 3)), ggml_type, (256, 3))
     assert np.all(groups.min == 0)
@@ -130,6 +138,40 @@ def test_q4_0_zero_weights_differ_from_ggml_only_in_sign():
 def test_q4_0_offset_is_minus_eight_scales():
     groups = to_quant_groups(quantized_tensor(T.Q4_0, (256, 3)), T.Q4_0, (256, 3))
     assert np.array_equal(groups.min, -8 * groups.scale)
+
+
+def test_q3_k_offset_is_minus_four_scales():
+    groups = to_quant_groups(random_tensor(T.Q3_K, (256, 3)), T.Q3_K, (256, 3))
+    assert np.array_equal(groups.min, -4 * groups.scale)
+
+
+@pytest.mark.parametrize("ggml_type", [T.TQ1_0, T.TQ2_0], ids=type_id)
+def test_ternary_offset_is_minus_the_scale(ggml_type):
+    groups = to_quant_groups(random_tensor(ggml_type, (256, 3)), ggml_type, (256, 3))
+    assert np.array_equal(groups.min, -groups.scale)
+
+
+def mxfp4_blocks(exponents: list[int], seed: int = 0) -> np.ndarray:
+    """One MXFP4 row of random codes per exponent byte e (scale 2^(e - 128))."""
+    raw = random_tensor(T.MXFP4, (32, len(exponents)), seed).copy().reshape(-1, 17)
+    raw[:, 0] = exponents
+    return raw.reshape(-1)
+
+
+def test_mxfp4_scales_above_float16_fold_into_the_codes_exactly():
+    exponents = [143, 144, 145, 146]  # 2^15 .. 2^18
+    raw = mxfp4_blocks(exponents, seed=4)
+    groups = assert_reconstructs(raw, T.MXFP4, (32, 4))
+    assert np.array_equal(groups.scale[:, 0], np.exp2(np.minimum(np.array(exponents) - 128, 15)))
+    unfolded = to_quant_groups(mxfp4_blocks([128] * 4, seed=4), T.MXFP4, (32, 4)).q
+    assert np.array_equal(groups.q[1:], unfolded[1:] << np.array([1, 2, 3], np.int8)[:, None])
+
+
+def test_mxfp4_zero_block_gets_scale_one():
+    raw = mxfp4_blocks([0, 255]).reshape(2, 17)
+    raw[:, 1:] = 0  # ggml's quantizer writes e = 0 for an all-zero block
+    groups = assert_reconstructs(raw.reshape(-1), T.MXFP4, (32, 2))
+    assert np.array_equal(groups.scale, np.ones((2, 1), np.float32))
 
 
 def test_many_blocks_span_several_chunks():
@@ -154,7 +196,7 @@ def test_float_type_is_unsupported_and_named(ggml_type):
         to_quant_groups(raw, ggml_type, (256, 2))
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q2_K, T.IQ4_NL, 999], ids=str)
+@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ1_S, 999], ids=str)
 def test_type_without_groups_is_unsupported_and_named(ggml_type):
     name = T(ggml_type).name if ggml_type != 999 else "999"
     with pytest.raises(UnsupportedModelError, match=rf"tensor type {name} .*Q4_K"):
