@@ -205,7 +205,8 @@ def test_dequantized_weights_have_std_near_one_over_sqrt_fan_in(tmp_path, weight
 
 
 @pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
-                                         "Q6_K"])
+                                         "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0",
+                                         "TQ2_0"])
 def test_large_tensors_get_random_blocks_with_the_same_spread(tmp_path, weight_type):
     # The 49152-row embedding is past the quantize limit: its blocks are drawn directly.
     spec = ModelSpec(embedding_type=weight_type, **WIDE)

@@ -81,7 +81,12 @@ def test_engine_names_a_missing_tensor(tmp_path):
         Engine.load(path)
 
 
-def test_engine_names_an_unsupported_tensor_type(tmp_path):
+# The lattice codebooks of the smallest "dynamic" quants, and types no model weight uses.
+UNSUPPORTED_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "Q8_K", "I32"]
+
+
+@pytest.mark.parametrize("type_name", UNSUPPORTED_TYPES)
+def test_engine_names_an_unsupported_tensor_type(tmp_path, type_name):
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     e, vocab = 256, 8
@@ -91,16 +96,18 @@ def test_engine_names_an_unsupported_tensor_type(tmp_path):
     def f32(name, *shape):
         return TensorSpec(name, shape, GGMLQuantizationType.F32, bytes(4 * int(np.prod(shape))))
 
-    q2k = GGMLQuantizationType.Q2_K
-    block_size, block_bytes = GGML_QUANT_SIZES[q2k]
+    ggml_type = GGMLQuantizationType[type_name]
+    block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
     kv = e // 2  # 2 of 4 heads
     tensors = [f32("token_embd.weight", e, vocab), f32("output_norm.weight", e),
                f32("blk.0.attn_norm.weight", e), f32("blk.0.ffn_norm.weight", e),
-               TensorSpec("blk.0.attn_q.weight", (e, e), q2k, bytes(e // block_size * block_bytes * e)),
+               TensorSpec("blk.0.attn_q.weight", (e, e), ggml_type, bytes(e // block_size * block_bytes * e)),
                f32("blk.0.attn_k.weight", e, kv), f32("blk.0.attn_v.weight", e, kv),
                f32("blk.0.attn_output.weight", e, e), f32("blk.0.ffn_gate.weight", e, e),
                f32("blk.0.ffn_up.weight", e, e), f32("blk.0.ffn_down.weight", e, e)]
-    path = tmp_path / "q2k.gguf"
+    path = tmp_path / "unsupported.gguf"
     path.write_bytes(build_gguf(list(metadata.items()), tensors))
-    with pytest.raises(UnsupportedModelError, match="Q2_K"):
+    with pytest.raises(UnsupportedModelError,
+                       match=rf"tensor 'blk.0.attn_q.weight' has type {type_name}, which tierflow does "
+                             r"not support \(supported types: .*Q2_K"):
         Engine.load(path)

@@ -114,13 +114,23 @@ def test_generated_f32_models_match_llama_cpp_exactly(tmp_path, spec):
     assert_greedy_agrees(engine, llama, PROMPTS[0], near_tie=EXACT_TIE, max_tokens=32)
 
 
+# Ternary weights run on the 2-bit LUT kernel in one group per 256-weight block, whose activation
+# tables step by a 127th of the largest sum of four activations in the group, and whose scale is
+# the largest weight: the logits' noise is about twice Q2_K's. Measured on these models (3 seeds):
+# mean |tierflow - llama.cpp| 0.22-0.26, argmax flips up to a margin of 1.2; against exact F32
+# logits, tierflow 0.20 and llama.cpp 0.11 (Q2_K: 0.08 and 0.13).
+TERNARY_NOISE = (0.35, 2.0)  # (max mean |logit difference|, near tie)
+
+
 @pytest.mark.parametrize("weight_type", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                                         "Q4_K", "Q5_K", "Q6_K"])
+                                         "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS",
+                                         "MXFP4", "TQ1_0", "TQ2_0"])
 def test_generated_models_of_every_weight_type_match_llama_cpp(tmp_path, weight_type):
     engine, llama = generated_pair(tmp_path, f32_kv=False, arch="qwen2", weight_type=weight_type,
                                    embedding_type=weight_type)
     ids = engine.tokenize(LONG_TEXT)[:64]
-    diff = assert_logits_agree(engine, llama, ids, max_mean_diff=0.25, near_tie=1.0)
+    max_mean_diff, near_tie = TERNARY_NOISE if weight_type.startswith("TQ") else (0.25, 1.0)
+    diff = assert_logits_agree(engine, llama, ids, max_mean_diff=max_mean_diff, near_tie=near_tie)
     print(f"{weight_type}: mean |logit difference| vs llama.cpp {diff:.4f}")
 
 

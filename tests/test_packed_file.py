@@ -23,7 +23,8 @@ from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import pack
 from tierflow.cpu_kernels.quant_groups import to_quant_groups
-from tierflow.errors import TierflowError
+from tierflow.errors import ModelFileError, TierflowError, UnsupportedModelError
+from tierflow.ggml_types import QUANT_SIZES
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.reader import read_gguf
 from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
@@ -325,3 +326,40 @@ def test_a_failed_pack_write_is_a_clear_error_and_leaves_no_file(tmp_path, monke
     with pytest.raises(TierflowError, match="cannot write the packed weights"):
         Engine.load(model_path, threads=1, context_length=64)
     assert not [p for p in (tmp_path / "packed").iterdir()]
+
+
+# -- blocks the packed layout cannot hold ----------------------------------------------------------
+
+
+def set_block_bytes(model: Path, tensor: str, block: int, offset: int, value: bytes) -> None:
+    """Overwrites bytes at `offset` in block `block` of a tensor of the GGUF file, in place."""
+    with read_gguf(model) as gguf:
+        info = gguf.tensors[tensor]
+    block_bytes = QUANT_SIZES[info.ggml_type][1]
+    with open(model, "r+b") as f:
+        f.seek(info.offset + block * block_bytes + offset)
+        f.write(value)
+
+
+# (weight type, byte offset of its float16 d in a block, the value written there)
+BAD_SCALES = [("Q8_0", 0, np.nan), ("Q2_K", 80, np.inf), ("TQ1_0", 52, -np.inf)]
+
+
+@pytest.mark.parametrize("weight_type, offset, value", BAD_SCALES, ids=lambda v: str(v))
+def test_a_block_scale_that_is_not_a_number_is_refused_at_pack_time_naming_the_tensor(
+        tmp_path, weight_type, offset, value):
+    spec = ModelSpec(**{**SPEC.__dict__, "hidden_size": 256, "weight_type": weight_type})
+    model = write_model(tmp_path / "model.gguf", spec)
+    set_block_bytes(model, "blk.1.ffn_down.weight", 3, offset, np.float16(value).tobytes())
+    with pytest.raises(ModelFileError, match="tensor 'blk.1.ffn_down.weight' has block scales that are not "
+                                             "finite numbers"):
+        load(model)
+    assert not pack_path(model).exists() and _temporaries(model) == []
+
+
+def test_an_mxfp4_scale_below_float16_is_refused_naming_the_tensor(tmp_path):
+    model = write_model(tmp_path / "model.gguf", ModelSpec(**{**SPEC.__dict__, "weight_type": "MXFP4"}))
+    set_block_bytes(model, "blk.0.attn_k.weight", 5, 0, bytes([100]))  # 2^-28 times codes up to 12
+    refusal = r"'blk.0.attn_k.weight'.*a scale of 3.7\d*e-09 is outside the float16 range \(it would round"
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        load(model)

@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES
 from tierflow.errors import ModelFileError, UnsupportedModelError
+from tierflow.ggml_types import type_name
 from tierflow.offload.gguf.reader import GGUFFile
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.models.architecture import Architecture
@@ -35,7 +36,8 @@ def check_tensors(gguf: GGUFFile, arch: Architecture, config: ModelConfig) -> No
                 f"the metadata implies {list(tensor.shape)}"
             )
         if info.ggml_type not in SUPPORTED_TYPES:
+            supported = ", ".join(sorted(type_name(t) for t in SUPPORTED_TYPES))
             raise UnsupportedModelError(
                 f"{gguf.path.name}: tensor '{tensor.name}' has type {info.type_name}, which tierflow "
-                f"does not support yet"
+                f"does not support (supported types: {supported})"
             )

@@ -60,7 +60,10 @@ FILE_TYPES = {  # weight type name -> general.file_type
     "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_1": LlamaFileType.MOSTLY_Q4_1,
     "Q5_0": LlamaFileType.MOSTLY_Q5_0, "Q5_1": LlamaFileType.MOSTLY_Q5_1,
     "Q4_K": LlamaFileType.MOSTLY_Q4_K_S, "Q5_K": LlamaFileType.MOSTLY_Q5_K_S,
-    "Q6_K": LlamaFileType.MOSTLY_Q6_K,
+    "Q6_K": LlamaFileType.MOSTLY_Q6_K, "Q2_K": LlamaFileType.MOSTLY_Q2_K,
+    "Q3_K": LlamaFileType.MOSTLY_Q3_K_S, "IQ4_NL": LlamaFileType.MOSTLY_IQ4_NL,
+    "IQ4_XS": LlamaFileType.MOSTLY_IQ4_XS, "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,
+    "TQ1_0": LlamaFileType.MOSTLY_TQ1_0, "TQ2_0": LlamaFileType.MOSTLY_TQ2_0,
 }
 
 
