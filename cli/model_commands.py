@@ -147,9 +147,12 @@ def convert(model: ModelArg = None,
             output: Annotated[Optional[Path], option("--output", "-o", help="file to write")] = None,
             method: Annotated[str, option("--method", help="search (lower error) or rtn "
                                                 "(round to nearest, fast)")] = "search",
+            weight_type: Annotated[Optional[str], option("--type", "-t", help="Q2_K, Q3_K or IQ4_XS "
+                                                          "instead of --bits: ggml's types, which "
+                                                          "llama.cpp loads")] = None,
             force: Annotated[bool, option("--force", help="replace OUT if it exists")] = False,
             model_opt: ModelOpt = None) -> None:
-    """Requantize a model's layer weights to 4, 3 or 2 bits and write them to OUT (-o)."""
+    """Requantize a model's layer weights to 4, 3 or 2 bits (or a --type) and write them to OUT (-o)."""
     from tierflow.errors import InvalidArgumentError
     from tierflow.offload.gguf.convert import convert_model
 
@@ -157,7 +160,7 @@ def convert(model: ModelArg = None,
         raise InvalidArgumentError("give the file to write with -o/--output")
     source = model or model_opt
     with progress_bar(f"converting {model_name(source)}") as progress:
-        report = convert_model(source, output, bits, method, progress, force=force)
+        report = convert_model(source, output, bits, method, progress, force=force, weight_type=weight_type)
     out.print(f"wrote {report.path}: {format_size(report.file_bytes)}, "
               f"{report.bits_per_weight:.2f} bits per weight overall; {report.num_requantized} "
               f"layer weights as {report.quant_type} ({report.requantized_bits_per_weight:.1f} bits "

@@ -1,5 +1,6 @@
 """`tierflow convert`: requantized models load and run, in tierflow and (at 4 bits) llama.cpp."""
 
+import ctypes
 import subprocess
 import sys
 
@@ -8,7 +9,14 @@ import pytest
 from gguf import GGUFWriter, LlamaFileType
 
 from tests.support.make_model import ModelSpec, write_model
-from tests.support.oracle import LONG_TEXT, NEAR_TIE, assert_logits_agree, llama_cpp_model, top2_margin
+from tests.support.oracle import (
+    LONG_TEXT,
+    NEAR_TIE,
+    assert_logits_agree,
+    llama_cpp_logits,
+    llama_cpp_model,
+    top2_margin,
+)
 from tierflow import Engine
 from tierflow.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError
 from tierflow.offload.gguf.convert import QUANTIZATION_KEY, convert_model
@@ -279,6 +287,13 @@ def test_cli_converts_and_says_what_it_wrote(tiny_model, tmp_path):
     assert str(out) in done.stdout and "TQ3_1" in done.stdout and "bits per weight" in done.stdout
 
 
+def test_cli_converts_to_a_ggml_type(float_model, tmp_path):
+    out = tmp_path / "iq4xs.gguf"
+    done = tierflow("convert", str(float_model[0]), "--type", "IQ4_XS", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "as IQ4_XS" in done.stdout and "4.3 bits" in done.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--bits", "7"], "bits must be 2, 3 or 4"),
     (["--method", "gptq"], "method must be"),
@@ -296,3 +311,83 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(tiny_model, tmp_path, args, m
 def test_cli_needs_an_output_file(tiny_model):
     done = tierflow("convert", str(tiny_model), "--bits", "2")
     assert done.returncode == 2 and "-o/--output" in done.stderr
+
+
+# -- ggml's Q2_K, Q3_K and IQ4_XS, which llama.cpp reads ----------------------------------------
+
+GGML_FILE_TYPES = {"Q2_K": LlamaFileType.MOSTLY_Q2_K, "Q3_K": LlamaFileType.MOSTLY_Q3_K_S,
+                   "IQ4_XS": LlamaFileType.MOSTLY_IQ4_XS}
+
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory):
+    """A 2-layer F32 qwen2 whose FFN width, 352, is not whole 256-weight blocks (ffn_down's rows
+    fall back to IQ4_NL), with llama.cpp's logits over 64 tokens of it."""
+    spec = ModelSpec(arch="qwen2", hidden_size=256, ffn_size=352, num_heads=4, num_kv_heads=2,
+                     context_length=512, **FLOAT)
+    path = write_model(tmp_path_factory.mktemp("float") / "f32.gguf", spec)
+    llama = llama_cpp_model(path, n_ctx=256, f32_kv=True)
+    ids = llama.tokenize(LONG_TEXT.encode(), add_bos=False)[:64]
+    logits = llama_cpp_logits(llama, ids)
+    llama.close()
+    return path, ids, logits
+
+
+def llama_cpp_quantize(source, dest, weight_type: str):
+    """llama.cpp's own quantizer: every layer matrix to `weight_type` (its fallback where rows are
+    not whole blocks), the embedding and output kept in F32, as convert_model does."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.pure, params.nthread = int(GGML_FILE_TYPES[weight_type]), True, 1
+    params.token_embedding_type = params.output_tensor_type = llama_cpp.GGML_TYPE_F32
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(dest).encode(), ctypes.byref(params)) == 0
+    return dest
+
+
+def mean_logit_difference(path, ids, expected) -> float:
+    llama = llama_cpp_model(path, n_ctx=256, f32_kv=True)
+    try:
+        return float(np.abs(llama_cpp_logits(llama, ids) - expected).mean())
+    finally:
+        llama.close()
+
+
+@pytest.mark.parametrize("weight_type", GGML_FILE_TYPES)
+def test_ggml_type_file_is_as_close_to_the_source_in_llama_cpp_as_its_own_quantizer_makes_it(
+        float_model, tmp_path, weight_type):
+    source, ids, expected = float_model
+    ours = convert_model(source, tmp_path / "ours.gguf", weight_type=weight_type).path
+    theirs = llama_cpp_quantize(source, tmp_path / "theirs.gguf", weight_type)
+    ours_diff, theirs_diff = (mean_logit_difference(path, ids, expected) for path in (ours, theirs))
+    print(f"{weight_type}: mean |logit difference| from the F32 source in llama.cpp {ours_diff:.3f} "
+          f"(llama.cpp's own quantizer: {theirs_diff:.3f})")
+    assert ours_diff <= 1.1 * theirs_diff
+
+
+def test_ggml_type_file_holds_the_type_and_iq4_nl_where_rows_are_not_whole_blocks(float_model, tmp_path):
+    source, ids, _ = float_model
+    report = convert_model(source, tmp_path / "q3k.gguf", weight_type="Q3_K")
+    assert (report.quant_type, report.bits, report.method) == ("Q3_K", 3, "search")
+    with read_gguf(report.path) as result:
+        assert result.metadata["general.file_type"] == LlamaFileType.MOSTLY_Q3_K_S
+        assert result.metadata[QUANTIZATION_KEY] == "Q3_K (IQ4_NL where rows are not whole blocks of 256), " \
+                                                    "scale search"
+        types = {name: result.tensors[name].type_name for name in result.tensors if is_block_weight(name)}
+    assert {name for name, kind in types.items() if kind == "IQ4_NL"} == {"blk.0.ffn_down.weight",
+                                                                         "blk.1.ffn_down.weight"}
+    assert {kind for kind in types.values()} == {"Q3_K", "IQ4_NL"}
+    llama = llama_cpp_model(report.path, n_ctx=256)
+    with Engine.load(report.path, threads=2, context_length=256, kv_cache_type="f32") as engine:
+        assert_logits_agree(engine, llama, ids, max_mean_diff=0.25, near_tie=1.0)
+    llama.close()
+
+
+@pytest.mark.parametrize("weight_type, method, message", [
+    ("Q4_K", "search", "weight type must be one of Q2_K, Q3_K, IQ4_XS, got 'Q4_K'"),
+    ("Q2_K", "rtn", "Q2_K has one encoder, the scale search"),
+])
+def test_a_ggml_type_without_an_encoder_is_refused(tiny_model, tmp_path, weight_type, method, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        convert_model(tiny_model, tmp_path / "out.gguf", method=method, weight_type=weight_type)
+    assert list(tmp_path.iterdir()) == []
