@@ -16,6 +16,8 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from tierflow.cpu_kernels.quantize_ggml import pack_iq4_xs_scales, pack_q3_k_scales
+
 Q = GGMLQuantizationType
 _QUANTIZE_MAX_ELEMENTS = 1 << 22
 _NOT_QUANTIZABLE = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS}  # by gguf.quants
@@ -86,21 +88,13 @@ def _signed_six_bit(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndar
 
 
 def _q3k_scales(rng: np.random.Generator, num_blocks: int) -> np.ndarray:
-    """Q3_K's 12 bytes: sixteen six-bit s, low nibbles in bytes 0-7 (s 8-15 in the high nibbles),
-    the top 2 bits of s j at bits 2(j // 4) of byte 8 + j % 4."""
-    s = _signed_six_bit(rng, (num_blocks, 16))
-    low = (s[:, :8] & 0x0F) | ((s[:, 8:] & 0x0F) << 4)
-    top = (s >> 4).reshape(num_blocks, 4, 4)  # block, j // 4, j % 4
-    high = top[:, 0] | (top[:, 1] << 2) | (top[:, 2] << 4) | (top[:, 3] << 6)
-    return np.concatenate([low, high], axis=1)
+    return pack_q3_k_scales(_signed_six_bit(rng, (num_blocks, 16)))
 
 
 def _iq4xs_scales(rng: np.random.Generator, num_blocks: int) -> np.ndarray:
-    """IQ4_XS's scales_h (u16) and scales_l[4]: eight six-bit ls, low nibbles in pairs."""
-    ls = _signed_six_bit(rng, (num_blocks, 8))
-    high = sum((ls[:, i] >> 4).astype(np.uint16) << (2 * i) for i in range(8)).astype("<u2")
-    low = (ls[:, 0::2] & 0x0F) | ((ls[:, 1::2] & 0x0F) << 4)
-    return np.concatenate([high.view(np.uint8).reshape(num_blocks, 2), low], axis=1)
+    """IQ4_XS's scales_h (u16) and scales_l[4], as 6 bytes."""
+    high, low = pack_iq4_xs_scales(_signed_six_bit(rng, (num_blocks, 8)))
+    return np.concatenate([high.astype("<u2").view(np.uint8).reshape(num_blocks, 2), low], axis=1)
 
 
 def _ternary_codes(rng: np.random.Generator, num_blocks: int) -> np.ndarray:
