@@ -31,8 +31,6 @@ def shape_key(config: ModelConfig) -> str:
     c = config
     experts = (f" e{c.num_experts}/{c.experts_used}x{c.expert_ffn_size}+{c.shared_expert_ffn_size}"
                if c.is_moe else "")
-    if c.leading_dense_layers:
-        experts += f" dense{c.leading_dense_layers}"
     return (f"{c.arch} h{c.hidden_size} f{c.ffn_size} q{c.num_heads} kv{c.num_kv_heads} d{c.head_dim} "
             f"r{c.rope_dim}{experts}")
 
@@ -40,9 +38,9 @@ def shape_key(config: ModelConfig) -> str:
 def measure_layer_overhead(arch: Architecture, config: ModelConfig, threads: int, steps: int = 24) -> float:
     """Seconds per layer per decode step beyond the matmuls: the median of `steps` steps."""
     layers = min(config.num_layers, MEASURED_LAYERS)
+    # A MoE model's few leading dense layers cost less than the rest: the rest are measured.
     config = replace(config, num_layers=layers, layer_windows=config.layer_windows[:layers],
-                     leading_dense_layers=min(config.leading_dense_layers, layers), context_length=CONTEXT,
-                     vocab_size=1)
+                     leading_dense_layers=0, context_length=CONTEXT, vocab_size=1)
     source = _CostlessWeights(arch, config)
     decoder = Decoder(config, arch.block, source, CONTEXT)
     cache = KVCache(config, CONTEXT)

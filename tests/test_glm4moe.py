@@ -209,6 +209,15 @@ def test_a_gating_function_glm4moe_does_not_define_is_a_model_file_error_naming_
         read_config(expert_gating_func=code)
 
 
+@pytest.mark.parametrize("changes, message", [
+    (dict(expert_weights_norm="yes"), "'glm4moe.expert_weights_norm' must be a boolean, got 'yes'"),
+    (dict(expert_weights_scale=-2.5), "expert_weights_scale must be a positive number, got -2.5")],
+    ids=["norm-not-a-boolean", "negative-scale"])
+def test_routing_keys_of_the_wrong_kind_are_model_file_errors_naming_them(changes, message):
+    with pytest.raises(ModelFileError, match=message):
+        read_config(**changes)
+
+
 def test_nextn_layers_that_leave_no_layer_to_run_are_a_model_file_error():
     with pytest.raises(ModelFileError, match="nextn_predict_layers must be below block_count 4"):
         read_config(nextn_predict_layers=4)
