@@ -42,8 +42,7 @@ SPEC = ModelSpec(arch="glm4moe", num_layers=3, hidden_size=128, ffn_size=256, nu
                  num_experts=8, experts_used=2, expert_ffn_size=128, leading_dense_layers=1, nextn_layers=1,
                  rope_dim=16, qk_norm=True, tied_embeddings=False, context_length=512,
                  weight_type="F32", embedding_type="F32")
-# Rows of 256 for the K-quants, and GLM-4.5-Air's attention: no q/k norms.
-K_QUANT = dict(hidden_size=256, ffn_size=512, expert_ffn_size=256, rope_dim=32, qk_norm=False)
+K_QUANT = dict(hidden_size=256, ffn_size=512, expert_ffn_size=256, rope_dim=32)  # rows of 256
 
 
 def pair(tmp_path, f32_kv: bool, **changes):
@@ -52,8 +51,10 @@ def pair(tmp_path, f32_kv: bool, **changes):
             llama_cpp_model(path, n_ctx=256, f32_kv=f32_kv))
 
 
-def test_f32_glm4moe_matches_llama_cpp_exactly(tmp_path):
-    engine, llama = pair(tmp_path, f32_kv=True)
+@pytest.mark.parametrize("changes", [{}, dict(qk_norm=False, leading_dense_layers=0, nextn_layers=0)],
+                         ids=["qk-norms-dense-first-nextn", "air-attention-all-moe"])
+def test_f32_glm4moe_matches_llama_cpp_exactly(tmp_path, changes):
+    engine, llama = pair(tmp_path, f32_kv=True, **changes)
     with engine:
         assert_logits_agree(engine, llama, engine.tokenize(LONG_TEXT)[:100], max_mean_diff=0.01,
                             near_tie=EXACT_TIE)
