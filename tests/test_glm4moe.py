@@ -32,6 +32,9 @@ from tests.test_planner import PROFILE
 from tierflow import Engine
 from tierflow.cli.app import app
 from tierflow.errors import ModelFileError
+from tierflow.offload.gguf.model_file import open_model_file
+from tierflow.offload.pack.writer import pack_sizes
+from tierflow.offload.plan.planner import make_plan
 from tierflow.runtime.config import ModelConfig, RopeScaling
 from tierflow.runtime.models import architecture
 from tierflow.runtime.models.layers import scored_top_k
@@ -186,6 +189,18 @@ def test_plan_command_places_experts_in_the_moe_layers_only(glm_path, budgets, m
     assert done.exit_code == 0, done.output
     for text in ("layers 1-2 experts 0-7", "16 x", "home disk", "a cache of 10"):
         assert text in done.output
+
+
+def test_the_planned_expert_misses_per_token_count_the_moe_layers_only(glm_path, budgets):
+    base, one = budgets
+    with open_model_file(glm_path) as model:
+        plan = make_plan(model, pack_sizes(model), PROFILE, gpu_budget=0, cpu_budget=base + 10 * one,
+                         context_length=CONTEXT)
+    experts = plan.experts
+    assert experts.total_experts == 16 and experts.cached_experts == 10
+    uses_per_token = 2 * 2  # 2 MoE layers, top-2 each: each use a miss at 1 - hit_rate
+    assert experts.miss_bytes_per_token == pytest.approx(uses_per_token * (1 - experts.hit_rate)
+                                                         * experts.expert_bytes)
 
 
 # -- bad input ----------------------------------------------------------------------------------
