@@ -83,6 +83,10 @@ class _ArchTraits:
     window_key: bool = False        # reads {arch}.attention.sliding_window and
                                     # {arch}.final_logit_softcapping
     attn_softcap_key: bool = False  # reads {arch}.attn_logit_softcapping
+    sandwich_norms: bool = False    # post_attention_norm (and post_ffw_norm) norm a sublayer's
+                                    # output (Gemma), not the FFN's input (gpt-oss)
+    required_window: int = 0        # llama.cpp requires {arch}.attention.sliding_window: this is
+                                    # written when the spec sets none (0: not required)
 
 
 ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
@@ -91,8 +95,10 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
                                  untied_only=True),
          "olmoe": _ArchTraits(experts="always", no_gqa=True, untied_only=True),
          "qwen3": _ArchTraits(),
-         "gemma2": _ArchTraits(tied_only=True, window_key=True, attn_softcap_key=True),
-         "gemma3": _ArchTraits(window_key=True)}
+         "gemma2": _ArchTraits(tied_only=True, window_key=True, attn_softcap_key=True, sandwich_norms=True),
+         "gemma3": _ArchTraits(window_key=True, sandwich_norms=True),
+         "gpt-oss": _ArchTraits(experts="always", expert_width_key=True, untied_only=True,
+                                required_window=128)}
 MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
 _MIX_BLOCK = 32  # every type a mix falls back to packs rows in blocks of 32
 
@@ -168,7 +174,8 @@ class ModelSpec:
         if traits.tied_only and not self.tied_embeddings:
             raise ValueError(f"llama.cpp reads no output.weight for arch {self.arch!r}: "
                              "tied_embeddings must be True")
-        given = {"sliding_window": traits.window_key, "final_logit_softcap": traits.window_key,
+        given = {"sliding_window": traits.window_key or bool(traits.required_window),
+                 "final_logit_softcap": traits.window_key,
                  "attn_logit_softcap": traits.attn_softcap_key}
         for name, read in given.items():
             if getattr(self, name) is not None and not read:
@@ -280,6 +287,11 @@ _MOE_V_BIAS_STD = 0.2
 # the layers write as much louder than the embeddings as a Llama block's _RESIDUAL_GAIN does.
 _POST_NORM_MEAN = _RESIDUAL_GAIN * _LOGIT_GAIN
 _POST_NORMS = {"post_attention_norm.weight", "post_ffw_norm.weight"}
+# gpt-oss: sinks of the spread of the attention scores (~1), so they take a share that counts;
+# experts' gate and up projections spread ~3, so that some of their outputs pass the clamped
+# SwiGLU's limit of 7 (only there do min(gate, 7) and clamp(up, -7, 7) change anything).
+_SINK_STD = 1.0
+_ARCH_GAINS = {"gpt-oss": {"ffn_gate_exps.weight": 3.0, "ffn_up_exps.weight": 3.0}}
 
 
 class PlannedTensor(NamedTuple):
@@ -300,8 +312,10 @@ def _role(name: str) -> str:
     return name.split(".", 2)[2] if name.startswith("blk.") else name
 
 
-def _gain(role: str, moe: bool) -> float:
+def _gain(role: str, moe: bool, arch: str) -> float:
     """What a matrix's outputs' spread is, for unit-RMS inputs (see the constants above)."""
+    if role in _ARCH_GAINS.get(arch, {}):
+        return _ARCH_GAINS[arch][role]
     gains = {"token_embd.weight": _LOGIT_GAIN, "output.weight": _LOGIT_GAIN,
              "attn_output.weight": _MOE_ATTN_GAIN if moe else _RESIDUAL_GAIN,
              "ffn_down.weight": _RESIDUAL_GAIN, "ffn_down_shexp.weight": _RESIDUAL_GAIN,
@@ -316,11 +330,13 @@ def _planned(tensor: Tensor, spec: ModelSpec, bias: bool = False) -> PlannedTens
     if bias:
         std = _MOE_V_BIAS_STD if moe and role == "attn_v.bias" else _BIAS_STD
         return PlannedTensor(tensor.name, shape, Q.F32, std)
+    if role == "attn_sinks.weight":
+        return PlannedTensor(tensor.name, shape, Q.F32, _SINK_STD)
     if len(shape) == 1 and role != "ffn_gate_inp_shexp.weight":  # a norm's weight
-        mean = _POST_NORM_MEAN if role in _POST_NORMS else 1.0
+        mean = _POST_NORM_MEAN if role in _POST_NORMS and ARCHS[spec.arch].sandwich_norms else 1.0
         return PlannedTensor(tensor.name, shape, Q.F32, _NORM_STD * mean, mean=mean)
     qtype = Q.F32 if role.startswith("ffn_gate_inp") else _weight_type(tensor, spec)
-    return PlannedTensor(tensor.name, shape, qtype, _gain(role, moe) / math.sqrt(tensor.shape[0]))
+    return PlannedTensor(tensor.name, shape, qtype, _gain(role, moe, spec.arch) / math.sqrt(tensor.shape[0]))
 
 
 def _weight_type(tensor: Tensor, spec: ModelSpec) -> GGMLQuantizationType:
@@ -439,7 +455,8 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
 
 
 def _gemma_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
-    keys = {"attention.sliding_window": (spec.sliding_window, UINT32),
+    window = spec.sliding_window or ARCHS[spec.arch].required_window or None
+    keys = {"attention.sliding_window": (window, UINT32),
             "attn_logit_softcapping": (spec.attn_logit_softcap, FLOAT32),
             "final_logit_softcapping": (spec.final_logit_softcap, FLOAT32)}
     return [(f"{spec.arch}.{key}", Typed(kind, value)) for key, (value, kind) in keys.items()
