@@ -31,6 +31,13 @@ local layers rotating with base 10000; gemma3 per-head q/k norms; gemma2 caps at
 logits, cap * tanh(x / cap), at attn_logit_softcapping (default 50) and final_logit_softcapping
 (default 30), gemma3 logits only where that key is written. gemma2 reads no output.weight.
 
+gpt-oss (src/models/openai-moe-iswa.cpp): biases on q/k/v, attn_output, ffn_gate_inp and each
+expert's gate/up/down (stacked [width, experts]); one sink logit per query head (attn_sinks, [heads])
+in each head's softmax; neox rope; attention.sliding_window (required) on layers i % 2 == 0;
+post_attention_norm is the FFN's input norm; routing: top-k of the router's logits, then softmax
+over those k; each expert min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1) before down.
+llama.cpp requires output.weight and expert_feed_forward_length.
+
 Weight mixes: "Q4_K_M" types each tensor as llama.cpp's llama-quant.cpp does for a dense model
 (Q6_K for the output head, and attn_v and ffn_down on its "more bits" layers; Q4_K otherwise)
 and falls back, as it does, where a row is not a multiple of 256: Q4_K to Q5_0, Q6_K to Q8_0
