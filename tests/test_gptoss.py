@@ -14,8 +14,8 @@ from tierflow.offload.gguf.reader import read_gguf
 
 WINDOW = 16
 SPEC = ModelSpec(arch="gpt-oss", num_layers=3, hidden_size=64, ffn_size=64, num_heads=4, num_kv_heads=2,
-                 num_experts=8, experts_used=2, sliding_window=WINDOW, weight_type="Q8_0",
-                 embedding_type="Q8_0")
+                 head_size=64, num_experts=8, experts_used=2, sliding_window=WINDOW, weight_type="Q8_0",
+                 embedding_type="Q8_0")  # heads of 64 as gpt-oss's, wider than the hidden size
 
 
 @pytest.fixture(scope="module")
