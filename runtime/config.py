@@ -61,6 +61,14 @@ class ModelConfig:
     experts_used: int = 0  # experts each token is routed to
     expert_ffn_size: int = 0
     shared_expert_ffn_size: int = 0  # an expert every token uses beside the routed ones; 0: none
+    leading_dense_layers: int = 0  # a MoE model's first layers with a dense FFN instead of experts
+    # How a router's logits become expert weights (llama.cpp's build_moe_ffn): the gating function
+    # ("softmax" or "sigmoid"; llama.cpp's expert_gating_func), whether the chosen experts' weights
+    # are rescaled to sum to 1, and a factor they are multiplied by after. Families whose rule is
+    # fixed (softmax_top_k) leave these alone.
+    expert_gating: str = "softmax"
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 1.0
     # Sliding-window attention: each layer's window in positions (a token sees itself and the
     # window - 1 before it), 0 for a layer that sees the whole context; () when no layer slides.
     layer_windows: tuple[int, ...] = ()
@@ -96,11 +104,23 @@ class ModelConfig:
                                  f"got {self.experts_used}")
         if self.num_experts and self.expert_ffn_size <= 0:
             raise ModelFileError(f"expert feed-forward size must be positive, got {self.expert_ffn_size}")
+        self._check_routing()
         if self.layer_windows and (len(self.layer_windows) != self.num_layers
                                    or any(w < 0 for w in self.layer_windows)):
             raise ModelFileError(f"sliding windows must be one count >= 0 per layer ({self.num_layers}), "
                                  f"got {len(self.layer_windows)}")
         self._check_scales()
+
+    def _check_routing(self) -> None:
+        if not 0 <= self.leading_dense_layers <= self.num_layers:
+            raise ModelFileError(f"leading_dense_block_count must be 0..{self.num_layers} (the layer count), "
+                                 f"got {self.leading_dense_layers}")
+        if self.expert_gating not in ("softmax", "sigmoid"):
+            raise ModelFileError(f"expert gating function must be softmax or sigmoid, "
+                                 f"not {self.expert_gating!r}")
+        if not (math.isfinite(self.expert_weights_scale) and self.expert_weights_scale > 0):
+            raise ModelFileError(f"expert_weights_scale must be a positive number, "
+                                 f"got {self.expert_weights_scale}")
 
     def _check_scales(self) -> None:
         """The Gemma-style constants, where a file sets them: finite, and 0 only where 0 means none."""
@@ -126,6 +146,15 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether the layer's FFN is a mixture of experts (a MoE model's leading layers are dense)."""
+        return self.is_moe and layer >= self.leading_dense_layers
+
+    @property
+    def moe_layers(self) -> range:
+        """The layers whose FFN is a mixture of experts, in order."""
+        return range(self.leading_dense_layers if self.is_moe else self.num_layers, self.num_layers)
 
 
 class Metadata:
@@ -157,6 +186,13 @@ class Metadata:
         if not math.isfinite(value):
             raise ModelFileError(f"metadata '{name}' must be finite, got {value}")
         return float(value)
+
+    def flag(self, key: str, default: bool | None = None) -> bool:
+        """A boolean."""
+        name, value = self._get(key, default)
+        if not isinstance(value, (bool, np.bool_)):
+            raise ModelFileError(f"metadata '{name}' must be a boolean, got {_shown(value)}")
+        return bool(value)
 
     def text(self, key: str, default: str | None = None, *, general: bool = False) -> str:
         name, value = self._get(key, default, general)

@@ -123,6 +123,21 @@ def test_experts_cached_on_the_gpu_run_its_kernels_and_keep_the_cpu_tokens(tmp_p
     assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
 
 
+def test_glm4moe_experts_cached_on_the_gpu_keep_the_cpu_tokens(tmp_path):
+    """A dense first layer (no experts to cache), then sigmoid-scored experts with a selection bias
+    and an ungated shared expert."""
+    spec = ModelSpec(arch="glm4moe", num_layers=2, hidden_size=64, num_experts=4, experts_used=2,
+                     expert_ffn_size=64, leading_dense_layers=1, rope_dim=8, weight_type="Q4_0", seed=9)
+    path = write_model(tmp_path / "glm4moe.gguf", spec)
+    tokens, logits = cpu_result(path, kv_cache_type="f32")  # f32: as the test above
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="1MiB", kv_cache_type="f32",
+                     **GPU) as engine:
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
+        got = engine.logits(engine.tokenize(PROMPT) + tokens)
+        assert engine.weights.experts.schedules.on_gpu + engine.weights.experts.schedules.fetched > 0
+    assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
+
+
 def test_running_out_of_gpu_memory_mid_generation_names_the_budget_and_leaves_the_engine_usable(
         models, monkeypatch):
     path = models["llama-Q8_0"]

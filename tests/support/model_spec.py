@@ -21,6 +21,14 @@ olmoe: norm_w false; rope NEOX; no biases; q = RMSNorm(x @ Wq) * attn_q_norm and
     feed_forward_length wide.
 No {arch}.expert_weights_scale is written, so llama.cpp scales no weights. llama.cpp requires
 output.weight for qwen2moe and olmoe, and an olmoe k norm as wide as the q norm (no GQA).
+glm4moe (src/models/glm4-moe.cpp): the first leading_dense_block_count layers have a dense FFN
+(feed_forward_length); the others p = sigmoid(x @ ffn_gate_inp.T), chosen = top-k of
+p + exp_probs_b, w = p[chosen] / sum (expert_weights_norm) * expert_weights_scale, plus
+expert_shared_count shared experts' width of one expert (ungated); its pre-FFN norm is
+post_attention_norm; optional q/k/v biases and per-head q/k norms; neox rope over
+rope.dimension_count dimensions of each head. The trailing nextn_predict_layers blocks (counted
+in block_count) hold every tensor of a MoE layer plus nextn.eh_proj, enorm and hnorm, which
+llama.cpp requires and skips.
 
 gemma2 and gemma3 (src/models/gemma2*.cpp, gemma3*.cpp): x = token_embd[ids] * sqrtf(hidden);
 per layer h = attn_post_norm(attention(attn_norm(x))) + x, then x = ffn_post_norm(ffn(ffn_norm(h)))
@@ -54,7 +62,7 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-from tests.support.gguf_bytes import FLOAT32, STRING, UINT32, Typed
+from tests.support.gguf_bytes import BOOL, FLOAT32, STRING, UINT32, Typed
 from tests.support.gguf_writing import TensorEntry
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.models import architecture
@@ -90,8 +98,11 @@ class _ArchTraits:
     window_key: bool = False        # reads {arch}.attention.sliding_window and
                                     # {arch}.final_logit_softcapping
     attn_softcap_key: bool = False  # reads {arch}.attn_logit_softcapping
-    sandwich_norms: bool = False    # post_attention_norm (and post_ffw_norm) norm a sublayer's
-                                    # output (Gemma), not the FFN's input (gpt-oss)
+    leading_dense: bool = False     # reads {arch}.leading_dense_block_count
+    nextn: bool = False             # reads {arch}.nextn_predict_layers (trailing blocks it skips)
+    scored_router: bool = False     # sigmoid gating, exp_probs_b, weights normalised and scaled;
+                                    # {arch}.expert_shared_count ungated shared experts
+    optional_attention: bool = False  # q/k/v biases (written) and per-head q/k norms (on ask)
     required_window: int = 0        # llama.cpp requires {arch}.attention.sliding_window: this is
                                     # written when the spec sets none (0: not required)
 
@@ -103,8 +114,10 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
          "olmoe": _ArchTraits(experts="always", no_gqa=True, untied_only=True),
          "qwen3": _ArchTraits(),
          "qwen3moe": _ArchTraits(experts="always", expert_width_key=True),
-         "gemma2": _ArchTraits(tied_only=True, window_key=True, attn_softcap_key=True, sandwich_norms=True),
-         "gemma3": _ArchTraits(window_key=True, sandwich_norms=True),
+         "gemma2": _ArchTraits(tied_only=True, window_key=True, attn_softcap_key=True),
+         "gemma3": _ArchTraits(window_key=True),
+         "glm4moe": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True, nextn=True,
+                                scored_router=True, optional_attention=True),
          "gpt-oss": _ArchTraits(experts="always", expert_width_key=True, untied_only=True,
                                 required_window=128)}
 MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
@@ -139,6 +152,11 @@ class ModelSpec:
                                        # written (gemma2: 4096 then, gemma3: no window)
     attn_logit_softcap: float | None = None   # gemma2's attn_logit_softcapping; None: not written
     final_logit_softcap: float | None = None  # final_logit_softcapping (gemma2, gemma3)
+    leading_dense_layers: int = 0    # leading_dense archs: the first layers' FFN is dense, ffn_size wide
+    nextn_layers: int = 0            # nextn archs: next-token-prediction blocks after the others
+    shared_experts: int = 1          # scored_router archs: expert_shared_count
+    rope_dim: int | None = None      # rope.dimension_count, even, <= head_dim; None: head_dim
+    qk_norm: bool = False            # optional_attention archs: write per-head q/k norms
     weight_type: str = "Q8_0"        # every 2-D matrix and expert stack, output.weight included:
                                      # a type, or a mix (MIXES) that types each by its role
     embedding_type: str = "Q8_0"     # token_embd.weight (a mix: typed as the mix types it)
@@ -162,6 +180,7 @@ class ModelSpec:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")
         self._check_experts()
+        self._check_layers()
         self._check_arch()
         self._check_rope()
         for field, row_lengths in (("weight_type", self._row_lengths()),
@@ -176,6 +195,25 @@ class ModelSpec:
         if traits.no_gqa and self.num_kv_heads != self.num_heads:
             raise ValueError(f"llama.cpp's {self.arch!r} k norm is hidden_size wide: num_kv_heads "
                              f"{self.num_kv_heads} must equal num_heads {self.num_heads}")
+
+    def _check_layers(self) -> None:
+        """The glm4moe-style knobs: only where the arch reads them, and in range."""
+        traits = ARCHS[self.arch]
+        knobs = {"leading_dense_layers": (self.leading_dense_layers != 0, traits.leading_dense),
+                 "nextn_layers": (self.nextn_layers != 0, traits.nextn),
+                 "shared_experts": (self.shared_experts != 1, traits.scored_router),
+                 "qk_norm": (self.qk_norm, traits.optional_attention)}
+        for name, (given, read) in knobs.items():
+            if given and not read:
+                raise ValueError(f"llama.cpp reads no {name} for arch {self.arch!r}")
+        if not 0 <= self.leading_dense_layers < self.num_layers:
+            raise ValueError(f"leading_dense_layers must be 0..{self.num_layers - 1} (a MoE layer "
+                             f"must be left), got {self.leading_dense_layers}")
+        if self.nextn_layers < 0 or self.shared_experts < 0:
+            raise ValueError("nextn_layers and shared_experts must be >= 0")
+        if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+            raise ValueError(f"rope_dim must be even and within head size {self.head_dim}, "
+                             f"got {self.rope_dim}")
 
     def _check_gemma_keys(self) -> None:
         traits = ARCHS[self.arch]
@@ -237,6 +275,8 @@ class ModelSpec:
             lengths += (self.expert_ffn_width,)
         if self.num_experts and ARCHS[self.arch].shared_expert:
             lengths += (self.shared_expert_ffn_width,)
+        if self.num_experts and ARCHS[self.arch].scored_router and self.shared_experts:
+            lengths += (self.shared_experts * self.expert_ffn_width,)
         return lengths
 
     def _check_type(self, field: str, row_lengths: tuple[int, ...]) -> None:
@@ -290,11 +330,17 @@ _EXPERT_GAIN = 5.0
 _SHARED_GATE_GAIN = 1.0  # qwen2moe's shared-expert gate: sigmoid mostly within 0.2..0.8
 _MOE_ATTN_GAIN = 1.0
 _MOE_V_BIAS_STD = 0.2
+# glm4moe: sigmoid scores of router logits at _ROUTER_GAIN spread over most of (0, 1); a selection
+# bias of this spread reorders close experts (a dropped or misapplied bias changes the choice)
+# without deciding every choice. The weights, normalised, are scaled by _EXPERT_WEIGHTS_SCALE.
+_SELECTION_BIAS_STD = 0.2
+_EXPERT_WEIGHTS_SCALE = 1.5
 # Gemma scales the embeddings by sqrt(hidden), so its stream starts at RMS ~_LOGIT_GAIN, and
 # normalises each layer's outputs (post norms) before they join it: post norms of this mean make
 # the layers write as much louder than the embeddings as a Llama block's _RESIDUAL_GAIN does.
 _POST_NORM_MEAN = _RESIDUAL_GAIN * _LOGIT_GAIN
 _POST_NORMS = {"post_attention_norm.weight", "post_ffw_norm.weight"}
+_SANDWICH_ARCHS = {"gemma2", "gemma3"}  # glm4moe's post_attention_norm is its pre-FFN norm
 # gpt-oss: sinks of the spread of the attention scores (~1), so they take a share that counts;
 # experts' gate and up projections spread ~3, so that some of their outputs pass the clamped
 # SwiGLU's limit of 7 (only there do min(gate, 7) and clamp(up, -7, 7) change anything).
@@ -335,13 +381,15 @@ def _gain(role: str, moe: bool, arch: str) -> float:
 def _planned(tensor: Tensor, spec: ModelSpec, bias: bool = False) -> PlannedTensor:
     """A tensor of the family's map with random contents of the spread its role calls for."""
     shape, role, moe = tensor.shape[::-1], _role(tensor.name), spec.num_experts > 0
+    if role == "exp_probs_b.bias":
+        return PlannedTensor(tensor.name, shape, Q.F32, _SELECTION_BIAS_STD)
     if bias:
         std = _MOE_V_BIAS_STD if moe and role == "attn_v.bias" else _BIAS_STD
         return PlannedTensor(tensor.name, shape, Q.F32, std)
     if role == "attn_sinks.weight":
         return PlannedTensor(tensor.name, shape, Q.F32, _SINK_STD)
     if len(shape) == 1 and role != "ffn_gate_inp_shexp.weight":  # a norm's weight
-        mean = _POST_NORM_MEAN if role in _POST_NORMS and ARCHS[spec.arch].sandwich_norms else 1.0
+        mean = _POST_NORM_MEAN if role in _POST_NORMS and spec.arch in _SANDWICH_ARCHS else 1.0
         return PlannedTensor(tensor.name, shape, Q.F32, _NORM_STD * mean, mean=mean)
     qtype = Q.F32 if role.startswith("ffn_gate_inp") else _weight_type(tensor, spec)
     return PlannedTensor(tensor.name, shape, qtype, _gain(role, moe, spec.arch) / math.sqrt(tensor.shape[0]))
@@ -377,7 +425,7 @@ def _field_plan(field: Field, spec: ModelSpec) -> list[PlannedTensor]:
     plan = []
     for weight in kind.weights:
         plan.append(_planned(replace(weight, expert=None), spec))
-        if kind.bias == "required":
+        if kind.bias == "required" or kind.bias == "optional" and ARCHS[spec.arch].optional_attention:
             plan.append(_planned(kind.bias_tensor(weight), spec, bias=True))
     return plan
 
@@ -410,9 +458,12 @@ def tensor_plan(spec: ModelSpec, vocab_size: int) -> list[PlannedTensor]:
     arch, config = architecture(spec.arch), spec_config(spec, vocab_size)
     fields = [f for f in arch.global_fields(config) if f.name != "rope_freqs" or spec.llama3_rope_freqs]
     plan = [t for f in fields if f.group == "embeddings" for t in _field_plan(f, spec)]
-    for i in range(spec.num_layers):
-        layer = arch.layer_fields(config, i) + (arch.expert_fields(config, i, 0) if spec.num_experts else [])
-        plan += [t for f in layer for t in _field_plan(f, spec)]
+    for i in range(spec.num_layers + spec.nextn_layers):
+        experts = arch.expert_fields(config, i, 0) if config.has_experts(i) else []
+        layer = arch.layer_fields(config, i) + experts
+        plan += [t for f in layer if _written(f, spec) for t in _field_plan(f, spec)]
+        if i >= spec.num_layers:
+            plan += _nextn_plan(i, spec)
     for field in (f for f in fields if f.group != "embeddings"):
         if field.name == "rope_freqs":
             factors = _llama3_rope_factors(spec)
@@ -420,6 +471,20 @@ def tensor_plan(spec: ModelSpec, vocab_size: int) -> list[PlannedTensor]:
         else:
             plan += _field_plan(field, spec)
     return plan
+
+
+def _written(field: Field, spec: ModelSpec) -> bool:
+    """Optional per-head q/k norms are written only when the spec asks for them."""
+    optional = isinstance(field.kind, Vector) and field.kind.optional
+    return not (optional and field.name in ("q_norm", "k_norm") and not spec.qk_norm)
+
+
+def _nextn_plan(layer: int, spec: ModelSpec) -> list[PlannedTensor]:
+    """A next-token-prediction block's own tensors (llama.cpp requires, and skips, them)."""
+    e, p = spec.hidden_size, f"blk.{layer}.nextn."
+    return [_planned(Tensor(p + "eh_proj.weight", (2 * e, e)), spec),
+            _planned(Tensor(p + "enorm.weight", (e,)), spec),
+            _planned(Tensor(p + "hnorm.weight", (e,)), spec)]
 
 
 def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, Typed]]:
@@ -439,7 +504,7 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         ("general.file_type", u32((FILE_TYPES | MIXES)[spec.weight_type])),
         ("general.quantization_version", u32(gguf.GGML_QUANT_VERSION)),
         (f"{arch}.vocab_size", u32(vocab_size)),
-        (f"{arch}.block_count", u32(spec.num_layers)),
+        (f"{arch}.block_count", u32(spec.num_layers + spec.nextn_layers)),
         (f"{arch}.context_length", u32(spec.context_length)),
         (f"{arch}.embedding_length", u32(spec.hidden_size)),
         (f"{arch}.feed_forward_length", u32(spec.ffn_size)),
@@ -448,7 +513,7 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         (f"{arch}.attention.head_count_kv", u32(spec.num_kv_heads)),
         (f"{arch}.attention.layer_norm_rms_epsilon", f32(1e-5)),
         (f"{arch}.rope.freq_base", f32(spec.rope_theta)),
-        (f"{arch}.rope.dimension_count", u32(spec.head_dim)),
+        (f"{arch}.rope.dimension_count", u32(spec.rope_dim or spec.head_dim)),
     ]
     if spec.head_size is not None:
         metadata += [(f"{arch}.attention.key_length", u32(spec.head_size)),
@@ -487,4 +552,13 @@ def _expert_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
     if traits.shared_expert:
         metadata.append((f"{arch}.expert_shared_feed_forward_length",
                          Typed(UINT32, spec.shared_expert_ffn_width)))
+    if traits.scored_router:
+        metadata += [(f"{arch}.expert_shared_count", Typed(UINT32, spec.shared_experts)),
+                     (f"{arch}.expert_gating_func", Typed(UINT32, 2)),  # sigmoid
+                     (f"{arch}.expert_weights_norm", Typed(BOOL, True)),
+                     (f"{arch}.expert_weights_scale", Typed(FLOAT32, _EXPERT_WEIGHTS_SCALE))]
+    if traits.leading_dense:
+        metadata.append((f"{arch}.leading_dense_block_count", Typed(UINT32, spec.leading_dense_layers)))
+    if traits.nextn:
+        metadata.append((f"{arch}.nextn_predict_layers", Typed(UINT32, spec.nextn_layers)))
     return metadata
