@@ -26,7 +26,7 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
 def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.ndarray, sin: np.ndarray,
               heads: int, start: int, neox: bool, parents: np.ndarray | None = None,
               tree_start: int | None = None, window: int = 0, scale: float | None = None,
-              softcap: float = 0.0, held_from: int = 0) -> np.ndarray:
+              softcap: float = 0.0, held_from: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal attention of T new tokens at cache positions start .. start + T - 1.
 
     qkv [T, (H + 2K) * D] (rotated in place; with a quantized cache, Hadamard-rotated too, the
@@ -46,11 +46,13 @@ def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.nda
     Position p is in slot p % C: with a window and a longer context the cache is a ring, which
     must hold the window before the pass and its tokens (kv_types.scored_slots <= C; else
     ValueError). No token sees a position before held_from (the oldest the cache still holds).
+    sinks (float32 [H]) are attention sinks: one more logit per query head in its softmax, which
+    takes a share of the probability and adds no value (gpt-oss).
     Returns [T, H * D].
     """
     head_dim = qkv.shape[1] // (heads + 2 * keys.shape[0])
     out = np.empty((qkv.shape[0], heads * head_dim), np.float32)
     _kernels.attention(qkv, keys, values, cos, sin, out, heads, start, 2 * cos.shape[-1], neox,
                        head_dim**-0.5 if scale is None else scale, parents,
-                       start if tree_start is None else tree_start, window, softcap, held_from)
+                       start if tree_start is None else tree_start, window, softcap, held_from, sinks)
     return out

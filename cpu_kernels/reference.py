@@ -115,11 +115,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, heads: int, start: int, neox: bool,
                         parents: np.ndarray | None = None, tree_start: int | None = None, window: int = 0,
-                        scale: float | None = None, softcap: float = 0.0, held_from: int = 0) -> torch.Tensor:
+                        scale: float | None = None, softcap: float = 0.0, held_from: int = 0,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """ops.attention in torch, on any device (the GPU kernel's reference too): the same cache
     writes, in the cache's type (keys [K, C/16, I, 16], values [K, C, I]: kv_layout.py), position
     p in slot p % C, then attention over the dequantized cache; token trees, window, scale, soft
-    cap and held_from alike. A quantized cache rotates as llama.cpp's (hadamard.py): the queries
+    cap, held_from and sinks alike. A quantized cache rotates as llama.cpp's (hadamard.py): the queries
     and keys after rotary embedding, the values before they are stored and the output back.
     qkv is not modified.
 
@@ -151,8 +152,18 @@ def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     if softcap:
         scores = torch.tanh(scores * (1 / softcap)) * softcap
     scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
-    out = hadamard(torch.softmax(scores, dim=-1) @ seen_values, value_rotation)  # [K, G*T, D]
+    out = hadamard(_softmax(scores, sinks, tokens) @ seen_values, value_rotation)  # [K, G*T, D]
     return out.reshape(heads, tokens, head_dim).transpose(0, 1).reshape(tokens, heads * head_dim)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    """Softmax of scores [K, G*T, S] (query head k*G + g, token t in row g*T + t) over S, with each
+    head's sink (sinks [H]) as one more logit whose probability goes to no value."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    kv_heads, rows, _ = scores.shape
+    column = sinks.float().to(scores.device).reshape(kv_heads, -1, 1).repeat_interleave(tokens, dim=1)
+    return torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
 
 
 def _visible(start: int, tokens: int, parents: np.ndarray | None, tree_start: int | None,

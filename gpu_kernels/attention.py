@@ -23,7 +23,7 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.uint8)  # of the cache types
 def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor, heads: int, start: int, neox: bool, num_splits: int | None = None,
               window: int = 0, scale: float | None = None, softcap: float = 0.0,
-              held_from: int = 0) -> torch.Tensor:
+              held_from: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of T new tokens in cache slots start .. start + T - 1 -> [T, H D] float32.
 
     qkv [T, (H + 2 KvH) D] (read only); one layer's keys [KvH, C/16, I, 16] and values [KvH, C, I]
@@ -36,7 +36,8 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
     window > 0 token i sees positions start + i - window + 1 .. start + i only; none sees a
     position before held_from (the oldest the cache holds). Position p is in slot p % C: the
     window before the tokens and they must fit (kv_layout.check_pass_fits). A quantized cache holds
-    its rows Hadamard-rotated as llama.cpp's (cpu_kernels/hadamard.py).
+    its rows Hadamard-rotated as llama.cpp's (cpu_kernels/hadamard.py). sinks (float32 [H]) are
+    attention sinks: one more logit per query head, whose probability goes to no value.
     """
     kernels = load_kernels("attention_kernels")
     kv_heads, capacity, head_dim, tokens, half = _check(qkv, keys, values, cos, sin, heads, start)
@@ -45,7 +46,9 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
         raise ValueError(f"window must be >= 0 and softcap a finite number >= 0 (0: none), "
                          f"not {window} and {softcap}")
     check_pass_fits(capacity, start, tokens, start, window, held_from)
-    check_device(kernels, qkv=qkv, keys=keys, values=values, cos=cos, sin=sin)
+    if sinks is not None:
+        check_tensor("sinks", sinks, (torch.float32,), (heads,))
+    check_device(kernels, qkv=qkv, keys=keys, values=values, cos=cos, sin=sin, sinks=sinks)
     out = torch.empty(tokens, heads * head_dim, dtype=torch.float32, device=qkv.device)
     if tokens == 0:
         return out
@@ -65,10 +68,11 @@ def attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cos: 
     kernels.attention_kernel[(tokens, kv_heads, splits)](
         qkv, keys, values, cos, sin, out, partials, stats, start, heads, kv_heads, capacity,
         scale if softcap else scale * kernels.LOG2_E, base, split_size, splits, window or capacity, held_from,
-        softcap,
+        softcap, out if sinks is None else sinks,
         D=head_dim, HALF=half, GROUP=heads // kv_heads, NEOX=bool(neox), SPLIT=splits > 1,
         SOFTCAP=softcap > 0, BLOCK_G=max(16, power_of_two(heads // kv_heads)), BLOCK_S=kernels.BLOCK_S,
-        BLOCK_D=block_d, KV=kernels.KV_CODES[kv.name], ROT_K=key_rotation, ROT_V=value_rotation)
+        BLOCK_D=block_d, KV=kernels.KV_CODES[kv.name], ROT_K=key_rotation, ROT_V=value_rotation,
+        SINKS=sinks is not None)
     if splits > 1:
         kernels.merge_splits_kernel[(tokens * heads,)](partials, stats, out, splits, D=head_dim,
                                                        BLOCK_SPLITS=power_of_two(splits), BLOCK_D=block_d)

@@ -243,16 +243,17 @@ def _softmax_step(q, keys_t, values, seen, m_i, l_i, acc, softcap, SOFTCAP: tl.c
 
 @triton.jit
 def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H, KVH, C, scale,
-                     BASE, SPLIT_SIZE, NUM_SPLITS, WINDOW, HELD_FROM, softcap, D: tl.constexpr,
+                     BASE, SPLIT_SIZE, NUM_SPLITS, WINDOW, HELD_FROM, softcap, sinks, D: tl.constexpr,
                      HALF: tl.constexpr, GROUP: tl.constexpr, NEOX: tl.constexpr, SPLIT: tl.constexpr,
                      SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_D: tl.constexpr, KV: tl.constexpr = 0, ROT_K: tl.constexpr = 0,
-                     ROT_V: tl.constexpr = 0):
+                     ROT_V: tl.constexpr = 0, SINKS: tl.constexpr = False):
     """out [T, H, D] (one split), else partials [T, H, splits, D] and stats [T, H, splits, 2].
     WINDOW: positions a token sees (C or more: all of them); HELD_FROM: the first position the
     cache holds; scale: the attention scale, times log2 e unless SOFTCAP. The splits cover the
     positions from BASE (a multiple of 16) on. KV: the cache's type (KV_CODES); the new tokens'
-    keys and values are read as stored in it. ROT_K, ROT_V: the Hadamard sizes (0: none)."""
+    keys and values are read as stored in it. ROT_K, ROT_V: the Hadamard sizes (0: none). SINKS:
+    sinks [H] holds each query head's sink logit, which split 0 counts as a position of no value."""
     tl.static_assert(BLOCK_S == 16, "a step scores one block of 16 cached keys")
     token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = (H + 2 * KVH) * D  # of qkv
@@ -280,6 +281,11 @@ def attention_kernel(qkv, keys, values, cos, sin, out, partials, stats, start, H
     hi = tl.minimum(lo + SPLIT_SIZE, position + 1)  # causal: positions 0 .. start + token
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if SINKS:  # the running softmax starts from the sink: a max of it and a sum of exp(0) = 1
+        own = tl.arange(0, BLOCK_G) < tl.where(split == 0, GROUP, 0)  # the heads, in split 0 only
+        sink = tl.load(sinks + kv_head * GROUP + tl.arange(0, BLOCK_G), mask=own, other=float("-inf"))
+        m_i = sink * _LOG2_E
+        l_i = tl.where(own, 1.0, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     cached_hi = tl.minimum(hi, start)
     # earlier positions, from the cache (lo % 16 == 0), from the block holding `first` on

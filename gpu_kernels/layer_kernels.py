@@ -38,10 +38,11 @@ class TritonKernels:
 
     def attention(self, qkv, keys, values, cos, sin, heads: int, start: int, neox: bool,
                   parents: np.ndarray | None, tree_start: int | None, window: int = 0,
-                  scale: float | None = None, softcap: float = 0.0, held_from: int = 0) -> torch.Tensor:
+                  scale: float | None = None, softcap: float = 0.0, held_from: int = 0,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The fused kernel; a token tree (a verify pass) takes the torch path, which masks it."""
         if parents is None:
             return attention.attention(qkv, keys, values, cos, sin, heads, start, neox, window=window,
-                                       scale=scale, softcap=softcap, held_from=held_from)
+                                       scale=scale, softcap=softcap, held_from=held_from, sinks=sinks)
         return attention_reference(qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start,
-                                   window, scale, softcap, held_from)
+                                   window, scale, softcap, held_from, sinks)

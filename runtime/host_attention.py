@@ -23,9 +23,10 @@ class HostAttention:
         return getattr(self.kernels, name)
 
     def attention(self, qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start, window=0,
-                  scale=None, softcap=0.0, held_from=0):
+                  scale=None, softcap=0.0, held_from=0, sinks=None):
         out = CPU_KERNELS.attention(_host(qkv), keys, values, _host(cos), _host(sin), heads, start, neox,
-                                    parents, tree_start, window, scale, softcap, held_from)
+                                    parents, tree_start, window, scale, softcap, held_from,
+                                    None if sinks is None else _host(sinks))
         return self.kernels.take(out)
 
     @staticmethod

@@ -43,7 +43,8 @@ class Kernels(Protocol):
     def attention(self, qkv: Activations, keys: Activations, values: Activations, cos: Activations,
                   sin: Activations, heads: int, start: int, neox: bool, parents: np.ndarray | None,
                   tree_start: int | None, window: int = 0, scale: float | None = None,
-                  softcap: float = 0.0, held_from: int = 0) -> Activations: ...
+                  softcap: float = 0.0, held_from: int = 0, sinks: Activations | None = None
+                  ) -> Activations: ...  # sinks [H]: one more logit per query head's softmax
 
 
 class CpuKernels:
@@ -63,9 +64,9 @@ class CpuKernels:
         return ops.silu_mul(gate_up(x))
 
     def attention(self, qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start, window=0,
-                  scale=None, softcap=0.0, held_from=0) -> np.ndarray:
+                  scale=None, softcap=0.0, held_from=0, sinks=None) -> np.ndarray:
         return ops.attention(qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start, window,
-                             scale, softcap, held_from)
+                             scale, softcap, held_from, sinks)
 
 
 CPU_KERNELS = CpuKernels()

@@ -286,6 +286,14 @@ def test_attention_with_a_window_soft_cap_and_scale_matches_reference(scores, sp
 
 
 @pytest.mark.parametrize("splits", [1, 3])
+def test_attention_sinks_in_a_window_match_reference(splits):
+    """gpt-oss's sinks (one logit per query head, counted once whatever the splits), with its
+    sliding window."""
+    sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 3
+    check_attention(3, 40, 16, 16, True, splits, window=7, sinks=sinks)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(KV_TYPES))
 def test_attention_reads_and_writes_each_cache_type_as_the_reference(name, splits):
     check_attention(3, 37, 32, 32, True, splits, name=name)

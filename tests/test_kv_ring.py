@@ -8,6 +8,7 @@ blocks of 16: kv_types.scored_slots); the model tests a generated Gemma 3 with a
 whose ring is 560 positions (kv_types.ring_positions) in a context of 2048.
 """
 
+import functools
 import threading
 from dataclasses import replace
 
@@ -24,7 +25,7 @@ from tests.support.oracle import (
     assert_logits_agree,
     llama_cpp_model,
 )
-from tests.test_ops import HEADS, KV_HEADS, random_qkv, rope_rows
+from tests.test_ops import HEADS, KV_HEADS, random_qkv, random_sinks, rope_rows
 from tests.test_token_tree import TREE_PARENTS, TREE_TOKENS, path_to
 from tierflow import Engine
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes
@@ -49,11 +50,12 @@ def ring_cache(capacity: int = RING, name: str = "f32") -> tuple[torch.Tensor, t
     return tuple(torch.zeros(shape, dtype=CACHE_DTYPES[name]) for shape in shapes)
 
 
-def c_attention(qkv, cache, cos, sin, start, parents=None, tree_start=None, held_from=0) -> torch.Tensor:
+def c_attention(qkv, cache, cos, sin, start, parents=None, tree_start=None, held_from=0,
+                sinks=None) -> torch.Tensor:
     keys, values = cache
     out = attention(qkv.clone().numpy(), keys.numpy(), values.numpy(), cos.contiguous().numpy(),
                     sin.contiguous().numpy(), HEADS, start, True, parents, tree_start, WINDOW,
-                    held_from=held_from)
+                    held_from=held_from, sinks=None if sinks is None else sinks.numpy())
     return torch.from_numpy(out)
 
 
@@ -72,8 +74,8 @@ def feed(run, cache, length: int = LENGTH) -> list[torch.Tensor]:
     return [run(qkv[a:b], cache, cos[a:b], sin[a:b], a) for a, b in pass_bounds(length)]
 
 
-def reference_attention(qkv, cache, cos, sin, start) -> torch.Tensor:
-    return attention_reference(qkv.clone(), *cache, cos, sin, HEADS, start, True, window=WINDOW)
+def reference_attention(qkv, cache, cos, sin, start, sinks=None) -> torch.Tensor:
+    return attention_reference(qkv.clone(), *cache, cos, sin, HEADS, start, True, window=WINDOW, sinks=sinks)
 
 
 # --- the kernels ---------------------------------------------------------------------------------
@@ -93,6 +95,13 @@ def test_ring_sizes_hold_the_window_and_a_pass_in_whole_blocks():
 def test_the_c_kernel_over_a_wrapping_ring_matches_the_reference_over_the_whole_context():
     ours = feed(c_attention, ring_cache())
     theirs = feed(reference_attention, ring_cache(160))
+    torch.testing.assert_close(torch.cat(ours), torch.cat(theirs), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_sinks_over_a_wrapping_ring_match_the_reference_over_the_whole_context():
+    sinks = random_sinks()
+    ours = feed(functools.partial(c_attention, sinks=sinks), ring_cache())
+    theirs = feed(functools.partial(reference_attention, sinks=sinks), ring_cache(160))
     torch.testing.assert_close(torch.cat(ours), torch.cat(theirs), rtol=1e-5, atol=1e-5)
 
 

@@ -20,6 +20,7 @@ FAMILIES = {
     "qwen2moe": ModelSpec(arch="qwen2moe", **SHAPE),
     "olmoe": ModelSpec(arch="olmoe", num_kv_heads=4, **SHAPE),
     "qwen3moe": ModelSpec(arch="qwen3moe", expert_ffn_size=64, head_size=48, **SHAPE),
+    "gpt-oss": ModelSpec(arch="gpt-oss", sliding_window=16, **SHAPE),
 }
 
 

@@ -34,10 +34,16 @@ def empty_cache(name: str = "f32", head_dim: int = HEAD_DIM) -> tuple[torch.Tens
     return tuple(torch.zeros(shape, dtype=CACHE_DTYPES[name]) for shape in shapes)
 
 
-def run_attention(qkv, cache, cos, sin, start, neox) -> torch.Tensor:
+def random_sinks(with_sinks: bool = True) -> torch.Tensor | None:
+    """Attention sinks [H] (gpt-oss's), some above the scores and some below; None without."""
+    return torch.randn(HEADS, generator=torch.Generator().manual_seed(7)) * 3 if with_sinks else None
+
+
+def run_attention(qkv, cache, cos, sin, start, neox, sinks=None) -> torch.Tensor:
     keys, values = cache
     out = attention(qkv.clone().numpy(), keys.numpy(), values.numpy(), cos.contiguous().numpy(),
-                    sin.contiguous().numpy(), HEADS, start, neox)
+                    sin.contiguous().numpy(), HEADS, start, neox,
+                    sinks=None if sinks is None else sinks.numpy())
     return torch.from_numpy(out)
 
 
@@ -52,17 +58,20 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(torch.from_numpy(silu_mul(gate_up.numpy())), silu_mul_reference(gate_up))
 
 
-def check_attention(name: str, head_dim: int, neox: bool, rope_dim: int, tokens: int, start: int) -> None:
+def check_attention(name: str, head_dim: int, neox: bool, rope_dim: int, tokens: int, start: int,
+                    sinks: torch.Tensor | None = None) -> None:
     """The kernel's output is the reference's, and the bytes it writes into the cache are too."""
     qkv = random_qkv(start + tokens, head_dim=head_dim)
     cos, sin = rope_rows(start + tokens, 0, rope_dim)
     ours, theirs = empty_cache(name, head_dim), empty_cache(name, head_dim)
     if start:  # an earlier prompt fills positions 0 .. start - 1
-        run_attention(qkv[:start], ours, cos[:start], sin[:start], 0, neox)
-        attention_reference(qkv[:start].clone(), *theirs, cos[:start], sin[:start], HEADS, 0, neox)
+        run_attention(qkv[:start], ours, cos[:start], sin[:start], 0, neox, sinks)
+        attention_reference(qkv[:start].clone(), *theirs, cos[:start], sin[:start], HEADS, 0, neox,
+                            sinks=sinks)
     new = slice(start, start + tokens)
-    out = run_attention(qkv[new], ours, cos[new], sin[new], start, neox)
-    expected = attention_reference(qkv[new].clone(), *theirs, cos[new], sin[new], HEADS, start, neox)
+    out = run_attention(qkv[new], ours, cos[new], sin[new], start, neox, sinks)
+    expected = attention_reference(qkv[new].clone(), *theirs, cos[new], sin[new], HEADS, start, neox,
+                                   sinks=sinks)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
@@ -80,6 +89,20 @@ def test_attention_matches_torch_and_fills_the_cache(name, neox, rope_dim, token
 def test_attention_rotates_a_quantized_cache_as_the_reference(name, head_dim):
     """llama.cpp's Hadamard rotation (cpu_kernels/hadamard.py): the same bytes in the cache."""
     check_attention(name, head_dim, False, head_dim, 5, 11)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_attention_sinks_take_their_share_of_the_softmax_as_the_reference(name):
+    """gpt-oss's sinks: one more logit per query head, whose probability goes to no value."""
+    check_attention(name, HEAD_DIM, True, HEAD_DIM, 5, 11, random_sinks())
+
+
+def test_attention_sinks_lower_every_output():
+    """A sink only takes probability away: large sinks shrink the output towards zero."""
+    qkv, (cos, sin) = random_qkv(4), rope_rows(4, 0, HEAD_DIM)
+    plain = run_attention(qkv, empty_cache(), cos, sin, 0, True)
+    sunk = run_attention(qkv, empty_cache(), cos, sin, 0, True, torch.full((HEADS,), 30.0))
+    assert sunk.abs().max() < 1e-6 * plain.abs().max()
 
 
 @pytest.mark.parametrize("name", ["f32", "f16"])
@@ -108,15 +131,17 @@ def test_tree_attention_matches_torch_in_one_call_and_across_two(name):
         torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])  # 64: a quantized cache rotated
 @pytest.mark.parametrize("name", TYPES)
-def test_attention_of_a_batch_equals_token_by_token_bit_for_bit(name, head_dim):
+def test_attention_of_a_batch_equals_token_by_token_bit_for_bit(name, head_dim, with_sinks):
     """A token reads its own key as stored in the type, as every later token does."""
-    qkv = random_qkv(9, head_dim=head_dim)
+    qkv, sinks = random_qkv(9, head_dim=head_dim), random_sinks(with_sinks)
     cos, sin = rope_rows(9, 0, head_dim)
-    batch = run_attention(qkv, empty_cache(name, head_dim), cos, sin, 0, False)
+    batch = run_attention(qkv, empty_cache(name, head_dim), cos, sin, 0, False, sinks)
     cache = empty_cache(name, head_dim)
-    steps = [run_attention(qkv[i: i + 1], cache, cos[i: i + 1], sin[i: i + 1], i, False) for i in range(9)]
+    steps = [run_attention(qkv[i: i + 1], cache, cos[i: i + 1], sin[i: i + 1], i, False, sinks)
+             for i in range(9)]
     assert torch.equal(batch, torch.cat(steps))
 
 
@@ -127,28 +152,30 @@ def restore_isa():
     _kernels.set_isa(isa)
 
 
-def prompt_then_tree(name: str, head_dim: int) -> tuple[torch.Tensor, ...]:
+def prompt_then_tree(name: str, head_dim: int, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """A 21-token prompt in one pass, then a 5-token tree (two branches from one root): both
     passes' outputs and the cache they leave."""
     parents = np.array([-1, 0, 1, 0, 3], np.int32)
     qkv = random_qkv(26, seed=3, head_dim=head_dim)
     cos, sin = rope_rows(26, 0, head_dim)
     keys, values = cache = empty_cache(name, head_dim)
-    prompt = run_attention(qkv[:21], cache, cos[:21], sin[:21], 0, False)
+    prompt = run_attention(qkv[:21], cache, cos[:21], sin[:21], 0, False, sinks)
     tree = attention(qkv[21:].clone().numpy(), keys.numpy(), values.numpy(), cos[21:].contiguous().numpy(),
-                     sin[21:].contiguous().numpy(), HEADS, 21, False, parents, 21)
+                     sin[21:].contiguous().numpy(), HEADS, 21, False, parents, 21,
+                     sinks=None if sinks is None else sinks.numpy())
     return prompt, torch.from_numpy(tree), keys, values
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
 @pytest.mark.parametrize("name", TYPES)
-def test_every_isa_gives_attention_the_same_bits(name, head_dim, restore_isa):
+def test_every_isa_gives_attention_the_same_bits(name, head_dim, with_sinks, restore_isa):
     """Each ISA's copy of the kernel (csrc/attend_*.c) does the same float32 steps in the same
     order, so the choice of ISA never changes a token's output."""
     results = []
     for isa in _kernels.supported_isas():
         _kernels.set_isa(isa)
-        results.append(prompt_then_tree(name, head_dim))
+        results.append(prompt_then_tree(name, head_dim, random_sinks(with_sinks)))
     assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))
 
 
@@ -187,6 +214,14 @@ def test_attention_refuses_a_cache_whose_keys_and_values_disagree(keys_type, val
     cos, sin = (t.numpy() for t in rope_rows(2, 0, HEAD_DIM))
     with pytest.raises(ValueError, match=problem):
         attention(random_qkv(2).numpy(), keys, values, cos, sin, HEADS, 0, False)
+
+
+def test_attention_refuses_sinks_that_are_not_one_per_query_head():
+    keys, values = (t.numpy() for t in empty_cache())
+    cos, sin = (t.numpy() for t in rope_rows(2, 0, HEAD_DIM))
+    with pytest.raises(ValueError, match=r"sinks must be \[heads\]"):
+        attention(random_qkv(2).numpy(), keys, values, cos, sin, HEADS, 0, False,
+                  sinks=np.zeros(HEADS - 1, np.float32))
 
 
 def test_attention_refuses_byte_rows_that_are_no_block_type():

@@ -140,7 +140,9 @@ MOE_SPECS = {"mixtral": dict(arch="llama", num_experts=4, experts_used=2),
              "qwen2moe": dict(arch="qwen2moe", num_experts=4, experts_used=2),
              "olmoe": dict(arch="olmoe", num_experts=8, experts_used=2, num_kv_heads=4),
              "qwen3moe": dict(arch="qwen3moe", num_experts=8, experts_used=3, expert_ffn_size=256,
-                              head_size=128)}
+                              head_size=128),
+             "gpt-oss": dict(arch="gpt-oss", num_experts=4, experts_used=2, sliding_window=16,
+                             rope_scaling="yarn", rope_scaling_factor=4.0)}
 
 
 @pytest.mark.parametrize("arch", MOE_SPECS)

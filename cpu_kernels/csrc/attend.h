@@ -334,8 +334,11 @@ static int64_t visible_path(const attention_job *job, int64_t token, int64_t *pa
 
 /* Softmax of one head's scores over positions first .. length (a tree token's moved to the
  * positions its ancestors would hold in a sequence), turned into probabilities in place; scores
- * before first (a sliding window's) are not seen, whichever slots hold them. */
-static ALWAYS_INLINE void softmax(float *sg, int64_t first, int64_t length, const int64_t *path, int64_t root) {
+ * before first (a sliding window's) are not seen, whichever slots hold them. A sink (NULL: none)
+ * is one more logit in the softmax, llama.cpp's attention sink: it counts in the largest score and
+ * the total, and takes its share of the probability to no value. */
+static ALWAYS_INLINE void softmax(float *sg, int64_t first, int64_t length, const int64_t *path, int64_t root,
+                                  const float *sink) {
     /* path[j] >= j, and ascending j never overwrites a slot a later j still reads */
     for (int64_t j = first > root ? first - root : 0; path && root + j < length; j++) sg[root + j] = sg[root + path[j]];
     const int64_t first_block = first / 16 * 16, visible_padded = (length + 15) / 16 * 16;
@@ -350,13 +353,16 @@ static ALWAYS_INLINE void softmax(float *sg, int64_t first, int64_t length, cons
     }
     float best = -INFINITY;
     for (int l = 0; l < 16; l++) best = lanes[l] > best ? lanes[l] : best;
+    if (sink && *sink > best) best = *sink;
     v16f total = {0};
     for (int64_t t = first_block; t < visible_padded; t += 16) {
         v16f e = exp16(load16(sg + t) - best);
         store16(sg + t, e);
         total += e;
     }
-    const float inv_total = 1.0f / sum16(total);
+    float sum = sum16(total);
+    if (sink) sum += exp16((v16f){0} + (*sink - best))[0]; /* exp16, as every score's */
+    const float inv_total = 1.0f / sum;
     for (int64_t t = first; t < length; t++) sg[t] *= inv_total;
 }
 
@@ -400,7 +406,9 @@ void ATTEND(const attention_job *job, int64_t token, int64_t kv_head, float *sco
         WITH_COUNT(group - g0, SCORE)
 #undef SCORE
     }
-    for (int64_t g = 0; g < group; g++) softmax(scores + g * padded, first, length, path, job->tree_start);
+    const float *sinks = job->sinks ? job->sinks + kv_head * group : NULL;
+    for (int64_t g = 0; g < group; g++)
+        softmax(scores + g * padded, first, length, path, job->tree_start, sinks ? sinks + g : NULL);
     for (int64_t g0 = 0; g0 < group; g0 += HEAD_BLOCK) {
 #define ADD(count) \
     add_all_values(job, values, row_bytes, scores + g0 * padded, padded, first, length, path, count, out + g0 * dim)

@@ -343,7 +343,7 @@ static const char *argument_problem(const attention_shape *shape, const buffer_a
 
 PyDoc_STRVAR(attention_doc,
 "attention(qkv, keys, values, cos, sin, out, heads, start, rope_dim, neox, scale, parents=None,\n"
-"          tree_start=start, window=0, softcap=0, held_from=0)\n--\n\n"
+"          tree_start=start, window=0, softcap=0, held_from=0, sinks=None)\n--\n\n"
 "Causal attention of T new tokens at positions start ..: rotates q and k in qkv\n"
 "[T, (heads + 2 * kv_heads) * head_dim] in place, writes k and v into the layer's cache in its type\n"
 "(rows of R items: float32 or float16 [head_dim], or uint8 q8_0 / q4_0 blocks; keys in blocks of 16\n"
@@ -355,24 +355,27 @@ PyDoc_STRVAR(attention_doc,
 "position p sees positions p - window + 1 .. p only (a tree token's position: tree_start + its depth).\n"
 "Position p is in slot p % capacity: a ring, with a window, when the context is longer than the\n"
 "capacity; a pass must fit (the window before its tokens and they, in whole blocks of 16, at most\n"
-"the capacity). No position before held_from (the oldest the cache holds) is seen.");
+"the capacity). No position before held_from (the oldest the cache holds) is seen. sinks (float32\n"
+"[heads], or None) gives each query head one more logit in its softmax, which takes probability\n"
+"and adds no value (an attention sink).");
 
 static PyObject *py_attention(PyObject *self, PyObject *args) {
-    PyObject *objs[7] = {NULL};
+    PyObject *objs[8] = {NULL};
     Py_ssize_t heads, start, rope_dim, tree_start = -1, window = 0, held_from = 0;
     int neox;
     float scale, softcap = 0.0f;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf|Onnfn:attention", &objs[0], &objs[1], &objs[2], &objs[3],
+    if (!PyArg_ParseTuple(args, "OOOOOOnnnpf|OnnfnO:attention", &objs[0], &objs[1], &objs[2], &objs[3],
                           &objs[4], &objs[5], &heads, &start, &rope_dim, &neox, &scale, &objs[6],
-                          &tree_start, &window, &softcap, &held_from))
+                          &tree_start, &window, &softcap, &held_from, &objs[7]))
         return NULL;
     if (tree_start < 0) tree_start = start;
-    buffer_arg buf[7] = {{.held = 0}};
+    buffer_arg buf[8] = {{.held = 0}};
     if (get_floats(objs[0], &buf[0], "qkv", 2, 1) || get_cache(objs[1], &buf[1], "keys", 4) ||
         get_cache(objs[2], &buf[2], "values", 3) || get_floats(objs[3], &buf[3], "cos", 2, 0) ||
         get_floats(objs[4], &buf[4], "sin", 2, 0) || get_floats(objs[5], &buf[5], "out", 2, 1) ||
-        (objs[6] && objs[6] != Py_None && get_buffer(objs[6], &buf[6], "parents", 4, "i", 0))) {
-        release(buf, 7);
+        (objs[6] && objs[6] != Py_None && get_buffer(objs[6], &buf[6], "parents", 4, "i", 0)) ||
+        (objs[7] && objs[7] != Py_None && get_floats(objs[7], &buf[7], "sinks", 1, 0))) {
+        release(buf, 8);
         return NULL;
     }
     const int32_t *parents = buf[6].held ? buf[6].view.buf : NULL;
@@ -382,13 +385,14 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     if (!problem) problem = argument_problem(&shape, buf, tokens, start, tree_start, parents, window, held_from);
     if (!problem && (!isfinite(scale) || !(softcap >= 0.0f) || !isfinite(softcap)))
         problem = "scale must be finite and softcap a finite number >= 0 (0: none)";
+    if (!problem && buf[7].held && buf[7].view.shape[0] != heads) problem = "sinks must be [heads]";
     if (problem) {
-        release(buf, 7);
+        release(buf, 8);
         return PyErr_Format(PyExc_ValueError, "attention: %s", problem);
     }
     attention_job job = {shape, attend_kernel(active_isa), buf[0].view.buf, buf[1].view.buf, buf[2].view.buf,
                          buf[3].view.buf, buf[4].view.buf, tokens, start, scale, parents, tree_start,
-                         buf[5].view.buf, window, softcap, held_from, 0};
+                         buf[5].view.buf, window, softcap, held_from, buf[7].held ? buf[7].view.buf : NULL, 0};
     Py_BEGIN_ALLOW_THREADS
     attention_prepare(&job);
     /* Short contexts take microseconds: waking the pool would cost more than it saves. */
@@ -398,7 +402,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         for (Py_ssize_t item = 0; item < tokens * shape.kv_heads; item++) attention_item(&job, item);
     }
     Py_END_ALLOW_THREADS
-    release(buf, 7);
+    release(buf, 8);
     if (atomic_load(&job.failed)) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }

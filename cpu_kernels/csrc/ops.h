@@ -49,6 +49,7 @@ struct attention_job {
     int64_t window;
     float softcap; /* scores become softcap * tanh(scores / softcap); 0: uncapped */
     int64_t held_from; /* the oldest position the cache holds (<= tree_start): none before it is seen */
+    const float *sinks; /* [heads]: each query head's sink logit (attend.h's softmax); NULL: none */
     atomic_int failed; /* set when a thread's scratch could not be allocated */
 };
 

@@ -71,8 +71,10 @@ class TensorDecoder:
                           ).reshape(rows, cols)
 
     def vector(self, tensor: Tensor) -> np.ndarray:
+        """The tensor's values (an expert's: its slice of a stacked [rows, experts] bias)."""
         info = self.gguf.tensors[tensor.name]
-        return dequantize(self._data(tensor), info.ggml_type, info.shape).reshape(-1)
+        shape = info.shape[:-1] if tensor.expert is not None else info.shape
+        return dequantize(self._data(tensor), info.ggml_type, shape).reshape(-1)
 
     def _data(self, tensor: Tensor) -> np.ndarray:
         info, data = self.gguf.tensors[tensor.name], self.gguf.tensor_data(tensor.name)

@@ -22,6 +22,7 @@ FFN = Callable[[LayerPass, Weights, Activations, Activations], Activations]  # (
 QKNorm = Callable[[LayerPass, Weights, Activations], Activations]  # qkv -> qkv
 Router = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # logits [T, N], k -> weights,
 # chosen experts, each [T, k]
+ExpertFFN = Callable[[Kernels, Linear, Linear, Activations], Activations]  # (kernels, gate_up, down, h)
 
 
 def pre_norm_block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, qk_norm: QKNorm | None = None
@@ -47,14 +48,16 @@ def sandwich_norm_block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, qk_n
 
 def attention(p: LayerPass, w: Weights, x: Activations, qk_norm: QKNorm | None = None) -> Activations:
     """Causal self-attention with rotary positions over the layer's KV cache, with the layer's
-    sliding window and the model's score scale and soft cap: x [T, E] -> [T, E]."""
+    sliding window, the model's score scale and soft cap, and the layer's attention sinks where its
+    map has them (`attn_sinks` [H]): x [T, E] -> [T, E]."""
     cfg = p.config
     qkv = w.qkv(x)  # [T, H*D + 2*K*D]
     if qk_norm is not None:
         qkv = qk_norm(p, w, qkv)
+    sinks = w.fields.get("attn_sinks")
     out = p.kernels.attention(qkv, p.keys, p.values, p.cos, p.sin, cfg.num_heads, p.start,
                               cfg.rope_style == "neox", p.parents, p.tree_start, cfg.window(p.layer_idx),
-                              cfg.query_scale, cfg.attn_logit_softcap, p.held_from)
+                              cfg.query_scale, cfg.attn_logit_softcap, p.held_from, sinks)
     return w.wo(out)
 
 
@@ -81,6 +84,14 @@ def norm_each_head(p: LayerPass, w: Weights, qkv: Activations) -> Activations:
 def swiglu(kernels: Kernels, gate_up: Linear, down: Linear, h: Activations) -> Activations:
     """down(silu(gate h) * up h), gate and up one linear."""
     return down(kernels.swiglu(gate_up, h))
+
+
+def clamped_swiglu(kernels: Kernels, gate_up: Linear, down: Linear, h: Activations) -> Activations:
+    """gpt-oss's expert: down(g * sigmoid(1.702 g) * (u + 1)) with g = min(gate h, 7) and u = up h
+    clamped to [-7, 7], in ggml's float32 steps (swiglu_oai: g / (1 + exp(1.702 * -g)))."""
+    gate, up = torch.as_tensor(gate_up(h)).chunk(2, dim=-1)  # [T, F] each
+    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    return down(kernels.take(gate / (1.0 + torch.exp(1.702 * -gate)) * (up + 1.0)))
 
 
 def dense_ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
@@ -127,6 +138,13 @@ def softmax_top_k(renormalize: bool) -> Router:
     return route
 
 
+def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k experts of highest raw logit, weighted by the softmax of those k logits
+    (gpt-oss; llama.cpp's SOFTMAX_WEIGHT gating)."""
+    chosen_logits, chosen = logits.float().topk(k, dim=-1)
+    return torch.softmax(chosen_logits, dim=-1), chosen
+
+
 def scored_top_k(config: ModelConfig, selection_bias: Activations | None = None) -> Router:
     """Routing as llama.cpp's build_moe_ffn does it from the config: each expert's score is the
     softmax or the sigmoid of its logit (config.expert_gating); each token takes the k experts of
@@ -148,12 +166,12 @@ def scored_top_k(config: ModelConfig, selection_bias: Activations | None = None)
     return route
 
 
-def moe_ffn(router: Router, shared_expert: bool = False) -> FFN:
-    """A mixture of experts: the router picks each token's experts, whose SwiGLU outputs are summed
-    with the router's weights; with shared_expert, an expert every token uses is added, scaled by
-    sigmoid(h @ shared_gate)."""
+def moe_ffn(router: Router, shared_expert: bool = False, expert_ffn: ExpertFFN = swiglu) -> FFN:
+    """A mixture of experts: the router picks each token's experts, whose outputs (expert_ffn:
+    SwiGLU unless the family says otherwise) are summed with the router's weights; with
+    shared_expert, an expert every token uses is added, scaled by sigmoid(h @ shared_gate)."""
     def ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
-        out = routed_experts(p, w, h, residual, router)
+        out = routed_experts(p, w, h, residual, router, expert_ffn)
         if shared_expert:
             gate = torch.sigmoid(torch.as_tensor(w.shared_gate(h)))  # [T, 1]
             out += gate * shared_expert_output(p, w, h).to(out.device)
@@ -178,8 +196,8 @@ def shared_expert_output(p: LayerPass, w: Weights, h: Activations) -> torch.Tens
     return torch.as_tensor(swiglu(p.kernels, w.shared_gate_up, w.shared_down, p.kernels.take(hidden)))
 
 
-def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activations, router: Router
-                   ) -> torch.Tensor:
+def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activations, router: Router,
+                   expert_ffn: ExpertFFN = swiglu) -> torch.Tensor:
     """Each expert computes all the tokens routed to it at once (wherever the layer's experts
     live: `w.experts` hands them over in the order it picks); their outputs are summed in expert
     order, so the result does not depend on that order. residual [T, E] (the stream entering the
@@ -193,7 +211,7 @@ def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activatio
     for expert_id, expert in w.experts.each(chosen_ids, residual):
         rows, slots = (chosen == expert_id).nonzero(as_tuple=True)
         x = expert.kernels.take(hidden[rows])
-        outputs[expert_id] = rows, slots, swiglu(expert.kernels, expert.gate_up, expert.down, x)
+        outputs[expert_id] = rows, slots, expert_ffn(expert.kernels, expert.gate_up, expert.down, x)
     out = torch.zeros_like(hidden)
     for expert_id in sorted(outputs):
         rows, slots, y = outputs[expert_id]

@@ -45,7 +45,9 @@ class Matmul:
     requantize: bool = True  # `tierflow convert` may requantize it (llama.cpp leaves routers alone)
 
     def bias_tensor(self, weight: Tensor) -> Tensor:
-        return Tensor(weight.name.removesuffix(".weight") + ".bias", weight.shape[1:2], weight.expert)
+        """The weight's bias: one value per output row, a stacked expert tensor's [rows, experts]
+        (of which an expert takes its slice, as of the weight)."""
+        return Tensor(weight.name.removesuffix(".weight") + ".bias", weight.shape[1:], weight.expert)
 
 
 Kind = Vector | Matmul
@@ -82,14 +84,16 @@ def global_fields(config: ModelConfig, rope_freqs: bool = False) -> list[Field]:
     return fields
 
 
-def attention_fields(config: ModelConfig, layer: int, bias: str = "none") -> list[Field]:
-    """The attention of a pre-norm block: its norm, Q/K/V as one matmul, the output projection."""
+def attention_fields(config: ModelConfig, layer: int, bias: str = "none", output_bias: str = "none"
+                     ) -> list[Field]:
+    """The attention of a pre-norm block: its norm, Q/K/V as one matmul (bias: theirs), the output
+    projection (output_bias: its)."""
     e, p = config.hidden_size, f"blk.{layer}."
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return [vector("attn_norm", p + "attn_norm.weight", (e,), "attention"),
             matmul("qkv", [(p + "attn_q.weight", (e, q)), (p + "attn_k.weight", (e, kv)),
                            (p + "attn_v.weight", (e, kv))], "attention", bias),
-            matmul("wo", [(p + "attn_output.weight", (q, e))], "attention")]
+            matmul("wo", [(p + "attn_output.weight", (q, e))], "attention", output_bias)]
 
 
 def qk_norm_fields(config: ModelConfig, layer: int, per_head: bool, optional: bool = False) -> list[Field]:
@@ -142,12 +146,13 @@ def shared_expert_fields(config: ModelConfig, layer: int, gated: bool = True) ->
     return fields
 
 
-def expert_fields(config: ModelConfig, layer: int, expert: int) -> list[Field]:
-    """One routed expert: its slices of the stacked gate, up and down tensors."""
+def expert_fields(config: ModelConfig, layer: int, expert: int, bias: str = "none") -> list[Field]:
+    """One routed expert: its slices of the stacked gate, up and down tensors (and with bias, of
+    their stacked biases)."""
     e, f, n, p = config.hidden_size, config.expert_ffn_size, config.num_experts, f"blk.{layer}."
     return [matmul("gate_up", [(p + "ffn_gate_exps.weight", (e, f, n)),
-                               (p + "ffn_up_exps.weight", (e, f, n))], "expert", expert=expert),
-            matmul("down", [(p + "ffn_down_exps.weight", (f, e, n))], "expert", expert=expert)]
+                               (p + "ffn_up_exps.weight", (e, f, n))], "expert", bias, expert=expert),
+            matmul("down", [(p + "ffn_down_exps.weight", (f, e, n))], "expert", bias, expert=expert)]
 
 
 def field_tensors(field: Field, present: set[str] | dict) -> list[tuple[Tensor, bool]]:

@@ -39,6 +39,13 @@ local layers rotating with base 10000; gemma3 per-head q/k norms; gemma2 caps at
 logits, cap * tanh(x / cap), at attn_logit_softcapping (default 50) and final_logit_softcapping
 (default 30), gemma3 logits only where that key is written. gemma2 reads no output.weight.
 
+gpt-oss (src/models/openai-moe-iswa.cpp): biases on q/k/v, attn_output, ffn_gate_inp and each
+expert's gate/up/down (stacked [width, experts]); one sink logit per query head (attn_sinks, [heads])
+in each head's softmax; neox rope; attention.sliding_window (required) on layers i % 2 == 0;
+post_attention_norm is the FFN's input norm; routing: top-k of the router's logits, then softmax
+over those k; each expert min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1) before down.
+llama.cpp requires output.weight and expert_feed_forward_length.
+
 Weight mixes: "Q4_K_M" types each tensor as llama.cpp's llama-quant.cpp does for a dense model
 (Q6_K for the output head, and attn_v and ffn_down on its "more bits" layers; Q4_K otherwise)
 and falls back, as it does, where a row is not a multiple of 256: Q4_K to Q5_0, Q6_K to Q8_0
@@ -99,6 +106,8 @@ class _ArchTraits:
     scored_router: bool = False     # sigmoid gating, exp_probs_b, weights normalised and scaled;
                                     # {arch}.expert_shared_count ungated shared experts
     optional_attention: bool = False  # q/k/v biases (written) and per-head q/k norms (on ask)
+    required_window: int = 0        # llama.cpp requires {arch}.attention.sliding_window: this is
+                                    # written when the spec sets none (0: not required)
 
 
 ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
@@ -111,7 +120,9 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
          "gemma2": _ArchTraits(tied_only=True, window_key=True, attn_softcap_key=True),
          "gemma3": _ArchTraits(window_key=True),
          "glm4moe": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True, nextn=True,
-                                scored_router=True, optional_attention=True)}
+                                scored_router=True, optional_attention=True),
+         "gpt-oss": _ArchTraits(experts="always", expert_width_key=True, untied_only=True,
+                                required_window=128)}
 MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
 _MIX_BLOCK = 32  # every type a mix falls back to packs rows in blocks of 32
 
@@ -212,7 +223,8 @@ class ModelSpec:
         if traits.tied_only and not self.tied_embeddings:
             raise ValueError(f"llama.cpp reads no output.weight for arch {self.arch!r}: "
                              "tied_embeddings must be True")
-        given = {"sliding_window": traits.window_key, "final_logit_softcap": traits.window_key,
+        given = {"sliding_window": traits.window_key or bool(traits.required_window),
+                 "final_logit_softcap": traits.window_key,
                  "attn_logit_softcap": traits.attn_softcap_key}
         for name, read in given.items():
             if getattr(self, name) is not None and not read:
@@ -332,6 +344,11 @@ _EXPERT_WEIGHTS_SCALE = 1.5
 _POST_NORM_MEAN = _RESIDUAL_GAIN * _LOGIT_GAIN
 _POST_NORMS = {"post_attention_norm.weight", "post_ffw_norm.weight"}
 _SANDWICH_ARCHS = {"gemma2", "gemma3"}  # glm4moe's post_attention_norm is its pre-FFN norm
+# gpt-oss: sinks of the spread of the attention scores (~1), so they take a share that counts;
+# experts' gate and up projections spread ~3, so that some of their outputs pass the clamped
+# SwiGLU's limit of 7 (only there do min(gate, 7) and clamp(up, -7, 7) change anything).
+_SINK_STD = 1.0
+_ARCH_GAINS = {"gpt-oss": {"ffn_gate_exps.weight": 3.0, "ffn_up_exps.weight": 3.0}}
 
 
 class PlannedTensor(NamedTuple):
@@ -352,8 +369,10 @@ def _role(name: str) -> str:
     return name.split(".", 2)[2] if name.startswith("blk.") else name
 
 
-def _gain(role: str, moe: bool) -> float:
+def _gain(role: str, moe: bool, arch: str) -> float:
     """What a matrix's outputs' spread is, for unit-RMS inputs (see the constants above)."""
+    if role in _ARCH_GAINS.get(arch, {}):
+        return _ARCH_GAINS[arch][role]
     gains = {"token_embd.weight": _LOGIT_GAIN, "output.weight": _LOGIT_GAIN,
              "attn_output.weight": _MOE_ATTN_GAIN if moe else _RESIDUAL_GAIN,
              "ffn_down.weight": _RESIDUAL_GAIN, "ffn_down_shexp.weight": _RESIDUAL_GAIN,
@@ -370,11 +389,13 @@ def _planned(tensor: Tensor, spec: ModelSpec, bias: bool = False) -> PlannedTens
     if bias:
         std = _MOE_V_BIAS_STD if moe and role == "attn_v.bias" else _BIAS_STD
         return PlannedTensor(tensor.name, shape, Q.F32, std)
+    if role == "attn_sinks.weight":
+        return PlannedTensor(tensor.name, shape, Q.F32, _SINK_STD)
     if len(shape) == 1 and role != "ffn_gate_inp_shexp.weight":  # a norm's weight
         mean = _POST_NORM_MEAN if role in _POST_NORMS and spec.arch in _SANDWICH_ARCHS else 1.0
         return PlannedTensor(tensor.name, shape, Q.F32, _NORM_STD * mean, mean=mean)
     qtype = Q.F32 if role.startswith("ffn_gate_inp") else _weight_type(tensor, spec)
-    return PlannedTensor(tensor.name, shape, qtype, _gain(role, moe) / math.sqrt(tensor.shape[0]))
+    return PlannedTensor(tensor.name, shape, qtype, _gain(role, moe, spec.arch) / math.sqrt(tensor.shape[0]))
 
 
 def _weight_type(tensor: Tensor, spec: ModelSpec) -> GGMLQuantizationType:
@@ -510,7 +531,8 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
 
 
 def _gemma_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
-    keys = {"attention.sliding_window": (spec.sliding_window, UINT32),
+    window = spec.sliding_window or ARCHS[spec.arch].required_window or None
+    keys = {"attention.sliding_window": (window, UINT32),
             "attn_logit_softcapping": (spec.attn_logit_softcap, FLOAT32),
             "final_logit_softcapping": (spec.final_logit_softcap, FLOAT32)}
     return [(f"{spec.arch}.{key}", Typed(kind, value)) for key, (value, kind) in keys.items()
