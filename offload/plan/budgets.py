@@ -21,10 +21,11 @@ CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # the default cpu_memory ke
 
 
 def layer_kv_bytes(config: ModelConfig, layer_idx: int, context_length: int, kv: KVType) -> int:
-    """One layer's keys and values stored as `kv`: a ring for a sliding-window layer, else the
-    whole context (cache_positions)."""
+    """One layer's keys and values stored as `kv` (per position its cache rows: per-head keys and
+    values, or the latent row), a ring for a sliding-window layer, else the whole context
+    (cache_positions)."""
     positions = cache_positions(context_length, config.window(layer_idx))
-    return 2 * config.num_kv_heads * kv.row_bytes(config.head_dim) * positions
+    return config.cache_rows.position_bytes(kv) * positions
 
 
 def kv_cache_bytes(config: ModelConfig, context_length: int, kv: KVType) -> int:

@@ -47,7 +47,7 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-from tests.support.gguf_bytes import FLOAT32, STRING, UINT32, Typed
+from tests.support.gguf_bytes import BOOL, FLOAT32, STRING, UINT32, Typed
 from tests.support.gguf_writing import TensorEntry
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.models import architecture
@@ -83,6 +83,8 @@ class _ArchTraits:
     window_key: bool = False        # reads {arch}.attention.sliding_window and
                                     # {arch}.final_logit_softcapping
     attn_softcap_key: bool = False  # reads {arch}.attn_logit_softcapping
+    latent_attention: bool = False  # deepseek2's MLA: kv_lora_rank, rope_dim, value_head_size,
+                                    # q_lora_rank and the router's keys (see ModelSpec)
 
 
 ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
@@ -92,7 +94,8 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
          "olmoe": _ArchTraits(experts="always", no_gqa=True, untied_only=True),
          "qwen3": _ArchTraits(),
          "gemma2": _ArchTraits(tied_only=True, window_key=True, attn_softcap_key=True),
-         "gemma3": _ArchTraits(window_key=True)}
+         "gemma3": _ArchTraits(window_key=True),
+         "deepseek2": _ArchTraits(experts="always", expert_width_key=True, latent_attention=True)}
 MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
 _MIX_BLOCK = 32  # every type a mix falls back to packs rows in blocks of 32
 
@@ -125,6 +128,22 @@ class ModelSpec:
                                        # written (gemma2: 4096 then, gemma3: no window)
     attn_logit_softcap: float | None = None   # gemma2's attn_logit_softcapping; None: not written
     final_logit_softcap: float | None = None  # final_logit_softcapping (gemma2, gemma3)
+    # deepseek2 (latent attention): head_size is each head's query/key size (key_length_mla), of
+    # which rope_dim rotate; keys and values are compressed to kv_lora_rank; each head's value is
+    # value_head_size wide; queries go through a rank of q_lora_rank (0: one attn_q, as the Lite
+    # models). Experts: expert_gating "softmax" or "sigmoid" (sigmoid files carry the selection
+    # bias exp_probs_b, as V3's), weights renormalised and then scaled, shared_experts of
+    # expert_ffn_size each.
+    kv_lora_rank: int = 64
+    rope_dim: int = 16
+    value_head_size: int = 32
+    q_lora_rank: int = 0
+    expert_gating: str = "softmax"
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 1.0
+    shared_experts: int = 1
+    yarn_log_multiplier: float | None = None  # rope.scaling.yarn_log_multiplier (0.1 x DeepSeek's
+                                              # mscale_all_dim, as the converter writes it)
     weight_type: str = "Q8_0"        # every 2-D matrix and expert stack, output.weight included:
                                      # a type, or a mix (MIXES) that types each by its role
     embedding_type: str = "Q8_0"     # token_embd.weight (a mix: typed as the mix types it)
@@ -149,6 +168,7 @@ class ModelSpec:
                              f"{self.num_kv_heads}")
         self._check_experts()
         self._check_arch()
+        self._check_latent()
         self._check_rope()
         for field, row_lengths in (("weight_type", self._row_lengths()),
                                    ("embedding_type", (self.hidden_size,))):
@@ -162,6 +182,17 @@ class ModelSpec:
         if traits.no_gqa and self.num_kv_heads != self.num_heads:
             raise ValueError(f"llama.cpp's {self.arch!r} k norm is hidden_size wide: num_kv_heads "
                              f"{self.num_kv_heads} must equal num_heads {self.num_heads}")
+
+    def _check_latent(self) -> None:
+        if not ARCHS[self.arch].latent_attention:
+            return
+        if not 2 <= self.rope_dim < self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"rope_dim {self.rope_dim} must be even and below head_size {self.head_dim}")
+        for name in ("kv_lora_rank", "value_head_size", "shared_experts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.expert_gating not in ("softmax", "sigmoid"):
+            raise ValueError(f"expert_gating must be 'softmax' or 'sigmoid', not {self.expert_gating!r}")
 
     def _check_gemma_keys(self) -> None:
         traits = ARCHS[self.arch]
@@ -217,6 +248,10 @@ class ModelSpec:
 
     def _row_lengths(self) -> tuple[int, ...]:
         """Every weight_type row length: matrices' inputs, the FFN's and experts' down rows."""
+        if ARCHS[self.arch].latent_attention:
+            lengths = (self.hidden_size, self.num_heads * self.value_head_size, self.head_dim - self.rope_dim,
+                       self.kv_lora_rank, self.expert_ffn_width * self.shared_experts)
+            return lengths + ((self.q_lora_rank,) if self.q_lora_rank else ())
         lengths = (self.hidden_size, self.ffn_size, self.num_heads * self.head_dim)
         if self.num_experts:
             lengths += (self.expert_ffn_width,)
@@ -388,6 +423,8 @@ def tensor_plan(spec: ModelSpec, vocab_size: int) -> list[PlannedTensor]:
     plan = [t for f in fields if f.group == "embeddings" for t in _field_plan(f, spec)]
     for i in range(spec.num_layers):
         layer = arch.layer_fields(config, i) + (arch.expert_fields(config, i, 0) if spec.num_experts else [])
+        if spec.expert_gating != "sigmoid":  # the selection bias comes with sigmoid gating (V3)
+            layer = [f for f in layer if f.name != "exp_probs_b"]
         plan += [t for f in layer for t in _field_plan(f, spec)]
     for field in (f for f in fields if f.group != "embeddings"):
         if field.name == "rope_freqs":
@@ -435,7 +472,32 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
     if spec.rope_scaling == "yarn":
         original = int(spec.context_length / spec.rope_scaling_factor)
         metadata.append((f"{arch}.rope.scaling.original_context_length", u32(original)))
+    if ARCHS[arch].latent_attention:
+        return _latent_metadata(spec, metadata)
     return metadata + _gemma_metadata(spec)
+
+
+def _latent_metadata(spec: ModelSpec, metadata: list[tuple[str, Typed]]) -> list[tuple[str, Typed]]:
+    """deepseek2's keys as llama.cpp's converter writes them for the absorbed form: the cache's
+    row widths as key_length / value_length, one KV head, the per-head sizes as *_mla."""
+    arch, latent = spec.arch, spec.kv_lora_rank
+    keys = {"attention.head_count_kv": Typed(UINT32, 1),
+            "attention.key_length": Typed(UINT32, latent + spec.rope_dim),
+            "attention.value_length": Typed(UINT32, latent),
+            "attention.key_length_mla": Typed(UINT32, spec.head_dim),
+            "attention.value_length_mla": Typed(UINT32, spec.value_head_size),
+            "attention.kv_lora_rank": Typed(UINT32, latent),
+            "attention.q_lora_rank": Typed(UINT32, spec.q_lora_rank),
+            "rope.dimension_count": Typed(UINT32, spec.rope_dim),
+            "leading_dense_block_count": Typed(UINT32, 0),
+            "expert_shared_count": Typed(UINT32, spec.shared_experts),
+            "expert_gating_func": Typed(UINT32, 1 if spec.expert_gating == "softmax" else 2),
+            "expert_weights_norm": Typed(BOOL, spec.expert_weights_norm),
+            "expert_weights_scale": Typed(FLOAT32, spec.expert_weights_scale)}
+    if spec.yarn_log_multiplier is not None:
+        keys["rope.scaling.yarn_log_multiplier"] = Typed(FLOAT32, spec.yarn_log_multiplier)
+    kept = [(key, value) for key, value in metadata if key.removeprefix(f"{arch}.") not in keys]
+    return kept + [(f"{arch}.{key}", value) for key, value in keys.items()]
 
 
 def _gemma_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
