@@ -15,6 +15,7 @@ from tierflow.errors import PlanBudgetError
 from tierflow.kv_types import KVType, cache_positions
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
+from tierflow.runtime.models.latent_attention import QUERY_CHUNK
 from tierflow.units import format_size, round_up_as_printed
 
 CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # the default cpu_memory keeps this much RAM free
@@ -38,9 +39,21 @@ def scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
     attention kernel's scores are per thread, not per token: each thread scores one token's query
     heads of one key/value head at a time (group x keys floats), and the cores bound the threads."""
     c = config
+    if c.kv_lora_rank:
+        return latent_scratch_bytes(config, tokens, keys)
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     scores = (os.cpu_count() or 1) * (c.num_heads // c.num_kv_heads) * keys
     return 4 * (tokens * (c.hidden_size + 2 * c.ffn_size + qkv) + scores + c.vocab_size)
+
+
+def latent_scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
+    """scratch_bytes of latent attention (runtime/models/latent_attention.py, in torch): per token
+    its queries in the cache rows' space and the heads' outputs; the cache rows read back, every
+    key's; the scores of QUERY_CHUNK tokens at a time, in three copies (scores, masked, softmax)."""
+    c, row = config, config.cache_rows.key_dim
+    per_token = c.hidden_size + 2 * max(c.ffn_size, c.expert_ffn_size) + c.num_heads * (row + c.head_dim)
+    scores = 3 * min(tokens, QUERY_CHUNK) * c.num_heads * keys
+    return 4 * (tokens * per_token + keys * row + scores + c.vocab_size)
 
 
 def activation_bytes(config: ModelConfig, context_length: int) -> int:
