@@ -1,6 +1,7 @@
 """deepseek2: multi-head latent attention over a latent KV cache, and routed plus shared experts,
-against llama.cpp and through the expert tiers; its cache's size as the engine and the planner
-count it; files whose tensors disagree with the latent widths.
+against llama.cpp; its cache's size as the engine and the planner count it, and its context
+shift; files whose tensors disagree with the latent widths. The expert tiers and token trees:
+test_moe_families.py; the experts on the GPU kernels: test_gpu_layers.py.
 
 Two forms are generated: DeepSeek-V2-Lite's (one attn_q, softmax gating, no selection bias) and
 V3's (low-rank queries, sigmoid gating with the selection bias exp_probs_b, weights renormalised
@@ -10,7 +11,6 @@ and scaled, YaRN with yarn_log_multiplier, whose attention scale differs from Ya
 import numpy as np
 import pytest
 
-from tests.support.budgets import ram_beside_weights
 from tests.support.gguf_bytes import UINT32, Typed
 from tests.support.gguf_writing import rewrite_metadata
 from tests.support.kv_shift import shifted_and_fresh_keys, text_ids, within_float_error
@@ -38,7 +38,6 @@ V3 = LITE | dict(q_lora_rank=32, expert_gating="sigmoid", expert_weights_norm=Tr
                  rope_scaling="yarn", rope_scaling_factor=40.0, yarn_log_multiplier=0.0707)
 F32 = dict(weight_type="F32", embedding_type="F32")
 CONTEXT = 256
-PROMPT = "The history of the printing press begins in"
 
 
 @pytest.fixture(scope="module")
@@ -96,30 +95,6 @@ def test_the_planner_sizes_a_latent_cache_by_its_rows(models):
 def test_a_quantized_cache_type_is_refused_for_latent_attention(models, kv):
     with pytest.raises(InvalidArgumentError, match=f"{kv} is not supported with latent attention"):
         Engine.load(models["lite-F32"], threads=2, context_length=CONTEXT, kv_cache_type=kv)
-
-
-def test_streamed_and_cached_experts_give_the_resident_tokens_and_logits(models):
-    path = models["v3-Q8_0"]
-    with Engine.load(path, threads=2, context_length=CONTEXT) as engine:
-        tokens = engine.generate(PROMPT, max_tokens=16, temperature=0).tokens
-        logits = engine.logits(engine.tokenize(PROMPT) + tokens)
-        packed = engine.weights.packed
-        base = packed.globals.nbytes + sum(layer.nbytes for layer in packed.layers)
-        one_expert = packed.experts[0][0].nbytes
-    budget = base + ram_beside_weights(path, CONTEXT) + 5 * one_expert  # 5 of the 8 experts held
-    with Engine.load(path, threads=2, context_length=CONTEXT, cpu_memory=budget) as engine:
-        assert engine.generate(PROMPT, max_tokens=16, temperature=0).tokens == tokens
-        assert np.array_equal(engine.logits(engine.tokenize(PROMPT) + tokens), logits)
-        assert engine.expert_stats.misses > 0
-
-
-def test_token_trees_verified_through_the_latent_cache_keep_the_greedy_tokens(models):
-    path = models["lite-F32"]
-    with Engine.load(path, threads=2, context_length=CONTEXT) as engine:
-        tokens = engine.generate(PROMPTS[0], max_tokens=24, temperature=0).tokens
-    with Engine.load(path, threads=2, context_length=CONTEXT, draft="ngram") as engine:
-        result = engine.generate(PROMPTS[0], max_tokens=24, temperature=0)
-    assert result.tokens == tokens and result.stats.drafted_tokens > 0
 
 
 @pytest.mark.parametrize("key, value, tensor, shapes", [

@@ -124,11 +124,13 @@ def test_generated_models_of_every_weight_type_match_llama_cpp(tmp_path, weight_
     print(f"{weight_type}: mean |logit difference| vs llama.cpp {diff:.4f}")
 
 
-# -- mixture of experts: Mixtral-style llama, qwen2moe (shared expert), olmoe (q/k norms) -------
+# -- mixture of experts: Mixtral-style llama, qwen2moe (shared expert), olmoe (q/k norms), qwen3moe --
 
 MOE_SPECS = {"mixtral": dict(arch="llama", num_experts=4, experts_used=2),
              "qwen2moe": dict(arch="qwen2moe", num_experts=4, experts_used=2),
-             "olmoe": dict(arch="olmoe", num_experts=8, experts_used=2, num_kv_heads=4)}
+             "olmoe": dict(arch="olmoe", num_experts=8, experts_used=2, num_kv_heads=4),
+             "qwen3moe": dict(arch="qwen3moe", num_experts=8, experts_used=3, expert_ffn_size=256,
+                              head_size=128)}
 
 
 @pytest.mark.parametrize("arch", MOE_SPECS)

@@ -40,7 +40,8 @@ def transformer_config(meta: Metadata, vocab_size: int, tied: bool, *, rope_styl
                        shared_expert: bool = False) -> ModelConfig:
     """The config of a Llama-like decoder from the keys they all share. experts: "never" (dense),
     "optional" (MoE when expert_count is set) or "always"; expert_ffn_key: each expert's width is
-    expert_feed_forward_length (else feed_forward_length); shared_expert: a shared expert as wide
+    expert_feed_forward_length (without it, llama.cpp's feed_forward_length / expert_used_count;
+    else feed_forward_length); shared_expert: a shared expert as wide
     as expert_shared_feed_forward_length (else feed_forward_length)."""
     hidden, heads = meta.count("embedding_length"), meta.count("attention.head_count")
     head_dim = meta.count("attention.key_length", max(hidden // heads, 1))
@@ -51,7 +52,10 @@ def transformer_config(meta: Metadata, vocab_size: int, tied: bool, *, rope_styl
     num_experts = 0 if experts == "never" else meta.count(
         "expert_count", 0 if experts == "optional" else None, minimum=0 if experts == "optional" else 2)
     moe = num_experts > 0
-    expert_ffn = meta.count("expert_feed_forward_length", ffn) if moe and expert_ffn_key else ffn
+    used = meta.count("expert_used_count", maximum=num_experts) if moe else 0
+    expert_ffn = ffn
+    if moe and expert_ffn_key:
+        expert_ffn = meta.count("expert_feed_forward_length", max(ffn // used, 1))
     return ModelConfig(
         arch=meta.arch,
         name=meta.text("general.name", meta.arch, general=True),
@@ -70,7 +74,7 @@ def transformer_config(meta: Metadata, vocab_size: int, tied: bool, *, rope_styl
         tied_embeddings=tied,
         rope_style=rope_style,
         num_experts=num_experts,
-        experts_used=meta.count("expert_used_count", maximum=num_experts) if moe else 0,
+        experts_used=used,
         expert_ffn_size=expert_ffn if moe else 0,
         shared_expert_ffn_size=(meta.count("expert_shared_feed_forward_length", ffn)
                                 if moe and shared_expert else 0),

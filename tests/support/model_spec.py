@@ -93,6 +93,7 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
                                  untied_only=True),
          "olmoe": _ArchTraits(experts="always", no_gqa=True, untied_only=True),
          "qwen3": _ArchTraits(),
+         "qwen3moe": _ArchTraits(experts="always", expert_width_key=True),
          "gemma2": _ArchTraits(tied_only=True, window_key=True, attn_softcap_key=True),
          "gemma3": _ArchTraits(window_key=True),
          "deepseek2": _ArchTraits(experts="always", expert_width_key=True, latent_attention=True)}

@@ -1,0 +1,177 @@
+"""The MoE families at their real shapes: decode and prefill tok/s resident against llama.cpp, and
+with the experts streamed through the expert cache against the disk and clairvoyant-cache bounds.
+
+    python -m benchmarks.moe_families [--family qwen3moe] [--layers N] [--cpu-memory 8GiB]
+                                      [--prompt-tokens 64] [--decode-tokens 32] [--repeats 2]
+                                      [--threads N] [--json]
+
+Each family's model is written once by the project's generator (random weights, the SmolLM2
+vocabulary) into the cache directory, at the real model's per-layer shape:
+- qwen3moe: Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts of width 768, top-8, 32 query and
+  4 KV heads of size 128), every matrix Q4_K.
+
+`--layers N` keeps every per-layer shape and cuts the depth, for machines that cannot hold the
+whole model twice; `--cpu-memory` is then scaled by the same fraction of the layers (printed), so
+the streamed run keeps the real model's ratio of budget to experts. Three runs, one after the
+other (the resident engine and llama.cpp would not fit side by side at full depth), each warmed
+up once and then timed `--repeats` times (medians):
+- tierflow resident and llama.cpp resident (its own mmap): decode and prefill tok/s;
+- tierflow with `cpu_memory` = the budget: the experts on disk, read with O_DIRECT into the expert
+  cache; against the decode rate the disk allows for what it read, and for what a clairvoyant cache
+  of the same size would read (benchmarks/moe_decode.py's two bounds).
+Goals (issue 17): resident at least 1.0x llama.cpp in decode and in prefill; streamed at least
+0.5x resident.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import llama_cpp
+import psutil
+import torch
+
+from benchmarks.decode import Sample, build_prompt, run_llama_cpp, run_tierflow
+from benchmarks.moe import belady_hit_rate
+from benchmarks.moe_decode import disk_read_gbps, run_streamed
+from tests.support.make_model import ModelSpec, write_model
+from tierflow import Engine
+from tierflow.offload.plan.profile import cache_dir
+from tierflow.units import format_size, parse_size
+
+CONTEXT = 512
+
+FAMILIES = {
+    "qwen3moe": ModelSpec(arch="qwen3moe", num_layers=48, hidden_size=2048, ffn_size=6144, num_heads=32,
+                          num_kv_heads=4, head_size=128, num_experts=128, experts_used=8,
+                          expert_ffn_size=768, context_length=40960, rope_theta=1e6,
+                          weight_type="Q4_K", embedding_type="Q4_K"),
+}
+
+
+def model_file(family: str, layers: int | None) -> tuple[Path, float]:
+    """The family's file at `layers` layers (all when None), written once; the fraction of the real
+    model's layers it holds."""
+    spec = FAMILIES[family]
+    depth = layers or spec.num_layers
+    path = cache_dir() / "bench" / f"{family}-{depth}-layers-{spec.weight_type}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path} ...", file=sys.stderr)
+        shallow = ModelSpec(**(spec.__dict__ | {"num_layers": depth}))
+        write_model(path.with_suffix(".tmp"), shallow).rename(path)
+    return path, depth / spec.num_layers
+
+
+def timed(run: Callable[[], Sample], repeats: int) -> list[Sample]:
+    run()  # warm-up
+    return [run() for _ in range(repeats)]
+
+
+def median(samples: list[Sample], field: str) -> float:
+    return statistics.median(getattr(s, field) for s in samples)
+
+
+def measure_family(family: str, args: argparse.Namespace) -> dict:
+    path, depth_fraction = model_file(family, args.layers)
+    cpu_memory = int(parse_size(args.cpu_memory) * depth_fraction)
+    with Engine.load(path, threads=args.threads, context_length=CONTEXT) as resident:
+        prompt = build_prompt(resident, args.prompt_tokens)
+        packed = resident.weights.packed
+        expert_bytes = sum(x.nbytes for layer in packed.experts for x in layer)
+        ours = timed(lambda: run_tierflow(resident, prompt, args.decode_tokens), args.repeats)
+        config = resident.config
+    llama = llama_cpp.Llama(str(path), n_ctx=CONTEXT, n_batch=512, n_threads=args.threads, verbose=False)
+    try:
+        theirs = timed(lambda: run_llama_cpp(llama, prompt, args.decode_tokens), args.repeats)
+    finally:
+        llama.close()
+    streamed = measure_streamed(path, cpu_memory, prompt, expert_bytes, config, args)
+    decode, prefill = median(ours, "decode_tokens_per_s"), median(ours, "prefill_tokens_per_s")
+    llama_decode = median(theirs, "decode_tokens_per_s")
+    llama_prefill = median(theirs, "prefill_tokens_per_s")
+    return {
+        "family": family, "model": path.name, "file_bytes": path.stat().st_size, "layers": config.num_layers,
+        "expert_bytes": expert_bytes, "threads": args.threads, "prompt_tokens": len(prompt),
+        "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+        "resident": {"decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill},
+        "llama_cpp": {"decode_tokens_per_s": llama_decode, "prefill_tokens_per_s": llama_prefill},
+        "decode_vs_llama_cpp": decode / llama_decode, "prefill_vs_llama_cpp": prefill / llama_prefill,
+        "streamed": streamed, "streamed_vs_resident": streamed["decode_tokens_per_s"] / decode,
+        "tokens_agree": streamed["tokens"] == ours[0].tokens,
+    }
+
+
+def measure_streamed(path: Path, cpu_memory: int, prompt: list[int], expert_bytes: int, config,
+                     args: argparse.Namespace) -> dict:
+    with Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=cpu_memory) as engine:
+        if engine.weights.experts is None:
+            sys.exit(f"cpu_memory {format_size(cpu_memory)} holds every expert: nothing streams; "
+                     "give a smaller --cpu-memory")
+        cache_bytes = engine.weights.experts.nbytes
+        fraction = cache_bytes / expert_bytes
+        runs = [run_streamed(engine, prompt, args.decode_tokens) for _ in range(args.repeats + 1)][1:]
+        gbps = disk_read_gbps(engine)
+        stats = engine.expert_stats
+    per_step = statistics.median(r[1] for r in runs)
+    uses_per_step = expert_bytes * config.experts_used / config.num_experts
+    optimum = statistics.median(belady_hit_rate(r[2], fraction) for r in runs)
+    least = (1 - optimum) * uses_per_step
+    return {
+        "cpu_memory": cpu_memory, "expert_cache_bytes": cache_bytes, "hit_rate": stats.hit_rate,
+        "decode_tokens_per_s": statistics.median(r[0].decode_tokens_per_s for r in runs),
+        "bytes_read_per_token": per_step, "disk_read_gbps": gbps,
+        "disk_bound_tokens_per_s": gbps * 1e9 / per_step if per_step else None,
+        "clairvoyant_hit_rate": optimum,
+        "clairvoyant_bound_tokens_per_s": gbps * 1e9 / least if least else None,
+        "tokens": runs[0][0].tokens,
+    }
+
+
+def print_report(r: dict, scaled: bool) -> None:
+    s = r["streamed"]
+    print(f"{r['family']}: {r['model']}, {format_size(r['file_bytes'])} ({r['layers']} layers), experts "
+          f"{format_size(r['expert_bytes'])}; {r['threads']} threads, prompt {r['prompt_tokens']}, "
+          f"{r['decode_tokens']} decode steps, median of {r['repeats']}")
+    for name in ("resident", "llama_cpp"):
+        print(f"  {name:<10} decode {r[name]['decode_tokens_per_s']:7.2f} tok/s   "
+              f"prefill {r[name]['prefill_tokens_per_s']:8.2f} tok/s")
+    print(f"  resident / llama.cpp: decode {r['decode_vs_llama_cpp']:.2f}x, prefill "
+          f"{r['prefill_vs_llama_cpp']:.2f}x (goals >= 1.0)")
+    budget = f"cpu_memory {format_size(s['cpu_memory'])}" + (" (scaled with the depth)" if scaled else "")
+    print(f"  streamed   decode {s['decode_tokens_per_s']:7.2f} tok/s with {budget}, expert cache "
+          f"{format_size(s['expert_cache_bytes'])}, hit rate {s['hit_rate']:.1%}: "
+          f"{r['streamed_vs_resident']:.2f}x resident (goal >= 0.5); "
+          f"tokens {'agree' if r['tokens_agree'] else 'DIFFER'}")
+    read = format_size(int(s['bytes_read_per_token']))
+    print(f"  disk {s['disk_read_gbps']:.2f} GB/s, {read} read per step: reads allow "
+          f"{s['disk_bound_tokens_per_s'] or 0:.2f} tok/s; a clairvoyant cache of the same size hits "
+          f"{s['clairvoyant_hit_rate']:.1%}, allowing {s['clairvoyant_bound_tokens_per_s'] or 0:.2f} tok/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=[*FAMILIES, "all"], default="all")
+    parser.add_argument("--layers", type=int, help="cut the depth (every per-layer shape kept)")
+    parser.add_argument("--cpu-memory", default="8GiB", help="the streamed run's budget at full depth")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=psutil.cpu_count(logical=False) or 1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    families = list(FAMILIES) if args.family == "all" else [args.family]
+    reports = [measure_family(family, args) for family in families]
+    if args.json:
+        print(json.dumps(reports, indent=2))
+        return
+    for report in reports:
+        print_report(report, scaled=args.layers is not None)
+
+
+if __name__ == "__main__":
+    main()
