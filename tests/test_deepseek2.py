@@ -3,9 +3,10 @@ against llama.cpp; its cache's size as the engine and the planner count it, and 
 shift; files whose tensors disagree with the latent widths. The expert tiers and token trees:
 test_moe_families.py; the experts on the GPU kernels: test_gpu_layers.py.
 
-Two forms are generated: DeepSeek-V2-Lite's (one attn_q, softmax gating, no selection bias) and
-V3's (low-rank queries, sigmoid gating with the selection bias exp_probs_b, weights renormalised
-and scaled, YaRN with yarn_log_multiplier, whose attention scale differs from YaRN's usual one).
+Two forms are generated: DeepSeek-V2-Lite's (one attn_q, softmax gating, no selection bias, YaRN
+without yarn_log_multiplier) and V3's (low-rank queries, sigmoid gating with the selection bias
+exp_probs_b, weights renormalised and scaled, YaRN with yarn_log_multiplier, whose attention scale
+and rotary magnitude differ from YaRN's usual ones).
 """
 
 import numpy as np
@@ -33,9 +34,10 @@ from tierflow.offload.plan.budgets import CacheFootprint
 
 LATENT, ROPE = 64, 16  # kv_lora_rank, rope dims: the cache holds 80 values per position and layer
 LITE = dict(arch="deepseek2", num_layers=2, hidden_size=64, num_heads=4, head_size=48, num_experts=4,
-            experts_used=2, expert_ffn_size=32, kv_lora_rank=LATENT, rope_dim=ROPE, context_length=512)
+            experts_used=2, expert_ffn_size=32, kv_lora_rank=LATENT, rope_dim=ROPE, context_length=512,
+            rope_scaling="yarn", rope_scaling_factor=4.0)  # no yarn_log_multiplier: YaRN's usual scale
 V3 = LITE | dict(q_lora_rank=32, expert_gating="sigmoid", expert_weights_norm=True, expert_weights_scale=2.5,
-                 rope_scaling="yarn", rope_scaling_factor=40.0, yarn_log_multiplier=0.0707)
+                 rope_scaling_factor=40.0, yarn_log_multiplier=0.0707)
 F32 = dict(weight_type="F32", embedding_type="F32")
 CONTEXT = 256
 
@@ -123,3 +125,10 @@ def test_a_context_shift_turns_the_rotary_part_of_the_latent_rows_as_a_fresh_pre
         shifted, fresh = shifted_and_fresh_keys(engine, text_ids(engine, 120), keep=10, drop=30)
     assert shifted.shape[-1] == LATENT + ROPE
     assert within_float_error(shifted, fresh)
+
+
+def test_a_gating_function_the_family_does_not_define_is_named(models, tmp_path):
+    broken = rewrite_metadata(models["lite-F32"], tmp_path / "gating.gguf",
+                              {"deepseek2.expert_gating_func": Typed(UINT32, 4)})
+    with pytest.raises(ModelFileError, match="'deepseek2.expert_gating_func' is 4: .*softmax .*sigmoid"):
+        Engine.load(broken, threads=2, context_length=CONTEXT)
