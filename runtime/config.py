@@ -65,6 +65,14 @@ class ModelConfig:
     experts_used: int = 0  # experts each token is routed to
     expert_ffn_size: int = 0
     shared_expert_ffn_size: int = 0  # an expert every token uses beside the routed ones; 0: none
+    leading_dense_layers: int = 0  # a MoE model's first layers with a dense FFN instead of experts
+    # How a router's logits become expert weights (llama.cpp's build_moe_ffn): the gating function
+    # ("softmax" or "sigmoid"; llama.cpp's expert_gating_func), whether the chosen experts' weights
+    # are rescaled to sum to 1, and a factor they are multiplied by after. Families whose rule is
+    # fixed (softmax_top_k) leave these alone.
+    expert_gating: str = "softmax"
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 1.0
     # Sliding-window attention: each layer's window in positions (a token sees itself and the
     # window - 1 before it), 0 for a layer that sees the whole context; () when no layer slides.
     layer_windows: tuple[int, ...] = ()
@@ -81,12 +89,6 @@ class ModelConfig:
     kv_lora_rank: int = 0
     q_lora_rank: int = 0  # MLA's low-rank queries' width; 0: one plain query projection
     value_head_dim: int = 0  # each head's value width where it differs from head_dim; 0: head_dim
-    # Mixture-of-experts routing beyond softmax top-k: "softmax" or "sigmoid" scores, the chosen
-    # weights rescaled to sum to 1 (weights_norm) and then multiplied by weights_scale (0: by 1).
-    expert_gating: str = "softmax"
-    expert_weights_norm: bool = False
-    expert_weights_scale: float = 0.0
-    leading_dense_layers: int = 0  # the first layers have a dense FFN in a MoE model
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
@@ -111,6 +113,7 @@ class ModelConfig:
                                  f"got {self.experts_used}")
         if self.num_experts and self.expert_ffn_size <= 0:
             raise ModelFileError(f"expert feed-forward size must be positive, got {self.expert_ffn_size}")
+        self._check_routing()
         if self.layer_windows and (len(self.layer_windows) != self.num_layers
                                    or any(w < 0 for w in self.layer_windows)):
             raise ModelFileError(f"sliding windows must be one count >= 0 per layer ({self.num_layers}), "
@@ -119,21 +122,24 @@ class ModelConfig:
         self._check_latent()
 
     def _check_latent(self) -> None:
-        """MLA's widths and the routing options, where a file sets them."""
-        for field in ("kv_lora_rank", "q_lora_rank", "value_head_dim", "leading_dense_layers"):
+        """MLA's widths, where a file sets them."""
+        for field in ("kv_lora_rank", "q_lora_rank", "value_head_dim"):
             if getattr(self, field) < 0:
                 raise ModelFileError(f"{field} must be >= 0, got {getattr(self, field)}")
         if self.kv_lora_rank and self.rope_dim >= self.head_dim:
             raise ModelFileError(f"rope dimension {self.rope_dim} leaves no unrotated part of the key "
                                  f"head size {self.head_dim} for the latent attention")
+
+    def _check_routing(self) -> None:
+        if not 0 <= self.leading_dense_layers <= self.num_layers:
+            raise ModelFileError(f"leading_dense_block_count must be 0..{self.num_layers} (the layer count), "
+                                 f"got {self.leading_dense_layers}")
         if self.expert_gating not in ("softmax", "sigmoid"):
-            raise ModelFileError(f"expert gating must be 'softmax' or 'sigmoid', not {self.expert_gating!r}")
-        if not math.isfinite(self.expert_weights_scale) or self.expert_weights_scale < 0:
-            raise ModelFileError(f"expert_weights_scale must be a number >= 0, "
+            raise ModelFileError(f"expert gating function must be softmax or sigmoid, "
+                                 f"not {self.expert_gating!r}")
+        if not (math.isfinite(self.expert_weights_scale) and self.expert_weights_scale > 0):
+            raise ModelFileError(f"expert_weights_scale must be a positive number, "
                                  f"got {self.expert_weights_scale}")
-        if self.leading_dense_layers > self.num_layers:
-            raise ModelFileError(f"leading_dense_block_count {self.leading_dense_layers} exceeds the "
-                                 f"{self.num_layers} layers")
 
     def _check_scales(self) -> None:
         """The Gemma-style constants, where a file sets them: finite, and 0 only where 0 means none."""
@@ -168,6 +174,15 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def has_experts(self, layer: int) -> bool:
+        """Whether the layer's FFN is a mixture of experts (a MoE model's leading layers are dense)."""
+        return self.is_moe and layer >= self.leading_dense_layers
+
+    @property
+    def moe_layers(self) -> range:
+        """The layers whose FFN is a mixture of experts, in order."""
+        return range(self.leading_dense_layers if self.is_moe else self.num_layers, self.num_layers)
+
 
 class Metadata:
     """Typed reads of one architecture's keys (`{arch}.{key}`) and of `general.*`.
@@ -198,6 +213,13 @@ class Metadata:
         if not math.isfinite(value):
             raise ModelFileError(f"metadata '{name}' must be finite, got {value}")
         return float(value)
+
+    def flag(self, key: str, default: bool | None = None) -> bool:
+        """A boolean."""
+        name, value = self._get(key, default)
+        if not isinstance(value, (bool, np.bool_)):
+            raise ModelFileError(f"metadata '{name}' must be a boolean, got {_shown(value)}")
+        return bool(value)
 
     def text(self, key: str, default: str | None = None, *, general: bool = False) -> str:
         name, value = self._get(key, default, general)

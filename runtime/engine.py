@@ -292,13 +292,13 @@ class Engine:
     @contextmanager
     def record_routing(self) -> Iterator[RoutingRecorder]:
         """Records which experts every token computed the block's generations with, at every layer
-        (a MoE model only): `recorder.trace()` is int32 [tokens, layers, top_k], the routing-trace
+        (a MoE model only): `recorder.trace()` is int32 [tokens, MoE layers, top_k], the routing-trace
         format benchmarks/moe.py replays (offload/experts/routing_trace.py)."""
         self._check_open()
         if not self.config.is_moe:
             raise InvalidArgumentError(f"{self.path.name} is not a mixture-of-experts model: it has no "
                                        f"routing to record")
-        recorder = RoutingRecorder(self.config.num_layers)
+        recorder = RoutingRecorder(self.config.moe_layers)
         decoder = self._generator.decoder
         with self._holding():  # not while a generation runs
             decoder.on_routing = recorder

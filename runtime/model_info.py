@@ -51,7 +51,8 @@ class ModelSummary:
     def _experts(self) -> str:
         c = self.config
         shared = f", a shared expert of {c.shared_expert_ffn_size}" if c.shared_expert_ffn_size else ""
-        return (f"{c.num_experts} per layer, {c.experts_used} used per token, feed-forward size "
+        dense = f" (the first {c.leading_dense_layers} layers dense)" if c.leading_dense_layers else ""
+        return (f"{c.num_experts} per layer{dense}, {c.experts_used} used per token, feed-forward size "
                 f"{c.expert_ffn_size}{shared}")
 
 

@@ -38,8 +38,9 @@ def shape_key(config: ModelConfig) -> str:
 def measure_layer_overhead(arch: Architecture, config: ModelConfig, threads: int, steps: int = 24) -> float:
     """Seconds per layer per decode step beyond the matmuls: the median of `steps` steps."""
     layers = min(config.num_layers, MEASURED_LAYERS)
+    # A MoE model's few leading dense layers cost less than the rest: the rest are measured.
     config = replace(config, num_layers=layers, layer_windows=config.layer_windows[:layers],
-                     context_length=CONTEXT, vocab_size=1)
+                     leading_dense_layers=0, context_length=CONTEXT, vocab_size=1)
     source = _CostlessWeights(arch, config)
     decoder = Decoder(config, arch.block, source, CONTEXT)
     cache = KVCache(config, CONTEXT)
@@ -82,13 +83,16 @@ class _CostlessWeights:
     """A WeightSource of the family's fields: norms of ones, linears of zeros."""
 
     def __init__(self, arch: Architecture, config: ModelConfig):
-        experts = None
-        if config.is_moe:
-            experts = _CostlessExperts([Weights(_fields(arch.expert_fields(config, 0, e)))
-                                        for e in range(config.num_experts)])
-        self.layers = [Weights(_fields(arch.layer_fields(config, i)), experts=experts)
+        self.layers = [Weights(_fields(arch.layer_fields(config, i)), experts=self._experts(arch, config, i))
                        for i in range(config.num_layers)]
         self.hidden = config.hidden_size
+
+    @staticmethod
+    def _experts(arch: Architecture, config: ModelConfig, layer: int) -> "_CostlessExperts | None":
+        if not config.has_experts(layer):
+            return None
+        return _CostlessExperts([Weights(_fields(arch.expert_fields(config, layer, e)))
+                                 for e in range(config.num_experts)])
 
     def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
         return np.ones((len(token_ids), self.hidden), np.float32)

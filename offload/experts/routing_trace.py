@@ -16,6 +16,7 @@ change of topic that a policy must adapt to. Real routing differs: fit the param
 recorded trace before trusting conclusions drawn from these.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,15 +102,15 @@ class RoutingRecorder:
     every token the model computes, in the order computed (prompt chunks, then each step's tokens;
     a speculative pass's rejected guesses included)."""
 
-    def __init__(self, num_layers: int):
-        self.num_layers = num_layers
+    def __init__(self, moe_layers: Sequence[int]):
+        self.moe_layers = moe_layers  # the layers that route (a model's leading dense ones do not)
         self._passes: list[np.ndarray] = []  # [T, L, K] each
         self._layers: dict[int, np.ndarray] = {}  # the pass in progress: layer -> [T, K]
 
     def __call__(self, layer_idx: int, chosen: np.ndarray) -> None:
         self._layers[layer_idx] = np.array(chosen, dtype=np.int32)
-        if len(self._layers) == self.num_layers:
-            self._passes.append(np.stack([self._layers[i] for i in range(self.num_layers)], axis=1))
+        if len(self._layers) == len(self.moe_layers):
+            self._passes.append(np.stack([self._layers[i] for i in self.moe_layers], axis=1))
             self._layers = {}
 
     def trace(self) -> np.ndarray:

@@ -17,7 +17,8 @@ def needed_tensors(gguf: GGUFFile, arch: Architecture, config: ModelConfig) -> I
     fields = iter(arch.global_fields(config))
     yield from (tensor for field in fields for tensor in field_tensors(field, gguf.tensors))
     for i in range(config.num_layers):
-        layer = arch.layer_fields(config, i) + (arch.expert_fields(config, i, 0) if config.is_moe else [])
+        experts = arch.expert_fields(config, i, 0) if config.has_experts(i) else []
+        layer = arch.layer_fields(config, i) + experts
         yield from (tensor for field in layer for tensor in field_tensors(field, gguf.tensors))
 
 

@@ -69,7 +69,8 @@ def extents(model: ModelFile, decoder: TensorDecoder | None = None, all_experts:
     yield None, None, ExtentLayout(model.gguf, decoder).add_fields(arch.global_fields(config))
     for i in range(config.num_layers):
         yield i, None, ExtentLayout(model.gguf, decoder).add_fields(arch.layer_fields(config, i))
-        for e in range(config.num_experts if all_experts else min(config.num_experts, 1)):
+        experts = range(config.num_experts if config.has_experts(i) else 0)  # none in a dense layer
+        for e in experts if all_experts else experts[:1]:
             yield i, e, ExtentLayout(model.gguf, decoder).add_fields(arch.expert_fields(config, i, e))
 
 
@@ -95,7 +96,8 @@ def _laid_out_as_the_header_says(packed: PackedFile, model: ModelFile) -> bool:
     (a layer's experts all as its first). A manifest with a valid checksum but other sizes or
     offsets would have the readers read past their extents."""
     config = model.config
-    if len(packed.layers) != config.num_layers or any(len(xs) != config.num_experts for xs in packed.experts):
+    counts = [config.num_experts if config.has_experts(i) else 0 for i in range(config.num_layers)]
+    if len(packed.layers) != config.num_layers or [len(xs) for xs in packed.experts] != counts:
         return False
     expected = {(layer, expert): (layout.extent_size().nbytes, json.loads(json.dumps(layout.spec)))
                 for layer, expert, layout in extents(model, all_experts=False)}

@@ -134,7 +134,7 @@ def timings(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], cost
              prompt_tokens: int, context_length: int, experts: "ExpertStages | None" = None
              ) -> tuple[Timing, Timing]:
     """(prefill of prompt_tokens, a decode step with the context full); `experts` adds a MoE
-    model's experts to every layer's stage (their reads, if any, run ahead by
+    model's experts to the stage of every layer that has them (their reads, if any, run ahead by
     experts.read_ahead_layers)."""
     def device(i: int) -> str:
         return "gpu" if i in layout.gpu else "cpu"
@@ -142,7 +142,7 @@ def timings(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], cost
     def stage(i: int, x: ExtentSize, tokens: int, start: int) -> Stage:
         compute = costs.layer_s(i, x, device(i), tokens, start)
         read = costs.read_s(x) if i in layout.streamed else 0.0
-        if experts is not None:
+        if experts is not None and experts.config.has_experts(i):
             expert_compute, expert_read = experts.layer_s(tokens)
             compute, read = compute + expert_compute, read + expert_read
         return Stage(compute, read)

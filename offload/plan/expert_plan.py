@@ -79,7 +79,7 @@ def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: lis
     def placement(home: str, cache: str | None, cache_bytes: int, scheduler: ExpertCosts | None = None):
         cached = min(total, cache_bytes // expert_bytes)
         hit_rate = cached / total if cache else 1.0
-        misses = config.num_layers * config.experts_used * (1 - hit_rate) * expert_bytes
+        misses = len(config.moe_layers) * config.experts_used * (1 - hit_rate) * expert_bytes
         return ExpertPlacement(home, cache, cache_bytes, expert_bytes, total, hit_rate, misses,
                                scheduler=scheduler)
 
@@ -109,7 +109,7 @@ class ExpertStages:
     read_ahead_layers = 1  # the next layer's predicted experts are read while this one computes
 
     def __init__(self, placement: ExpertPlacement, expert: ExtentSize, costs: Costs, config: ModelConfig):
-        self.placement, self.expert, self.costs = placement, expert, costs
+        self.placement, self.expert, self.costs, self.config = placement, expert, costs, config
         self.num_experts, self.used = config.num_experts, config.experts_used
 
     def layer_s(self, tokens: int) -> tuple[float, float]:

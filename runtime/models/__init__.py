@@ -7,12 +7,23 @@ architecture".
 """
 
 from tierflow.errors import UnsupportedModelError
-from tierflow.runtime.models import deepseek2, gemma2, gemma3, llama, olmoe, qwen2, qwen2moe, qwen3, qwen3moe
+from tierflow.runtime.models import (
+    deepseek2,
+    gemma2,
+    gemma3,
+    glm4moe,
+    llama,
+    olmoe,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+)
 from tierflow.runtime.models.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
     family.ARCHITECTURE.name: family.ARCHITECTURE
-    for family in (llama, qwen2, qwen2moe, olmoe, qwen3, qwen3moe, gemma2, gemma3, deepseek2)
+    for family in (llama, qwen2, qwen2moe, olmoe, qwen3, qwen3moe, gemma2, gemma3, glm4moe, deepseek2)
 }
 
 

@@ -81,6 +81,19 @@ def transformer_config(meta: Metadata, vocab_size: int, tied: bool, *, rope_styl
     )
 
 
+GATING_FUNCTIONS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's llama_expert_gating_func_type values
+
+
+def expert_gating(meta: Metadata, default: str) -> str:
+    """The routers' gating function, `expert_gating_func` (llama.cpp's numbering; 0 or no key:
+    the family's default). One the family does not define is a ModelFileError naming it."""
+    code = meta.count("expert_gating_func", 0, minimum=0)
+    if code and code not in GATING_FUNCTIONS:
+        raise ModelFileError(f"{meta.arch}.expert_gating_func is {code}: a {meta.arch} model routes by "
+                             f"{' or '.join(f'{n} ({name})' for n, name in GATING_FUNCTIONS.items())}")
+    return GATING_FUNCTIONS.get(code, default)
+
+
 def check_layer_count(config: ModelConfig, num_tensors: int) -> None:
     """A layer count the file cannot hold is refused before anything is built per layer (a
     header claiming 10^9 layers would otherwise grow lists of names without bound)."""

@@ -2,11 +2,13 @@
 (latent_attention.py: low-rank queries through attn_q_a, attn_q_a_norm and attn_q_b where
 `attention.q_lora_rank` is set, else one attn_q; keys and values compressed into a latent of
 `attention.kv_lora_rank` and a rotary part of `rope.dimension_count`, rotated as adjacent pairs;
-one row of both cached per position) and a mixture of experts: softmax or sigmoid scores
-(`expert_gating_func` 1 or 2; older files without it are softmax), the top `expert_used_count`
-chosen by score plus the selection-only bias `exp_probs_b` where the file has one, weighted by
-their scores, renormalised with `expert_weights_norm` and scaled by `expert_weights_scale`, and
-`expert_shared_count` shared experts (one SwiGLU as wide as that many experts) every token uses.
+one row of both cached per position) and, after `leading_dense_block_count` dense layers
+(`feed_forward_length` wide), a mixture of experts (layers.scored_moe_ffn): softmax or sigmoid
+scores (`expert_gating_func` 1 or 2; older files without it are softmax), the top
+`expert_used_count` chosen by score plus the selection-only bias `exp_probs_b` where the file has
+one, weighted by their scores, renormalised with `expert_weights_norm` and scaled by
+`expert_weights_scale`, and `expert_shared_count` shared experts (one ungated SwiGLU as wide as
+that many experts) every token uses.
 
 Only files in llama.cpp's current form are read: the per-head `attn_k_b` and `attn_v_b`
 (`attention.key_length_mla`, `value_length_mla`); older ones with one `attn_kv_b` are refused.
@@ -21,18 +23,14 @@ import math
 from dataclasses import replace
 
 import numpy as np
-import torch
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.runtime.config import Metadata, ModelConfig, rope_scaling
 from tierflow.runtime.model import Activations, LayerPass, Weights
 from tierflow.runtime.models import tensor_map as tm
-from tierflow.runtime.models.architecture import Architecture
+from tierflow.runtime.models.architecture import Architecture, expert_gating
 from tierflow.runtime.models.latent_attention import latent_attention
-from tierflow.runtime.models.layers import routed_experts, swiglu
-
-GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values this family uses
-MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp clamps the chosen weights' sum to float16's smallest normal
+from tierflow.runtime.models.layers import dense_ffn, scored_moe_ffn
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
@@ -62,8 +60,9 @@ def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
         attention_scale=_query_scale(meta, meta.count("attention.key_length_mla")),
         kv_lora_rank=latent, q_lora_rank=meta.count("attention.q_lora_rank", 0, minimum=0),
         value_head_dim=meta.count("attention.value_length_mla"),
-        expert_gating=_gating(meta), expert_weights_norm=_flag(meta, "expert_weights_norm"),
-        expert_weights_scale=meta.number("expert_weights_scale", 0.0),
+        expert_gating=expert_gating(meta, "softmax"),
+        expert_weights_norm=meta.flag("expert_weights_norm", False),
+        expert_weights_scale=meta.number("expert_weights_scale", 0.0) or 1.0,  # 0: not scaled, as llama.cpp
         leading_dense_layers=_leading_dense_layers(meta),
     )
 
@@ -77,27 +76,8 @@ def _check_cache_widths(meta: Metadata, latent: int, rope_dim: int) -> None:
                                  f"{latent} and rope dimension {rope_dim} make it {width}")
 
 
-def _gating(meta: Metadata) -> str:
-    code = meta.count("expert_gating_func", 1, minimum=0)
-    gating = GATING.get(code or 1)  # 0: not set, softmax as in the DeepSeek-V2 files before the key
-    if gating is None:
-        raise ModelFileError(f"metadata '{meta.arch}.expert_gating_func' is {code}: {meta.arch} gates its "
-                             f"experts by softmax (1) or sigmoid (2)")
-    return gating
-
-
-def _flag(meta: Metadata, key: str) -> bool:
-    value = meta.metadata.get(f"{meta.arch}.{key}", False)
-    if not isinstance(value, (bool, np.bool_)):
-        raise ModelFileError(f"metadata '{meta.arch}.{key}' must be a boolean, got {value!r:.40}")
-    return bool(value)
-
-
 def _leading_dense_layers(meta: Metadata) -> int:
-    count = meta.count("leading_dense_block_count", 0, minimum=0)
-    if count:
-        raise UnsupportedModelError(f"{meta.arch}: leading dense layers (leading_dense_block_count {count}) "
-                                    f"are not supported yet: every layer must be a mixture of experts")
+    count = meta.count("leading_dense_block_count", 0, minimum=0, maximum=meta.count("block_count"))
     if meta.count("expert_group_count", 1, minimum=0) > 1:
         raise UnsupportedModelError(f"{meta.arch}: grouped expert selection (expert_group_count) is not "
                                     f"supported")
@@ -128,6 +108,8 @@ def _query_scale(meta: Metadata, head_dim: int) -> float:
 
 
 def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
+    if not config.has_experts(layer):
+        return attention_fields(config, layer) + tm.dense_ffn_fields(config, layer)
     return attention_fields(config, layer) + tm.router_fields(config, layer) + moe_extras(config, layer)
 
 
@@ -152,51 +134,22 @@ def attention_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
 
 
 def moe_extras(config: ModelConfig, layer: int) -> list[tm.Field]:
-    """The selection bias (where the file has one) and the ungated shared experts."""
-    e, s, p = config.hidden_size, config.shared_expert_ffn_size, f"blk.{layer}."
-    return [tm.vector("exp_probs_b", p + "exp_probs_b.bias", (config.num_experts,), "router", optional=True),
-            tm.matmul("shared_gate_up", [(p + "ffn_gate_shexp.weight", (e, s)),
-                                         (p + "ffn_up_shexp.weight", (e, s))], "router"),
-            tm.matmul("shared_down", [(p + "ffn_down_shexp.weight", (s, e))], "router")]
-
-
-def route(config: ModelConfig, bias: torch.Tensor | None, logits: torch.Tensor, k: int
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's build_moe_ffn for this family: scores by softmax or sigmoid; the top k by score
-    plus the selection bias; their unbiased scores as weights, renormalised and scaled as the
-    config says. logits [T, N] -> weights, chosen experts [T, k]."""
-    logits = logits.float()
-    scores = torch.softmax(logits, dim=-1) if config.expert_gating == "softmax" else torch.sigmoid(logits)
-    selection = scores if bias is None else scores + bias.to(scores.device)
-    chosen = selection.topk(k, dim=-1).indices
-    weights = scores.gather(-1, chosen)
-    if config.expert_weights_norm:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=MIN_WEIGHT_SUM)
-    if config.expert_weights_scale not in (0.0, 1.0):
-        weights = weights * np.float32(config.expert_weights_scale)
-    return weights, chosen
-
-
-def moe(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
-    """The routed experts' weighted sum plus the shared experts'."""
-    bias = w.fields.get("exp_probs_b")
-    bias = None if bias is None else torch.as_tensor(bias)
-    out = routed_experts(p, w, h, residual, lambda logits, k: route(p.config, bias, logits, k))
-    shared = swiglu(p.kernels, w.shared_gate_up, w.shared_down, h)
-    out += torch.as_tensor(shared).to(out.device)
-    return p.kernels.take(out)
+    """The selection bias (V3's; V2's files have none) and the ungated shared experts."""
+    bias = tm.selection_bias_field(config, layer)
+    return ([replace(bias, kind=replace(bias.kind, optional=True))]
+            + tm.shared_expert_fields(config, layer, gated=False))
 
 
 def block(x: Activations, w: Weights, p: LayerPass) -> Activations:
-    """x + latent attention(norm(x)), then + moe(norm(x))."""
+    """x + latent attention(norm(x)), then + ffn(norm(x)): Llama's block around MLA."""
     kernels, eps = p.kernels, p.config.rms_norm_eps
     attended = latent_attention(p, w, kernels.rms_norm(x, w.attn_norm, eps))
     h = kernels.add_rms_norm(x, attended, w.ffn_norm, eps)
-    x += moe(p, w, h, x)
+    x += (scored_moe_ffn if p.config.has_experts(p.layer_idx) else dense_ffn)(p, w, h, x)
     return x
 
 
 ARCHITECTURE = Architecture(name="deepseek2", config=config, layer_fields=layer_fields, block=block,
                             expert_fields=tm.expert_fields,
-                            summary="multi-head latent attention (a latent KV cache); softmax or sigmoid "
-                                    "top-k experts with a selection bias; shared experts")
+                            summary="multi-head latent attention (a latent KV cache); leading dense layers; "
+                                    "softmax or sigmoid top-k experts with a selection bias; shared experts")

@@ -66,12 +66,15 @@ def norm_whole_projections(p: LayerPass, w: Weights, qkv: Activations) -> Activa
 
 
 def norm_each_head(p: LayerPass, w: Weights, qkv: Activations) -> Activations:
-    """RMSNorm over each head's query and key (weights [D], shared by the heads), before rotary."""
+    """RMSNorm over each head's query and key (weights [D], shared by the heads), before rotary;
+    each only where the layer has its weight (GLM-4.5's are optional)."""
     cfg, kernels = p.config, p.kernels
     q, k, v = _split_qkv(cfg, qkv)
     tokens, d, eps = qkv.shape[0], cfg.head_dim, cfg.rms_norm_eps
-    q = kernels.rms_norm(q.reshape(tokens * cfg.num_heads, d), w.q_norm, eps).reshape(tokens, -1)
-    k = kernels.rms_norm(k.reshape(tokens * cfg.num_kv_heads, d), w.k_norm, eps).reshape(tokens, -1)
+    if "q_norm" in w.fields:
+        q = kernels.rms_norm(q.reshape(tokens * cfg.num_heads, d), w.q_norm, eps).reshape(tokens, -1)
+    if "k_norm" in w.fields:
+        k = kernels.rms_norm(k.reshape(tokens * cfg.num_kv_heads, d), w.k_norm, eps).reshape(tokens, -1)
     return concat([q, k, v])
 
 
@@ -124,6 +127,27 @@ def softmax_top_k(renormalize: bool) -> Router:
     return route
 
 
+def scored_top_k(config: ModelConfig, selection_bias: Activations | None = None) -> Router:
+    """Routing as llama.cpp's build_moe_ffn does it from the config: each expert's score is the
+    softmax or the sigmoid of its logit (config.expert_gating); each token takes the k experts of
+    highest score + selection_bias ([N], exp_probs_b: it changes which experts are chosen, never
+    their weights), weighted by their scores, rescaled to sum to 1 where expert_weights_norm (the
+    sum held at least 2^-14, as llama.cpp clamps it), then multiplied by expert_weights_scale."""
+    bias = None if selection_bias is None else torch.as_tensor(selection_bias)
+
+    def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits.float()  # [T, N]
+        scores = torch.sigmoid(logits) if config.expert_gating == "sigmoid" else torch.softmax(logits, dim=-1)
+        selection = scores if bias is None else scores + bias.to(scores.device)
+        chosen = selection.topk(k, dim=-1).indices  # [T, k]
+        weights = scores.gather(-1, chosen)
+        if config.expert_weights_norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=2.0 ** -14)
+        return weights * config.expert_weights_scale, chosen
+
+    return route
+
+
 def moe_ffn(router: Router, shared_expert: bool = False) -> FFN:
     """A mixture of experts: the router picks each token's experts, whose SwiGLU outputs are summed
     with the router's weights; with shared_expert, an expert every token uses is added, scaled by
@@ -131,13 +155,27 @@ def moe_ffn(router: Router, shared_expert: bool = False) -> FFN:
     def ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
         out = routed_experts(p, w, h, residual, router)
         if shared_expert:
-            hidden = torch.as_tensor(h)
             gate = torch.sigmoid(torch.as_tensor(w.shared_gate(h)))  # [T, 1]
-            shared = swiglu(p.kernels, w.shared_gate_up, w.shared_down, p.kernels.take(hidden))
-            out += gate * torch.as_tensor(shared).to(out.device)
+            out += gate * shared_expert_output(p, w, h).to(out.device)
         return p.kernels.take(out)
 
     return ffn
+
+
+def scored_moe_ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
+    """A mixture of experts routed by scored_top_k, with the layer's selection bias where it has
+    one, plus the shared expert (not gated) where the model has one (GLM-4.5, DeepSeek-V2/V3)."""
+    router = scored_top_k(p.config, w.fields.get("exp_probs_b"))
+    out = routed_experts(p, w, h, residual, router)
+    if p.config.shared_expert_ffn_size:
+        out += shared_expert_output(p, w, h).to(out.device)
+    return p.kernels.take(out)
+
+
+def shared_expert_output(p: LayerPass, w: Weights, h: Activations) -> torch.Tensor:
+    """The SwiGLU expert every token uses (shared_gate_up, shared_down): [T, E]."""
+    hidden = torch.as_tensor(h)
+    return torch.as_tensor(swiglu(p.kernels, w.shared_gate_up, w.shared_down, p.kernels.take(hidden)))
 
 
 def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activations, router: Router

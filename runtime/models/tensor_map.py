@@ -92,42 +92,54 @@ def attention_fields(config: ModelConfig, layer: int, bias: str = "none") -> lis
             matmul("wo", [(p + "attn_output.weight", (q, e))], "attention")]
 
 
-def qk_norm_fields(config: ModelConfig, layer: int, per_head: bool) -> list[Field]:
+def qk_norm_fields(config: ModelConfig, layer: int, per_head: bool, optional: bool = False) -> list[Field]:
     """RMSNorm weights of the queries and keys: one per head dimension (per_head), or over whole
-    projections."""
+    projections; used only where the file has them when `optional`."""
     p, d = f"blk.{layer}.", config.head_dim
     q, k = (d, d) if per_head else (config.num_heads * d, config.num_kv_heads * d)
-    return [vector("q_norm", p + "attn_q_norm.weight", (q,), "attention"),
-            vector("k_norm", p + "attn_k_norm.weight", (k,), "attention")]
+    return [vector("q_norm", p + "attn_q_norm.weight", (q,), "attention", optional),
+            vector("k_norm", p + "attn_k_norm.weight", (k,), "attention", optional)]
 
 
-def ffn_norm_field(config: ModelConfig, layer: int) -> Field:
-    return vector("ffn_norm", f"blk.{layer}.ffn_norm.weight", (config.hidden_size,), "ffn")
+def ffn_norm_field(config: ModelConfig, layer: int, norm: str = "ffn_norm", group: str = "ffn") -> Field:
+    """The pre-FFN norm, as the block calls it (ffn_norm), whatever the file names it (`norm`:
+    GLM's is post_attention_norm)."""
+    return vector("ffn_norm", f"blk.{layer}.{norm}.weight", (config.hidden_size,), group)
 
 
-def dense_ffn_fields(config: ModelConfig, layer: int) -> list[Field]:
+def dense_ffn_fields(config: ModelConfig, layer: int, norm: str = "ffn_norm") -> list[Field]:
     """A SwiGLU FFN: gate and up as one matmul, then down."""
     e, f, p = config.hidden_size, config.ffn_size, f"blk.{layer}."
-    return [ffn_norm_field(config, layer),
+    return [ffn_norm_field(config, layer, norm),
             matmul("gate_up", [(p + "ffn_gate.weight", (e, f)), (p + "ffn_up.weight", (e, f))], "ffn"),
             matmul("down", [(p + "ffn_down.weight", (f, e))], "ffn")]
 
 
-def router_fields(config: ModelConfig, layer: int) -> list[Field]:
+def router_fields(config: ModelConfig, layer: int, norm: str = "ffn_norm") -> list[Field]:
     """A MoE layer's own extent beside its attention: its norm and router (the experts are
     extents of their own)."""
     e, n, p = config.hidden_size, config.num_experts, f"blk.{layer}."
-    return [vector("ffn_norm", p + "ffn_norm.weight", (e,), "router"),
+    return [ffn_norm_field(config, layer, norm, "router"),
             matmul("router", [(p + "ffn_gate_inp.weight", (e, n))], "router", requantize=False)]
 
 
-def shared_expert_fields(config: ModelConfig, layer: int) -> list[Field]:
-    """An expert every token uses, scaled by a sigmoid gate (ffn_gate_inp_shexp, [hidden])."""
+def selection_bias_field(config: ModelConfig, layer: int) -> Field:
+    """exp_probs_b: a per-expert bias added to the router's scores to choose the experts, not to
+    weight them (DeepSeek-V3, GLM-4.5)."""
+    return vector("exp_probs_b", f"blk.{layer}.exp_probs_b.bias", (config.num_experts,), "router")
+
+
+def shared_expert_fields(config: ModelConfig, layer: int, gated: bool = True) -> list[Field]:
+    """An expert every token uses, scaled by a sigmoid gate (ffn_gate_inp_shexp, [hidden]) where
+    `gated`."""
     e, s, p = config.hidden_size, config.shared_expert_ffn_size, f"blk.{layer}."
-    return [matmul("shared_gate_up", [(p + "ffn_gate_shexp.weight", (e, s)),
-                                      (p + "ffn_up_shexp.weight", (e, s))], "router"),
-            matmul("shared_down", [(p + "ffn_down_shexp.weight", (s, e))], "router"),
-            matmul("shared_gate", [(p + "ffn_gate_inp_shexp.weight", (e,))], "router", requantize=False)]
+    fields = [matmul("shared_gate_up", [(p + "ffn_gate_shexp.weight", (e, s)),
+                                        (p + "ffn_up_shexp.weight", (e, s))], "router"),
+              matmul("shared_down", [(p + "ffn_down_shexp.weight", (s, e))], "router")]
+    if gated:
+        fields.append(matmul("shared_gate", [(p + "ffn_gate_inp_shexp.weight", (e,))], "router",
+                             requantize=False))
+    return fields
 
 
 def expert_fields(config: ModelConfig, layer: int, expert: int) -> list[Field]:

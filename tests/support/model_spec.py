@@ -21,6 +21,14 @@ olmoe: norm_w false; rope NEOX; no biases; q = RMSNorm(x @ Wq) * attn_q_norm and
     feed_forward_length wide.
 No {arch}.expert_weights_scale is written, so llama.cpp scales no weights. llama.cpp requires
 output.weight for qwen2moe and olmoe, and an olmoe k norm as wide as the q norm (no GQA).
+glm4moe (src/models/glm4-moe.cpp): the first leading_dense_block_count layers have a dense FFN
+(feed_forward_length); the others p = sigmoid(x @ ffn_gate_inp.T), chosen = top-k of
+p + exp_probs_b, w = p[chosen] / sum (expert_weights_norm) * expert_weights_scale, plus
+expert_shared_count shared experts' width of one expert (ungated); its pre-FFN norm is
+post_attention_norm; optional q/k/v biases and per-head q/k norms; neox rope over
+rope.dimension_count dimensions of each head. The trailing nextn_predict_layers blocks (counted
+in block_count) hold every tensor of a MoE layer plus nextn.eh_proj, enorm and hnorm, which
+llama.cpp requires and skips.
 
 gemma2 and gemma3 (src/models/gemma2*.cpp, gemma3*.cpp): x = token_embd[ids] * sqrtf(hidden);
 per layer h = attn_post_norm(attention(attn_norm(x))) + x, then x = ffn_post_norm(ffn(ffn_norm(h)))
@@ -83,6 +91,11 @@ class _ArchTraits:
     window_key: bool = False        # reads {arch}.attention.sliding_window and
                                     # {arch}.final_logit_softcapping
     attn_softcap_key: bool = False  # reads {arch}.attn_logit_softcapping
+    leading_dense: bool = False     # reads {arch}.leading_dense_block_count
+    nextn: bool = False             # reads {arch}.nextn_predict_layers (trailing blocks it skips)
+    scored_router: bool = False     # sigmoid gating, exp_probs_b, weights normalised and scaled;
+                                    # {arch}.expert_shared_count ungated shared experts
+    optional_attention: bool = False  # q/k/v biases (written) and per-head q/k norms (on ask)
     latent_attention: bool = False  # deepseek2's MLA: kv_lora_rank, rope_dim, value_head_size,
                                     # q_lora_rank and the router's keys (see ModelSpec)
 
@@ -96,7 +109,10 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
          "qwen3moe": _ArchTraits(experts="always", expert_width_key=True),
          "gemma2": _ArchTraits(tied_only=True, window_key=True, attn_softcap_key=True),
          "gemma3": _ArchTraits(window_key=True),
-         "deepseek2": _ArchTraits(experts="always", expert_width_key=True, latent_attention=True)}
+         "glm4moe": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True, nextn=True,
+                                scored_router=True, optional_attention=True),
+         "deepseek2": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True,
+                                  latent_attention=True)}
 MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
 _MIX_BLOCK = 32  # every type a mix falls back to packs rows in blocks of 32
 
@@ -129,20 +145,23 @@ class ModelSpec:
                                        # written (gemma2: 4096 then, gemma3: no window)
     attn_logit_softcap: float | None = None   # gemma2's attn_logit_softcapping; None: not written
     final_logit_softcap: float | None = None  # final_logit_softcapping (gemma2, gemma3)
+    leading_dense_layers: int = 0    # leading_dense archs: the first layers' FFN is dense, ffn_size wide
+    nextn_layers: int = 0            # nextn archs: next-token-prediction blocks after the others
+    shared_experts: int = 1          # scored_router archs: expert_shared_count
+    rope_dim: int | None = None      # rope.dimension_count, even, <= head_dim; None: head_dim
+    qk_norm: bool = False            # optional_attention archs: write per-head q/k norms
     # deepseek2 (latent attention): head_size is each head's query/key size (key_length_mla), of
-    # which rope_dim rotate; keys and values are compressed to kv_lora_rank; each head's value is
+    # which rope_dim (required) rotate; keys and values are compressed to kv_lora_rank; each head's value is
     # value_head_size wide; queries go through a rank of q_lora_rank (0: one attn_q, as the Lite
     # models). Experts: expert_gating "softmax" or "sigmoid" (sigmoid files carry the selection
     # bias exp_probs_b, as V3's), weights renormalised and then scaled, shared_experts of
     # expert_ffn_size each.
     kv_lora_rank: int = 64
-    rope_dim: int = 16
     value_head_size: int = 32
     q_lora_rank: int = 0
     expert_gating: str = "softmax"
     expert_weights_norm: bool = False
     expert_weights_scale: float = 1.0
-    shared_experts: int = 1
     yarn_log_multiplier: float | None = None  # rope.scaling.yarn_log_multiplier (0.1 x DeepSeek's
                                               # mscale_all_dim, as the converter writes it)
     weight_type: str = "Q8_0"        # every 2-D matrix and expert stack, output.weight included:
@@ -168,6 +187,7 @@ class ModelSpec:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")
         self._check_experts()
+        self._check_layers()
         self._check_arch()
         self._check_latent()
         self._check_rope()
@@ -187,13 +207,34 @@ class ModelSpec:
     def _check_latent(self) -> None:
         if not ARCHS[self.arch].latent_attention:
             return
-        if not 2 <= self.rope_dim < self.head_dim or self.rope_dim % 2:
-            raise ValueError(f"rope_dim {self.rope_dim} must be even and below head_size {self.head_dim}")
+        if self.rope_dim is None or self.rope_dim >= self.head_dim:
+            raise ValueError(f"latent attention rotates part of each head: rope_dim must be below head_size "
+                             f"{self.head_dim}, got {self.rope_dim}")
         for name in ("kv_lora_rank", "value_head_size", "shared_experts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.expert_gating not in ("softmax", "sigmoid"):
             raise ValueError(f"expert_gating must be 'softmax' or 'sigmoid', not {self.expert_gating!r}")
+
+    def _check_layers(self) -> None:
+        """The glm4moe-style knobs: only where the arch reads them, and in range."""
+        traits = ARCHS[self.arch]
+        shared = traits.scored_router or traits.latent_attention
+        knobs = {"leading_dense_layers": (self.leading_dense_layers != 0, traits.leading_dense),
+                 "nextn_layers": (self.nextn_layers != 0, traits.nextn),
+                 "shared_experts": (self.shared_experts != 1, shared),
+                 "qk_norm": (self.qk_norm, traits.optional_attention)}
+        for name, (given, read) in knobs.items():
+            if given and not read:
+                raise ValueError(f"llama.cpp reads no {name} for arch {self.arch!r}")
+        if not 0 <= self.leading_dense_layers < self.num_layers:
+            raise ValueError(f"leading_dense_layers must be 0..{self.num_layers - 1} (a MoE layer "
+                             f"must be left), got {self.leading_dense_layers}")
+        if self.nextn_layers < 0 or self.shared_experts < 0:
+            raise ValueError("nextn_layers and shared_experts must be >= 0")
+        if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+            raise ValueError(f"rope_dim must be even and within head size {self.head_dim}, "
+                             f"got {self.rope_dim}")
 
     def _check_gemma_keys(self) -> None:
         traits = ARCHS[self.arch]
@@ -250,14 +291,16 @@ class ModelSpec:
     def _row_lengths(self) -> tuple[int, ...]:
         """Every weight_type row length: matrices' inputs, the FFN's and experts' down rows."""
         if ARCHS[self.arch].latent_attention:
-            lengths = (self.hidden_size, self.num_heads * self.value_head_size, self.head_dim - self.rope_dim,
-                       self.kv_lora_rank, self.expert_ffn_width * self.shared_experts)
+            lengths = (self.hidden_size, self.ffn_size, self.expert_ffn_width, self.num_heads * self.value_head_size,
+                       self.head_dim - self.rope_dim, self.kv_lora_rank, self.expert_ffn_width * self.shared_experts)
             return lengths + ((self.q_lora_rank,) if self.q_lora_rank else ())
         lengths = (self.hidden_size, self.ffn_size, self.num_heads * self.head_dim)
         if self.num_experts:
             lengths += (self.expert_ffn_width,)
         if self.num_experts and ARCHS[self.arch].shared_expert:
             lengths += (self.shared_expert_ffn_width,)
+        if self.num_experts and ARCHS[self.arch].scored_router and self.shared_experts:
+            lengths += (self.shared_experts * self.expert_ffn_width,)
         return lengths
 
     def _check_type(self, field: str, row_lengths: tuple[int, ...]) -> None:
@@ -311,11 +354,17 @@ _EXPERT_GAIN = 5.0
 _SHARED_GATE_GAIN = 1.0  # qwen2moe's shared-expert gate: sigmoid mostly within 0.2..0.8
 _MOE_ATTN_GAIN = 1.0
 _MOE_V_BIAS_STD = 0.2
+# glm4moe: sigmoid scores of router logits at _ROUTER_GAIN spread over most of (0, 1); a selection
+# bias of this spread reorders close experts (a dropped or misapplied bias changes the choice)
+# without deciding every choice. The weights, normalised, are scaled by _EXPERT_WEIGHTS_SCALE.
+_SELECTION_BIAS_STD = 0.2
+_EXPERT_WEIGHTS_SCALE = 1.5
 # Gemma scales the embeddings by sqrt(hidden), so its stream starts at RMS ~_LOGIT_GAIN, and
 # normalises each layer's outputs (post norms) before they join it: post norms of this mean make
 # the layers write as much louder than the embeddings as a Llama block's _RESIDUAL_GAIN does.
 _POST_NORM_MEAN = _RESIDUAL_GAIN * _LOGIT_GAIN
 _POST_NORMS = {"post_attention_norm.weight", "post_ffw_norm.weight"}
+_SANDWICH_ARCHS = {"gemma2", "gemma3"}  # glm4moe's post_attention_norm is its pre-FFN norm
 
 
 class PlannedTensor(NamedTuple):
@@ -349,11 +398,13 @@ def _gain(role: str, moe: bool) -> float:
 def _planned(tensor: Tensor, spec: ModelSpec, bias: bool = False) -> PlannedTensor:
     """A tensor of the family's map with random contents of the spread its role calls for."""
     shape, role, moe = tensor.shape[::-1], _role(tensor.name), spec.num_experts > 0
+    if role == "exp_probs_b.bias":
+        return PlannedTensor(tensor.name, shape, Q.F32, _SELECTION_BIAS_STD)
     if bias:
         std = _MOE_V_BIAS_STD if moe and role == "attn_v.bias" else _BIAS_STD
         return PlannedTensor(tensor.name, shape, Q.F32, std)
     if len(shape) == 1 and role != "ffn_gate_inp_shexp.weight":  # a norm's weight
-        mean = _POST_NORM_MEAN if role in _POST_NORMS else 1.0
+        mean = _POST_NORM_MEAN if role in _POST_NORMS and spec.arch in _SANDWICH_ARCHS else 1.0
         return PlannedTensor(tensor.name, shape, Q.F32, _NORM_STD * mean, mean=mean)
     qtype = Q.F32 if role.startswith("ffn_gate_inp") else _weight_type(tensor, spec)
     return PlannedTensor(tensor.name, shape, qtype, _gain(role, moe) / math.sqrt(tensor.shape[0]))
@@ -389,7 +440,7 @@ def _field_plan(field: Field, spec: ModelSpec) -> list[PlannedTensor]:
     plan = []
     for weight in kind.weights:
         plan.append(_planned(replace(weight, expert=None), spec))
-        if kind.bias == "required":
+        if kind.bias == "required" or kind.bias == "optional" and ARCHS[spec.arch].optional_attention:
             plan.append(_planned(kind.bias_tensor(weight), spec, bias=True))
     return plan
 
@@ -422,11 +473,12 @@ def tensor_plan(spec: ModelSpec, vocab_size: int) -> list[PlannedTensor]:
     arch, config = architecture(spec.arch), spec_config(spec, vocab_size)
     fields = [f for f in arch.global_fields(config) if f.name != "rope_freqs" or spec.llama3_rope_freqs]
     plan = [t for f in fields if f.group == "embeddings" for t in _field_plan(f, spec)]
-    for i in range(spec.num_layers):
-        layer = arch.layer_fields(config, i) + (arch.expert_fields(config, i, 0) if spec.num_experts else [])
-        if spec.expert_gating != "sigmoid":  # the selection bias comes with sigmoid gating (V3)
-            layer = [f for f in layer if f.name != "exp_probs_b"]
-        plan += [t for f in layer for t in _field_plan(f, spec)]
+    for i in range(spec.num_layers + spec.nextn_layers):
+        experts = arch.expert_fields(config, i, 0) if config.has_experts(i) else []
+        layer = arch.layer_fields(config, i) + experts
+        plan += [t for f in layer if _written(f, spec) for t in _field_plan(f, spec)]
+        if i >= spec.num_layers:
+            plan += _nextn_plan(i, spec)
     for field in (f for f in fields if f.group != "embeddings"):
         if field.name == "rope_freqs":
             factors = _llama3_rope_factors(spec)
@@ -434,6 +486,23 @@ def tensor_plan(spec: ModelSpec, vocab_size: int) -> list[PlannedTensor]:
         else:
             plan += _field_plan(field, spec)
     return plan
+
+
+def _written(field: Field, spec: ModelSpec) -> bool:
+    """Optional per-head q/k norms are written only when the spec asks for them; deepseek2's
+    optional selection bias comes with sigmoid gating (V3's files), not softmax (V2's)."""
+    optional = isinstance(field.kind, Vector) and field.kind.optional
+    if optional and field.name == "exp_probs_b":
+        return spec.expert_gating == "sigmoid"
+    return not (optional and field.name in ("q_norm", "k_norm") and not spec.qk_norm)
+
+
+def _nextn_plan(layer: int, spec: ModelSpec) -> list[PlannedTensor]:
+    """A next-token-prediction block's own tensors (llama.cpp requires, and skips, them)."""
+    e, p = spec.hidden_size, f"blk.{layer}.nextn."
+    return [_planned(Tensor(p + "eh_proj.weight", (2 * e, e)), spec),
+            _planned(Tensor(p + "enorm.weight", (e,)), spec),
+            _planned(Tensor(p + "hnorm.weight", (e,)), spec)]
 
 
 def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, Typed]]:
@@ -453,7 +522,7 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         ("general.file_type", u32((FILE_TYPES | MIXES)[spec.weight_type])),
         ("general.quantization_version", u32(gguf.GGML_QUANT_VERSION)),
         (f"{arch}.vocab_size", u32(vocab_size)),
-        (f"{arch}.block_count", u32(spec.num_layers)),
+        (f"{arch}.block_count", u32(spec.num_layers + spec.nextn_layers)),
         (f"{arch}.context_length", u32(spec.context_length)),
         (f"{arch}.embedding_length", u32(spec.hidden_size)),
         (f"{arch}.feed_forward_length", u32(spec.ffn_size)),
@@ -462,7 +531,7 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         (f"{arch}.attention.head_count_kv", u32(spec.num_kv_heads)),
         (f"{arch}.attention.layer_norm_rms_epsilon", f32(1e-5)),
         (f"{arch}.rope.freq_base", f32(spec.rope_theta)),
-        (f"{arch}.rope.dimension_count", u32(spec.head_dim)),
+        (f"{arch}.rope.dimension_count", u32(spec.rope_dim or spec.head_dim)),
     ]
     if spec.head_size is not None:
         metadata += [(f"{arch}.attention.key_length", u32(spec.head_size)),
@@ -489,8 +558,6 @@ def _latent_metadata(spec: ModelSpec, metadata: list[tuple[str, Typed]]) -> list
             "attention.value_length_mla": Typed(UINT32, spec.value_head_size),
             "attention.kv_lora_rank": Typed(UINT32, latent),
             "attention.q_lora_rank": Typed(UINT32, spec.q_lora_rank),
-            "rope.dimension_count": Typed(UINT32, spec.rope_dim),
-            "leading_dense_block_count": Typed(UINT32, 0),
             "expert_shared_count": Typed(UINT32, spec.shared_experts),
             "expert_gating_func": Typed(UINT32, 1 if spec.expert_gating == "softmax" else 2),
             "expert_weights_norm": Typed(BOOL, spec.expert_weights_norm),
@@ -525,4 +592,13 @@ def _expert_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
     if traits.shared_expert:
         metadata.append((f"{arch}.expert_shared_feed_forward_length",
                          Typed(UINT32, spec.shared_expert_ffn_width)))
+    if traits.scored_router:
+        metadata += [(f"{arch}.expert_shared_count", Typed(UINT32, spec.shared_experts)),
+                     (f"{arch}.expert_gating_func", Typed(UINT32, 2)),  # sigmoid
+                     (f"{arch}.expert_weights_norm", Typed(BOOL, True)),
+                     (f"{arch}.expert_weights_scale", Typed(FLOAT32, _EXPERT_WEIGHTS_SCALE))]
+    if traits.leading_dense:
+        metadata.append((f"{arch}.leading_dense_block_count", Typed(UINT32, spec.leading_dense_layers)))
+    if traits.nextn:
+        metadata.append((f"{arch}.nextn_predict_layers", Typed(UINT32, spec.nextn_layers)))
     return metadata
