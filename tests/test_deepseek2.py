@@ -4,9 +4,9 @@ shift; files whose tensors disagree with the latent widths. The expert tiers and
 test_moe_families.py; the experts on the GPU kernels: test_gpu_layers.py.
 
 Two forms are generated: DeepSeek-V2-Lite's (one attn_q, softmax gating, no selection bias, YaRN
-without yarn_log_multiplier) and V3's (low-rank queries, a dense first layer, sigmoid gating with the selection bias
-exp_probs_b, weights renormalised and scaled, YaRN with yarn_log_multiplier, whose attention scale
-and rotary magnitude differ from YaRN's usual ones).
+without yarn_log_multiplier) and V3's (low-rank queries, a dense first layer, sigmoid gating with
+the selection bias exp_probs_b, weights renormalised and scaled, YaRN with yarn_log_multiplier,
+whose attention scale and rotary magnitude differ from YaRN's usual ones).
 """
 
 import numpy as np

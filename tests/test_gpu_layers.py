@@ -127,8 +127,8 @@ def test_deepseek2_experts_cached_on_the_gpu_keep_the_cpu_tokens(tmp_path):
     """A MoE model's layers stay on the CPU, so deepseek2's latent attention runs there; its routed
     experts (sigmoid gating with the selection bias) run on the GPU kernels."""
     spec = ModelSpec(arch="deepseek2", num_layers=2, hidden_size=64, num_heads=4, head_size=48, rope_dim=16,
-                     num_experts=4, experts_used=2, expert_ffn_size=32, q_lora_rank=32, expert_gating="sigmoid",
-                     seed=8)
+                     num_experts=4, experts_used=2, expert_ffn_size=32, q_lora_rank=32,
+                     expert_gating="sigmoid", seed=8)
     path = write_model(tmp_path / "deepseek2.gguf", spec)
     tokens, logits = cpu_result(path, kv_cache_type="f32")
     with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="1MiB", kv_cache_type="f32",

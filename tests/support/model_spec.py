@@ -291,8 +291,9 @@ class ModelSpec:
     def _row_lengths(self) -> tuple[int, ...]:
         """Every weight_type row length: matrices' inputs, the FFN's and experts' down rows."""
         if ARCHS[self.arch].latent_attention:
-            lengths = (self.hidden_size, self.ffn_size, self.expert_ffn_width, self.num_heads * self.value_head_size,
-                       self.head_dim - self.rope_dim, self.kv_lora_rank, self.expert_ffn_width * self.shared_experts)
+            lengths = (self.hidden_size, self.ffn_size, self.expert_ffn_width, self.kv_lora_rank,
+                       self.num_heads * self.value_head_size, self.head_dim - self.rope_dim,
+                       self.expert_ffn_width * self.shared_experts)
             return lengths + ((self.q_lora_rank,) if self.q_lora_rank else ())
         lengths = (self.hidden_size, self.ffn_size, self.num_heads * self.head_dim)
         if self.num_experts:
