@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
-from tierflow.runtime.config import Metadata, ModelConfig, rope_scaling
+from tierflow.runtime.config import Metadata, ModelConfig, RopeScaling, rope_scaling
 from tierflow.runtime.model import Activations, LayerPass, Weights
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, expert_gating
@@ -84,7 +84,7 @@ def _leading_dense_layers(meta: Metadata) -> int:
     return count
 
 
-def _rope_scaling(meta: Metadata):
+def _rope_scaling(meta: Metadata) -> RopeScaling:
     """YaRN's rotary magnitude is 1 where the file sets yarn_log_multiplier (see the module's
     docstring), else 1 + 0.1 ln(factor) as for other families."""
     scaling = rope_scaling(meta)
@@ -114,7 +114,9 @@ def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
 
 
 def attention_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
-    """The latent attention's weights (shapes in GGUF order)."""
+    """The latent attention's weights (shapes in GGUF order). attn_k_b and attn_v_b, one matrix per
+    head, are vectors: float32 in the pack (a quantized file's take 4 bytes a weight in RAM), used
+    by torch's batched matmuls."""
     e, h, p = config.hidden_size, config.num_heads, f"blk.{layer}."
     latent, rope, q = config.kv_lora_rank, config.rope_dim, config.num_heads * config.head_dim
     unrotated, v = config.head_dim - rope, config.value_head_dim
