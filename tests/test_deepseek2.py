@@ -30,7 +30,7 @@ from tierflow import Engine
 from tierflow.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError
 from tierflow.kv_types import kv_type
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.plan.budgets import CacheFootprint
+from tierflow.offload.plan.budgets import CacheFootprint, activation_bytes
 
 LATENT, ROPE = 64, 16  # kv_lora_rank, rope dims: the cache holds 80 values per position and layer
 LITE = dict(arch="deepseek2", num_layers=2, hidden_size=64, num_heads=4, head_size=48, num_experts=4,
@@ -92,6 +92,22 @@ def test_the_planner_sizes_a_latent_cache_by_its_rows(models):
     with open_model_file(models["lite-F32"]) as model:
         footprint = CacheFootprint.of(model.config, 1000, kv_type("f16"), on_cpu=False)
     assert footprint.layer_bytes == (1008 * (LATENT + ROPE) * 2,) * 2  # 1000 positions rounded up to 16
+
+
+def test_the_context_chosen_under_a_budget_is_the_longest_whose_latent_cache_fits(models):
+    """cpu_memory for the experts streamed through a one-layer cache, the activations and a latent
+    cache of 256 positions: of the model's 512 trained positions, 256 are given (a cache counted
+    per head, 4 heads' keys and values, would not fit even those), and the plan counts that cache."""
+    path = models["lite-F32"]
+    with Engine.load(path, threads=2, context_length=CONTEXT) as engine:
+        packed, config = engine.weights.packed, engine.config
+        base = packed.globals.nbytes + sum(layer.nbytes for layer in packed.layers)
+        one_layer = sum(x.nbytes for x in packed.experts[0])
+    latent_cache = 2 * 256 * (LATENT + ROPE) * 2  # 2 layers, f16
+    budget = base + one_layer + latent_cache + activation_bytes(config, 256)
+    with Engine.load(path, threads=2, cpu_memory=budget) as engine:
+        assert engine.context_length == 256 and engine.kv_cache_bytes == engine.plan.kv_bytes == latent_cache
+        assert "256 positions, not the model's 512" in engine.notices[0]
 
 
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
