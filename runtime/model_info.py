@@ -51,7 +51,8 @@ class ModelSummary:
     def _experts(self) -> str:
         c = self.config
         shared = f", a shared expert of {c.shared_expert_ffn_size}" if c.shared_expert_ffn_size else ""
-        dense = f" (the first {c.leading_dense_layers} layers dense)" if c.leading_dense_layers else ""
+        dense = {0: "", 1: " (layer 0 dense)"}.get(c.leading_dense_layers,
+                                                   f" (layers 0-{c.leading_dense_layers - 1} dense)")
         return (f"{c.num_experts} per layer{dense}, {c.experts_used} used per token, feed-forward size "
                 f"{c.expert_ffn_size}{shared}")
 

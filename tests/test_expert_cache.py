@@ -272,6 +272,16 @@ def test_the_next_layer_predictor_applies_the_next_router_to_this_layers_stream(
     assert predictor.step(1, np.array([[2], [3]]), residual) is None  # no layer after the last
 
 
+def test_the_next_layer_predictor_chooses_as_a_sigmoid_router_with_a_selection_bias_does():
+    predictor = NextLayerPredictor(num_layers=2, num_experts=4, top_k=1, eps=1e-6, gating="sigmoid")
+    bias = np.array([0.0, 0.0, 0.0, 2.0], np.float32)  # lifts expert 3 past any sigmoid score
+    predictor.add_router(1, np.eye(4, 8, dtype=np.float32) * 10, np.ones(8, np.float32), bias)
+    residual = np.zeros((1, 8), np.float32)
+    residual[0, 2] = 1.0  # the router alone says expert 2
+    ids, confidences = predictor.step(0, np.array([[0]]), residual)
+    assert ids.tolist() == [3] and confidences.tolist() == [0.5]  # expert 3's score: sigmoid(0)
+
+
 def test_the_next_layer_predictor_adds_experts_that_affinity_makes_likely():
     predictor = NextLayerPredictor(num_layers=2, num_experts=4, top_k=1, eps=1e-6)
     predictor.add_router(1, np.eye(4, 8, dtype=np.float32) * 10, np.ones(8, np.float32))

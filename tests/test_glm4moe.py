@@ -32,6 +32,9 @@ from tests.test_planner import PROFILE
 from tierflow import Engine
 from tierflow.cli.app import app
 from tierflow.errors import ModelFileError
+from tierflow.offload.gguf.model_file import open_model_file
+from tierflow.offload.pack.writer import pack_sizes
+from tierflow.offload.plan.planner import make_plan
 from tierflow.runtime.config import ModelConfig, RopeScaling
 from tierflow.runtime.models import architecture
 from tierflow.runtime.models.layers import scored_top_k
@@ -42,8 +45,7 @@ SPEC = ModelSpec(arch="glm4moe", num_layers=3, hidden_size=128, ffn_size=256, nu
                  num_experts=8, experts_used=2, expert_ffn_size=128, leading_dense_layers=1, nextn_layers=1,
                  rope_dim=16, qk_norm=True, tied_embeddings=False, context_length=512,
                  weight_type="F32", embedding_type="F32")
-# Rows of 256 for the K-quants, and GLM-4.5-Air's attention: no q/k norms.
-K_QUANT = dict(hidden_size=256, ffn_size=512, expert_ffn_size=256, rope_dim=32, qk_norm=False)
+K_QUANT = dict(hidden_size=256, ffn_size=512, expert_ffn_size=256, rope_dim=32)  # rows of 256
 
 
 def pair(tmp_path, f32_kv: bool, **changes):
@@ -52,8 +54,10 @@ def pair(tmp_path, f32_kv: bool, **changes):
             llama_cpp_model(path, n_ctx=256, f32_kv=f32_kv))
 
 
-def test_f32_glm4moe_matches_llama_cpp_exactly(tmp_path):
-    engine, llama = pair(tmp_path, f32_kv=True)
+@pytest.mark.parametrize("changes", [{}, dict(qk_norm=False, leading_dense_layers=0, nextn_layers=0)],
+                         ids=["qk-norms-dense-first-nextn", "air-attention-all-moe"])
+def test_f32_glm4moe_matches_llama_cpp_exactly(tmp_path, changes):
+    engine, llama = pair(tmp_path, f32_kv=True, **changes)
     with engine:
         assert_logits_agree(engine, llama, engine.tokenize(LONG_TEXT)[:100], max_mean_diff=0.01,
                             near_tie=EXACT_TIE)
@@ -185,6 +189,18 @@ def test_plan_command_places_experts_in_the_moe_layers_only(glm_path, budgets, m
     assert done.exit_code == 0, done.output
     for text in ("layers 1-2 experts 0-7", "16 x", "home disk", "a cache of 10"):
         assert text in done.output
+
+
+def test_the_planned_expert_misses_per_token_count_the_moe_layers_only(glm_path, budgets):
+    base, one = budgets
+    with open_model_file(glm_path) as model:
+        plan = make_plan(model, pack_sizes(model), PROFILE, gpu_budget=0, cpu_budget=base + 10 * one,
+                         context_length=CONTEXT)
+    experts = plan.experts
+    assert experts.total_experts == 16 and experts.cached_experts == 10
+    uses_per_token = 2 * 2  # 2 MoE layers, top-2 each: each use a miss at 1 - hit_rate
+    assert experts.miss_bytes_per_token == pytest.approx(uses_per_token * (1 - experts.hit_rate)
+                                                         * experts.expert_bytes)
 
 
 # -- bad input ----------------------------------------------------------------------------------

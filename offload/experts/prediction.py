@@ -16,12 +16,15 @@ import numpy as np
 
 
 def route_top_k(router_weight: np.ndarray, hidden: np.ndarray, top_k: int,
-                norm_weight: np.ndarray | None = None, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
-    """The top_k experts of each token under `router_weight` and their softmax probabilities.
+                norm_weight: np.ndarray | None = None, eps: float = 1e-6, gating: str = "softmax",
+                selection_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The top_k experts of each token under `router_weight` and their scores.
 
     E experts, T tokens, H hidden: router_weight [E, H], hidden [T, H] (or [H]), norm_weight [H]
     (an RMSNorm applied first, as the layer does before its router). Returns ids [T, K], highest
-    logit first (ties: lower id first), and probs [T, K] from the softmax over all E experts.
+    logit first (ties: lower id first), and probs [T, K] from the softmax over all E experts. With
+    sigmoid `gating` the scores are the logits' sigmoids, and a selection_bias [E] (exp_probs_b)
+    is added to them to rank the experts, as the layer chooses them.
     """
     hidden = np.atleast_2d(np.asarray(hidden, dtype=np.float32))
     router_weight = np.asarray(router_weight, dtype=np.float32)
@@ -32,10 +35,14 @@ def route_top_k(router_weight: np.ndarray, hidden: np.ndarray, top_k: int,
     if norm_weight is not None:
         hidden = hidden / np.sqrt(np.mean(hidden * hidden, axis=-1, keepdims=True) + eps) * norm_weight
     logits = hidden @ router_weight.T  # [T, E]
-    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]  # [T, K]
-    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs = np.take_along_axis(shifted / shifted.sum(axis=-1, keepdims=True), ids, axis=-1)
-    return ids, probs
+    if gating == "sigmoid":
+        scores = 1 / (1 + np.exp(-logits))
+    else:
+        shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        scores = shifted / shifted.sum(axis=-1, keepdims=True)
+    ranked = scores if selection_bias is None else scores + selection_bias
+    ids = np.argsort(-ranked, axis=-1, kind="stable")[:, :top_k]  # [T, K]
+    return ids, np.take_along_axis(scores, ids, axis=-1)
 
 
 def merge_token_predictions(ids: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -103,14 +110,16 @@ class NextLayerPredictor:
     cross-layer affinity (learnt from the tokens' routing, layer to layer) makes likelier than
     AFFINITY_MIN, each at its best confidence."""
 
-    def __init__(self, num_layers: int, num_experts: int, top_k: int, eps: float):
-        self.top_k, self.eps = top_k, eps
-        self.routers: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (router [E, H], ffn_norm [H])
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, eps: float, gating: str = "softmax"):
+        self.top_k, self.eps, self.gating = top_k, eps, gating  # gating: the model's (route_top_k)
+        # layer -> (router [E, H], ffn_norm [H], selection bias [E] or None)
+        self.routers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
         self.affinity = AffinityPredictor(num_layers, num_experts, AFFINITY_DECAY)
         self._chosen: dict[int, np.ndarray] = {}  # layer -> its tokens' experts, until the next layer's
 
-    def add_router(self, layer_idx: int, router: np.ndarray, ffn_norm: np.ndarray) -> None:
-        self.routers[layer_idx] = router, ffn_norm
+    def add_router(self, layer_idx: int, router: np.ndarray, ffn_norm: np.ndarray,
+                   selection_bias: np.ndarray | None = None) -> None:
+        self.routers[layer_idx] = router, ffn_norm, selection_bias
 
     def step(self, layer_idx: int, chosen: np.ndarray, residual: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -123,7 +132,8 @@ class NextLayerPredictor:
         following = self.routers.get(layer_idx + 1)
         if following is None:
             return None
-        ids, probs = route_top_k(following[0], residual, self.top_k, following[1], self.eps)
+        router, ffn_norm, bias = following
+        ids, probs = route_top_k(router, residual, self.top_k, ffn_norm, self.eps, self.gating, bias)
         ids, probs = [ids.ravel()], [probs.ravel()]
         for token_experts in chosen:
             likely, likelihood = self.affinity.predict(layer_idx, token_experts, self.top_k)

@@ -31,7 +31,7 @@ class ExpertTier:
     def __init__(self, config: ModelConfig, cache: ExpertCache):
         self.cache, self.num_layers = cache, config.num_layers
         self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
-                                            config.rms_norm_eps)
+                                            config.rms_norm_eps, config.expert_gating)
         self.prefetch = True  # predict and fetch ahead (off: demand fetches only, for comparison)
 
     @property

@@ -110,7 +110,9 @@ class TieredWeights:
         weights = self.packed.layer_weights(index, data, self.experts.layer_experts(index))
         router = weights.router  # for predicting this layer's experts one layer early
         matrix = router.weight.numpy() if isinstance(router, DenseLinear) else router.matrix.dequantize()
-        self.experts.predictor.add_router(index, matrix, np.asarray(weights.ffn_norm))
+        bias = weights.fields.get("exp_probs_b")
+        self.experts.predictor.add_router(index, matrix, np.asarray(weights.ffn_norm),
+                                          None if bias is None else np.asarray(bias))
         return weights
 
     def _to_device(self, index: int, total: int) -> Weights:
