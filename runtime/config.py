@@ -89,6 +89,10 @@ class ModelConfig:
     kv_lora_rank: int = 0
     q_lora_rank: int = 0  # MLA's low-rank queries' width; 0: one plain query projection
     value_head_dim: int = 0  # each head's value width where it differs from head_dim; 0: head_dim
+    # Grouped expert selection (DeepSeek-V3): the experts form expert_groups equal groups, and a
+    # token chooses only among the expert_groups_used groups whose two best scores sum highest.
+    expert_groups: int = 1
+    expert_groups_used: int = 1
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
@@ -120,6 +124,16 @@ class ModelConfig:
                                  f"got {len(self.layer_windows)}")
         self._check_scales()
         self._check_latent()
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        groups, used = self.expert_groups, self.expert_groups_used
+        if groups < 1 or not 1 <= used <= groups or self.num_experts % groups:
+            raise ModelFileError(f"expert_group_count {groups} must divide the {self.num_experts} experts "
+                                 f"and expert_group_used_count {used} be 1..{groups}")
+        if groups > 1 and self.experts_used > used * (self.num_experts // groups):
+            raise ModelFileError(f"expert_used_count {self.experts_used} exceeds the experts of the "
+                                 f"{used} groups used ({used * (self.num_experts // groups)})")
 
     def _check_latent(self) -> None:
         """MLA's widths, where a file sets them."""

@@ -5,8 +5,9 @@ test_moe_families.py; the experts on the GPU kernels: test_gpu_layers.py.
 
 Two forms are generated: DeepSeek-V2-Lite's (one attn_q, softmax gating, no selection bias, YaRN
 without yarn_log_multiplier) and V3's (low-rank queries, a dense first layer, sigmoid gating with
-the selection bias exp_probs_b, weights renormalised and scaled, YaRN with yarn_log_multiplier,
-whose attention scale and rotary magnitude differ from YaRN's usual ones).
+the selection bias exp_probs_b, experts chosen within the better of two groups, weights
+renormalised and scaled, YaRN with yarn_log_multiplier, whose attention scale and rotary magnitude
+differ from YaRN's usual ones).
 """
 
 import numpy as np
@@ -37,8 +38,8 @@ LITE = dict(arch="deepseek2", num_layers=2, hidden_size=64, num_heads=4, head_si
             experts_used=2, expert_ffn_size=32, kv_lora_rank=LATENT, rope_dim=ROPE, context_length=512,
             rope_scaling="yarn", rope_scaling_factor=4.0)  # no yarn_log_multiplier: YaRN's usual scale
 V3 = LITE | dict(num_layers=3, leading_dense_layers=1, q_lora_rank=32, expert_gating="sigmoid",
-                 expert_weights_norm=True, expert_weights_scale=2.5, rope_scaling_factor=40.0,
-                 yarn_log_multiplier=0.0707)
+                 expert_weights_norm=True, expert_weights_scale=2.5, expert_groups=2, expert_groups_used=1,
+                 rope_scaling_factor=40.0, yarn_log_multiplier=0.0707)
 F32 = dict(weight_type="F32", embedding_type="F32")
 CONTEXT = 256
 
@@ -148,4 +149,11 @@ def test_a_gating_function_the_family_does_not_define_is_named(models, tmp_path)
     broken = rewrite_metadata(models["lite-F32"], tmp_path / "gating.gguf",
                               {"deepseek2.expert_gating_func": Typed(UINT32, 4)})
     with pytest.raises(ModelFileError, match="deepseek2.expert_gating_func is 4: .*softmax.*sigmoid"):
+        Engine.load(broken, threads=2, context_length=CONTEXT)
+
+
+def test_expert_groups_that_do_not_divide_the_experts_are_named(models, tmp_path):
+    broken = rewrite_metadata(models["lite-F32"], tmp_path / "groups.gguf",
+                              {"deepseek2.expert_group_count": Typed(UINT32, 3)})
+    with pytest.raises(ModelFileError, match="expert_group_count 3 must divide the 4 experts"):
         Engine.load(broken, threads=2, context_length=CONTEXT)

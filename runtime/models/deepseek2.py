@@ -7,8 +7,9 @@ one row of both cached per position) and, after `leading_dense_block_count` dens
 scores (`expert_gating_func` 1 or 2; older files without it are softmax), the top
 `expert_used_count` chosen by score plus the selection-only bias `exp_probs_b` where the file has
 one, weighted by their scores, renormalised with `expert_weights_norm` and scaled by
-`expert_weights_scale`, and `expert_shared_count` shared experts (one ungated SwiGLU as wide as
-that many experts) every token uses.
+`expert_weights_scale`, only among the `expert_group_used_count` best of `expert_group_count`
+groups where a file groups them (V3's), and `expert_shared_count` shared experts (one ungated
+SwiGLU as wide as that many experts) every token uses.
 
 Only files in llama.cpp's current form are read: the per-head `attn_k_b` and `attn_v_b`
 (`attention.key_length_mla`, `value_length_mla`); older ones with one `attn_kv_b` are refused.
@@ -63,7 +64,10 @@ def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
         expert_gating=expert_gating(meta, "softmax"),
         expert_weights_norm=meta.flag("expert_weights_norm", False),
         expert_weights_scale=meta.number("expert_weights_scale", 0.0) or 1.0,  # 0: not scaled, as llama.cpp
-        leading_dense_layers=_leading_dense_layers(meta),
+        leading_dense_layers=meta.count("leading_dense_block_count", 0, minimum=0,
+                                        maximum=meta.count("block_count")),
+        expert_groups=meta.count("expert_group_count", 0, minimum=0) or 1,
+        expert_groups_used=meta.count("expert_group_used_count", 0, minimum=0) or 1,
     )
 
 
@@ -74,14 +78,6 @@ def _check_cache_widths(meta: Metadata, latent: int, rope_dim: int) -> None:
         if meta.has(key) and meta.count(key) != width:
             raise ModelFileError(f"metadata '{meta.arch}.{key}' is {meta.count(key)}, but kv_lora_rank "
                                  f"{latent} and rope dimension {rope_dim} make it {width}")
-
-
-def _leading_dense_layers(meta: Metadata) -> int:
-    count = meta.count("leading_dense_block_count", 0, minimum=0, maximum=meta.count("block_count"))
-    if meta.count("expert_group_count", 1, minimum=0) > 1:
-        raise UnsupportedModelError(f"{meta.arch}: grouped expert selection (expert_group_count) is not "
-                                    f"supported")
-    return count
 
 
 def _rope_scaling(meta: Metadata) -> RopeScaling:

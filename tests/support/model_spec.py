@@ -162,6 +162,8 @@ class ModelSpec:
     expert_gating: str = "softmax"
     expert_weights_norm: bool = False
     expert_weights_scale: float = 1.0
+    expert_groups: int = 1           # expert_group_count (V3's n_group); 1: not written
+    expert_groups_used: int = 1      # expert_group_used_count (V3's topk_group)
     yarn_log_multiplier: float | None = None  # rope.scaling.yarn_log_multiplier (0.1 x DeepSeek's
                                               # mscale_all_dim, as the converter writes it)
     weight_type: str = "Q8_0"        # every 2-D matrix and expert stack, output.weight included:
@@ -563,6 +565,9 @@ def _latent_metadata(spec: ModelSpec, metadata: list[tuple[str, Typed]]) -> list
             "expert_gating_func": Typed(UINT32, 1 if spec.expert_gating == "softmax" else 2),
             "expert_weights_norm": Typed(BOOL, spec.expert_weights_norm),
             "expert_weights_scale": Typed(FLOAT32, spec.expert_weights_scale)}
+    if spec.expert_groups > 1:
+        keys["expert_group_count"] = Typed(UINT32, spec.expert_groups)
+        keys["expert_group_used_count"] = Typed(UINT32, spec.expert_groups_used)
     if spec.yarn_log_multiplier is not None:
         keys["rope.scaling.yarn_log_multiplier"] = Typed(FLOAT32, spec.yarn_log_multiplier)
     kept = [(key, value) for key, value in metadata if key.removeprefix(f"{arch}.") not in keys]
