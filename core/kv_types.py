@@ -11,8 +11,11 @@
 In q4_0, q[j] is the low nibble of qs[j] for j < 16, else the high nibble of qs[j - 16].
 
 A block runs along one head's features, so the quantized types need a head size that is a
-multiple of 32. The planner, the cache and the benchmarks all size a cache through `row_bytes`
-and `cache_positions`.
+multiple of 32. What a layer caches per position is its `CacheRows`: a key and a value row per KV
+head, or for multi-head latent attention (deepseek2) one row holding the rotary part of the key
+and the compressed latent, which all heads share and which serves as their values too. The
+planner, the cache and the benchmarks all size a cache through `CacheRows.position_bytes` and
+`cache_positions`.
 """
 
 from dataclasses import dataclass
@@ -36,6 +39,29 @@ class KVType:
             raise InvalidArgumentError(f"the KV cache type {self.name} stores blocks of {self.block_values} "
                                        f"values along a head, but this model's head size is {head_dim}; "
                                        f"use f16 or f32")
+
+
+@dataclass(frozen=True)
+class CacheRows:
+    """What one layer caches per position: `heads` key rows of key_dim features and value rows of
+    value_dim (0: none, the values being a view of the key rows: the latent cache)."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    latent: bool = False  # one row of [rotary key part, latent], read as keys and as values
+
+    def position_bytes(self, kv: KVType) -> int:
+        """Bytes one position takes in one layer's cache stored as `kv`."""
+        return self.heads * (kv.row_bytes(self.key_dim) + kv.row_bytes(self.value_dim))
+
+    def check(self, kv: KVType) -> None:
+        """Refuses a cache type these rows cannot be stored in."""
+        if self.latent and kv.block_values != 1:
+            raise InvalidArgumentError(f"the KV cache type {kv.name} is not supported with latent attention "
+                                       f"(its attention is computed from f32 or f16 rows); use f16 or f32")
+        for dim in (self.key_dim, self.value_dim):
+            kv.check_head_dim(dim)
 
 
 KV_TYPES = {kv.name: kv for kv in (KVType("f32", 0, 1, 4), KVType("f16", 1, 1, 2),

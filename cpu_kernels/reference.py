@@ -140,7 +140,7 @@ def attention_reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     q, k, v = hadamard(q, key_rotation), hadamard(k, key_rotation), hadamard(v, value_rotation)
     new = torch.arange(start, start + tokens, device=keys.device)
     write_rows(keys, values, new % capacity, encode(k, kv), encode(v, kv))
-    visible = _visible(start, tokens, parents, tree_start, window, held_from)  # [T, start + T]
+    visible = visible_slots(start, tokens, parents, tree_start, window, held_from)  # [T, start + T]
     oldest = int(visible.any(axis=0).argmax()) if visible.size else 0  # a ring holds none before it
     visible = torch.from_numpy(visible[:, oldest:]).to(qkv.device)  # [T, S]
     seen = torch.arange(oldest, start + tokens, device=keys.device)
@@ -166,7 +166,7 @@ def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None, tokens: int) -> t
     return torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
 
 
-def _visible(start: int, tokens: int, parents: np.ndarray | None, tree_start: int | None,
+def visible_slots(start: int, tokens: int, parents: np.ndarray | None, tree_start: int | None,
              window: int = 0, held_from: int = 0) -> np.ndarray:
     """[T, start + T] bool: which positions (in a tree: slots) each new token attends to. Causal,
     or for a token tree from slot tree_start: everything before the tree, and the token's ancestors; with a

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
+from tierflow.kv_types import CacheRows
 
 MAX_DIMENSION = 1 << 24  # no real model has a width, head count or layer count near this
 
@@ -31,8 +32,11 @@ class RopeScaling:
     original_context_length: int = 0
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    attn_factor: float = 1.0  # YaRN's rotary magnitude, 1 + 0.1 ln(factor), is multiplied by it
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.attn_factor) or self.attn_factor <= 0:
+            raise ModelFileError(f"rope attention factor must be a positive number, got {self.attn_factor}")
         if self.kind not in ("none", "linear", "yarn"):
             raise UnsupportedModelError(f"rope scaling type {self.kind!r} is not supported")
         if not math.isfinite(self.factor) or self.factor <= 0:
@@ -80,6 +84,15 @@ class ModelConfig:
     # Soft caps, cap * tanh(x / cap), of the attention scores and of the output logits; 0: none.
     attn_logit_softcap: float = 0.0
     final_logit_softcap: float = 0.0
+    # Multi-head latent attention (deepseek2): keys and values compressed into a latent of this
+    # width, cached once per position with the rotary part of the keys (rope_dim); 0: per-head KV.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # MLA's low-rank queries' width; 0: one plain query projection
+    value_head_dim: int = 0  # each head's value width where it differs from head_dim; 0: head_dim
+    # Grouped expert selection (DeepSeek-V3): the experts form expert_groups equal groups, and a
+    # token chooses only among the expert_groups_used groups whose two best scores sum highest.
+    expert_groups: int = 1
+    expert_groups_used: int = 1
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
@@ -110,6 +123,26 @@ class ModelConfig:
             raise ModelFileError(f"sliding windows must be one count >= 0 per layer ({self.num_layers}), "
                                  f"got {len(self.layer_windows)}")
         self._check_scales()
+        self._check_latent()
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        groups, used = self.expert_groups, self.expert_groups_used
+        if groups < 1 or not 1 <= used <= groups or self.num_experts % groups:
+            raise ModelFileError(f"expert_group_count {groups} must divide the {self.num_experts} experts "
+                                 f"and expert_group_used_count {used} be 1..{groups}")
+        if groups > 1 and self.experts_used > used * (self.num_experts // groups):
+            raise ModelFileError(f"expert_used_count {self.experts_used} exceeds the experts of the "
+                                 f"{used} groups used ({used * (self.num_experts // groups)})")
+
+    def _check_latent(self) -> None:
+        """MLA's widths, where a file sets them."""
+        for field in ("kv_lora_rank", "q_lora_rank", "value_head_dim"):
+            if getattr(self, field) < 0:
+                raise ModelFileError(f"{field} must be >= 0, got {getattr(self, field)}")
+        if self.kv_lora_rank and self.rope_dim >= self.head_dim:
+            raise ModelFileError(f"rope dimension {self.rope_dim} leaves no unrotated part of the key "
+                                 f"head size {self.head_dim} for the latent attention")
 
     def _check_routing(self) -> None:
         if not 0 <= self.leading_dense_layers <= self.num_layers:
@@ -142,6 +175,14 @@ class ModelConfig:
     def query_scale(self) -> float:
         """What attention scores are multiplied by before the softmax."""
         return self.attention_scale or self.head_dim ** -0.5
+
+    @property
+    def cache_rows(self) -> CacheRows:
+        """What each layer's KV cache holds per position: a key and a value row per KV head, or
+        with latent attention one row of the rotary key part and the latent (values read it)."""
+        if self.kv_lora_rank:
+            return CacheRows(1, self.rope_dim + self.kv_lora_rank, 0, latent=True)
+        return CacheRows(self.num_kv_heads, self.head_dim, self.head_dim)
 
     @property
     def is_moe(self) -> bool:

@@ -34,7 +34,9 @@ class KVCache:
     is longer a ring of its window and a pass (kv_types.cache_positions): position p is in slot
     p % C, so a ring holds the latest C positions written. A quantized type holds its rows rotated
     by a Walsh-Hadamard transform where llama.cpp's does (cpu_kernels/hadamard.py): `write` takes
-    and `read` gives them unrotated. `allocate` gives a layer's zeroed
+    and `read` gives them unrotated. With latent attention (ModelConfig.cache_rows) a layer holds
+    one key row per position, [rotary key part, latent], and values of width 0: the latent part of
+    the key row is the values. `allocate` gives a layer's zeroed
     arrays: by default numpy, in RAM; a layer computed on the GPU keeps its cache there
     (offload.tiers.tiered.TieredWeights.allocate_cache).
 
@@ -48,16 +50,18 @@ class KVCache:
     def __init__(self, config: ModelConfig, context_length: int, allocate: Allocate | None = None,
                  kv_type: KVType | None = None):
         self.kv_type = KV_TYPES["f32"] if kv_type is None else kv_type
-        self.kv_type.check_head_dim(config.head_dim)
+        rows = config.cache_rows
+        rows.check(self.kv_type)
         self.key_rotation, self.value_rotation = rotation_sizes(self.kv_type, config.head_dim)  # 0: none
         layers = range(config.num_layers)
         self.windows = [config.window(i) for i in layers]
         self.capacities = [cache_positions(context_length, window) for window in self.windows]
         dtype, allocate = CACHE_DTYPES[self.kv_type.name], allocate or allocate_in_ram
-        shapes = [cache_shapes(self.kv_type, config.num_kv_heads, capacity, config.head_dim)
-                  for capacity in self.capacities]
-        self.keys = [allocate(i, shapes[i][0], dtype) for i in layers]
-        self.values = [allocate(i, shapes[i][1], dtype) for i in layers]
+        key_shapes, value_shapes = ([cache_shapes(self.kv_type, rows.heads, capacity, dim)[which]
+                                     for capacity in self.capacities]
+                                    for which, dim in ((0, rows.key_dim), (1, rows.value_dim)))
+        self.keys = [allocate(i, key_shapes[i], dtype) for i in layers]
+        self.values = [allocate(i, value_shapes[i], dtype) for i in layers]  # latent: [1, C, 0]
         self.context_length = context_length
         self.length = 0  # positions holding valid entries, the same for every layer
         self.held_from = [0] * config.num_layers  # per layer: none before it since a context shift

@@ -125,7 +125,7 @@ def resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | 
     the KV cache's type; and the context (offload/plan/context.py), which may need the machine's
     speeds (profile) to see whether a placement of the pack (sizes) fits."""
     kv = kv_type(cache.kv_cache_type)
-    kv.check_head_dim(model.config.head_dim)
+    model.config.cache_rows.check(kv)
     check_context(cache.context_length, model.config, cache.allow_context_extension)
     cpu = parse_size(cpu_memory) if cpu_memory is not None else available_ram_bytes()
 

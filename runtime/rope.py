@@ -51,7 +51,7 @@ def rope_tables(
         low, high = _yarn_correction_range(rope_dim, original_ctx, config.rope_theta, scaling)
         ramp = 1.0 - torch.clamp((pair_idx - low) / max(0.001, high - low), 0.0, 1.0)
         angles = extrapolated / scaling.factor * (1.0 - ramp) + extrapolated * ramp
-        magnitude = 1.0 + 0.1 * math.log(scaling.factor)
+        magnitude = (1.0 + 0.1 * math.log(scaling.factor)) * scaling.attn_factor
     cos = (torch.cos(angles) * magnitude).to(torch.float32)
     sin = (torch.sin(angles) * magnitude).to(torch.float32)
     return cos, sin

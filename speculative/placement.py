@@ -35,7 +35,7 @@ def load_draft(model: str | os.PathLike, target: ModelFile, budgets: Budgets, gp
         if budgets.context_length > config.context_length and not extended:
             raise ContextLengthError(f"the draft {path.name} holds {config.context_length} positions, "
                                      f"fewer than context_length {budgets.context_length}")
-        budgets.kv.check_head_dim(config.head_dim)
+        config.cache_rows.check(budgets.kv)
         sizes = pack_sizes(draft)
         cache = CacheFootprint.of(config, budgets.context_length, budgets.kv, budgets.kv_on_cpu)
         every_layer = tuple(range(config.num_layers))

@@ -123,6 +123,22 @@ def test_experts_cached_on_the_gpu_run_its_kernels_and_keep_the_cpu_tokens(tmp_p
     assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
 
 
+def test_deepseek2_experts_cached_on_the_gpu_keep_the_cpu_tokens(tmp_path):
+    """A MoE model's layers stay on the CPU, so deepseek2's latent attention runs there; its routed
+    experts (sigmoid gating with the selection bias) run on the GPU kernels."""
+    spec = ModelSpec(arch="deepseek2", num_layers=2, hidden_size=64, num_heads=4, head_size=48, rope_dim=16,
+                     num_experts=4, experts_used=2, expert_ffn_size=32, q_lora_rank=32,
+                     expert_gating="sigmoid", seed=8)
+    path = write_model(tmp_path / "deepseek2.gguf", spec)
+    tokens, logits = cpu_result(path, kv_cache_type="f32")
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="1MiB", kv_cache_type="f32",
+                     **GPU) as engine:
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
+        got = engine.logits(engine.tokenize(PROMPT) + tokens)
+        assert engine.weights.experts.schedules.on_gpu + engine.weights.experts.schedules.fetched > 0
+    assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
+
+
 def test_glm4moe_experts_cached_on_the_gpu_keep_the_cpu_tokens(tmp_path):
     """A dense first layer (no experts to cache), then sigmoid-scored experts with a selection bias
     and an ungated shared expert."""

@@ -14,11 +14,18 @@ from tests.support.oracle import LONG_TEXT
 from tierflow.cpu_kernels.hadamard import hadamard, rotation_sizes
 from tierflow.cpu_kernels.kv_layout import read_rows
 from tierflow.errors import InvalidArgumentError
-from tierflow.kv_types import KV_TYPES
+from tierflow.kv_types import KV_TYPES, CacheRows
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 
-CONFIG = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=64, window=lambda layer: 0)  # no windows
+
+def cache_config(num_layers: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
+    """What KVCache reads of a ModelConfig, for per-head keys and values and no windows."""
+    return SimpleNamespace(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           window=lambda layer: 0, cache_rows=CacheRows(num_kv_heads, head_dim, head_dim))
+
+
+CONFIG = cache_config(num_layers=2, num_kv_heads=3, head_dim=64)
 # (head size 64: a quantized type rotates keys and values in blocks of 64)
 CONTEXT = 40  # capacity 48: three blocks of 16 positions
 TYPES = list(KV_TYPES)
@@ -137,7 +144,7 @@ def test_num_bytes_counts_each_row_in_its_type(name):
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
 def test_a_head_size_that_is_not_a_multiple_of_64_is_stored_unrotated(name, head_dim):
     """As llama.cpp does (its attn_rot_k and attn_rot_v need one)."""
-    config = SimpleNamespace(num_layers=1, num_kv_heads=3, head_dim=head_dim, window=CONFIG.window)
+    config = cache_config(num_layers=1, num_kv_heads=3, head_dim=head_dim)
     cache = KVCache(config, CONTEXT, kv_type=KV_TYPES[name])
     keys, values = random_rows(2, head_dim=head_dim), random_rows(2, seed=1, head_dim=head_dim)
     cache.write(0, [4, 30], keys, values)
@@ -170,8 +177,7 @@ def test_the_rotation_is_the_orthonormal_sylvester_hadamard_matrix_and_its_own_i
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
 def test_a_block_type_refuses_a_head_size_that_is_not_a_multiple_of_32(name):
     with pytest.raises(InvalidArgumentError, match="head size is 48"):
-        KVCache(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=48, window=CONFIG.window), CONTEXT,
-                kv_type=KV_TYPES[name])
+        KVCache(cache_config(num_layers=1, num_kv_heads=1, head_dim=48), CONTEXT, kv_type=KV_TYPES[name])
 
 
 # -- what a lossy cache costs the bundled model --------------------------------------------------

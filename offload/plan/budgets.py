@@ -15,16 +15,18 @@ from tierflow.errors import PlanBudgetError
 from tierflow.kv_types import KVType, cache_positions
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
+from tierflow.runtime.models.latent_attention import QUERY_CHUNK
 from tierflow.units import format_size, round_up_as_printed
 
 CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # the default cpu_memory keeps this much RAM free
 
 
 def layer_kv_bytes(config: ModelConfig, layer_idx: int, context_length: int, kv: KVType) -> int:
-    """One layer's keys and values stored as `kv`: a ring for a sliding-window layer, else the
-    whole context (cache_positions)."""
+    """One layer's keys and values stored as `kv` (per position its cache rows: per-head keys and
+    values, or the latent row), a ring for a sliding-window layer, else the whole context
+    (cache_positions)."""
     positions = cache_positions(context_length, config.window(layer_idx))
-    return 2 * config.num_kv_heads * kv.row_bytes(config.head_dim) * positions
+    return config.cache_rows.position_bytes(kv) * positions
 
 
 def kv_cache_bytes(config: ModelConfig, context_length: int, kv: KVType) -> int:
@@ -37,9 +39,21 @@ def scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
     attention kernel's scores are per thread, not per token: each thread scores one token's query
     heads of one key/value head at a time (group x keys floats), and the cores bound the threads."""
     c = config
+    if c.kv_lora_rank:
+        return latent_scratch_bytes(config, tokens, keys)
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     scores = (os.cpu_count() or 1) * (c.num_heads // c.num_kv_heads) * keys
     return 4 * (tokens * (c.hidden_size + 2 * c.ffn_size + qkv) + scores + c.vocab_size)
+
+
+def latent_scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
+    """scratch_bytes of latent attention (runtime/models/latent_attention.py, in torch): per token
+    its queries in the cache rows' space and the heads' outputs; the cache rows read back, every
+    key's; the scores of QUERY_CHUNK tokens at a time, in three copies (scores, masked, softmax)."""
+    c, row = config, config.cache_rows.key_dim
+    per_token = c.hidden_size + 2 * max(c.ffn_size, c.expert_ffn_size) + c.num_heads * (row + c.head_dim)
+    scores = 3 * min(tokens, QUERY_CHUNK) * c.num_heads * keys
+    return 4 * (tokens * per_token + keys * row + scores + c.vocab_size)
 
 
 def activation_bytes(config: ModelConfig, context_length: int) -> int:

@@ -8,6 +8,7 @@ architecture".
 
 from tierflow.errors import UnsupportedModelError
 from tierflow.runtime.models import (
+    deepseek2,
     gemma2,
     gemma3,
     glm4moe,
@@ -23,7 +24,8 @@ from tierflow.runtime.models.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
     family.ARCHITECTURE.name: family.ARCHITECTURE
-    for family in (llama, qwen2, qwen2moe, olmoe, qwen3, qwen3moe, gemma2, gemma3, glm4moe, gptoss)
+    for family in (llama, qwen2, qwen2moe, olmoe, qwen3, qwen3moe, gemma2, gemma3, glm4moe, gptoss,
+                   deepseek2)
 }
 
 

@@ -150,13 +150,17 @@ def scored_top_k(config: ModelConfig, selection_bias: Activations | None = None)
     softmax or the sigmoid of its logit (config.expert_gating); each token takes the k experts of
     highest score + selection_bias ([N], exp_probs_b: it changes which experts are chosen, never
     their weights), weighted by their scores, rescaled to sum to 1 where expert_weights_norm (the
-    sum held at least 2^-14, as llama.cpp clamps it), then multiplied by expert_weights_scale."""
+    sum held at least 2^-14, as llama.cpp clamps it), then multiplied by expert_weights_scale.
+    With expert_groups > 1, only the experts of each token's best groups can be chosen
+    (keep_best_groups)."""
     bias = None if selection_bias is None else torch.as_tensor(selection_bias)
 
     def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits.float()  # [T, N]
         scores = torch.sigmoid(logits) if config.expert_gating == "sigmoid" else torch.softmax(logits, dim=-1)
         selection = scores if bias is None else scores + bias.to(scores.device)
+        if config.expert_groups > 1:
+            selection = keep_best_groups(selection, config.expert_groups, config.expert_groups_used)
         chosen = selection.topk(k, dim=-1).indices  # [T, k]
         weights = scores.gather(-1, chosen)
         if config.expert_weights_norm:
@@ -164,6 +168,18 @@ def scored_top_k(config: ModelConfig, selection_bias: Activations | None = None)
         return weights * config.expert_weights_scale, chosen
 
     return route
+
+
+def keep_best_groups(selection: torch.Tensor, groups: int, used: int) -> torch.Tensor:
+    """llama.cpp's grouped selection (DeepSeek-V3's n_group, topk_group): the N experts form
+    `groups` equal groups, each scored by the sum of its two best selection scores; a token's
+    experts outside its `used` best groups get -inf. selection [T, N] -> [T, N]."""
+    tokens, n = selection.shape
+    grouped = selection.view(tokens, groups, n // groups)  # [T, G, N/G]
+    group_scores = grouped.topk(min(2, n // groups), dim=-1).values.sum(dim=-1)  # [T, G]
+    best = group_scores.topk(used, dim=-1).indices  # [T, used]
+    dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, best, False)
+    return grouped.masked_fill(dropped[..., None], float("-inf")).view(tokens, n)
 
 
 def moe_ffn(router: Router, shared_expert: bool = False, expert_ffn: ExpertFFN = swiglu) -> FFN:

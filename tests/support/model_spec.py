@@ -108,6 +108,8 @@ class _ArchTraits:
     optional_attention: bool = False  # q/k/v biases (written) and per-head q/k norms (on ask)
     required_window: int = 0        # llama.cpp requires {arch}.attention.sliding_window: this is
                                     # written when the spec sets none (0: not required)
+    latent_attention: bool = False  # deepseek2's MLA: kv_lora_rank, rope_dim, value_head_size,
+                                    # q_lora_rank and the router's keys (see ModelSpec)
 
 
 ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
@@ -122,7 +124,9 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
          "glm4moe": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True, nextn=True,
                                 scored_router=True, optional_attention=True),
          "gpt-oss": _ArchTraits(experts="always", expert_width_key=True, untied_only=True,
-                                required_window=128)}
+                                required_window=128),
+         "deepseek2": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True,
+                                  latent_attention=True)}
 MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
 _MIX_BLOCK = 32  # every type a mix falls back to packs rows in blocks of 32
 
@@ -160,6 +164,22 @@ class ModelSpec:
     shared_experts: int = 1          # scored_router archs: expert_shared_count
     rope_dim: int | None = None      # rope.dimension_count, even, <= head_dim; None: head_dim
     qk_norm: bool = False            # optional_attention archs: write per-head q/k norms
+    # deepseek2 (latent attention): head_size is each head's query/key size (key_length_mla), of
+    # which rope_dim (required) rotate; keys and values are compressed to kv_lora_rank; each head's value is
+    # value_head_size wide; queries go through a rank of q_lora_rank (0: one attn_q, as the Lite
+    # models). Experts: expert_gating "softmax" or "sigmoid" (sigmoid files carry the selection
+    # bias exp_probs_b, as V3's), weights renormalised and then scaled, shared_experts of
+    # expert_ffn_size each.
+    kv_lora_rank: int = 64
+    value_head_size: int = 32
+    q_lora_rank: int = 0
+    expert_gating: str = "softmax"
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 1.0
+    expert_groups: int = 1           # expert_group_count (V3's n_group); 1: not written
+    expert_groups_used: int = 1      # expert_group_used_count (V3's topk_group)
+    yarn_log_multiplier: float | None = None  # rope.scaling.yarn_log_multiplier (0.1 x DeepSeek's
+                                              # mscale_all_dim, as the converter writes it)
     weight_type: str = "Q8_0"        # every 2-D matrix and expert stack, output.weight included:
                                      # a type, or a mix (MIXES) that types each by its role
     embedding_type: str = "Q8_0"     # token_embd.weight (a mix: typed as the mix types it)
@@ -185,6 +205,7 @@ class ModelSpec:
         self._check_experts()
         self._check_layers()
         self._check_arch()
+        self._check_latent()
         self._check_rope()
         for field, row_lengths in (("weight_type", self._row_lengths()),
                                    ("embedding_type", (self.hidden_size,))):
@@ -199,12 +220,25 @@ class ModelSpec:
             raise ValueError(f"llama.cpp's {self.arch!r} k norm is hidden_size wide: num_kv_heads "
                              f"{self.num_kv_heads} must equal num_heads {self.num_heads}")
 
+    def _check_latent(self) -> None:
+        if not ARCHS[self.arch].latent_attention:
+            return
+        if self.rope_dim is None or self.rope_dim >= self.head_dim:
+            raise ValueError(f"latent attention rotates part of each head: rope_dim must be below head_size "
+                             f"{self.head_dim}, got {self.rope_dim}")
+        for name in ("kv_lora_rank", "value_head_size", "shared_experts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.expert_gating not in ("softmax", "sigmoid"):
+            raise ValueError(f"expert_gating must be 'softmax' or 'sigmoid', not {self.expert_gating!r}")
+
     def _check_layers(self) -> None:
         """The glm4moe-style knobs: only where the arch reads them, and in range."""
         traits = ARCHS[self.arch]
+        shared = traits.scored_router or traits.latent_attention
         knobs = {"leading_dense_layers": (self.leading_dense_layers != 0, traits.leading_dense),
                  "nextn_layers": (self.nextn_layers != 0, traits.nextn),
-                 "shared_experts": (self.shared_experts != 1, traits.scored_router),
+                 "shared_experts": (self.shared_experts != 1, shared),
                  "qk_norm": (self.qk_norm, traits.optional_attention)}
         for name, (given, read) in knobs.items():
             if given and not read:
@@ -273,6 +307,11 @@ class ModelSpec:
 
     def _row_lengths(self) -> tuple[int, ...]:
         """Every weight_type row length: matrices' inputs, the FFN's and experts' down rows."""
+        if ARCHS[self.arch].latent_attention:
+            lengths = (self.hidden_size, self.ffn_size, self.expert_ffn_width, self.kv_lora_rank,
+                       self.num_heads * self.value_head_size, self.head_dim - self.rope_dim,
+                       self.expert_ffn_width * self.shared_experts)
+            return lengths + ((self.q_lora_rank,) if self.q_lora_rank else ())
         lengths = (self.hidden_size, self.ffn_size, self.num_heads * self.head_dim)
         if self.num_experts:
             lengths += (self.expert_ffn_width,)
@@ -477,8 +516,11 @@ def tensor_plan(spec: ModelSpec, vocab_size: int) -> list[PlannedTensor]:
 
 
 def _written(field: Field, spec: ModelSpec) -> bool:
-    """Optional per-head q/k norms are written only when the spec asks for them."""
+    """Optional per-head q/k norms are written only when the spec asks for them; deepseek2's
+    optional selection bias comes with sigmoid gating (V3's files), not softmax (V2's)."""
     optional = isinstance(field.kind, Vector) and field.kind.optional
+    if optional and field.name == "exp_probs_b":
+        return spec.expert_gating == "sigmoid"
     return not (optional and field.name in ("q_norm", "k_norm") and not spec.qk_norm)
 
 
@@ -527,7 +569,33 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
     if spec.rope_scaling == "yarn":
         original = int(spec.context_length / spec.rope_scaling_factor)
         metadata.append((f"{arch}.rope.scaling.original_context_length", u32(original)))
+    if ARCHS[arch].latent_attention:
+        return _latent_metadata(spec, metadata)
     return metadata + _gemma_metadata(spec)
+
+
+def _latent_metadata(spec: ModelSpec, metadata: list[tuple[str, Typed]]) -> list[tuple[str, Typed]]:
+    """deepseek2's keys as llama.cpp's converter writes them for the absorbed form: the cache's
+    row widths as key_length / value_length, one KV head, the per-head sizes as *_mla."""
+    arch, latent = spec.arch, spec.kv_lora_rank
+    keys = {"attention.head_count_kv": Typed(UINT32, 1),
+            "attention.key_length": Typed(UINT32, latent + spec.rope_dim),
+            "attention.value_length": Typed(UINT32, latent),
+            "attention.key_length_mla": Typed(UINT32, spec.head_dim),
+            "attention.value_length_mla": Typed(UINT32, spec.value_head_size),
+            "attention.kv_lora_rank": Typed(UINT32, latent),
+            "attention.q_lora_rank": Typed(UINT32, spec.q_lora_rank),
+            "expert_shared_count": Typed(UINT32, spec.shared_experts),
+            "expert_gating_func": Typed(UINT32, 1 if spec.expert_gating == "softmax" else 2),
+            "expert_weights_norm": Typed(BOOL, spec.expert_weights_norm),
+            "expert_weights_scale": Typed(FLOAT32, spec.expert_weights_scale)}
+    if spec.expert_groups > 1:
+        keys["expert_group_count"] = Typed(UINT32, spec.expert_groups)
+        keys["expert_group_used_count"] = Typed(UINT32, spec.expert_groups_used)
+    if spec.yarn_log_multiplier is not None:
+        keys["rope.scaling.yarn_log_multiplier"] = Typed(FLOAT32, spec.yarn_log_multiplier)
+    kept = [(key, value) for key, value in metadata if key.removeprefix(f"{arch}.") not in keys]
+    return kept + [(f"{arch}.{key}", value) for key, value in keys.items()]
 
 
 def _gemma_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
