@@ -8,7 +8,10 @@ with the experts streamed through the expert cache against the disk and clairvoy
 Each family's model is written once by the project's generator (random weights, the SmolLM2
 vocabulary) into the cache directory, at the real model's per-layer shape:
 - qwen3moe: Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts of width 768, top-8, 32 query and
-  4 KV heads of size 128), every matrix Q4_K.
+  4 KV heads of size 128), every matrix Q4_K;
+- gpt-oss: gpt-oss-20b (24 layers, hidden 2880, 32 experts of width 2880, top-4, 64 query and 8 KV
+  heads of size 64, every other layer a window of 128, YaRN), MXFP4 experts and Q8_0 elsewhere
+  (llama.cpp's MXFP4_MOE mix; the released file keeps some of those in BF16).
 
 `--layers N` keeps every per-layer shape and cuts the depth, for machines that cannot hold the
 whole model twice; `--cpu-memory` is then scaled by the same fraction of the layers (printed), so
@@ -49,6 +52,11 @@ FAMILIES = {
                           num_kv_heads=4, head_size=128, num_experts=128, experts_used=8,
                           expert_ffn_size=768, context_length=40960, rope_theta=1e6,
                           weight_type="Q4_K", embedding_type="Q4_K"),
+    "gpt-oss": ModelSpec(arch="gpt-oss", num_layers=24, hidden_size=2880, ffn_size=2880, num_heads=64,
+                         num_kv_heads=8, head_size=64, num_experts=32, experts_used=4, sliding_window=128,
+                         context_length=131072, rope_theta=150000.0, rope_scaling="yarn",
+                         rope_scaling_factor=32.0, weight_type="Q8_0", embedding_type="Q8_0",
+                         expert_type="MXFP4"),
 }
 
 
@@ -57,7 +65,8 @@ def model_file(family: str, layers: int | None) -> tuple[Path, float]:
     model's layers it holds."""
     spec = FAMILIES[family]
     depth = layers or spec.num_layers
-    path = cache_dir() / "bench" / f"{family}-{depth}-layers-{spec.weight_type}.gguf"
+    types = spec.weight_type + (f"-{spec.expert_type}-experts" if spec.expert_type else "")
+    path = cache_dir() / "bench" / f"{family}-{depth}-layers-{types}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"writing {path} ...", file=sys.stderr)

@@ -183,6 +183,8 @@ class ModelSpec:
     weight_type: str = "Q8_0"        # every 2-D matrix and expert stack, output.weight included:
                                      # a type, or a mix (MIXES) that types each by its role
     embedding_type: str = "Q8_0"     # token_embd.weight (a mix: typed as the mix types it)
+    expert_type: str | None = None   # the routed experts' stacked tensors (gpt-oss: MXFP4);
+                                     # None: weight_type
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -210,6 +212,10 @@ class ModelSpec:
         for field, row_lengths in (("weight_type", self._row_lengths()),
                                    ("embedding_type", (self.hidden_size,))):
             self._check_type(field, row_lengths)
+        if self.expert_type is not None:
+            if not self.num_experts:
+                raise ValueError("expert_type needs num_experts")
+            self._check_type("expert_type", (self.hidden_size, self.expert_ffn_width))
 
     def _check_arch(self) -> None:
         traits = ARCHS[self.arch]
@@ -441,6 +447,8 @@ def _weight_type(tensor: Tensor, spec: ModelSpec) -> GGMLQuantizationType:
     """A matrix's type: the spec's, or what its mix gives the tensor's role and layer."""
     role = _role(tensor.name)
     name = spec.embedding_type if role == "token_embd.weight" else spec.weight_type
+    if spec.expert_type is not None and role.endswith("_exps.weight"):
+        name = spec.expert_type
     if name not in MIXES:
         return Q[name]
     head = role == "output.weight" or role == "token_embd.weight" and spec.tied_embeddings
