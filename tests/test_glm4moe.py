@@ -24,9 +24,8 @@ from tests.support.oracle import (
     PROMPTS,
     assert_greedy_agrees,
     assert_logits_agree,
-    llama_cpp_logits,
+    assert_moe_agrees_but_where_routing_is_a_near_tie,
     llama_cpp_model,
-    top2_margin,
 )
 from tests.test_planner import PROFILE
 from tierflow import Engine
@@ -73,13 +72,9 @@ def test_quantized_glm4moe_matches_llama_cpp_but_where_routing_is_a_near_tie(tmp
                          **K_QUANT)
     with engine:
         ids = engine.tokenize(LONG_TEXT)[:64]
-        ours, theirs = engine.logits(ids), llama_cpp_logits(llama, ids)
+        median = assert_moe_agrees_but_where_routing_is_a_near_tie(engine, llama, ids)
     llama.close()
-    per_position = np.abs(ours - theirs).mean(-1)
-    decided = top2_margin(theirs) > 1.0
-    assert np.median(per_position) < 0.35 and (per_position > 1.0).mean() <= 0.05
-    assert (ours.argmax(-1)[decided] == theirs.argmax(-1)[decided]).mean() >= 0.95
-    print(f"glm4moe {weight_type}: median |logit difference| vs llama.cpp {np.median(per_position):.4f}")
+    print(f"glm4moe {weight_type}: median |logit difference| vs llama.cpp {median:.4f}")
 
 
 # -- the router ---------------------------------------------------------------------------------

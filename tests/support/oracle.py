@@ -73,6 +73,19 @@ def assert_logits_agree(engine, llama, ids, max_mean_diff: float, near_tie: floa
     return mean_abs_diff
 
 
+def assert_moe_agrees_but_where_routing_is_a_near_tie(engine, llama, ids) -> float:
+    """A quantized mixture of experts against llama.cpp: its 8-bit activations flip a router's
+    choice where the k-th and (k+1)-th expert nearly tie, and at those few positions (1-2 of 64
+    measured) the logits differ by 1-4; elsewhere they agree within the quantization noise of dense
+    models. Returns the median |logit difference| per position."""
+    ours, theirs = engine.logits(ids), llama_cpp_logits(llama, ids)
+    per_position = np.abs(ours - theirs).mean(-1)
+    decided = top2_margin(theirs) > 1.0
+    assert np.median(per_position) < 0.35 and (per_position > 1.0).mean() <= 0.05
+    assert (ours.argmax(-1)[decided] == theirs.argmax(-1)[decided]).mean() >= 0.95
+    return float(np.median(per_position))
+
+
 def assert_greedy_agrees(engine, llama, prompt: str, near_tie: float, max_tokens: int = 64):
     """tierflow's greedy tokens are llama.cpp's, but where llama.cpp's choice is a near-tie.
 
