@@ -13,11 +13,13 @@ outlier features are spread over the block, instead of being set by one of them.
 - Latent rows (multi-head latent attention, kv_types.CacheRows): the row [rotary key part R,
   latent L] and the queries as keys, in blocks of n, the largest power of two dividing both R and
   L, when n >= 64; the values are the rotated row's latent part, so each head's output in latent
-  space is rotated back in the same blocks. llama.cpp takes n as the largest power of two dividing
-  R + L (its rows are [latent, rotary part]): the same n wherever that n divides L, as in every
-  DeepSeek-V2/V3 shape (R 64, L 512: n 64). Where it does not (R = L = 64, say) llama.cpp's rotated
-  latent would mix in the rotary part; here no block straddles the two, so a context shift turns
-  the rotary part's blocks alone and the latent's stay as stored, as in llama.cpp.
+  space is rotated back in the same blocks. No block straddles the two parts, so a context shift
+  turns the rotary part's blocks alone and the latent's stay as stored. llama.cpp's cache takes n
+  as the largest power of two dividing R + L (its rows are [latent, rotary part]): the same n
+  wherever that n divides L, as in every DeepSeek-V2/V3 shape (R 64, L 512: n 64), and its
+  sliding-window MLA graph rotates as here. Its deepseek2 graph (llama-cpp-python 0.3.36), though,
+  stores the rows unrotated (the same logits with LLAMA_ATTN_ROT_DISABLE=1), and its context shift
+  of a quantized MLA cache aborts ("not implemented" in ggml's dup).
 
 `hadamard` is the one definition of the transform: butterfly stages (a + b, a - b), then times
 float32 1/sqrt(n). The C kernel (csrc/ops.c) and the Triton kernel compute the same float32
