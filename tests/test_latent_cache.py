@@ -9,14 +9,20 @@ takes for them (attn_rot_k; its deepseek2 graph in llama-cpp-python 0.3.36 store
 though: the same logits with LLAMA_ATTN_ROT_DISABLE=1).
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 from tests.support.kv_shift import NEVER, text_ids
 from tests.support.make_model import ModelSpec, write_model
-from tests.support.oracle import LONG_TEXT, assert_moe_agrees_but_where_routing_is_a_near_tie, llama_cpp_model
-from tests.support.oracle import llama_cpp_logits as llama_cpp_logits_of
+from tests.support.oracle import (
+    LONG_TEXT,
+    assert_moe_agrees_but_where_routing_is_a_near_tie,
+    llama_cpp_logits,
+    llama_cpp_model,
+)
 from tierflow import Engine
 from tierflow.cpu_kernels.hadamard import cache_rotation_sizes, hadamard
 from tierflow.cpu_kernels.kv_layout import encode, read_rows
@@ -42,32 +48,37 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ids(models) -> list[int]:
-    with Engine.load(models[2], threads=2, context_length=CONTEXT) as engine:
-        return engine.tokenize(LONG_TEXT * 3)[:TOKENS]
+def engines(models):
+    """The two-layer model with its cache in each type."""
+    with contextlib.ExitStack() as stack:
+        yield {kv: stack.enter_context(Engine.load(models[2], threads=2, context_length=CONTEXT,
+                                                   kv_cache_type=kv)) for kv in ["f32", *QUANTIZED]}
 
 
 @pytest.fixture(scope="module")
-def our_logits(models, ids) -> dict[str, np.ndarray]:
-    logits = {}
-    for kv in ["f32", *QUANTIZED]:
-        with Engine.load(models[2], threads=2, context_length=CONTEXT, kv_cache_type=kv) as engine:
-            logits[kv] = engine.logits(ids)
-    return logits
-
-
-@pytest.fixture(scope="module")
-def llama_cpp_logits(models, ids) -> dict[str, np.ndarray]:
-    """llama.cpp's logits with its cache in each type (flash attention on all, as a quantized cache
+def llamas(models):
+    """llama.cpp on it with its cache in each type (flash attention on all, as a quantized cache
     needs it there)."""
     from llama_cpp import GGML_TYPE_F32, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 
-    logits = {}
-    for kv, ggml_type in (("f32", GGML_TYPE_F32), ("q8_0", GGML_TYPE_Q8_0), ("q4_0", GGML_TYPE_Q4_0)):
-        llama = llama_cpp_model(models[2], n_ctx=CONTEXT, cache_type=ggml_type)
-        logits[kv] = llama_cpp_logits_of(llama, ids)
+    types = {"f32": GGML_TYPE_F32, "q8_0": GGML_TYPE_Q8_0, "q4_0": GGML_TYPE_Q4_0}
+    llamas = {kv: llama_cpp_model(models[2], n_ctx=CONTEXT, cache_type=ggml_type)
+              for kv, ggml_type in types.items()}
+    yield llamas
+    for llama in llamas.values():
         llama.close()
-    return logits
+
+
+@pytest.fixture(scope="module")
+def ids(engines) -> list[int]:
+    return engines["f32"].tokenize(LONG_TEXT * 3)[:TOKENS]
+
+
+@pytest.fixture(scope="module")
+def logits(engines, llamas, ids) -> dict[str, dict[str, np.ndarray]]:
+    """Ours and llama.cpp's logits of ids with the cache in each type."""
+    return {"ours": {kv: engine.logits(ids) for kv, engine in engines.items()},
+            "llama.cpp": {kv: llama_cpp_logits(llama, ids) for kv, llama in llamas.items()}}
 
 
 def drift(logits: np.ndarray, exact: np.ndarray) -> float:
@@ -90,49 +101,40 @@ def test_latent_rows_are_rotated_in_the_largest_power_of_two_blocks_dividing_bot
 
 
 @pytest.mark.parametrize("kv", QUANTIZED)
-def test_a_quantized_latent_cache_stores_the_rows_hadamard_rotated_in_its_type(models, ids, kv):
+def test_a_quantized_latent_cache_stores_the_rows_hadamard_rotated_in_its_type(engines, ids, kv):
     """The first layer's rows depend only on their token and position: the bytes a q8_0/q4_0 cache
     holds are those of the f32 cache's rows, rotated in blocks of 64, then encoded."""
     stored = {}
     for name in ("f32", kv):
-        with Engine.load(models[2], threads=2, context_length=CONTEXT, kv_cache_type=name) as engine:
-            with engine.exclusive() as generator:
-                generator.prefill(ids, NEVER, reuse_prefix=False)
-                cache = generator.cache
-                positions = torch.arange(len(ids))
-                stored[name] = read_rows(*(torch.as_tensor(x[0]) for x in (cache.keys, cache.values)),
-                                         positions)[0]
-    expected = encode(hadamard(stored["f32"], 64), KV_TYPES[kv])
-    assert torch.equal(stored[kv], expected)
+        with engines[name].exclusive() as generator:
+            generator.prefill(ids, NEVER, reuse_prefix=False)
+            cache = generator.cache
+            keys, values = (torch.as_tensor(layers[0]) for layers in (cache.keys, cache.values))
+            stored[name] = read_rows(keys, values, torch.arange(len(ids)))[0]
+    assert torch.equal(stored[kv], encode(hadamard(stored["f32"], 64), KV_TYPES[kv]))
 
 
 @pytest.mark.parametrize("kv", QUANTIZED)
-def test_a_quantized_latent_cache_moves_the_logits_no_more_than_llama_cpps(our_logits, llama_cpp_logits, kv):
+def test_a_quantized_latent_cache_moves_the_logits_no_more_than_llama_cpps(logits, kv):
     """Each against its own f32 cache, whose rows llama.cpp stores unrotated (measured: q8_0
     0.0063 here, 0.0066 in llama.cpp; q4_0 0.088 and 0.097; without rotating the output back,
     0.68 for both)."""
-    ours, theirs = (drift(logits[kv], logits["f32"]) for logits in (our_logits, llama_cpp_logits))
+    ours, theirs = (drift(logits[who][kv], logits[who]["f32"]) for who in ("ours", "llama.cpp"))
     print(f"latent cache {kv}: logits drift from f32 {ours:.4f} (llama.cpp {theirs:.4f})")
     assert ours <= 1.25 * theirs
 
 
-def test_a_q8_0_latent_cache_agrees_with_llama_cpps_within_quantization_noise(models, ids):
+def test_a_q8_0_latent_cache_agrees_with_llama_cpps_within_quantization_noise(engines, llamas, ids):
     """Two q8_0 caches, ours rotated and llama.cpp's not: their rounding differs, which flips a
     router's choice where two experts nearly tie, as llama.cpp's 8-bit activations do in a
     quantized MoE (tests/support/oracle.py). (Measured: a median of 0.056.)"""
-    from llama_cpp import GGML_TYPE_Q8_0
-
-    llama = llama_cpp_model(models[2], n_ctx=CONTEXT, cache_type=GGML_TYPE_Q8_0)
-    with Engine.load(models[2], threads=2, context_length=CONTEXT, kv_cache_type="q8_0") as engine:
-        median = assert_moe_agrees_but_where_routing_is_a_near_tie(engine, llama, ids)
-    llama.close()
+    median = assert_moe_agrees_but_where_routing_is_a_near_tie(engines["q8_0"], llamas["q8_0"], ids)
     print(f"latent cache q8_0: median |logit difference| vs llama.cpp's q8_0 cache {median:.4f}")
 
 
-def test_a_q8_0_latent_cache_holds_one_row_of_blocks_per_position_and_layer(models):
-    row_bytes = (ROPE + LATENT) // 32 * 34
-    with Engine.load(models[2], threads=2, context_length=CONTEXT, kv_cache_type="q8_0") as engine:
-        assert engine.kv_cache_bytes == engine.plan.kv_bytes == 2 * CONTEXT * row_bytes  # 2 layers
+def test_a_q8_0_latent_cache_holds_one_row_of_blocks_per_position_and_layer(engines):
+    engine, row_bytes = engines["q8_0"], (ROPE + LATENT) // 32 * 34
+    assert engine.kv_cache_bytes == engine.plan.kv_bytes == 2 * CONTEXT * row_bytes  # 2 layers
 
 
 def continuation(path, kv: str, shifted: bool) -> np.ndarray:
