@@ -13,8 +13,9 @@ In q4_0, q[j] is the low nibble of qs[j] for j < 16, else the high nibble of qs[
 A block runs along one head's features, so the quantized types need a head size that is a
 multiple of 32. What a layer caches per position is its `CacheRows`: a key and a value row per KV
 head, or for multi-head latent attention (deepseek2) one row holding the rotary part of the key
-and the compressed latent, which all heads share and which serves as their values too. The
-planner, the cache and the benchmarks all size a cache through `CacheRows.position_bytes` and
+and the compressed latent, which all heads share and which serves as their values too (in a
+quantized type each part is whole blocks, as llama.cpp's view of the latent needs). The planner,
+the cache and the benchmarks all size a cache through `CacheRows.position_bytes` and
 `cache_positions`.
 """
 
@@ -50,6 +51,7 @@ class CacheRows:
     key_dim: int
     value_dim: int
     latent: bool = False  # one row of [rotary key part, latent], read as keys and as values
+    rotary_dim: int = 0  # latent rows: the width of the rotary key part leading each row
 
     def position_bytes(self, kv: KVType) -> int:
         """Bytes one position takes in one layer's cache stored as `kv`."""
@@ -57,11 +59,15 @@ class CacheRows:
 
     def check(self, kv: KVType) -> None:
         """Refuses a cache type these rows cannot be stored in."""
-        if self.latent and kv.block_values != 1:
-            raise InvalidArgumentError(f"the KV cache type {kv.name} is not supported with latent attention "
-                                       f"(its attention is computed from f32 or f16 rows); use f16 or f32")
-        for dim in (self.key_dim, self.value_dim):
-            kv.check_head_dim(dim)
+        if not self.latent:
+            for dim in (self.key_dim, self.value_dim):
+                kv.check_head_dim(dim)
+        elif self.rotary_dim % kv.block_values or self.key_dim % kv.block_values:
+            raise InvalidArgumentError(
+                f"the KV cache type {kv.name} stores blocks of {kv.block_values} values, but this model's "
+                f"latent cache rows hold a rotary part of {self.rotary_dim} and a latent of "
+                f"{self.key_dim - self.rotary_dim} values, which must each be a multiple of "
+                f"{kv.block_values}; use f16 or f32")
 
 
 KV_TYPES = {kv.name: kv for kv in (KVType("f32", 0, 1, 4), KVType("f16", 1, 1, 2),

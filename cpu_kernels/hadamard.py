@@ -10,6 +10,16 @@ outlier features are spread over the block, instead of being set by one of them.
 - Values: in blocks of 64 features before they are stored, and each head's attention output in
   the same blocks afterwards, which undoes it (H is symmetric and its own inverse: the output is
   a weighted sum of the rotated values).
+- Latent rows (multi-head latent attention, kv_types.CacheRows): the row [rotary key part R,
+  latent L] and the queries as keys, in blocks of n, the largest power of two dividing both R and
+  L, when n >= 64; the values are the rotated row's latent part, so each head's output in latent
+  space is rotated back in the same blocks. No block straddles the two parts, so a context shift
+  turns the rotary part's blocks alone and the latent's stay as stored. llama.cpp's cache takes n
+  as the largest power of two dividing R + L (its rows are [latent, rotary part]): the same n
+  wherever that n divides L, as in every DeepSeek-V2/V3 shape (R 64, L 512: n 64), and its
+  sliding-window MLA graph rotates as here. Its deepseek2 graph (llama-cpp-python 0.3.36), though,
+  stores the rows unrotated (the same logits with LLAMA_ATTN_ROT_DISABLE=1), and its context shift
+  of a quantized MLA cache aborts ("not implemented" in ggml's dup).
 
 `hadamard` is the one definition of the transform: butterfly stages (a + b, a - b), then times
 float32 1/sqrt(n). The C kernel (csrc/ops.c) and the Triton kernel compute the same float32
@@ -20,7 +30,7 @@ Legend: D head size, n the Hadamard size (a power of two dividing D).
 
 import torch
 
-from tierflow.kv_types import KVType
+from tierflow.kv_types import CacheRows, KVType
 
 VALUE_SIZE = 64  # llama.cpp rotates values in blocks of 64 whatever the head size
 
@@ -31,6 +41,15 @@ def rotation_sizes(kv: KVType, head_dim: int) -> tuple[int, int]:
     if kv.block_values == 1 or head_dim % 64:
         return 0, 0
     return head_dim & -head_dim, VALUE_SIZE
+
+
+def cache_rotation_sizes(kv: KVType, rows: CacheRows) -> tuple[int, int]:
+    """rotation_sizes of a layer's cache of these rows (latent rows: the keys' only, see above)."""
+    if not rows.latent:
+        return rotation_sizes(kv, rows.key_dim)
+    both = rows.rotary_dim | (rows.key_dim - rows.rotary_dim)
+    size = both & -both  # the largest power of two dividing both parts
+    return (size if kv.block_values > 1 and size >= 64 else 0), 0
 
 
 def hadamard(x: torch.Tensor, size: int) -> torch.Tensor:

@@ -181,7 +181,7 @@ class ModelConfig:
         """What each layer's KV cache holds per position: a key and a value row per KV head, or
         with latent attention one row of the rotary key part and the latent (values read it)."""
         if self.kv_lora_rank:
-            return CacheRows(1, self.rope_dim + self.kv_lora_rank, 0, latent=True)
+            return CacheRows(1, self.rope_dim + self.kv_lora_rank, 0, latent=True, rotary_dim=self.rope_dim)
         return CacheRows(self.num_kv_heads, self.head_dim, self.head_dim)
 
     @property

@@ -6,8 +6,16 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from tierflow.cpu_kernels.hadamard import hadamard, rotation_sizes
-from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes, decode, encode, read_rows, write_rows
+from tierflow.cpu_kernels.hadamard import cache_rotation_sizes, hadamard
+from tierflow.cpu_kernels.kv_layout import (
+    CACHE_DTYPES,
+    cache_shapes,
+    decode,
+    encode,
+    read_rows,
+    row_items,
+    write_rows,
+)
 from tierflow.cpu_kernels.reference import apply_rope
 from tierflow.errors import InvalidArgumentError
 from tierflow.kv_types import KV_TYPES, MAX_PASS_TOKENS, KVType, cache_positions, scored_slots
@@ -36,8 +44,8 @@ class KVCache:
     by a Walsh-Hadamard transform where llama.cpp's does (cpu_kernels/hadamard.py): `write` takes
     and `read` gives them unrotated. With latent attention (ModelConfig.cache_rows) a layer holds
     one key row per position, [rotary key part, latent], and values of width 0: the latent part of
-    the key row is the values. `allocate` gives a layer's zeroed
-    arrays: by default numpy, in RAM; a layer computed on the GPU keeps its cache there
+    the key row is the values (rotated with the keys in a quantized type). `allocate` gives a
+    layer's zeroed arrays: by default numpy, in RAM; a layer computed on the GPU keeps its cache there
     (offload.tiers.tiered.TieredWeights.allocate_cache).
 
     A ring can go back (`truncate`) only as far as it still holds the window before the new end
@@ -52,7 +60,9 @@ class KVCache:
         self.kv_type = KV_TYPES["f32"] if kv_type is None else kv_type
         rows = config.cache_rows
         rows.check(self.kv_type)
-        self.key_rotation, self.value_rotation = rotation_sizes(self.kv_type, config.head_dim)  # 0: none
+        self.key_rotation, self.value_rotation = cache_rotation_sizes(self.kv_type, rows)  # 0: none
+        # the items a shift decodes, turns and encodes again: a key row, or a latent row's rotary part
+        self._turned_items = row_items(self.kv_type, rows.rotary_dim if rows.latent else rows.key_dim)
         layers = range(config.num_layers)
         self.windows = [config.window(i) for i in layers]
         self.capacities = [cache_positions(context_length, window) for window in self.windows]
@@ -84,11 +94,18 @@ class KVCache:
         """Stores keys and values [K, n, D] (float32) at the positions of layer `layer`, in the
         cache's type (rotated and quantized as llama.cpp does)."""
         store_keys, store_values, index = self._tensors(layer, positions)
-        rows = [encode(hadamard(torch.as_tensor(x, device=store_keys.device), size), self.kv_type)
+        rows = [self._encoded(torch.as_tensor(x, device=store_keys.device), size)
                 for x, size in ((keys, self.key_rotation), (values, self.value_rotation))]
         write_rows(store_keys, store_values, index, *rows)
         if len(index):
             self._written = max(self._written, int(np.max(positions)) + 1)
+
+    def _encoded(self, rows: torch.Tensor, rotation: int) -> torch.Tensor:
+        """Rows [K, n, D] float32 as the cache stores them: rotated and in its type. A latent
+        cache's values (D = 0: its keys are its values) have nothing to encode."""
+        if not rows.shape[-1]:
+            return rows.to(CACHE_DTYPES[self.kv_type.name])
+        return encode(hadamard(rows, rotation), self.kv_type)
 
     def will_write(self, first: int, end: int) -> None:
         """Told before a pass writes positions up to `end` (its first slot `first`: a token tree's
@@ -167,9 +184,10 @@ class KVCache:
         scaling and frequency factors in it; layers may rotate with different bases); YaRN's
         magnitude, which that row carries and the keys carry already, is divided out.
         Features past rope_dim are not rotated. A key stored Hadamard-rotated is rotated back before
-        it is turned and forward again before it is stored, as llama.cpp does. The moved entries
-        were computed with the dropped tokens in view, so they approximate what a fresh prefill of
-        the kept tokens would hold.
+        it is turned and forward again before it is stored, as llama.cpp does; of a latent row only
+        the rotary part is (its Hadamard blocks are its own), and the latent moves as stored. The
+        moved entries were computed with the dropped tokens in view, so they approximate what a
+        fresh prefill of the kept tokens would hold.
         A ring moves the positions it holds; kept positions it had overwritten stay lost
         (`held_from`).
         """
@@ -198,11 +216,12 @@ class KVCache:
             staged = list(staged)  # at most a ring's rows
         for chunk, (key_rows, value_rows) in zip(chunks, staged):
             keys, values, moved = self._tensors(layer, chunk - distance)
-            plain = hadamard(decode(key_rows, self.kv_type), self.key_rotation)
+            turned_rows, kept_rows = key_rows[..., :self._turned_items], key_rows[..., self._turned_items:]
+            plain = hadamard(decode(turned_rows, self.kv_type), self.key_rotation)
             turned = apply_rope(plain.double(), *(row.to(keys.device) for row in back), style)
-            # the values move as stored; only the keys, turned, are stored again in the type
+            # the values (and a latent) move as stored; only what was turned is stored again in the type
             stored = encode(hadamard(turned.float(), self.key_rotation), self.kv_type)
-            write_rows(keys, values, moved, stored, value_rows)
+            write_rows(keys, values, moved, torch.cat([stored, kept_rows], dim=-1), value_rows)
 
     def _stored_rows(self, layer: int, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the rows (in the type) at the positions."""

@@ -9,6 +9,10 @@ are then one dot product with the cached row, and the attention's output, in lat
 through `attn_v_b` per head before `attn_output`. The values are the latent part of the same
 cached rows: nothing is stored twice, and no head's full key or value is ever stored.
 
+A quantized cache (q8_0, q4_0) holds the rows Walsh-Hadamard rotated (cpu_kernels/hadamard.py,
+`cache_rotation_sizes`): the queries are rotated alike, so the scores are unchanged, and the
+output, a weighted sum of rotated latents, is rotated back before attn_v_b.
+
 Shape legend: T new tokens, S cache slots seen, H heads, N unrotated query part, R rotary part
 (rope_dim), L latent (kv_lora_rank), V each head's value size, E hidden size.
 """
@@ -16,6 +20,7 @@ Shape legend: T new tokens, S cache slots seen, H heads, N unrotated query part,
 import numpy as np
 import torch
 
+from tierflow.cpu_kernels.hadamard import cache_rotation_sizes, hadamard
 from tierflow.cpu_kernels.kv_layout import check_pass_fits, decode, encode, kv_type_of, read_rows, write_rows
 from tierflow.cpu_kernels.reference import apply_rope, visible_slots
 from tierflow.runtime.model import Activations, LayerPass, Weights
@@ -33,9 +38,10 @@ def latent_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
                                               w.kv_a_norm, cfg.rms_norm_eps))  # [T, L]
     key_rope = apply_rope(compressed[None, :, latent_width:], cos, sin, style)[0]  # [T, R]
     rows = torch.cat([key_rope, latent], dim=-1)  # [T, R + L]: what the cache holds
-    queries = _absorbed_queries(p, w, x, cos, sin)  # [H, T, R + L]
-    seen = _store_and_read(p, rows)  # [S, R + L]
-    out = _attend(p, queries, seen)  # [H, T, L]
+    rotation = cache_rotation_sizes(kv_type_of(p.keys, rows.shape[1]), cfg.cache_rows)[0]  # 0: none
+    queries = hadamard(_absorbed_queries(p, w, x, cos, sin), rotation)  # [H, T, R + L]
+    seen = _store_and_read(p, hadamard(rows, rotation))  # [S, R + L], rotated as stored
+    out = hadamard(_attend(p, queries, seen), rotation)  # [H, T, L]
     value_b = torch.as_tensor(w.v_b).view(cfg.num_heads, -1, latent_width)  # [H, V, L]
     heads_out = torch.bmm(out, value_b.transpose(1, 2))  # [H, T, V]
     return w.wo(kernels.take(heads_out.transpose(0, 1).reshape(x.shape[0], -1).contiguous()))
@@ -59,8 +65,8 @@ def _absorbed_queries(p: LayerPass, w: Weights, x: Activations, cos: torch.Tenso
 
 
 def _store_and_read(p: LayerPass, rows: torch.Tensor) -> torch.Tensor:
-    """Writes the new tokens' rows at their slots, then reads back (dequantized) every slot from
-    held_from to the pass's last: [S, R + L]."""
+    """Writes the new tokens' rows (rotated where the type is) at their slots, then reads back
+    (dequantized) every slot from held_from to the pass's last: [S, R + L]."""
     keys, values = torch.as_tensor(p.keys), torch.as_tensor(p.values)  # [1, C/16, R + L, 16], [1, C, 0]
     capacity, tokens = values.shape[1], rows.shape[0]
     kv = kv_type_of(keys, rows.shape[1])

@@ -5,17 +5,18 @@ from pathlib import Path
 import numpy as np
 
 
-def llama_cpp_model(path: Path, n_ctx: int = 512, f32_kv: bool = False):
+def llama_cpp_model(path: Path, n_ctx: int = 512, f32_kv: bool = False, cache_type: int | None = None):
     """llama.cpp on the same file, with logits kept for every position.
 
     One thread: ggml's spinning thread barrier slows a hundredfold when another process holds a
-    core. Its KV cache is float16 unless f32_kv, which makes float32 weights an exact oracle.
+    core. Its KV cache is float16 unless f32_kv, which makes float32 weights an exact oracle, or
+    cache_type (a GGML_TYPE_*), with flash attention, which llama.cpp needs for a quantized V.
     """
     from llama_cpp import GGML_TYPE_F32, Llama
 
-    kv_type = GGML_TYPE_F32 if f32_kv else None
+    kv_type = GGML_TYPE_F32 if f32_kv else cache_type
     return Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=1,
-                 verbose=False, seed=0, type_k=kv_type, type_v=kv_type)
+                 verbose=False, seed=0, type_k=kv_type, type_v=kv_type, flash_attn=cache_type is not None)
 
 
 PROMPTS = [
