@@ -93,7 +93,10 @@ def measure_family(family: str, args: argparse.Namespace) -> dict:
         expert_bytes = sum(x.nbytes for layer in packed.experts for x in layer)
         ours = timed(lambda: run_tierflow(resident, prompt, args.decode_tokens), args.repeats)
         config = resident.config
-    llama = llama_cpp.Llama(str(path), n_ctx=CONTEXT, n_batch=512, n_threads=args.threads, verbose=False)
+    # mlock: every page in RAM before the clock starts, as tierflow's resident pack is (a file just
+    # written can have left the page cache, and then each token would read from disk)
+    llama = llama_cpp.Llama(str(path), n_ctx=CONTEXT, n_batch=512, n_threads=args.threads, use_mlock=True,
+                            verbose=False)
     try:
         theirs = timed(lambda: run_llama_cpp(llama, prompt, args.decode_tokens), args.repeats)
     finally:
