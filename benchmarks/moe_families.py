@@ -75,6 +75,16 @@ def model_file(family: str, layers: int | None) -> tuple[Path, float]:
     return path, depth / spec.num_layers
 
 
+def read_into_page_cache(path: Path) -> None:
+    """Reads the whole file once, so that llama.cpp's mmap finds every page in RAM as tierflow's
+    resident pack is (a file outside the page cache would have each token read its experts from
+    disk: 3-6 tok/s where llama.cpp decodes 60 with the file cached). The machine must have room
+    for it beside the rest; mlock would guarantee it but needs a limit few machines grant."""
+    with open(path, "rb", buffering=0) as file:
+        while file.read(64 << 20):
+            pass
+
+
 def timed(run: Callable[[], Sample], repeats: int) -> list[Sample]:
     run()  # warm-up
     return [run() for _ in range(repeats)]
@@ -93,10 +103,8 @@ def measure_family(family: str, args: argparse.Namespace) -> dict:
         expert_bytes = sum(x.nbytes for layer in packed.experts for x in layer)
         ours = timed(lambda: run_tierflow(resident, prompt, args.decode_tokens), args.repeats)
         config = resident.config
-    # mlock: every page in RAM before the clock starts, as tierflow's resident pack is (a file just
-    # written can have left the page cache, and then each token would read from disk)
-    llama = llama_cpp.Llama(str(path), n_ctx=CONTEXT, n_batch=512, n_threads=args.threads, use_mlock=True,
-                            verbose=False)
+    read_into_page_cache(path)
+    llama = llama_cpp.Llama(str(path), n_ctx=CONTEXT, n_batch=512, n_threads=args.threads, verbose=False)
     try:
         theirs = timed(lambda: run_llama_cpp(llama, prompt, args.decode_tokens), args.repeats)
     finally:
