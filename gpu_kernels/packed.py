@@ -9,6 +9,11 @@ tiles of 64 rows, G = K / group groups, b bits.
             int8  [T, K/4, 64, 4]  bits 8: byte (t, c, r, j) = the code of row 64t + r, column 4c + j
     scales  float16 [T, G, 64]     w = scale * q + min per (tile, group, row)
     mins    float16 [T, G, 64]     or None (int8 codes without an offset)
+
+The one exception: the CPU's codebook layout (IQ4_NL, IQ4_XS and MXFP4 as 4-bit indices) is
+expanded to the int8 layout of the same codes as it reaches a device (`to_device`, `view_matrix`),
+since the Triton kernels read int8 codes: such a matrix takes 8 bits a weight there, not 4, and a
+viewed extent holds its nibbles besides, until the layer leaves the device.
 """
 
 from dataclasses import dataclass
@@ -17,6 +22,7 @@ import numpy as np
 import torch
 
 from tierflow.cpu_kernels.packed import LUT_BITS, TILE_ROWS, PackedMatrix
+from tierflow.cpu_kernels.quant_groups import CODEBOOKS
 
 MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32
 
@@ -73,19 +79,21 @@ class DeviceMatrix:
 
 
 def to_device(matrix: PackedMatrix, device: torch.device | str) -> DeviceMatrix:
-    """A copy of `matrix`'s bytes on `device`."""
+    """A copy of `matrix`'s bytes on `device` (a codebook's indices expanded to int8 codes)."""
     def copy(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
+    matrix = matrix.as_int8()
     mins = None if matrix.mins is None else copy(matrix.mins)
     return DeviceMatrix(matrix.rows, matrix.cols, matrix.bits, matrix.group, copy(matrix.data),
                         copy(matrix.scales), mins)
 
 
 def view_matrix(buffer: torch.Tensor, rows: int, cols: int, bits: int, group: int, data_at: int,
-                scales_at: int, mins_at: int | None = None) -> DeviceMatrix:
+                scales_at: int, mins_at: int | None = None, codebook: str | None = None) -> DeviceMatrix:
     """The packed matrix whose arrays lie in `buffer` (uint8 [bytes], e.g. a layer's extent as
-    offload.device.DeviceTier.upload returns it) at these byte offsets: views, not copies."""
+    offload.device.DeviceTier.upload returns it) at these byte offsets: views, not copies, but for
+    a codebook's indices, expanded to a new int8 array."""
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise ValueError(f"buffer must be uint8 [bytes], not {buffer.dtype} {list(buffer.shape)}")
     tiles, groups = -(-rows // TILE_ROWS), cols // group
@@ -97,10 +105,26 @@ def view_matrix(buffer: torch.Tensor, rows: int, cols: int, bits: int, group: in
                              f"bytes or not aligned to {dtype.itemsize}")
         return buffer[at: at + size].view(dtype).view(shape)
 
-    if bits == 8:
+    if codebook is not None:
+        data = expand_codebook(view(data_at, torch.uint8, (tiles, cols // 8, TILE_ROWS, 4)), codebook)
+    elif bits == 8:
         data = view(data_at, torch.int8, (tiles, cols // 4, TILE_ROWS, 4))
     else:
         data = view(data_at, torch.uint8, (tiles, cols // 8, bits, TILE_ROWS))
     params = (tiles, groups, TILE_ROWS)
     mins = None if mins_at is None else view(mins_at, torch.float16, params)
     return DeviceMatrix(rows, cols, bits, group, data, view(scales_at, torch.float16, params), mins)
+
+
+def expand_codebook(nibbles: torch.Tensor, codebook: str) -> torch.Tensor:
+    """Codebook indices uint8 [T, K/8, 64, 4] (cpu_kernels/packed.py) -> int8 codes [T, K/4, 64, 4].
+    Each byte selects its two codes (low nibble, high nibble) from a 256-entry table at once; the
+    int32 indices are a transient of 2 bytes a weight."""
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"unknown codebook {codebook!r}; expected one of {sorted(CODEBOOKS)}")
+    table = torch.from_numpy(CODEBOOKS[codebook]).to(nibbles.device)
+    byte = torch.arange(256, device=nibbles.device)
+    pairs = torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=1)  # [256, 2]: low, high code
+    tiles, octets = nibbles.shape[:2]
+    codes = pairs.index_select(0, nibbles.reshape(-1).int()).view(tiles, octets, TILE_ROWS, 4, 2)
+    return codes.permute(0, 1, 4, 2, 3).reshape(tiles, 2 * octets, TILE_ROWS, 4)  # quads 2o, 2o + 1
