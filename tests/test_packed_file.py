@@ -158,7 +158,8 @@ def _rewrite_manifest(path: Path, change) -> None:
     lambda m: m["layers"][1].update(nbytes=10**12),
     lambda m: m["layers"][0]["weights"]["qkv"].update(rows=10**9),
     lambda m: m["layers"][2].update(offset=m["layers"][1]["offset"]),
-], ids=["absurd-extent-size", "absurd-matrix-rows", "overlapping-extents"])
+    lambda m: m["layers"][0]["weights"]["qkv"].update(codebook="mxfp4"),
+], ids=["absurd-extent-size", "absurd-matrix-rows", "overlapping-extents", "codebook-of-another-type"])
 def test_a_crafted_manifest_with_a_valid_checksum_is_rebuilt_not_read(model, builds, change):
     expected = greedy_tokens(model)
     _rewrite_manifest(pack_path(model), change)
