@@ -7,16 +7,15 @@ tiles of 64 rows, G = K / group groups, b bits.
     data    uint8 [T, K/8, b, 64]  bits 1..4: byte (t, o, p, r), bit j = bit p of the code of row
                                    64t + r, column 8o + j (unsigned codes)
             int8  [T, K/4, 64, 4]  bits 8: byte (t, c, r, j) = the code of row 64t + r, column 4c + j
+            uint8 [T, K/8, 64, 4]  bits 8 with a codebook (int8 [16] on the device): byte (t, o, r, j)
+                                   = the indices of row 64t + r, columns 8o + j (low nibble) and
+                                   8o + 4 + j (high nibble) into the codebook
     scales  float16 [T, G, 64]     w = scale * q + min per (tile, group, row)
     mins    float16 [T, G, 64]     or None (int8 codes without an offset)
-
-The one exception: the CPU's codebook layout (IQ4_NL, IQ4_XS and MXFP4 as 4-bit indices) is
-expanded to the int8 layout of the same codes as it reaches a device (`to_device`, `view_matrix`),
-since the Triton kernels read int8 codes: such a matrix takes 8 bits a weight there, not 4, and a
-viewed extent holds its nibbles besides, until the layer leaves the device.
 """
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
@@ -36,16 +35,19 @@ class DeviceMatrix:
     data: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    codebook: torch.Tensor | None = None  # int8 [16]: data holds 4-bit indices into it (bits 8)
 
     def __post_init__(self) -> None:
-        if self.bits not in (*LUT_BITS, 8):
-            raise ValueError(f"packed matrices have 1..4 or 8 bits, not {self.bits}")
-        divisor = 4 if self.bits == 8 else 8
+        if self.bits not in (*LUT_BITS, 8) or (self.codebook is not None and self.bits != 8):
+            raise ValueError(f"packed matrices have 1..4 or 8 bits (8 with a codebook), not {self.bits}")
+        divisor = 4 if self.bits == 8 and self.codebook is None else 8
         if self.group <= 0 or self.group % divisor or self.cols % self.group:
             raise ValueError(f"{self.bits}-bit codes need a group that is a multiple of {divisor} and "
                              f"divides the {self.cols} columns, not {self.group}")
         tiles, groups = self.tiles, self.cols // self.group
-        if self.bits == 8:
+        if self.codebook is not None:
+            expected = (torch.uint8, (tiles, self.cols // 8, TILE_ROWS, 4))
+        elif self.bits == 8:
             expected = (torch.int8, (tiles, self.cols // 4, TILE_ROWS, 4))
         else:
             expected = (torch.uint8, (tiles, self.cols // 8, self.bits, TILE_ROWS))
@@ -53,6 +55,8 @@ class DeviceMatrix:
         arrays = {"data": (self.data, *expected), "scales": (self.scales, *params)}
         if self.mins is not None:
             arrays["mins"] = (self.mins, *params)
+        if self.codebook is not None:
+            arrays["codebook"] = (self.codebook, torch.int8, (16,))
         for name, (tensor, dtype, shape) in arrays.items():
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
                 got = (f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor)
@@ -79,21 +83,20 @@ class DeviceMatrix:
 
 
 def to_device(matrix: PackedMatrix, device: torch.device | str) -> DeviceMatrix:
-    """A copy of `matrix`'s bytes on `device` (a codebook's indices expanded to int8 codes)."""
+    """A copy of `matrix`'s bytes on `device`."""
     def copy(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
-    matrix = matrix.as_int8()
     mins = None if matrix.mins is None else copy(matrix.mins)
+    codebook = None if matrix.codebook is None else codebook_table(matrix.codebook, torch.device(device))
     return DeviceMatrix(matrix.rows, matrix.cols, matrix.bits, matrix.group, copy(matrix.data),
-                        copy(matrix.scales), mins)
+                        copy(matrix.scales), mins, codebook)
 
 
 def view_matrix(buffer: torch.Tensor, rows: int, cols: int, bits: int, group: int, data_at: int,
                 scales_at: int, mins_at: int | None = None, codebook: str | None = None) -> DeviceMatrix:
     """The packed matrix whose arrays lie in `buffer` (uint8 [bytes], e.g. a layer's extent as
-    offload.device.DeviceTier.upload returns it) at these byte offsets: views, not copies, but for
-    a codebook's indices, expanded to a new int8 array."""
+    offload.device.DeviceTier.upload returns it) at these byte offsets: views, not copies."""
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise ValueError(f"buffer must be uint8 [bytes], not {buffer.dtype} {list(buffer.shape)}")
     tiles, groups = -(-rows // TILE_ROWS), cols // group
@@ -106,25 +109,21 @@ def view_matrix(buffer: torch.Tensor, rows: int, cols: int, bits: int, group: in
         return buffer[at: at + size].view(dtype).view(shape)
 
     if codebook is not None:
-        data = expand_codebook(view(data_at, torch.uint8, (tiles, cols // 8, TILE_ROWS, 4)), codebook)
+        data = view(data_at, torch.uint8, (tiles, cols // 8, TILE_ROWS, 4))
     elif bits == 8:
         data = view(data_at, torch.int8, (tiles, cols // 4, TILE_ROWS, 4))
     else:
         data = view(data_at, torch.uint8, (tiles, cols // 8, bits, TILE_ROWS))
     params = (tiles, groups, TILE_ROWS)
     mins = None if mins_at is None else view(mins_at, torch.float16, params)
-    return DeviceMatrix(rows, cols, bits, group, data, view(scales_at, torch.float16, params), mins)
+    table = None if codebook is None else codebook_table(codebook, buffer.device)
+    return DeviceMatrix(rows, cols, bits, group, data, view(scales_at, torch.float16, params), mins, table)
 
 
-def expand_codebook(nibbles: torch.Tensor, codebook: str) -> torch.Tensor:
-    """Codebook indices uint8 [T, K/8, 64, 4] (cpu_kernels/packed.py) -> int8 codes [T, K/4, 64, 4].
-    Each byte selects its two codes (low nibble, high nibble) from a 256-entry table at once; the
-    int32 indices are a transient of 2 bytes a weight."""
-    if codebook not in CODEBOOKS:
-        raise ValueError(f"unknown codebook {codebook!r}; expected one of {sorted(CODEBOOKS)}")
-    table = torch.from_numpy(CODEBOOKS[codebook]).to(nibbles.device)
-    byte = torch.arange(256, device=nibbles.device)
-    pairs = torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=1)  # [256, 2]: low, high code
-    tiles, octets = nibbles.shape[:2]
-    codes = pairs.index_select(0, nibbles.reshape(-1).int()).view(tiles, octets, TILE_ROWS, 4, 2)
-    return codes.permute(0, 1, 4, 2, 3).reshape(tiles, 2 * octets, TILE_ROWS, 4)  # quads 2o, 2o + 1
+@cache
+def codebook_table(name: str, device: torch.device) -> torch.Tensor:
+    """The codebook's 16 int8 codes on `device`, one tensor per device shared by its matrices."""
+    if name not in CODEBOOKS:
+        raise ValueError(f"unknown codebook {name!r}; expected one of {sorted(CODEBOOKS)}")
+    return torch.from_numpy(CODEBOOKS[name]).to(device)
+

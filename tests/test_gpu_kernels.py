@@ -181,16 +181,20 @@ def test_views_of_an_uploaded_layer_are_the_matrix():
     assert torch.equal(matmul(viewed, x), matmul(w, x))
 
 
+@pytest.mark.parametrize("tokens", [1, 9], ids=["decode", "prefill"])
 @pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
-def test_a_codebook_matrix_reaches_the_device_as_its_int8_layout(codebook):
-    """Copied or viewed in an uploaded layer, the 4-bit indices become the int8 codes they select."""
-    groups = codebook_groups(65, 64, 32, codebook)
+def test_a_codebook_matrix_computes_on_the_device_as_its_int8_layout(codebook, tokens):
+    """Copied, or viewed in an uploaded layer, the 4-bit indices stay 4 bits; the kernels look the
+    codes up and compute exactly as on the int8 layout of the same codes."""
+    groups = codebook_groups(80, 64, 32, codebook)  # F = 40 gate and up rows
     nibbles, expected = pack(groups), to_device(pack(as_int8_codes(groups)), DEVICE)
     copy, offsets = uploaded([nibbles.data, nibbles.scales])
-    x = activations(2, 64)
-    for w in (to_device(nibbles, DEVICE), view_matrix(copy, 65, 64, 8, 32, *offsets, None, codebook)):
+    x = activations(tokens, 64)
+    for w in (to_device(nibbles, DEVICE), view_matrix(copy, 80, 64, 8, 32, *offsets, None, codebook)):
+        assert w.data.dtype == torch.uint8 and 2 * w.data.numel() == expected.data.numel()
         assert torch.equal(reference.codes(w), reference.codes(expected))
         assert torch.equal(matmul(w, x), matmul(expected, x))
+        assert torch.equal(matmul_silu_mul(w, x), matmul_silu_mul(expected, x))
 
 
 # --- norms and activation -----------------------------------------------------------------------
