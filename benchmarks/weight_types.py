@@ -9,12 +9,13 @@ query and 4 KV heads, every matrix and the tied embedding in that type) is loade
 greedily, as benchmarks/decode.py times tierflow (`run_tierflow`, the median of the repeats).
 
 Each decode step reads every weight once: the layers and the tied embedding as the output head,
-so bytes per token is the pack's size (its extents: what the kernels read, e.g. int8 codes for
-IQ4_NL's 4.5-bit blocks, float32 for F16). Its bound is the read bandwidth measured in the same
-run at the same thread count (offload/plan/measure.py's ReadBandwidth, as benchmarks/kernels.py
-measures it) over those bytes; the table gives each type's fraction of it, and the bytes the
-GGUF file's own blocks would be (what llama.cpp reads) beside them. The attention over a short
-context, the norms and the Python around each step are in the time too, as in any decode.
+so bytes per token is the pack's size (its extents: what the kernels read, e.g. 4-bit codebook
+indices and float16 scales for IQ4_NL's 4.5-bit blocks, float32 for F16). Its bound is the read
+bandwidth measured in the same run at the same thread count (offload/plan/measure.py's
+ReadBandwidth, as benchmarks/kernels.py measures it) over those bytes; the table gives each type's
+fraction of it, and the bytes the GGUF file's own blocks would be (what llama.cpp reads) beside
+them. The attention over a short context, the norms and the Python around each step are in the
+time too, as in any decode.
 
 Models and packs live in a temporary folder (TIERFLOW_CACHE points there) and go with it.
 Peak memory is about twice the largest pack (F32: ~0.6 GB).

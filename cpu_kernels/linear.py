@@ -17,7 +17,7 @@ class PackedLinear:
         """x [T, K] float32, C-contiguous -> [T, N]."""
         out = np.empty((x.shape[0], self.out_features), np.float32)
         m = self.matrix
-        _kernels.matmul(m.bits, m.group, m.rows, m.data, m.scales, m.mins, x, out)
+        _kernels.matmul(m.bits, m.group, m.rows, m.data, m.scales, m.mins, x, out, codebook=m.codebook_id)
         if self.bias is not None:
             out += self.bias
         return out

@@ -16,5 +16,5 @@ def matmul(w: PackedMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.
     """x [M, K] float32 @ W.T -> [M, N] float32 (written into `out` when given)."""
     if out is None:
         out = np.empty((x.shape[0] if x.ndim == 2 else 0, w.rows), np.float32)
-    _kernels.matmul(w.bits, w.group, w.rows, w.data, w.scales, w.mins, x, out)
+    _kernels.matmul(w.bits, w.group, w.rows, w.data, w.scales, w.mins, x, out, codebook=w.codebook_id)
     return out

@@ -3,7 +3,8 @@
 The fast CPU kernels read every quant format the same way: per row n and per group of `group`
 consecutive columns, `w[n, k] = scale[n, k // group] * q[n, k] + min[n, k // group]` in float32.
 Formats whose codes fit in 4 bits keep them as uint8 in [0, 16) (for the LUT kernels); the others
-become int8 codes (for the int8 kernel).
+become int8 codes (for the int8 kernel), or, for codebook formats, uint8 indices into 16 int8
+codes (the int8 kernel too, which looks the codes up).
 
 Every mapping below is lossless: `QuantGroups.dequantize` reproduces `dequant.dequantize` bit for
 bit, save the sign of zeros in Q4_0, Q3_K, TQ1_0 and TQ2_0. These facts make that hold:
@@ -21,9 +22,10 @@ bit, save the sign of zeros in Q4_0, Q3_K, TQ1_0 and TQ2_0. These facts make tha
   significant bits, c 3), and so is the sum, the very value ggml rounds to; the same zeros differ.
 - Q2_K and IQ4_XS keep ggml's float32 products (`d * (sc & 15)`, `dmin * (sc >> 4)`,
   `d * (ls - 32)`) as scale and min, as the other K-quants do.
-- The codebook types (IQ4_NL, IQ4_XS, MXFP4) become int8 codes: the tables hold small integers
-  (MXFP4's are E2M1 values doubled, its E8M0 scale halved), so ggml's `scale * table[nibble]` is
-  `scale * q` with q = table[nibble]. MXFP4's scale 2^(e - 128) is exact in float32 for every e.
+- The codebook types (IQ4_NL, IQ4_XS, MXFP4) keep their 4-bit indices with a named codebook
+  (CODEBOOKS): the tables hold small integers (MXFP4's are E2M1 values doubled, its E8M0 scale
+  halved), so ggml's `scale * table[nibble]` is `scale * q` with q = table[index], the int8 code
+  the int8 kernel computes with. MXFP4's scale 2^(e - 128) is exact in float32 for every e.
 - Formats without an offset get min = -0.0, not +0.0: `x + -0.0` is `x` for every x, whereas
   `-0.0 + 0.0` would turn ggml's negative zeros (negative scale times a zero code) positive.
 """
@@ -61,6 +63,9 @@ from tierflow.cpu_kernels.dequant import (
 from tierflow.errors import UnsupportedModelError
 from tierflow.ggml_types import TierflowType
 
+# The codebooks of 4-bit indices, by name; their order is the C kernels' codebook ids (1, 2).
+CODEBOOKS: dict[str, np.ndarray] = {"iq4nl": IQ4_VALUES, "mxfp4": MXFP4_VALUES}
+
 
 @dataclass(frozen=True)
 class QuantGroups:
@@ -74,6 +79,7 @@ class QuantGroups:
     min: np.ndarray  # [N, G] float32; -0.0 where the format has no offset (see module docstring)
     group: int  # consecutive columns sharing one scale and min
     bits: int  # 1..4: unsigned codes for the LUT kernels; 8: signed codes for the int8 kernel
+    codebook: str | None = None  # bits 8 only: q holds uint8 indices, the codes are CODEBOOKS[name][q]
 
     def __post_init__(self) -> None:
         if self.q.ndim != 2 or self.group <= 0 or self.q.shape[1] % self.group:
@@ -85,14 +91,22 @@ class QuantGroups:
                 raise ValueError(
                     f"{name} must be float32 {groups_shape}, got {array.dtype} {array.shape}"
                 )
-        expected = np.int8 if self.bits == 8 else np.uint8 if 1 <= self.bits <= 4 else None
+        if self.codebook is not None and (self.codebook not in CODEBOOKS or self.bits != 8):
+            raise ValueError(f"codebook {self.codebook!r} with {self.bits}-bit codes; expected 8-bit codes "
+                             f"and one of {sorted(CODEBOOKS)}")
+        expected = (np.uint8 if self.codebook else np.int8) if self.bits == 8 else (
+            np.uint8 if 1 <= self.bits <= 4 else None)
         if expected is None or self.q.dtype != expected:
             raise ValueError(f"{self.bits}-bit codes cannot be {self.q.dtype}")
 
+    def codes(self) -> np.ndarray:
+        """The codes [N, K] the kernels multiply: q, or the codebook's entries q selects."""
+        return self.q if self.codebook is None else CODEBOOKS[self.codebook][self.q]
+
     def dequantize(self) -> np.ndarray:
-        """The float32 weights [N, K], exactly `scale * q + min` (a new array)."""
+        """The float32 weights [N, K], exactly `scale * code + min` (a new array)."""
         num_rows, row_length = self.q.shape
-        weights = self.q.reshape(num_rows, -1, self.group).astype(np.float32)  # N, G, group
+        weights = self.codes().reshape(num_rows, -1, self.group).astype(np.float32)  # N, G, group
         weights *= self.scale[:, :, None]
         weights += self.min[:, :, None]
         return weights.reshape(num_rows, row_length)
@@ -108,14 +122,16 @@ class GroupLayout:
     bits: int
     has_min: bool  # False: min is -0.0 throughout
     split: Splitter
+    codebook: str | None = None  # q holds indices into CODEBOOKS[codebook]
 
 
 _LAYOUTS: dict[int, GroupLayout] = {}
 
 
-def _register(ggml_type: T, group: int, bits: int, has_min: bool = True) -> Callable[[Splitter], Splitter]:
+def _register(ggml_type: T, group: int, bits: int, has_min: bool = True,
+              codebook: str | None = None) -> Callable[[Splitter], Splitter]:
     def add(split: Splitter) -> Splitter:
-        _LAYOUTS[ggml_type] = GroupLayout(group, bits, has_min, split)
+        _LAYOUTS[ggml_type] = GroupLayout(group, bits, has_min, split, codebook)
         return split
 
     return add
@@ -248,19 +264,27 @@ def _ternary_scale_and_min(blocks: np.ndarray, scale: np.ndarray, min_: np.ndarr
     np.negative(scale, out=min_)
 
 
-# --- codebook types: int8 codes = the table's small integers -------------------------------------
+# --- codebook types: 4-bit indices into the table of small integers ------------------------------
 
-@_register(T.IQ4_NL, group=32, bits=8, has_min=False)  # lossless: q = table[nibble], scale = d
+def _nibble_indices(qs: np.ndarray) -> np.ndarray:
+    """[B, 16n] bytes -> indices [B, 32n], in table_codes' order (per 16 bytes: low nibbles, then high)."""
+    nibbles = np.empty((len(qs), qs.shape[1] // 16, 2, 16), np.uint8)
+    _unpack_nibbles(qs.reshape(len(qs), -1, 16), nibbles[:, :, 0], nibbles[:, :, 1])
+    return nibbles.reshape(len(qs), -1)
+
+
+# lossless: q = nibble, codes = table[q], scale = d
+@_register(T.IQ4_NL, group=32, bits=8, has_min=False, codebook="iq4nl")
 def _split_iq4_nl(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
-    q[:] = table_codes(blocks["qs"], IQ4_VALUES)
+    q[:] = _nibble_indices(blocks["qs"])
     scale[:] = _half(blocks, "d")
     min_[:] = -0.0
 
 
-# lossless: q = table[nibble], scale = d * (ls - 32) per 32 weights, ggml's product
-@_register(T.IQ4_XS, group=32, bits=8, has_min=False)
+# lossless: q = nibble, codes = table[q], scale = d * (ls - 32) per 32 weights, ggml's product
+@_register(T.IQ4_XS, group=32, bits=8, has_min=False, codebook="iq4nl")
 def _split_iq4_xs(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
-    q[:] = table_codes(blocks["qs"], IQ4_VALUES)
+    q[:] = _nibble_indices(blocks["qs"])
     scale[:] = iq4_xs_scales(blocks)
     min_[:] = -0.0
 
@@ -270,14 +294,29 @@ _HALF_MAX_EXPONENT = 15  # 2^15 is the largest power of two float16 holds
 _FOLD_HEADROOM = np.array([0] + [(127 // peak).bit_length() - 1 for peak in range(1, 13)], np.int32)
 
 
-# Lossless: q = 2^k * table[nibble], scale = 2^(e - 128 - k). The E8M0 scale spans 2^-128 .. 2^127,
-# float16 only 2^-24 .. 2^15: k moves powers of two from a scale above 2^15 into the codes (as far
-# as int8 allows: 3 doublings for a code of 12), so the packed float16 scale stays exact. A group
-# of zero codes gets the scale 1 (any scale gives its +0.0). A scale below 2^-24 cannot move the
-# other way (the codes 1 and 3 are odd): it and any scale still above 2^15 are left for
-# `packed.pack` to refuse, rather than rounded to 0 or inf.
-@_register(T.MXFP4, group=32, bits=8, has_min=False)
+class _ScaleNeedsFolding(Exception):
+    """An MXFP4 block scale above float16's 2^15: the matrix needs int8 codes (see _split_mxfp4_codes)."""
+
+
+# Lossless: q = nibble, codes = table[q], scale = 2^(e - 128), a power of two float16 holds exactly
+# from 2^-24 to 2^15. A group of zero codes gets the scale 1 (any scale gives its +0.0). A larger
+# scale (a weight of magnitude 2^16 or more: no trained model has one) sends the whole matrix to
+# _split_mxfp4_codes; a scale below 2^-24 is left for `packed.pack` to refuse.
+@_register(T.MXFP4, group=32, bits=8, has_min=False, codebook="mxfp4")
 def _split_mxfp4(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
+    q[:] = _nibble_indices(blocks["qs"])
+    exponent = np.where((q & 7).any(axis=1), mxfp4_exponents(blocks), 0)  # indices 0 and 8 are zeros
+    if exponent.max(initial=0) > _HALF_MAX_EXPONENT:
+        raise _ScaleNeedsFolding
+    scale[:, 0] = np.ldexp(np.float32(1), exponent)
+    min_[:] = -0.0
+
+
+# Lossless: q = 2^k * table[nibble], scale = 2^(e - 128 - k): k moves powers of two from a scale
+# above 2^15 into the codes (as far as int8 allows: 3 doublings for a code of 12), so the packed
+# float16 scale stays exact up to 2^18. A scale below 2^-24 cannot move the other way (the codes
+# 1 and 3 are odd): it and any scale still above 2^15 are left for `packed.pack` to refuse.
+def _split_mxfp4_codes(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray) -> None:
     codes = table_codes(blocks["qs"], MXFP4_VALUES)  # [B, 32] int8
     peak = np.abs(codes).max(axis=1)
     exponent = mxfp4_exponents(blocks)
@@ -285,6 +324,9 @@ def _split_mxfp4(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.
     q[:] = codes << fold[:, None].astype(np.int8)
     scale[:, 0] = np.ldexp(np.float32(1), np.where(peak == 0, 0, exponent - fold))
     min_[:] = -0.0
+
+
+_FOLDED_MXFP4 = GroupLayout(32, 8, False, _split_mxfp4_codes)
 
 
 # --- tierflow's own low-bit types (tierflow.ggml_types): y = d * q + m, lossless -----------------
@@ -337,11 +379,19 @@ def to_quant_groups(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) ->
         raise UnsupportedModelError(
             f"{_type_name(ggml_type)} tensor of shape {list(shape)} is not a 2-D matrix"
         )
+    try:
+        return _split_blocks(data, ggml_type, shape, layout)
+    except _ScaleNeedsFolding:
+        return _split_blocks(data, ggml_type, shape, _FOLDED_MXFP4)
+
+
+def _split_blocks(data: np.ndarray, ggml_type: int, shape: tuple[int, int],
+                  layout: GroupLayout) -> QuantGroups:
     fmt = _format_of(ggml_type)
     num_blocks = _check_size(data, fmt, ggml_type, shape)
     row_length, num_rows = shape
     groups_per_block = fmt.block_size // layout.group
-    q = np.empty((num_rows, row_length), np.int8 if layout.bits == 8 else np.uint8)
+    q = np.empty((num_rows, row_length), np.int8 if layout.bits == 8 and not layout.codebook else np.uint8)
     scale = np.empty((num_rows, row_length // layout.group), np.float32)
     min_ = np.empty_like(scale)
     # A row is whole blocks and a block whole groups, so all three views run block by block.
@@ -353,13 +403,14 @@ def to_quant_groups(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) ->
     for start in range(0, num_blocks, step):
         chunk = slice(start, start + step)
         layout.split(blocks[chunk], block_q[chunk], block_scale[chunk], block_min[chunk])
-    return QuantGroups(q, scale, min_, layout.group, layout.bits)
+    return QuantGroups(q, scale, min_, layout.group, layout.bits, layout.codebook)
 
 
 def stack_rows(parts: list[QuantGroups]) -> QuantGroups:
     """One matrix of the parts' rows in order (e.g. Q, K and V as one projection)."""
     first = parts[0]
-    if any((p.group, p.bits, p.q.shape[1]) != (first.group, first.bits, first.q.shape[1]) for p in parts):
-        raise ValueError("only matrices with the same columns, group and bits stack")
+    key = lambda p: (p.group, p.bits, p.codebook, p.q.shape[1])  # noqa: E731
+    if any(key(p) != key(first) for p in parts):
+        raise ValueError("only matrices with the same columns, group, bits and codebook stack")
     return QuantGroups(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]),
-                       np.concatenate([p.min for p in parts]), first.group, first.bits)
+                       np.concatenate([p.min for p in parts]), first.group, first.bits, first.codebook)

@@ -24,8 +24,8 @@ from tierflow.cpu_kernels.hadamard import rotation_sizes
 from tierflow.gpu_kernels import attention_kernels, matmul_kernels, ops_kernels
 from tierflow.kv_types import KV_TYPES
 
-MATRIX = {"x": "*fp16", "data": "*u8", "scales": "*fp16", "mins": "*fp16", "out": "*fp16", "M": "i32",
-          "N": "i32", "N_OUT": "i32", "K": "i32", "stride_x": "i32"}
+MATRIX = {"x": "*fp16", "data": "*u8", "scales": "*fp16", "mins": "*fp16", "codebook": "*i8", "out": "*fp16",
+          "M": "i32", "N": "i32", "N_OUT": "i32", "K": "i32", "stride_x": "i32"}
 ATTENTION = {name: "*fp32" for name in ("qkv", "keys", "values", "cos", "sin", "out", "partials", "stats")}
 ATTENTION |= {"start": "i32", "H": "i32", "KVH": "i32", "C": "i32", "scale": "fp32", "BASE": "i32",
               "SPLIT_SIZE": "i32", "NUM_SPLITS": "i32", "WINDOW": "i32", "HELD_FROM": "i32",
@@ -35,9 +35,10 @@ ATTENTION |= {"start": "i32", "H": "i32", "KVH": "i32", "C": "i32", "scale": "fp
 def variants(all_configs: bool) -> list[tuple]:
     """(kernel, signature, constexprs, options) of each build."""
     builds = []
-    for bits, silu, x in [(3, True, "*fp16"), (8, False, "*fp32")]:
-        layout = {"data": "*i8" if bits == 8 else "*u8", "x": x, "out": x}
-        flags = dict(GROUP=32, BITS=bits, HAS_MINS=bits != 8, SILU_MUL=silu)
+    matrix_builds = [(3, False, True, "*fp16"), (8, False, False, "*fp32"), (8, True, True, "*fp16")]
+    for bits, nibbles, silu, x in matrix_builds:  # nibbles: a codebook's 4-bit indices
+        layout = {"data": "*i8" if bits == 8 and not nibbles else "*u8", "x": x, "out": x}
+        flags = dict(GROUP=32, BITS=bits, HAS_MINS=bits != 8, NIBBLES=nibbles, SILU_MUL=silu)
         matvec = matmul_kernels.fitting_configs(matmul_kernels.MATVEC_CONFIGS, flags)
         for config in matvec if all_configs else matvec[:1]:
             builds.append((matmul_kernels.matvec_kernel, MATRIX | layout | {"K_PER_SPLIT": "i32"},

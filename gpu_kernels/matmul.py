@@ -85,9 +85,11 @@ def _launch(w: DeviceMatrix, x: torch.Tensor, out: torch.Tensor | None, split_k:
 
 
 def _layout(w: DeviceMatrix, silu_mul: bool) -> tuple[tuple, dict]:
-    """The weight pointers (mins: any pointer when absent) and the constexpr flags of a kernel."""
-    pointers = (w.data, w.scales, w.scales if w.mins is None else w.mins)
-    return pointers, dict(GROUP=w.group, BITS=w.bits, HAS_MINS=w.mins is not None, SILU_MUL=silu_mul)
+    """The weight pointers (mins, codebook: any pointer when absent) and the constexpr flags of a kernel."""
+    pointers = (w.data, w.scales, w.scales if w.mins is None else w.mins,
+                w.scales if w.codebook is None else w.codebook)
+    return pointers, dict(GROUP=w.group, BITS=w.bits, HAS_MINS=w.mins is not None,
+                          NIBBLES=w.codebook is not None, SILU_MUL=silu_mul)
 
 
 def _prefill(kernels, w: DeviceMatrix, x: torch.Tensor, out: torch.Tensor, silu_mul: bool) -> None:

@@ -17,7 +17,10 @@ from tierflow.gpu_kernels.packed import DeviceMatrix
 
 def codes(w: DeviceMatrix) -> torch.Tensor:
     """The codes q [N, K] as int32, undoing the layout."""
-    if w.bits == 8:
+    if w.codebook is not None:
+        indices = torch.stack([w.data & 0x0F, w.data >> 4], dim=2).long()  # [T, K/8, 2, 64, 4]
+        q = w.codebook[indices].permute(0, 3, 1, 2, 4)  # [T, 64, K/8, 2, 4]
+    elif w.bits == 8:
         q = w.data.permute(0, 2, 1, 3)  # [T, 64, K/4, 4]
     else:
         shifts = torch.arange(8, device=w.device, dtype=torch.int32)

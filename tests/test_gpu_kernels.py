@@ -18,11 +18,12 @@ import torch
 
 from tests.support.gpu import load_gpu_kernels_or_skip
 from tests.test_kernels import WEIGHT_TYPES, weight_type_matrix
-from tests.test_packed import KINDS, kind_id, random_groups
+from tests.test_packed import KINDS, as_int8_codes, codebook_groups, kind_id, random_groups
 from tierflow.cpu_kernels import ops as cpu_ops
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes, decode, read_rows
 from tierflow.cpu_kernels.matmul import matmul as cpu_matmul
 from tierflow.cpu_kernels.packed import pack
+from tierflow.cpu_kernels.quant_groups import CODEBOOKS
 from tierflow.ggml_types import type_name
 from tierflow.gpu_kernels import reference
 from tierflow.gpu_kernels.attention import attention
@@ -161,19 +162,39 @@ def test_matmul_writes_into_out_and_device_linear_adds_the_bias():
     assert matmul(w, torch.empty(0, 64, device=DEVICE)).shape == (0, 65)
 
 
-def test_views_of_an_uploaded_layer_are_the_matrix():
-    """A layer's bytes, uploaded as one buffer (the stand-in tier here), viewed in place."""
-    matrix, w = packed((4, True), 65, 64, 32)
-    arrays = [matrix.data, matrix.scales, matrix.mins]
+def uploaded(arrays: list[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
+    """The arrays as one layer's bytes (64-byte aligned), uploaded to the stand-in tier; their offsets."""
     offsets = np.cumsum([0] + [-(-a.nbytes // 64) * 64 for a in arrays])
     layer = bytearray(int(offsets[-1]))
     for at, array in zip(offsets, arrays):
         layer[at: at + array.nbytes] = array.tobytes()
-    copy = DeviceTier(DEVICE, budget=1 << 20).upload(memoryview(layer))
-    viewed = view_matrix(copy, 65, 64, 4, 32, *map(int, offsets[:3]))
+    return DeviceTier(DEVICE, budget=1 << 20).upload(memoryview(layer)), [int(at) for at in offsets[:-1]]
+
+
+def test_views_of_an_uploaded_layer_are_the_matrix():
+    """A layer's bytes, uploaded as one buffer (the stand-in tier here), viewed in place."""
+    matrix, w = packed((4, True), 65, 64, 32)
+    copy, offsets = uploaded([matrix.data, matrix.scales, matrix.mins])
+    viewed = view_matrix(copy, 65, 64, 4, 32, *offsets)
     assert viewed.data.data_ptr() == copy.data_ptr()
     x = activations(1, 64)
     assert torch.equal(matmul(viewed, x), matmul(w, x))
+
+
+@pytest.mark.parametrize("tokens", [1, 9], ids=["decode", "prefill"])
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+def test_a_codebook_matrix_computes_on_the_device_as_its_int8_layout(codebook, tokens):
+    """Copied, or viewed in an uploaded layer, the 4-bit indices stay 4 bits; the kernels look the
+    codes up and compute exactly as on the int8 layout of the same codes."""
+    groups = codebook_groups(80, 64, 32, codebook)  # F = 40 gate and up rows
+    nibbles, expected = pack(groups), to_device(pack(as_int8_codes(groups)), DEVICE)
+    copy, offsets = uploaded([nibbles.data, nibbles.scales])
+    x = activations(tokens, 64)
+    for w in (to_device(nibbles, DEVICE), view_matrix(copy, 80, 64, 8, 32, *offsets, None, codebook)):
+        assert w.data.dtype == torch.uint8 and 2 * w.data.numel() == expected.data.numel()
+        assert torch.equal(reference.codes(w), reference.codes(expected))
+        assert torch.equal(matmul(w, x), matmul(expected, x))
+        assert torch.equal(matmul_silu_mul(w, x), matmul_silu_mul(expected, x))
 
 
 # --- norms and activation -----------------------------------------------------------------------

@@ -9,12 +9,12 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from tests.test_dequant import random_tensor
-from tests.test_packed import KINDS, kind_id, random_groups
+from tests.test_packed import KINDS, as_int8_codes, codebook_groups, kind_id, random_groups
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.matmul import matmul
 from tierflow.cpu_kernels.packed import LUT_MAX_GROUP, PackedMatrix, pack
-from tierflow.cpu_kernels.quant_groups import QuantGroups, to_quant_groups
+from tierflow.cpu_kernels.quant_groups import CODEBOOKS, QuantGroups, to_quant_groups
 from tierflow.cpu_kernels.reference import matmul_exact, matmul_reference
 from tierflow.ggml_types import type_name
 
@@ -157,6 +157,32 @@ def test_isa_paths_agree(kind, shape):
     # The SIMD paths round in the same order, the scalar path differs only by float rounding.
     if {"avx2", "avx512"} <= set(ISAS):
         assert np.array_equal(results["avx2"], results["avx512"])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+@pytest.mark.parametrize("isa", ISAS)
+def test_codebook_product_is_bit_identical_to_the_int8_layout(isa, codebook, shape):
+    tokens, rows, cols, group = shape
+    groups = codebook_groups(rows, cols, group, codebook, seed=tokens)
+    x = np.random.default_rng(tokens).standard_normal((tokens, cols)).astype(np.float32)
+    _kernels.set_isa(isa)
+    y = matmul(pack(groups), x)
+    assert np.array_equal(y.view(np.uint32), matmul(pack(as_int8_codes(groups)), x).view(np.uint32))
+    assert_matches_reference(y, pack(groups), x)
+
+
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+def test_codebook_product_is_bit_identical_on_the_simd_paths(codebook):
+    if not {"avx2", "avx512"} <= set(ISAS):
+        pytest.fail(f"this machine lacks a SIMD path: it has {ISAS}")
+    w = pack(codebook_groups(200, 256, 32, codebook, seed=5))
+    x = np.random.default_rng(5).standard_normal((9, 256)).astype(np.float32)
+    results = []
+    for isa in ("avx2", "avx512"):
+        _kernels.set_isa(isa)
+        results.append(matmul(w, x))
+    assert np.array_equal(results[0].view(np.uint32), results[1].view(np.uint32))
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=kind_id)
@@ -318,6 +344,33 @@ def test_int8_group_not_a_multiple_of_four_is_refused(group):
     args["group"] = group
     with pytest.raises(ValueError, match=f"group {group} is not supported with 8-bit weights"):
         _kernels.matmul(*args.values())
+
+
+def codebook_args(codebook: int = 1) -> dict:
+    """Arguments of _kernels.matmul for a [65, 64] matrix of codebook indices, group 32, 3 tokens."""
+    w = pack(codebook_groups(65, 64, 32, "iq4nl"))
+    return dict(bits=8, group=32, rows=65, data=w.data, scales=w.scales, mins=None,
+                x=np.ones((3, 64), np.float32), y=np.zeros((3, 65), np.float32), accumulate=False,
+                codebook=codebook)
+
+
+# (argument changed, its bad value, what the error message says)
+BAD_CODEBOOK_ARGUMENTS = [
+    ("codebook", 3, "codebook 3 is not one of 0..2"),
+    ("codebook", -1, "codebook -1 is not one of 0..2"),
+    ("bits", 4, "codebook 1 is not one of 0..2 for 8-bit weights"),
+    ("group", 4, "group 4 is not supported with 8-bit weights"),
+    ("data", np.zeros(8192, np.int8), "data holds 8192 items; the packed shape needs 4096"),  # int8 layout
+]
+
+
+@pytest.mark.parametrize("name, value, message", BAD_CODEBOOK_ARGUMENTS,
+                         ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_CODEBOOK_ARGUMENTS)])
+def test_bad_codebook_argument_is_an_exception_naming_it(name, value, message):
+    args = codebook_args()
+    args[name] = value
+    with pytest.raises(ValueError, match=message):
+        _kernels.matmul(**args)
 
 
 def test_valid_arguments_work():

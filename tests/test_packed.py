@@ -8,7 +8,13 @@ from tests.test_dequant import random_tensor
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.matmul import matmul
 from tierflow.cpu_kernels.packed import TILE_ROWS, pack
-from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, QuantGroups, stack_rows, to_quant_groups
+from tierflow.cpu_kernels.quant_groups import (
+    CODEBOOKS,
+    GROUPED_TYPES,
+    QuantGroups,
+    stack_rows,
+    to_quant_groups,
+)
 from tierflow.ggml_types import TierflowType, type_name
 
 ALL_BITS = (1, 2, 3, 4, 8)
@@ -41,6 +47,19 @@ def random_groups(rows: int, cols: int, bits: int, group: int, *, has_min: bool 
     if min_ is None:
         min_ = np.full_like(scale, -0.0)
     return QuantGroups(random_codes(rng, rows, cols, bits), scale, min_, group, bits)
+
+
+def codebook_groups(rows: int, cols: int, group: int, codebook: str, seed: int = 0) -> QuantGroups:
+    """Random 4-bit indices into `codebook` with Gaussian float16 scales, no offset."""
+    rng = np.random.default_rng(seed)
+    scale = to_half(rng.standard_normal((rows, cols // group)).astype(np.float32))
+    indices = rng.integers(0, 16, (rows, cols), dtype=np.uint8)
+    return QuantGroups(indices, scale, np.full_like(scale, -0.0), group, 8, codebook)
+
+
+def as_int8_codes(groups: QuantGroups) -> QuantGroups:
+    """The same matrix as plain int8 codes, the codebook's entries."""
+    return QuantGroups(groups.codes(), groups.scale, groups.min, groups.group, 8)
 
 
 def to_half(values: np.ndarray) -> np.ndarray:
@@ -77,6 +96,44 @@ def test_int8_layout_is_quads_of_columns_per_row():
     assert data.shape == (3, 64 // 4, TILE_ROWS, 4) and data.dtype == np.int8
     assert data[2, 7, 1, 3] == groups.q[129, 31]
     assert data[1, 0, 0, 0] == groups.q[64, 0]
+
+
+def test_nibble_layout_holds_quads_2o_and_2o_plus_1_in_one_byte():
+    # Byte (t, o, r, j): low nibble the index of row 64t + r, column 8o + j; high nibble column 8o + 4 + j.
+    groups = codebook_groups(130, 64, 32, "iq4nl")
+    data = pack(groups).data
+    assert data.shape == (3, 64 // 8, TILE_ROWS, 4) and data.dtype == np.uint8
+    assert data[2, 5, 1, 3] & 0x0F == groups.q[129, 43]
+    assert data[2, 5, 1, 3] >> 4 == groups.q[129, 47]
+
+
+@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
+def test_codebook_matrix_reads_back_as_its_int8_layout(codebook):
+    groups = codebook_groups(130, 96, 32, codebook, seed=3)
+    nibbles, int8 = pack(groups), pack(as_int8_codes(groups))
+    assert (nibbles.codebook, int8.codebook) == (codebook, None)
+    assert np.array_equal(nibbles.codes(), int8.codes())
+    expanded = nibbles.as_int8()
+    assert (expanded.codebook, expanded.data.shape, expanded.data.dtype) == (None, int8.data.shape, np.int8)
+    assert np.array_equal(expanded.codes(), int8.codes())  # padding rows may differ: their scales are 0
+    assert np.array_equal(nibbles.dequantize(), int8.dequantize())
+    ids = np.array([129, 0, 63, 64, 64, 7])
+    assert np.array_equal(nibbles.row_slice(ids), int8.row_slice(ids))
+
+
+def test_codebook_data_is_half_the_int8_data():
+    groups = codebook_groups(130, 96, 32, "mxfp4")
+    assert 2 * pack(groups).data.nbytes == pack(as_int8_codes(groups)).data.nbytes
+
+
+def test_codebook_group_not_a_multiple_of_eight_is_refused():
+    with pytest.raises(ValueError, match="multiple of 8, not 4"):
+        pack(codebook_groups(3, 48, 4, "iq4nl"))
+
+
+def test_matrices_of_different_codebooks_do_not_stack():
+    with pytest.raises(ValueError, match="codebook"):
+        stack_rows([codebook_groups(3, 64, 32, "iq4nl"), codebook_groups(3, 64, 32, "mxfp4")])
 
 
 @pytest.mark.parametrize("bits", ALL_BITS)
@@ -198,6 +255,6 @@ def test_packed_weight_type_is_its_weights_up_to_float16_scales(ggml_type):
     if ggml_type in EXACT_WHEN_PACKED:
         assert np.array_equal(actual, expected)
     else:  # each of scale and min rounded to float16: within 2^-11 of itself
-        q = groups.q.astype(np.float32).reshape(65, -1, groups.group)
+        q = groups.codes().astype(np.float32).reshape(65, -1, groups.group)
         terms = np.abs(q * groups.scale[..., None]) + np.abs(groups.min[..., None])
         assert np.all(np.abs(actual - expected) <= 2.0 ** -11 * terms.reshape(65, 512))

@@ -158,7 +158,8 @@ def _rewrite_manifest(path: Path, change) -> None:
     lambda m: m["layers"][1].update(nbytes=10**12),
     lambda m: m["layers"][0]["weights"]["qkv"].update(rows=10**9),
     lambda m: m["layers"][2].update(offset=m["layers"][1]["offset"]),
-], ids=["absurd-extent-size", "absurd-matrix-rows", "overlapping-extents"])
+    lambda m: m["layers"][0]["weights"]["qkv"].update(codebook="mxfp4"),
+], ids=["absurd-extent-size", "absurd-matrix-rows", "overlapping-extents", "codebook-of-another-type"])
 def test_a_crafted_manifest_with_a_valid_checksum_is_rebuilt_not_read(model, builds, change):
     expected = greedy_tokens(model)
     _rewrite_manifest(pack_path(model), change)
@@ -196,7 +197,7 @@ def _reference_linear(gguf, names: list[str]):
     return lambda x: np.concatenate([linear(x) for linear in linears], axis=-1)
 
 
-@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1", "IQ4_NL", "MXFP4"])
 def test_a_layer_extent_computes_what_the_gguf_tensors_packed_compute(tmp_path, weight_type):
     model = write_model(tmp_path / "model.gguf", ModelSpec(**{**SPEC.__dict__, "weight_type": weight_type}))
     load(model).close()
@@ -355,6 +356,28 @@ def test_a_block_scale_that_is_not_a_number_is_refused_at_pack_time_naming_the_t
                                              "finite numbers"):
         load(model)
     assert not pack_path(model).exists() and _temporaries(model) == []
+
+
+def _layer_extent_bytes(tmp_path: Path, weight_type: str) -> int:
+    spec = ModelSpec(**{**SPEC.__dict__, "hidden_size": 256, "ffn_size": 512, "weight_type": weight_type})
+    model = write_model(tmp_path / f"{weight_type}.gguf", spec)
+    load(model).close()
+    return PackedFile(pack_path(model)).layers[0].nbytes
+
+
+@pytest.mark.parametrize("weight_type", ["IQ4_NL", "IQ4_XS", "MXFP4"])
+def test_a_codebook_type_packs_at_about_half_its_int8_size(tmp_path, weight_type):
+    # Q8_0 packs as these types did before: int8 codes, float16 scales per 32, no mins. Per weight
+    # 1 + 2/32 bytes against 1/2 + 2/32, plus the norms and the extent's padding.
+    ratio = _layer_extent_bytes(tmp_path, weight_type) / _layer_extent_bytes(tmp_path, "Q8_0")
+    assert 0.5 < ratio < 0.56
+
+
+def test_an_mxfp4_scale_above_float16_is_refused_naming_the_tensor(tmp_path):
+    model = write_model(tmp_path / "model.gguf", ModelSpec(**{**SPEC.__dict__, "weight_type": "MXFP4"}))
+    set_block_bytes(model, "blk.0.attn_k.weight", 5, 0, bytes([145]))  # 2^17: weights up to 12 x 2^17
+    with pytest.raises(UnsupportedModelError, match=r"'blk.0.attn_k.weight'.*MXFP4 block scales above 2\^15"):
+        load(model)
 
 
 def test_an_mxfp4_scale_below_float16_is_refused_naming_the_tensor(tmp_path):

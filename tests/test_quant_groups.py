@@ -104,8 +104,20 @@ def test_eight_bit_codes_are_int8_in_the_format_range(ggml_type):
     shape = (512, 30)  # enough MXFP4 blocks to meet the largest folded scale
     groups = to_quant_groups(random_tensor(ggml_type, shape), ggml_type, shape)
     low, high = INT8_RANGES[ggml_type]
-    assert groups.q.dtype == np.int8
-    assert (groups.q.min(), int(groups.q.max()) + 1) == (low, high)
+    codes = groups.codes()
+    assert codes.dtype == np.int8
+    assert (codes.min(), int(codes.max()) + 1) == (low, high)
+
+
+@pytest.mark.parametrize("ggml_type, codebook",
+                         [(T.IQ4_NL, "iq4nl"), (T.IQ4_XS, "iq4nl"), (T.MXFP4, "mxfp4")], ids=str)
+def test_codebook_types_keep_4_bit_indices_and_name_their_codebook(ggml_type, codebook):
+    raw = random_tensor(ggml_type, (256, 3)).copy()
+    if ggml_type == T.MXFP4:
+        raw.reshape(-1, 17)[:, 0] = 128  # scale 1: no folding
+    groups = assert_reconstructs(raw, ggml_type, (256, 3))
+    assert (groups.codebook, groups.q.dtype) == (codebook, np.uint8)
+    assert len(np.unique(groups.q)) == 16
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -162,9 +174,15 @@ def test_mxfp4_scales_above_float16_fold_into_the_codes_exactly():
     exponents = [143, 144, 145, 146]  # 2^15 .. 2^18
     raw = mxfp4_blocks(exponents, seed=4)
     groups = assert_reconstructs(raw, T.MXFP4, (32, 4))
+    assert groups.codebook is None  # folded codes are no codebook's entries
     assert np.array_equal(groups.scale[:, 0], np.exp2(np.minimum(np.array(exponents) - 128, 15)))
-    unfolded = to_quant_groups(mxfp4_blocks([128] * 4, seed=4), T.MXFP4, (32, 4)).q
+    unfolded = to_quant_groups(mxfp4_blocks([128] * 4, seed=4), T.MXFP4, (32, 4)).codes()
     assert np.array_equal(groups.q[1:], unfolded[1:] << np.array([1, 2, 3], np.int8)[:, None])
+
+
+def test_mxfp4_scale_of_2_to_the_15_keeps_the_codebook():
+    groups = assert_reconstructs(mxfp4_blocks([104, 143]), T.MXFP4, (32, 2))
+    assert groups.codebook == "mxfp4"
 
 
 def test_mxfp4_zero_block_gets_scale_one():

@@ -6,6 +6,11 @@
  * 8 (AVX2) rows and the 4 activations of the quad are one broadcast 32-bit value.
  * Signed times signed products use |w| * (x with w's sign), the form the unsigned-by-signed
  * byte dot product instructions take.
+ *
+ * Codebook weights (IQ4_NL, IQ4_XS, MXFP4) keep their 4-bit indices: a 256-byte block holds two
+ * quads, quad 2o in the low nibbles and 2o + 1 in the high ones, each byte where the int8 layout
+ * has the quad's byte. The indices become int8 codes in registers by a byte shuffle against the
+ * 16-entry codebook, after which the arithmetic is exactly the int8 layout's.
  */
 #include <math.h>
 #include <string.h>
@@ -38,9 +43,23 @@ TARGET_CLONES void int8_prepare_token(const float *x, int64_t cols, int64_t grou
     }
 }
 
+static const int8_t CODEBOOKS[CODEBOOK_COUNT][16] = {
+    [CODEBOOK_IQ4NL] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
+    [CODEBOOK_MXFP4] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}, /* E2M1 x 2 */
+};
+
+const int8_t *int8_codebook(codebook_t id) {
+    return id > CODEBOOK_NONE && id < CODEBOOK_COUNT ? CODEBOOKS[id] : NULL;
+}
+
+/* Where quad q's 256-byte block starts: its own block, or the one it shares with its pair. */
+static inline const uint8_t *quad_block(const uint8_t *data, int64_t q, int nibbles) {
+    return data + (nibbles ? q >> 1 : q) * 4 * TILE_ROWS;
+}
+
 #define TILE_SETUP                                                            \
     const int64_t groups = w->cols / w->group, quads = w->group / 4;         \
-    const int8_t *data = (const int8_t *)w->data + tile * w->cols * TILE_ROWS; \
+    const uint8_t *data = w->data + tile * w->cols * TILE_ROWS / (w->codebook ? 2 : 1); \
     const uint16_t *scales = w->scales + tile * groups * TILE_ROWS;          \
     const uint16_t *mins = w->mins ? w->mins + tile * groups * TILE_ROWS : NULL; \
     const int64_t code_stride = a->codes_per_token;
@@ -64,10 +83,12 @@ static void int8_tile_scalar(const packed_matrix *w, const prepared_acts *a, int
             const int8_t *x = a->codes + (token + c) * code_stride;
             memset(acc, 0, sizeof acc);
             for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
-                const int8_t *block = data + q * 4 * TILE_ROWS;
+                const uint8_t *block = quad_block(data, q, w->codebook != NULL);
                 for (int r = 0; r < TILE_ROWS; r++) {
                     for (int j = 0; j < 4; j++) {
-                        acc[r] += block[4 * r + j] * x[4 * q + j];
+                        int8_t code = w->codebook ? w->codebook[(block[4 * r + j] >> (4 * (q & 1))) & 15]
+                                                  : (int8_t)block[4 * r + j];
+                        acc[r] += code * x[4 * q + j];
                     }
                 }
             }
@@ -80,12 +101,32 @@ static void int8_tile_scalar(const packed_matrix *w, const prepared_acts *a, int
 
 #ifdef HAVE_X86
 
+/* One specialisation per token count and layout, so both are constants in the inner loops. */
+#define DISPATCH_TOKEN_BLOCK(fn)                                                            \
+    const int nibbles = w->codebook != NULL;                                                \
+    switch (count) {                                                                        \
+    case 1: nibbles ? fn(w, a, tile, token, 1, 1, out) : fn(w, a, tile, token, 1, 0, out); break; \
+    case 2: nibbles ? fn(w, a, tile, token, 2, 1, out) : fn(w, a, tile, token, 2, 0, out); break; \
+    case 3: nibbles ? fn(w, a, tile, token, 3, 1, out) : fn(w, a, tile, token, 3, 0, out); break; \
+    default: nibbles ? fn(w, a, tile, token, 4, 1, out) : fn(w, a, tile, token, 4, 0, out); break; \
+    }
+
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
+/* Rows 8v .. 8v+7 of quad q as int8 codes: loaded, or looked up from their nibbles. */
+AVX2_TARGET __m256i avx2_quad(const uint8_t *data, int64_t q, int v, const int nibbles, __m256i table) {
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)(quad_block(data, q, nibbles) + 32 * v));
+    if (!nibbles) return bytes;
+    if (q & 1) bytes = _mm256_srli_epi16(bytes, 4);
+    return _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F)));
+}
+
 AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                                  int64_t token, const int count, float *out) {
+                                  int64_t token, const int count, const int nibbles, float *out) {
     TILE_SETUP
     const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i table = nibbles ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->codebook))
+                                  : _mm256_setzero_si256();
     for (int64_t g = 0; g < groups; g++) {
         __m256i acc[MAX_TOKEN_BLOCK][8]; /* acc[c][v]: rows 8v .. 8v+7 */
         for (int c = 0; c < count; c++) {
@@ -99,7 +140,7 @@ AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a
                 x[c] = _mm256_set1_epi32(four);
             }
             for (int v = 0; v < 8; v++) {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(data + (q * TILE_ROWS + 8 * v) * 4));
+                __m256i wv = avx2_quad(data, q, v, nibbles, table);
                 __m256i magnitude = _mm256_sign_epi8(wv, wv);
                 for (int c = 0; c < count; c++) {
                     __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[c], wv));
@@ -129,20 +170,25 @@ AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a
 __attribute__((target("avx2,fma,f16c"))) static void int8_tile_avx2(
     const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token, int count,
     float *out) {
-    switch (count) {
-    case 1: int8_tile_avx2_n(w, a, tile, token, 1, out); break;
-    case 2: int8_tile_avx2_n(w, a, tile, token, 2, out); break;
-    case 3: int8_tile_avx2_n(w, a, tile, token, 3, out); break;
-    default: int8_tile_avx2_n(w, a, tile, token, 4, out); break;
-    }
+    DISPATCH_TOKEN_BLOCK(int8_tile_avx2_n)
 }
 
 #define AVX512_TARGET \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"), always_inline)) static inline
 
+/* Rows 16v .. 16v+15 of quad q as int8 codes: loaded, or looked up from their nibbles. */
+AVX512_TARGET __m512i avx512_quad(const uint8_t *data, int64_t q, int v, const int nibbles, __m512i table) {
+    __m512i bytes = _mm512_loadu_si512((const void *)(quad_block(data, q, nibbles) + 64 * v));
+    if (!nibbles) return bytes;
+    if (q & 1) bytes = _mm512_srli_epi16(bytes, 4);
+    return _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, _mm512_set1_epi8(0x0F)));
+}
+
 AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                                      int64_t token, const int count, float *out) {
+                                      int64_t token, const int count, const int nibbles, float *out) {
     TILE_SETUP
+    const __m512i table = nibbles ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook))
+                                  : _mm512_setzero_si512();
     for (int64_t g = 0; g < groups; g++) {
         __m512i acc[MAX_TOKEN_BLOCK][4]; /* acc[c][v]: rows 16v .. 16v+15 */
         for (int c = 0; c < count; c++) {
@@ -155,12 +201,10 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
                 memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
                 x[c] = _mm512_set1_epi32(four);
             }
-            _mm_prefetch((const char *)(data + q * TILE_ROWS * 4 + PREFETCH_BYTES), _MM_HINT_T0);
-            _mm_prefetch((const char *)(data + q * TILE_ROWS * 4 + PREFETCH_BYTES + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(data + q * TILE_ROWS * 4 + PREFETCH_BYTES + 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(data + q * TILE_ROWS * 4 + PREFETCH_BYTES + 192), _MM_HINT_T0);
+            const char *ahead = (const char *)quad_block(data, q, nibbles) + PREFETCH_BYTES;
+            for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
             for (int v = 0; v < 4; v++) {
-                __m512i wv = _mm512_loadu_si512((const void *)(data + (q * TILE_ROWS + 16 * v) * 4));
+                __m512i wv = avx512_quad(data, q, v, nibbles, table);
                 __m512i magnitude = _mm512_abs_epi8(wv);
                 __mmask64 negative = _mm512_movepi8_mask(wv);
                 for (int c = 0; c < count; c++) {
@@ -191,12 +235,7 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))) static void
 int8_tile_avx512(const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token,
                  int count, float *out) {
-    switch (count) {
-    case 1: int8_tile_avx512_n(w, a, tile, token, 1, out); break;
-    case 2: int8_tile_avx512_n(w, a, tile, token, 2, out); break;
-    case 3: int8_tile_avx512_n(w, a, tile, token, 3, out); break;
-    default: int8_tile_avx512_n(w, a, tile, token, 4, out); break;
-    }
+    DISPATCH_TOKEN_BLOCK(int8_tile_avx512_n)
 }
 
 #endif /* HAVE_X86 */

@@ -41,10 +41,15 @@ typedef struct {
     int64_t group;          /* columns per scale group */
     int64_t tiles;          /* row tiles; rows are padded to tiles * TILE_ROWS */
     int64_t cols;           /* K */
-    const uint8_t *data;    /* bit planes or int8 quads, see packed.py */
+    const uint8_t *data;    /* bit planes, int8 quads or nibble pairs of quads, see packed.py */
     const uint16_t *scales; /* float16 [tiles][K / group][TILE_ROWS] */
     const uint16_t *mins;   /* float16 [tiles][K / group][TILE_ROWS], or NULL (all zero) */
+    const int8_t *codebook; /* int8 kernel: NULL, or the 16 codes that data's 4-bit indices select */
 } packed_matrix;
+
+/* The named codebooks of 4-bit indices (packed.py's CODEBOOKS): NULL for CODEBOOK_NONE. */
+typedef enum { CODEBOOK_NONE = 0, CODEBOOK_IQ4NL = 1, CODEBOOK_MXFP4 = 2, CODEBOOK_COUNT = 3 } codebook_t;
+const int8_t *int8_codebook(codebook_t id);
 
 typedef struct {
     int64_t tokens;

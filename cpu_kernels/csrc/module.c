@@ -119,23 +119,32 @@ static void tile_item(void *ctx, int64_t item) {
 }
 
 PyDoc_STRVAR(matmul_doc,
-"matmul(bits, group, rows, data, scales, mins, x, y, accumulate=False)\n--\n\n"
+"matmul(bits, group, rows, data, scales, mins, x, y, accumulate=False, codebook=0)\n--\n\n"
 "y[M, rows] = x[M, K] @ W.T for a packed W (see tierflow.cpu_kernels.packed); y += with accumulate.\n"
-"bits 1..4 uses the LUT kernel, 8 the int8 kernel; mins may be None only for bits 8.");
+"bits 1..4 uses the LUT kernel, 8 the int8 kernel; mins may be None only for bits 8.\n"
+"codebook (bits 8 only): 0 for int8 codes, else the id of the codebook that data's 4-bit indices\n"
+"select (1 iq4nl, 2 mxfp4), K / 2 bytes per row.");
 
-static PyObject *py_matmul(PyObject *self, PyObject *args) {
-    int bits;
+static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"bits", "group", "rows", "data", "scales", "mins", "x", "y",
+                               "accumulate", "codebook", NULL};
+    int bits, codebook = CODEBOOK_NONE;
     Py_ssize_t group, rows;
     PyObject *objs[5], *mins_obj;
     int accumulate = 0;
-    if (!PyArg_ParseTuple(args, "innOOOOO|p:matmul", &bits, &group, &rows, &objs[0], &objs[1],
-                          &mins_obj, &objs[3], &objs[4], &accumulate))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "innOOOOO|pi:matmul", keywords, &bits, &group, &rows,
+                                     &objs[0], &objs[1], &mins_obj, &objs[3], &objs[4], &accumulate,
+                                     &codebook))
         return NULL;
     objs[2] = mins_obj;
     if (!(bits >= 1 && bits <= 4) && bits != 8)
         return PyErr_Format(PyExc_ValueError, "bits must be 1, 2, 3, 4 or 8, not %d", bits);
+    if (codebook < CODEBOOK_NONE || codebook >= CODEBOOK_COUNT || (codebook && bits != 8))
+        return PyErr_Format(PyExc_ValueError, "codebook %d is not one of 0..%d for 8-bit weights", codebook,
+                            CODEBOOK_COUNT - 1);
     if (rows < 1) return PyErr_Format(PyExc_ValueError, "rows must be positive, not %zd", rows);
-    if (bits == 8 ? (group < 4 || group % 4) : (group < 8 || group % 8 || group > lut_max_group(bits)))
+    const int64_t divisor = bits != 8 || codebook ? 8 : 4; /* a nibble block holds two quads */
+    if (group < divisor || group % divisor || (bits != 8 && group > lut_max_group(bits)))
         return PyErr_Format(PyExc_ValueError, "group %zd is not supported with %d-bit weights", group, bits);
     if (mins_obj == Py_None && bits != 8)
         return PyErr_Format(PyExc_ValueError, "%d-bit weights need mins", bits);
@@ -166,7 +175,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
                             y->shape[1], (Py_ssize_t)tokens, rows);
     }
     const int64_t scale_items = tiles * (cols / group) * TILE_ROWS;
-    const int64_t data_bytes = bits == 8 ? tiles * TILE_ROWS * cols : tiles * TILE_ROWS * cols / 8 * bits;
+    const int64_t data_bytes = tiles * TILE_ROWS * cols / 8 * (bits == 8 && codebook ? 4 : bits);
     if (check_length(&buf[0], "data", data_bytes) || check_length(&buf[1], "scales", scale_items) ||
         (buf[2].held && check_length(&buf[2], "mins", scale_items))) {
         release(buf, 5);
@@ -179,7 +188,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 
     matmul_job job = {
         .w = {bits, group, tiles, cols, buf[0].view.buf, buf[1].view.buf,
-              buf[2].held ? buf[2].view.buf : NULL},
+              buf[2].held ? buf[2].view.buf : NULL, int8_codebook(codebook)},
         .kernel = bits == 8 ? int8_tile_kernel(active_isa) : lut_tile_kernel(active_isa),
         .x = x->buf, .y = y->buf, .rows = rows,
         .chunks = (tokens + TOKEN_CHUNK - 1) / TOKEN_CHUNK, .accumulate = accumulate,
@@ -445,7 +454,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 }
 
 static PyMethodDef methods[] = {
-    {"matmul", py_matmul, METH_VARARGS, matmul_doc},
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS, matmul_doc},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, weight, eps, out): out = x / rms(x) * weight, per row."},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, out): out = silu(gate) * up, gate_up = [gate, up] per row."},
     {"attention", py_attention, METH_VARARGS, attention_doc},

@@ -7,16 +7,18 @@ byte counts, before anything is packed); given a `TensorDecoder` too, it also pr
 (the writer), and each array it produces must have the size the walk computed. A field becomes:
 
     Vector   float32 [n]                                        [offset, nbytes]
-    Matmul   one matrix when its parts agree on a format (float32, or the same bits and group),
+    Matmul   one matrix when its parts agree on a format (float32, or the same bits, group and codebook),
              its rows the parts' rows in order, with the parts' biases (zeros where a part has
              none) concatenated; else a concatenation of one matrix per part:
                  {"kind": "dense", rows, cols, weight: [offset, nbytes], bias}
-                 {"kind": "packed", rows, cols, bits, group, data, scales, mins, bias}
+                 {"kind": "packed", rows, cols, bits, group, codebook, data, scales, mins, bias}
                  {"kind": "concat", parts: [...]}
 
 Packed matrices are cpu_kernels/packed.py's layout (rows padded to tiles of 64): data
-`tiles*64*cols*bits/8` bytes, scales and (when any part's format has an offset, or bits < 8)
-mins `tiles*64*(cols/group)` float16 each.
+`tiles*64*cols*bits/8` bytes (4 bits a weight for a codebook's indices: IQ4_NL, IQ4_XS and MXFP4
+have one, codebook null otherwise), scales and (when any part's format has an offset, or bits < 8)
+mins `tiles*64*(cols/group)` float16 each. An MXFP4 matrix with a block scale above 2^15 (a weight
+of magnitude 2^16 or more) has no codebook form (quant_groups.py); the pack refuses it.
 """
 
 from collections.abc import Callable
@@ -163,15 +165,16 @@ class ExtentLayout:
             return bias
         return None
 
-    def _format(self, tensor: Tensor) -> tuple[int, int] | None:
-        """(bits, group) of a tensor the packed kernels compute; None: float32 (torch)."""
+    def _format(self, tensor: Tensor) -> tuple[int, int, str | None] | None:
+        """(bits, group, codebook) of a tensor the packed kernels compute; None: float32 (torch)."""
         ggml_type = self.gguf.tensors[tensor.name].ggml_type
         if ggml_type not in GROUPED_TYPES or len(tensor.shape) < 2:
             return None
         layout = group_layout(ggml_type)
-        return layout.bits, layout.group
+        return layout.bits, layout.group, layout.codebook
 
-    def _matrix(self, parts: list[tuple[Tensor, Tensor | None]], fmt: tuple[int, int] | None) -> dict:
+    def _matrix(self, parts: list[tuple[Tensor, Tensor | None]], fmt: tuple[int, int, str | None] | None
+                ) -> dict:
         weights = [weight for weight, _ in parts]
         rows, cols = sum(w.matrix_shape[0] for w in weights), weights[0].matrix_shape[1]
         spec = {"rows": rows, "cols": cols, "bias": None}
@@ -181,29 +184,35 @@ class ExtentLayout:
             self.linears.append(LinearSize(4 * rows * cols, None))
             return spec | {"kind": "dense", "weight": self._array(
                 4 * rows * cols, lambda: np.concatenate([self.decoder.matrix(w, False) for w in weights]))}
-        bits, group = fmt
+        bits, group, codebook = fmt
         types = [self.gguf.tensors[w.name].ggml_type for w in weights]
         with_mins = bits != 8 or any(group_layout(t).has_min for t in types)
         padded = -(-rows // TILE_ROWS) * TILE_ROWS
-        packed = _Once(lambda: self._packed(weights, with_mins))
+        packed = _Once(lambda: self._packed(weights, with_mins, codebook))
         params = padded * (cols // group) * 2
-        spec |= {"kind": "packed", "bits": bits, "group": group,
-                 "data": self._array(padded * cols * bits // 8, lambda: packed().data),
+        data_bytes = padded * cols * (4 if codebook else bits) // 8
+        spec |= {"kind": "packed", "bits": bits, "group": group, "codebook": codebook,
+                 "data": self._array(data_bytes, lambda: packed().data),
                  "scales": self._array(params, lambda: packed().scales),
                  "mins": self._array(params, lambda: packed().mins) if with_mins else None}
-        self.linears.append(LinearSize(padded * cols * bits // 8 + params * (2 if with_mins else 1), bits))
+        self.linears.append(LinearSize(data_bytes + params * (2 if with_mins else 1), bits))
         return spec
 
-    def _packed(self, weights: list[Tensor], with_mins: bool) -> PackedMatrix:
+    def _packed(self, weights: list[Tensor], with_mins: bool, codebook: str | None) -> PackedMatrix:
         """The tensors packed as one matrix. A scale or offset that is not a number means a damaged
         file; one too large for the packed layout's float16 (a Q4_0 block of scale 65504 has an
-        offset of -8 x 65504) is a file tierflow cannot hold."""
+        offset of -8 x 65504), or an MXFP4 scale without a codebook form, is a file tierflow cannot
+        hold."""
         groups = [self.decoder.matrix(w, True) for w in weights]
         names = ", ".join(f"'{w.name}'" for w in weights)
         for weight, group in zip(weights, groups):
             if not (np.isfinite(group.scale).all() and np.isfinite(group.min).all()):
                 raise ModelFileError(f"{self.gguf.path.name}: tensor '{weight.name}' has block scales "
                                      f"that are not finite numbers (the file is damaged)")
+        if any(group.codebook != codebook for group in groups):
+            raise UnsupportedModelError(f"{self.gguf.path.name}: tensor {names}: MXFP4 block scales above "
+                                        f"2^15 are not supported (tierflow packs MXFP4 as 4-bit codes with "
+                                        f"float16 scales)")
         try:
             return pack(stack_rows(groups), with_mins)
         except ValueError as error:

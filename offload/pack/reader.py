@@ -23,7 +23,7 @@ from tierflow.gpu_kernels.matmul import DeviceLinear
 from tierflow.gpu_kernels.packed import view_matrix
 from tierflow.runtime.model import ConcatLinear, DenseLinear, Experts, Kernels, Linear, Weights
 
-PACK_VERSION = 4  # 4: the source identified by device, inode and sampled content
+PACK_VERSION = 5  # 4: the source identified by device, inode and sampled content; 5: codebook nibbles
 MAGIC = b"TFPACK01"
 TRAILER = struct.Struct("<8sQQI")  # magic, manifest offset, manifest size, manifest CRC-32
 
@@ -142,16 +142,18 @@ def _matrix(data: memoryview, spec: dict) -> PackedMatrix | torch.Tensor:
     rows, cols = spec["rows"], spec["cols"]
     if spec["kind"] == "dense":
         return torch.from_numpy(_array(data, spec["weight"], np.float32).reshape(rows, cols))
-    bits, group = spec["bits"], spec["group"]
+    bits, group, codebook = spec["bits"], spec["group"], spec["codebook"]
     tiles = -(-rows // TILE_ROWS)
-    if bits == 8:
+    if codebook is not None:
+        codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols // 8, TILE_ROWS, 4)
+    elif bits == 8:
         codes = _array(data, spec["data"], np.int8).reshape(tiles, cols // 4, TILE_ROWS, 4)
     else:
         codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols // 8, bits, TILE_ROWS)
     params = (tiles, cols // group, TILE_ROWS)
     mins = None if spec["mins"] is None else _array(data, spec["mins"], np.float16).reshape(params)
     scales = _array(data, spec["scales"], np.float16).reshape(params)
-    return PackedMatrix(rows, cols, bits, group, codes, scales, mins)
+    return PackedMatrix(rows, cols, bits, group, codes, scales, mins, codebook)
 
 
 def _as_linear(matrix: PackedMatrix | torch.Tensor, bias: np.ndarray | None) -> Linear:
@@ -181,4 +183,4 @@ def _device_linear(buffer: torch.Tensor, spec: dict) -> Linear:
         return DeviceLinear(weight, bias)
     at = {name: None if spec[name] is None else spec[name][0] for name in ("data", "scales", "mins")}
     return DeviceLinear(view_matrix(buffer, spec["rows"], spec["cols"], spec["bits"], spec["group"],
-                                    at["data"], at["scales"], at["mins"]), bias)
+                                    at["data"], at["scales"], at["mins"], spec["codebook"]), bias)
