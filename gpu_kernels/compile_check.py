@@ -29,7 +29,7 @@ MATRIX = {"x": "*fp16", "data": "*u8", "scales": "*fp16", "mins": "*fp16", "code
 ATTENTION = {name: "*fp32" for name in ("qkv", "keys", "values", "cos", "sin", "out", "partials", "stats")}
 ATTENTION |= {"start": "i32", "H": "i32", "KVH": "i32", "C": "i32", "scale": "fp32", "BASE": "i32",
               "SPLIT_SIZE": "i32", "NUM_SPLITS": "i32", "WINDOW": "i32", "HELD_FROM": "i32",
-              "softcap": "fp32"}
+              "softcap": "fp32", "sinks": "*fp32"}
 
 
 def variants(all_configs: bool) -> list[tuple]:
@@ -47,11 +47,11 @@ def variants(all_configs: bool) -> list[tuple]:
             builds.append((matmul_kernels.matmul_kernel, MATRIX | layout | {"M_BUCKET": "i32"},
                            flags | dict(F32=x == "*fp32", **config.kwargs),
                            dict(num_warps=config.num_warps, num_stages=config.num_stages)))
-    attention_builds = [(128, True, True, "q8_0", False), (80, False, False, "f32", True),
-                        (64, True, True, "q4_0", False), (96, False, True, "f16", False)]
-    for head_dim, neox, split, kv, softcap in attention_builds:
+    attention_builds = [(128, True, True, "q8_0", False, False), (80, False, False, "f32", True, False),
+                        (64, True, True, "q4_0", False, True), (96, False, True, "f16", False, False)]
+    for head_dim, neox, split, kv, softcap, sinks in attention_builds:  # sinks: gpt-oss's
         shape = dict(D=head_dim, HALF=head_dim // 4, GROUP=4, NEOX=neox, SPLIT=split, SOFTCAP=softcap,
-                     BLOCK_G=16, BLOCK_S=attention_kernels.BLOCK_S,
+                     SINKS=sinks, BLOCK_G=16, BLOCK_S=attention_kernels.BLOCK_S,
                      BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), KV=attention_kernels.KV_CODES[kv])
         shape |= dict(zip(("ROT_K", "ROT_V"), rotation_sizes(KV_TYPES[kv], head_dim)))  # q8_0, q4_0: on
         rows = {"f32": "*fp32", "f16": "*fp16"}.get(kv, "*u8")
