@@ -1,6 +1,6 @@
 """The `tierflow` command, run as a user runs it: through the console script's entry point, in this
-process, or in a subprocess where only a process shows the behaviour (signals, the stdin encoding,
-the installed script's shell completion)."""
+process, or in a subprocess where only a process shows the behaviour (signals, the installed script's
+shell completion)."""
 
 import importlib.metadata
 import json
@@ -125,12 +125,9 @@ def test_bad_input_is_one_line_on_stderr_and_exit_code_2(args, message):
 
 
 def test_chat_input_that_is_not_utf8_is_one_line_on_stderr_and_exit_code_2():
-    strict = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}  # as a UTF-8 locale decodes stdin
-    done = subprocess.run([*TIERFLOW, "chat", "-n", "4"], input=b"caf\xe9\n/exit\n", capture_output=True,
-                          timeout=120, env=strict)
-    stderr = done.stderr.decode(errors="replace")
-    assert done.returncode == 2 and "UTF-8" in stderr
-    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+    done = tierflow("chat", "-n", "4", input=b"caf\xe9\n/exit\n")  # stdin decoded strictly as UTF-8
+    assert done.returncode == 2 and "UTF-8" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
 def test_cpu_memory_in_scientific_notation_is_read():

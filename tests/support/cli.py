@@ -1,8 +1,8 @@
 """The `tierflow` command run in the test's own process, through the entry point the console script
-calls (`main`, which turns a TierflowError into one line on stderr and exit code 2), with stdin,
-stdout, stderr, argv and the environment of its own. A subprocess would check the same code and pay
-an interpreter start-up and a torch import, seconds each, per run; tests of what only a process has
-(signals, the interpreter's stdin encoding, the installed script) still start one."""
+calls (`main`, which turns a TierflowError into one line on stderr and exit code 2), with stdin (read
+strictly as UTF-8, as a UTF-8 locale reads it), stdout, stderr, argv and the environment of its own.
+A subprocess would check the same code and pay an interpreter start-up and a torch import, seconds
+each, per run; tests of what only a process has (signals, the installed script) still start one."""
 
 import os
 import sys
@@ -24,7 +24,7 @@ class Finished:
     stderr: str
 
 
-def run_tierflow(*args: str | bytes, input: str | None = None,
+def run_tierflow(*args: str | bytes, input: str | bytes | None = None,
                  env: Mapping[str, str] | None = None) -> Finished:
     """Runs `tierflow ARGS...`; a bytes argument arrives as the interpreter decodes argv (a byte
     that is not UTF-8 becomes a lone surrogate). `env` adds to os.environ for the run."""
