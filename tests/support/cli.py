@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import pytest
 from click.testing import CliRunner
 
 from tierflow.cli.app import main
@@ -29,7 +30,7 @@ def run_tierflow(*args: str | bytes, input: str | bytes | None = None,
     """Runs `tierflow ARGS...`; a bytes argument arrives as the interpreter decodes argv (a byte
     that is not UTF-8 becomes a lone surrogate). `env` adds to os.environ for the run."""
     argv = ["tierflow", *(os.fsdecode(arg) for arg in args)]
-    with CliRunner().isolation(input=input, env=env) as (stdout, stderr, _), _argv(argv):
+    with CliRunner().isolation(input=input, env=env) as (stdout, stderr, _), _argv(argv), _engines_closed():
         returncode = _exit_code()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -52,3 +53,24 @@ def _argv(argv: list[str]):
         yield
     finally:
         sys.argv = saved
+
+
+@contextmanager
+def _engines_closed():
+    """Closes the engines the command loaded when it ends, as its process's exit would (`run` and
+    `chat` leave theirs open): their streamer threads and files must not outlive it here."""
+    from tierflow.runtime.engine import Engine
+
+    loaded, load = [], Engine.load.__func__
+
+    def recorded(cls, *args, **kwargs):
+        loaded.append(load(cls, *args, **kwargs))
+        return loaded[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "load", classmethod(recorded))
+        try:
+            yield
+        finally:
+            for engine in loaded:
+                engine.close()
