@@ -1,17 +1,18 @@
 """`tierflow chat` as a user types it, at a real pseudo-terminal (pexpect), and as a script pipes
-it; `tierflow run -` and `--chat`. Answers are short (-n) and greedy where they are compared."""
+it (stdin and stdout not terminals: in this process, through the console script's entry point);
+`tierflow run -` and `--chat`. Answers are short (-n) and greedy where they are compared."""
 
 import io
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pexpect
 import pytest
 from rich.console import Console
 
+from tests.support.cli import Finished, run_tierflow
 from tierflow.cli.chat_terminal import AnswerView, file_history
 from tierflow.runtime.sampler import SAMPLED_REPEAT_PENALTY
 
@@ -59,10 +60,9 @@ def terminal():
         session.child.close(force=True)
 
 
-def piped_chat(*args: str, input: str) -> subprocess.CompletedProcess:
-    """A chat whose stdin and stdout are pipes."""
-    return subprocess.run([*TIERFLOW, "chat", "--threads", "2", *args], input=input, capture_output=True,
-                          text=True, timeout=120)
+def piped_chat(*args: str, input: str) -> Finished:
+    """A chat whose stdin and stdout are not terminals, as when a script pipes them."""
+    return run_tierflow("chat", "--threads", "2", *args, input=input)
 
 
 def saved(path) -> dict:
@@ -235,9 +235,8 @@ def test_an_answer_cut_by_the_context_end_is_kept_and_the_next_turn_goes_on(tmp_
 
 
 def run(*args: str, input: str | None = None) -> dict:
-    command = [*TIERFLOW, "run", *args, "-n", "8", "--temperature", "0", "--threads", "2", "--ctx", "1024",
-               "--json"]
-    done = subprocess.run(command, input=input, capture_output=True, text=True, timeout=120)
+    done = run_tierflow("run", *args, "-n", "8", "--temperature", "0", "--threads", "2", "--ctx", "1024",
+                        "--json", input=input)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

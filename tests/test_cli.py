@@ -1,4 +1,6 @@
-"""The `tierflow` command, run as a user runs it: a subprocess of the installed console script."""
+"""The `tierflow` command, run as a user runs it: through the console script's entry point, in this
+process, or in a subprocess where only a process shows the behaviour (signals, the installed script's
+shell completion)."""
 
 import importlib.metadata
 import json
@@ -11,15 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import run_tierflow as tierflow
 from tests.support.gguf_bytes import FLOAT32, Typed
 from tests.support.gguf_writing import rewrite_metadata
 
 TIERFLOW = [sys.executable, "-m", "tierflow.cli.app"]
-
-
-def tierflow(*args: str | bytes, input: str | None = None, timeout: float = 120):
-    return subprocess.run([*TIERFLOW, *args], input=input, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def test_run_json_prints_text_tokens_and_stats():
@@ -41,8 +39,7 @@ def test_run_without_sampling_options_samples_as_the_model_file_recommends(model
 
 
 def test_an_option_can_be_set_in_the_environment():
-    done = subprocess.run([*TIERFLOW, "run", "The capital of France is", "--json"], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "TIERFLOW_MAX_TOKENS": "3"})
+    done = tierflow("run", "The capital of France is", "--json", env={"TIERFLOW_MAX_TOKENS": "3"})
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["tokens"]) == 3
 
@@ -128,12 +125,9 @@ def test_bad_input_is_one_line_on_stderr_and_exit_code_2(args, message):
 
 
 def test_chat_input_that_is_not_utf8_is_one_line_on_stderr_and_exit_code_2():
-    strict = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}  # as a UTF-8 locale decodes stdin
-    done = subprocess.run([*TIERFLOW, "chat", "-n", "4"], input=b"caf\xe9\n/exit\n", capture_output=True,
-                          timeout=120, env=strict)
-    stderr = done.stderr.decode(errors="replace")
-    assert done.returncode == 2 and "UTF-8" in stderr
-    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+    done = tierflow("chat", "-n", "4", input=b"caf\xe9\n/exit\n")  # stdin decoded strictly as UTF-8
+    assert done.returncode == 2 and "UTF-8" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
 def test_cpu_memory_in_scientific_notation_is_read():
@@ -162,9 +156,7 @@ def test_a_default_context_shortened_to_fit_is_said_once_on_stderr():
 
 
 def test_the_kv_cache_options_are_read_from_the_command_line_and_the_environment():
-    env = {**os.environ, "TIERFLOW_KV_TYPE": "q8_0"}
-    done = subprocess.run([*TIERFLOW, "plan", "--ctx", "512", "--kv-on-cpu", "--json"], capture_output=True,
-                          text=True, timeout=120, env=env)
+    done = tierflow("plan", "--ctx", "512", "--kv-on-cpu", "--json", env={"TIERFLOW_KV_TYPE": "q8_0"})
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert plan["kv_type"] == "q8_0" and plan["kv_on_cpu"] and plan["context_length"] == 512

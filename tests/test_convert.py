@@ -1,13 +1,12 @@
 """`tierflow convert`: requantized models load and run, in tierflow and (at 4 bits) llama.cpp."""
 
 import ctypes
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from gguf import GGUFWriter, LlamaFileType
 
+from tests.support.cli import run_tierflow as tierflow
 from tests.support.make_model import ModelSpec, write_model
 from tests.support.oracle import (
     LONG_TEXT,
@@ -272,11 +271,6 @@ def test_non_finite_weights_are_named(tmp_path):
 
 
 # -- the command line ----------------------------------------------------------------------------
-
-
-def tierflow(*args: str):
-    return subprocess.run([sys.executable, "-m", "tierflow.cli.app", *args], capture_output=True,
-                          text=True, timeout=120)
 
 
 def test_cli_converts_and_says_what_it_wrote(tiny_model, tmp_path):

@@ -211,32 +211,39 @@ def our_logits(engine, long_ids):
     return {name: run(name) for name in TYPES}
 
 
-def llama_cpp_gap(model_path, ids: list[int], type_id: int, monkeypatch) -> float:
-    """The same gap for llama.cpp with a cache type, against its float32 cache. Flash attention
-    (needed by a quantized V) on both; its Hadamard rotation of quantized caches on, its default
-    (LLAMA_ATTN_ROT_DISABLE unset), as ours rotates them."""
-    from llama_cpp import GGML_TYPE_F32, Llama
+def llama_cpp_logits(model_path, ids: list[int], kv: int) -> np.ndarray:
+    """llama.cpp's last COMPARED logits with a cache type. Flash attention (needed by a quantized V)
+    on; its Hadamard rotation of quantized caches on, its default (LLAMA_ATTN_ROT_DISABLE unset), as
+    ours rotates them."""
+    from llama_cpp import Llama
 
-    monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE", raising=False)
-    logits = []
-    for kv in (GGML_TYPE_F32, type_id):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("LLAMA_ATTN_ROT_DISABLE", raising=False)
         llama = Llama(str(model_path), n_ctx=len(ids), n_batch=len(ids), logits_all=True, n_threads=2,
                       verbose=False, type_k=kv, type_v=kv, flash_attn=True)
         llama.eval(ids)
-        logits.append(np.array(llama.scores[len(ids) - COMPARED: len(ids)], dtype=np.float32))
+        logits = np.array(llama.scores[len(ids) - COMPARED: len(ids)], dtype=np.float32)
         llama.close()
-    return logit_gap(logits[1], logits[0])
+    return logits
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_exact_logits(model_path, long_ids) -> np.ndarray:
+    """llama.cpp's logits with its float32 cache, the reference of every type's gap there."""
+    from llama_cpp import GGML_TYPE_F32
+
+    return llama_cpp_logits(model_path, long_ids, GGML_TYPE_F32)
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
 def test_a_block_type_moves_the_logits_no_more_than_in_llama_cpp(model_path, long_ids, our_logits, name,
-                                                                 monkeypatch):
+                                                                 llama_cpp_exact_logits):
     """(Measured, both rotated: q8_0 0.032 here, 0.033 in llama.cpp; q4_0 0.23 and 0.25. Without
     the rotation, q4_0 was 0.86 here and 0.94 there, over the last 64 logits.)"""
     from llama_cpp import GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 
-    theirs = llama_cpp_gap(model_path, long_ids, {"q8_0": GGML_TYPE_Q8_0, "q4_0": GGML_TYPE_Q4_0}[name],
-                           monkeypatch)
+    type_id = {"q8_0": GGML_TYPE_Q8_0, "q4_0": GGML_TYPE_Q4_0}[name]
+    theirs = logit_gap(llama_cpp_logits(model_path, long_ids, type_id), llama_cpp_exact_logits)
     assert logit_gap(our_logits[name], our_logits["f32"]) <= 1.1 * theirs
 
 

@@ -3,13 +3,12 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from tests.support.cli import run_tierflow
 from tests.support.gguf_split import split_gguf
 from tierflow.cli.app import app
 from tierflow.errors import ModelFileError
@@ -411,7 +410,6 @@ def bad_stores(home: Path) -> None:
 ])
 def test_a_bad_model_name_is_one_line_on_stderr_and_exit_code_2(home, name, message):
     bad_stores(home)
-    done = subprocess.run([sys.executable, "-m", "tierflow.cli.app", "run", "hi", "-m", name],
-                          capture_output=True, text=True, timeout=120)
+    done = run_tierflow("run", "hi", "-m", name)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -2,8 +2,6 @@
 cache's bytes per type and window, the cost model's trends, the CLI."""
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import psutil
@@ -11,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.support.budgets import ram_beside_weights
+from tests.support.cli import run_tierflow
 from tests.support.make_model import ModelSpec, write_model
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError, PlanBudgetError
@@ -331,8 +330,7 @@ def test_plan_command_json_parses(deep_path, fake_profile):
 
 def test_plan_command_refuses_a_budget_that_cannot_work(deep_path, tmp_path):
     (tmp_path / "profile-2-threads.json").write_text(PROFILE.to_json())
-    done = subprocess.run([sys.executable, "-m", "tierflow.cli.app", "plan", str(deep_path), "--threads", "2",
-                           "--cpu-memory", "1MiB"], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "TIERFLOW_CACHE": str(tmp_path)})
+    done = run_tierflow("plan", str(deep_path), "--threads", "2", "--cpu-memory", "1MiB",
+                        env={"TIERFLOW_CACHE": str(tmp_path)})
     assert done.returncode == 2
     assert "at least" in done.stderr and len(done.stderr.strip().splitlines()) == 1

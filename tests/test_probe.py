@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import run_tierflow
 from tierflow.errors import TierflowError
 from tierflow.offload.plan import probe as probing
 from tierflow.offload.plan.profile import PROFILE_VERSION, GpuProfile, HardwareProfile, profile_path
 
-TIERFLOW = [sys.executable, "-m", "tierflow.cli.app"]
 BITS = (1, 2, 3, 4, 8)
 
 
@@ -188,12 +188,10 @@ def test_refresh_probes_even_with_a_cached_file(cache, monkeypatch):
 
 def test_cli_probe_prints_the_cached_profile(cache):
     profile_path(2).write_text(fake_profile().to_json())
-    env = os.environ | {"TIERFLOW_CACHE": str(cache)}
-    done = subprocess.run([*TIERFLOW, "probe", "--threads", "2", "--json"], capture_output=True,
-                          text=True, env=env, timeout=60)
+    env = {"TIERFLOW_CACHE": str(cache)}
+    done = run_tierflow("probe", "--threads", "2", "--json", env=env)
     assert done.returncode == 0, done.stderr
     assert HardwareProfile.from_json(done.stdout) == fake_profile()
-    table = subprocess.run([*TIERFLOW, "probe", "--threads", "2"], capture_output=True, text=True,
-                           env=env, timeout=60)
+    table = run_tierflow("probe", "--threads", "2", env=env)
     assert table.returncode == 0, table.stderr
     assert "Test CPU" in table.stdout and str(profile_path(2)) in table.stdout.replace("\n", "")
