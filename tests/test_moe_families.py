@@ -21,7 +21,7 @@ FAMILIES = {
     "olmoe": ModelSpec(arch="olmoe", num_kv_heads=4, **SHAPE),
     "qwen3moe": ModelSpec(arch="qwen3moe", expert_ffn_size=64, head_size=48, **SHAPE),
     "gpt-oss": ModelSpec(arch="gpt-oss", sliding_window=16, **SHAPE),
-    # as shipped: MXFP4 experts, packed as 4-bit codebook indices, expanded to int8 on the GPU
+    # as shipped: MXFP4 experts, packed as 4-bit indices into their codebook
     "gpt-oss-mxfp4": ModelSpec(arch="gpt-oss", sliding_window=16, expert_type="MXFP4", **SHAPE),
     # V3's form: latent attention with low-rank queries, a dense first layer, sigmoid gating with
     # the selection bias
