@@ -115,16 +115,22 @@ def test_token_trees_verified_on_gpu_layers_keep_the_greedy_tokens(models):
 
 def test_experts_cached_on_the_gpu_run_its_kernels_and_keep_the_cpu_tokens(tmp_path):
     spec = ModelSpec(num_layers=2, hidden_size=64, num_experts=4, experts_used=2, weight_type="Q4_0", seed=8)
-    path = write_model(tmp_path / "moe.gguf", spec)
-    # f32 caches: with a lossy one, the two devices' last-bit differences in a key flip this random
-    # model's top-2-of-4 routing at some positions, and a flipped expert moves the logits by far more
+    got, logits = experts_on_the_gpu_and_cpu(write_model(tmp_path / "moe.gguf", spec))
+    assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
+
+
+def experts_on_the_gpu_and_cpu(path) -> tuple[np.ndarray, np.ndarray]:
+    """(the logits with a GPU expert cache, the CPU's) over the prompt and the CPU's greedy tokens,
+    once the greedy tokens agree and experts ran on the GPU. Both caches f32: with a lossy one, the
+    two devices' last-bit differences in a key flip a random model's top-2-of-4 routing at some
+    positions, and a flipped expert moves the logits by far more."""
     tokens, logits = cpu_result(path, kv_cache_type="f32")
     with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="1MiB", kv_cache_type="f32",
                      **GPU) as engine:
         assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
         got = engine.logits(engine.tokenize(PROMPT) + tokens)
         assert engine.weights.experts.schedules.on_gpu + engine.weights.experts.schedules.fetched > 0
-    assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
+    return got, logits
 
 
 def test_deepseek2_experts_cached_on_the_gpu_keep_the_cpu_tokens(tmp_path):
@@ -133,13 +139,7 @@ def test_deepseek2_experts_cached_on_the_gpu_keep_the_cpu_tokens(tmp_path):
     spec = ModelSpec(arch="deepseek2", num_layers=2, hidden_size=64, num_heads=4, head_size=48, rope_dim=16,
                      num_experts=4, experts_used=2, expert_ffn_size=32, q_lora_rank=32,
                      expert_gating="sigmoid", seed=8)
-    path = write_model(tmp_path / "deepseek2.gguf", spec)
-    tokens, logits = cpu_result(path, kv_cache_type="f32")
-    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="1MiB", kv_cache_type="f32",
-                     **GPU) as engine:
-        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
-        got = engine.logits(engine.tokenize(PROMPT) + tokens)
-        assert engine.weights.experts.schedules.on_gpu + engine.weights.experts.schedules.fetched > 0
+    got, logits = experts_on_the_gpu_and_cpu(write_model(tmp_path / "deepseek2.gguf", spec))
     assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
 
 
@@ -148,13 +148,7 @@ def test_glm4moe_experts_cached_on_the_gpu_keep_the_cpu_tokens(tmp_path):
     and an ungated shared expert."""
     spec = ModelSpec(arch="glm4moe", num_layers=2, hidden_size=64, num_experts=4, experts_used=2,
                      expert_ffn_size=64, leading_dense_layers=1, rope_dim=8, weight_type="Q4_0", seed=9)
-    path = write_model(tmp_path / "glm4moe.gguf", spec)
-    tokens, logits = cpu_result(path, kv_cache_type="f32")  # f32: as the test above
-    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="1MiB", kv_cache_type="f32",
-                     **GPU) as engine:
-        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
-        got = engine.logits(engine.tokenize(PROMPT) + tokens)
-        assert engine.weights.experts.schedules.on_gpu + engine.weights.experts.schedules.fetched > 0
+    got, logits = experts_on_the_gpu_and_cpu(write_model(tmp_path / "glm4moe.gguf", spec))
     assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
 
 
@@ -165,13 +159,7 @@ def test_gpt_oss_mxfp4_experts_cached_on_the_gpu_keep_the_cpu_tokens(tmp_path):
     logits agree at every other position."""
     spec = ModelSpec(arch="gpt-oss", num_layers=2, hidden_size=64, num_experts=4, experts_used=2,
                      sliding_window=16, expert_type="MXFP4", seed=8)
-    path = write_model(tmp_path / "gpt-oss.gguf", spec)
-    tokens, logits = cpu_result(path, kv_cache_type="f32")  # f32: as the tests above
-    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="1MiB", kv_cache_type="f32",
-                     **GPU) as engine:
-        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
-        got = engine.logits(engine.tokenize(PROMPT) + tokens)
-        assert engine.weights.experts.schedules.on_gpu + engine.weights.experts.schedules.fetched > 0
+    got, logits = experts_on_the_gpu_and_cpu(write_model(tmp_path / "gpt-oss.gguf", spec))
     per_position = np.abs(got - logits).max(axis=-1) / np.abs(logits).max()
     assert (per_position >= 0.05).sum() <= 1
 
