@@ -67,9 +67,9 @@ class ModelConfig:
     shared_expert_ffn_size: int = 0  # an expert every token uses beside the routed ones; 0: none
     leading_dense_layers: int = 0  # a MoE model's first layers with a dense FFN instead of experts
     # How a router's logits become expert weights (llama.cpp's build_moe_ffn): the gating function
-    # ("softmax" or "sigmoid"; llama.cpp's expert_gating_func), whether the chosen experts' weights
-    # are rescaled to sum to 1, and a factor they are multiplied by after. Families whose rule is
-    # fixed (softmax_top_k) leave these alone.
+    # ("softmax" or "sigmoid" over every expert, llama.cpp's expert_gating_func, or "softmax_weight":
+    # the top k raw logits, then a softmax over those k), whether the chosen experts' weights are
+    # rescaled to sum to 1, and a factor they are multiplied by after.
     expert_gating: str = "softmax"
     expert_weights_norm: bool = False
     expert_weights_scale: float = 1.0
@@ -148,8 +148,8 @@ class ModelConfig:
         if not 0 <= self.leading_dense_layers <= self.num_layers:
             raise ModelFileError(f"leading_dense_block_count must be 0..{self.num_layers} (the layer count), "
                                  f"got {self.leading_dense_layers}")
-        if self.expert_gating not in ("softmax", "sigmoid"):
-            raise ModelFileError(f"expert gating function must be softmax or sigmoid, "
+        if self.expert_gating not in ("softmax", "sigmoid", "softmax_weight"):
+            raise ModelFileError(f"expert gating function must be softmax, sigmoid or softmax_weight, "
                                  f"not {self.expert_gating!r}")
         if not (math.isfinite(self.expert_weights_scale) and self.expert_weights_scale > 0):
             raise ModelFileError(f"expert_weights_scale must be a positive number, "

@@ -3,7 +3,7 @@
 `attention.q_lora_rank` is set, else one attn_q; keys and values compressed into a latent of
 `attention.kv_lora_rank` and a rotary part of `rope.dimension_count`, rotated as adjacent pairs;
 one row of both cached per position) and, after `leading_dense_block_count` dense layers
-(`feed_forward_length` wide), a mixture of experts (layers.scored_moe_ffn): softmax or sigmoid
+(`feed_forward_length` wide), a mixture of experts (layers.moe_ffn): softmax or sigmoid
 scores (`expert_gating_func` 1 or 2; older files without it are softmax), the top
 `expert_used_count` chosen by score plus the selection-only bias `exp_probs_b` where the file has
 one, weighted by their scores, renormalised with `expert_weights_norm` and scaled by
@@ -31,7 +31,7 @@ from tierflow.runtime.model import Activations, LayerPass, Weights
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, expert_gating
 from tierflow.runtime.models.latent_attention import latent_attention
-from tierflow.runtime.models.layers import dense_ffn, scored_moe_ffn
+from tierflow.runtime.models.layers import dense_ffn, moe_ffn
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
@@ -143,7 +143,7 @@ def block(x: Activations, w: Weights, p: LayerPass) -> Activations:
     kernels, eps = p.kernels, p.config.rms_norm_eps
     attended = latent_attention(p, w, kernels.rms_norm(x, w.attn_norm, eps))
     h = kernels.add_rms_norm(x, attended, w.ffn_norm, eps)
-    x += (scored_moe_ffn if p.config.has_experts(p.layer_idx) else dense_ffn)(p, w, h, x)
+    x += (moe_ffn if p.config.has_experts(p.layer_idx) else dense_ffn)(p, w, h, x)
     return x
 
 

@@ -17,7 +17,7 @@ from tierflow.errors import ModelFileError
 from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, expert_gating, transformer_config
-from tierflow.runtime.models.layers import dense_ffn, norm_each_head, pre_norm_block, scored_moe_ffn
+from tierflow.runtime.models.layers import dense_ffn, moe_ffn, norm_each_head, pre_norm_block
 
 PRE_FFN_NORM = "post_attention_norm"
 
@@ -49,7 +49,7 @@ def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
 
 
 def block(x, w, p):
-    ffn = scored_moe_ffn if p.config.has_experts(p.layer_idx) else dense_ffn
+    ffn = moe_ffn if p.config.has_experts(p.layer_idx) else dense_ffn
     return pre_norm_block(x, w, p, ffn, qk_norm=norm_each_head)
 
 

@@ -18,7 +18,7 @@ from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
 from tierflow.runtime.models.gemma2 import sliding_windows
-from tierflow.runtime.models.layers import clamped_swiglu, moe_ffn, pre_norm_block, top_k_softmax
+from tierflow.runtime.models.layers import clamped_swiglu, moe_ffn, pre_norm_block
 
 LOCAL_PERIOD = 2  # of every 2 layers, the first is local
 
@@ -27,7 +27,8 @@ def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
     base = transformer_config(meta, vocab_size, tied, rope_style="neox", experts="always",
                               expert_ffn_key=True)
     window = meta.count("attention.sliding_window", maximum=1 << 40)
-    return replace(base, layer_windows=sliding_windows(base.num_layers, window, LOCAL_PERIOD))
+    return replace(base, layer_windows=sliding_windows(base.num_layers, window, LOCAL_PERIOD),
+                   expert_gating="softmax_weight")
 
 
 def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
@@ -39,7 +40,7 @@ def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
                   requantize=False)]
 
 
-_ffn = moe_ffn(top_k_softmax, expert_ffn=clamped_swiglu)
+_ffn = partial(moe_ffn, expert_ffn=clamped_swiglu)
 
 
 def block(x, w, p):

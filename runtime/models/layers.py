@@ -126,43 +126,28 @@ def _gelu_table(device: torch.device) -> torch.Tensor:
     return gelu.to(torch.float16).float().to(device)
 
 
-def softmax_top_k(renormalize: bool) -> Router:
-    """Each token's k experts of highest softmax probability, weighted by those probabilities,
-    rescaled to sum to 1 when `renormalize`."""
-    def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, chosen = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
-        if renormalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
-        return weights, chosen
-
-    return route
-
-
-def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's k experts of highest raw logit, weighted by the softmax of those k logits
-    (gpt-oss; llama.cpp's SOFTMAX_WEIGHT gating)."""
-    chosen_logits, chosen = logits.float().topk(k, dim=-1)
-    return torch.softmax(chosen_logits, dim=-1), chosen
-
-
 def scored_top_k(config: ModelConfig, selection_bias: Activations | None = None) -> Router:
-    """Routing as llama.cpp's build_moe_ffn does it from the config: each expert's score is the
-    softmax or the sigmoid of its logit (config.expert_gating); each token takes the k experts of
-    highest score + selection_bias ([N], exp_probs_b: it changes which experts are chosen, never
-    their weights), weighted by their scores, rescaled to sum to 1 where expert_weights_norm (the
-    sum held at least 2^-14, as llama.cpp clamps it), then multiplied by expert_weights_scale.
-    With expert_groups > 1, only the experts of each token's best groups can be chosen
-    (keep_best_groups)."""
+    """Routing as llama.cpp's build_moe_ffn does it from the config, for every family: each
+    expert's score is the softmax or the sigmoid of its logit, or the logit itself
+    (config.expert_gating); each token takes the k experts of highest score + selection_bias ([N],
+    exp_probs_b: it changes which experts are chosen, never their weights), weighted by their
+    scores (softmax_weight: by the softmax of those k logits), rescaled to sum to 1 where
+    expert_weights_norm (the sum held at least 2^-14, as llama.cpp clamps it), then multiplied by
+    expert_weights_scale. With expert_groups > 1, only the experts of each token's best groups can
+    be chosen (keep_best_groups)."""
     bias = None if selection_bias is None else torch.as_tensor(selection_bias)
+    gating = {"softmax": functools.partial(torch.softmax, dim=-1), "sigmoid": torch.sigmoid,
+              "softmax_weight": lambda logits: logits}[config.expert_gating]
 
     def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits.float()  # [T, N]
-        scores = torch.sigmoid(logits) if config.expert_gating == "sigmoid" else torch.softmax(logits, dim=-1)
+        scores = gating(logits.float())  # [T, N]
         selection = scores if bias is None else scores + bias.to(scores.device)
         if config.expert_groups > 1:
             selection = keep_best_groups(selection, config.expert_groups, config.expert_groups_used)
         chosen = selection.topk(k, dim=-1).indices  # [T, k]
         weights = scores.gather(-1, chosen)
+        if config.expert_gating == "softmax_weight":
+            weights = torch.softmax(weights, dim=-1)
         if config.expert_weights_norm:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=2.0 ** -14)
         return weights * config.expert_weights_scale, chosen
@@ -182,27 +167,20 @@ def keep_best_groups(selection: torch.Tensor, groups: int, used: int) -> torch.T
     return grouped.masked_fill(dropped[..., None], float("-inf")).view(tokens, n)
 
 
-def moe_ffn(router: Router, shared_expert: bool = False, expert_ffn: ExpertFFN = swiglu) -> FFN:
-    """A mixture of experts: the router picks each token's experts, whose outputs (expert_ffn:
-    SwiGLU unless the family says otherwise) are summed with the router's weights; with
-    shared_expert, an expert every token uses is added, scaled by sigmoid(h @ shared_gate)."""
-    def ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
-        out = routed_experts(p, w, h, residual, router, expert_ffn)
-        if shared_expert:
-            gate = torch.sigmoid(torch.as_tensor(w.shared_gate(h)))  # [T, 1]
-            out += gate * shared_expert_output(p, w, h).to(out.device)
-        return p.kernels.take(out)
-
-    return ffn
-
-
-def scored_moe_ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
-    """A mixture of experts routed by scored_top_k, with the layer's selection bias where it has
-    one, plus the shared expert (not gated) where the model has one (GLM-4.5, DeepSeek-V2/V3)."""
+def moe_ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations,
+            expert_ffn: ExpertFFN = swiglu) -> Activations:
+    """A mixture of experts: the config's router (scored_top_k, with the layer's selection bias
+    where it has one) picks each token's experts, whose outputs (expert_ffn: SwiGLU unless the
+    family says otherwise) are summed with the router's weights; where the model has a shared
+    expert, every token's output adds it, scaled by sigmoid(h @ shared_gate) where the layer has
+    that gate (Qwen2-MoE) and as it is otherwise (GLM-4.5, DeepSeek-V2/V3)."""
     router = scored_top_k(p.config, w.fields.get("exp_probs_b"))
-    out = routed_experts(p, w, h, residual, router)
+    out = routed_experts(p, w, h, residual, router, expert_ffn)
     if p.config.shared_expert_ffn_size:
-        out += shared_expert_output(p, w, h).to(out.device)
+        shared = shared_expert_output(p, w, h).to(out.device)
+        if "shared_gate" in w.fields:
+            shared *= torch.sigmoid(torch.as_tensor(w.shared_gate(h))).to(out.device)  # [T, 1]
+        out += shared
     return p.kernels.take(out)
 
 

@@ -7,14 +7,17 @@ per-frequency rope factors as the optional `rope_freqs.weight`. With `llama.expe
 token uses the top `expert_used_count` by softmax, their weights rescaled to sum to 1.
 """
 
+from dataclasses import replace
+
 from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
-from tierflow.runtime.models.layers import dense_ffn, moe_ffn, pre_norm_block, softmax_top_k
+from tierflow.runtime.models.layers import dense_ffn, moe_ffn, pre_norm_block
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
-    return transformer_config(meta, vocab_size, tied, rope_style="normal", experts="optional")
+    base = transformer_config(meta, vocab_size, tied, rope_style="normal", experts="optional")
+    return replace(base, expert_weights_norm=base.is_moe)
 
 
 def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
@@ -22,11 +25,8 @@ def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
     return tm.attention_fields(config, layer, bias="optional") + ffn
 
 
-_mixtral = moe_ffn(softmax_top_k(renormalize=True))
-
-
 def block(x, w, p):
-    return pre_norm_block(x, w, p, _mixtral if p.config.is_moe else dense_ffn)
+    return pre_norm_block(x, w, p, moe_ffn if p.config.is_moe else dense_ffn)
 
 
 ARCHITECTURE = Architecture(

@@ -5,7 +5,7 @@ all of the keys (weights as wide as the projections) before neox rotary."""
 from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
-from tierflow.runtime.models.layers import moe_ffn, norm_whole_projections, pre_norm_block, softmax_top_k
+from tierflow.runtime.models.layers import moe_ffn, norm_whole_projections, pre_norm_block
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
@@ -17,11 +17,8 @@ def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
             + tm.router_fields(config, layer))
 
 
-_ffn = moe_ffn(softmax_top_k(renormalize=False))
-
-
 def block(x, w, p):
-    return pre_norm_block(x, w, p, _ffn, qk_norm=norm_whole_projections)
+    return pre_norm_block(x, w, p, moe_ffn, qk_norm=norm_whole_projections)
 
 
 ARCHITECTURE = Architecture(name="olmoe", config=config, layer_fields=layer_fields, block=block,

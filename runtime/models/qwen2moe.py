@@ -7,7 +7,7 @@ wide, plus a shared expert every token uses (`expert_shared_feed_forward_length`
 from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
-from tierflow.runtime.models.layers import moe_ffn, pre_norm_block, softmax_top_k
+from tierflow.runtime.models.layers import moe_ffn, pre_norm_block
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
@@ -20,11 +20,8 @@ def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
             + tm.shared_expert_fields(config, layer))
 
 
-_ffn = moe_ffn(softmax_top_k(renormalize=False), shared_expert=True)
-
-
 def block(x, w, p):
-    return pre_norm_block(x, w, p, _ffn)
+    return pre_norm_block(x, w, p, moe_ffn)
 
 
 ARCHITECTURE = Architecture(name="qwen2moe", config=config, layer_fields=layer_fields, block=block,

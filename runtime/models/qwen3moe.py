@@ -4,15 +4,18 @@ top `expert_used_count` of `expert_count` experts by softmax, their weights resc
 each `expert_feed_forward_length` wide (llama.cpp's default without the key: feed_forward_length /
 expert_used_count), and no shared expert."""
 
+from dataclasses import replace
+
 from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
-from tierflow.runtime.models.layers import moe_ffn, norm_each_head, pre_norm_block, softmax_top_k
+from tierflow.runtime.models.layers import moe_ffn, norm_each_head, pre_norm_block
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
-    return transformer_config(meta, vocab_size, tied, rope_style="neox", experts="always",
+    base = transformer_config(meta, vocab_size, tied, rope_style="neox", experts="always",
                               expert_ffn_key=True)
+    return replace(base, expert_weights_norm=True)
 
 
 def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
@@ -20,11 +23,8 @@ def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
             + tm.router_fields(config, layer))
 
 
-_ffn = moe_ffn(softmax_top_k(renormalize=True))
-
-
 def block(x, w, p):
-    return pre_norm_block(x, w, p, _ffn, qk_norm=norm_each_head)
+    return pre_norm_block(x, w, p, moe_ffn, qk_norm=norm_each_head)
 
 
 ARCHITECTURE = Architecture(name="qwen3moe", config=config, layer_fields=layer_fields, block=block,
