@@ -20,6 +20,7 @@ from typing_extensions import NotRequired, TypedDict
 
 from tierflow.errors import ContextLengthError, InvalidArgumentError, TemplateError, TierflowError
 from tierflow.runtime.streams import GenerationResult
+from tierflow.runtime.structured import grammar_for
 
 
 class ApiError(Exception):
@@ -100,6 +101,7 @@ class _GenerationRequest(_Strict):
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    response_format: dict | None = None  # checked by runtime/structured.py: OpenAI's shapes
 
     def generation_kwargs(self, max_tokens_limit: int) -> dict:
         """Keyword arguments for Engine.astream; unset sampling fields keep the engine's defaults."""
@@ -116,6 +118,10 @@ class _GenerationRequest(_Strict):
                 kwargs[name] = getattr(self, name)
         if self.seed is not None and self.seed >= 0:
             kwargs["seed"] = self.seed
+        try:
+            kwargs["grammar"] = grammar_for(self.response_format)
+        except InvalidArgumentError as error:
+            raise ApiError(400, str(error), param="response_format") from None
         return kwargs
 
     @property

@@ -13,6 +13,7 @@ and an end-of-generation token exactly where the grammar may end.
 
 import json
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -137,8 +138,10 @@ def _schema_of(spec: object) -> Mapping:
 def grammar_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     """llguidance's view of the model's tokens (their bytes; the end-of-generation ones, which it
     allows exactly where the grammar may end). Built once per engine: about 0.25 s."""
-    return llguidance.llamacpp.lltokenizer_from_vocab(tokenizer.llama_vocab, n_vocab=vocab_size,
-                                                      eos_token=sorted(tokenizer.eog_ids))
+    with warnings.catch_warnings():  # it reads each token's attributes by a deprecated name
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return llguidance.llamacpp.lltokenizer_from_vocab(tokenizer.llama_vocab, n_vocab=vocab_size,
+                                                          eos_token=sorted(tokenizer.eog_ids))
 
 
 class GrammarMatcher:
@@ -157,6 +160,7 @@ class GrammarMatcher:
         self.matcher = llguidance.LLMatcher(vocabulary, grammar.definition, log_level=0, limits=LIMITS)
         if self.matcher.is_error():  # such as an unsatisfiable schema (minimum > maximum)
             raise InvalidArgumentError(_explained(grammar.kind, self.matcher.get_error()))
+        self.end_ids = frozenset(vocabulary.eos_tokens)
         self.consumed: list[int] = []  # the generated tokens the matcher has taken
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocabulary.vocab_size)  # [1, V/32]
         self._disallowed: np.ndarray | None = None  # [V] bool, for the matcher's current state
@@ -168,19 +172,24 @@ class GrammarMatcher:
 
     def _follow(self, generated: list[int]) -> None:
         """Moves the matcher to the end of `generated`: back to where it and consumed part, then
-        on through the rest (usually one token, or none)."""
+        on through the rest (usually one token, or none), up to an end-of-generation token: that
+        ends the generation (a stopped matcher refuses it), and what a token tree guesses past it
+        is never emitted."""
         kept = len(self.consumed)
         if generated[:kept] != self.consumed:
             kept = _common_length(generated, self.consumed)
             self.matcher.rollback(len(self.consumed) - kept)
             del self.consumed[kept:]
             self._disallowed = None
-        if len(generated) > kept:
-            if not self.matcher.consume_tokens(generated[kept:]):
-                raise TierflowError(f"a generated token broke the {self.grammar.kind}: "
-                                    f"{_short(self.matcher.get_error())}")
-            self.consumed.extend(generated[kept:])
-            self._disallowed = None
+        new = generated[kept:]
+        new = new[:next((i for i, token in enumerate(new) if token in self.end_ids), len(new))]
+        if not new:
+            return
+        if not self.matcher.consume_tokens(new):
+            raise TierflowError(f"a generated token broke the {self.grammar.kind}: "
+                                f"{_short(self.matcher.get_error())}")
+        self.consumed.extend(new)
+        self._disallowed = None
 
     def _disallowed_now(self) -> np.ndarray:
         if self._disallowed is None:
