@@ -20,7 +20,7 @@ from typing_extensions import NotRequired, TypedDict
 
 from tierflow.errors import ContextLengthError, InvalidArgumentError, TemplateError, TierflowError
 from tierflow.runtime.streams import GenerationResult
-from tierflow.runtime.structured import grammar_for
+from tierflow.runtime.structured import Grammar, grammar_for
 
 
 class ApiError(Exception):
@@ -118,10 +118,8 @@ class _GenerationRequest(_Strict):
                 kwargs[name] = getattr(self, name)
         if self.seed is not None and self.seed >= 0:
             kwargs["seed"] = self.seed
-        try:
-            kwargs["grammar"] = grammar_for(self.response_format)
-        except InvalidArgumentError as error:
-            raise ApiError(400, str(error), param="response_format") from None
+        if self.response_format is not None:  # compiled by response_grammar, off the event loop
+            kwargs["response_format"] = self.response_format
         return kwargs
 
     @property
@@ -169,6 +167,15 @@ class CompletionRequest(_GenerationRequest):
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
         return prompt
+
+
+def response_grammar(response_format: dict | None) -> Grammar | None:
+    """The grammar of a request's response_format; a bad shape, an unsupported schema keyword or a
+    malformed schema is a 400 naming it. A large schema takes tens of ms: call it off the loop."""
+    try:
+        return grammar_for(response_format)
+    except InvalidArgumentError as error:
+        raise ApiError(400, str(error), param="response_format") from None
 
 
 async def parse_request(model: type[_Strict], body: bytes) -> _Strict:

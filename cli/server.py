@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -41,6 +42,7 @@ from tierflow.cli.openai_schema import (
     Reply,
     engine_error,
     parse_request,
+    response_grammar,
 )
 from tierflow.errors import ContextLengthError, InvalidArgumentError, TierflowError
 from tierflow.runtime.chat_template import start_render_workers
@@ -51,6 +53,7 @@ from tierflow.runtime.streams import AsyncStream, GenerationResult
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 PUBLIC_PATHS = frozenset({"/health", "/"})  # no API key: the page holds no data and asks for the key
 CHARS_PER_POSITION = 16  # the default prompt character limit per context position: 4x typical text
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -242,7 +245,9 @@ class _Generations:
         release = self.slots.acquire()
         try:
             prompt = await self._prompt(request, param, source, kwargs["max_tokens"])
-            astream = None if prompt is None else self._start(param, prompt, kwargs)
+            start = partial(self._start, param, prompt, kwargs)
+            constrained = "response_format" in kwargs  # its grammar is compiled off the event loop
+            astream = None if prompt is None else await _on_worker_thread(start) if constrained else start()
         except BaseException:
             release()
             raise
@@ -265,6 +270,9 @@ class _Generations:
             raise engine_error(error, param) from None
 
     def _start(self, param: str, prompt: _Prompt, kwargs: dict) -> AsyncStream:
+        if "response_format" in kwargs:
+            grammar = response_grammar(kwargs["response_format"])
+            kwargs = {**kwargs, "response_format": None, "grammar": grammar}
         try:
             if len(prompt.ids) > self.engine.context_length:  # refused before the engine checks each id
                 raise ContextLengthError(f"the prompt has {len(prompt.ids)} tokens but the context holds "
@@ -313,7 +321,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _on_worker_thread(work: Callable[[], _Prompt]) -> _Prompt:
+async def _on_worker_thread(work: Callable[[], T]) -> T:
     """work() on a worker thread. A thread cannot be stopped, so a cancelled caller waits for it to
     end before it lets the cancellation through: the caller's queue slot stays held meanwhile, and
     the slots bound the threads a client can set working and then leave."""

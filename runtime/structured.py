@@ -61,7 +61,7 @@ class Grammar:
             text = json.dumps(schema)
             definition = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except (TypeError, ValueError, RecursionError) as error:
-            raise InvalidArgumentError(f"the JSON schema is not valid JSON: {error}") from None
+            raise InvalidArgumentError(f"the JSON schema cannot be read: {error}") from None
         return cls._checked("JSON schema", definition)
 
     @classmethod

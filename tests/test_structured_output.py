@@ -163,7 +163,7 @@ def test_a_malformed_schema_is_refused_naming_the_problem(engine, schema, proble
     (lambda: Grammar.gbnf('root ::= ( "yes"'), "GBNF grammar is invalid.*Expected '\\)'"),
     (lambda: Grammar.gbnf("root ::= missing"), "GBNF grammar is invalid.*'missing' not found"),
     (lambda: Grammar.regex(b"[0-9]"), "must be a str"),
-    (lambda: Grammar.json_schema({"type": "object", "default": object()}), "not valid JSON"),
+    (lambda: Grammar.json_schema({"type": "object", "default": object()}), "cannot be read"),
 ])
 def test_a_malformed_grammar_is_refused_naming_the_problem(make, problem):
     with pytest.raises(InvalidArgumentError, match=f"(?s){problem}"):  # its message may quote the grammar
