@@ -157,6 +157,14 @@ def test_a_malformed_schema_is_refused_naming_the_problem(engine, schema, proble
         engine.generate("x", response_format=response_format(schema))
 
 
+def test_a_schema_nested_too_deeply_is_refused_not_a_crash(engine):
+    schema = {"type": "string"}
+    for _ in range(1000):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    with pytest.raises(InvalidArgumentError, match="JSON schema cannot be read.*recursion"):
+        engine.generate("x", response_format=response_format(schema))
+
+
 @pytest.mark.parametrize(("make", "problem"), [
     (lambda: Grammar.regex("(abc"), "regex is invalid.*unclosed group"),
     (lambda: Grammar.lark("start: foo"), "Lark grammar is invalid.*unknown name"),
