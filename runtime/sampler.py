@@ -176,6 +176,11 @@ class Sampler:
         dense[candidates] = probs
         return dense
 
+    def scores(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """The logits [V] picks are made from (float64): penalised, and -inf where the constraint
+        forbids; what a greedy draft ranks its guesses by under a constraint."""
+        return self._penalised(logits, history)
+
     def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """The logits as float64, with the repetition penalty applied and the constraint's
         forbidden tokens at -inf. Every token is picked from these, so this is where a broken

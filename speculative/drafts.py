@@ -121,6 +121,9 @@ class ModelDraft:
         count tokens drawn without replacement from the draft's distribution, which the tree
         keeps for the acceptance rule."""
         if sampler.greedy:
+            if sampler.constraint is not None:  # a guess the grammar forbids could only be rejected
+                logits = sampler.scores(logits, [*history, *tree.path_tokens(node)])
+                count = min(count, int(np.count_nonzero(logits > -np.inf)))
             top = np.argpartition(-logits, count - 1)[:count]
             return top[np.argsort(-logits[top], kind="stable")]
         q = sampler.distribution(logits, [*history, *tree.path_tokens(node)])

@@ -5,6 +5,7 @@ import json
 import re
 
 import jsonschema
+import llguidance
 import numpy as np
 import pytest
 
@@ -12,6 +13,7 @@ from tests.support.schemas import SCHEMAS, messages, response_format
 from tierflow import Engine, Grammar
 from tierflow.errors import InvalidArgumentError
 from tierflow.offload.gguf.convert import convert_model
+from tierflow.runtime.sampler import Sampler, SamplingParams
 from tierflow.runtime.structured import GrammarMatcher, grammar_vocabulary
 
 GREEDY = {"temperature": 0}
@@ -115,6 +117,20 @@ def test_sampled_constrained_output_validates_with_speculation(speculating, requ
     result = speculative.chat(messages("nested"), **constrained("nested"), **SAMPLED)
     validated(result.text, SCHEMAS["nested"][0])
     assert result.stats.drafted_tokens > 0
+
+
+def test_a_greedy_drafts_guesses_are_tokens_the_grammar_allows(drafted):
+    """Under a grammar the draft ranks its guesses by the masked logits: any other would be rejected."""
+    grammar = Grammar.json_schema(SCHEMAS["nested"][0])
+    prompt = drafted.tokenize_chat(messages("nested"))
+    root = drafted.tokenize('{"', add_bos=False)
+    vocabulary = grammar_vocabulary(drafted.tokenizer, drafted.config.vocab_size)
+    sampler = Sampler(SamplingParams(temperature=0), GrammarMatcher(vocabulary, grammar, len(prompt)))
+    with drafted.exclusive():
+        tree = drafted.speculator.draft.propose(prompt + root, 6, sampler)
+    for node in range(1, len(tree)):
+        path = root + tree.path_tokens(node)
+        assert llguidance.LLMatcher(vocabulary, grammar.definition).validate_tokens(path) == len(path)
 
 
 def test_the_matcher_follows_a_history_that_goes_back(engine):
