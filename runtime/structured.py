@@ -171,10 +171,10 @@ class GrammarMatcher:
         np.copyto(logits, -np.inf, where=self._disallowed_now()[:logits.shape[-1]])
 
     def _follow(self, generated: list[int]) -> None:
-        """Moves the matcher to the end of `generated`: back to where it and consumed part, then
-        on through the rest (usually one token, or none), up to an end-of-generation token: that
-        ends the generation (a stopped matcher refuses it), and what a token tree guesses past it
-        is never emitted."""
+        """Moves the matcher to the end of `generated`: back to where `generated` and `consumed`
+        part ways, then on through the rest (usually one token, or none), up to an
+        end-of-generation token: that ends the generation (a stopped matcher refuses it), and
+        what a token tree guesses past it is never emitted."""
         kept = len(self.consumed)
         if generated[:kept] != self.consumed:
             kept = _common_length(generated, self.consumed)
