@@ -25,7 +25,8 @@ from tierflow.offload.experts.routing_trace import RoutingRecorder
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import LoadProgress, pack_sizes
-from tierflow.runtime.arguments import TOKEN_IDS, flag, stop_strings, token_ids, utf8_encoded
+from tierflow.runtime.arguments import TOKEN_IDS, check_parallel, flag, stop_strings, token_ids, utf8_encoded
+from tierflow.runtime.batching import PassBatcher
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.loader import (
     CacheOptions,
@@ -38,6 +39,7 @@ from tierflow.runtime.loader import (
     thread_count,
 )
 from tierflow.runtime.sampler import Sampler, SamplingParams, as_count, recommended_sampling
+from tierflow.runtime.slots import SlotPool
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
@@ -45,14 +47,13 @@ from tierflow.speculative.placement import load_draft
 from tierflow.speculative.speculator import Speculator, check_draft_options, make_speculator
 from tierflow.units import format_size
 
-LOCK_POLL_S = 0.05  # how often a waiting generation checks whether it was cancelled
-
 
 class Engine:
-    """A loaded model with its tokenizer, KV cache and generation lock.
+    """A loaded model with its tokenizer and its sequences' KV caches.
 
-    One generation runs at a time: calls from several threads queue on a lock, so the KV cache is
-    never shared by two generations.
+    Each generation holds one sequence's slot (runtime/slots.py): by default there is one, and
+    calls from several threads take turns. Loaded with parallel=N, N generations run together,
+    their passes batched into one sweep of the weights (runtime/batching.py), and more wait.
     """
 
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer, threads: int,
@@ -72,13 +73,18 @@ class Engine:
         # What a generation's sampling keywords default to: the model file's recommendation
         # (general.sampling.*), over SamplingParams' own defaults.
         self.sampling_defaults = dict(sampling_defaults or {})
-        self._generator = model.generator
-        self._lock = threading.Lock()  # held by what computes: one generation, logits(), close()
-        # The stream holding the lock, weakly: a stream its consumer dropped must be free to go,
-        # and its going lets go of the lock.
-        self._holder: weakref.ReferenceType[Stream] | None = None
-        # Async generations run here, one at a time, like the lock runs them (see streams.py).
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-compute")
+        self._generator = model.generator  # the first sequence's; None once closed
+        self._slots = SlotPool(model.generators)
+        # With several sequences, their passes are batched on one thread; alone, a generation
+        # computes its passes itself.
+        self._batcher = None
+        if self._slots.size > 1:
+            self._batcher = PassBatcher(model.generator.decoder, self._claim_threads)
+            for generator in model.generators:
+                generator.run_pass = self._batcher.run
+        # Async generations run here, as many at a time as there are slots (see streams.py).
+        self._compute = ThreadPoolExecutor(max_workers=self._slots.size,
+                                           thread_name_prefix="tierflow-compute")
 
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, *, gpu_memory: int | str | None = None,
@@ -86,7 +92,7 @@ class Engine:
              context_length: int | None = None, progress: LoadProgress | None = None,
              gpu_device: str | None = None, draft: str | os.PathLike | None = None,
              draft_shape: str = "tree", draft_tokens: int | None = None, kv_cache_type: str | None = None,
-             kv_on_cpu: bool = False, allow_context_extension: bool = False) -> "Engine":
+             kv_on_cpu: bool = False, allow_context_extension: bool = False, parallel: int = 1) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes held on each tier ("4GiB", "512MB" or an int):
@@ -98,7 +104,10 @@ class Engine:
         trained on only with allow_context_extension. kv_cache_type is the cache's type: "f16"
         (default), "f32", "q8_0" or "q4_0" (llama.cpp's formats); kv_on_cpu keeps every
         layer's cache in RAM, the GPU layers' too (llama.cpp's -nkvo). progress(phase, done,
-        total) is called as bytes load.
+        total) is called as bytes load. parallel is how many generations run together (from
+        several threads, or AsyncStreams), each with its own KV cache of context_length positions
+        (all within the budgets) and their passes batched: one sweep of the weights serves them
+        all; more generations wait for a free one.
         With gpu_memory, the first layers that fit run on the CUDA GPU with tierflow's Triton
         kernels, the rest on the CPU. Without a GPU, for testing: gpu_device="cpu" lets torch's
         CPU device stand in for the GPU tier, with the same budget, its layers computed by the
@@ -118,7 +127,8 @@ class Engine:
         gpu = gpu_tier(gpu_memory, gpu_device)
         check_draft_options(draft_shape, draft_tokens)
         cache = CacheOptions(context_length, kv_cache_type, flag("kv_on_cpu", kv_on_cpu),
-                             flag("allow_context_extension", allow_context_extension))
+                             flag("allow_context_extension", allow_context_extension),
+                             check_parallel(parallel))
         with open_model_file(path) as target:  # validated before llama.cpp sees the file
             profile, sizes = profile_source(target, threads, gpu, progress), pack_sizes(target)
             budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile)
@@ -195,32 +205,33 @@ class Engine:
         return self.stream(self.tokenize_chat(messages), **kwargs)
 
     def cancel(self) -> None:
-        """Stops the running generation (from any thread); it returns what it has so far. A
+        """Stops the running generations (from any thread); each returns what it has so far. A
         stream suspended between two pieces (its consumer has not asked for the next) ends now."""
-        holder = self._holder() if self._holder is not None else None
-        if holder is not None:
+        for holder in self._slots.holders():
             holder.cancel()
             if holder.suspended:
                 holder.close()
 
     @contextmanager
     def exclusive(self, stream: "weakref.ReferenceType[Stream] | None" = None,
-                  cancelled: threading.Event | None = None) -> Iterator[TokenGenerator | None]:
-        """Holds the engine for one generation (streams.py): waits for what runs now, then yields
-        the token generator over the model and its KV cache; yields None, having waited no more,
-        once `cancelled` is set. `stream` (weakly referenced) is the stream that holds it, which
-        cancel() stops. Not reentrant."""
-        with self._holding(cancelled) as held:
-            if not held:
+                  cancelled: threading.Event | None = None,
+                  prompt_ids: Sequence[int] = ()) -> Iterator[TokenGenerator | None]:
+        """Holds a sequence's slot for one generation (streams.py): waits for a free one (the one
+        whose cache holds the longest prefix of prompt_ids), then yields its token generator;
+        yields None, having waited no more, once `cancelled` is set. `stream` (weakly referenced)
+        is the stream that holds it, which cancel() stops. Not reentrant."""
+        with self._slots.one(prompt_ids, cancelled, stream) as slot:
+            if slot is None:
                 yield None
                 return
-            self._holder = stream
-            self.weights.reset_peak()
-            try:
+            if self._slots.busy == 1:
+                self.weights.reset_peak()
+            if self._batcher is None:
                 self._claim_threads()
-                yield self._generator
-            finally:
-                self._holder = None
+                yield self._slots.generators[slot]
+                return
+            with self._batcher.joined():
+                yield self._slots.generators[slot]
 
     # -- async: the model runs on a worker thread, the event loop never waits on it ---------
 
@@ -300,21 +311,21 @@ class Engine:
                                        f"routing to record")
         recorder = RoutingRecorder(self.config.moe_layers)
         decoder = self._generator.decoder
-        with self._holding():  # not while a generation runs
+        with self._slots.every():  # not while a generation runs
             decoder.on_routing = recorder
         try:
             yield recorder
         finally:
-            with self._holding():
+            with self._slots.every():
                 decoder.on_routing = None
 
     # -- lifetime --------------------------------------------------------------------------
 
     @property
     def kv_cache_bytes(self) -> int:
-        """The bytes the KV cache holds, every layer's, wherever it is."""
+        """The bytes the KV caches hold, every layer's of every sequence, wherever they are."""
         self._check_open()
-        return self._generator.cache.num_bytes
+        return sum(generator.cache.num_bytes for generator in self._slots.generators)
 
     @property
     def expert_stats(self) -> CacheStats | None:
@@ -327,9 +338,11 @@ class Engine:
         later calls raise TierflowError, but closing again does nothing."""
         self.cancel()
         self._compute.shutdown(wait=True, cancel_futures=True)
-        with self._holding():
+        with self._slots.every():
             if self._generator is None:  # closed already
                 return
+            if self._batcher is not None:
+                self._batcher.close()
             self.tokenizer.close()
             self.weights.close()
             if self.draft is not None:
@@ -343,23 +356,6 @@ class Engine:
         self.close()
 
     # -- internals -------------------------------------------------------------------------
-
-    @contextmanager
-    def _holding(self, cancelled: threading.Event | None = None) -> Iterator[bool]:
-        """The lock, held for the block (True), or False if `cancelled` was set first. A stream
-        suspended in the waiting thread itself can never resume and let go: it is ended."""
-        me = threading.get_ident()
-        while not self._lock.acquire(timeout=LOCK_POLL_S):
-            if cancelled is not None and cancelled.is_set():
-                yield False
-                return
-            holder = self._holder() if self._holder is not None else None
-            if holder is not None and holder.suspended_in(me):
-                holder.close()
-        try:
-            yield True
-        finally:
-            self._lock.release()
 
     def _claim_threads(self) -> None:
         """Called by each generation under the lock: the kernels' pool runs on the engine's

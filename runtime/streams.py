@@ -129,7 +129,7 @@ class Stream:
 
 def _pieces(run: _Generation, stream: weakref.ReferenceType) -> Iterator[str]:
     engine = run.engine
-    with engine.exclusive(stream, run.cancelled) as generator:
+    with engine.exclusive(stream, run.cancelled, run.prompt_ids) as generator:
         if generator is None:  # cancelled while it waited
             run.finish("cancelled")
             return
