@@ -174,6 +174,9 @@ def serve(model: ModelOpt = None,
           no_context_shift: Annotated[bool, option(
               "--no-context-shift", help="refuse a chat longer than the context, as OpenAI's API does, "
               "rather than drop its oldest turns")] = False,
+          parallel: Annotated[Optional[int], option(
+              "--parallel", "-np", help="requests generated together, each with its own KV cache "
+              "(default: 4, 2 or 1, the most the budgets hold with 4096 positions each)")] = None,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
@@ -186,11 +189,13 @@ def serve(model: ModelOpt = None,
                               max_prompt_chars=max_prompt_chars, context_shift=not no_context_shift)
     engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
                    draft_shape=draft_shape, draft_tokens=draft_tokens,
+                   parallel="auto" if parallel is None else parallel,
                    **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
     if not settings.is_loopback and settings.api_key is None:
         err.print(f"[yellow]warning:[/yellow] {host} is reachable from other machines and no --api-key "
                   "is set", soft_wrap=True)
-    out.print(f"serving {engine.path.stem} at {settings.url}")
+    out.print(f"serving {engine.path.stem} at {settings.url} ({engine.parallel} at a time, "
+              f"{engine.context_length} positions each)")
     serve_forever(engine, settings)
 
 

@@ -67,7 +67,7 @@ class ServerSettings:
     # request may send, checked before tokenizing; None: CHARS_PER_POSITION per context position.
     max_prompt_chars: int | None = None
     max_tokens_limit: int = 4096  # a request asking for more gets 400; also the default
-    max_queued: int = 8  # requests waiting behind the running one; beyond: 503
+    max_queued: int = 8  # requests waiting behind the running ones (engine.parallel); beyond: 503
     # A chat longer than the context drops its oldest turns (runtime/context_shift.py); off: 400,
     # as OpenAI's API answers, for clients that trim their conversations themselves.
     context_shift: bool = True
@@ -225,7 +225,7 @@ class _Generations:
     def __init__(self, engine: Engine, settings: ServerSettings):
         self.engine, self.max_tokens_limit = engine, settings.max_tokens_limit
         self.max_chars = settings.max_prompt_chars or CHARS_PER_POSITION * engine.context_length
-        self.slots = _Slots(1 + settings.max_queued)
+        self.slots = _Slots(engine.parallel + settings.max_queued)
 
     def check_chars(self, num_chars: int, param: str) -> None:
         """Refuses prompt text past the limit; for messages, num_chars counts their framing too."""
@@ -275,7 +275,7 @@ class _Generations:
 
 
 class _Slots:
-    """Generation requests in flight: one runs, the rest wait on the engine's lock (or tokenize).
+    """Generation requests in flight: engine.parallel run, the rest wait for a free sequence (or tokenize).
     Touched only from the event loop, so a plain counter suffices."""
 
     def __init__(self, capacity: int):

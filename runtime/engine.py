@@ -92,7 +92,8 @@ class Engine:
              context_length: int | None = None, progress: LoadProgress | None = None,
              gpu_device: str | None = None, draft: str | os.PathLike | None = None,
              draft_shape: str = "tree", draft_tokens: int | None = None, kv_cache_type: str | None = None,
-             kv_on_cpu: bool = False, allow_context_extension: bool = False, parallel: int = 1) -> "Engine":
+             kv_on_cpu: bool = False, allow_context_extension: bool = False,
+             parallel: int | str = 1) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes held on each tier ("4GiB", "512MB" or an int):
@@ -107,7 +108,9 @@ class Engine:
         total) is called as bytes load. parallel is how many generations run together (from
         several threads, or AsyncStreams), each with its own KV cache of context_length positions
         (all within the budgets) and their passes batched: one sweep of the weights serves them
-        all; more generations wait for a free one.
+        all; more generations wait for a free one. parallel="auto" takes the most of 4, 2 or 1
+        that the budgets hold with at least 4096 positions each (or the model's context, if
+        shorter): `tierflow serve`'s default.
         With gpu_memory, the first layers that fit run on the CUDA GPU with tierflow's Triton
         kernels, the rest on the CPU. Without a GPU, for testing: gpu_device="cpu" lets torch's
         CPU device stand in for the GPU tier, with the same budget, its layers computed by the
@@ -296,7 +299,7 @@ class Engine:
         if not ids:
             raise InvalidArgumentError("logits() needs at least one token id")
         self._check_fits(len(ids), 0)
-        with self.exclusive() as generator:
+        with self.exclusive(prompt_ids=ids) as generator:
             logits, _ = generator.prefill(ids, threading.Event(), all_logits=True, reuse_prefix=False)
         return logits
 
@@ -320,6 +323,11 @@ class Engine:
                 decoder.on_routing = None
 
     # -- lifetime --------------------------------------------------------------------------
+
+    @property
+    def parallel(self) -> int:
+        """How many generations run together (each in its own sequence's slot)."""
+        return self._slots.size
 
     @property
     def kv_cache_bytes(self) -> int:

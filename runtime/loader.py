@@ -50,6 +50,10 @@ from tierflow.runtime.vocabulary import check_vocabulary
 from tierflow.units import parse_size
 
 GPU_DEVICES = ("cpu", "interpret")
+# parallel="auto": the sequences tried, most first, and the context each must still get (or the
+# model's, if shorter): four chat slots as llama-server's default, but not at the price of short chats
+AUTO_PARALLEL = (4, 2, 1)
+AUTO_MIN_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class CacheOptions:
     kv_cache_type: str | None = None  # a kv_types.KV_TYPES name; None: the default
     kv_on_cpu: bool = False  # every layer's cache in RAM (llama.cpp's -nkvo)
     allow_context_extension: bool = False  # a context past the trained one is refused unless set
-    parallel: int = 1  # sequences decoded together, each with its own KV cache of the context
+    parallel: int | str = 1  # sequences decoded together, each with its own KV cache; or "auto"
 
 
 @dataclass(frozen=True)
@@ -131,8 +135,28 @@ def thread_count(threads: int | None) -> int:
 def resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | None, gpu_budget: int,
                     cache: CacheOptions, profile: ProfileSource) -> Budgets:
     """The budgets of a load: cpu_memory as given, or by default the available RAM less a margin;
-    the KV cache's type; and the context (offload/plan/context.py), which may need the machine's
-    speeds (profile) to see whether a placement of the pack (sizes) fits."""
+    the KV cache's type; the context (offload/plan/context.py), which may need the machine's
+    speeds (profile) to see whether a placement of the pack (sizes) fits; and with parallel
+    "auto", the most of AUTO_PARALLEL sequences whose caches hold AUTO_MIN_CONTEXT positions each
+    (or the trained or requested context, if shorter) beside the weights."""
+    if cache.parallel != "auto":
+        return _resolve_budgets(model, sizes, cpu_memory, gpu_budget, cache, profile)
+    wanted = min(AUTO_MIN_CONTEXT, cache.context_length or model.config.context_length)
+    for sequences in AUTO_PARALLEL:
+        options = replace(cache, parallel=sequences)
+        if sequences == 1:
+            return _resolve_budgets(model, sizes, cpu_memory, gpu_budget, options, profile)
+        try:
+            budgets = _resolve_budgets(model, sizes, cpu_memory, gpu_budget, options, profile)
+        except BudgetError:
+            continue
+        if budgets.context_length >= wanted:
+            return budgets
+    raise AssertionError("AUTO_PARALLEL ends with 1")
+
+
+def _resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | None, gpu_budget: int,
+                     cache: CacheOptions, profile: ProfileSource) -> Budgets:
     kv = kv_type(cache.kv_cache_type)
     model.config.cache_rows.check(kv)
     check_context(cache.context_length, model.config, cache.allow_context_extension)

@@ -2,8 +2,10 @@
 KV cache, and who holds which.
 
 A generation holds one slot for its whole run. It gets the free slot whose cache already holds the
-longest prefix of its prompt (a conversation's next turn finds its own history, as llama-server's
-slots do), waiting while every slot is taken. What needs the whole engine (closing it, recording
+longest prefix of its prompt, among those that would lose at most a quarter of what they hold (a
+conversation's next turn finds its own history), else the free slot used least recently (a new
+conversation that shares only a system prompt with another does not evict that one's history),
+waiting while every slot is taken. What needs the whole engine (closing it, recording
 routing) waits for every slot, and no new generation starts meanwhile.
 """
 
@@ -29,6 +31,8 @@ class SlotPool:
         self._free = set(range(len(generators)))
         self._holders: dict[int, weakref.ReferenceType["Stream"]] = {}
         self._draining = False  # something waits for every slot: no new holder meanwhile
+        self._last_used = [0] * len(generators)  # a count of takes at each slot's last one
+        self._takes = 0
 
     @property
     def size(self) -> int:
@@ -81,14 +85,25 @@ class SlotPool:
         def take() -> int | None:
             if not self._free or self._draining:
                 return None
-            slot = max(sorted(self._free),
-                       key=lambda i: common_prefix(self.generators[i].cached_tokens, prompt_ids))
+            slot = self._best_free(prompt_ids)
             self._free.discard(slot)
+            self._takes += 1
+            self._last_used[slot] = self._takes
             if stream is not None:
                 self._holders[slot] = stream
             return slot
 
         return self._wait_for(take, cancelled)
+
+    def _best_free(self, prompt_ids: Sequence[int]) -> int:
+        free = sorted(self._free)
+        held = {i: self.generators[i].cached_tokens for i in free}
+        shared = {i: common_prefix(held[i], prompt_ids) for i in free}
+        # a slot that would lose at most a quarter of what it holds
+        matching = [i for i in free if shared[i] and 4 * shared[i] >= 3 * len(held[i])]
+        if matching:
+            return max(matching, key=shared.__getitem__)
+        return min(free, key=self._last_used.__getitem__)
 
     def _wait_for(self, attempt: Callable[[], T | None],
                   cancelled: threading.Event | None = None) -> T | None:
