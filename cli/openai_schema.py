@@ -116,7 +116,9 @@ _REFUSED_IN_BOTH: dict[str, tuple] = {"n": (None, 1), "stream_options.include_ob
 _REFUSED_IN_CHAT: dict[str, tuple] = {
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "verbosity": (None,), "web_search_options": (None,), "store": (None, False),
-    "service_tier": (None, "auto", "default"),
+    "service_tier": (None, "auto", "default"), "moderation": (None,),
+    # the one cache keeps prefixes in memory, until another request's prompt replaces them
+    "prompt_cache_retention": (None, "in_memory"), "prompt_cache_options": (None,),
     "functions": (None,), "function_call": (None,),  # the deprecated tool API: `tools` replaced it
 }
 _REFUSED_IN_COMPLETIONS: dict[str, tuple] = {
@@ -155,6 +157,9 @@ class _GenerationRequest(_Strict):
     service_tier: Any = None
     functions: Any = None
     function_call: Any = None
+    moderation: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
 
     refused: ClassVar[dict[str, tuple]] = _REFUSED_IN_BOTH
 

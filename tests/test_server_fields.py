@@ -109,7 +109,8 @@ CHAT_REFUSED = {
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
     "web_search_options": {}, "store": True, "service_tier": "flex",
     "functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
-    "stream_options": {"include_obfuscation": True},
+    "stream_options": {"include_obfuscation": True}, "moderation": {"policy": {"input": {"mode": "block"}}},
+    "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "1h"},
 }
 COMPLETIONS_REFUSED = {"best_of": 2, "suffix": "end", "echo": True, "n": 3}
 
@@ -133,6 +134,7 @@ def test_unhonoured_completions_field_is_400_naming_it(url, field):
 @pytest.mark.parametrize("field, value", [
     ("n", 1), ("store", False), ("modalities", ["text"]), ("service_tier", "auto"), ("user", "u-1"),
     ("metadata", {"k": "v"}), ("safety_identifier", "s-1"), ("prompt_cache_key", "chat-7"),
+    ("prompt_cache_retention", "in_memory"),
 ])
 def test_field_asking_for_nothing_is_accepted(client, field, value):
     reply = client.chat.completions.create(model="any", messages=HI, **GREEDY, extra_body={field: value})
