@@ -372,9 +372,13 @@ async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param
     once something fails, an error event (OpenAI's error body) that ends the stream."""
     if reply.chat:
         yield _sse(reply.role_chunk())
+    num_pieces = num_chars = num_logprobs = 0  # streamed so far
     try:
         async for piece in astream:
-            yield _sse(reply.text_chunk(piece))
+            logprobs = astream.piece_logprobs(num_pieces)
+            yield _sse(reply.text_chunk(piece, logprobs, num_chars))
+            num_pieces, num_chars = num_pieces + 1, num_chars + len(piece)
+            num_logprobs += len(logprobs or ())
     except Exception as error:
         yield _sse(_generation_error(error, param).body())
         return
@@ -382,7 +386,8 @@ async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param
     if result is None or result.finish_reason == "cancelled":
         yield _sse(ApiError(503, "the generation was cancelled", type="server_error").body())
         return
-    yield _sse(reply.final_chunk(result))
+    rest = None if result.logprobs is None else result.logprobs[num_logprobs:]
+    yield _sse(reply.final_chunk(result, rest or None, num_chars))
     if include_usage:
         yield _sse(reply.usage_chunk(result))
     yield "data: [DONE]\n\n"

@@ -10,7 +10,8 @@
     kv_cache.py       the KV cache and its context shift; rope.py the rotary tables
     context_shift.py  which turns a conversation that outgrows the context drops (chat and server)
     host_attention.py a device layer's attention over a cache in RAM (kv_on_cpu)
-    sampler.py        sampling settings and the sampler
+    sampler.py        sampling settings and the sampler (logit bias, penalties, filters)
+    logprobs.py       each generated token's log-probability and top alternatives
     tokenizer.py      llama.cpp's tokenizer; vocabulary.py checks a vocabulary before it loads
     chat_template.py  chat templates in a sandbox (template_guards.py, template_worker.py)
     text_stream.py    token bytes to text pieces, stop strings

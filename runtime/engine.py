@@ -170,7 +170,10 @@ class Engine:
         """Completes a prompt: text, or token ids (a sequence of ints or a 1-D integer numpy array).
         Text is text: "<|im_end|>" in it is those characters, not the special token, unless
         parse_special. Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty,
-        repeat_last_n, seed (see SamplingParams); those not given take sampling_defaults. An empty
+        repeat_last_n, seed, frequency_penalty, presence_penalty, logit_bias ({token id: bias});
+        logprobs=True (and top_logprobs=N, up to 20) puts each token's log-probability in the
+        result's logprobs (see SamplingParams, runtime/logprobs.py); those not given take
+        sampling_defaults. An empty
         prompt is refused, unless the model starts every text with BOS: then "" is just BOS, as in
         llama.cpp. A bad argument is an InvalidArgumentError. context_shift: see stream."""
         stream = self.stream(prompt, max_tokens=max_tokens, stop=stop, parse_special=parse_special,
@@ -192,9 +195,10 @@ class Engine:
         prefill would write bit for bit are reused."""
         self._check_open()
         context_shift = flag("context_shift", context_shift)
-        sampler = Sampler(SamplingParams.from_keywords(self.sampling_defaults | sampling))
+        params = SamplingParams.from_keywords(self.sampling_defaults | sampling)
         max_tokens, stops = as_count("max_tokens", max_tokens), stop_strings(stop)
         prompt_ids = self._prompt_ids(prompt, flag("parse_special", parse_special))
+        sampler = Sampler(params, len(prompt_ids), self.config.vocab_size)
         self._check_fits(len(prompt_ids), 1)
         # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
         max_tokens = min(max_tokens, self.context_length - len(prompt_ids))

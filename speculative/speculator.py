@@ -63,7 +63,9 @@ class Speculator:
         budget = min(room, self.budget.next(self.timed)) if self.budget else room
         with self.draft.turn:
             started = time.perf_counter()
-            tree = self.draft.propose(history, budget, sampler) if budget else TokenTree.root(history[-1])
+            draft_sampler = sampler.for_draft()  # the draft's distributions are no token's logprobs
+            tree = (self.draft.propose(history, budget, draft_sampler) if budget
+                    else TokenTree.root(history[-1]))
             drafted = time.perf_counter()
             start = target.cache.length
             rows = target.verify_tree(tree.tokens, tree.parents)
