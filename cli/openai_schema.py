@@ -7,6 +7,7 @@ that the server renders as OpenAI's `{"error": {"message", "type", "param", "cod
 
 import asyncio
 import gc
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from typing_extensions import NotRequired, TypedDict
 
 from tierflow.errors import ContextLengthError, InvalidArgumentError, TemplateError, TierflowError
 from tierflow.runtime.streams import GenerationResult
+from tierflow.runtime.tool_calls import ToolCall
+from tierflow.runtime.tool_prompt import ToolRequest
 
 
 class ApiError(Exception):
@@ -65,23 +68,43 @@ class TextPart(TypedDict):
 
 
 @with_config(STRICT)
+class CalledFunction(TypedDict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+@with_config(STRICT)
+class AssistantToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+@with_config(STRICT)
 class Message(TypedDict):
     role: str
     content: NotRequired[str | Annotated[list[TextPart], Field(fail_fast=True)] | None]
+    tool_calls: NotRequired[Annotated[list[AssistantToolCall], Field(fail_fast=True)] | None]
+    tool_call_id: NotRequired[str]  # a "tool" message: the call it answers
+    name: NotRequired[str]
 
 
 def template_message(message: Message) -> dict:
-    """The plain {"role", "content"} the chat template expects; "developer" is OpenAI's new name
-    for "system"."""
+    """The message as the engine takes it: content as one string, and "developer" (OpenAI's new
+    name for "system") as "system"; tool calls and the call a tool result answers are kept."""
     content = message.get("content")
     if isinstance(content, list):
         content = "".join(part["text"] for part in content)
-    return {"role": "system" if message["role"] == "developer" else message["role"], "content": content or ""}
+    role = "system" if message["role"] == "developer" else message["role"]
+    kept = {key: message[key] for key in ("tool_calls", "tool_call_id", "name") if message.get(key)}
+    return {"role": role, "content": content or "", **kept}
 
 
 def _content_chars(message: Message) -> int:
     content = message.get("content") or ""
-    return len(content) if isinstance(content, str) else sum(len(part["text"]) for part in content)
+    chars = len(content) if isinstance(content, str) else sum(len(part["text"]) for part in content)
+    calls = message.get("tool_calls") or []
+    return chars + sum(len(call["function"]["name"]) + len(call["function"]["arguments"]) for call in calls)
 
 
 class StreamOptions(_Strict):
@@ -130,6 +153,18 @@ class ChatRequest(_GenerationRequest):
     messages: Annotated[list[Message], Field(fail_fast=True)] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)  # the newer name for max_tokens
     logprobs: bool | None = None
+    # Checked by ToolRequest (runtime/tool_prompt.py), whose errors name the tool.
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_request(self) -> ToolRequest | None:
+        try:
+            return ToolRequest.from_openai(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except InvalidArgumentError as error:
+            names = ("tools", "tool_choice", "parallel_tool_calls")
+            param = next((name for name in names if str(error).startswith(name)), "tools")
+            raise ApiError(400, str(error), param=param) from None
 
     def template_messages(self) -> list[dict]:
         if self.logprobs:
@@ -138,8 +173,9 @@ class ChatRequest(_GenerationRequest):
 
     def prompt_chars(self) -> int:
         """The characters the messages put into the prompt, each message's framing counted too."""
-        return sum(len(message["role"]) + _content_chars(message) + TEMPLATE_CHARS_PER_MESSAGE
-                   for message in self.messages)
+        tools = len(json.dumps(self.tools)) if self.tools else 0
+        return tools + sum(len(message["role"]) + _content_chars(message) + TEMPLATE_CHARS_PER_MESSAGE
+                           for message in self.messages)
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
@@ -224,7 +260,10 @@ class Reply:
     def response(self, result: GenerationResult) -> dict:
         """The whole answer of a non-streaming request."""
         choice = {"index": 0, "logprobs": None, "finish_reason": result.finish_reason}
-        if self.chat:
+        if self.chat and result.tool_calls:
+            choice["message"] = {"role": "assistant", "content": result.text or None,
+                                 "tool_calls": [call.as_openai() for call in result.tool_calls]}
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice["text"] = result.text
@@ -235,6 +274,18 @@ class Reply:
 
     def text_chunk(self, text: str) -> dict:
         return self._chunk({"delta": {"content": text}} if self.chat else {"text": text})
+
+    def tool_call_chunks(self, calls: list[ToolCall]) -> list[dict]:
+        """The chunks that stream `calls` as OpenAI's do: each call's id, type and name, then its
+        arguments (a client joins the pieces of one index)."""
+        chunks = []
+        for index, call in enumerate(calls):
+            start = {"index": index, "id": call.id, "type": "function",
+                     "function": {"name": call.name, "arguments": ""}}
+            chunks.append(self._chunk({"delta": {"tool_calls": [start]}}))
+            arguments = {"index": index, "function": {"arguments": call.arguments}}
+            chunks.append(self._chunk({"delta": {"tool_calls": [arguments]}}))
+        return chunks
 
     def final_chunk(self, result: GenerationResult) -> dict:
         """The chunk that carries the finish reason, and tierflow's timings."""

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,8 @@ from tierflow.runtime.sampler import Sampler, SamplingParams, as_count, recommen
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
+from tierflow.runtime.tool_calls import ToolFormat, parse_tool_calls, tool_format
+from tierflow.runtime.tool_prompt import ToolRequest, template_inputs
 from tierflow.speculative.placement import load_draft
 from tierflow.speculative.speculator import Speculator, check_draft_options, make_speculator
 from tierflow.units import format_size
@@ -187,9 +190,19 @@ class Engine:
         max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
         return Stream(self, prompt_ids, sampler, max_tokens, TextStream(stops), context_shift)
 
-    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
-        """Generates the assistant's reply to messages, using the model's chat template."""
-        return self.generate(self.tokenize_chat(messages), **kwargs)
+    def chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+             **kwargs) -> GenerationResult:
+        """Generates the assistant's reply to messages, using the model's chat template.
+
+        tools, tool_choice and parallel_tool_calls are OpenAI's (runtime/tool_prompt.py): the
+        tools go to the template, and the calls the answer makes come back parsed in the
+        result's tool_calls (finish_reason "tool_calls"; text is the content around them). A
+        call that does not parse stays text. Messages may hold assistant tool_calls and "tool"
+        results, as OpenAI's do."""
+        request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
+        result = self.generate(self.tokenize_chat(messages, tools=request), **kwargs)
+        return self.with_tool_calls(result, request)
 
     def chat_stream(self, messages: list[dict], **kwargs) -> Stream:
         return self.stream(self.tokenize_chat(messages), **kwargs)
@@ -250,8 +263,13 @@ class Engine:
         """stream() for asyncio: `async for piece in engine.astream(...)`."""
         return AsyncStream(self.stream(prompt, **kwargs), self._compute)
 
-    async def achat(self, messages: list[dict], **kwargs) -> GenerationResult:
-        return await self.agenerate(self.tokenize_chat(messages), **kwargs)
+    async def achat(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+                    **kwargs) -> GenerationResult:
+        """chat() for asyncio."""
+        request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
+        result = await self.agenerate(self.tokenize_chat(messages, tools=request), **kwargs)
+        return self.with_tool_calls(result, request)
 
     def achat_stream(self, messages: list[dict], **kwargs) -> AsyncStream:
         return self.astream(self.tokenize_chat(messages), **kwargs)
@@ -267,12 +285,27 @@ class Engine:
             raise InvalidArgumentError(f"add_bos must be True, False or None, got {add_bos!r}")
         return self._encode(text, "text", add_bos, flag("parse_special", parse_special))
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        """The prompt ids chat() generates from: messages through the model's chat template, whose
-        own markup alone becomes special tokens (a message holding "<|im_end|>" cannot end its
-        turn or forge another)."""
+    def tokenize_chat(self, messages: list[dict], *, tools: ToolRequest | None = None) -> list[int]:
+        """The prompt ids chat() generates from: messages (and the tools offered) through the
+        model's chat template, whose own markup alone becomes special tokens (a message holding
+        "<|im_end|>" cannot end its turn or forge another)."""
         self._check_open()
-        return utf8_encoded("the chat messages", self.tokenizer.encode_chat, messages)
+        messages, variables = template_inputs(messages, tools, self.tool_format)
+        return utf8_encoded("the chat messages", self.tokenizer.encode_chat, messages, **variables)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model's answers call tools, as its chat template says (runtime/tool_calls.py)."""
+        return tool_format(self.tokenizer.chat_template)
+
+    def with_tool_calls(self, result: GenerationResult, tools: ToolRequest | None) -> GenerationResult:
+        """result with the tool calls its text makes parsed out, if tools were offered."""
+        if tools is None or not tools.offered or result.finish_reason == "cancelled":
+            return result
+        parsed = parse_tool_calls(result.text, self.tool_format, tools.names)
+        if not parsed.tool_calls:
+            return result
+        return replace(result, text=parsed.content, tool_calls=parsed.tool_calls, finish_reason="tool_calls")
 
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_open()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from tierflow.runtime.generation import GenerationStats, PrefillProgress, generate_tokens
 from tierflow.runtime.sampler import Sampler
 from tierflow.runtime.text_stream import TextStream
+from tierflow.runtime.tool_calls import ToolCall
 
 if TYPE_CHECKING:
     from tierflow.runtime.engine import Engine
@@ -36,8 +37,10 @@ if TYPE_CHECKING:
 class GenerationResult:
     text: str
     tokens: list[int]  # generated ids, without the end-of-generation token
-    finish_reason: str  # "stop" (end token or stop string), "length", or "cancelled"
+    finish_reason: str  # "stop" (end token or stop string), "length", "cancelled", or "tool_calls"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # A chat with tools: the calls the answer made (text is then the content around them).
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass

@@ -124,6 +124,8 @@ def _choice(tool_choice: str | dict | None, names: list[str]) -> tuple[str, str 
 def template_inputs(messages: list[dict], request: ToolRequest | None,
                     fmt: ToolFormat) -> tuple[list[dict], dict]:
     """The messages and the extra variables (`tools`) to render the chat template with."""
+    if not isinstance(messages, list):
+        return messages, {}  # the renderer refuses them, saying why
     if fmt is not ToolFormat.GENERIC:
         tools = list(request.tools) if request is not None and request.offered else None
         return [_native_message(message) for message in messages], {"tools": tools}
