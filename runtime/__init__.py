@@ -11,6 +11,7 @@
     context_shift.py  which turns a conversation that outgrows the context drops (chat and server)
     host_attention.py a device layer's attention over a cache in RAM (kv_on_cpu)
     sampler.py        sampling settings and the sampler
+    structured.py     structured output: grammars (JSON schema, regex, Lark, GBNF) and their matchers
     tokenizer.py      llama.cpp's tokenizer; vocabulary.py checks a vocabulary before it loads
     chat_template.py  chat templates in a sandbox (template_guards.py, template_worker.py)
     text_stream.py    token bytes to text pieces, stop strings

@@ -40,6 +40,7 @@ from tierflow.runtime.loader import (
 )
 from tierflow.runtime.sampler import Sampler, SamplingParams, as_count, recommended_sampling
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
+from tierflow.runtime.structured import Grammar, GrammarMatcher, grammar_for, grammar_vocabulary
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
 from tierflow.runtime.tool_calls import ToolFormat, parse_tool_calls, tool_format
@@ -76,6 +77,7 @@ class Engine:
         # (general.sampling.*), over SamplingParams' own defaults.
         self.sampling_defaults = dict(sampling_defaults or {})
         self._generator = model.generator
+        self._grammar_vocabulary = None  # llguidance's token table, built by the first constrained call
         self._lock = threading.Lock()  # held by what computes: one generation, logits(), close()
         # The stream holding the lock, weakly: a stream its consumer dropped must be free to go,
         # and its going lets go of the lock.
@@ -156,22 +158,30 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
                  stop: Sequence[str] | str | None = None, parse_special: bool = False,
+                 response_format: dict | None = None, grammar: Grammar | None = None,
                  **sampling) -> GenerationResult:
         """Completes a prompt: text, or token ids (a sequence of ints or a 1-D integer numpy array).
         Text is text: "<|im_end|>" in it is those characters, not the special token, unless
         parse_special. Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty,
         repeat_last_n, seed (see SamplingParams); those not given take sampling_defaults. An empty
         prompt is refused, unless the model starts every text with BOS: then "" is just BOS, as in
-        llama.cpp. A bad argument is an InvalidArgumentError. context_shift: see stream."""
+        llama.cpp. A bad argument is an InvalidArgumentError. context_shift: see stream.
+
+        response_format constrains the output as OpenAI's does: {"type": "json_object"}, or
+        {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; grammar does
+        with a Grammar (runtime/structured.py: regex, Lark, GBNF, JSON schema). Every token is
+        then one the grammar allows, and generation ends only where it may end (a max_tokens
+        reached first cuts it off, finish_reason "length")."""
         stream = self.stream(prompt, max_tokens=max_tokens, stop=stop, parse_special=parse_special,
-                             **sampling)
+                             response_format=response_format, grammar=grammar, **sampling)
         for _ in stream:
             pass
         return stream.result
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
                stop: Sequence[str] | str | None = None, parse_special: bool = False,
-               context_shift: bool = False, **sampling) -> Stream:
+               context_shift: bool = False, response_format: dict | None = None,
+               grammar: Grammar | None = None, **sampling) -> Stream:
         """Like generate, as a Stream of text pieces (whole UTF-8 characters); its .result is
         set once iterated to the end, and .cancel() stops it.
 
@@ -182,10 +192,12 @@ class Engine:
         prefill would write bit for bit are reused."""
         self._check_open()
         context_shift = flag("context_shift", context_shift)
-        sampler = Sampler(SamplingParams.from_keywords(self.sampling_defaults | sampling))
+        params = SamplingParams.from_keywords(self.sampling_defaults | sampling)
         max_tokens, stops = as_count("max_tokens", max_tokens), stop_strings(stop)
+        grammar = grammar_for(response_format, grammar)
         prompt_ids = self._prompt_ids(prompt, flag("parse_special", parse_special))
         self._check_fits(len(prompt_ids), 1)
+        sampler = Sampler(params, grammar and self._matcher(grammar, len(prompt_ids)))
         # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
         max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
         return Stream(self, prompt_ids, sampler, max_tokens, TextStream(stops), context_shift)
@@ -367,7 +379,7 @@ class Engine:
             self.weights.close()
             if self.draft is not None:
                 self.draft.close()
-            self.weights = self._generator = self.draft = None
+            self.weights = self._generator = self.draft = self._grammar_vocabulary = None
 
     def __enter__(self) -> "Engine":
         return self
@@ -423,6 +435,11 @@ class Engine:
                 f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
             )
         return ids
+
+    def _matcher(self, grammar: Grammar, prompt_length: int) -> GrammarMatcher:
+        if self._grammar_vocabulary is None:
+            self._grammar_vocabulary = grammar_vocabulary(self.tokenizer, self.config.vocab_size)
+        return GrammarMatcher(self._grammar_vocabulary, grammar, prompt_length)
 
     def _check_open(self) -> None:
         if self._generator is None:

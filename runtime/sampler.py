@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
+from typing import Protocol
 
 import numpy as np
 
@@ -123,11 +124,23 @@ def _is_finite_number(value: object) -> bool:
         return False
 
 
-class Sampler:
-    """Picks tokens from logits; owns the random generator so a seed fixes the whole output."""
+class LogitsConstraint(Protocol):
+    """What may come next after history (the prompt's ids, then the generated ones): a grammar's
+    matcher (runtime/structured.py)."""
 
-    def __init__(self, params: SamplingParams):
+    def mask(self, logits: np.ndarray, history: Sequence[int]) -> None:
+        """Sets the logits [V] of forbidden tokens to -inf, in place."""
+
+
+class Sampler:
+    """Picks tokens from logits; owns the random generator so a seed fixes the whole output.
+
+    With a constraint, every pick (and every distribution speculative acceptance reads) is over
+    the tokens it allows after the history given: the constraint follows that history."""
+
+    def __init__(self, params: SamplingParams, constraint: LogitsConstraint | None = None):
         self.params = params
+        self.constraint = constraint
         self.rng = np.random.default_rng(params.seed)
 
     @property
@@ -164,8 +177,9 @@ class Sampler:
         return dense
 
     def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """The logits as float64, with the repetition penalty applied. Every token is picked from
-        these, so this is where a broken model is caught (not in numpy's draw)."""
+        """The logits as float64, with the repetition penalty applied and the constraint's
+        forbidden tokens at -inf. Every token is picked from these, so this is where a broken
+        model is caught (not in numpy's draw)."""
         if not np.isfinite(logits).all():
             raise ModelFileError("the model produced non-finite logits (NaN or infinity): its weights "
                                  "may be damaged")
@@ -173,6 +187,8 @@ class Sampler:
         logits = logits.astype(np.float64, copy=True)
         if p.repeat_penalty != 1.0 and p.repeat_last_n and len(history):
             apply_repeat_penalty(logits, history[-p.repeat_last_n:], p.repeat_penalty)
+        if self.constraint is not None:
+            self.constraint.mask(logits, history)
         return logits
 
 

@@ -198,6 +198,12 @@ class Tokenizer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @property
+    def llama_vocab(self) -> Any:
+        """llama.cpp's vocabulary handle, for what reads the tokens through llama.cpp's C API
+        (structured output's token table); valid until close()."""
+        return self._open_vocab()
+
     def _open_vocab(self) -> Any:
         if self._vocab is None:
             raise TierflowError("the tokenizer is closed")
