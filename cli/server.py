@@ -243,7 +243,7 @@ class _Generations:
                      param: str, source: PromptSource, tools: ToolRequest | None = None) -> Response:
         """The response to one request: param names the prompt's field in errors; the answer's
         tool calls, if tools are offered, are parsed out of its text."""
-        kwargs = body.generation_kwargs(self.max_tokens_limit)
+        kwargs = body.generation_kwargs(self.max_tokens_limit) | self._tool_grammar(tools)
         release = self.slots.acquire()
         try:
             prompt = await self._prompt(request, param, source, kwargs["max_tokens"])
@@ -260,6 +260,15 @@ class _Generations:
                                        partial(self.engine.with_tool_calls, tools=tools))
         finally:
             release()
+
+    def _tool_grammar(self, tools: ToolRequest | None) -> dict:
+        """The grammar keyword that makes a required or named call well-formed; a tool whose
+        parameters llguidance cannot compile is a 400."""
+        try:
+            grammar = self.engine.tool_grammar(tools)
+        except TierflowError as error:
+            raise ApiError(400, f"tools: {error}", param="tools") from None
+        return {} if grammar is None else {"grammar": grammar}
 
     def _tool_stream(self, tools: ToolRequest | None) -> ToolCallStream | None:
         if tools is None or not tools.offered:

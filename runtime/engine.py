@@ -44,7 +44,7 @@ from tierflow.runtime.structured import Grammar, GrammarMatcher, grammar_for, gr
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
 from tierflow.runtime.tool_calls import ToolFormat, parse_tool_calls, tool_format
-from tierflow.runtime.tool_prompt import ToolRequest, template_inputs
+from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
 from tierflow.speculative.placement import load_draft
 from tierflow.speculative.speculator import Speculator, check_draft_options, make_speculator
 from tierflow.units import format_size
@@ -213,7 +213,8 @@ class Engine:
         call that does not parse stays text. Messages may hold assistant tool_calls and "tool"
         results, as OpenAI's do."""
         request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
-        result = self.generate(self.tokenize_chat(messages, tools=request), **kwargs)
+        result = self.generate(self.tokenize_chat(messages, tools=request),
+                               **self._with_tool_grammar(request, kwargs))
         return self.with_tool_calls(result, request)
 
     def chat_stream(self, messages: list[dict], **kwargs) -> Stream:
@@ -280,7 +281,8 @@ class Engine:
                     **kwargs) -> GenerationResult:
         """chat() for asyncio."""
         request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
-        result = await self.agenerate(self.tokenize_chat(messages, tools=request), **kwargs)
+        result = await self.agenerate(self.tokenize_chat(messages, tools=request),
+                                      **self._with_tool_grammar(request, kwargs))
         return self.with_tool_calls(result, request)
 
     def achat_stream(self, messages: list[dict], **kwargs) -> AsyncStream:
@@ -309,6 +311,13 @@ class Engine:
     def tool_format(self) -> ToolFormat:
         """How this model's answers call tools, as its chat template says (runtime/tool_calls.py)."""
         return tool_format(self.tokenizer.chat_template)
+
+    def tool_grammar(self, tools: ToolRequest | None) -> Grammar | None:
+        """The grammar that makes the answer well-formed calls, when tool_choice demands a call
+        ("required" or a named function); None otherwise."""
+        if tools is None or not tools.constrained:
+            return None
+        return Grammar.lark(tool_call_grammar(tools, self.tool_format))
 
     def with_tool_calls(self, result: GenerationResult, tools: ToolRequest | None) -> GenerationResult:
         """result with the tool calls its text makes parsed out, if tools were offered."""
@@ -440,6 +449,15 @@ class Engine:
         if self._grammar_vocabulary is None:
             self._grammar_vocabulary = grammar_vocabulary(self.tokenizer, self.config.vocab_size)
         return GrammarMatcher(self._grammar_vocabulary, grammar, prompt_length)
+
+    def _with_tool_grammar(self, tools: ToolRequest | None, kwargs: dict) -> dict:
+        grammar = self.tool_grammar(tools)
+        if grammar is None:
+            return kwargs
+        if kwargs.get("grammar") is not None or kwargs.get("response_format") is not None:
+            raise InvalidArgumentError(f"tool_choice {tools.choice!r} constrains the answer to a call: "
+                                       f"give no grammar or response_format with it")
+        return {**kwargs, "grammar": grammar}
 
     def _check_open(self) -> None:
         if self._generator is None:

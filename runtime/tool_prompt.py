@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tierflow.errors import InvalidArgumentError
+from tierflow.runtime.structured import JSON_OPTIONS
 from tierflow.runtime.tool_calls import ToolFormat
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -235,14 +236,20 @@ def tool_call_grammar(request: ToolRequest, fmt: ToolFormat) -> str:
             calls["maxItems"] = 1
         answer = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
                   "additionalProperties": False}
-        return f"start: %json {json.dumps(answer)}\n"
+        return f"start: %json {_json(answer)}\n"
     if fmt is ToolFormat.LLAMA3:
-        return f"start: %json {json.dumps(_calls_schema(request, 'parameters'))}\n"
+        return f"start: %json {_json(_calls_schema(request, 'parameters'))}\n"
     if fmt is ToolFormat.HERMES:
-        schema = json.dumps(_calls_schema(request, "arguments"))
+        schema = _json(_calls_schema(request, "arguments"))
         call = f'call: "<tool_call>\\n" %json {schema} "\\n</tool_call>"\n'
         return ('start: call ("\\n" call)*\n' if request.parallel else "start: call\n") + call
     return _harmony_grammar(request)
+
+
+def _json(schema: dict) -> str:
+    """A schema for `%json`, with structured output's JSON layout (no free whitespace, in which a
+    small model can loop)."""
+    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
 def _calls_schema(request: ToolRequest, arguments_key: str) -> dict:
@@ -259,7 +266,7 @@ def _harmony_grammar(request: ToolRequest) -> str:
     rules = []
     for i, tool in enumerate(request.callable_tools):
         recipient = json.dumps(f"commentary to=functions.{tool['function']['name']} ")
-        arguments = json.dumps(tool["function"]["parameters"])
+        arguments = _json(tool["function"]["parameters"])
         rules.append(f'call_{i}: <|channel|> {recipient} <|constrain|> "json" <|message|> %json {arguments}')
     calls = " | ".join(f"call_{i}" for i in range(len(rules)))
     return f"start: {calls}\n" + "\n".join(rules) + "\n"
