@@ -14,6 +14,8 @@
     structured.py     structured output: grammars (JSON schema, regex, Lark, GBNF) and their matchers
     tokenizer.py      llama.cpp's tokenizer; vocabulary.py checks a vocabulary before it loads
     chat_template.py  chat templates in a sandbox (template_guards.py, template_worker.py)
+    tool_prompt.py    tools and tool history for the template; the generic fallback; a required call's grammar
+    tool_calls.py     the model's tool calls parsed from its text, per format; the streaming splitter
     text_stream.py    token bytes to text pieces, stop strings
     config.py         ModelConfig and typed metadata reads; overhead.py the per-layer fixed cost
     model_info.py     what `tierflow info` shows
