@@ -9,7 +9,8 @@ template's text, never the architecture's name):
 - harmony: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
   (gpt-oss);
 - generic: tierflow's own, for templates that know no tools (runtime/tool_prompt.py asks for it):
-  the whole answer is `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`.
+  the whole answer is `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` (or one call:
+  `{"tool_call": {...}}`, or the call's object alone).
 
 Text that is not a well-formed call of an offered tool stays content: a model that fumbles a call
 answers in prose, it never fails the request.
@@ -73,7 +74,7 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: frozenset[str]) -> Parse
     not parse, or names another tool, leaves the whole text as content with no calls."""
     try:
         content, calls = _PARSERS[fmt](text)
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: JSON nested too deep
         return ParsedReply(text, [])
     if not calls or any(call.name not in names for call in calls):
         return ParsedReply(text, [])
@@ -131,7 +132,8 @@ def _parse_generic(text: str) -> tuple[str, list[ToolCall]]:
     decoder = json.JSONDecoder()
     start = len(text) - len(text.lstrip())
     value, end = decoder.raw_decode(text, start)
-    items = value["tool_calls"] if "tool_calls" in value else [value["tool_call"]]
+    # The answer asked for, or a lone call as small models write it (with or without its wrapper).
+    items = value["tool_calls"] if "tool_calls" in value else [value.get("tool_call", value)]
     if not isinstance(items, list):
         raise ValueError("tool_calls is a list")
     return text[end:], [_call(item["name"], item.get("arguments", {})) for item in items]
@@ -159,6 +161,7 @@ class ToolCallStream:
         self._fmt, self._names = fmt, names
         self._text, self._num_sent = "", 0
         self._prose = False  # an answer-opening format's answer began as prose: nothing is held
+        self._holding = False  # a call may have begun: everything from _num_sent on waits for the end
 
     def push(self, piece: str) -> str:
         """The content that can be sent now, given the next piece of text."""
@@ -177,12 +180,17 @@ class ToolCallStream:
         return parsed if parsed.tool_calls else ParsedReply(held, [])
 
     def _sendable_end(self) -> int:
+        if self._holding:
+            return self._num_sent
         if self._fmt in _OPENERS:
-            return _before_marker(self._text, self._num_sent, _OPENERS[self._fmt])
+            end = _before_marker(self._text, self._num_sent, _OPENERS[self._fmt])
+            self._holding = self._text.startswith(_OPENERS[self._fmt], end)
+            return end
         if self._prose:
             return len(self._text)
         answer = self._text.lstrip()
-        if not answer or any(answer.startswith(p) or p.startswith(answer) for p in _ANSWER_OPENERS):
+        self._holding = any(answer.startswith(opener) for opener in _ANSWER_OPENERS)
+        if not answer or self._holding or any(opener.startswith(answer) for opener in _ANSWER_OPENERS):
             return self._num_sent
         self._prose = True
         return len(self._text)

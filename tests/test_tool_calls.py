@@ -120,6 +120,16 @@ def test_generic_answer_with_several_calls_is_parsed():
     assert [c.name for c in reply.tool_calls] == ["get_time", "get_weather"] and reply.content == ""
 
 
+def test_generic_lone_call_without_its_wrapper_is_parsed():
+    reply = parse_tool_calls('{"name": "get_time", "arguments": {"zone": "UTC"}}', ToolFormat.GENERIC, NAMES)
+    assert [(c.name, arguments(c)) for c in reply.tool_calls] == [("get_time", {"zone": "UTC"})]
+
+
+def test_json_nested_too_deep_to_parse_is_returned_as_content():
+    text = '<tool_call>{"name": "get_time", "arguments": ' + "[" * 100_000 + "</tool_call>"
+    assert parse_tool_calls(text, ToolFormat.HERMES, NAMES).content == text
+
+
 @pytest.mark.parametrize("fmt, text", [
     (ToolFormat.HERMES, '<tool_call>{"name": "get_weather", "arguments": {"city": "Par</tool_call>'),
     (ToolFormat.HERMES, '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>'),
