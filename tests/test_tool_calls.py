@@ -2,14 +2,17 @@
 does not parse), the streaming splitter, the tools and their history through chat templates (a
 Qwen-style one that takes tools, and the bundled SmolLM2's, which does not), and the tools' checks."""
 
+import asyncio
 import json
 
+import llguidance
 import pytest
 
 from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.chat_template import render_chat_template
+from tierflow.runtime.structured import Grammar, grammar_vocabulary
 from tierflow.runtime.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls, tool_format
-from tierflow.runtime.tool_prompt import ToolRequest, template_inputs
+from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city",
@@ -209,6 +212,50 @@ def test_a_tool_description_cannot_forge_special_tokens(engine):
     im_end = engine.tokenize("<|im_end|>", parse_special=True, add_bos=False)[0]
     ids = engine.tokenize_chat([{"role": "user", "content": "hi"}], tools=ToolRequest.from_openai([forged]))
     assert ids.count(im_end) == 2  # the system turn's end and the user's
+
+
+# -- constrained calls ---------------------------------------------------------------------------
+
+def accepts(engine, grammar: str, text: str) -> bool:
+    """Whether llguidance, over the bundled model's tokens, takes `text` as a whole answer."""
+    vocabulary = grammar_vocabulary(engine.tokenizer, engine.config.vocab_size)
+    matcher = llguidance.LLMatcher(vocabulary, Grammar.lark(grammar).definition, log_level=0)
+    return matcher.consume_tokens(engine.tokenize(text, add_bos=False)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("fmt, good, bad", [
+    (ToolFormat.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Oslo"}}\n</tool_call>'),
+    (ToolFormat.LLAMA3, '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+     '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
+    (ToolFormat.GENERIC, '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}',
+     '{"tool_calls": []}'),
+])
+def test_a_named_function_grammar_takes_only_that_function_with_valid_arguments(engine, fmt, good, bad):
+    strict = {**WEATHER, "function": {**WEATHER["function"], "parameters": {
+        **WEATHER["function"]["parameters"], "additionalProperties": False}}}
+    grammar = tool_call_grammar(ToolRequest.from_openai([strict, TIME], {"type": "function", "function": {
+        "name": "get_weather"}}), fmt)
+    assert accepts(engine, grammar, good) and not accepts(engine, grammar, bad)
+
+
+def test_a_single_call_grammar_refuses_a_second_call(engine):
+    request = ToolRequest.from_openai([TIME], "required", parallel_tool_calls=False)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert accepts(engine, tool_call_grammar(request, ToolFormat.HERMES), call)
+    assert not accepts(engine, tool_call_grammar(request, ToolFormat.HERMES), f"{call}\n{call}")
+
+
+def test_the_harmony_grammar_is_a_valid_llguidance_grammar():
+    request = ToolRequest.from_openai([WEATHER, TIME], "required")
+    assert Grammar.lark(tool_call_grammar(request, ToolFormat.HARMONY)).kind == "Lark grammar"
+
+
+def test_achat_with_a_named_function_returns_its_call(engine):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    result = asyncio.run(engine.achat([{"role": "user", "content": "Time?"}], tools=[WEATHER, TIME],
+                                      tool_choice=choice, temperature=0, max_tokens=40))
+    assert result.finish_reason == "tool_calls" and [c.name for c in result.tool_calls] == ["get_time"]
 
 
 # -- checks --------------------------------------------------------------------------------------
