@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, with_config
@@ -24,6 +24,8 @@ from typing_extensions import NotRequired, TypedDict
 from tierflow.errors import ContextLengthError, InvalidArgumentError, TemplateError, TierflowError
 from tierflow.runtime.logprobs import TokenLogprob
 from tierflow.runtime.streams import GenerationResult
+from tierflow.runtime.tool_calls import ToolCall
+from tierflow.runtime.tool_prompt import ToolRequest
 
 
 class ApiError(Exception):
@@ -69,18 +71,36 @@ class ContentPart(TypedDict):
 
 
 @with_config(STRICT)
+class CalledFunction(TypedDict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+@with_config(STRICT)
+class AssistantToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+@with_config(STRICT)
 class Message(TypedDict):
     role: str
     content: NotRequired[str | Annotated[list[ContentPart], Field(fail_fast=True)] | None]
+    tool_calls: NotRequired[Annotated[list[AssistantToolCall], Field(fail_fast=True)] | None]
+    tool_call_id: NotRequired[str]  # a "tool" message: the call it answers
+    name: NotRequired[str]
 
 
 def template_message(message: Message) -> dict:
-    """The plain {"role", "content"} the chat template expects; "developer" is OpenAI's new name
-    for "system"."""
+    """The message as the engine takes it: content as one string, and "developer" (OpenAI's new
+    name for "system") as "system"; tool calls and the call a tool result answers are kept."""
     content = message.get("content")
     if isinstance(content, list):
         content = "".join(part.get("text", "") for part in content)
-    return {"role": "system" if message["role"] == "developer" else message["role"], "content": content or ""}
+    role = "system" if message["role"] == "developer" else message["role"]
+    kept = {key: message[key] for key in ("tool_calls", "tool_call_id", "name") if message.get(key)}
+    return {"role": role, "content": content or "", **kept}
 
 
 def check_content_parts(messages: list[Message]) -> None:
@@ -99,7 +119,9 @@ def check_content_parts(messages: list[Message]) -> None:
 
 def _content_chars(message: Message) -> int:
     content = message.get("content") or ""
-    return len(content) if isinstance(content, str) else sum(len(part.get("text", "")) for part in content)
+    chars = len(content) if isinstance(content, str) else sum(len(part.get("text", "")) for part in content)
+    calls = message.get("tool_calls") or []
+    return chars + sum(len(call["function"]["name"]) + len(call["function"]["arguments"]) for call in calls)
 
 
 class StreamOptions(_Strict):
@@ -211,8 +233,20 @@ class ChatRequest(_GenerationRequest):
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # Checked by ToolRequest (runtime/tool_prompt.py), whose errors name the tool.
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
     refused: ClassVar[dict[str, tuple]] = _REFUSED_IN_BOTH | _REFUSED_IN_CHAT
+
+    def tool_request(self) -> ToolRequest | None:
+        try:
+            return ToolRequest.from_openai(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except InvalidArgumentError as error:
+            names = ("tools", "tool_choice", "parallel_tool_calls")
+            param = next((name for name in names if str(error).startswith(name)), "tools")
+            raise ApiError(400, str(error), param=param) from None
 
     def template_messages(self) -> list[dict]:
         check_content_parts(self.messages)
@@ -225,8 +259,9 @@ class ChatRequest(_GenerationRequest):
 
     def prompt_chars(self) -> int:
         """The characters the messages put into the prompt, each message's framing counted too."""
-        return sum(len(message["role"]) + _content_chars(message) + TEMPLATE_CHARS_PER_MESSAGE
-                   for message in self.messages)
+        tools = len(json.dumps(self.tools)) if self.tools else 0
+        return tools + sum(len(message["role"]) + _content_chars(message) + TEMPLATE_CHARS_PER_MESSAGE
+                           for message in self.messages)
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
@@ -323,7 +358,10 @@ class Reply:
         """The whole answer of a non-streaming request."""
         choice = {"index": 0, "logprobs": self.logprobs(result.logprobs),
                   "finish_reason": result.finish_reason}
-        if self.chat:
+        if self.chat and result.tool_calls:
+            choice["message"] = {"role": "assistant", "content": result.text or None,
+                                 "tool_calls": [call.as_openai() for call in result.tool_calls]}
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice["text"] = result.text
@@ -337,6 +375,18 @@ class Reply:
         characters streamed before it)."""
         fields = {"delta": {"content": text}} if self.chat else {"text": text}
         return self._chunk(fields, logprobs=self.logprobs(logprobs, text_offset))
+
+    def tool_call_chunks(self, calls: list[ToolCall]) -> list[dict]:
+        """The chunks that stream `calls` as OpenAI's do: each call's id, type and name, then its
+        arguments (a client joins the pieces of one index)."""
+        chunks = []
+        for index, call in enumerate(calls):
+            start = {"index": index, "id": call.id, "type": "function",
+                     "function": {"name": call.name, "arguments": ""}}
+            chunks.append(self._chunk({"delta": {"tool_calls": [start]}}))
+            arguments = {"index": index, "function": {"arguments": call.arguments}}
+            chunks.append(self._chunk({"delta": {"tool_calls": [arguments]}}))
+        return chunks
 
     def final_chunk(self, result: GenerationResult, logprobs: list[TokenLogprob] | None = None,
                     text_offset: int = 0) -> dict:

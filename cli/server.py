@@ -23,7 +23,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -47,6 +47,8 @@ from tierflow.runtime.chat_template import start_render_workers
 from tierflow.runtime.context_shift import fit_chat
 from tierflow.runtime.engine import Engine
 from tierflow.runtime.streams import AsyncStream, GenerationResult
+from tierflow.runtime.tool_calls import ToolCallStream
+from tierflow.runtime.tool_prompt import ToolRequest
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 PUBLIC_PATHS = frozenset({"/health", "/"})  # no API key: the page holds no data and asks for the key
@@ -136,9 +138,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await parse_request(ChatRequest, await _read_body(request, settings.max_body_bytes))
         generations.check_chars(body.prompt_chars(), "messages")
-        messages = body.template_messages()
-        return await generations.answer(request, body, Reply.new(True, model), "messages",
-                                        partial(_chat_prompt, engine, messages, settings.context_shift))
+        messages, tools = body.template_messages(), body.tool_request()
+        prompt = partial(_chat_prompt, engine, messages, settings.context_shift, tools)
+        return await generations.answer(request, body, Reply.new(True, model), "messages", prompt, tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -193,12 +195,14 @@ class _Prompt:
 PromptSource = _Prompt | Callable[[int], _Prompt]
 
 
-def _chat_prompt(engine: Engine, messages: list[dict], context_shift: bool, max_tokens: int) -> _Prompt:
-    """The messages' prompt, with context_shift their oldest turns dropped if they and the answer
-    would not fit."""
+def _chat_prompt(engine: Engine, messages: list[dict], context_shift: bool, tools: ToolRequest | None,
+                 max_tokens: int) -> _Prompt:
+    """The messages' prompt (with the tools offered), with context_shift their oldest turns dropped if
+    they and the answer would not fit."""
+    tokenize_chat = partial(engine.tokenize_chat, tools=tools)
     if not context_shift:
-        return _Prompt(engine.tokenize_chat(messages))
-    fitted = fit_chat(messages, engine.tokenize_chat, engine.context_length, max_tokens)
+        return _Prompt(tokenize_chat(messages))
+    fitted = fit_chat(messages, tokenize_chat, engine.context_length, max_tokens)
     if not fitted.shifted:
         return _Prompt(fitted.prompt_ids)
     shift = f"dropped {len(fitted.dropped)} messages"
@@ -236,9 +240,10 @@ class _Generations:
                            code="prompt_too_long")
 
     async def answer(self, request: Request, body: ChatRequest | CompletionRequest, reply: Reply,
-                     param: str, source: PromptSource) -> Response:
-        """The response to one request: param names the prompt's field in errors."""
-        kwargs = body.generation_kwargs(self.max_tokens_limit)
+                     param: str, source: PromptSource, tools: ToolRequest | None = None) -> Response:
+        """The response to one request: param names the prompt's field in errors; the answer's
+        tool calls, if tools are offered, are parsed out of its text."""
+        kwargs = body.generation_kwargs(self.max_tokens_limit) | self._tool_grammar(tools)
         release = self.slots.acquire()
         try:
             prompt = await self._prompt(request, param, source, kwargs["max_tokens"])
@@ -248,11 +253,27 @@ class _Generations:
             raise
         headers = {} if prompt is None else prompt.headers
         if body.stream and astream is not None:  # the stream frees the slot when it ends
-            return _EventStream(_events(astream, reply, body.include_usage, param), astream, release, headers)
+            events = _events(astream, reply, body.include_usage, param, self._tool_stream(tools))
+            return _EventStream(events, astream, release, headers)
         try:
-            return await _whole_answer(request, astream, reply, param, headers)
+            return await _whole_answer(request, astream, reply, param, headers,
+                                       partial(self.engine.with_tool_calls, tools=tools))
         finally:
             release()
+
+    def _tool_grammar(self, tools: ToolRequest | None) -> dict:
+        """The grammar keyword that makes a required or named call well-formed; a tool whose
+        parameters llguidance cannot compile is a 400."""
+        try:
+            grammar = self.engine.tool_grammar(tools)
+        except TierflowError as error:
+            raise ApiError(400, f"tools: {error}", param="tools") from None
+        return {} if grammar is None else {"grammar": grammar}
+
+    def _tool_stream(self, tools: ToolRequest | None) -> ToolCallStream | None:
+        if tools is None or not tools.offered:
+            return None
+        return ToolCallStream(self.engine.tool_format, tools.names)
 
     async def _prompt(self, request: Request, param: str, source: PromptSource,
                       max_tokens: int) -> _Prompt | None:
@@ -326,7 +347,8 @@ async def _on_worker_thread(work: Callable[[], _Prompt]) -> _Prompt:
 
 
 async def _whole_answer(request: Request, astream: AsyncStream | None, reply: Reply, param: str,
-                        headers: dict[str, str]) -> Response:
+                        headers: dict[str, str],
+                        with_tool_calls: Callable[[GenerationResult], GenerationResult]) -> Response:
     """The answer of a request that does not stream, or 499 once its client has left (astream is
     None if it left while its prompt was tokenized)."""
     try:
@@ -337,7 +359,7 @@ async def _whole_answer(request: Request, astream: AsyncStream | None, reply: Re
         return Response(status_code=499)  # nobody is listening; nginx's code for it, for the log
     if result.finish_reason == "cancelled":
         raise ApiError(503, "the generation was cancelled (the server is stopping)", type="server_error")
-    return JSONResponse(reply.response(result), headers=headers)
+    return JSONResponse(reply.response(with_tool_calls(result)), headers=headers)
 
 
 async def _collect(astream: AsyncStream) -> GenerationResult | None:
@@ -367,18 +389,26 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param: str) -> AsyncIterator[str]:
-    """Server-sent events: the role (chat), the text pieces, the finish, the usage, [DONE]; or,
-    once something fails, an error event (OpenAI's error body) that ends the stream."""
+async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param: str,
+                  tool_stream: ToolCallStream | None = None) -> AsyncIterator[str]:
+    """Server-sent events: the role (chat), the text pieces, the tool calls, the finish, the usage,
+    [DONE]; or, once something fails, an error event (OpenAI's error body) that ends the stream.
+    With a tool_stream, text that may be a call forming is held back until it is known."""
     if reply.chat:
         yield _sse(reply.role_chunk())
     num_pieces = num_chars = num_logprobs = 0  # streamed so far
+    held = []  # logprobs of pieces held back (a tool call may be forming): sent with the next text
     try:
         async for piece in astream:
             logprobs = astream.piece_logprobs(num_pieces)
-            yield _sse(reply.text_chunk(piece, logprobs, num_chars))
-            num_pieces, num_chars = num_pieces + 1, num_chars + len(piece)
-            num_logprobs += len(logprobs or ())
+            num_pieces += 1
+            if tool_stream is not None:
+                piece = tool_stream.push(piece)
+            if logprobs is not None:
+                held, logprobs = held + logprobs, held + logprobs
+            if piece:
+                yield _sse(reply.text_chunk(piece, logprobs, num_chars))
+                num_chars, num_logprobs, held = num_chars + len(piece), num_logprobs + len(held), []
     except Exception as error:
         yield _sse(_generation_error(error, param).body())
         return
@@ -386,11 +416,26 @@ async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param
     if result is None or result.finish_reason == "cancelled":
         yield _sse(ApiError(503, "the generation was cancelled", type="server_error").body())
         return
+    if tool_stream is not None:
+        chunks, result = _tool_call_chunks(tool_stream, reply, result)
+        for chunk in chunks:
+            yield _sse(chunk)
     rest = None if result.logprobs is None else result.logprobs[num_logprobs:]
     yield _sse(reply.final_chunk(result, rest or None, num_chars))
     if include_usage:
         yield _sse(reply.usage_chunk(result))
     yield "data: [DONE]\n\n"
+
+
+def _tool_call_chunks(tool_stream: ToolCallStream, reply: Reply,
+                      result: GenerationResult) -> tuple[list[dict], GenerationResult]:
+    """The chunks of what the tool stream held back (content, calls), and the result with the calls."""
+    parsed = tool_stream.finish()
+    chunks = [reply.text_chunk(parsed.content)] if parsed.content else []
+    if not parsed.tool_calls:
+        return chunks, result
+    return chunks + reply.tool_call_chunks(parsed.tool_calls), replace(
+        result, tool_calls=parsed.tool_calls, finish_reason="tool_calls")
 
 
 def _generation_error(error: Exception, param: str) -> ApiError:

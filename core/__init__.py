@@ -21,6 +21,7 @@ from tierflow.units import parse_size
 __all__ = [
     "Engine",
     "GenerationResult",
+    "Grammar",
     "BudgetError",
     "ContextLengthError",
     "InvalidArgumentError",
@@ -37,4 +38,8 @@ def __getattr__(name: str):
         from tierflow.runtime import engine
 
         return getattr(engine, name)
+    if name == "Grammar":
+        from tierflow.runtime.structured import Grammar
+
+        return Grammar
     raise AttributeError(f"module 'tierflow' has no attribute {name!r}")

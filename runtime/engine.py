@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,11 @@ from tierflow.runtime.loader import (
 from tierflow.runtime.sampler import Sampler, SamplingParams, as_count, recommended_sampling
 from tierflow.runtime.slots import SlotPool
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
+from tierflow.runtime.structured import Grammar, GrammarMatcher, grammar_for, grammar_vocabulary
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
+from tierflow.runtime.tool_calls import ToolFormat, parse_tool_calls, tool_format
+from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
 from tierflow.speculative.placement import load_draft
 from tierflow.speculative.speculator import Speculator, check_draft_options, make_speculator
 from tierflow.units import format_size
@@ -74,6 +78,7 @@ class Engine:
         # (general.sampling.*), over SamplingParams' own defaults.
         self.sampling_defaults = dict(sampling_defaults or {})
         self._generator = model.generator  # the first sequence's; None once closed
+        self._grammar_vocabulary = None  # llguidance's token table, built by the first constrained call
         self._slots = SlotPool(model.generators)
         # With several sequences, their passes are batched on one thread; alone, a generation
         # computes its passes itself.
@@ -166,6 +171,7 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
                  stop: Sequence[str] | str | None = None, parse_special: bool = False,
+                 response_format: dict | None = None, grammar: Grammar | None = None,
                  **sampling) -> GenerationResult:
         """Completes a prompt: text, or token ids (a sequence of ints or a 1-D integer numpy array).
         Text is text: "<|im_end|>" in it is those characters, not the special token, unless
@@ -175,16 +181,23 @@ class Engine:
         result's logprobs (see SamplingParams, runtime/logprobs.py); those not given take
         sampling_defaults. An empty
         prompt is refused, unless the model starts every text with BOS: then "" is just BOS, as in
-        llama.cpp. A bad argument is an InvalidArgumentError. context_shift: see stream."""
+        llama.cpp. A bad argument is an InvalidArgumentError. context_shift: see stream.
+
+        response_format constrains the output as OpenAI's does: {"type": "json_object"}, or
+        {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; grammar does
+        with a Grammar (runtime/structured.py: regex, Lark, GBNF, JSON schema). Every token is
+        then one the grammar allows, and generation ends only where it may end (a max_tokens
+        reached first cuts it off, finish_reason "length")."""
         stream = self.stream(prompt, max_tokens=max_tokens, stop=stop, parse_special=parse_special,
-                             **sampling)
+                             response_format=response_format, grammar=grammar, **sampling)
         for _ in stream:
             pass
         return stream.result
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
                stop: Sequence[str] | str | None = None, parse_special: bool = False,
-               context_shift: bool = False, **sampling) -> Stream:
+               context_shift: bool = False, response_format: dict | None = None,
+               grammar: Grammar | None = None, **sampling) -> Stream:
         """Like generate, as a Stream of text pieces (whole UTF-8 characters); its .result is
         set once iterated to the end, and .cancel() stops it.
 
@@ -197,16 +210,29 @@ class Engine:
         context_shift = flag("context_shift", context_shift)
         params = SamplingParams.from_keywords(self.sampling_defaults | sampling)
         max_tokens, stops = as_count("max_tokens", max_tokens), stop_strings(stop)
+        grammar = grammar_for(response_format, grammar)
         prompt_ids = self._prompt_ids(prompt, flag("parse_special", parse_special))
-        sampler = Sampler(params, len(prompt_ids), self.config.vocab_size)
         self._check_fits(len(prompt_ids), 1)
+        sampler = Sampler(params, len(prompt_ids), self.config.vocab_size,
+                          grammar and self._matcher(grammar, len(prompt_ids)))
         # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
         max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
         return Stream(self, prompt_ids, sampler, max_tokens, TextStream(stops), context_shift)
 
-    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
-        """Generates the assistant's reply to messages, using the model's chat template."""
-        return self.generate(self.tokenize_chat(messages), **kwargs)
+    def chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+             **kwargs) -> GenerationResult:
+        """Generates the assistant's reply to messages, using the model's chat template.
+
+        tools, tool_choice and parallel_tool_calls are OpenAI's (runtime/tool_prompt.py): the
+        tools go to the template, and the calls the answer makes come back parsed in the
+        result's tool_calls (finish_reason "tool_calls"; text is the content around them). A
+        call that does not parse stays text. Messages may hold assistant tool_calls and "tool"
+        results, as OpenAI's do."""
+        request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
+        result = self.generate(self.tokenize_chat(messages, tools=request),
+                               **self._with_tool_grammar(request, kwargs))
+        return self.with_tool_calls(result, request)
 
     def chat_stream(self, messages: list[dict], **kwargs) -> Stream:
         return self.stream(self.tokenize_chat(messages), **kwargs)
@@ -268,8 +294,14 @@ class Engine:
         """stream() for asyncio: `async for piece in engine.astream(...)`."""
         return AsyncStream(self.stream(prompt, **kwargs), self._compute)
 
-    async def achat(self, messages: list[dict], **kwargs) -> GenerationResult:
-        return await self.agenerate(self.tokenize_chat(messages), **kwargs)
+    async def achat(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+                    **kwargs) -> GenerationResult:
+        """chat() for asyncio."""
+        request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
+        result = await self.agenerate(self.tokenize_chat(messages, tools=request),
+                                      **self._with_tool_grammar(request, kwargs))
+        return self.with_tool_calls(result, request)
 
     def achat_stream(self, messages: list[dict], **kwargs) -> AsyncStream:
         return self.astream(self.tokenize_chat(messages), **kwargs)
@@ -285,12 +317,34 @@ class Engine:
             raise InvalidArgumentError(f"add_bos must be True, False or None, got {add_bos!r}")
         return self._encode(text, "text", add_bos, flag("parse_special", parse_special))
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        """The prompt ids chat() generates from: messages through the model's chat template, whose
-        own markup alone becomes special tokens (a message holding "<|im_end|>" cannot end its
-        turn or forge another)."""
+    def tokenize_chat(self, messages: list[dict], *, tools: ToolRequest | None = None) -> list[int]:
+        """The prompt ids chat() generates from: messages (and the tools offered) through the
+        model's chat template, whose own markup alone becomes special tokens (a message holding
+        "<|im_end|>" cannot end its turn or forge another)."""
         self._check_open()
-        return utf8_encoded("the chat messages", self.tokenizer.encode_chat, messages)
+        messages, variables = template_inputs(messages, tools, self.tool_format)
+        return utf8_encoded("the chat messages", self.tokenizer.encode_chat, messages, **variables)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model's answers call tools, as its chat template says (runtime/tool_calls.py)."""
+        return tool_format(self.tokenizer.chat_template)
+
+    def tool_grammar(self, tools: ToolRequest | None) -> Grammar | None:
+        """The grammar that makes the answer well-formed calls, when tool_choice demands a call
+        ("required" or a named function); None otherwise."""
+        if tools is None or not tools.constrained:
+            return None
+        return Grammar.lark(tool_call_grammar(tools, self.tool_format))
+
+    def with_tool_calls(self, result: GenerationResult, tools: ToolRequest | None) -> GenerationResult:
+        """result with the tool calls its text makes parsed out, if tools were offered."""
+        if tools is None or not tools.offered or result.finish_reason == "cancelled":
+            return result
+        parsed = parse_tool_calls(result.text, self.tool_format, tools.names)
+        if not parsed.tool_calls:
+            return result
+        return replace(result, text=parsed.content, tool_calls=parsed.tool_calls, finish_reason="tool_calls")
 
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_open()
@@ -359,7 +413,7 @@ class Engine:
             self.weights.close()
             if self.draft is not None:
                 self.draft.close()
-            self.weights = self._generator = self.draft = None
+            self.weights = self._generator = self.draft = self._grammar_vocabulary = None
 
     def __enter__(self) -> "Engine":
         return self
@@ -398,6 +452,20 @@ class Engine:
                 f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
             )
         return ids
+
+    def _matcher(self, grammar: Grammar, prompt_length: int) -> GrammarMatcher:
+        if self._grammar_vocabulary is None:
+            self._grammar_vocabulary = grammar_vocabulary(self.tokenizer, self.config.vocab_size)
+        return GrammarMatcher(self._grammar_vocabulary, grammar, prompt_length)
+
+    def _with_tool_grammar(self, tools: ToolRequest | None, kwargs: dict) -> dict:
+        grammar = self.tool_grammar(tools)
+        if grammar is None:
+            return kwargs
+        if kwargs.get("grammar") is not None or kwargs.get("response_format") is not None:
+            raise InvalidArgumentError(f"tool_choice {tools.choice!r} constrains the answer to a call: "
+                                       f"give no grammar or response_format with it")
+        return {**kwargs, "grammar": grammar}
 
     def _check_open(self) -> None:
         if self._generator is None:

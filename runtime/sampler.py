@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
+from typing import Protocol
 
 import numpy as np
 
@@ -163,6 +164,14 @@ def _is_finite_number(value: object) -> bool:
         return False
 
 
+class LogitsConstraint(Protocol):
+    """What may come next after history (the prompt's ids, then the generated ones): a grammar's
+    matcher (runtime/structured.py)."""
+
+    def mask(self, logits: np.ndarray, history: Sequence[int]) -> None:
+        """Sets the logits [V] of forbidden tokens to -inf, in place."""
+
+
 class Sampler:
     """Picks tokens from logits; owns the random generator so a seed fixes the whole output.
 
@@ -171,11 +180,15 @@ class Sampler:
     penalties). With params.logprobs it records, at each position it picks a token for, the
     log-softmax of the logits after the bias and penalties and before temperature and the
     top-k/top-p/min-p cut (OpenAI's logprobs do not change with temperature; llama-server's
-    default probabilities are untempered too), for take_logprobs.
+    default probabilities are untempered too), for take_logprobs. With a constraint, every pick
+    (and every distribution speculative acceptance reads) is over the tokens it allows after the
+    history given: the constraint follows that history; the logprobs stay the model's own.
     """
 
-    def __init__(self, params: SamplingParams, num_prompt_tokens: int = 0, vocab_size: int | None = None):
+    def __init__(self, params: SamplingParams, num_prompt_tokens: int = 0, vocab_size: int | None = None,
+                 constraint: LogitsConstraint | None = None):
         self.params = params
+        self.constraint = constraint
         self.rng = np.random.default_rng(params.seed)
         self.num_prompt_tokens = num_prompt_tokens
         bias = params.logit_bias or {}
@@ -235,9 +248,9 @@ class Sampler:
         return dense
 
     def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """The logits as float64, with the bias and penalties applied. Every token is picked from
-        these, so this is where a broken model is caught (not in numpy's draw), and where the
-        logprobs are recorded."""
+        """The logits as float64, with the bias and penalties applied and the constraint's
+        forbidden tokens at -inf. Every token is picked from these, so this is where a broken
+        model is caught (not in numpy's draw), and where the logprobs are recorded."""
         if not np.isfinite(logits).all():
             raise ModelFileError("the model produced non-finite logits (NaN or infinity): its weights "
                                  "may be damaged")
@@ -251,6 +264,8 @@ class Sampler:
             apply_openai_penalties(logits, generated, p.frequency_penalty, p.presence_penalty)
         if self._recorded is not None:
             self._recorded[len(history)] = log_softmax(logits)
+        if self.constraint is not None:
+            self.constraint.mask(logits, history)
         return logits
 
 

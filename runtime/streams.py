@@ -28,6 +28,7 @@ from tierflow.runtime.generation import GenerationStats, PrefillProgress, genera
 from tierflow.runtime.logprobs import TokenLogprob, token_logprob
 from tierflow.runtime.sampler import Sampler
 from tierflow.runtime.text_stream import TextStream
+from tierflow.runtime.tool_calls import ToolCall
 
 if TYPE_CHECKING:
     from tierflow.runtime.engine import Engine
@@ -37,9 +38,11 @@ if TYPE_CHECKING:
 class GenerationResult:
     text: str
     tokens: list[int]  # generated ids, without the end-of-generation token
-    finish_reason: str  # "stop" (end token or stop string), "length", or "cancelled"
+    finish_reason: str  # "stop" (end token or stop string), "length", "cancelled", or "tool_calls"
     stats: GenerationStats = field(default_factory=GenerationStats)
     logprobs: list[TokenLogprob] | None = None  # one per token of tokens, when asked for
+    # A chat with tools: the calls the answer made (text is then the content around them).
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass

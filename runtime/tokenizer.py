@@ -122,10 +122,12 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     **extra: Any) -> list[int]:
         """The prompt ids of `messages` through the chat template: the template's own markup
-        becomes special tokens, the messages' text never does (special_tokens.py)."""
-        marker = marker_for([*strings(messages), self.chat_template or CHATML_TEMPLATE])
+        becomes special tokens, the text of the messages and of `extra` (tools) never does
+        (special_tokens.py)."""
+        marker = marker_for([*strings(messages), *strings(extra), self.chat_template or CHATML_TEMPLATE])
         text = self.apply_chat_template(escape(messages, self.specials, marker),
-                                        add_generation_prompt=add_generation_prompt, **extra)
+                                        add_generation_prompt=add_generation_prompt,
+                                        **escape(extra, self.specials, marker))
         ids = []
         for piece in partition(text, self.specials):
             ids += [piece] if isinstance(piece, int) else self._tokenize(piece.replace(marker, ""), False)
@@ -195,6 +197,12 @@ class Tokenizer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @property
+    def llama_vocab(self) -> Any:
+        """llama.cpp's vocabulary handle, for what reads the tokens through llama.cpp's C API
+        (structured output's token table); valid until close()."""
+        return self._open_vocab()
 
     def _open_vocab(self) -> Any:
         if self._vocab is None:
