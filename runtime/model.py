@@ -174,8 +174,11 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(self, token_ids: np.ndarray, cache: KVCache, all_logits: bool = False,
-                parents: np.ndarray | None = None, tree_start: int | None = None) -> np.ndarray:
-        """Logits [T, V] for every new token if all_logits, else [1, V] for the last one.
+                parents: np.ndarray | None = None, tree_start: int | None = None,
+                head: bool = True) -> np.ndarray:
+        """Logits [T, V] for every new token if all_logits, else [1, V] for the last one; with
+        head False, the final-normed hidden states [T, E] of every new token instead (what
+        embeddings pool: the output head, the largest matmul, is skipped).
 
         token_ids [T] are placed at positions cache.length .. cache.length + T - 1. With parents
         they extend a token tree begun at cache slot tree_start (default: cache.length): parents
@@ -206,9 +209,11 @@ class Decoder:
             x = self.block(x, w, step)
         cache.length = start_pos + token_ids.shape[0]
         x = CPU_KERNELS.take(x)
-        if not all_logits:
+        if not all_logits and head:
             x = x[-1:]
         x = ops.rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)
+        if not head:
+            return x
         return soft_cap(self.weights.output()(x), self.config.final_logit_softcap)  # [T or 1, V]
 
 
