@@ -105,6 +105,13 @@ def test_batched_embeddings_equal_one_by_one(engine):
     np.testing.assert_array_equal(together, alone)
 
 
+def test_layers_on_the_gpu_tier_give_the_same_embeddings(engine, model_path):
+    # torch's CPU device stands in for the GPU: its layers and their KV cache live on that tier
+    stand_in = dict(threads=2, context_length=1024, gpu_memory="60MiB", gpu_device="cpu")
+    with Engine.load(model_path, **stand_in) as tiered:
+        np.testing.assert_array_equal(tiered.embed(TEXTS), engine.embed(TEXTS))
+
+
 def test_inputs_are_grouped_into_passes_in_order():
     assert pass_batches([3, 4, 2, 600, 1, 1], 8) == [[0, 1], [2], [3], [4, 5]]
 
