@@ -6,11 +6,11 @@ the mean over the input's tokens; a text's tokens are those llama.cpp embeds (BO
 vocabulary adds them: Tokenizer.encode_for_embedding).
 
 Inputs are batched: those that fit in one pass together (MAX_PASS_TOKENS, the activations the
-budget holds) go as independent root chains of one token tree, each seeing only its own tokens
-at its own positions (Decoder.forward with parents), and get the bits they would alone (the
-decoder is batch-invariant). A longer input runs alone, in chunks, pooled as they come. The pass
-writes the engine's own KV cache, which the generator then forgets (its prefix reuse starts over):
-no second cache beyond the planned one.
+budget holds, and no more than the cache's positions) go as independent root chains of one token
+tree, each seeing only its own tokens at its own positions (Decoder.forward with parents), and get
+the bits they would alone (the decoder is batch-invariant). A longer input runs alone, in chunks,
+pooled as they come. The pass writes the engine's own KV cache, which the generator then forgets
+(its prefix reuse starts over): no second cache beyond the planned one.
 
 Shape legend: N inputs, T tokens of a pass, E hidden size.
 """
@@ -55,7 +55,9 @@ def embed_inputs(generator: TokenGenerator, inputs: list[list[int]], pooling: st
     pooled = np.empty((len(inputs), generator.decoder.config.hidden_size), np.float32)
     generator.keep(0)
     try:
-        for batch in pass_batches([len(ids) for ids in inputs], MAX_PASS_TOKENS):
+        # a tree's tokens take a cache slot each: a pass holds no more than the cache does
+        pass_tokens = min(MAX_PASS_TOKENS, generator.cache.context_length)
+        for batch in pass_batches([len(ids) for ids in inputs], pass_tokens):
             if len(batch) == 1:
                 pooled[batch[0]] = _pool(_hidden_chunks(generator, inputs[batch[0]]), pooling)
             else:

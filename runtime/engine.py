@@ -313,6 +313,7 @@ class Engine:
     async def aembed(self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
                      ) -> np.ndarray:
         """embed() for asyncio, on the engine's compute thread (after the generations queued there)."""
+        self._check_open()
         return await asyncio.wrap_future(self._compute.submit(self.embed, inputs, normalize=normalize))
 
     def embedding_tokens(self, inputs: str | Sequence[str | Sequence[int]]) -> list[list[int]]:

@@ -112,6 +112,13 @@ def test_layers_on_the_gpu_tier_give_the_same_embeddings(engine, model_path):
         np.testing.assert_array_equal(tiered.embed(TEXTS), engine.embed(TEXTS))
 
 
+def test_inputs_batched_past_a_short_context_equal_one_by_one(model_path):
+    texts = ["word " * 180, "other " * 180]  # each fits in the context, both together do not
+    with Engine.load(model_path, threads=2, context_length=256) as short:
+        together = short.embed(texts)
+        np.testing.assert_array_equal(together, np.concatenate([short.embed(text) for text in texts]))
+
+
 def test_inputs_are_grouped_into_passes_in_order():
     assert pass_batches([3, 4, 2, 600, 1, 1], 8) == [[0, 1], [2], [3], [4, 5]]
 
