@@ -81,6 +81,16 @@ def test_the_pooling_the_file_declares_matches_llama_cpp(tmp_path, pooling):
     np.testing.assert_allclose(ours, llama_cpp_embeddings(path, TEXTS[:4]), atol=1e-5)
 
 
+def test_a_sliding_window_model_matches_llama_cpp(tmp_path):
+    # windows seen by depth in a tree, and a ring, for an input longer than a pass
+    spec = ModelSpec(arch="gemma3", num_layers=6, hidden_size=256, num_heads=4, num_kv_heads=2, head_size=64,
+                     ffn_size=512, context_length=1024, sliding_window=32, **F32)
+    path, texts = write_model(tmp_path / "gemma3.gguf", spec), [*TEXTS, LONG_TEXT * 8]
+    with Engine.load(path, threads=2, context_length=1024, kv_cache_type="f32") as engine:
+        ours = engine.embed(texts)
+    np.testing.assert_allclose(ours, llama_cpp_embeddings(path, texts, POOLING_TYPES["mean"]), atol=5e-5)
+
+
 def test_a_file_without_pooling_type_pools_the_mean(engine):
     assert engine.pooling == "mean"
 
