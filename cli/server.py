@@ -1,5 +1,5 @@
-"""The local OpenAI-compatible server: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-`/health`, and the chat page at `/`.
+"""The local OpenAI-compatible server: `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`,
+`/v1/models`, `/health`, and the chat page at `/`.
 
 Safe by default, for a server on a desktop: it binds loopback, refuses a foreign Host header there
 (DNS rebinding), refuses a foreign Origin (a web page's request) unless it is listed for CORS,
@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -34,6 +35,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from tierflow.cli.guards import ApiKeyGuard, HostGuard, JsonBodyGuard, OriginGuard
+from tierflow.cli.openai_embeddings import EmbeddingInput, EmbeddingRequest, embedding_response, text_chars
 from tierflow.cli.openai_schema import (
     ApiError,
     ChatRequest,
@@ -42,7 +44,7 @@ from tierflow.cli.openai_schema import (
     engine_error,
     parse_request,
 )
-from tierflow.errors import ContextLengthError, InvalidArgumentError, TierflowError
+from tierflow.errors import ContextLengthError, InvalidArgumentError, TierflowError, UnsupportedModelError
 from tierflow.runtime.chat_template import start_render_workers
 from tierflow.runtime.context_shift import fit_chat
 from tierflow.runtime.engine import Engine
@@ -54,6 +56,7 @@ CHAT_PAGE = Path(__file__).with_name("chat.html")
 PUBLIC_PATHS = frozenset({"/health", "/"})  # no API key: the page holds no data and asks for the key
 CHARS_PER_POSITION = 16  # the default prompt character limit per context position: 4x typical text
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class ServerSettings:
     max_prompt_chars: int | None = None
     max_tokens_limit: int = 4096  # a request asking for more gets 400; also the default
     max_queued: int = 8  # requests waiting behind the running ones (engine.parallel); beyond: 503
+    max_embedding_inputs: int = 256  # inputs one /v1/embeddings request may send
     # A chat longer than the context drops its oldest turns (runtime/context_shift.py); off: 400,
     # as OpenAI's API answers, for clients that trim their conversations themselves.
     context_shift: bool = True
@@ -82,6 +86,7 @@ class ServerSettings:
             (self.max_prompt_chars is None or self.max_prompt_chars > 0, "max_prompt_chars must be > 0"),
             (self.max_tokens_limit > 0, "max_tokens_limit must be > 0"),
             (self.max_queued >= 0, "max_queued must be >= 0"),
+            (self.max_embedding_inputs > 0, "max_embedding_inputs must be > 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -152,6 +157,13 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         else:
             prompt = _Prompt(prompt)
         return await generations.answer(request, body, reply, "prompt", prompt)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = await parse_request(EmbeddingRequest, await _read_body(request, settings.max_body_bytes))
+        inputs = body.inputs(settings.max_embedding_inputs, engine.config.hidden_size)
+        generations.check_chars(text_chars(inputs), "input")
+        return await generations.embed(inputs, body.encoding_format, model)
 
     _add_error_handlers(app)
     # The last added is the outermost: Host, Origin, CORS (preflights carry no key), key, JSON.
@@ -275,6 +287,26 @@ class _Generations:
             return None
         return ToolCallStream(self.engine.tool_format, tools.names)
 
+    async def embed(self, inputs: list[EmbeddingInput], encoding_format: str, model: str) -> Response:
+        """The embeddings of inputs, in a queue slot like a generation: tokenized on a worker thread,
+        computed on the engine's compute thread, rendered on a worker thread."""
+        release = self.slots.acquire()
+        try:
+            ids = await _on_worker_thread(partial(self.engine.embedding_tokens, inputs))
+            vectors = await self.engine.aembed(ids)
+        except UnsupportedModelError as error:  # the model cannot embed: no request would do
+            raise ApiError(400, str(error), param="model", code="model_not_supported") from None
+        except InvalidArgumentError as error:  # an input is empty or holds a bad id
+            raise ApiError(400, str(error), param="input") from None
+        except TierflowError as error:
+            raise engine_error(error, "input") from None
+        finally:
+            release()
+        num_tokens = sum(len(item) for item in ids)
+        rendered = await _on_worker_thread(partial(embedding_response, vectors, num_tokens, encoding_format,
+                                                   model))
+        return Response(rendered, media_type="application/json")
+
     async def _prompt(self, request: Request, param: str, source: PromptSource,
                       max_tokens: int) -> _Prompt | None:
         """The prompt, made on a worker thread; None if the client left meanwhile."""
@@ -334,7 +366,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _on_worker_thread(work: Callable[[], _Prompt]) -> _Prompt:
+async def _on_worker_thread(work: Callable[[], T]) -> T:
     """work() on a worker thread. A thread cannot be stopped, so a cancelled caller waits for it to
     end before it lets the cancellation through: the caller's queue slot stays held meanwhile, and
     the slots bound the threads a client can set working and then leave."""

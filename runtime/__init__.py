@@ -7,6 +7,7 @@
     model.py          the decoder loop, the Kernels protocol, Weights, the CPU kernels' bindings
     generation.py     the token loop: prefill, decode, verify passes, prefix reuse, shifted-cache reuse
     streams.py        a generation as an object: Stream, AsyncStream
+    embeddings.py     engine.embed: pooled hidden states, several inputs in one pass
     kv_cache.py       the KV cache and its context shift; rope.py the rotary tables
     context_shift.py  which turns a conversation that outgrows the context drops (chat and server)
     host_attention.py a device layer's attention over a cache in RAM (kv_on_cpu)

@@ -28,6 +28,7 @@ from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import LoadProgress, pack_sizes
 from tierflow.runtime.arguments import TOKEN_IDS, check_parallel, flag, stop_strings, token_ids, utf8_encoded
 from tierflow.runtime.batching import PassBatcher
+from tierflow.runtime.embeddings import check_pooling, embed_inputs, model_pooling
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.loader import (
     CacheOptions,
@@ -62,7 +63,8 @@ class Engine:
 
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer, threads: int,
                  speculator: Speculator | None = None, draft: LoadedModel | None = None,
-                 sampling_defaults: dict | None = None, notices: tuple[str, ...] = ()):
+                 sampling_defaults: dict | None = None, notices: tuple[str, ...] = (),
+                 pooling: str = "mean"):
         self.path: Path = model.path
         self.arch, self.config = model.arch, model.config  # the family (runtime/models/), its sizes
         self.plan = model.plan  # where every layer (and expert) lives and computes
@@ -77,6 +79,8 @@ class Engine:
         # What a generation's sampling keywords default to: the model file's recommendation
         # (general.sampling.*), over SamplingParams' own defaults.
         self.sampling_defaults = dict(sampling_defaults or {})
+        # How embed() pools a text's hidden states: the file's {arch}.pooling_type, else "mean".
+        self.pooling = pooling
         self._generator = model.generator  # the first sequence's; None once closed
         self._grammar_vocabulary = None  # llguidance's token table, built by the first constrained call
         self._slots = SlotPool(model.generators)
@@ -165,7 +169,8 @@ class Engine:
             draft_model = None if drafted is None else drafted.generator
             speculator = make_speculator(draft_model, draft_shape, draft_tokens, target.config.vocab_size)
         sampling_defaults = recommended_sampling(target.gguf.metadata, budgets.context_length)
-        return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults, budgets.notices)
+        return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults, budgets.notices,
+                   model_pooling(target.gguf.metadata, target.config.arch))
 
     # -- generation ------------------------------------------------------------------------
 
@@ -360,6 +365,54 @@ class Engine:
         with self.exclusive(prompt_ids=ids) as generator:
             logits, _ = generator.prefill(ids, threading.Event(), all_logits=True, reuse_prefix=False)
         return logits
+
+    def embed(self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True) -> np.ndarray:
+        """Embeddings [N, E] float32, one row per input: a text (tokenized as llama.cpp embeds it,
+        Tokenizer.encode_for_embedding) or token ids (used as they are). Each row pools the final-
+        normed hidden states of its input's tokens as the model file declares ({arch}.pooling_type:
+        "cls" the first token, "last" the last), by default their mean, then, if normalize, is
+        scaled to unit L2 norm: llama.cpp's embeddings. Inputs that fit in one pass are computed
+        together (runtime/embeddings.py). An empty input or list is an InvalidArgumentError; an
+        input longer than the context a ContextLengthError. Generation's prefix reuse starts over
+        afterwards (the pass writes the KV cache)."""
+        self._check_open()
+        check_pooling(self.pooling, self.path.name)
+        normalize = flag("normalize", normalize)
+        ids = self.embedding_tokens(inputs)
+        with self.exclusive() as generator:
+            return embed_inputs(generator, ids, self.pooling, normalize)
+
+    async def aembed(self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
+                     ) -> np.ndarray:
+        """embed() for asyncio, on the engine's compute thread (after the generations queued there)."""
+        self._check_open()
+        return await asyncio.wrap_future(self._compute.submit(self.embed, inputs, normalize=normalize))
+
+    def embedding_tokens(self, inputs: str | Sequence[str | Sequence[int]]) -> list[list[int]]:
+        """The token ids embed() computes each input with (a text's as llama.cpp embeds it),
+        checked: none empty, none longer than the context."""
+        self._check_open()
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, Sequence) or isinstance(inputs, (bytes, bytearray)):
+            raise InvalidArgumentError(f"inputs must be a str or a sequence of inputs (each a str or "
+                                       f"{TOKEN_IDS}), not {type(inputs).__name__}")
+        if not inputs:
+            raise InvalidArgumentError("there is no input to embed: the list is empty")
+        return [self._embedding_ids(item, i) for i, item in enumerate(inputs)]
+
+    def _embedding_ids(self, item: str | Sequence[int], index: int) -> list[int]:
+        name = f"input {index}"
+        if isinstance(item, str):
+            ids = [] if not item else utf8_encoded(name, self.tokenizer.encode_for_embedding, item)
+        else:
+            ids = self._check_ids(item, name, f"a str or {TOKEN_IDS}")
+        if not ids:
+            raise InvalidArgumentError(f"{name} is empty: there is no token to embed")
+        if len(ids) > self.context_length:
+            raise ContextLengthError(f"{name} has {len(ids)} tokens but the context holds "
+                                     f"{self.context_length}")
+        return ids
 
     @contextmanager
     def record_routing(self) -> Iterator[RoutingRecorder]:

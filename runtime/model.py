@@ -183,8 +183,11 @@ class Decoder:
         self.rotary = [(cos.numpy(), sin.numpy()) for cos, sin in tables]  # per layer, shared arrays
 
     def forward(self, token_ids: np.ndarray, cache: KVCache, all_logits: bool = False,
-                parents: np.ndarray | None = None, tree_start: int | None = None) -> np.ndarray:
-        """Logits [T, V] for every new token if all_logits, else [1, V] for the last one.
+                parents: np.ndarray | None = None, tree_start: int | None = None,
+                head: bool = True) -> np.ndarray:
+        """Logits [T, V] for every new token if all_logits, else [1, V] for the last one; with
+        head False, the final-normed hidden states [T, E] of every new token instead (what
+        embeddings pool: the output head, the largest matmul, is skipped).
 
         token_ids [T] are placed at positions cache.length .. cache.length + T - 1. With parents
         they extend a token tree begun at cache slot tree_start (default: cache.length): parents
@@ -192,7 +195,7 @@ class Decoder:
         token sits at position tree_start plus its depth, seeing only its ancestors
         (KVCache.keep_path keeps one path afterwards).
         """
-        return self.forward_batch([SequenceInput(token_ids, cache, all_logits, parents, tree_start)])[0]
+        return self.forward_batch([SequenceInput(token_ids, cache, all_logits, parents, tree_start, head)])[0]
 
     @torch.inference_mode()
     def forward_batch(self, inputs: "list[SequenceInput]") -> list[np.ndarray]:
@@ -218,15 +221,22 @@ class Decoder:
                              self.on_routing)
             x = self.block(x, w, step)
         x = CPU_KERNELS.take(x)
-        wanted = [span if item.all_logits else slice(span.stop - 1, span.stop)
+        wanted = [span if item.all_logits or not item.head else slice(span.stop - 1, span.stop)
                   for item, span in zip(inputs, rows)]
         for item in placed:
             item.done()
         x = x[wanted[0]] if len(wanted) == 1 else np.concatenate([x[span] for span in wanted])
-        x = ops.rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)
-        logits = soft_cap(self.weights.output()(x), self.config.final_logit_softcap)  # [rows wanted, V]
+        x = ops.rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)  # [rows wanted, E]
         counts = np.cumsum([0] + [span.stop - span.start for span in wanted])
-        return [logits[a:b] for a, b in zip(counts[:-1], counts[1:])]
+        outputs = [x[a:b] for a, b in zip(counts[:-1], counts[1:])]
+        heads = [i for i, item in enumerate(inputs) if item.head]
+        if heads:  # one matmul of the output head for every sequence that wants logits
+            logits = self.weights.output()(stack_rows([outputs[i] for i in heads]))
+            logits = soft_cap(logits, self.config.final_logit_softcap)
+            ends = np.cumsum([0] + [outputs[i].shape[0] for i in heads])
+            for i, a, b in zip(heads, ends[:-1], ends[1:]):
+                outputs[i] = logits[a:b]
+        return outputs
 
 
 @dataclass(frozen=True)
@@ -238,6 +248,7 @@ class SequenceInput:
     all_logits: bool = False
     parents: np.ndarray | None = None
     tree_start: int | None = None
+    head: bool = True  # False: the final-normed hidden states of every token, not logits
 
 
 @dataclass(frozen=True)
@@ -260,10 +271,6 @@ class _Placed:
             positions = tree_start + tree_depths(item.parents)[start - tree_start:]
         cache.will_write(start if item.parents is None else tree_start, start + count)
         return cls(item, start, positions, tree_start)
-
-    @property
-    def all_logits(self) -> bool:
-        return self.input.all_logits
 
     def layer(self, layer_idx: int, rows: slice) -> SequencePass:
         cache = self.input.cache
