@@ -181,6 +181,11 @@ class AsyncStream:
     def result(self) -> GenerationResult | None:
         return self._stream.result
 
+    @property
+    def stats(self) -> GenerationStats:
+        """The figures so far: those of a generation cancelled midway too, which has no result."""
+        return self._stream.stats
+
     def cancel(self) -> None:
         self._stream.cancel()
 
