@@ -15,6 +15,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from copy import deepcopy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,6 +23,9 @@ from uvicorn.config import LOGGING_CONFIG
 
 from tierflow.runtime.generation import GenerationStats
 from tierflow.runtime.streams import AsyncStream
+
+if TYPE_CHECKING:
+    from tierflow.runtime.engine import Engine
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 QUIET_PATHS = frozenset({"/health", "/metrics", "/"})  # polled by machines: their lines only at debug
@@ -93,7 +97,7 @@ class ServerGauges:
     expert_misses: int | None = None
 
 
-def engine_gauges(engine, requests_running: int, requests_queued: int) -> ServerGauges:
+def engine_gauges(engine: "Engine", requests_running: int, requests_queued: int) -> ServerGauges:
     """The gauges of an Engine, from what it holds; its GPU tier's bytes less the KV caches there."""
     held = engine.weights.bytes_by_tier()
     weights = held | {"gpu": max(0, held["gpu"] - engine.plan.kv_gpu_bytes)}
