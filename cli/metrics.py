@@ -149,7 +149,7 @@ def _families(metrics: ServerMetrics, gauges: ServerGauges) -> Iterator[str]:
                   f"{RATE_WINDOW} generations", [({}, _rate(metrics.decodes))])
     yield _family("requests_running", "gauge", "generation requests being answered",
                   [({}, gauges.requests_running)])
-    yield _family("requests_queued", "gauge", "generation requests waiting for a slot",
+    yield _family("requests_queued", "gauge", "generation requests admitted, waiting for the engine",
                   [({}, gauges.requests_queued)])
     yield _family("kv_cache_bytes", "gauge", "bytes the KV cache holds", [({}, gauges.kv_cache_bytes)])
     yield _family("weight_bytes", "gauge", "weight bytes per tier (disk: read every pass)",

@@ -282,6 +282,7 @@ def test_a_host_that_cannot_be_bound_is_one_line_and_exit_code_2(host):
     assert f"cannot listen on {host}:8000" in result.stderr and "--host" in result.stderr
 
 
-def test_an_unknown_log_level_is_refused_before_loading():
-    result = run_tierflow("serve", "--log-level", "loud")
+@pytest.mark.parametrize("args, env", [(["--log-level", "loud"], None), ([], {"TIERFLOW_LOG_LEVEL": "loud"})])
+def test_an_unknown_log_level_is_refused_before_loading(args, env):
+    result = run_tierflow("serve", *args, env=env)
     assert result.returncode == 2 and "log_level must be one of debug, info, warning, error" in result.stderr
