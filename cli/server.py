@@ -17,12 +17,14 @@ header and the log say; only one whose kept messages do not fit gets the 400.
 """
 
 import asyncio
+import errno
 import gc
 import ipaddress
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -35,6 +37,16 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from tierflow.cli.guards import ApiKeyGuard, HostGuard, JsonBodyGuard, OriginGuard
+from tierflow.cli.metrics import (
+    LOG_LEVELS,
+    PROMETHEUS_TEXT,
+    TRACE_KEY,
+    RequestRecorder,
+    RequestTrace,
+    ServerMetrics,
+    engine_gauges,
+    log_config,
+)
 from tierflow.cli.openai_embeddings import EmbeddingInput, EmbeddingRequest, embedding_response, text_chars
 from tierflow.cli.openai_schema import (
     ApiError,
@@ -77,6 +89,7 @@ class ServerSettings:
     # A chat longer than the context drops its oldest turns (runtime/context_shift.py); off: 400,
     # as OpenAI's API answers, for clients that trim their conversations themselves.
     context_shift: bool = True
+    log_level: str = "info"  # the request lines are info; debug adds /health's and /metrics'
 
     def __post_init__(self) -> None:
         checks = [
@@ -87,6 +100,8 @@ class ServerSettings:
             (self.max_tokens_limit > 0, "max_tokens_limit must be > 0"),
             (self.max_queued >= 0, "max_queued must be >= 0"),
             (self.max_embedding_inputs > 0, "max_embedding_inputs must be > 0"),
+            (self.log_level in LOG_LEVELS, f"log_level must be one of {', '.join(LOG_LEVELS)}, "
+                                           f"got {self.log_level!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -107,20 +122,64 @@ class ServerSettings:
         return f"http://{host}:{self.port}/"
 
 
-def serve(engine: Engine, settings: ServerSettings) -> None:
-    """Serves until interrupted (blocking)."""
-    uvicorn.run(create_app(engine, settings), host=settings.host, port=settings.port,
-                log_level="info")
+def serve(engine: Engine, settings: ServerSettings, sockets: list[socket.socket]) -> None:
+    """Serves on sockets (`listening`'s) until interrupted (blocking). Each request is one line of
+    the log (cli/metrics.py), so uvicorn's access log is off."""
+    config = uvicorn.Config(create_app(engine, settings), host=settings.host, port=settings.port,
+                            log_config=log_config(settings.log_level), log_level=settings.log_level,
+                            access_log=False)
+    uvicorn.Server(config).run(sockets=sockets)
+
+
+@contextmanager
+def listening(settings: ServerSettings) -> Iterator[list[socket.socket]]:
+    """The server's address bound, each of the host's (a name may have an IPv4 and an IPv6 one) as
+    asyncio's create_server binds them, until the block ends. One that cannot be bound is an
+    InvalidArgumentError naming it and what to do, rather than uvicorn's log line and exit code 1;
+    binding before a model loads makes that error come at once."""
+    sockets: list[socket.socket] = []
+    try:
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(socket.getaddrinfo(
+                    settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
+                sockets.append(socket.socket(family, kind, proto))
+                sockets[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait
+                if family == socket.AF_INET6:
+                    sockets[-1].setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sockets[-1].bind(address)
+        except OSError as error:
+            raise InvalidArgumentError(_bind_failure(settings, error)) from None
+        yield sockets
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _bind_failure(settings: ServerSettings, error: OSError) -> str:
+    where = settings.url.removeprefix("http://").rstrip("/")
+    if error.errno == errno.EADDRINUSE:
+        return f"{where} is already in use (by another server?); choose another port with --port"
+    if error.errno == errno.EACCES:
+        return f"no permission to listen on {where} (ports below 1024 need privileges); choose another " \
+               "port with --port"
+    return f"cannot listen on {where}: {error.strerror or error}; --host must be an address of this " \
+           "machine (127.0.0.1, the default; 0.0.0.0 for all of its addresses)"
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tierflow", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan)
     model = engine.path.stem
-    generations = _Generations(engine, settings)
+    generations, metrics = _Generations(engine, settings), ServerMetrics()
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        slots = generations.slots
+        gauges = engine_gauges(engine, slots.num_running, slots.num_queued)
+        return Response(metrics.exposition(gauges), media_type=PROMETHEUS_TEXT)
 
     @app.get("/")
     async def chat_page() -> Response:
@@ -176,6 +235,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(OriginGuard, allowed=settings.cors_origins)
     if settings.is_loopback:
         app.add_middleware(HostGuard)
+    app.add_middleware(RequestRecorder, metrics=metrics, routes=app.router.routes)  # sees every request
     return app
 
 
@@ -241,7 +301,7 @@ class _Generations:
     def __init__(self, engine: Engine, settings: ServerSettings):
         self.engine, self.max_tokens_limit = engine, settings.max_tokens_limit
         self.max_chars = settings.max_prompt_chars or CHARS_PER_POSITION * engine.context_length
-        self.slots = _Slots(engine.parallel + settings.max_queued)
+        self.slots = _Slots(engine.parallel, settings.max_queued)
 
     def check_chars(self, num_chars: int, param: str) -> None:
         """Refuses prompt text past the limit; for messages, num_chars counts their framing too."""
@@ -264,11 +324,13 @@ class _Generations:
             release()
             raise
         headers = {} if prompt is None else prompt.headers
+        trace: RequestTrace = getattr(request.state, TRACE_KEY)
+        trace.stream, trace.context_shift = astream, None if prompt is None else prompt.shift
         if body.stream and astream is not None:  # the stream frees the slot when it ends
-            events = _events(astream, reply, body.include_usage, param, self._tool_stream(tools))
+            events = _events(astream, reply, body.include_usage, param, trace, self._tool_stream(tools))
             return _EventStream(events, astream, release, headers)
         try:
-            return await _whole_answer(request, astream, reply, param, headers,
+            return await _whole_answer(request, astream, reply, param, headers, trace,
                                        partial(self.engine.with_tool_calls, tools=tools))
         finally:
             release()
@@ -328,11 +390,20 @@ class _Generations:
 
 
 class _Slots:
-    """Generation requests in flight: engine.parallel run, the rest wait for a free sequence (or tokenize).
-    Touched only from the event loop, so a plain counter suffices."""
+    """Requests in flight: `running` at once (the engine's parallel sequences), the rest wait for a
+    free one (or tokenize). Touched only from the event loop, so a plain counter suffices."""
 
-    def __init__(self, capacity: int):
-        self.capacity, self.used = capacity, 0
+    def __init__(self, running: int, queued: int):
+        self.running, self.capacity, self.used = running, running + queued, 0
+
+    @property
+    def num_running(self) -> int:
+        """Requests being answered: as many as the engine generates together."""
+        return min(self.used, self.running)
+
+    @property
+    def num_queued(self) -> int:
+        return self.used - self.num_running
 
     def acquire(self) -> Callable[[], None]:
         """Takes a slot or raises a 503; returns the (idempotent) release."""
@@ -379,12 +450,12 @@ async def _on_worker_thread(work: Callable[[], T]) -> T:
 
 
 async def _whole_answer(request: Request, astream: AsyncStream | None, reply: Reply, param: str,
-                        headers: dict[str, str],
+                        headers: dict[str, str], trace: RequestTrace,
                         with_tool_calls: Callable[[GenerationResult], GenerationResult]) -> Response:
     """The answer of a request that does not stream, or 499 once its client has left (astream is
     None if it left while its prompt was tokenized)."""
     try:
-        result = None if astream is None else await _unless_disconnected(request, _collect(astream))
+        result = None if astream is None else await _unless_disconnected(request, _collect(astream, trace))
     except Exception as error:
         raise _generation_error(error, param) from None
     if result is None:
@@ -394,9 +465,9 @@ async def _whole_answer(request: Request, astream: AsyncStream | None, reply: Re
     return JSONResponse(reply.response(with_tool_calls(result)), headers=headers)
 
 
-async def _collect(astream: AsyncStream) -> GenerationResult | None:
+async def _collect(astream: AsyncStream, trace: RequestTrace) -> GenerationResult | None:
     async for _ in astream:
-        pass
+        trace.first_piece()
     return astream.result
 
 
@@ -422,7 +493,7 @@ async def _disconnect(request: Request) -> None:
 
 
 async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param: str,
-                  tool_stream: ToolCallStream | None = None) -> AsyncIterator[str]:
+                  trace: RequestTrace, tool_stream: ToolCallStream | None = None) -> AsyncIterator[str]:
     """Server-sent events: the role (chat), the text pieces, the tool calls, the finish, the usage,
     [DONE]; or, once something fails, an error event (OpenAI's error body) that ends the stream.
     With a tool_stream, text that may be a call forming is held back until it is known."""
@@ -432,6 +503,7 @@ async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param
     held = []  # logprobs of pieces held back (a tool call may be forming): sent with the next text
     try:
         async for piece in astream:
+            trace.first_piece()
             logprobs = astream.piece_logprobs(num_pieces)
             num_pieces += 1
             if tool_stream is not None:

@@ -222,6 +222,10 @@ class AsyncStream:
         """Stream.piece_logprobs: the pieces are computed ahead on the compute thread, so a
         piece's tokens are found by its index, not by what has been computed by now."""
         return self._stream.piece_logprobs(index)
+    @property
+    def stats(self) -> GenerationStats:
+        """The figures so far: those of a generation cancelled midway too, which has no result."""
+        return self._stream.stats
 
     def cancel(self) -> None:
         self._stream.cancel()
