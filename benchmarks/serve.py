@@ -1,6 +1,8 @@
-"""Time to first token and decode tokens/s through the local server, against in-process, in one run.
+"""Time to first token and decode tokens/s through the local server, against in-process, in one run;
+and the aggregate tokens/s of several clients at once, against one client's.
 
     python -m benchmarks.serve [--model PATH] [--threads 2] [--max-tokens 64] [--repeats 3] [--json]
+    python -m benchmarks.serve --clients 1,2,4,8 [--streamed] [--max-tokens 64]
 
 In-process calls `engine.chat_stream` in this process; the server path sends the same greedy chat
 request with the official `openai` client (streaming) to `tierflow serve` started as a separate
@@ -8,6 +10,14 @@ process on a loopback port, as a desktop app would talk to it (a client inside t
 would fight its generation thread for the GIL). Each repeat runs both, alternating which goes
 first; the median is reported. The server's overhead per token is the difference of the two
 per-token times.
+
+With --clients, the server runs with --parallel set to the most clients, and each count of clients
+sends its chats at once (streaming, greedy, each a different question); the aggregate rate is all
+their generated tokens over the time from the first request to the last answer's end, and its
+ratio against one client's is what batching the sequences gains (one sweep of the weights serves
+every sequence). --streamed serves the F32 copy of the bundled model with a quarter of its layers
+in RAM, the rest read from disk every pass (benchmarks/speculative.py's setting), where one
+sweep shared by all is worth the most.
 """
 
 import argparse
@@ -16,15 +26,21 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from openai import OpenAI
 
 from tierflow import Engine
 
 MESSAGES = [{"role": "user", "content": "Write a detailed story about a lighthouse keeper."}]
+QUESTIONS = ["Write a story about a lighthouse keeper.", "Explain how a bicycle works.",
+             "Describe a walk through a forest in autumn.", "Tell me about the history of bread.",
+             "Write a letter to a friend about a trip to the mountains.", "Explain why the sky is blue.",
+             "Describe the life of a honeybee.", "Write a story about a robot learning to paint."]
 
 
 @dataclass
@@ -66,13 +82,13 @@ def _sample(started: float, first: float | None, ended: float, tokens: int) -> S
     return Sample(first - started, rate, tokens)
 
 
-def start_server(model: str | None, threads: int) -> tuple[subprocess.Popen, int]:
+def start_server(model: str | None, threads: int, *options: str) -> tuple[subprocess.Popen, int]:
     """`tierflow serve` in its own process; returns once /health answers."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "tierflow.cli.app", "serve", "--port", str(port),
-               "--threads", str(threads), "--ctx", "1024"] + (["-m", model] if model else [])
+               "--threads", str(threads), "--ctx", "1024", *options] + (["-m", model] if model else [])
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -87,6 +103,63 @@ def start_server(model: str | None, threads: int) -> tuple[subprocess.Popen, int
     raise SystemExit("tierflow serve did not start")
 
 
+def together(client: OpenAI, clients: int, max_tokens: int) -> tuple[float, int]:
+    """Aggregate generated tokens/s of `clients` chats sent at once, and their tokens."""
+    tokens = [0] * clients
+    start = threading.Barrier(clients + 1)
+
+    def chat(i: int) -> None:
+        start.wait()
+        chunks = client.chat.completions.create(
+            model="tierflow", messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            stream=True, max_tokens=max_tokens, temperature=0, stream_options={"include_usage": True})
+        for chunk in chunks:
+            if chunk.usage:
+                tokens[i] = chunk.usage.completion_tokens
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return sum(tokens) / (time.perf_counter() - started), sum(tokens)
+
+
+def concurrency(args) -> None:
+    """Aggregate tokens/s of 1, 2, 4, ... clients at once, against one client's."""
+    counts = sorted({1, *(int(n) for n in args.clients.split(","))})
+    model, options = args.model, ["--parallel", str(max(counts))]
+    if args.streamed:
+        from benchmarks.speculative import CONTEXT, bench_files, quarter_resident_budget
+        from tierflow.kv_types import kv_type
+        from tierflow.offload.gguf.model_file import open_model_file
+        from tierflow.offload.plan.budgets import kv_cache_bytes
+
+        model = str(bench_files()[2])
+        with open_model_file(model) as opened:
+            more_caches = (max(counts) - 1) * kv_cache_bytes(opened.config, CONTEXT, kv_type("f16"))
+        budget = quarter_resident_budget(Path(model)) + more_caches  # its caches beside the first's
+        options += ["--cpu-memory", str(budget)]
+    server, port = start_server(model, args.threads, *options)
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600)
+    try:
+        together(client, 1, 4)  # warm-up
+        rates = {n: [together(client, n, args.max_tokens)[0] for _ in range(args.repeats)] for n in counts}
+    finally:
+        server.terminate()
+        server.wait()
+    one = statistics.median(rates[1])
+    setting = "streamed F32 copy, a quarter resident" if args.streamed else "resident"
+    print(f"{setting}; threads {args.threads}; {args.max_tokens} tokens per client; "
+          f"--parallel {max(counts)}; median of {args.repeats}")
+    print(f"{'clients':>8}{'aggregate tok/s':>17}{'x one client':>14}")
+    for n in counts:
+        rate = statistics.median(rates[n])
+        print(f"{n:>8}{rate:>17.1f}{rate / one:>13.2f}x")
+
+
 def median(samples: list[Sample], field: str) -> float:
     return statistics.median(getattr(s, field) for s in samples)
 
@@ -98,7 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--clients", default=None, help="counts of clients at once, e.g. 1,2,4,8")
+    parser.add_argument("--streamed", action="store_true", help="with --clients: stream the weights")
     args = parser.parse_args(argv)
+    if args.clients:
+        return concurrency(args)
 
     engine = Engine.load(args.model, threads=args.threads, context_length=1024)
     server, port = start_server(args.model, args.threads)

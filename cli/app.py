@@ -22,6 +22,7 @@ from tierflow.cli.options import (
     GpuOpt,
     KvOnCpuOpt,
     KvTypeOpt,
+    LogLevelOpt,
     MaxTokensOpt,
     MinPOpt,
     ModelOpt,
@@ -174,24 +175,33 @@ def serve(model: ModelOpt = None,
           no_context_shift: Annotated[bool, option(
               "--no-context-shift", help="refuse a chat longer than the context, as OpenAI's API does, "
               "rather than drop its oldest turns")] = False,
+          parallel: Annotated[Optional[int], option(
+              "--parallel", "-np", help="requests generated together, each with its own KV cache "
+              "(default: 4, 2 or 1, the most the budgets hold with 4096 positions each)")] = None,
+          log_level: LogLevelOpt = "info",
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
           allow_context_extension: ExtendOpt = False) -> None:
-    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page."""
-    from tierflow.cli.server import ServerSettings
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /metrics and a chat
+    page. The address is bound before the model loads, so one that is taken fails at once."""
+    from tierflow.cli.server import ServerSettings, listening
     from tierflow.cli.server import serve as serve_forever
 
     settings = ServerSettings(host=host, port=port, api_key=api_key, cors_origins=tuple(cors_origin or ()),
-                              max_prompt_chars=max_prompt_chars, context_shift=not no_context_shift)
-    engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
-                   draft_shape=draft_shape, draft_tokens=draft_tokens,
-                   **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
-    if not settings.is_loopback and settings.api_key is None:
-        err.print(f"[yellow]warning:[/yellow] {host} is reachable from other machines and no --api-key "
-                  "is set", soft_wrap=True)
-    out.print(f"serving {engine.path.stem} at {settings.url}")
-    serve_forever(engine, settings)
+                              max_prompt_chars=max_prompt_chars, context_shift=not no_context_shift,
+                              log_level=log_level.lower())
+    with listening(settings) as sockets:
+        engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
+                       draft_shape=draft_shape, draft_tokens=draft_tokens,
+                       parallel="auto" if parallel is None else parallel,
+                       **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
+        if not settings.is_loopback and settings.api_key is None:
+            err.print(f"[yellow]warning:[/yellow] {host} is reachable from other machines and no --api-key "
+                      "is set", soft_wrap=True)
+        out.print(f"serving {engine.path.stem} at {settings.url} ({engine.parallel} at a time, "
+                  f"{engine.context_length} positions each)")
+        serve_forever(engine, settings, sockets)
 
 
 BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"

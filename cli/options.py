@@ -44,3 +44,4 @@ MinPOpt = Annotated[Optional[float], option("--min-p", help=f"0 disables {_MODEL
 PenaltyOpt = Annotated[Optional[float], option("--repeat-penalty", help=f"1 disables {_MODEL_DEFAULT}")]
 SeedOpt = Annotated[Optional[int], option("--seed")]
 StopOpt = Annotated[Optional[list[str]], option("--stop", help="stop string (repeatable)")]
+LogLevelOpt = Annotated[str, option("--log-level", help="debug, info (a line per request), warning or error")]

@@ -1,5 +1,5 @@
-"""The local OpenAI-compatible server: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-`/health`, and the chat page at `/`.
+"""The local OpenAI-compatible server: `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`,
+`/v1/models`, `/health`, and the chat page at `/`.
 
 Safe by default, for a server on a desktop: it binds loopback, refuses a foreign Host header there
 (DNS rebinding), refuses a foreign Origin (a web page's request) unless it is listed for CORS,
@@ -17,13 +17,15 @@ header and the log say; only one whose kept messages do not fit gets the 400.
 """
 
 import asyncio
+import errno
 import gc
 import ipaddress
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -35,6 +37,17 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from tierflow.cli.guards import ApiKeyGuard, HostGuard, JsonBodyGuard, OriginGuard
+from tierflow.cli.metrics import (
+    LOG_LEVELS,
+    PROMETHEUS_TEXT,
+    TRACE_KEY,
+    RequestRecorder,
+    RequestTrace,
+    ServerMetrics,
+    engine_gauges,
+    log_config,
+)
+from tierflow.cli.openai_embeddings import EmbeddingInput, EmbeddingRequest, embedding_response, text_chars
 from tierflow.cli.openai_schema import (
     ApiError,
     ChatRequest,
@@ -44,17 +57,21 @@ from tierflow.cli.openai_schema import (
     parse_request,
     response_grammar,
 )
-from tierflow.errors import ContextLengthError, InvalidArgumentError, TierflowError
+from tierflow.errors import ContextLengthError, InvalidArgumentError, TierflowError, UnsupportedModelError
 from tierflow.runtime.chat_template import start_render_workers
 from tierflow.runtime.context_shift import fit_chat
 from tierflow.runtime.engine import Engine
 from tierflow.runtime.streams import AsyncStream, GenerationResult
+from tierflow.runtime.structured import Grammar
+from tierflow.runtime.tool_calls import ToolCallStream
+from tierflow.runtime.tool_prompt import ToolRequest
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 PUBLIC_PATHS = frozenset({"/health", "/"})  # no API key: the page holds no data and asks for the key
 CHARS_PER_POSITION = 16  # the default prompt character limit per context position: 4x typical text
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,10 +87,12 @@ class ServerSettings:
     # request may send, checked before tokenizing; None: CHARS_PER_POSITION per context position.
     max_prompt_chars: int | None = None
     max_tokens_limit: int = 4096  # a request asking for more gets 400; also the default
-    max_queued: int = 8  # requests waiting behind the running one; beyond: 503
+    max_queued: int = 8  # requests waiting behind the running ones (engine.parallel); beyond: 503
+    max_embedding_inputs: int = 256  # inputs one /v1/embeddings request may send
     # A chat longer than the context drops its oldest turns (runtime/context_shift.py); off: 400,
     # as OpenAI's API answers, for clients that trim their conversations themselves.
     context_shift: bool = True
+    log_level: str = "info"  # the request lines are info; debug adds /health's and /metrics'
 
     def __post_init__(self) -> None:
         checks = [
@@ -83,6 +102,9 @@ class ServerSettings:
             (self.max_prompt_chars is None or self.max_prompt_chars > 0, "max_prompt_chars must be > 0"),
             (self.max_tokens_limit > 0, "max_tokens_limit must be > 0"),
             (self.max_queued >= 0, "max_queued must be >= 0"),
+            (self.max_embedding_inputs > 0, "max_embedding_inputs must be > 0"),
+            (self.log_level in LOG_LEVELS, f"log_level must be one of {', '.join(LOG_LEVELS)}, "
+                                           f"got {self.log_level!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -103,20 +125,64 @@ class ServerSettings:
         return f"http://{host}:{self.port}/"
 
 
-def serve(engine: Engine, settings: ServerSettings) -> None:
-    """Serves until interrupted (blocking)."""
-    uvicorn.run(create_app(engine, settings), host=settings.host, port=settings.port,
-                log_level="info")
+def serve(engine: Engine, settings: ServerSettings, sockets: list[socket.socket]) -> None:
+    """Serves on sockets (`listening`'s) until interrupted (blocking). Each request is one line of
+    the log (cli/metrics.py), so uvicorn's access log is off."""
+    config = uvicorn.Config(create_app(engine, settings), host=settings.host, port=settings.port,
+                            log_config=log_config(settings.log_level), log_level=settings.log_level,
+                            access_log=False)
+    uvicorn.Server(config).run(sockets=sockets)
+
+
+@contextmanager
+def listening(settings: ServerSettings) -> Iterator[list[socket.socket]]:
+    """The server's address bound, each of the host's (a name may have an IPv4 and an IPv6 one) as
+    asyncio's create_server binds them, until the block ends. One that cannot be bound is an
+    InvalidArgumentError naming it and what to do, rather than uvicorn's log line and exit code 1;
+    binding before a model loads makes that error come at once."""
+    sockets: list[socket.socket] = []
+    try:
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(socket.getaddrinfo(
+                    settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
+                sockets.append(socket.socket(family, kind, proto))
+                sockets[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait
+                if family == socket.AF_INET6:
+                    sockets[-1].setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sockets[-1].bind(address)
+        except OSError as error:
+            raise InvalidArgumentError(_bind_failure(settings, error)) from None
+        yield sockets
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _bind_failure(settings: ServerSettings, error: OSError) -> str:
+    where = settings.url.removeprefix("http://").rstrip("/")
+    if error.errno == errno.EADDRINUSE:
+        return f"{where} is already in use (by another server?); choose another port with --port"
+    if error.errno == errno.EACCES:
+        return f"no permission to listen on {where} (ports below 1024 need privileges); choose another " \
+               "port with --port"
+    return f"cannot listen on {where}: {error.strerror or error}; --host must be an address of this " \
+           "machine (127.0.0.1, the default; 0.0.0.0 for all of its addresses)"
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tierflow", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan)
     model = engine.path.stem
-    generations = _Generations(engine, settings)
+    generations, metrics = _Generations(engine, settings), ServerMetrics()
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        slots = generations.slots
+        gauges = engine_gauges(engine, slots.num_running, slots.num_queued)
+        return Response(metrics.exposition(gauges), media_type=PROMETHEUS_TEXT)
 
     @app.get("/")
     async def chat_page() -> Response:
@@ -139,9 +205,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await parse_request(ChatRequest, await _read_body(request, settings.max_body_bytes))
         generations.check_chars(body.prompt_chars(), "messages")
-        messages = body.template_messages()
-        return await generations.answer(request, body, Reply.new(True, model), "messages",
-                                        partial(_chat_prompt, engine, messages, settings.context_shift))
+        messages, tools = body.template_messages(), body.tool_request()
+        prompt = partial(_chat_prompt, engine, messages, settings.context_shift, tools)
+        return await generations.answer(request, body, Reply.new(True, model), "messages", prompt, tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -154,6 +220,13 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             prompt = _Prompt(prompt)
         return await generations.answer(request, body, reply, "prompt", prompt)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = await parse_request(EmbeddingRequest, await _read_body(request, settings.max_body_bytes))
+        inputs = body.inputs(settings.max_embedding_inputs, engine.config.hidden_size)
+        generations.check_chars(text_chars(inputs), "input")
+        return await generations.embed(inputs, body.encoding_format, model)
+
     _add_error_handlers(app)
     # The last added is the outermost: Host, Origin, CORS (preflights carry no key), key, JSON.
     app.add_middleware(JsonBodyGuard)
@@ -165,6 +238,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(OriginGuard, allowed=settings.cors_origins)
     if settings.is_loopback:
         app.add_middleware(HostGuard)
+    app.add_middleware(RequestRecorder, metrics=metrics, routes=app.router.routes)  # sees every request
     return app
 
 
@@ -196,12 +270,14 @@ class _Prompt:
 PromptSource = _Prompt | Callable[[int], _Prompt]
 
 
-def _chat_prompt(engine: Engine, messages: list[dict], context_shift: bool, max_tokens: int) -> _Prompt:
-    """The messages' prompt, with context_shift their oldest turns dropped if they and the answer
-    would not fit."""
+def _chat_prompt(engine: Engine, messages: list[dict], context_shift: bool, tools: ToolRequest | None,
+                 max_tokens: int) -> _Prompt:
+    """The messages' prompt (with the tools offered), with context_shift their oldest turns dropped if
+    they and the answer would not fit."""
+    tokenize_chat = partial(engine.tokenize_chat, tools=tools)
     if not context_shift:
-        return _Prompt(engine.tokenize_chat(messages))
-    fitted = fit_chat(messages, engine.tokenize_chat, engine.context_length, max_tokens)
+        return _Prompt(tokenize_chat(messages))
+    fitted = fit_chat(messages, tokenize_chat, engine.context_length, max_tokens)
     if not fitted.shifted:
         return _Prompt(fitted.prompt_ids)
     shift = f"dropped {len(fitted.dropped)} messages"
@@ -228,7 +304,7 @@ class _Generations:
     def __init__(self, engine: Engine, settings: ServerSettings):
         self.engine, self.max_tokens_limit = engine, settings.max_tokens_limit
         self.max_chars = settings.max_prompt_chars or CHARS_PER_POSITION * engine.context_length
-        self.slots = _Slots(1 + settings.max_queued)
+        self.slots = _Slots(engine.parallel, settings.max_queued)
 
     def check_chars(self, num_chars: int, param: str) -> None:
         """Refuses prompt text past the limit; for messages, num_chars counts their framing too."""
@@ -239,9 +315,10 @@ class _Generations:
                            code="prompt_too_long")
 
     async def answer(self, request: Request, body: ChatRequest | CompletionRequest, reply: Reply,
-                     param: str, source: PromptSource) -> Response:
-        """The response to one request: param names the prompt's field in errors."""
-        kwargs = body.generation_kwargs(self.max_tokens_limit)
+                     param: str, source: PromptSource, tools: ToolRequest | None = None) -> Response:
+        """The response to one request: param names the prompt's field in errors; the answer's
+        tool calls, if tools are offered, are parsed out of its text."""
+        kwargs = body.generation_kwargs(self.max_tokens_limit) | self._tool_grammar(tools)
         release = self.slots.acquire()
         try:
             prompt = await self._prompt(request, param, source, kwargs["max_tokens"])
@@ -252,12 +329,50 @@ class _Generations:
             release()
             raise
         headers = {} if prompt is None else prompt.headers
+        trace: RequestTrace = getattr(request.state, TRACE_KEY)
+        trace.stream, trace.context_shift = astream, None if prompt is None else prompt.shift
         if body.stream and astream is not None:  # the stream frees the slot when it ends
-            return _EventStream(_events(astream, reply, body.include_usage, param), astream, release, headers)
+            events = _events(astream, reply, body.include_usage, param, trace, self._tool_stream(tools))
+            return _EventStream(events, astream, release, headers)
         try:
-            return await _whole_answer(request, astream, reply, param, headers)
+            return await _whole_answer(request, astream, reply, param, headers, trace,
+                                       partial(self.engine.with_tool_calls, tools=tools))
         finally:
             release()
+
+    def _tool_grammar(self, tools: ToolRequest | None) -> dict:
+        """The grammar keyword that makes a required or named call well-formed; a tool whose
+        parameters llguidance cannot compile is a 400."""
+        try:
+            grammar = self.engine.tool_grammar(tools)
+        except TierflowError as error:
+            raise ApiError(400, f"tools: {error}", param="tools") from None
+        return {} if grammar is None else {"grammar": grammar}
+
+    def _tool_stream(self, tools: ToolRequest | None) -> ToolCallStream | None:
+        if tools is None or not tools.offered:
+            return None
+        return ToolCallStream(self.engine.tool_format, tools.names)
+
+    async def embed(self, inputs: list[EmbeddingInput], encoding_format: str, model: str) -> Response:
+        """The embeddings of inputs, in a queue slot like a generation: tokenized on a worker thread,
+        computed on the engine's compute thread, rendered on a worker thread."""
+        release = self.slots.acquire()
+        try:
+            ids = await _on_worker_thread(partial(self.engine.embedding_tokens, inputs))
+            vectors = await self.engine.aembed(ids)
+        except UnsupportedModelError as error:  # the model cannot embed: no request would do
+            raise ApiError(400, str(error), param="model", code="model_not_supported") from None
+        except InvalidArgumentError as error:  # an input is empty or holds a bad id
+            raise ApiError(400, str(error), param="input") from None
+        except TierflowError as error:
+            raise engine_error(error, "input") from None
+        finally:
+            release()
+        num_tokens = sum(len(item) for item in ids)
+        rendered = await _on_worker_thread(partial(embedding_response, vectors, num_tokens, encoding_format,
+                                                   model))
+        return Response(rendered, media_type="application/json")
 
     async def _prompt(self, request: Request, param: str, source: PromptSource,
                       max_tokens: int) -> _Prompt | None:
@@ -271,8 +386,7 @@ class _Generations:
 
     def _start(self, param: str, prompt: _Prompt, kwargs: dict) -> AsyncStream:
         if "response_format" in kwargs:
-            grammar = response_grammar(kwargs["response_format"])
-            kwargs = {**kwargs, "response_format": None, "grammar": grammar}
+            kwargs = {**kwargs, "response_format": None, "grammar": _answer_grammar(kwargs)}
         try:
             if len(prompt.ids) > self.engine.context_length:  # refused before the engine checks each id
                 raise ContextLengthError(f"the prompt has {len(prompt.ids)} tokens but the context holds "
@@ -282,12 +396,30 @@ class _Generations:
             raise engine_error(error, param) from None
 
 
-class _Slots:
-    """Generation requests in flight: one runs, the rest wait on the engine's lock (or tokenize).
-    Touched only from the event loop, so a plain counter suffices."""
+def _answer_grammar(kwargs: dict) -> Grammar | None:
+    """The response_format's grammar, or a required or named tool call's: not both."""
+    grammar, tool_grammar = response_grammar(kwargs["response_format"]), kwargs.get("grammar")
+    if grammar is not None and tool_grammar is not None:
+        raise ApiError(400, "a required or named tool_choice constrains the answer to a call: give no "
+                       "response_format with it", param="response_format")
+    return grammar or tool_grammar
 
-    def __init__(self, capacity: int):
-        self.capacity, self.used = capacity, 0
+
+class _Slots:
+    """Requests in flight: `running` at once (the engine's parallel sequences), the rest wait for a
+    free one (or tokenize). Touched only from the event loop, so a plain counter suffices."""
+
+    def __init__(self, running: int, queued: int):
+        self.running, self.capacity, self.used = running, running + queued, 0
+
+    @property
+    def num_running(self) -> int:
+        """Requests being answered: as many as the engine generates together."""
+        return min(self.used, self.running)
+
+    @property
+    def num_queued(self) -> int:
+        return self.used - self.num_running
 
     def acquire(self) -> Callable[[], None]:
         """Takes a slot or raises a 503; returns the (idempotent) release."""
@@ -334,23 +466,24 @@ async def _on_worker_thread(work: Callable[[], T]) -> T:
 
 
 async def _whole_answer(request: Request, astream: AsyncStream | None, reply: Reply, param: str,
-                        headers: dict[str, str]) -> Response:
+                        headers: dict[str, str], trace: RequestTrace,
+                        with_tool_calls: Callable[[GenerationResult], GenerationResult]) -> Response:
     """The answer of a request that does not stream, or 499 once its client has left (astream is
     None if it left while its prompt was tokenized)."""
     try:
-        result = None if astream is None else await _unless_disconnected(request, _collect(astream))
+        result = None if astream is None else await _unless_disconnected(request, _collect(astream, trace))
     except Exception as error:
         raise _generation_error(error, param) from None
     if result is None:
         return Response(status_code=499)  # nobody is listening; nginx's code for it, for the log
     if result.finish_reason == "cancelled":
         raise ApiError(503, "the generation was cancelled (the server is stopping)", type="server_error")
-    return JSONResponse(reply.response(result), headers=headers)
+    return JSONResponse(reply.response(with_tool_calls(result)), headers=headers)
 
 
-async def _collect(astream: AsyncStream) -> GenerationResult | None:
+async def _collect(astream: AsyncStream, trace: RequestTrace) -> GenerationResult | None:
     async for _ in astream:
-        pass
+        trace.first_piece()
     return astream.result
 
 
@@ -375,14 +508,27 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param: str) -> AsyncIterator[str]:
-    """Server-sent events: the role (chat), the text pieces, the finish, the usage, [DONE]; or,
-    once something fails, an error event (OpenAI's error body) that ends the stream."""
+async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param: str,
+                  trace: RequestTrace, tool_stream: ToolCallStream | None = None) -> AsyncIterator[str]:
+    """Server-sent events: the role (chat), the text pieces, the tool calls, the finish, the usage,
+    [DONE]; or, once something fails, an error event (OpenAI's error body) that ends the stream.
+    With a tool_stream, text that may be a call forming is held back until it is known."""
     if reply.chat:
         yield _sse(reply.role_chunk())
+    num_pieces = num_chars = num_logprobs = 0  # streamed so far
+    held = []  # logprobs of pieces held back (a tool call may be forming): sent with the next text
     try:
         async for piece in astream:
-            yield _sse(reply.text_chunk(piece))
+            trace.first_piece()
+            logprobs = astream.piece_logprobs(num_pieces)
+            num_pieces += 1
+            if tool_stream is not None:
+                piece = tool_stream.push(piece)
+            if logprobs is not None:
+                held, logprobs = held + logprobs, held + logprobs
+            if piece:
+                yield _sse(reply.text_chunk(piece, logprobs, num_chars))
+                num_chars, num_logprobs, held = num_chars + len(piece), num_logprobs + len(held), []
     except Exception as error:
         yield _sse(_generation_error(error, param).body())
         return
@@ -390,10 +536,26 @@ async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param
     if result is None or result.finish_reason == "cancelled":
         yield _sse(ApiError(503, "the generation was cancelled", type="server_error").body())
         return
-    yield _sse(reply.final_chunk(result))
+    if tool_stream is not None:
+        chunks, result = _tool_call_chunks(tool_stream, reply, result)
+        for chunk in chunks:
+            yield _sse(chunk)
+    rest = None if result.logprobs is None else result.logprobs[num_logprobs:]
+    yield _sse(reply.final_chunk(result, rest or None, num_chars))
     if include_usage:
         yield _sse(reply.usage_chunk(result))
     yield "data: [DONE]\n\n"
+
+
+def _tool_call_chunks(tool_stream: ToolCallStream, reply: Reply,
+                      result: GenerationResult) -> tuple[list[dict], GenerationResult]:
+    """The chunks of what the tool stream held back (content, calls), and the result with the calls."""
+    parsed = tool_stream.finish()
+    chunks = [reply.text_chunk(parsed.content)] if parsed.content else []
+    if not parsed.tool_calls:
+        return chunks, result
+    return chunks + reply.tool_call_chunks(parsed.tool_calls), replace(
+        result, tool_calls=parsed.tool_calls, finish_reason="tool_calls")
 
 
 def _generation_error(error: Exception, param: str) -> ApiError:

@@ -7,13 +7,19 @@
     model.py          the decoder loop, the Kernels protocol, Weights, the CPU kernels' bindings
     generation.py     the token loop: prefill, decode, verify passes, prefix reuse, shifted-cache reuse
     streams.py        a generation as an object: Stream, AsyncStream
+    embeddings.py     engine.embed: pooled hidden states, several inputs in one pass
     kv_cache.py       the KV cache and its context shift; rope.py the rotary tables
     context_shift.py  which turns a conversation that outgrows the context drops (chat and server)
     host_attention.py a device layer's attention over a cache in RAM (kv_on_cpu)
-    sampler.py        sampling settings and the sampler
+    sampler.py        sampling settings and the sampler (logit bias, penalties, filters, a constraint's mask)
+    logprobs.py       each generated token's log-probability and top alternatives
     structured.py     structured output: grammars (JSON schema, regex, Lark, GBNF) and their matchers
+    batching.py       the passes of generations running together, batched into one sweep of the weights
+    slots.py          the sequences decoded together: their token generators and who holds which
     tokenizer.py      llama.cpp's tokenizer; vocabulary.py checks a vocabulary before it loads
     chat_template.py  chat templates in a sandbox (template_guards.py, template_worker.py)
+    tool_prompt.py    tools and tool history for the template; the generic fallback; a required call's grammar
+    tool_calls.py     the model's tool calls parsed from its text, per format; the streaming splitter
     text_stream.py    token bytes to text pieces, stop strings
     config.py         ModelConfig and typed metadata reads; overhead.py the per-layer fixed cost
     model_info.py     what `tierflow info` shows

@@ -50,3 +50,16 @@ def stop_strings(stop: object) -> list[str]:
     if isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
         return list(stop)
     raise InvalidArgumentError(f"stop must be a str or a sequence of str, got {stop!r}")
+
+
+MAX_PARALLEL = 64  # sequences decoded together: past this a batch's attention dominates anyway
+
+
+def check_parallel(parallel: object) -> int | str:
+    """The count of sequences decoded together (Engine.load's parallel), or "auto"."""
+    if parallel == "auto":
+        return "auto"
+    if isinstance(parallel, bool) or not isinstance(parallel, Integral) or not 1 <= parallel <= MAX_PARALLEL:
+        raise InvalidArgumentError(f"parallel must be an integer from 1 to {MAX_PARALLEL} or \"auto\", "
+                                   f"got {parallel!r}")
+    return int(parallel)

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,9 @@ from tierflow.offload.experts.routing_trace import RoutingRecorder
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import LoadProgress, pack_sizes
-from tierflow.runtime.arguments import TOKEN_IDS, flag, stop_strings, token_ids, utf8_encoded
+from tierflow.runtime.arguments import TOKEN_IDS, check_parallel, flag, stop_strings, token_ids, utf8_encoded
+from tierflow.runtime.batching import PassBatcher
+from tierflow.runtime.embeddings import check_pooling, embed_inputs, model_pooling
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.loader import (
     CacheOptions,
@@ -38,27 +41,30 @@ from tierflow.runtime.loader import (
     thread_count,
 )
 from tierflow.runtime.sampler import Sampler, SamplingParams, as_count, recommended_sampling
+from tierflow.runtime.slots import SlotPool
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.structured import Grammar, GrammarMatcher, grammar_for, grammar_vocabulary
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
+from tierflow.runtime.tool_calls import ToolFormat, parse_tool_calls, tool_format
+from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
 from tierflow.speculative.placement import load_draft
 from tierflow.speculative.speculator import Speculator, check_draft_options, make_speculator
 from tierflow.units import format_size
 
-LOCK_POLL_S = 0.05  # how often a waiting generation checks whether it was cancelled
-
 
 class Engine:
-    """A loaded model with its tokenizer, KV cache and generation lock.
+    """A loaded model with its tokenizer and its sequences' KV caches.
 
-    One generation runs at a time: calls from several threads queue on a lock, so the KV cache is
-    never shared by two generations.
+    Each generation holds one sequence's slot (runtime/slots.py): by default there is one, and
+    calls from several threads take turns. Loaded with parallel=N, N generations run together,
+    their passes batched into one sweep of the weights (runtime/batching.py), and more wait.
     """
 
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer, threads: int,
                  speculator: Speculator | None = None, draft: LoadedModel | None = None,
-                 sampling_defaults: dict | None = None, notices: tuple[str, ...] = ()):
+                 sampling_defaults: dict | None = None, notices: tuple[str, ...] = (),
+                 pooling: str = "mean"):
         self.path: Path = model.path
         self.arch, self.config = model.arch, model.config  # the family (runtime/models/), its sizes
         self.plan = model.plan  # where every layer (and expert) lives and computes
@@ -73,14 +79,21 @@ class Engine:
         # What a generation's sampling keywords default to: the model file's recommendation
         # (general.sampling.*), over SamplingParams' own defaults.
         self.sampling_defaults = dict(sampling_defaults or {})
-        self._generator = model.generator
+        # How embed() pools a text's hidden states: the file's {arch}.pooling_type, else "mean".
+        self.pooling = pooling
+        self._generator = model.generator  # the first sequence's; None once closed
         self._grammar_vocabulary = None  # llguidance's token table, built by the first constrained call
-        self._lock = threading.Lock()  # held by what computes: one generation, logits(), close()
-        # The stream holding the lock, weakly: a stream its consumer dropped must be free to go,
-        # and its going lets go of the lock.
-        self._holder: weakref.ReferenceType[Stream] | None = None
-        # Async generations run here, one at a time, like the lock runs them (see streams.py).
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-compute")
+        self._slots = SlotPool(model.generators)
+        # With several sequences, their passes are batched on one thread; alone, a generation
+        # computes its passes itself.
+        self._batcher = None
+        if self._slots.size > 1:
+            self._batcher = PassBatcher(model.generator.decoder, self._claim_threads)
+            for generator in model.generators:
+                generator.run_pass = self._batcher.run
+        # Async generations run here, as many at a time as there are slots (see streams.py).
+        self._compute = ThreadPoolExecutor(max_workers=self._slots.size,
+                                           thread_name_prefix="tierflow-compute")
 
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, *, gpu_memory: int | str | None = None,
@@ -88,7 +101,8 @@ class Engine:
              context_length: int | None = None, progress: LoadProgress | None = None,
              gpu_device: str | None = None, draft: str | os.PathLike | None = None,
              draft_shape: str = "tree", draft_tokens: int | None = None, kv_cache_type: str | None = None,
-             kv_on_cpu: bool = False, allow_context_extension: bool = False) -> "Engine":
+             kv_on_cpu: bool = False, allow_context_extension: bool = False,
+             parallel: int | str = 1) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes held on each tier ("4GiB", "512MB" or an int):
@@ -100,7 +114,12 @@ class Engine:
         trained on only with allow_context_extension. kv_cache_type is the cache's type: "f16"
         (default), "f32", "q8_0" or "q4_0" (llama.cpp's formats); kv_on_cpu keeps every
         layer's cache in RAM, the GPU layers' too (llama.cpp's -nkvo). progress(phase, done,
-        total) is called as bytes load.
+        total) is called as bytes load. parallel is how many generations run together (from
+        several threads, or AsyncStreams), each with its own KV cache of context_length positions
+        (all within the budgets) and their passes batched: one sweep of the weights serves them
+        all; more generations wait for a free one. parallel="auto" takes the most of 4, 2 or 1
+        that the budgets hold with at least 4096 positions each (or the model's context, if
+        shorter): `tierflow serve`'s default.
         With gpu_memory, the first layers that fit run on the CUDA GPU with tierflow's Triton
         kernels, the rest on the CPU. Without a GPU, for testing: gpu_device="cpu" lets torch's
         CPU device stand in for the GPU tier, with the same budget, its layers computed by the
@@ -120,7 +139,8 @@ class Engine:
         gpu = gpu_tier(gpu_memory, gpu_device)
         check_draft_options(draft_shape, draft_tokens)
         cache = CacheOptions(context_length, kv_cache_type, flag("kv_on_cpu", kv_on_cpu),
-                             flag("allow_context_extension", allow_context_extension))
+                             flag("allow_context_extension", allow_context_extension),
+                             check_parallel(parallel))
         with open_model_file(path) as target:  # validated before llama.cpp sees the file
             profile, sizes = profile_source(target, threads, gpu, progress), pack_sizes(target)
             budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile)
@@ -149,7 +169,8 @@ class Engine:
             draft_model = None if drafted is None else drafted.generator
             speculator = make_speculator(draft_model, draft_shape, draft_tokens, target.config.vocab_size)
         sampling_defaults = recommended_sampling(target.gguf.metadata, budgets.context_length)
-        return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults, budgets.notices)
+        return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults, budgets.notices,
+                   model_pooling(target.gguf.metadata, target.config.arch))
 
     # -- generation ------------------------------------------------------------------------
 
@@ -160,7 +181,10 @@ class Engine:
         """Completes a prompt: text, or token ids (a sequence of ints or a 1-D integer numpy array).
         Text is text: "<|im_end|>" in it is those characters, not the special token, unless
         parse_special. Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty,
-        repeat_last_n, seed (see SamplingParams); those not given take sampling_defaults. An empty
+        repeat_last_n, seed, frequency_penalty, presence_penalty, logit_bias ({token id: bias});
+        logprobs=True (and top_logprobs=N, up to 20) puts each token's log-probability in the
+        result's logprobs (see SamplingParams, runtime/logprobs.py); those not given take
+        sampling_defaults. An empty
         prompt is refused, unless the model starts every text with BOS: then "" is just BOS, as in
         llama.cpp. A bad argument is an InvalidArgumentError. context_shift: see stream.
 
@@ -194,45 +218,58 @@ class Engine:
         grammar = grammar_for(response_format, grammar)
         prompt_ids = self._prompt_ids(prompt, flag("parse_special", parse_special))
         self._check_fits(len(prompt_ids), 1)
-        sampler = Sampler(params, grammar and self._matcher(grammar, len(prompt_ids)))
+        sampler = Sampler(params, len(prompt_ids), self.config.vocab_size,
+                          grammar and self._matcher(grammar, len(prompt_ids)))
         # Generation ends at the context's end, like llama.cpp, with finish_reason "length".
         max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
         return Stream(self, prompt_ids, sampler, max_tokens, TextStream(stops), context_shift)
 
-    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
-        """Generates the assistant's reply to messages, using the model's chat template."""
-        return self.generate(self.tokenize_chat(messages), **kwargs)
+    def chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+             **kwargs) -> GenerationResult:
+        """Generates the assistant's reply to messages, using the model's chat template.
+
+        tools, tool_choice and parallel_tool_calls are OpenAI's (runtime/tool_prompt.py): the
+        tools go to the template, and the calls the answer makes come back parsed in the
+        result's tool_calls (finish_reason "tool_calls"; text is the content around them). A
+        call that does not parse stays text. Messages may hold assistant tool_calls and "tool"
+        results, as OpenAI's do."""
+        request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
+        result = self.generate(self.tokenize_chat(messages, tools=request),
+                               **self._with_tool_grammar(request, kwargs))
+        return self.with_tool_calls(result, request)
 
     def chat_stream(self, messages: list[dict], **kwargs) -> Stream:
         return self.stream(self.tokenize_chat(messages), **kwargs)
 
     def cancel(self) -> None:
-        """Stops the running generation (from any thread); it returns what it has so far. A
+        """Stops the running generations (from any thread); each returns what it has so far. A
         stream suspended between two pieces (its consumer has not asked for the next) ends now."""
-        holder = self._holder() if self._holder is not None else None
-        if holder is not None:
+        for holder in self._slots.holders():
             holder.cancel()
             if holder.suspended:
                 holder.close()
 
     @contextmanager
     def exclusive(self, stream: "weakref.ReferenceType[Stream] | None" = None,
-                  cancelled: threading.Event | None = None) -> Iterator[TokenGenerator | None]:
-        """Holds the engine for one generation (streams.py): waits for what runs now, then yields
-        the token generator over the model and its KV cache; yields None, having waited no more,
-        once `cancelled` is set. `stream` (weakly referenced) is the stream that holds it, which
-        cancel() stops. Not reentrant."""
-        with self._holding(cancelled) as held:
-            if not held:
+                  cancelled: threading.Event | None = None,
+                  prompt_ids: Sequence[int] = ()) -> Iterator[TokenGenerator | None]:
+        """Holds a sequence's slot for one generation (streams.py): waits for a free one (the one
+        whose cache holds the longest prefix of prompt_ids), then yields its token generator;
+        yields None, having waited no more, once `cancelled` is set. `stream` (weakly referenced)
+        is the stream that holds it, which cancel() stops. Not reentrant."""
+        with self._slots.one(prompt_ids, cancelled, stream) as slot:
+            if slot is None:
                 yield None
                 return
-            self._holder = stream
-            self.weights.reset_peak()
-            try:
+            if self._slots.busy == 1:
+                self.weights.reset_peak()
+            if self._batcher is None:
                 self._claim_threads()
-                yield self._generator
-            finally:
-                self._holder = None
+                yield self._slots.generators[slot]
+                return
+            with self._batcher.joined():
+                yield self._slots.generators[slot]
 
     # -- async: the model runs on a worker thread, the event loop never waits on it ---------
 
@@ -262,8 +299,14 @@ class Engine:
         """stream() for asyncio: `async for piece in engine.astream(...)`."""
         return AsyncStream(self.stream(prompt, **kwargs), self._compute)
 
-    async def achat(self, messages: list[dict], **kwargs) -> GenerationResult:
-        return await self.agenerate(self.tokenize_chat(messages), **kwargs)
+    async def achat(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+                    **kwargs) -> GenerationResult:
+        """chat() for asyncio."""
+        request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
+        result = await self.agenerate(self.tokenize_chat(messages, tools=request),
+                                      **self._with_tool_grammar(request, kwargs))
+        return self.with_tool_calls(result, request)
 
     def achat_stream(self, messages: list[dict], **kwargs) -> AsyncStream:
         return self.astream(self.tokenize_chat(messages), **kwargs)
@@ -279,12 +322,34 @@ class Engine:
             raise InvalidArgumentError(f"add_bos must be True, False or None, got {add_bos!r}")
         return self._encode(text, "text", add_bos, flag("parse_special", parse_special))
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        """The prompt ids chat() generates from: messages through the model's chat template, whose
-        own markup alone becomes special tokens (a message holding "<|im_end|>" cannot end its
-        turn or forge another)."""
+    def tokenize_chat(self, messages: list[dict], *, tools: ToolRequest | None = None) -> list[int]:
+        """The prompt ids chat() generates from: messages (and the tools offered) through the
+        model's chat template, whose own markup alone becomes special tokens (a message holding
+        "<|im_end|>" cannot end its turn or forge another)."""
         self._check_open()
-        return utf8_encoded("the chat messages", self.tokenizer.encode_chat, messages)
+        messages, variables = template_inputs(messages, tools, self.tool_format)
+        return utf8_encoded("the chat messages", self.tokenizer.encode_chat, messages, **variables)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model's answers call tools, as its chat template says (runtime/tool_calls.py)."""
+        return tool_format(self.tokenizer.chat_template)
+
+    def tool_grammar(self, tools: ToolRequest | None) -> Grammar | None:
+        """The grammar that makes the answer well-formed calls, when tool_choice demands a call
+        ("required" or a named function); None otherwise."""
+        if tools is None or not tools.constrained:
+            return None
+        return Grammar.lark(tool_call_grammar(tools, self.tool_format))
+
+    def with_tool_calls(self, result: GenerationResult, tools: ToolRequest | None) -> GenerationResult:
+        """result with the tool calls its text makes parsed out, if tools were offered."""
+        if tools is None or not tools.offered or result.finish_reason == "cancelled":
+            return result
+        parsed = parse_tool_calls(result.text, self.tool_format, tools.names)
+        if not parsed.tool_calls:
+            return result
+        return replace(result, text=parsed.content, tool_calls=parsed.tool_calls, finish_reason="tool_calls")
 
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_open()
@@ -297,9 +362,57 @@ class Engine:
         if not ids:
             raise InvalidArgumentError("logits() needs at least one token id")
         self._check_fits(len(ids), 0)
-        with self.exclusive() as generator:
+        with self.exclusive(prompt_ids=ids) as generator:
             logits, _ = generator.prefill(ids, threading.Event(), all_logits=True, reuse_prefix=False)
         return logits
+
+    def embed(self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True) -> np.ndarray:
+        """Embeddings [N, E] float32, one row per input: a text (tokenized as llama.cpp embeds it,
+        Tokenizer.encode_for_embedding) or token ids (used as they are). Each row pools the final-
+        normed hidden states of its input's tokens as the model file declares ({arch}.pooling_type:
+        "cls" the first token, "last" the last), by default their mean, then, if normalize, is
+        scaled to unit L2 norm: llama.cpp's embeddings. Inputs that fit in one pass are computed
+        together (runtime/embeddings.py). An empty input or list is an InvalidArgumentError; an
+        input longer than the context a ContextLengthError. Generation's prefix reuse starts over
+        afterwards (the pass writes the KV cache)."""
+        self._check_open()
+        check_pooling(self.pooling, self.path.name)
+        normalize = flag("normalize", normalize)
+        ids = self.embedding_tokens(inputs)
+        with self.exclusive() as generator:
+            return embed_inputs(generator, ids, self.pooling, normalize)
+
+    async def aembed(self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
+                     ) -> np.ndarray:
+        """embed() for asyncio, on the engine's compute thread (after the generations queued there)."""
+        self._check_open()
+        return await asyncio.wrap_future(self._compute.submit(self.embed, inputs, normalize=normalize))
+
+    def embedding_tokens(self, inputs: str | Sequence[str | Sequence[int]]) -> list[list[int]]:
+        """The token ids embed() computes each input with (a text's as llama.cpp embeds it),
+        checked: none empty, none longer than the context."""
+        self._check_open()
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, Sequence) or isinstance(inputs, (bytes, bytearray)):
+            raise InvalidArgumentError(f"inputs must be a str or a sequence of inputs (each a str or "
+                                       f"{TOKEN_IDS}), not {type(inputs).__name__}")
+        if not inputs:
+            raise InvalidArgumentError("there is no input to embed: the list is empty")
+        return [self._embedding_ids(item, i) for i, item in enumerate(inputs)]
+
+    def _embedding_ids(self, item: str | Sequence[int], index: int) -> list[int]:
+        name = f"input {index}"
+        if isinstance(item, str):
+            ids = [] if not item else utf8_encoded(name, self.tokenizer.encode_for_embedding, item)
+        else:
+            ids = self._check_ids(item, name, f"a str or {TOKEN_IDS}")
+        if not ids:
+            raise InvalidArgumentError(f"{name} is empty: there is no token to embed")
+        if len(ids) > self.context_length:
+            raise ContextLengthError(f"{name} has {len(ids)} tokens but the context holds "
+                                     f"{self.context_length}")
+        return ids
 
     @contextmanager
     def record_routing(self) -> Iterator[RoutingRecorder]:
@@ -312,21 +425,26 @@ class Engine:
                                        f"routing to record")
         recorder = RoutingRecorder(self.config.moe_layers)
         decoder = self._generator.decoder
-        with self._holding():  # not while a generation runs
+        with self._slots.every():  # not while a generation runs
             decoder.on_routing = recorder
         try:
             yield recorder
         finally:
-            with self._holding():
+            with self._slots.every():
                 decoder.on_routing = None
 
     # -- lifetime --------------------------------------------------------------------------
 
     @property
+    def parallel(self) -> int:
+        """How many generations run together (each in its own sequence's slot)."""
+        return self._slots.size
+
+    @property
     def kv_cache_bytes(self) -> int:
-        """The bytes the KV cache holds, every layer's, wherever it is."""
+        """The bytes the KV caches hold, every layer's of every sequence, wherever they are."""
         self._check_open()
-        return self._generator.cache.num_bytes
+        return sum(generator.cache.num_bytes for generator in self._slots.generators)
 
     @property
     def expert_stats(self) -> CacheStats | None:
@@ -339,9 +457,11 @@ class Engine:
         later calls raise TierflowError, but closing again does nothing."""
         self.cancel()
         self._compute.shutdown(wait=True, cancel_futures=True)
-        with self._holding():
+        with self._slots.every():
             if self._generator is None:  # closed already
                 return
+            if self._batcher is not None:
+                self._batcher.close()
             self.tokenizer.close()
             self.weights.close()
             if self.draft is not None:
@@ -355,23 +475,6 @@ class Engine:
         self.close()
 
     # -- internals -------------------------------------------------------------------------
-
-    @contextmanager
-    def _holding(self, cancelled: threading.Event | None = None) -> Iterator[bool]:
-        """The lock, held for the block (True), or False if `cancelled` was set first. A stream
-        suspended in the waiting thread itself can never resume and let go: it is ended."""
-        me = threading.get_ident()
-        while not self._lock.acquire(timeout=LOCK_POLL_S):
-            if cancelled is not None and cancelled.is_set():
-                yield False
-                return
-            holder = self._holder() if self._holder is not None else None
-            if holder is not None and holder.suspended_in(me):
-                holder.close()
-        try:
-            yield True
-        finally:
-            self._lock.release()
 
     def _claim_threads(self) -> None:
         """Called by each generation under the lock: the kernels' pool runs on the engine's
@@ -407,6 +510,15 @@ class Engine:
         if self._grammar_vocabulary is None:
             self._grammar_vocabulary = grammar_vocabulary(self.tokenizer, self.config.vocab_size)
         return GrammarMatcher(self._grammar_vocabulary, grammar, prompt_length)
+
+    def _with_tool_grammar(self, tools: ToolRequest | None, kwargs: dict) -> dict:
+        grammar = self.tool_grammar(tools)
+        if grammar is None:
+            return kwargs
+        if kwargs.get("grammar") is not None or kwargs.get("response_format") is not None:
+            raise InvalidArgumentError(f"tool_choice {tools.choice!r} constrains the answer to a call: "
+                                       f"give no grammar or response_format with it")
+        return {**kwargs, "grammar": grammar}
 
     def _check_open(self) -> None:
         if self._generator is None:

@@ -11,7 +11,7 @@ import torch
 from tierflow.errors import BudgetError
 from tierflow.kv_types import MAX_PASS_TOKENS
 from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder
+from tierflow.runtime.model import Decoder, SequenceInput
 from tierflow.runtime.sampler import Sampler
 
 PREFILL_CHUNK = MAX_PASS_TOKENS  # tokens per prefill pass: bounds activation memory and cancel latency
@@ -87,6 +87,8 @@ class TokenGenerator:
     def __init__(self, decoder: Decoder, cache: KVCache):
         self.decoder = decoder
         self.cache = cache
+        # runs a pass of this sequence: alone, or batched with other generators' (runtime/batching.py)
+        self.run_pass: Callable[[SequenceInput], np.ndarray] = lambda item: decoder.forward_batch([item])[0]
         self.cached_tokens: list[int] = []  # the tokens whose keys/values are in the cache
         self.exact_length = 0  # of those, the leading ones a fresh prefill would write bit for bit
 
@@ -160,8 +162,8 @@ class TokenGenerator:
                  tree_start: int | None = None) -> np.ndarray:
         start = self.cache.length
         try:
-            logits = self.decoder.forward(np.array(token_ids, np.int64), self.cache, all_logits=all_logits,
-                                          parents=parents, tree_start=tree_start)
+            logits = self.run_pass(SequenceInput(np.array(token_ids, np.int64), self.cache, all_logits,
+                                                 parents, tree_start))
         except torch.OutOfMemoryError as error:
             self._truncate(start)
             if torch.cuda.is_available():
@@ -178,7 +180,7 @@ class TokenGenerator:
 
     def _reuse(self, token_ids: list[int], shifted: bool) -> int:
         """How many leading tokens of token_ids the cache holds (shifting it first if allowed)."""
-        common = _common_prefix(self.cached_tokens, token_ids)
+        common = common_prefix(self.cached_tokens, token_ids)
         if not shifted:
             common = min(common, self.exact_length)
         else:
@@ -196,7 +198,7 @@ class TokenGenerator:
         self.exact_length = min(self.exact_length, length)
 
 
-def _common_prefix(cached: list[int], new: list[int]) -> int:
+def common_prefix(cached: list[int], new: list[int]) -> int:
     common = 0
     for a, b in zip(cached, new):
         if a != b:

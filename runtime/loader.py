@@ -50,6 +50,10 @@ from tierflow.runtime.vocabulary import check_vocabulary
 from tierflow.units import parse_size
 
 GPU_DEVICES = ("cpu", "interpret")
+# parallel="auto": the sequences tried, most first, and the context each must still get (or the
+# model's, if shorter): four chat slots as llama-server's default, but not at the price of short chats
+AUTO_PARALLEL = (4, 2, 1)
+AUTO_MIN_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class CacheOptions:
     kv_cache_type: str | None = None  # a kv_types.KV_TYPES name; None: the default
     kv_on_cpu: bool = False  # every layer's cache in RAM (llama.cpp's -nkvo)
     allow_context_extension: bool = False  # a context past the trained one is refused unless set
+    parallel: int | str = 1  # sequences decoded together, each with its own KV cache; or "auto"
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class Budgets:
     kv: KVType
     kv_on_cpu: bool = False
     notices: tuple[str, ...] = field(default=(), compare=False)  # what choosing the context decided
+    sequences: int = 1  # KV caches of context_length positions (CacheOptions.parallel)
 
     def less(self, held: dict[str, int]) -> "Budgets":
         """What is left after `held` bytes per tier ("cpu", "gpu") were placed first."""
@@ -97,8 +103,15 @@ class LoadedModel:
         if plan.kv_on_cpu:
             source, allocate = HostAttention.over(weights), None
         decoder = Decoder(self.config, self.arch.block, source, context_length)
-        cache = KVCache(self.config, context_length, allocate, kv_type=KV_TYPES[plan.kv_type])
-        self.generator = TokenGenerator(decoder, cache)
+        # one token generator per sequence decoded together, each over its own KV cache
+        self.generators = [TokenGenerator(decoder, KVCache(self.config, context_length, allocate,
+                                                           kv_type=KV_TYPES[plan.kv_type]))
+                           for _ in range(plan.sequences)]
+
+    @property
+    def generator(self) -> TokenGenerator:
+        """The first sequence's: the only one of a model loaded for one sequence at a time."""
+        return self.generators[0]
 
     def bytes_by_tier(self) -> dict[str, int]:
         """Bytes held per tier: the weights (and the KV caches on the GPU) as placed, and the
@@ -122,8 +135,28 @@ def thread_count(threads: int | None) -> int:
 def resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | None, gpu_budget: int,
                     cache: CacheOptions, profile: ProfileSource) -> Budgets:
     """The budgets of a load: cpu_memory as given, or by default the available RAM less a margin;
-    the KV cache's type; and the context (offload/plan/context.py), which may need the machine's
-    speeds (profile) to see whether a placement of the pack (sizes) fits."""
+    the KV cache's type; the context (offload/plan/context.py), which may need the machine's
+    speeds (profile) to see whether a placement of the pack (sizes) fits; and with parallel
+    "auto", the most of AUTO_PARALLEL sequences whose caches hold AUTO_MIN_CONTEXT positions each
+    (or the trained or requested context, if shorter) beside the weights."""
+    if cache.parallel != "auto":
+        return _resolve_budgets(model, sizes, cpu_memory, gpu_budget, cache, profile)
+    wanted = min(AUTO_MIN_CONTEXT, cache.context_length or model.config.context_length)
+    for sequences in AUTO_PARALLEL:
+        options = replace(cache, parallel=sequences)
+        if sequences == 1:
+            return _resolve_budgets(model, sizes, cpu_memory, gpu_budget, options, profile)
+        try:
+            budgets = _resolve_budgets(model, sizes, cpu_memory, gpu_budget, options, profile)
+        except BudgetError:
+            continue
+        if budgets.context_length >= wanted:
+            return budgets
+    raise AssertionError("AUTO_PARALLEL ends with 1")
+
+
+def _resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | None, gpu_budget: int,
+                     cache: CacheOptions, profile: ProfileSource) -> Budgets:
     kv = kv_type(cache.kv_cache_type)
     model.config.cache_rows.check(kv)
     check_context(cache.context_length, model.config, cache.allow_context_extension)
@@ -131,11 +164,12 @@ def resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | 
 
     def plan_at(context_length: int) -> Plan:
         return make_plan(model, sizes, profile, gpu_budget=gpu_budget, cpu_budget=cpu,
-                         context_length=context_length, kv=kv, kv_on_cpu=cache.kv_on_cpu)
+                         context_length=context_length, kv=kv, kv_on_cpu=cache.kv_on_cpu,
+                         sequences=cache.parallel)
 
     plan, notice = plan_context(plan_at, cache.context_length, model.config.context_length)
     notices = () if notice is None else (notice,)
-    return Budgets(cpu, gpu_budget, plan.context_length, kv, cache.kv_on_cpu, notices)
+    return Budgets(cpu, gpu_budget, plan.context_length, kv, cache.kv_on_cpu, notices, cache.parallel)
 
 
 def gpu_tier(gpu_memory: int | str | None, gpu_device: str | None) -> GpuTier:
@@ -190,7 +224,7 @@ def plan_load(model: ModelFile, sizes: PackSizes, budgets: Budgets, profile: Pro
     may be a function (see make_plan)."""
     plan = make_plan(model, sizes, profile, gpu_budget=budgets.gpu_bytes, cpu_budget=budgets.cpu_bytes,
                      context_length=budgets.context_length, prompt_tokens=prompt_tokens, kv=budgets.kv,
-                     kv_on_cpu=budgets.kv_on_cpu)
+                     kv_on_cpu=budgets.kv_on_cpu, sequences=budgets.sequences)
     return replace(plan, notes=(*plan.notes, *budgets.notices))
 
 

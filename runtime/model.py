@@ -139,21 +139,31 @@ RoutingHook = Callable[[int, np.ndarray], None]  # (layer_idx, chosen experts in
 
 
 @dataclass(frozen=True)
+class SequencePass:
+    """One sequence's share of a layer's pass: its rows of the activations and its KV cache."""
+
+    rows: slice  # its tokens' rows in the pass's activations
+    keys: Activations  # the layer's KV cache of this sequence (see KVCache)
+    values: Activations
+    start: int  # position of its first new token (its cache slot: start % the layer's capacity)
+    parents: np.ndarray | None  # a token tree's parents (Decoder.forward)
+    tree_start: int | None
+    held_from: int = 0  # the oldest position the layer's cache holds (KVCache.held_from)
+
+
+@dataclass(frozen=True)
 class LayerPass:
-    """What one layer of one forward pass computes with, besides its weights."""
+    """What one layer of one forward pass computes with, besides its weights. A pass computes
+    one or several sequences (each with its own KV cache) whose tokens are stacked: everything
+    but attention treats the rows alike, and attention runs each sequence over its own cache."""
 
     config: ModelConfig
     layer_idx: int
     kernels: Kernels  # of the layer's device
-    keys: Activations  # the layer's KV cache (see KVCache)
-    values: Activations
     cos: Activations  # [T, R/2] rotary rows of the pass's tokens, on the layer's device
     sin: Activations
-    start: int  # position of the first new token (its cache slot: start % the layer's capacity)
-    parents: np.ndarray | None  # a token tree's parents (Decoder.forward)
-    tree_start: int | None
+    sequences: tuple[SequencePass, ...]
     on_routing: RoutingHook | None = None
-    held_from: int = 0  # the oldest position the layer's cache holds (KVCache.held_from)
 
 
 Block = Callable[[Activations, Weights, LayerPass], Activations]  # a family's layer: x [T, E] -> x, in place
@@ -172,10 +182,12 @@ class Decoder:
         tables = layer_rope_tables(config, max_positions, weights.rope_freq_factors())
         self.rotary = [(cos.numpy(), sin.numpy()) for cos, sin in tables]  # per layer, shared arrays
 
-    @torch.inference_mode()
     def forward(self, token_ids: np.ndarray, cache: KVCache, all_logits: bool = False,
-                parents: np.ndarray | None = None, tree_start: int | None = None) -> np.ndarray:
-        """Logits [T, V] for every new token if all_logits, else [1, V] for the last one.
+                parents: np.ndarray | None = None, tree_start: int | None = None,
+                head: bool = True) -> np.ndarray:
+        """Logits [T, V] for every new token if all_logits, else [1, V] for the last one; with
+        head False, the final-normed hidden states [T, E] of every new token instead (what
+        embeddings pool: the output head, the largest matmul, is skipped).
 
         token_ids [T] are placed at positions cache.length .. cache.length + T - 1. With parents
         they extend a token tree begun at cache slot tree_start (default: cache.length): parents
@@ -183,15 +195,19 @@ class Decoder:
         token sits at position tree_start plus its depth, seeing only its ancestors
         (KVCache.keep_path keeps one path afterwards).
         """
-        start_pos = cache.length
-        if parents is None:
-            positions = start_pos + np.arange(token_ids.shape[0])
-        else:
-            tree_start = start_pos if tree_start is None else tree_start
-            positions = tree_start + tree_depths(parents)[start_pos - tree_start:]
-        cache.will_write(start_pos if parents is None else tree_start, start_pos + token_ids.shape[0])
+        return self.forward_batch([SequenceInput(token_ids, cache, all_logits, parents, tree_start, head)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, inputs: "list[SequenceInput]") -> list[np.ndarray]:
+        """Several sequences in one pass over the weights, each on its own KV cache: their tokens
+        go through every layer together (one read of each weight for all of them) and each row is
+        computed as it would be alone, bit for bit. Returns each sequence's logits as forward does."""
+        placed = [_Placed.of(item) for item in inputs]
+        positions = np.concatenate([item.positions for item in placed])
+        bounds = np.cumsum([0] + [len(item.input.token_ids) for item in placed])
+        rows = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
         rotary = {}  # (kernels, cos table) -> the tokens' cos, sin rows on that device, moved once per pass
-        x = self.weights.embedding_rows(token_ids)  # [T, E], a new tensor: updated in place below
+        x = self.weights.embedding_rows(np.concatenate([item.token_ids for item in inputs]))  # [T, E]
         if self.config.embedding_scale != 1.0:
             x *= np.float32(self.config.embedding_scale)
         for layer_idx in range(self.config.num_layers):
@@ -200,16 +216,69 @@ class Decoder:
             x = kernels.take(x)
             if (kernels, id(cos)) not in rotary:
                 rotary[kernels, id(cos)] = kernels.take(cos[positions]), kernels.take(sin[positions])
-            step = LayerPass(self.config, layer_idx, kernels, cache.keys[layer_idx], cache.values[layer_idx],
-                             *rotary[kernels, id(cos)], start_pos, parents, tree_start, self.on_routing,
-                             cache.held_from[layer_idx])
+            sequences = tuple(item.layer(layer_idx, span) for item, span in zip(placed, rows))
+            step = LayerPass(self.config, layer_idx, kernels, *rotary[kernels, id(cos)], sequences,
+                             self.on_routing)
             x = self.block(x, w, step)
-        cache.length = start_pos + token_ids.shape[0]
         x = CPU_KERNELS.take(x)
-        if not all_logits:
-            x = x[-1:]
-        x = ops.rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)
-        return soft_cap(self.weights.output()(x), self.config.final_logit_softcap)  # [T or 1, V]
+        wanted = [span if item.all_logits or not item.head else slice(span.stop - 1, span.stop)
+                  for item, span in zip(inputs, rows)]
+        for item in placed:
+            item.done()
+        x = x[wanted[0]] if len(wanted) == 1 else np.concatenate([x[span] for span in wanted])
+        x = ops.rms_norm(x, self.weights.output_norm(), self.config.rms_norm_eps)  # [rows wanted, E]
+        counts = np.cumsum([0] + [span.stop - span.start for span in wanted])
+        outputs = [x[a:b] for a, b in zip(counts[:-1], counts[1:])]
+        heads = [i for i, item in enumerate(inputs) if item.head]
+        if heads:  # one matmul of the output head for every sequence that wants logits
+            logits = self.weights.output()(stack_rows([outputs[i] for i in heads]))
+            logits = soft_cap(logits, self.config.final_logit_softcap)
+            ends = np.cumsum([0] + [outputs[i].shape[0] for i in heads])
+            for i, a, b in zip(heads, ends[:-1], ends[1:]):
+                outputs[i] = logits[a:b]
+        return outputs
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's tokens for a pass and the KV cache they extend (see Decoder.forward)."""
+
+    token_ids: np.ndarray  # int64 [T]
+    cache: KVCache
+    all_logits: bool = False
+    parents: np.ndarray | None = None
+    tree_start: int | None = None
+    head: bool = True  # False: the final-normed hidden states of every token, not logits
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A sequence's input with its tokens' positions, its cache told what the pass writes."""
+
+    input: SequenceInput
+    start: int  # the cache's length before the pass
+    positions: np.ndarray
+    tree_start: int | None
+
+    @classmethod
+    def of(cls, item: SequenceInput) -> "_Placed":
+        cache, count = item.cache, item.token_ids.shape[0]
+        start = cache.length
+        if item.parents is None:
+            positions, tree_start = start + np.arange(count), None
+        else:
+            tree_start = start if item.tree_start is None else item.tree_start
+            positions = tree_start + tree_depths(item.parents)[start - tree_start:]
+        cache.will_write(start if item.parents is None else tree_start, start + count)
+        return cls(item, start, positions, tree_start)
+
+    def layer(self, layer_idx: int, rows: slice) -> SequencePass:
+        cache = self.input.cache
+        return SequencePass(rows, cache.keys[layer_idx], cache.values[layer_idx], self.start,
+                            self.input.parents, self.tree_start, cache.held_from[layer_idx])
+
+    def done(self) -> None:
+        self.input.cache.length = self.start + self.input.token_ids.shape[0]
 
 
 def soft_cap(logits: np.ndarray, cap: float) -> np.ndarray:
@@ -223,6 +292,13 @@ def soft_cap(logits: np.ndarray, cap: float) -> np.ndarray:
 def concat(parts: list[Activations]) -> Activations:
     """Outputs side by side: [T, a], [T, b], ... -> [T, a + b + ...]."""
     return np.concatenate(parts, axis=-1) if isinstance(parts[0], np.ndarray) else torch.cat(parts, dim=-1)
+
+
+def stack_rows(parts: list[Activations]) -> Activations:
+    """Row blocks one under another: [a, W], [b, W], ... -> [a + b + ..., W] (one part: itself)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if isinstance(parts[0], np.ndarray) else torch.cat(parts)
 
 
 def tree_depths(parents: np.ndarray) -> np.ndarray:

@@ -1,9 +1,12 @@
-"""Next-token sampling: repetition penalty, top-k, top-p, min-p, temperature, seeded draws.
+"""Next-token sampling: logit bias, penalties, top-k, top-p, min-p, temperature, seeded draws.
 
-The filters run in llama.cpp's default order (penalty, top-k, top-p, min-p, then temperature), on
-the untempered distribution, so the same settings select the same candidate set as llama.cpp.
+The filters run in llama.cpp's default order (logit bias, penalties, top-k, top-p, min-p, then
+temperature), on the untempered distribution, so the same settings select the same candidate set
+as llama.cpp. The bias and OpenAI's frequency and presence penalties adjust the logits before the
+rest, as OpenAI defines them.
 """
 
+import copy
 import difflib
 import logging
 import math
@@ -15,6 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from tierflow.errors import InvalidArgumentError, ModelFileError
+from tierflow.runtime.arguments import flag
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +29,11 @@ _REAL_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "top_p": (lambda p: 0 < p <= 1, "a number in (0, 1]"),
     "min_p": (lambda p: 0 <= p <= 1, "a number in [0, 1]"),
     "repeat_penalty": (lambda r: r > 0, "a finite number > 0"),
+    "frequency_penalty": (lambda f: -2 <= f <= 2, "a number in [-2, 2]"),
+    "presence_penalty": (lambda f: -2 <= f <= 2, "a number in [-2, 2]"),
 }
+MAX_LOGIT_BIAS = 100  # OpenAI's bound: +-100 bans or forces a token
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the alternatives reported per token
 
 
 # Without it the bundled model loops: in chat answers of 256 tokens at temperature 0.8, 5 of 24
@@ -47,6 +55,15 @@ class SamplingParams:
     repeat_penalty: float | None = None
     repeat_last_n: int = 64
     seed: int | None = None  # None: a fresh random seed
+    # OpenAI's penalties over the tokens generated so far (not the prompt's): a token's logit
+    # loses count * frequency_penalty + (count > 0) * presence_penalty.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # Report each generated token's log-probability (runtime/logprobs.py), and the top_logprobs
+    # most likely tokens at its position.
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.repeat_penalty is None:
@@ -58,6 +75,18 @@ class SamplingParams:
             object.__setattr__(self, name, as_count(name, getattr(self, name)))
         if self.seed is not None:
             object.__setattr__(self, "seed", as_count("seed", self.seed, "a non-negative integer or None"))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        self._check_logprobs()
+
+    def _check_logprobs(self) -> None:
+        flag("logprobs", self.logprobs)
+        top = as_count("top_logprobs", self.top_logprobs, f"an integer in 0..{MAX_TOP_LOGPROBS}")
+        if top > MAX_TOP_LOGPROBS:
+            raise InvalidArgumentError(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {top}")
+        if top and not self.logprobs:
+            raise InvalidArgumentError("top_logprobs needs logprobs=True")
+        object.__setattr__(self, "top_logprobs", top)
 
     @classmethod
     def from_keywords(cls, settings: Mapping[str, object]) -> "SamplingParams":
@@ -109,6 +138,17 @@ def as_count(name: str, value: object, must: str = "a non-negative integer") -> 
     return int(value)
 
 
+def _logit_bias(bias: object) -> dict[int, float]:
+    """bias as {token id: bias}, each id an integer >= 0 and each bias a number in [-100, 100]."""
+    if not isinstance(bias, Mapping):
+        raise InvalidArgumentError(f"logit_bias must be a mapping of token id to bias, not "
+                                   f"{type(bias).__name__}")
+    must = f"a number in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"
+    return {as_count("logit_bias's token id", token): _real(f"logit_bias[{token}]", value,
+                                                            lambda b: abs(b) <= MAX_LOGIT_BIAS, must)
+            for token, value in bias.items()}
+
+
 def _real(name: str, value: object, accepts: Callable[[float], bool], must: str) -> float:
     if not _is_finite_number(value) or not accepts(float(value)):
         raise InvalidArgumentError(f"{name} must be {must}, got {value!r}")
@@ -135,13 +175,44 @@ class LogitsConstraint(Protocol):
 class Sampler:
     """Picks tokens from logits; owns the random generator so a seed fixes the whole output.
 
-    With a constraint, every pick (and every distribution speculative acceptance reads) is over
-    the tokens it allows after the history given: the constraint follows that history."""
+    One per generation. history (what sample() and candidates() take) is the prompt's ids, then
+    the generated ones: num_prompt_tokens says where the generated ones start (for OpenAI's
+    penalties). With params.logprobs it records, at each position it picks a token for, the
+    log-softmax of the logits after the bias and penalties and before temperature and the
+    top-k/top-p/min-p cut (OpenAI's logprobs do not change with temperature; llama-server's
+    default probabilities are untempered too), for take_logprobs. With a constraint, every pick
+    (and every distribution speculative acceptance reads) is over the tokens it allows after the
+    history given: the constraint follows that history; the logprobs stay the model's own.
+    """
 
-    def __init__(self, params: SamplingParams, constraint: LogitsConstraint | None = None):
+    def __init__(self, params: SamplingParams, num_prompt_tokens: int = 0, vocab_size: int | None = None,
+                 constraint: LogitsConstraint | None = None):
         self.params = params
         self.constraint = constraint
         self.rng = np.random.default_rng(params.seed)
+        self.num_prompt_tokens = num_prompt_tokens
+        bias = params.logit_bias or {}
+        self._bias_ids = np.fromiter(bias.keys(), np.int64, len(bias))
+        self._bias = np.fromiter(bias.values(), np.float64, len(bias))
+        if vocab_size is not None and len(bias) and self._bias_ids.max() >= vocab_size:
+            raise InvalidArgumentError(f"logit_bias: token id {self._bias_ids.max()} is outside the "
+                                       f"vocabulary (0..{vocab_size - 1})")
+        # position in history -> log-probabilities [V] there, until the generation takes them
+        self._recorded: dict[int, np.ndarray] | None = {} if params.logprobs else None
+
+    def for_draft(self) -> "Sampler":
+        """This sampler (same settings, same random generator) for a draft's guesses: it records
+        nothing, since only the target's logits give a token's log-probability."""
+        draft = copy.copy(self)
+        draft._recorded = None
+        return draft
+
+    def take_logprobs(self, position: int) -> np.ndarray:
+        """The log-probabilities [V] recorded where the token at `position` of history was picked
+        (the target's: a speculative token's come from the verify pass that accepted it)."""
+        if self._recorded is None:
+            raise InvalidArgumentError("this generation was not asked for logprobs")
+        return self._recorded.pop(position)
 
     @property
     def greedy(self) -> bool:
@@ -182,16 +253,22 @@ class Sampler:
         return self._penalised(logits, history)
 
     def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """The logits as float64, with the repetition penalty applied and the constraint's
+        """The logits as float64, with the bias and penalties applied and the constraint's
         forbidden tokens at -inf. Every token is picked from these, so this is where a broken
-        model is caught (not in numpy's draw)."""
+        model is caught (not in numpy's draw), and where the logprobs are recorded."""
         if not np.isfinite(logits).all():
             raise ModelFileError("the model produced non-finite logits (NaN or infinity): its weights "
                                  "may be damaged")
         p = self.params
         logits = logits.astype(np.float64, copy=True)
+        logits[self._bias_ids] += self._bias
         if p.repeat_penalty != 1.0 and p.repeat_last_n and len(history):
             apply_repeat_penalty(logits, history[-p.repeat_last_n:], p.repeat_penalty)
+        generated = history[self.num_prompt_tokens:]
+        if (p.frequency_penalty or p.presence_penalty) and len(generated):
+            apply_openai_penalties(logits, generated, p.frequency_penalty, p.presence_penalty)
+        if self._recorded is not None:
+            self._recorded[len(history)] = log_softmax(logits)
         if self.constraint is not None:
             self.constraint.mask(logits, history)
         return logits
@@ -203,6 +280,13 @@ def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: flo
     ids = np.unique(np.asarray(recent, dtype=np.int64))
     seen = logits[ids]
     logits[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+
+
+def apply_openai_penalties(logits: np.ndarray, generated: Sequence[int], frequency: float,
+                           presence: float) -> None:
+    """OpenAI's rule, in place: logit -= count * frequency + (count > 0) * presence."""
+    ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+    logits[ids] -= counts * frequency + presence
 
 
 def top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
@@ -231,3 +315,8 @@ def tempered_softmax(sorted_logits: np.ndarray, temperature: float) -> np.ndarra
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
     return e / e.sum()
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max()
+    return shifted - np.log(np.exp(shifted).sum())

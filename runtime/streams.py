@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierflow.runtime.generation import GenerationStats, PrefillProgress, generate_tokens
+from tierflow.runtime.logprobs import TokenLogprob, token_logprob
 from tierflow.runtime.sampler import Sampler
 from tierflow.runtime.text_stream import TextStream
+from tierflow.runtime.tool_calls import ToolCall
 
 if TYPE_CHECKING:
     from tierflow.runtime.engine import Engine
@@ -36,8 +38,11 @@ if TYPE_CHECKING:
 class GenerationResult:
     text: str
     tokens: list[int]  # generated ids, without the end-of-generation token
-    finish_reason: str  # "stop" (end token or stop string), "length", or "cancelled"
+    finish_reason: str  # "stop" (end token or stop string), "length", "cancelled", or "tool_calls"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token of tokens, when asked for
+    # A chat with tools: the calls the answer made (text is then the content around them).
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass
@@ -55,10 +60,26 @@ class _Generation:
     result: GenerationResult | None = None
     on_prefill: PrefillProgress | None = None
     context_shift: bool = False  # the prompt may reuse a shifted cache (TokenGenerator.prefill)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the sampler records them
+    piece_ends: list[int] = field(default_factory=list)  # len(tokens) as each piece was handed out
 
     def finish(self, finish_reason: str) -> None:
         if self.result is None:
-            self.result = GenerationResult(self.text.text, self.tokens, finish_reason, self.stats)
+            self.result = GenerationResult(self.text.text, self.tokens, finish_reason, self.stats,
+                                           self.logprobs)
+
+    def record_logprobs(self, token: int) -> None:
+        """The entry of the token just appended, if logprobs were asked for."""
+        if self.logprobs is None:
+            return
+        row = self.sampler.take_logprobs(len(self.prompt_ids) + len(self.tokens) - 1)
+        self.logprobs.append(token_logprob(row, token, self.sampler.params.top_logprobs,
+                                           self.engine.tokenizer.token_bytes))
+
+    def piece(self, text: str) -> str:
+        """text, handed out as the next piece (its tokens are those appended since the last)."""
+        self.piece_ends.append(len(self.tokens))
+        return text
 
 
 class Stream:
@@ -66,7 +87,8 @@ class Stream:
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], sampler: Sampler, max_tokens: int,
                  text: TextStream, context_shift: bool = False):
-        self._run = _Generation(engine, prompt_ids, sampler, max_tokens, text, context_shift=context_shift)
+        self._run = _Generation(engine, prompt_ids, sampler, max_tokens, text, context_shift=context_shift,
+                                logprobs=[] if sampler.params.logprobs else None)
         self._pieces = _pieces(self._run, weakref.ref(self))
         self._computing = threading.Lock()  # held while a piece is computed, or the stream closed
         self._advanced_by: int | None = None  # the thread that last asked for a piece
@@ -86,6 +108,20 @@ class Stream:
     @property
     def prompt_ids(self) -> list[int]:
         return self._run.prompt_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One entry per token of .tokens so far, when logprobs=True was asked for; else None."""
+        return self._run.logprobs
+
+    def piece_logprobs(self, index: int) -> list[TokenLogprob] | None:
+        """The entries of the tokens whose text the index-th piece (from 0) completes (a piece
+        may hold several tokens; a token split across characters counts in the piece that
+        completes it); None without logprobs. Safe from any thread once that piece is out."""
+        run = self._run
+        if run.logprobs is None:
+            return None
+        return run.logprobs[run.piece_ends[index - 1] if index else 0:run.piece_ends[index]]
 
     @property
     def on_prefill(self) -> PrefillProgress | None:
@@ -129,7 +165,7 @@ class Stream:
 
 def _pieces(run: _Generation, stream: weakref.ReferenceType) -> Iterator[str]:
     engine = run.engine
-    with engine.exclusive(stream, run.cancelled) as generator:
+    with engine.exclusive(stream, run.cancelled, run.prompt_ids) as generator:
         if generator is None:  # cancelled while it waited
             run.finish("cancelled")
             return
@@ -140,7 +176,7 @@ def _pieces(run: _Generation, stream: weakref.ReferenceType) -> Iterator[str]:
     tail = run.text.flush()
     run.finish(finish)
     if tail:
-        yield tail  # text held back until the end, released after the engine
+        yield run.piece(tail)  # text held back until the end, released after the engine
 
 
 def _generate(run: _Generation, generator) -> Iterator[str]:
@@ -153,9 +189,10 @@ def _generate(run: _Generation, generator) -> Iterator[str]:
     try:
         for token in tokens:
             run.tokens.append(token)
+            run.record_logprobs(token)
             piece = run.text.push(engine.tokenizer.token_bytes(token))
             if piece:
-                yield piece
+                yield run.piece(piece)
             if run.text.stopped:
                 return "stop"
     finally:
@@ -180,6 +217,15 @@ class AsyncStream:
     @property
     def result(self) -> GenerationResult | None:
         return self._stream.result
+
+    def piece_logprobs(self, index: int) -> list[TokenLogprob] | None:
+        """Stream.piece_logprobs: the pieces are computed ahead on the compute thread, so a
+        piece's tokens are found by its index, not by what has been computed by now."""
+        return self._stream.piece_logprobs(index)
+    @property
+    def stats(self) -> GenerationStats:
+        """The figures so far: those of a generation cancelled midway too, which has no result."""
+        return self._stream.stats
 
     def cancel(self) -> None:
         self._stream.cancel()

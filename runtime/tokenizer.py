@@ -98,6 +98,7 @@ class Tokenizer:
         self.eog_ids: frozenset[int] = frozenset(
             i for i in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(self._vocab, i))
         self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.add_eos: bool = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
         self.bos_token = self._token_text(self.bos_id)
         self.eos_token = self._token_text(self.eos_id)
         self.chat_template: str | None = _metadata_string(model, "tokenizer.chat_template")
@@ -119,13 +120,22 @@ class Tokenizer:
         """
         return self._with_bos(self._tokenize(text, special), add_bos)
 
+    def encode_for_embedding(self, text: str) -> list[int]:
+        """Token ids of `text` as llama.cpp embeds it: BOS as `encode` adds it, and EOS after the
+        text where the vocabulary says so (tokenizer.ggml.add_eos_token: embedding models that
+        pool the last token pool that EOS)."""
+        ids = self.encode(text)
+        return ids + [self.eos_id] if self.add_eos and self.eos_id is not None else ids
+
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     **extra: Any) -> list[int]:
         """The prompt ids of `messages` through the chat template: the template's own markup
-        becomes special tokens, the messages' text never does (special_tokens.py)."""
-        marker = marker_for([*strings(messages), self.chat_template or CHATML_TEMPLATE])
+        becomes special tokens, the text of the messages and of `extra` (tools) never does
+        (special_tokens.py)."""
+        marker = marker_for([*strings(messages), *strings(extra), self.chat_template or CHATML_TEMPLATE])
         text = self.apply_chat_template(escape(messages, self.specials, marker),
-                                        add_generation_prompt=add_generation_prompt, **extra)
+                                        add_generation_prompt=add_generation_prompt,
+                                        **escape(extra, self.specials, marker))
         ids = []
         for piece in partition(text, self.specials):
             ids += [piece] if isinstance(piece, int) else self._tokenize(piece.replace(marker, ""), False)

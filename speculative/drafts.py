@@ -15,6 +15,7 @@ Two kinds, one interface (`propose`, then `accepted` with the path the target to
   stay exact.
 """
 
+import contextlib
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ class NgramDraft:
     def __init__(self, vocab_size: int, max_draft: int):
         self.vocab_size = vocab_size
         self.length = DraftLength(max_draft)
+        self.turn = contextlib.nullcontext()  # no state of its own between propose and accepted
 
     def fresh(self) -> "NgramDraft":
         return NgramDraft(self.vocab_size, self.length.maximum)
@@ -67,10 +69,13 @@ class NgramDraft:
 
 
 class ModelDraft:
-    """A draft model's token generator (its own decoder and KV cache)."""
+    """A draft model's token generator (its own decoder and KV cache). Generations running together
+    share it and take turns (`turn`, held from propose to accepted): its cache holds one history."""
 
-    def __init__(self, generator: TokenGenerator, max_width: int = 4, min_reach: float = 0.01):
+    def __init__(self, generator: TokenGenerator, max_width: int = 4, min_reach: float = 0.01,
+                 turn: "threading.Lock | None" = None):
         self.generator = generator
+        self.turn = threading.Lock() if turn is None else turn
         self.max_width = max_width  # children per node at most (1: a chain)
         self.min_reach = min_reach  # a child less likely than this to be reached is not proposed
         self.ranks = RankAcceptance(max_width)
@@ -80,7 +85,7 @@ class ModelDraft:
     def fresh(self) -> "ModelDraft":
         """The same model and cache (which give the same bits whatever they hold) with the
         counts of which candidates were taken started over."""
-        return ModelDraft(self.generator, self.max_width, self.min_reach)
+        return ModelDraft(self.generator, self.max_width, self.min_reach, self.turn)
 
     def propose(self, history: Sequence[int], budget: int, sampler: Sampler) -> TokenTree:
         generator, tree = self.generator, TokenTree.root(history[-1])

@@ -61,16 +61,19 @@ class Speculator:
         cache); room bounds the tree's guesses. Returns the accepted guesses and the target's
         next token after them."""
         budget = min(room, self.budget.next(self.timed)) if self.budget else room
-        started = time.perf_counter()
-        tree = self.draft.propose(history, budget, sampler) if budget else TokenTree.root(history[-1])
-        drafted = time.perf_counter()
-        start = target.cache.length
-        rows = target.verify_tree(tree.tokens, tree.parents)
-        path, token = accept_tree(tree, rows, sampler, history)
-        target.keep_path(start, path)
-        if budget:  # else the draft did not run (its cache catches up at its next run)
-            self.draft.accepted(tree, path)
-        verified = time.perf_counter()
+        with self.draft.turn:
+            started = time.perf_counter()
+            draft_sampler = sampler.for_draft()  # the draft's distributions are no token's logprobs
+            tree = (self.draft.propose(history, budget, draft_sampler) if budget
+                    else TokenTree.root(history[-1]))
+            drafted = time.perf_counter()
+            start = target.cache.length
+            rows = target.verify_tree(tree.tokens, tree.parents)
+            path, token = accept_tree(tree, rows, sampler, history)
+            target.keep_path(start, path)
+            if budget:  # else the draft did not run (its cache catches up at its next run)
+                self.draft.accepted(tree, path)
+            verified = time.perf_counter()
         guesses, accepted = len(tree) - 1, len(path) - 1
         stats.drafted_tokens += guesses
         stats.accepted_tokens += accepted

@@ -110,3 +110,12 @@ def test_a_bad_response_format_is_a_400_naming_it(url, shape, problem):
     body = {"messages": messages("flat"), "max_tokens": 4, "response_format": shape}
     error = assert_error(httpx.post(f"{url}/v1/chat/completions", json=body), 400)
     assert problem in error["message"] and error["param"] == "response_format"
+
+
+def test_a_response_format_with_a_required_tool_call_is_a_400(url):
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    body = {"messages": messages("flat"), "max_tokens": 4, "tools": [tool], "tool_choice": "required",
+            "response_format": {"type": "json_object"}}
+    error = assert_error(httpx.post(f"{url}/v1/chat/completions", json=body), 400)
+    assert "tool_choice" in error["message"] and error["param"] == "response_format"

@@ -125,8 +125,9 @@ def test_a_greedy_drafts_guesses_are_tokens_the_grammar_allows(drafted):
     prompt = drafted.tokenize_chat(messages("nested"))
     root = drafted.tokenize('{"', add_bos=False)
     vocabulary = grammar_vocabulary(drafted.tokenizer, drafted.config.vocab_size)
-    sampler = Sampler(SamplingParams(temperature=0), GrammarMatcher(vocabulary, grammar, len(prompt)))
-    with drafted.exclusive():
+    matcher = GrammarMatcher(vocabulary, grammar, len(prompt))
+    sampler = Sampler(SamplingParams(temperature=0), len(prompt), constraint=matcher)
+    with drafted.speculator.draft.turn:  # the draft model is shared by the sequences
         tree = drafted.speculator.draft.propose(prompt + root, 6, sampler)
     for node in range(1, len(tree)):
         path = root + tree.path_tokens(node)

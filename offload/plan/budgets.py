@@ -101,8 +101,12 @@ class CacheFootprint:
     activation_bytes: int
 
     @classmethod
-    def of(cls, config: ModelConfig, context_length: int, kv: KVType, on_cpu: bool) -> "CacheFootprint":
-        layer_bytes = tuple(layer_kv_bytes(config, i, context_length, kv) for i in range(config.num_layers))
+    def of(cls, config: ModelConfig, context_length: int, kv: KVType, on_cpu: bool,
+           sequences: int = 1) -> "CacheFootprint":
+        """The footprint of `sequences` KV caches of context_length positions each (one per sequence
+        decoded together); a pass's activations are bounded by its token count whatever it holds."""
+        layer_bytes = tuple(sequences * layer_kv_bytes(config, i, context_length, kv)
+                            for i in range(config.num_layers))
         return cls(kv, on_cpu, layer_bytes, activation_bytes(config, context_length))
 
     def on_gpu(self) -> list[int]:

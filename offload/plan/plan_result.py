@@ -32,7 +32,7 @@ class Plan:
     ring_bytes: int  # (prefetch_depth + 1) slots
     kv_type: str  # the KV cache's type (kv_types.KV_TYPES)
     kv_on_cpu: bool  # every layer's cache in RAM, the GPU layers' too
-    kv_bytes: int  # the whole KV cache at context_length
+    kv_bytes: int  # the whole KV cache at context_length: every sequence's
     kv_gpu_bytes: int  # of kv_bytes, the GPU layers' caches, held on the GPU; the rest is in RAM
     activation_bytes: int  # RAM kept within cpu_budget for the largest pass's activations
     budget_bytes: dict[str, int]  # gpu_budget, cpu_budget as used (defaults resolved)
@@ -46,6 +46,7 @@ class Plan:
     prompt_tokens: int
     notes: tuple[str, ...]  # assumptions behind the figures
     experts: ExpertPlacement | None = None  # a MoE model's experts: their home, their cache
+    sequences: int = 1  # KV caches of context_length positions: the sequences decoded together
 
     @property
     def predicted_prefill_tps(self) -> float | None:
@@ -61,7 +62,7 @@ class Plan:
         return {key: value for key, value in asdict(self).items()
                 if key in ("groups", "gpu_layers", "resident_layers", "streamed_layers", "prefetch_depth",
                            "ring_bytes", "kv_type", "kv_on_cpu", "kv_bytes", "kv_gpu_bytes",
-                           "activation_bytes", "budget_bytes", "used_bytes", "context_length")}
+                           "activation_bytes", "budget_bytes", "used_bytes", "context_length", "sequences")}
 
     def weight_bytes(self) -> dict[str, int]:
         """used_bytes less the KV cache: the weights held per tier (and read from disk)."""
@@ -105,7 +106,8 @@ class Plan:
                        f"{len(self.streamed_layers)} streamed from disk every token"),
             *([("experts", _describe_experts(self.experts))] if self.experts else []),
             ("prefetch ring", ring),
-            ("context", f"{self.context_length} positions"),
+            ("context", f"{self.context_length} positions"
+                        + (f" in each of {self.sequences} sequences" if self.sequences > 1 else "")),
             ("KV cache", f"{self.kv_type}, {size(self.kv_bytes)}: {size(self.kv_gpu_bytes)} on GPU, "
                          f"{size(self.kv_bytes - self.kv_gpu_bytes)} in RAM"
                          + (" (kv_on_cpu: the CPU attends)" if self.kv_on_cpu else "")),

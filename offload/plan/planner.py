@@ -70,6 +70,7 @@ CPU-GPU activation copies, prefill attention on the GPU.
 """
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from tierflow.errors import BudgetError, ContextLengthError
 from tierflow.kv_types import DEFAULT_KV_TYPE, KV_TYPES, KVType
@@ -149,9 +150,10 @@ ProfileSource = HardwareProfile | Callable[[], HardwareProfile]
 
 def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu_budget: int, cpu_budget: int,
               context_length: int, prompt_tokens: int | None = None, kv: KVType = KV_TYPES[DEFAULT_KV_TYPE],
-              kv_on_cpu: bool = False) -> Plan:
+              kv_on_cpu: bool = False, sequences: int = 1) -> Plan:
     """The plan for a model file under budgets the caller resolved (runtime/loader.py), with a KV
-    cache of type kv for context_length positions (the caller checked it against the model's).
+    cache of type kv for context_length positions (the caller checked it against the model's) for
+    each of `sequences` sequences decoded together.
     A budget that cannot work raises PlanBudgetError (a BudgetError) naming the smallest that
     would. profile may be a function, called only when the placement needs the machine's speeds.
     prompt_tokens (default 512, at most the context) is the prefill prediction's prompt."""
@@ -164,7 +166,7 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
         raise ContextLengthError(f"prompt_tokens must be 1..{context_length} (the context), "
                                  f"got {prompt_tokens}")
     globals_, layers = sizes.globals, sizes.layers
-    cache = CacheFootprint.of(config, context_length, kv, kv_on_cpu)
+    cache = CacheFootprint.of(config, context_length, kv, kv_on_cpu, sequences)
     fits = not gpu_budget and sizes.total_bytes <= cache.ram(cpu_budget, ()).room
     if callable(profile) and not fits:
         profile = profile()
@@ -188,8 +190,9 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
                                 context_length)
     prefill, decode = (None, None) if costs is None else timings(layout, globals_, layers, costs,
                                                                  prompt_tokens, context_length, stages)
-    return _assemble(model, sizes, layout, experts, (prefill, decode), cache, gpu_budget, cpu_budget,
+    plan = _assemble(model, sizes, layout, experts, (prefill, decode), cache, gpu_budget, cpu_budget,
                      context_length, prompt_tokens, costs.notes if costs else ())
+    return replace(plan, sequences=sequences)
 
 
 def resident_plan(model: ModelFile, sizes: PackSizes, *, on_gpu: bool, gpu_budget: int, cpu_budget: int,

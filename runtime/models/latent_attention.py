@@ -23,7 +23,7 @@ import torch
 from tierflow.cpu_kernels.hadamard import cache_rotation_sizes, hadamard
 from tierflow.cpu_kernels.kv_layout import check_pass_fits, decode, encode, kv_type_of, read_rows, write_rows
 from tierflow.cpu_kernels.reference import apply_rope, visible_slots
-from tierflow.runtime.model import Activations, LayerPass, Weights
+from tierflow.runtime.model import Activations, LayerPass, SequencePass, Weights
 
 QUERY_CHUNK = 64  # new tokens scored at a time: the scores of a pass are at most H x 64 x S floats
 
@@ -38,10 +38,12 @@ def latent_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
                                               w.kv_a_norm, cfg.rms_norm_eps))  # [T, L]
     key_rope = apply_rope(compressed[None, :, latent_width:], cos, sin, style)[0]  # [T, R]
     rows = torch.cat([key_rope, latent], dim=-1)  # [T, R + L]: what the cache holds
-    rotation = cache_rotation_sizes(kv_type_of(p.keys, rows.shape[1]), cfg.cache_rows)[0]  # 0: none
+    rotation = cache_rotation_sizes(kv_type_of(p.sequences[0].keys, rows.shape[1]), cfg.cache_rows)[0]
     queries = hadamard(_absorbed_queries(p, w, x, cos, sin), rotation)  # [H, T, R + L]
-    seen = _store_and_read(p, hadamard(rows, rotation))  # [S, R + L], rotated as stored
-    out = hadamard(_attend(p, queries, seen), rotation)  # [H, T, L]
+    rows = hadamard(rows, rotation)  # as stored (0: no rotation)
+    out = torch.cat([_attend(p, s, queries[:, s.rows], _store_and_read(s, rows[s.rows]))  # [S, R + L] seen
+                     for s in p.sequences], dim=1)
+    out = hadamard(out, rotation)  # [H, T, L]
     value_b = torch.as_tensor(w.v_b).view(cfg.num_heads, -1, latent_width)  # [H, V, L]
     heads_out = torch.bmm(out, value_b.transpose(1, 2))  # [H, T, V]
     return w.wo(kernels.take(heads_out.transpose(0, 1).reshape(x.shape[0], -1).contiguous()))
@@ -64,25 +66,25 @@ def _absorbed_queries(p: LayerPass, w: Weights, x: Activations, cos: torch.Tenso
     return torch.cat([q_rope, q_latent], dim=-1)
 
 
-def _store_and_read(p: LayerPass, rows: torch.Tensor) -> torch.Tensor:
+def _store_and_read(s: SequencePass, rows: torch.Tensor) -> torch.Tensor:
     """Writes the new tokens' rows (rotated where the type is) at their slots, then reads back
     (dequantized) every slot from held_from to the pass's last: [S, R + L]."""
-    keys, values = torch.as_tensor(p.keys), torch.as_tensor(p.values)  # [1, C/16, R + L, 16], [1, C, 0]
+    keys, values = torch.as_tensor(s.keys), torch.as_tensor(s.values)  # [1, C/16, R + L, 16], [1, C, 0]
     capacity, tokens = values.shape[1], rows.shape[0]
     kv = kv_type_of(keys, rows.shape[1])
-    first_slot = p.start if p.parents is None or p.tree_start is None else p.tree_start
-    check_pass_fits(capacity, p.start, tokens, first_slot, 0, p.held_from)
-    new = torch.arange(p.start, p.start + tokens, device=keys.device) % capacity
+    first_slot = s.start if s.parents is None or s.tree_start is None else s.tree_start
+    check_pass_fits(capacity, s.start, tokens, first_slot, 0, s.held_from)
+    new = torch.arange(s.start, s.start + tokens, device=keys.device) % capacity
     write_rows(keys, values, new, encode(rows[None].to(keys.device), kv), values[:, new])
-    seen = torch.arange(p.held_from, p.start + tokens, device=keys.device) % capacity
+    seen = torch.arange(s.held_from, s.start + tokens, device=keys.device) % capacity
     return decode(read_rows(keys, values, seen)[0][0], kv).to(rows.device)
 
 
-def _attend(p: LayerPass, queries: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of the queries [H, T, R + L] over the rows seen [S, R + L], whose latent
-    part are the values: [H, T, L]. Scores are made QUERY_CHUNK tokens at a time."""
+def _attend(p: LayerPass, s: SequencePass, queries: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of one sequence's queries [H, T, R + L] over the rows it has seen [S, R + L],
+    whose latent part are the values: [H, T, L]. Scores are made QUERY_CHUNK tokens at a time."""
     cfg, tokens = p.config, queries.shape[1]
-    visible = visible_slots(p.start, tokens, p.parents, p.tree_start, 0, p.held_from)[:, p.held_from:]
+    visible = visible_slots(s.start, tokens, s.parents, s.tree_start, 0, s.held_from)[:, s.held_from:]
     mask = torch.from_numpy(np.ascontiguousarray(visible)).to(queries.device)  # [T, S]
     values = seen[:, cfg.rope_dim:]  # [S, L]
     outputs = []

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Activations, Kernels, LayerPass, Linear, Weights, concat
+from tierflow.runtime.model import Activations, Kernels, LayerPass, Linear, Weights, concat, stack_rows
 
 FFN = Callable[[LayerPass, Weights, Activations, Activations], Activations]  # (p, w, h, residual)
 QKNorm = Callable[[LayerPass, Weights, Activations], Activations]  # qkv -> qkv
@@ -55,10 +55,12 @@ def attention(p: LayerPass, w: Weights, x: Activations, qk_norm: QKNorm | None =
     if qk_norm is not None:
         qkv = qk_norm(p, w, qkv)
     sinks = w.fields.get("attn_sinks")
-    out = p.kernels.attention(qkv, p.keys, p.values, p.cos, p.sin, cfg.num_heads, p.start,
-                              cfg.rope_style == "neox", p.parents, p.tree_start, cfg.window(p.layer_idx),
-                              cfg.query_scale, cfg.attn_logit_softcap, p.held_from, sinks)
-    return w.wo(out)
+    outs = [p.kernels.attention(qkv[s.rows], s.keys, s.values, p.cos[s.rows], p.sin[s.rows], cfg.num_heads,
+                                s.start, cfg.rope_style == "neox", s.parents, s.tree_start,
+                                cfg.window(p.layer_idx), cfg.query_scale, cfg.attn_logit_softcap, s.held_from,
+                                sinks)
+            for s in p.sequences]
+    return w.wo(stack_rows(outs))
 
 
 def norm_whole_projections(p: LayerPass, w: Weights, qkv: Activations) -> Activations:

@@ -7,7 +7,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from typing import IO
 
 import httpx
 import uvicorn
@@ -38,19 +39,20 @@ def running_server(engine, **settings) -> Iterator[str]:
 
 
 @contextmanager
-def serve_command(*options: str) -> Iterator[str]:
+def serve_command(*options: str, log: IO[str] | None = None) -> Iterator[str]:
     """`tierflow serve` in its own process, as a user runs it; yields its base URL once /health
-    answers. Its log goes to a file: a pipe nobody reads would fill and stop the server."""
+    answers, and stops it (SIGTERM: a graceful shutdown) when the block ends. Its output goes to
+    `log` (by default a temporary file): a pipe nobody reads would fill and stop the server."""
     port = free_port()
     command = [sys.executable, "-m", "tierflow.cli.app", "serve", "--port", str(port), *options]
-    with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=log, text=True)
+    with nullcontext(log) if log is not None else tempfile.TemporaryFile("w+") as output:
+        server = subprocess.Popen(command, stdout=output, stderr=output, text=True)
         url = f"http://127.0.0.1:{port}"
         try:
             while not _answers(f"{url}/health"):
                 if server.poll() is not None:
-                    log.seek(0)
-                    raise AssertionError(f"tierflow serve exited: {log.read()}")
+                    output.seek(0)
+                    raise AssertionError(f"tierflow serve exited: {output.read()}")
                 time.sleep(0.1)
             yield url
         finally:

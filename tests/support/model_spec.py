@@ -185,6 +185,8 @@ class ModelSpec:
     embedding_type: str = "Q8_0"     # token_embd.weight (a mix: typed as the mix types it)
     expert_type: str | None = None   # the routed experts' stacked tensors (gpt-oss: MXFP4);
                                      # None: weight_type
+    pooling_type: int | None = None  # {arch}.pooling_type, llama.cpp's enum (0 none, 1 mean, 2 cls,
+                                     # 3 last, 4 rank); None: not written
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -310,6 +312,8 @@ class ModelSpec:
                              f"{self.rope_scaling_factor}")
         if self.llama3_rope_freqs and not ARCHS[self.arch].rope_freqs:
             raise ValueError(f"llama.cpp reads no rope_freqs tensor for arch {self.arch!r}")
+        if self.pooling_type is not None and not 0 <= self.pooling_type <= 4:
+            raise ValueError(f"pooling_type must be one of llama.cpp's 0..4, got {self.pooling_type}")
 
     def _row_lengths(self) -> tuple[int, ...]:
         """Every weight_type row length: matrices' inputs, the FFN's and experts' down rows."""
@@ -577,6 +581,8 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
     if spec.rope_scaling == "yarn":
         original = int(spec.context_length / spec.rope_scaling_factor)
         metadata.append((f"{arch}.rope.scaling.original_context_length", u32(original)))
+    if spec.pooling_type is not None:
+        metadata.append((f"{arch}.pooling_type", u32(spec.pooling_type)))
     if ARCHS[arch].latent_attention:
         return _latent_metadata(spec, metadata)
     return metadata + _gemma_metadata(spec)
