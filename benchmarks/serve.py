@@ -12,8 +12,10 @@ first; the median is reported. The server's overhead per token is the difference
 per-token times.
 
 With --clients, the server runs with --parallel set to the most clients, and each count of clients
-sends its chats at once (streaming, greedy, each a different question); the aggregate rate is all
-their generated tokens over the time from the first request to the last answer's end, and its
+sends its chats at once (streaming, greedy, each a different question, its end tokens banned by a
+logit_bias so that every answer runs to --max-tokens, as llama.cpp's batched-bench runs fixed
+lengths); the aggregate rate is all their generated tokens over the time from the first request
+to the last answer's end, and its
 ratio against one client's is what batching the sequences gains (one sweep of the weights serves
 every sequence). --streamed serves the F32 copy of the bundled model with a quarter of its layers
 in RAM, the rest read from disk every pass (benchmarks/speculative.py's setting), where one
@@ -103,8 +105,9 @@ def start_server(model: str | None, threads: int, *options: str) -> tuple[subpro
     raise SystemExit("tierflow serve did not start")
 
 
-def together(client: OpenAI, clients: int, max_tokens: int) -> tuple[float, int]:
-    """Aggregate generated tokens/s of `clients` chats sent at once, and their tokens."""
+def together(client: OpenAI, clients: int, max_tokens: int, no_end: dict[str, int]) -> tuple[float, int]:
+    """Aggregate generated tokens/s of `clients` chats sent at once, and their tokens; no_end (a
+    logit_bias) keeps each from ending before max_tokens, so that all run the whole time."""
     tokens = [0] * clients
     start = threading.Barrier(clients + 1)
 
@@ -112,7 +115,8 @@ def together(client: OpenAI, clients: int, max_tokens: int) -> tuple[float, int]
         start.wait()
         chunks = client.chat.completions.create(
             model="tierflow", messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-            stream=True, max_tokens=max_tokens, temperature=0, stream_options={"include_usage": True})
+            stream=True, max_tokens=max_tokens, temperature=0, stream_options={"include_usage": True},
+            logit_bias=no_end)
         for chunk in chunks:
             if chunk.usage:
                 tokens[i] = chunk.usage.completion_tokens
@@ -145,8 +149,14 @@ def concurrency(args) -> None:
     server, port = start_server(model, args.threads, *options)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600)
     try:
-        together(client, 1, 4)  # warm-up
-        rates = {n: [together(client, n, args.max_tokens)[0] for _ in range(args.repeats)] for n in counts}
+        no_end = {str(token): -100 for token in end_tokens(model)}
+        together(client, 1, 4, no_end)  # warm-up
+        rates, shared = {}, {}
+        for n in counts:
+            before = batched(port)
+            rates[n] = [together(client, n, args.max_tokens, no_end)[0] for _ in range(args.repeats)]
+            passes, sequences = (now - then for now, then in zip(batched(port), before))
+            shared[n] = sequences / passes if passes else 0.0
     finally:
         server.terminate()
         server.wait()
@@ -154,10 +164,31 @@ def concurrency(args) -> None:
     setting = "streamed F32 copy, a quarter resident" if args.streamed else "resident"
     print(f"{setting}; threads {args.threads}; {args.max_tokens} tokens per client; "
           f"--parallel {max(counts)}; median of {args.repeats}")
-    print(f"{'clients':>8}{'aggregate tok/s':>17}{'x one client':>14}")
+    print(f"{'clients':>8}{'aggregate tok/s':>17}{'x one client':>14}{'sequences per pass':>20}")
     for n in counts:
         rate = statistics.median(rates[n])
-        print(f"{n:>8}{rate:>17.1f}{rate / one:>13.2f}x")
+        print(f"{n:>8}{rate:>17.1f}{rate / one:>13.2f}x{shared[n]:>20.2f}")
+
+
+def end_tokens(model: str | None) -> frozenset[int]:
+    """The model's end-of-generation token ids."""
+    from tierflow.offload.gguf.model_file import open_model_file
+    from tierflow.offload.gguf.model_path import resolve_model_path
+    from tierflow.runtime.loader import load_tokenizer
+
+    with open_model_file(resolve_model_path(model)) as opened:
+        tokenizer = load_tokenizer(opened)
+    try:
+        return tokenizer.eog_ids
+    finally:
+        tokenizer.close()
+
+
+def batched(port: int) -> tuple[int, int]:
+    """The server's (passes, sequences served) so far, from /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = dict(line.split() for line in text.splitlines() if line and not line.startswith("#"))
+    return tuple(int(float(values[f"tierflow_batched_{kind}_total"])) for kind in ("passes", "sequences"))
 
 
 def median(samples: list[Sample], field: str) -> float:

@@ -95,6 +95,7 @@ class ServerGauges:
     weight_bytes: dict[str, int]  # per tier: gpu, cpu, disk (read every pass)
     expert_hits: int | None = None  # a model whose experts stream: its expert cache's demand uses
     expert_misses: int | None = None
+    batched_passes: tuple[int, int] = (0, 0)  # (passes, sequences they served): Engine.batched_passes
 
 
 def engine_gauges(engine: "Engine", requests_running: int, requests_queued: int) -> ServerGauges:
@@ -105,7 +106,8 @@ def engine_gauges(engine: "Engine", requests_running: int, requests_queued: int)
     if engine.expert_stats is not None:
         layers = list(engine.expert_stats.layers.values())  # one copy: the compute thread adds layers
         hits, misses = sum(layer.hits for layer in layers), sum(layer.misses for layer in layers)
-    return ServerGauges(requests_running, requests_queued, engine.kv_cache_bytes, weights, hits, misses)
+    return ServerGauges(requests_running, requests_queued, engine.kv_cache_bytes, weights, hits, misses,
+                        engine.batched_passes)
 
 
 class ServerMetrics:
@@ -154,6 +156,11 @@ def _families(metrics: ServerMetrics, gauges: ServerGauges) -> Iterator[str]:
     yield _family("kv_cache_bytes", "gauge", "bytes the KV cache holds", [({}, gauges.kv_cache_bytes)])
     yield _family("weight_bytes", "gauge", "weight bytes per tier (disk: read every pass)",
                   [({"tier": tier}, held) for tier, held in sorted(gauges.weight_bytes.items())])
+    passes, sequences = gauges.batched_passes
+    yield _family("batched_passes", "counter", "passes over the weights run for the parallel sequences",
+                  [({}, passes)])
+    yield _family("batched_sequences", "counter", "sequences those passes served (per pass: how many "
+                  "requests shared a sweep of the weights)", [({}, sequences)])
     if gauges.expert_hits is not None:
         yield from _expert_families(gauges.expert_hits, gauges.expert_misses)
 

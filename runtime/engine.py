@@ -441,6 +441,14 @@ class Engine:
         return self._slots.size
 
     @property
+    def batched_passes(self) -> tuple[int, int]:
+        """(passes, sequences they served) since the load, with parallel > 1: how well generations
+        running together shared their passes; (0, 0) with one sequence."""
+        if self._batcher is None:
+            return 0, 0
+        return self._batcher.passes, self._batcher.sequences_served
+
+    @property
     def kv_cache_bytes(self) -> int:
         """The bytes the KV caches hold, every layer's of every sequence, wherever they are."""
         self._check_open()

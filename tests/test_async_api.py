@@ -2,6 +2,8 @@
 cancellation, and engines that give back everything when closed."""
 
 import asyncio
+import ctypes
+import gc
 import threading
 import time
 
@@ -139,11 +141,18 @@ def test_loading_and_closing_twenty_times_keeps_memory_flat(tmp_path):
         with Engine.load(path, threads=1, context_length=256) as engine:
             engine.generate("Hi", max_tokens=2)
 
+    def resident_bytes() -> int:
+        """RSS once freed memory is handed back: the C allocator keeps freed blocks, and how many
+        it keeps depends on what ran before (tens of MB after some test files), not on a leak."""
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return process.memory_info().rss
+
     for _ in range(3):  # allocator and caches settle
         load_generate_close()
-    settled = process.memory_info().rss
+    settled = resident_bytes()
     threads = threading.active_count()
     for _ in range(17):
         load_generate_close()
-    assert process.memory_info().rss - settled < 60_000_000  # one load holds ~70 MB of weights
+    assert resident_bytes() - settled < 60_000_000  # one load holds ~70 MB of weights
     assert threading.active_count() <= threads
