@@ -1,7 +1,8 @@
 """One generation as an object: iterate its text pieces (sync or async), cancel it, read its result.
 
-A Stream holds the engine (`Engine.exclusive`) while it generates, so generations run one at a
-time; a stream cancelled while it waits for the engine ends at once without computing anything.
+A Stream holds a sequence's slot of the engine (`Engine.exclusive`) while it generates, so as many
+generations run together as the engine has slots (one by default); a stream cancelled while it
+waits for a slot ends at once without computing anything.
 Between two pieces a stream is suspended, still holding the engine, and its consumer may leave it
 there: a stream that is dropped (`break` out of its loop, `return` from inside it) is freed at
 once and lets go of the engine, since nothing refers to it but its consumer (the generator that
@@ -10,10 +11,11 @@ weakly). `close()`, `engine.cancel()` and `engine.close()` end a suspended strea
 and a generation asked for in the very thread a stream is suspended in ends that stream (it could
 never resume while its own thread waits).
 
-An AsyncStream runs its Stream on the engine's compute thread and hands pieces to the event loop,
-which never blocks on the model. One long-lived compute thread, not a thread per request: torch's
-OpenMP pool belongs to the thread that calls it, and a fresh thread ran the decoder's small matmuls
-10-20% slower.
+An AsyncStream runs its Stream on one of the engine's compute threads (one per slot) and hands
+pieces to the event loop, which never blocks on the model. Long-lived threads, not a thread per
+request: torch's OpenMP pool belongs to the thread that calls it, and a fresh thread ran the
+decoder's small matmuls 10-20% slower (with several slots the passes themselves run on the pass
+batcher's one thread).
 """
 
 import asyncio
