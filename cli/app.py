@@ -183,9 +183,11 @@ def serve(model: ModelOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
           allow_context_extension: ExtendOpt = False) -> None:
-    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /metrics and a chat
-    page. The address is bound before the model loads, so one that is taken fails at once."""
-    from tierflow.cli.server import ServerSettings, listening
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models),
+    /metrics and a chat page. The address is bound before the model loads, so one that is taken
+    fails at once."""
+    from tierflow.cli.listen import listening
+    from tierflow.cli.server import ServerSettings
     from tierflow.cli.server import serve as serve_forever
 
     settings = ServerSettings(host=host, port=port, api_key=api_key, cors_origins=tuple(cors_origin or ()),

@@ -17,15 +17,13 @@ header and the log say; only one whose kept messages do not fit gets the 400.
 """
 
 import asyncio
-import errno
 import gc
 import ipaddress
-import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -33,9 +31,10 @@ from typing import TypeVar
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from tierflow.cli.answers import EventStream, events, unless_disconnected, whole_answer
 from tierflow.cli.guards import ApiKeyGuard, HostGuard, JsonBodyGuard, OriginGuard
 from tierflow.cli.metrics import (
     LOG_LEVELS,
@@ -61,7 +60,7 @@ from tierflow.errors import ContextLengthError, InvalidArgumentError, TierflowEr
 from tierflow.runtime.chat_template import start_render_workers
 from tierflow.runtime.context_shift import fit_chat
 from tierflow.runtime.engine import Engine
-from tierflow.runtime.streams import AsyncStream, GenerationResult
+from tierflow.runtime.streams import AsyncStream
 from tierflow.runtime.structured import Grammar
 from tierflow.runtime.tool_calls import ToolCallStream
 from tierflow.runtime.tool_prompt import ToolRequest
@@ -71,7 +70,6 @@ PUBLIC_PATHS = frozenset({"/health", "/"})  # no API key: the page holds no data
 CHARS_PER_POSITION = 16  # the default prompt character limit per context position: 4x typical text
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -132,41 +130,6 @@ def serve(engine: Engine, settings: ServerSettings, sockets: list[socket.socket]
                             log_config=log_config(settings.log_level), log_level=settings.log_level,
                             access_log=False)
     uvicorn.Server(config).run(sockets=sockets)
-
-
-@contextmanager
-def listening(settings: ServerSettings) -> Iterator[list[socket.socket]]:
-    """The server's address bound, each of the host's (a name may have an IPv4 and an IPv6 one) as
-    asyncio's create_server binds them, until the block ends. One that cannot be bound is an
-    InvalidArgumentError naming it and what to do, rather than uvicorn's log line and exit code 1;
-    binding before a model loads makes that error come at once."""
-    sockets: list[socket.socket] = []
-    try:
-        try:
-            for family, kind, proto, _, address in dict.fromkeys(socket.getaddrinfo(
-                    settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
-                sockets.append(socket.socket(family, kind, proto))
-                sockets[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait
-                if family == socket.AF_INET6:
-                    sockets[-1].setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sockets[-1].bind(address)
-        except OSError as error:
-            raise InvalidArgumentError(_bind_failure(settings, error)) from None
-        yield sockets
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _bind_failure(settings: ServerSettings, error: OSError) -> str:
-    where = settings.url.removeprefix("http://").rstrip("/")
-    if error.errno == errno.EADDRINUSE:
-        return f"{where} is already in use (by another server?); choose another port with --port"
-    if error.errno == errno.EACCES:
-        return f"no permission to listen on {where} (ports below 1024 need privileges); choose another " \
-               "port with --port"
-    return f"cannot listen on {where}: {error.strerror or error}; --host must be an address of this " \
-           "machine (127.0.0.1, the default; 0.0.0.0 for all of its addresses)"
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
@@ -332,10 +295,10 @@ class _Generations:
         trace: RequestTrace = getattr(request.state, TRACE_KEY)
         trace.stream, trace.context_shift = astream, None if prompt is None else prompt.shift
         if body.stream and astream is not None:  # the stream frees the slot when it ends
-            events = _events(astream, reply, body.include_usage, param, trace, self._tool_stream(tools))
-            return _EventStream(events, astream, release, headers)
+            sent = events(astream, reply, body.include_usage, param, trace, self._tool_stream(tools))
+            return EventStream(sent, astream, release, headers)
         try:
-            return await _whole_answer(request, astream, reply, param, headers, trace,
+            return await whole_answer(request, astream, reply, param, headers, trace,
                                        partial(self.engine.with_tool_calls, tools=tools))
         finally:
             release()
@@ -380,7 +343,7 @@ class _Generations:
         if isinstance(source, _Prompt):
             return source
         try:
-            return await _unless_disconnected(request, _on_worker_thread(partial(source, max_tokens)))
+            return await unless_disconnected(request, _on_worker_thread(partial(source, max_tokens)))
         except TierflowError as error:
             raise engine_error(error, param) from None
 
@@ -463,132 +426,6 @@ async def _on_worker_thread(work: Callable[[], T]) -> T:
     except asyncio.CancelledError:
         await asyncio.wait([future])
         raise
-
-
-async def _whole_answer(request: Request, astream: AsyncStream | None, reply: Reply, param: str,
-                        headers: dict[str, str], trace: RequestTrace,
-                        with_tool_calls: Callable[[GenerationResult], GenerationResult]) -> Response:
-    """The answer of a request that does not stream, or 499 once its client has left (astream is
-    None if it left while its prompt was tokenized)."""
-    try:
-        result = None if astream is None else await _unless_disconnected(request, _collect(astream, trace))
-    except Exception as error:
-        raise _generation_error(error, param) from None
-    if result is None:
-        return Response(status_code=499)  # nobody is listening; nginx's code for it, for the log
-    if result.finish_reason == "cancelled":
-        raise ApiError(503, "the generation was cancelled (the server is stopping)", type="server_error")
-    return JSONResponse(reply.response(with_tool_calls(result)), headers=headers)
-
-
-async def _collect(astream: AsyncStream, trace: RequestTrace) -> GenerationResult | None:
-    async for _ in astream:
-        trace.first_piece()
-    return astream.result
-
-
-async def _unless_disconnected(request: Request, work: Awaitable) -> object | None:
-    """work's result, or None if the client disconnects first: work is then cancelled (which
-    cancels a generation) and waited for."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
-    return None if task.cancelled() else task.result()
-
-
-async def _disconnect(request: Request) -> None:
-    # The body has been read, so the next message the server sends is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _events(astream: AsyncStream, reply: Reply, include_usage: bool, param: str,
-                  trace: RequestTrace, tool_stream: ToolCallStream | None = None) -> AsyncIterator[str]:
-    """Server-sent events: the role (chat), the text pieces, the tool calls, the finish, the usage,
-    [DONE]; or, once something fails, an error event (OpenAI's error body) that ends the stream.
-    With a tool_stream, text that may be a call forming is held back until it is known."""
-    if reply.chat:
-        yield _sse(reply.role_chunk())
-    num_pieces = num_chars = num_logprobs = 0  # streamed so far
-    held = []  # logprobs of pieces held back (a tool call may be forming): sent with the next text
-    try:
-        async for piece in astream:
-            trace.first_piece()
-            logprobs = astream.piece_logprobs(num_pieces)
-            num_pieces += 1
-            if tool_stream is not None:
-                piece = tool_stream.push(piece)
-            if logprobs is not None:
-                held, logprobs = held + logprobs, held + logprobs
-            if piece:
-                yield _sse(reply.text_chunk(piece, logprobs, num_chars))
-                num_chars, num_logprobs, held = num_chars + len(piece), num_logprobs + len(held), []
-    except Exception as error:
-        yield _sse(_generation_error(error, param).body())
-        return
-    result = astream.result
-    if result is None or result.finish_reason == "cancelled":
-        yield _sse(ApiError(503, "the generation was cancelled", type="server_error").body())
-        return
-    if tool_stream is not None:
-        chunks, result = _tool_call_chunks(tool_stream, reply, result)
-        for chunk in chunks:
-            yield _sse(chunk)
-    rest = None if result.logprobs is None else result.logprobs[num_logprobs:]
-    yield _sse(reply.final_chunk(result, rest or None, num_chars))
-    if include_usage:
-        yield _sse(reply.usage_chunk(result))
-    yield "data: [DONE]\n\n"
-
-
-def _tool_call_chunks(tool_stream: ToolCallStream, reply: Reply,
-                      result: GenerationResult) -> tuple[list[dict], GenerationResult]:
-    """The chunks of what the tool stream held back (content, calls), and the result with the calls."""
-    parsed = tool_stream.finish()
-    chunks = [reply.text_chunk(parsed.content)] if parsed.content else []
-    if not parsed.tool_calls:
-        return chunks, result
-    return chunks + reply.tool_call_chunks(parsed.tool_calls), replace(
-        result, tool_calls=parsed.tool_calls, finish_reason="tool_calls")
-
-
-def _generation_error(error: Exception, param: str) -> ApiError:
-    """The API error for a generation that failed after it started."""
-    if isinstance(error, ApiError):
-        return error
-    if isinstance(error, TierflowError):
-        return engine_error(error, param)
-    log.error("a generation failed", exc_info=error)
-    return ApiError(500, "the generation failed (an internal error; the server's log has the details)",
-                    type="server_error")
-
-
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that, however it ends (finished, client gone, never started), cancels its
-    generation and frees its queue slot. Starlette cancels the body's task on disconnect."""
-
-    def __init__(self, events: AsyncIterator[str], astream: AsyncStream, release: Callable[[], None],
-                 headers: dict[str, str]):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-        self._astream, self._release = astream, release
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._astream.cancel()
-            self._release()
 
 
 def _add_error_handlers(app: FastAPI) -> None:
