@@ -15,11 +15,12 @@ With --clients, the server runs with --parallel set to the most clients, and eac
 sends its chats at once (streaming, greedy, each a different question, its end tokens banned by a
 logit_bias so that every answer runs to --max-tokens, as llama.cpp's batched-bench runs fixed
 lengths); the aggregate rate is all their generated tokens over the time from the first request
-to the last answer's end, and its
-ratio against one client's is what batching the sequences gains (one sweep of the weights serves
-every sequence). --streamed serves the F32 copy of the bundled model with a quarter of its layers
-in RAM, the rest read from disk every pass (benchmarks/speculative.py's setting), where one
-sweep shared by all is worth the most.
+to the last answer's end, and its ratio against one client's is what batching the sequences gains
+(one sweep of the weights serves every sequence). llama.cpp decodes the same counts of sequences
+batched in one context, as llama-server's slots do (benchmarks/llama_batched.py), in the same run.
+--streamed serves the F32 copy of the bundled model with a quarter of its layers in RAM, the rest
+read from disk every pass (benchmarks/speculative.py's setting), where one sweep shared by all is
+worth the most.
 """
 
 import argparse
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
+from benchmarks.llama_batched import batched_rates
 from tierflow import Engine
 
 MESSAGES = [{"role": "user", "content": "Write a detailed story about a lighthouse keeper."}]
@@ -160,14 +162,18 @@ def concurrency(args) -> None:
     finally:
         server.terminate()
         server.wait()
+    llama = batched_rates(model, counts, args.max_tokens, args.threads)
     one = statistics.median(rates[1])
     setting = "streamed F32 copy, a quarter resident" if args.streamed else "resident"
     print(f"{setting}; threads {args.threads}; {args.max_tokens} tokens per client; "
-          f"--parallel {max(counts)}; median of {args.repeats}")
-    print(f"{'clients':>8}{'aggregate tok/s':>17}{'x one client':>14}{'sequences per pass':>20}")
+          f"--parallel {max(counts)}; median of {args.repeats}; llama.cpp: the same sequences batched "
+          f"in-process{', the whole file in RAM' if args.streamed else ''}")
+    print(f"{'clients':>8}{'aggregate tok/s':>17}{'x one client':>14}{'sequences per pass':>20}"
+          f"{'llama.cpp tok/s':>17}{'x one':>7}{'x llama.cpp':>13}")
     for n in counts:
         rate = statistics.median(rates[n])
-        print(f"{n:>8}{rate:>17.1f}{rate / one:>13.2f}x{shared[n]:>20.2f}")
+        print(f"{n:>8}{rate:>17.1f}{rate / one:>13.2f}x{shared[n]:>20.2f}{llama[n]:>17.1f}"
+              f"{llama[n] / llama[1]:>6.2f}x{rate / llama[n]:>12.2f}x")
 
 
 def end_tokens(model: str | None) -> frozenset[int]:
