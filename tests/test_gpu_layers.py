@@ -14,6 +14,7 @@ import torch
 from tests.support.gpu import load_gpu_kernels_or_skip
 from tests.support.kv_shift import shifted_and_fresh_keys, text_ids, within_float_error
 from tests.support.make_model import ModelSpec, write_model
+from tests.support.together import generate_together
 from tierflow import Engine
 from tierflow.errors import BudgetError
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
@@ -61,6 +62,17 @@ def test_layers_on_the_gpu_give_the_cpu_tokens_and_logits(models, name):
         got = engine.logits(engine.tokenize(PROMPT) + tokens)
     assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
     assert np.abs(got - logits).mean() < 0.005 * np.abs(logits).max()
+
+
+@pytest.mark.parametrize("kv_on_cpu", [False, True])
+def test_generations_run_together_on_gpu_layers_each_give_their_own_tokens(models, kv_on_cpu):
+    prompts = [PROMPT, "Once upon a time"]
+    with Engine.load(models["llama-Q8_0"], threads=2, context_length=CONTEXT, gpu_memory="64MiB",
+                     parallel=2, kv_on_cpu=kv_on_cpu, **GPU) as engine:
+        alone = [engine.generate(prompt, max_tokens=TOKENS, temperature=0).tokens for prompt in prompts]
+        passes_before = engine.batched_passes[0]
+        assert generate_together(engine, prompts, max_tokens=TOKENS, temperature=0) == alone
+        assert engine.batched_passes[0] - passes_before < 2 * (TOKENS + 1)  # shared, not taken in turn
 
 
 def test_activations_cross_between_gpu_and_cpu_layers(models):

@@ -1,11 +1,10 @@
 """Several generations at once: each in its own sequence's slot with its own KV cache, their
 passes batched into one sweep of the weights, each answer the one it gets alone."""
 
-import threading
-
 import numpy as np
 import pytest
 
+from tests.support.together import generate_together
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError
 from tierflow.runtime.kv_cache import KVCache
@@ -30,19 +29,7 @@ def alone(engine):
 
 def run_together(engine: Engine, prompts: list[str], **kwargs) -> list[list[int]]:
     """Each prompt's greedy tokens, the generations started together from threads."""
-    tokens = [None] * len(prompts)
-    start = threading.Barrier(len(prompts))
-
-    def generate(i: int) -> None:
-        start.wait()
-        tokens[i] = engine.generate(prompts[i], max_tokens=TOKENS, temperature=0, **kwargs).tokens
-
-    threads = [threading.Thread(target=generate, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return tokens
+    return generate_together(engine, prompts, max_tokens=TOKENS, temperature=0, **kwargs)
 
 
 def test_a_batched_pass_computes_each_sequence_bit_for_bit_as_alone(engine):
