@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,7 @@ from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.structured import Grammar, GrammarMatcher, grammar_for, grammar_vocabulary
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
-from tierflow.runtime.tool_calls import ToolFormat, parse_tool_calls, tool_format
+from tierflow.runtime.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls, tool_format
 from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
 from tierflow.speculative.placement import load_draft
 from tierflow.speculative.speculator import Speculator, check_draft_options, make_speculator
@@ -224,23 +225,31 @@ class Engine:
         max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
         return Stream(self, prompt_ids, sampler, max_tokens, TextStream(stops), context_shift)
 
-    def chat(self, messages: list[dict], *, tools: list[dict] | None = None,
-             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
-             **kwargs) -> GenerationResult:
-        """Generates the assistant's reply to messages, using the model's chat template.
+    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        """Generates the assistant's reply to messages, using the model's chat template (keywords:
+        chat_stream's)."""
+        stream = self.chat_stream(messages, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def chat_stream(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+                    **kwargs) -> Stream:
+        """chat() as a Stream of text pieces (keywords: stream's, and the tools').
 
         tools, tool_choice and parallel_tool_calls are OpenAI's (runtime/tool_prompt.py): the
         tools go to the template, and the calls the answer makes come back parsed in the
-        result's tool_calls (finish_reason "tool_calls"; text is the content around them). A
-        call that does not parse stays text. Messages may hold assistant tool_calls and "tool"
-        results, as OpenAI's do."""
+        result's tool_calls (finish_reason "tool_calls"; text is the content around them), their
+        text held back from the pieces. A call that does not parse stays text. Messages may hold
+        assistant tool_calls and "tool" results, as OpenAI's do."""
         request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
-        result = self.generate(self.tokenize_chat(messages, tools=request),
-                               **self._with_tool_grammar(request, kwargs))
-        return self.with_tool_calls(result, request)
-
-    def chat_stream(self, messages: list[dict], **kwargs) -> Stream:
-        return self.stream(self.tokenize_chat(messages), **kwargs)
+        prompt_ids = self.tokenize_chat(messages, tools=request)
+        stream = self.stream(prompt_ids, **self._with_tool_grammar(request, kwargs))
+        if request is not None and request.offered:
+            stream.offer_tools(ToolCallStream(self.tool_format, request.names),
+                               partial(self.with_tool_calls, tools=request))
+        return stream
 
     def cancel(self) -> None:
         """Stops the running generations (from any thread); each returns what it has so far. A
@@ -299,17 +308,16 @@ class Engine:
         """stream() for asyncio: `async for piece in engine.astream(...)`."""
         return AsyncStream(self.stream(prompt, **kwargs), self._compute)
 
-    async def achat(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
-                    **kwargs) -> GenerationResult:
+    async def achat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """chat() for asyncio."""
-        request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
-        result = await self.agenerate(self.tokenize_chat(messages, tools=request),
-                                      **self._with_tool_grammar(request, kwargs))
-        return self.with_tool_calls(result, request)
+        stream = self.achat_stream(messages, **kwargs)
+        async for _ in stream:
+            pass
+        return stream.result
 
     def achat_stream(self, messages: list[dict], **kwargs) -> AsyncStream:
-        return self.astream(self.tokenize_chat(messages), **kwargs)
+        """chat_stream() for asyncio."""
+        return AsyncStream(self.chat_stream(messages, **kwargs), self._compute)
 
     # -- tokens and scores -----------------------------------------------------------------
 

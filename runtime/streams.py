@@ -21,7 +21,7 @@ batcher's one thread).
 import asyncio
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,7 +30,7 @@ from tierflow.runtime.generation import GenerationStats, PrefillProgress, genera
 from tierflow.runtime.logprobs import TokenLogprob, token_logprob
 from tierflow.runtime.sampler import Sampler
 from tierflow.runtime.text_stream import TextStream
-from tierflow.runtime.tool_calls import ToolCall
+from tierflow.runtime.tool_calls import ToolCall, ToolCallStream
 
 if TYPE_CHECKING:
     from tierflow.runtime.engine import Engine
@@ -64,11 +64,22 @@ class _Generation:
     context_shift: bool = False  # the prompt may reuse a shifted cache (TokenGenerator.prefill)
     logprobs: list[TokenLogprob] | None = None  # one per token, when the sampler records them
     piece_ends: list[int] = field(default_factory=list)  # len(tokens) as each piece was handed out
+    # A chat with tools offered: the text that may be a call is held back from the pieces, and
+    # the result gets the calls parsed out (Stream.offer_tools).
+    tool_text: ToolCallStream | None = None
+    with_tool_calls: Callable[[GenerationResult], GenerationResult] | None = None
 
     def finish(self, finish_reason: str) -> None:
         if self.result is None:
-            self.result = GenerationResult(self.text.text, self.tokens, finish_reason, self.stats,
-                                           self.logprobs)
+            result = GenerationResult(self.text.text, self.tokens, finish_reason, self.stats, self.logprobs)
+            self.result = result if self.with_tool_calls is None else self.with_tool_calls(result)
+
+    def content(self, text: str, last: bool = False) -> str:
+        """Of the text, what goes out as content now (all of it without tools offered)."""
+        if self.tool_text is None:
+            return text
+        content = self.tool_text.push(text)
+        return content + self.tool_text.finish().content if last else content
 
     def record_logprobs(self, token: int) -> None:
         """The entry of the token just appended, if logprobs were asked for."""
@@ -98,6 +109,12 @@ class Stream:
     @property
     def result(self) -> GenerationResult | None:
         return self._run.result
+
+    def offer_tools(self, tool_text: ToolCallStream,
+                    with_tool_calls: Callable[[GenerationResult], GenerationResult]) -> None:
+        """Makes this a chat with tools (before its first piece): text that may be a call is held
+        back from the pieces until it is known, and the result has the calls parsed out."""
+        self._run.tool_text, self._run.with_tool_calls = tool_text, with_tool_calls
 
     @property
     def tokens(self) -> list[int]:
@@ -175,7 +192,7 @@ def _pieces(run: _Generation, stream: weakref.ReferenceType) -> Iterator[str]:
             finish = yield from _generate(run, generator)
         finally:
             run.stats.peak_weight_bytes = engine.weights.peak_bytes_by_tier()
-    tail = run.text.flush()
+    tail = run.content(run.text.flush(), last=True)
     run.finish(finish)
     if tail:
         yield run.piece(tail)  # text held back until the end, released after the engine
@@ -192,7 +209,7 @@ def _generate(run: _Generation, generator) -> Iterator[str]:
         for token in tokens:
             run.tokens.append(token)
             run.record_logprobs(token)
-            piece = run.text.push(engine.tokenizer.token_bytes(token))
+            piece = run.content(run.text.push(engine.tokenizer.token_bytes(token)))
             if piece:
                 yield run.piece(piece)
             if run.text.stopped:

@@ -258,6 +258,23 @@ def test_achat_with_a_named_function_returns_its_call(engine):
     assert result.finish_reason == "tool_calls" and [c.name for c in result.tool_calls] == ["get_time"]
 
 
+def test_chat_stream_holds_a_call_back_from_its_pieces_and_gives_it_in_the_result(engine):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    stream = engine.chat_stream([{"role": "user", "content": "Time?"}], tools=[WEATHER, TIME],
+                                tool_choice=choice, temperature=0, max_tokens=40)
+    pieces = "".join(stream)
+    assert stream.result.finish_reason == "tool_calls"
+    assert [call.name for call in stream.result.tool_calls] == ["get_time"]
+    assert "get_time" not in pieces and pieces == stream.result.text
+
+
+def test_chat_stream_without_a_call_streams_the_answer_whole(engine):
+    stream = engine.chat_stream([{"role": "user", "content": "Say hello."}], tools=[WEATHER], temperature=0,
+                                max_tokens=8)
+    pieces = "".join(stream)
+    assert stream.result.tool_calls is None and pieces == stream.result.text
+
+
 # -- checks --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("parameters", ["a string", {"type": "string"}, {"properties": [1]}, [1, 2]])
