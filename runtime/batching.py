@@ -57,6 +57,12 @@ class PassBatcher:
                 self._in_flight -= 1
                 self._changed.notify_all()
 
+    @property
+    def waiting(self) -> int:
+        """Passes asked for and not yet begun."""
+        with self._changed:
+            return len(self._pending)
+
     def run(self, item: SequenceInput) -> np.ndarray:
         """The logits of one sequence's pass (Decoder.forward's), computed in the next batch."""
         done: Future = Future()
@@ -80,17 +86,34 @@ class PassBatcher:
             if batch is None:
                 return
             started = time.perf_counter()
-            try:
-                results = self.decoder.forward_batch([item for item, _ in batch])
-            except BaseException as error:  # each generation handles it as its own pass's failure
-                for _, done in batch:
-                    done.set_exception(error)
-            else:
-                for (_, done), logits in zip(batch, results):
-                    done.set_result(logits)
+            self._compute(batch)
             self._last_pass_s = time.perf_counter() - started
             self.passes += 1
             self.sequences_served += len(batch)
+
+    def _compute(self, batch: list[tuple[SequenceInput, Future]]) -> None:
+        """Runs a batch, each generation given its logits or its pass's failure. A batch that
+        fails is run again one sequence at a time, from where each cache was: one generation's
+        failure (a bad request, memory it alone needs) fails no other generation's pass."""
+        items = [item for item, _ in batch]
+        lengths = [item.cache.length for item in items]
+        try:
+            results = self.decoder.forward_batch(items)
+        except Exception as error:
+            if len(batch) == 1:
+                batch[0][1].set_exception(error)
+                return
+            for (item, _), length in zip(batch, lengths):
+                item.cache.truncate(length)
+            for entry in batch:
+                self._compute([entry])
+            return
+        except BaseException as error:  # an interrupt: every generation ends with it
+            for _, done in batch:
+                done.set_exception(error)
+            return
+        for (_, done), logits in zip(batch, results):
+            done.set_result(logits)
 
     def _next_batch(self) -> list[tuple[SequenceInput, Future]] | None:
         with self._changed:

@@ -1,12 +1,15 @@
 """Several generations at once: each in its own sequence's slot with its own KV cache, their
 passes batched into one sweep of the weights, each answer the one it gets alone."""
 
+import threading
+
 import numpy as np
 import pytest
 
 from tests.support.together import generate_together
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError
+from tierflow.runtime.batching import PassBatcher
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import SequenceInput
 
@@ -62,6 +65,58 @@ def test_a_batched_pass_mixes_a_decode_step_a_prefill_and_a_token_tree(engine):
     for one, batched in zip(alone, together):
         np.testing.assert_array_equal(one, batched)
     assert [item.cache.length for item in inputs] == [len(ids) + 1, len(ids), len(ids) + 3]
+
+
+class FailingWith:
+    """A decoder whose pass fails whenever it holds one given cache's sequence, and whose first
+    pass waits for `go`: what is asked for meanwhile forms the next batch."""
+
+    def __init__(self, decoder, poisoned: KVCache):
+        self.decoder, self.poisoned, self.batch_sizes = decoder, poisoned, []
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def forward_batch(self, inputs: list[SequenceInput]) -> list[np.ndarray]:
+        if not self.batch_sizes:
+            self.entered.set()
+            self.go.wait()
+        self.batch_sizes.append(len(inputs))
+        if any(item.cache is self.poisoned for item in inputs):
+            raise ValueError("this sequence's pass fails")
+        return self.decoder.forward_batch(inputs)
+
+
+def test_a_pass_that_fails_for_one_sequence_fails_no_other(engine):
+    decoder, config = engine._generator.decoder, engine.config
+    ids = np.array(engine.tokenize(PROMPTS[0]))
+    poisoned, healthy = KVCache(config, 64), KVCache(config, 64)
+    failing = FailingWith(decoder, poisoned)
+    batcher = PassBatcher(failing, lambda: None)
+    outcomes = {}
+
+    def run(name: str, cache: KVCache) -> None:
+        try:
+            outcomes[name] = batcher.run(SequenceInput(ids, cache))
+        except ValueError as error:
+            outcomes[name] = error
+
+    caches = {"first": KVCache(config, 64), "poisoned": poisoned, "healthy": healthy}
+    threads = [threading.Thread(target=run, args=item) for item in caches.items()]
+    try:
+        threads[0].start()
+        failing.entered.wait()
+        for thread in threads[1:]:
+            thread.start()
+        while batcher.waiting < 2:  # both asked while the first pass runs: the next batch holds both
+            threading.Event().wait(0.001)
+        failing.go.set()
+        for thread in threads:
+            thread.join()
+    finally:
+        batcher.close()
+    assert failing.batch_sizes[:2] == [1, 2]  # they were batched, and the batch failed
+    assert isinstance(outcomes["poisoned"], ValueError)
+    np.testing.assert_array_equal(outcomes["healthy"], decoder.forward(ids, KVCache(config, 64)))
+    assert (healthy.length, poisoned.length) == (len(ids), 0)
 
 
 def test_generations_run_together_each_give_their_own_greedy_answer(parallel_engine, alone):
