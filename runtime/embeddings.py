@@ -19,8 +19,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
-from tierflow.errors import UnsupportedModelError
+from tierflow.errors import BudgetError, UnsupportedModelError
 from tierflow.kv_types import MAX_PASS_TOKENS
 from tierflow.runtime.config import Metadata
 from tierflow.runtime.generation import TokenGenerator
@@ -63,6 +64,11 @@ def embed_inputs(generator: TokenGenerator, inputs: list[list[int]], pooling: st
                 pooled[batch[0]] = _pool(_hidden_chunks(generator, inputs[batch[0]]), pooling)
             else:
                 pooled[batch] = _embed_together(generator, [inputs[i] for i in batch], pooling)
+    except torch.OutOfMemoryError as error:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the failed pass held goes back, for the next one
+        raise BudgetError("the GPU ran out of memory in an embedding pass: its layers leave too little "
+                          "room for activations; lower gpu_memory") from error
     finally:
         generator.keep(0)
     if normalize:

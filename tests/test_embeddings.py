@@ -5,10 +5,18 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from tests.support.make_model import ModelSpec, write_f32_copy, write_model
 from tests.support.oracle import LONG_TEXT, PROMPTS
-from tierflow import ContextLengthError, Engine, InvalidArgumentError, ModelFileError, UnsupportedModelError
+from tierflow import (
+    BudgetError,
+    ContextLengthError,
+    Engine,
+    InvalidArgumentError,
+    ModelFileError,
+    UnsupportedModelError,
+)
 from tierflow.kv_types import MAX_PASS_TOKENS
 from tierflow.runtime.embeddings import model_pooling, pass_batches
 
@@ -203,3 +211,17 @@ def test_a_malformed_input_is_an_invalid_argument(engine, inputs, message):
 def test_normalize_must_be_a_bool(engine):
     with pytest.raises(InvalidArgumentError, match="normalize"):
         engine.embed("Hello", normalize="yes")
+
+
+def test_a_gpu_out_of_memory_while_embedding_is_a_budget_error_and_the_engine_goes_on(engine,
+                                                                                      monkeypatch):
+    expected = engine.embed("hello")
+
+    def out_of_memory(item):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(engine._generator, "run_pass", out_of_memory)
+        with pytest.raises(BudgetError, match="ran out of memory in an embedding pass"):
+            engine.embed("hello")
+    np.testing.assert_array_equal(engine.embed("hello"), expected)
