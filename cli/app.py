@@ -26,6 +26,7 @@ from tierflow.cli.options import (
     MaxTokensOpt,
     MinPOpt,
     ModelOpt,
+    ParallelOpt,
     PenaltyOpt,
     SeedOpt,
     StopOpt,
@@ -175,9 +176,7 @@ def serve(model: ModelOpt = None,
           no_context_shift: Annotated[bool, option(
               "--no-context-shift", help="refuse a chat longer than the context, as OpenAI's API does, "
               "rather than drop its oldest turns")] = False,
-          parallel: Annotated[Optional[int], option(
-              "--parallel", "-np", help="requests generated together, each with its own KV cache "
-              "(default: 4, 2 or 1, the most the budgets hold with 4096 positions each)")] = None,
+          parallel: ParallelOpt = None,
           log_level: LogLevelOpt = "info",
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",

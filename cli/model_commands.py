@@ -18,6 +18,7 @@ from tierflow.cli.options import (
     KvTypeOpt,
     ModelArg,
     ModelOpt,
+    ParallelOpt,
     ThreadsOpt,
     option,
 )
@@ -63,20 +64,24 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
          cpu_memory: CpuOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None, kv_type: KvTypeOpt = None,
          kv_on_cpu: KvOnCpuOpt = False, allow_context_extension: ExtendOpt = False,
+         parallel: ParallelOpt = None,
          prompt_tokens: Annotated[Optional[int], option(
              "--prompt-tokens", help="prompt length of the prefill prediction (default: 512, at most the "
              "context); decode is predicted with the context full")] = None,
          as_json: Annotated[bool, option("--json", help="print the plan as JSON")] = False) -> None:
     """Show where each layer would live and compute, the memory it and its KV cache take, the
     context and the predicted tokens/s, before anything loads (reads the header and the cached
-    hardware profile)."""
+    hardware profile). --parallel N plans N sequences' KV caches, as `tierflow serve --parallel N`
+    loads them (default here: one)."""
     from tierflow.offload.plan.profile import profile_path
+    from tierflow.runtime.arguments import check_parallel
     from tierflow.runtime.loader import CacheOptions, plan_file, thread_count
 
     threads = thread_count(threads)
     if not profile_path(threads).exists():
         err.print("measuring this machine once for the planner (tierflow probe), about 20 s", soft_wrap=True)
-    cache = CacheOptions(ctx, kv_type, kv_on_cpu, allow_context_extension)
+    sequences = check_parallel(1 if parallel is None else parallel)
+    cache = CacheOptions(ctx, kv_type, kv_on_cpu, allow_context_extension, sequences)
     result = plan_file(model or model_opt, threads=threads, gpu_memory=gpu_memory, cpu_memory=cpu_memory,
                        cache=cache, prompt_tokens=prompt_tokens)
     if as_json:

@@ -25,6 +25,9 @@ KvTypeOpt = Annotated[Optional[str], option(
     "--kv-type", help="KV cache type: f16 (default), f32, q8_0 or q4_0 (llama.cpp's -ctk/-ctv)")]
 KvOnCpuOpt = Annotated[bool, option(
     "--kv-on-cpu", help="keep every layer's KV cache in RAM, the GPU layers' too (llama.cpp's -nkvo)")]
+ParallelOpt = Annotated[Optional[int], option(
+    "--parallel", "-np", help="requests generated together, each with its own KV cache (serve's default: "
+    "4, 2 or 1, the most the budgets hold with 4096 positions each)")]
 ExtendOpt = Annotated[bool, option(
     "--allow-context-extension", help="allow a --ctx past the model's trained context")]
 DraftOpt = Annotated[Optional[str], option(

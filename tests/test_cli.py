@@ -155,6 +155,17 @@ def test_a_default_context_shortened_to_fit_is_said_once_on_stderr():
     assert len(notes) == 1 and "note: context:" in notes[0]
 
 
+def test_plan_with_parallel_counts_each_sequences_kv_cache():
+    plans = [json.loads(tierflow("plan", "--ctx", "512", "--json", *options).stdout)
+             for options in ((), ("--parallel", "3"))]
+    assert plans[1]["sequences"] == 3 and plans[1]["kv_bytes"] == 3 * plans[0]["kv_bytes"]
+
+
+def test_a_bad_parallel_count_is_refused_naming_it():
+    done = tierflow("plan", "--parallel", "0")
+    assert done.returncode == 2 and "parallel must be" in done.stderr
+
+
 def test_the_kv_cache_options_are_read_from_the_command_line_and_the_environment():
     done = tierflow("plan", "--ctx", "512", "--kv-on-cpu", "--json", env={"TIERFLOW_KV_TYPE": "q8_0"})
     assert done.returncode == 0, done.stderr
