@@ -3,7 +3,7 @@
 import threading
 import time
 
-from tierflow.offload.io.buffer_pool import BufferPool
+from tierflow.offload.io.buffer_pool import BufferPool, BufferPoolClosed
 from tierflow.offload.io.disk import ALIGNMENT
 
 PAGE = ALIGNMENT
@@ -40,3 +40,21 @@ def test_take_waits_within_the_budget_until_a_buffer_comes_back():
     pool.give(held[0])
     waiter.join(timeout=5)
     assert taken == [held[0]] and pool.mapped_bytes == 2 * PAGE
+
+
+def test_closing_ends_a_take_that_waits_for_a_buffer():
+    pool = BufferPool(PAGE)
+    pool.take(PAGE)  # held for good: nothing will come back
+    outcome = []
+
+    def wait_for_one() -> None:
+        try:
+            pool.take(PAGE)
+        except BufferPoolClosed as error:
+            outcome.append(error)
+
+    waiter = threading.Thread(target=wait_for_one)
+    waiter.start()
+    pool.close()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and len(outcome) == 1

@@ -63,6 +63,7 @@ class ExpertStore(ExpertTier):
         return self.cache.budget_bytes
 
     def close(self) -> None:
+        self.buffers.close()  # a read waiting for a buffer ends instead of holding the shutdown
         self._reader.shutdown(wait=True, cancel_futures=True)
 
     def _route(self, layer_idx: int, expert_tokens: dict[int, int]

@@ -18,6 +18,10 @@ import threading
 from tierflow.offload.io.disk import aligned_buffer, aligned_size
 
 
+class BufferPoolClosed(RuntimeError):
+    """A buffer was asked of a closed pool (a read abandoned as its store closed)."""
+
+
 class BufferPool:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
@@ -25,12 +29,15 @@ class BufferPool:
         self.peak_mapped_bytes = 0  # the most mapped_bytes has been since reset_peak()
         self._free: dict[int, list[mmap.mmap]] = {}  # by size
         self._returned = threading.Condition()
+        self._closed = False
 
     def take(self, nbytes: int) -> mmap.mmap:
         """A buffer of at least nbytes (rounded up as aligned_buffer rounds), its old contents kept."""
         size = aligned_size(nbytes)
         with self._returned:
             while True:
+                if self._closed:
+                    raise BufferPoolClosed("the buffer pool is closed: its reads were abandoned")
                 if self._free.get(size):
                     return self._free[size].pop()
                 if self.mapped_bytes + size > self.budget_bytes:
@@ -41,6 +48,13 @@ class BufferPool:
                     break
                 self._returned.wait()
         return aligned_buffer(size)
+
+    def close(self) -> None:
+        """Ends every take() waiting for a buffer (with BufferPoolClosed), and any later one: a read
+        still waiting when its store closes would otherwise wait forever, and the close with it."""
+        with self._returned:
+            self._closed = True
+            self._returned.notify_all()
 
     def reset_peak(self) -> None:
         with self._returned:
