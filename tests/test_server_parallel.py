@@ -1,12 +1,11 @@
 """Parallel clients of a real server, each with the official openai client: each gets its own
 answer, the one the engine gives it alone."""
 
-import threading
-
 import pytest
 from openai import OpenAI
 
 from tests.support.live_server import running_server
+from tests.support.together import run_together
 from tierflow import Engine
 
 QUESTIONS = ["Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a planet."]
@@ -26,25 +25,15 @@ def chat(question: str) -> list[dict]:
 
 def ask_together(url: str, stream: bool) -> list[str]:
     """Each question's answer, all sent at once from their own clients."""
-    answers = [None] * len(QUESTIONS)
-    start = threading.Barrier(len(QUESTIONS))
-
-    def ask(i: int) -> None:
+    def ask(i: int) -> str:
         client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        start.wait()
         response = client.chat.completions.create(model="m", messages=chat(QUESTIONS[i]), max_tokens=TOKENS,
                                                   temperature=0, stream=stream)
         if stream:
-            answers[i] = "".join(chunk.choices[0].delta.content or "" for chunk in response if chunk.choices)
-        else:
-            answers[i] = response.choices[0].message.content
+            return "".join(chunk.choices[0].delta.content or "" for chunk in response if chunk.choices)
+        return response.choices[0].message.content
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(QUESTIONS))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return answers
+    return run_together(ask, len(QUESTIONS))
 
 
 @pytest.fixture(scope="module")
