@@ -235,16 +235,19 @@ def q3_k_codes(blocks: np.ndarray) -> np.ndarray:
     return q
 
 
-def q3_k_scales(blocks: np.ndarray) -> np.ndarray:
-    """The sixteen sub-block scales d * (s - 32) [B, 16] float32, ggml's product. Six-bit s: low
-    nibble from byte j (j < 8) or the high nibble of byte j - 8; top 2 bits from bits 2(j // 4)
-    of byte 8 + j % 4."""
+def q3_k_scale_codes(blocks: np.ndarray) -> np.ndarray:
+    """The sixteen six-bit sub-block scale codes s [B, 16] uint8: low nibble from byte j (j < 8) or
+    the high nibble of byte j - 8; top 2 bits from bits 2(j // 4) of byte 8 + j % 4."""
     scales = blocks["scales"]
     low = np.concatenate([scales[:, :8] & 0x0F, scales[:, :8] >> 4], axis=1)
     high = scales[:, None, 8:] >> _TWO_BIT_PLANES  # B, j // 4, j % 4
     high &= 0x03
-    six_bit = low | (high.reshape(-1, 16) << 4)
-    return _half(blocks, "d") * (six_bit.astype(np.float32) - 32)
+    return low | (high.reshape(-1, 16) << 4)
+
+
+def q3_k_scales(blocks: np.ndarray) -> np.ndarray:
+    """The sixteen sub-block scales d * (s - 32) [B, 16] float32, ggml's product."""
+    return _half(blocks, "d") * (q3_k_scale_codes(blocks).astype(np.float32) - 32)
 
 
 # 110 bytes: y = (d * (s - 32)) * (c - 4), one six-bit s per 16 weights
@@ -309,14 +312,18 @@ def _decode_iq4_nl(blocks: np.ndarray, out: np.ndarray) -> None:
     out *= _half(blocks, "d")
 
 
-def iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
-    """d * (ls - 32) [B, 8] float32 per 32 weights: ls's low nibble from scales_l[i // 2] (low
-    nibble first), its top 2 bits from bits 2i of scales_h."""
+def iq4_xs_scale_codes(blocks: np.ndarray) -> np.ndarray:
+    """The six-bit ls [B, 8] uint8 per 32 weights: the low nibble from scales_l[i // 2] (low
+    nibble first), the top 2 bits from bits 2i of scales_h."""
     low = np.empty((len(blocks), 4, 2), np.uint8)
     _unpack_nibbles(blocks["scales_l"], low[:, :, 0], low[:, :, 1])
     high = (blocks["scales_h"][:, None] >> (2 * np.arange(8, dtype=np.uint16))) & 0x03
-    six_bit = low.reshape(-1, 8) | (high.astype(np.uint8) << 4)
-    return _half(blocks, "d") * (six_bit.astype(np.float32) - 32)
+    return low.reshape(-1, 8) | (high.astype(np.uint8) << 4)
+
+
+def iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """d * (ls - 32) [B, 8] float32 per 32 weights, ggml's product."""
+    return _half(blocks, "d") * (iq4_xs_scale_codes(blocks).astype(np.float32) - 32)
 
 
 # 136 bytes: y = (d * (ls - 32)) * table[nibble], one six-bit ls per 32 weights

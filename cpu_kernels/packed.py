@@ -1,12 +1,12 @@
 """The packed weight format: the bytes the CPU kernels read directly, one layout for every tier.
 
 A weight matrix W [N rows, K columns] with, per row and per group of `group` columns,
-`w = scale * q + min` (see quant_groups.py) is stored as three arrays. Rows are padded with zero
-weights to whole tiles of 64 (TILE_ROWS); T = ceil(N / 64) tiles, G = K / group groups.
+`w = scale * q + min` (see quant_groups.py) is stored as codes plus the scales that turn them
+into weights. Rows are padded with zero weights to whole tiles of 64 (TILE_ROWS); T = ceil(N / 64)
+tiles, G = K / group groups. Every format holds no more bytes than the GGUF type it comes from
+(TQ1_0, whose base-3 packing is 1.6 bits a weight, is the one exception: 2 bits here).
 
-    scales  float16 [T, G, 64]    scale of (tile t, group g, row r)
-    mins    float16 [T, G, 64]    min of the same; absent (None) for int8 codes with no offset
-    data    one of two layouts, chosen by `bits`:
+Codes, `data`, in one of four layouts:
 
 bits 1..4, the LUT kernel (codes unsigned, 0 .. 2**bits - 1), uint8 [T, K / 8, bits, 64]:
     byte (t, o, p, r) holds bit p of the codes of row 64t + r in the 8 columns 8o .. 8o+7:
@@ -15,52 +15,97 @@ bits 1..4, the LUT kernel (codes unsigned, 0 .. 2**bits - 1), uint8 [T, K / 8, b
     Requires group % 8 == 0 and group <= the kernel's int16 overflow limit (LUT_MAX_GROUP: 1032,
     344, 144 and 64 columns at 1, 2, 3 and 4 bits).
 
-bits 8, the int8 kernel (codes signed), int8 [T, K / 4, 64, 4]:
+bits 8, width 8, the int8 kernel (codes signed), int8 [T, K / 4, 64, 4]:
     byte (t, c, r, j) is the code of row 64t + r, column 4c + j. Requires group % 4 == 0.
 
-bits 8 with a codebook (IQ4_NL, IQ4_XS: "iq4nl"; MXFP4: "mxfp4"), the int8 kernel on 4-bit
-indices into the codebook's 16 int8 codes (quant_groups.CODEBOOKS), uint8 [T, K / 8, 64, 4]:
-    byte (t, o, r, j) holds in its low nibble the index of row 64t + r, column 8o + j, in its high
-    nibble that of column 8o + 4 + j. So the low nibbles of a 256-byte block are the int8
-    layout's quad 2o and the high nibbles its quad 2o + 1: the kernel looks the codes up in
-    registers and computes exactly as on the int8 layout of the same codes, from half the bytes.
-    Requires group % 8 == 0.
+bits 8, width 4..6 (Q4_x, Q5_x, Q6_K), the int8 kernel on unsigned codes u = q + zero of `width`
+bits, uint8 [T, K / 8, 64, 4] holding their low nibbles, and for width 5 and 6 `high`, uint8
+[T, K * h / 32, 64, 4] (h = width - 4) holding the rest:
+    nibble byte (t, o, r, j) holds in its low nibble column 8o + j of row 64t + r, in its high
+    nibble column 8o + 4 + j: the low nibbles of a 256-byte block are the int8 layout's quad 2o,
+    the high nibbles its quad 2o + 1. High byte (t, b, r, j) holds at bits h*i .. h*i + h - 1 the
+    high bits of quad (8 / h) * b + i. The kernel assembles u in registers and subtracts zero:
+    exactly the int8 layout's arithmetic on the same codes, from width / 8 of its bytes.
+    Requires group % 8 == 0 (group % 32 == 0 with width 5).
 
-How GGUF types land here (quant_groups.py does the decoding):
-    Q4_0, Q4_1          4 bits, group 32: lossless
-    Q4_K                4 bits, group 32: scales d*sc and mins dmin*m rounded to float16
-    Q8_0, Q5_0          int8, group 32, no mins: lossless
-    Q5_1                int8, group 32, with mins: lossless
-    Q5_K                int8, group 32, with mins: d*sc and dmin*m rounded to float16
-    Q6_K                int8, group 16, no mins: d*sc rounded to float16
-    Q2_K                2 bits, group 16: scales d*(sc&15) and mins dmin*(sc>>4) rounded to float16
-    Q3_K                3 bits, group 16: scales d*(s-32) rounded to float16; mins -4 x scale, rounded
-                        alike (exactly -4 x the rounded scale unless that is a float16 subnormal)
-    TQ1_0, TQ2_0        2 bits, group 256 (one block): scale d, min -d: lossless
-    IQ4_NL              codebook iq4nl, group 32, no mins: lossless
-    IQ4_XS              codebook iq4nl, group 32, no mins: d*(ls-32) rounded to float16
-    MXFP4               codebook mxfp4, group 32, no mins: 2^(e-128) is exact in float16 from 2^-24
-                        to 2^15; a matrix with a larger scale becomes int8 codes, exact up to 2^18 by
-                        folding powers of two into them (quant_groups.py); a scale outside that is
-                        refused here, never rounded to 0 or inf
-Float16 holds d (a float16) times a 4- to 8-bit integer sub-scale to within 2^-11 relative, far
-below the quantization step itself; the Q4_0/Q4_1/Q8_0/Q5_x/IQ4_NL/MXFP4/TQ mappings are exact.
+bits 8 with a codebook (IQ4_NL, IQ4_XS: "iq4nl"; MXFP4: "mxfp4"), the int8 kernel on 4-bit
+indices into the codebook's 16 int8 codes (quant_groups.CODEBOOKS): the nibble layout above,
+each nibble an index, looked up in registers.
+
+Scales, in one of two forms:
+
+    scales  float16 [T, G, 64]    scale of (tile t, group g, row r)
+    mins    float16 [T, G, 64]    min of the same; None when the format has no offset: then the
+                                  min is the zero code's, -zero * scale (LUT codes; int8 codes
+                                  subtract zero instead and need no min)
+
+or, for the K-quants and IQ4_XS, the file's own two-level scales (`sub`, a SubPacking): per super
+block of S groups a float16 d (and dmin) per row, and per group a `sub.bits`-bit unsigned code,
+scale = d * (code - offset) and min = -(dmin * min code), ggml's float32 products exactly:
+
+    sub.supers  float16 [T, K / (S * group), 1 or 2, 64]   d (and dmin) of each row
+    sub.codes   uint8   [T, K / (S * group), B, 64]        each row's V = S (or 2S, with mins)
+                                                           codes, scale then min per group:
+        bits 8: byte v is code v (B = V); bits 4: byte i holds codes 2i (low nibble) and 2i + 1
+        (B = V / 2); bits 6: as bits 4 for their low nibbles, then V / 4 bytes whose byte i holds
+        the top 2 bits of codes 4i + k at bits 2k (B = 3V / 4).
+
+How GGUF types land here (quant_groups.py does the decoding), bytes per 256 weights as the file's:
+    Q4_0, Q5_0          width 4, 5, zero 8, 16; float16 scales, no mins       144, 176
+    Q4_1, Q5_1          width 4, 5; float16 scales and mins                   160, 192
+    Q8_0                width 8; float16 scales                               272
+    Q4_K, Q5_K          width 4, 5; sub: 6-bit scale and min per 32, d, dmin  144, 176
+    Q6_K                width 6, zero 32; sub: 8-bit scale (int8 + 128) per 16, d     210
+    Q2_K                2 bits (LUT); sub: 4-bit scale and min per 16, d, dmin        84
+    Q3_K                3 bits (LUT), zero 4; sub: 6-bit scale (s, offset 32) per 16, d   110
+    TQ2_0, TQ1_0        2 bits (LUT), group 256, zero 1; float16 scales       66 (TQ1_0's file: 54)
+    IQ4_NL              codebook iq4nl; float16 scales                        144
+    IQ4_XS              codebook iq4nl; sub: 6-bit scale (ls, offset 32) per 32, d    136
+    MXFP4               codebook mxfp4; float16 scales 2^(e-128), exact from 2^-24 to 2^15 (a
+                        matrix with a larger scale becomes int8 codes, exact up to 2^18 by folding
+                        powers of two into them: quant_groups.py); one outside that is refused
+                        here, never rounded to 0 or inf                       144 (the file's: 136)
+Every mapping is exact: the kernels compute with the file's own codes and ggml's own scales.
 
 Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from tierflow.cpu_kernels.quant_groups import CODEBOOKS, QuantGroups
+from tierflow.cpu_kernels.quant_groups import CODEBOOKS, QuantGroups, SubScales
 
 TILE_ROWS = 64
 # The C kernels' codebook ids (kernels.h's codebook_t): 0 is none, the int8 layout.
 CODEBOOK_IDS = {name: index + 1 for index, name in enumerate(CODEBOOKS)}
 LUT_BITS = (1, 2, 3, 4)
+NIBBLE_WIDTHS = (4, 5, 6)
+SUB_BITS = (4, 6, 8)
 # Per group, a row's int16 accumulator sums group/8 look-up pairs of up to 2*127, times 2^bits - 1.
 LUT_MAX_GROUP = {bits: 8 * (32767 // (254 * ((1 << bits) - 1))) for bits in LUT_BITS}
+
+
+@dataclass(frozen=True)
+class SubPacking:
+    """Two-level scales in the packed layout (see the module docstring)."""
+
+    codes: np.ndarray  # uint8 [T, S', B, 64]
+    supers: np.ndarray  # float16 [T, S', 1 or 2, 64]
+    bits: int  # 4, 6 or 8
+    offset: int
+    groups_per_super: int
+    with_mins: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.supers.nbytes
+
+
+def sub_code_bytes(bits: int, groups_per_super: int, with_mins: bool) -> int:
+    """B: the bytes of a row's sub-scale codes in one super block."""
+    values = groups_per_super * (2 if with_mins else 1)
+    return values if bits == 8 else values // 2 + (values // 4 if bits == 6 else 0)
 
 
 @dataclass(frozen=True)
@@ -70,9 +115,13 @@ class PackedMatrix:
     bits: int  # 1..4 (LUT kernel) or 8 (int8 kernel)
     group: int
     data: np.ndarray  # see the module docstring
-    scales: np.ndarray  # float16 [T, G, 64]
+    scales: np.ndarray | None  # float16 [T, G, 64]; None with sub
     mins: np.ndarray | None  # float16 [T, G, 64]
     codebook: str | None = None  # bits 8: data holds 4-bit indices into CODEBOOKS[codebook]
+    width: int = 8  # bits 8: 4..6 for unsigned codes in nibbles (+ high), 8 for int8 codes
+    zero: int = 0  # the code of a zero weight (LUT: min = -zero * scale without mins)
+    high: np.ndarray | None = None  # width 5, 6: the codes' high bits
+    sub: SubPacking | None = None  # two-level scales instead of scales and mins
 
     @property
     def tiles(self) -> int:
@@ -84,42 +133,69 @@ class PackedMatrix:
         return 0 if self.codebook is None else CODEBOOK_IDS[self.codebook]
 
     @property
+    def nibbles(self) -> bool:
+        """Whether data holds 4-bit nibbles the int8 kernel expands (a codebook's, or width 4..6)."""
+        return self.bits == 8 and (self.codebook is not None or self.width < 8)
+
+    @property
     def nbytes(self) -> int:
-        return self.data.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
+        return sum(0 if a is None else a.nbytes for a in (self.data, self.scales, self.mins, self.high)) + (
+            0 if self.sub is None else self.sub.nbytes)
 
     def codes(self) -> np.ndarray:
         """The codes q [N, K] (uint8 for LUT bits, int8 for 8: a codebook's entries), undoing the layout."""
-        if self.codebook is not None:
+        if self.bits == 8:
             q = self.int8_data().transpose(0, 2, 1, 3).reshape(self.tiles * TILE_ROWS, self.cols)
-        elif self.bits == 8:
-            q = self.data.transpose(0, 2, 1, 3).reshape(self.tiles * TILE_ROWS, self.cols)
         else:
-            bits = np.unpackbits(self.data[..., None], axis=-1, bitorder="little")  # [T, K/8, b, 64, 8]
-            weights = (1 << np.arange(self.bits, dtype=np.uint8))[None, None, :, None, None]
-            q = (bits * weights).sum(axis=2, dtype=np.uint8)  # [T, K/8, 64, 8]
-            q = q.transpose(0, 2, 1, 3).reshape(self.tiles * TILE_ROWS, self.cols)
+            q = _plane_codes(self.data, self.bits).transpose(0, 2, 1, 3).reshape(-1, self.cols)
         return q[: self.rows]
 
     def int8_data(self) -> np.ndarray:
-        """The data in the int8 layout, int8 [T, K/4, 64, 4]: the codes a codebook's indices select."""
-        if self.codebook is None:
-            return self.data
-        codes = CODEBOOKS[self.codebook][_split_nibbles(self.data)]  # [T, K/8, 64, 2, 4]
-        return codes.transpose(0, 1, 3, 2, 4).reshape(self.tiles, self.cols // 4, TILE_ROWS, 4)
+        """The data in the int8 layout, int8 [T, K/4, 64, 4]: the codes the kernel multiplies."""
+        return self._int8_quads(self.data, self.high)
 
-    def as_int8(self) -> "PackedMatrix":
-        """The matrix in the int8 layout (a copy when it has a codebook), for kernels that read only that."""
-        if self.codebook is None:
+    def _int8_quads(self, data: np.ndarray, high: np.ndarray | None) -> np.ndarray:
+        """[..., K/4 or K/8, R, 4] bytes of the data (and high) layout -> int8 quads [..., K/4, R, 4]."""
+        if not self.nibbles:
+            return data
+        quads = np.moveaxis(_split_nibbles(data), -2, -3)  # [..., K/8, 2, R, 4]
+        quads = quads.reshape(*quads.shape[:-4], self.cols // 4, *quads.shape[-2:])
+        if self.codebook is not None:
+            return CODEBOOKS[self.codebook][quads]
+        if high is not None:
+            quads = quads | (_high_bits(high, self.width - 4) << 4)
+        return (quads.astype(np.int16) - self.zero).astype(np.int8)
+
+    def expanded(self) -> "PackedMatrix":
+        """The matrix as int8 codes (or LUT planes) with float16 scales and mins per group: the layout
+        the GPU kernels read (more bytes; two-level scales rounded to float16)."""
+        simple = self.sub is None and not self.nibbles and (self.bits == 8 or self.mins is not None)
+        if simple:
             return self
-        return PackedMatrix(self.rows, self.cols, 8, self.group, self.int8_data(), self.scales, self.mins)
+        scales, mins = self.group_params()
+        keep_mins = self.bits != 8 or self.mins is not None or (self.sub is not None and self.sub.with_mins)
+        return PackedMatrix(self.rows, self.cols, self.bits, self.group, self.int8_data() if self.bits == 8
+                            else self.data, _tiled_params(_to_half(scales, "scale"), self.tiles),
+                            _tiled_params(_to_half(mins, "min"), self.tiles) if keep_mins else None)
 
     def group_params(self) -> tuple[np.ndarray, np.ndarray]:
-        """Float32 scales and mins [N, G] (mins zero where absent)."""
-        def unpad(a: np.ndarray) -> np.ndarray:
-            return a.transpose(0, 2, 1).reshape(-1, self.cols // self.group)[: self.rows].astype(np.float32)
+        """Float32 scales and mins [N, G] (mins the zero code's, or zero, where absent)."""
+        scales, mins = self._params(self.scales, self.mins, self.sub and (self.sub.codes, self.sub.supers))
+        return _rows_first(scales)[: self.rows], _rows_first(mins)[: self.rows]
 
-        scales = unpad(self.scales)
-        return scales, (np.zeros_like(scales) if self.mins is None else unpad(self.mins))
+    def _params(self, scales: np.ndarray | None, mins: np.ndarray | None,
+                sub: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+        """Float32 scales and mins [..., G, R] from the arrays of the scales' form."""
+        if sub is not None:
+            scales, mins = _sub_params(self.sub, *sub)
+            if mins is not None:
+                return scales, mins
+        else:
+            scales = scales.astype(np.float32)
+            if mins is not None:
+                return scales, mins.astype(np.float32)
+        zero = self.zero if self.bits != 8 else 0
+        return scales, (scales * np.float32(-zero) if zero else np.zeros_like(scales))
 
     def dequantize(self) -> np.ndarray:
         """The float32 weights [N, K] the kernels compute with."""
@@ -132,21 +208,70 @@ class PackedMatrix:
         if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
             raise IndexError(f"row ids must be in 0..{self.rows - 1}")
         tile, row = np.divmod(ids, TILE_ROWS)
-        groups = self.cols // self.group
-        if self.codebook is not None:
-            indices = _split_nibbles(self.data[tile, :, row, :])  # [n, K/8, 2, 4]
-            q = CODEBOOKS[self.codebook][indices].reshape(len(ids), self.cols).astype(np.float32)
-        elif self.bits == 8:
-            q = self.data[tile, :, row, :].reshape(len(ids), self.cols).astype(np.float32)
+
+        def rows(array: np.ndarray | None, row_axis: int) -> np.ndarray | None:
+            """array's rows (tile, row), each as a tile of one row: [n, ..., 1, ...]."""
+            if array is None:
+                return None
+            index = [tile] + [slice(None)] * (array.ndim - 1)
+            index[row_axis] = row
+            picked = array[tuple(index)]  # [n, ...] with the row axis gone, advanced index first
+            return np.expand_dims(picked, row_axis)
+
+        if self.bits == 8:
+            q = self._int8_quads(rows(self.data, 2), rows(self.high, 2))  # [n, K/4, 1, 4]
         else:
-            planes = self.data[tile, :, :, row]  # [n, K/8, bits]
-            bits = np.unpackbits(planes[..., None], axis=-1, bitorder="little")  # [n, K/8, b, 8]
-            weights = (1 << np.arange(self.bits, dtype=np.uint8))[None, None, :, None]
-            q = (bits * weights).sum(axis=2, dtype=np.uint8).reshape(len(ids), self.cols).astype(np.float32)
-        scales = self.scales[tile, :, row].astype(np.float32)
-        mins = 0.0 if self.mins is None else self.mins[tile, :, row].astype(np.float32)[..., None]
-        q = q.reshape(len(ids), groups, self.group) * scales[..., None] + mins
+            q = _plane_codes(rows(self.data, 3), self.bits)  # [n, K/8, 1, 8]
+        q = q.reshape(len(ids), self.cols).astype(np.float32)
+        sub = self.sub and (rows(self.sub.codes, 3), rows(self.sub.supers, 3))
+        scales, mins = (a[..., 0] for a in self._params(rows(self.scales, 2), rows(self.mins, 2), sub))
+        q = q.reshape(len(ids), -1, self.group) * scales[..., None] + mins[..., None]
         return q.reshape(len(ids), self.cols)
+
+
+def _rows_first(params: np.ndarray) -> np.ndarray:
+    """[T, G, 64] -> [T * 64, G]."""
+    return params.transpose(0, 2, 1).reshape(-1, params.shape[1])
+
+
+def _plane_codes(planes: np.ndarray, bits: int) -> np.ndarray:
+    """LUT bit planes [..., K/8, bits, R] -> codes [..., K/8, R, 8]."""
+    unpacked = np.unpackbits(planes[..., None], axis=-1, bitorder="little")  # [..., K/8, b, R, 8]
+    weights = (1 << np.arange(bits, dtype=np.uint8))[:, None, None]
+    return (unpacked * weights).sum(axis=-3, dtype=np.uint8)
+
+
+def _high_bits(high: np.ndarray, h: int) -> np.ndarray:
+    """High bytes [..., K*h/32, R, 4] -> each quad's h high bits [..., K/4, R, 4]."""
+    per_byte = 8 // h
+    shifts = (h * np.arange(per_byte, dtype=np.uint8))[:, None, None]
+    bits = (high[..., None, :, :] >> shifts) & ((1 << h) - 1)  # [..., K*h/32, 8/h, R, 4]
+    return bits.reshape(*high.shape[:-3], -1, *high.shape[-2:])
+
+
+def _sub_params(sub: "SubPacking", codes: np.ndarray, supers: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scales and mins [..., G, R] float32 from sub codes [..., S', B, R] and supers [..., S', 1|2, R]:
+    d * (code - offset) and -(dmin * min code), ggml's float32 products."""
+    values = sub.groups_per_super * (2 if sub.with_mins else 1)
+    if sub.bits == 8:
+        v = codes
+    else:
+        low = codes[..., : values // 2, :]  # [..., S', V/2, R]
+        v = np.stack([low & 0x0F, low >> 4], axis=-2).reshape(*low.shape[:-2], values, low.shape[-1])
+        if sub.bits == 6:
+            top = codes[..., values // 2:, :][..., None, :]  # [..., S', V/4, 1, R]
+            shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]
+            v = v | (((top >> shifts) & 3) << 4).reshape(v.shape)
+    v = v.reshape(*v.shape[:-2], sub.groups_per_super, 2 if sub.with_mins else 1, v.shape[-1])
+    d = supers[..., :1, :].astype(np.float32)  # [..., S', 1, R]
+    scale_codes = v[..., 0, :].astype(np.float32)
+    scales = d * (scale_codes - np.float32(sub.offset)) if sub.offset else d * scale_codes
+    merge = lambda a: a.reshape(*a.shape[:-3], -1, a.shape[-1])  # noqa: E731  [..., S', gps, R] -> G
+    if not sub.with_mins:
+        return merge(scales), None
+    mins = -(supers[..., 1:2, :].astype(np.float32) * v[..., 1, :].astype(np.float32))
+    return merge(scales), merge(mins)
 
 
 def _split_nibbles(data: np.ndarray) -> np.ndarray:
@@ -176,51 +301,105 @@ def _tiled_params(values: np.ndarray, tiles: int) -> np.ndarray:
 
 
 def pack(groups: QuantGroups, with_mins: bool | None = None) -> PackedMatrix:
-    """Lays out codes, scales and mins for the kernels. int8 codes keep their mins when with_mins,
-    or when None, when any is nonzero (LUT codes always keep them: their offsets centre them)."""
+    """Lays out codes and scales for the kernels. Float16 mins are kept when with_mins, or when None,
+    when the format has them: LUT codes without a zero code, int8 codes whose mins are not all zero
+    (two-level scales code their mins, if any, with the scales)."""
     rows, cols = groups.q.shape
     tiles = -(-rows // TILE_ROWS)
-    if groups.codebook is not None:
-        data = _nibble_data(groups, tiles)
-        has_mins = _int8_has_mins(groups, with_mins)
-    elif groups.bits == 8:
-        if groups.group % 4:
-            raise ValueError(f"int8 codes need a group that is a multiple of 4, not {groups.group}")
-        q = np.zeros((tiles * TILE_ROWS, cols), np.int8)
-        q[:rows] = groups.q
-        data = q.reshape(tiles, TILE_ROWS, cols // 4, 4).transpose(0, 2, 1, 3)
-        has_mins = _int8_has_mins(groups, with_mins)
+    high = None
+    if groups.bits == 8:
+        if groups.codebook is not None:
+            data = _nibble_data(groups.q, groups.group, tiles)
+        elif groups.width in NIBBLE_WIDTHS:
+            data, high = _nibbles_and_high(groups, tiles)
+        elif groups.width == 8:
+            if groups.group % 4:
+                raise ValueError(f"int8 codes need a group that is a multiple of 4, not {groups.group}")
+            data = _tile_rows(groups.q, tiles).reshape(tiles, TILE_ROWS, cols // 4, 4).transpose(0, 2, 1, 3)
+        else:
+            raise ValueError(f"int8 codes are 4, 5, 6 or 8 bits wide, not {groups.width}")
     elif groups.bits in LUT_BITS:
         if groups.group % 8 or groups.group > LUT_MAX_GROUP[groups.bits]:
             raise ValueError(f"{groups.bits}-bit codes need a group that is a multiple of 8 and at most "
                              f"{LUT_MAX_GROUP[groups.bits]}, not {groups.group}")
-        q = np.zeros((tiles * TILE_ROWS, cols), np.uint8)
-        q[:rows] = groups.q
-        q = q.reshape(tiles, TILE_ROWS, cols // 8, 8).transpose(0, 2, 1, 3)  # [T, K/8, 64, 8]
+        q = _tile_rows(groups.q, tiles).reshape(tiles, TILE_ROWS, cols // 8, 8).transpose(0, 2, 1, 3)
         planes = (q[:, :, None] >> np.arange(groups.bits, dtype=np.uint8)[None, None, :, None, None]) & 1
         data = np.packbits(planes, axis=-1, bitorder="little")[..., 0]  # [T, K/8, bits, 64]
-        has_mins = True
     else:
         raise ValueError(f"cannot pack {groups.bits}-bit codes")
+    fields = dict(codebook=groups.codebook, width=groups.width if groups.bits == 8 else 8, zero=groups.zero,
+                  high=high)
+    if groups.sub is not None:
+        return PackedMatrix(rows, cols, groups.bits, groups.group, np.ascontiguousarray(data), None, None,
+                            sub=_sub_packing(groups.sub, tiles), **fields)
     scales = _tiled_params(_to_half(groups.scale, "scale"), tiles)
-    mins = _tiled_params(_to_half(groups.min, "min"), tiles) if has_mins else None
+    mins = _tiled_params(_to_half(groups.min, "min"), tiles) if _keeps_mins(groups, with_mins) else None
     return PackedMatrix(rows, cols, groups.bits, groups.group, np.ascontiguousarray(data), scales, mins,
-                        groups.codebook)
+                        **fields)
 
 
-def _int8_has_mins(groups: QuantGroups, with_mins: bool | None) -> bool:
+def _keeps_mins(groups: QuantGroups, with_mins: bool | None) -> bool:
+    if groups.bits != 8:
+        return groups.zero == 0 if with_mins is None else with_mins
     nonzero = bool(np.any(groups.min != 0))
     if with_mins is False and nonzero:
         raise ValueError("int8 codes with nonzero mins cannot be packed without them")
     return nonzero if with_mins is None else with_mins
 
 
-def _nibble_data(groups: QuantGroups, tiles: int) -> np.ndarray:
-    """Codebook indices [N, K] -> uint8 [T, K/8, 64, 4], two quads per byte (see the docstring)."""
-    rows, cols = groups.q.shape
-    if groups.group % 8:
-        raise ValueError(f"codebook indices need a group that is a multiple of 8, not {groups.group}")
-    q = np.zeros((tiles * TILE_ROWS, cols), np.uint8)
-    q[:rows] = groups.q
-    pairs = q.reshape(tiles, TILE_ROWS, cols // 8, 2, 4).transpose(0, 2, 1, 3, 4)  # [T, K/8, 64, 2, 4]
+def _tile_rows(q: np.ndarray, tiles: int) -> np.ndarray:
+    """q [N, K] padded with zero rows to whole tiles [T * 64, K]."""
+    padded = np.zeros((tiles * TILE_ROWS, q.shape[1]), q.dtype)
+    padded[: len(q)] = q
+    return padded
+
+
+def _nibble_data(nibbles: np.ndarray, group: int, tiles: int) -> np.ndarray:
+    """4-bit values [N, K] -> uint8 [T, K/8, 64, 4], two quads per byte (see the docstring)."""
+    if group % 8:
+        raise ValueError(f"4-bit codes need a group that is a multiple of 8, not {group}")
+    q = _tile_rows(nibbles, tiles)
+    pairs = q.reshape(tiles, TILE_ROWS, -1, 2, 4).transpose(0, 2, 1, 3, 4)  # [T, K/8, 64, 2, 4]
     return pairs[..., 0, :] | (pairs[..., 1, :] << 4)
+
+
+def _nibbles_and_high(groups: QuantGroups, tiles: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Unsigned codes q + zero of `width` bits -> their nibbles and, above 4 bits, the high plane."""
+    h = groups.width - 4
+    if h and groups.q.shape[1] % (32 // h):
+        raise ValueError(f"{groups.width}-bit codes need a multiple of {32 // h} columns, not {groups.q.shape[1]}")
+    codes = (groups.q.astype(np.int16) + groups.zero)
+    if codes.size and (codes.min() < 0 or codes.max() >= 1 << groups.width):
+        raise ValueError(f"codes plus zero {groups.zero} do not fit {groups.width} unsigned bits")
+    codes = codes.astype(np.uint8)
+    data = _nibble_data(codes & 0x0F, groups.group, tiles)
+    if not h:
+        return data, None
+    quads = (_tile_rows(codes >> 4, tiles).reshape(tiles, TILE_ROWS, -1, 8 // h, 4)
+             .transpose(0, 2, 1, 3, 4))  # [T, K*h/32, 64, 8/h, 4]
+    shifts = (h * np.arange(8 // h, dtype=np.uint8))[:, None]
+    return data, np.bitwise_or.reduce(quads << shifts, axis=-2).astype(np.uint8)
+
+
+def _sub_packing(sub: SubScales, tiles: int) -> SubPacking:
+    """The two-level scales [N, G] codes and [N, S] halves -> the packed sub codes and supers."""
+    if sub.bits not in SUB_BITS:
+        raise ValueError(f"sub-scale codes are 4, 6 or 8 bits, not {sub.bits}")
+    gps, with_mins = sub.groups_per_super, sub.min_codes is not None
+    values = np.stack([sub.scale_codes, sub.min_codes], axis=-1) if with_mins else sub.scale_codes[..., None]
+    values = _tile_rows(values.reshape(len(values), -1), tiles)  # [T*64, S * V]
+    values = values.reshape(tiles, TILE_ROWS, -1, gps * (2 if with_mins else 1)).transpose(0, 2, 3, 1)
+    if sub.bits == 8:
+        codes = values
+    else:
+        low = values & 0x0F
+        codes = low[..., 0::2, :] | (low[..., 1::2, :] << 4)  # [T, S, V/2, 64]
+        if sub.bits == 6:
+            top = (values >> 4).reshape(tiles, values.shape[1], -1, 4, TILE_ROWS)
+            shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]
+            codes = np.concatenate([codes, np.bitwise_or.reduce(top << shifts, axis=-2)], axis=-2)
+    halves = [sub.d] if not with_mins else [sub.d, sub.dmin]
+    supers = np.stack([_tile_rows(_to_half(h, "super-block scale"), tiles) for h in halves], axis=-1)
+    supers = supers.reshape(tiles, TILE_ROWS, -1, len(halves)).transpose(0, 2, 3, 1)
+    return SubPacking(np.ascontiguousarray(codes, dtype=np.uint8), np.ascontiguousarray(supers), sub.bits,
+                      sub.offset, gps, with_mins)
