@@ -99,8 +99,7 @@ def load_tierflow(path: Path, args: argparse.Namespace, clock: PhaseClock | None
         started = time.perf_counter()
         engine.generate(prompt_ids, max_tokens=1, temperature=0)
         first_token_s = time.perf_counter() - started
-        packed = getattr(engine.weights, "packed", None)
-        return TierflowLoad(load_s, first_token_s, packed.path if packed else None,
+        return TierflowLoad(load_s, first_token_s, engine.weights.packed.path,
                             len(engine.weights.streamed_layers), engine.config.num_layers, prompt_ids)
 
 
@@ -133,7 +132,7 @@ def first_load(path: Path, cache: Path, args: argparse.Namespace) -> dict:
     run = load_tierflow(path, args, clock, profiler)
     if profiler is not None:
         profiler.dump_stats(args.profile)
-    if run.pack is None or not run.pack.exists():
+    if not run.pack.exists():
         raise RuntimeError(f"the first load left no pack in {cache}")
     return {"run": run, "phases_s": clock.seconds(), "pack_bytes": run.pack.stat().st_size,
             "added_bytes": folder_bytes(cache) - before}
