@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from tierflow.cpu_kernels import _kernels
+from tierflow.cpu_kernels.matmul import matmul_into
 from tierflow.cpu_kernels.packed import PackedMatrix
 
 
@@ -16,8 +16,7 @@ class PackedLinear:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x [T, K] float32, C-contiguous -> [T, N]."""
         out = np.empty((x.shape[0], self.out_features), np.float32)
-        m = self.matrix
-        _kernels.matmul(m.bits, m.group, m.rows, m.data, m.scales, m.mins, x, out, codebook=m.codebook_id)
+        matmul_into(self.matrix, x, out)
         if self.bias is not None:
             out += self.bias
         return out

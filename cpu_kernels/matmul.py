@@ -12,9 +12,20 @@ set_isa = _kernels.set_isa
 supported_isas = _kernels.supported_isas
 
 
+def matmul_into(w: PackedMatrix, x: np.ndarray, out: np.ndarray) -> None:
+    """out[M, N] = x [M, K] float32 @ W.T, every form of the packed layout passed to the C kernel."""
+    sub = w.sub
+    _kernels.matmul(w.bits, w.group, w.rows, w.data, w.scales, w.mins, x, out, codebook=w.codebook_id,
+                    width=w.width, zero=w.zero, high=w.high,
+                    sub_codes=None if sub is None else sub.codes, supers=None if sub is None else sub.supers,
+                    sub_bits=0 if sub is None else sub.bits, sub_offset=0 if sub is None else sub.offset,
+                    sub_groups=0 if sub is None else sub.groups_per_super,
+                    sub_mins=sub is not None and sub.with_mins)
+
+
 def matmul(w: PackedMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x [M, K] float32 @ W.T -> [M, N] float32 (written into `out` when given)."""
     if out is None:
         out = np.empty((x.shape[0] if x.ndim == 2 else 0, w.rows), np.float32)
-    _kernels.matmul(w.bits, w.group, w.rows, w.data, w.scales, w.mins, x, out, codebook=w.codebook_id)
+    matmul_into(w, x, out)
     return out

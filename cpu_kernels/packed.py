@@ -70,7 +70,7 @@ Every mapping is exact: the kernels compute with the file's own codes and ggml's
 Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -367,7 +367,8 @@ def _nibbles_and_high(groups: QuantGroups, tiles: int) -> tuple[np.ndarray, np.n
     """Unsigned codes q + zero of `width` bits -> their nibbles and, above 4 bits, the high plane."""
     h = groups.width - 4
     if h and groups.q.shape[1] % (32 // h):
-        raise ValueError(f"{groups.width}-bit codes need a multiple of {32 // h} columns, not {groups.q.shape[1]}")
+        raise ValueError(f"{groups.width}-bit codes need a multiple of {32 // h} columns, "
+                         f"not {groups.q.shape[1]}")
     codes = (groups.q.astype(np.int16) + groups.zero)
     if codes.size and (codes.min() < 0 or codes.max() >= 1 << groups.width):
         raise ValueError(f"codes plus zero {groups.zero} do not fit {groups.width} unsigned bits")
@@ -378,7 +379,7 @@ def _nibbles_and_high(groups: QuantGroups, tiles: int) -> tuple[np.ndarray, np.n
     quads = (_tile_rows(codes >> 4, tiles).reshape(tiles, TILE_ROWS, -1, 8 // h, 4)
              .transpose(0, 2, 1, 3, 4))  # [T, K*h/32, 64, 8/h, 4]
     shifts = (h * np.arange(8 // h, dtype=np.uint8))[:, None]
-    return data, np.bitwise_or.reduce(quads << shifts, axis=-2).astype(np.uint8)
+    return data, np.ascontiguousarray(np.bitwise_or.reduce(quads << shifts, axis=-2), dtype=np.uint8)
 
 
 def _sub_packing(sub: SubScales, tiles: int) -> SubPacking:

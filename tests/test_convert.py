@@ -111,7 +111,9 @@ def test_4_bit_file_runs_in_llama_cpp_like_in_tierflow(converted_engine):
     llama = llama_cpp_model(report.path)
     try:
         ids = engine.tokenize(LONG_TEXT)[:64]
-        diff = assert_logits_agree(engine, llama, ids, max_mean_diff=0.35, near_tie=NEAR_TIE)
+        # Both now round activations to 8 bits per 32 for Q4_1 (llama.cpp's Q8_1, tierflow's int8 kernel),
+        # each in its own way, so their differences add: about 0.38 here (0.30 with tierflow's LUT tables).
+        diff = assert_logits_agree(engine, llama, ids, max_mean_diff=0.42, near_tie=NEAR_TIE)
         prompt = engine.tokenize("The capital of France is")
         llama.reset()
         llama.eval(prompt)

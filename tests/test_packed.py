@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from tests.support.random_weights import random_tensor_bytes
 from tests.test_dequant import random_tensor
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.matmul import matmul
@@ -113,7 +114,7 @@ def test_codebook_matrix_reads_back_as_its_int8_layout(codebook):
     nibbles, int8 = pack(groups), pack(as_int8_codes(groups))
     assert (nibbles.codebook, int8.codebook) == (codebook, None)
     assert np.array_equal(nibbles.codes(), int8.codes())
-    expanded = nibbles.as_int8()
+    expanded = nibbles.expanded()
     assert (expanded.codebook, expanded.data.shape, expanded.data.dtype) == (None, int8.data.shape, np.int8)
     assert np.array_equal(expanded.codes(), int8.codes())  # padding rows may differ: their scales are 0
     assert np.array_equal(nibbles.dequantize(), int8.dequantize())
@@ -258,3 +259,28 @@ def test_packed_weight_type_is_its_weights_up_to_float16_scales(ggml_type):
         q = groups.codes().astype(np.float32).reshape(65, -1, groups.group)
         terms = np.abs(q * groups.scale[..., None]) + np.abs(groups.min[..., None])
         assert np.all(np.abs(actual - expected) <= 2.0 ** -11 * terms.reshape(65, 512))
+
+
+# Bytes per 256 weights that the packed layout holds beyond the GGUF's: none but for these two.
+LARGER_THAN_FILE = {T.TQ1_0: 66 / 54, T.MXFP4: 144 / 136}
+FILE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0, T.TQ2_0,
+              T.IQ4_NL, T.IQ4_XS, T.MXFP4]
+
+
+@pytest.mark.parametrize("ggml_type", FILE_TYPES, ids=lambda t: t.name)
+def test_packed_matrix_holds_the_files_bytes(ggml_type):
+    shape = (512, 128)  # GGUF order: 512 columns, 128 rows (two whole tiles)
+    raw = random_tensor_bytes(np.random.default_rng(4), ggml_type, shape[::-1], std=0.02).reshape(-1)
+    packed = pack(to_quant_groups(raw, ggml_type, shape))
+    assert packed.nbytes == pytest.approx(raw.nbytes * LARGER_THAN_FILE.get(ggml_type, 1.0))
+
+
+@pytest.mark.parametrize("ggml_type", FILE_TYPES, ids=lambda t: t.name)
+def test_packed_matrix_computes_the_files_weights(ggml_type):
+    shape = (512, 70)
+    raw = random_tensor(ggml_type, shape, seed=6)
+    packed = pack(to_quant_groups(raw, ggml_type, shape))
+    expected = np.abs(dequantize(raw, ggml_type, shape).reshape(70, 512))  # the sign of zeros aside
+    assert np.array_equal(np.abs(packed.dequantize()), expected)
+    ids = np.array([69, 0, 63, 64, 64, 7])
+    assert np.array_equal(np.abs(packed.row_slice(ids)), expected[ids])

@@ -367,10 +367,10 @@ def _layer_extent_bytes(tmp_path: Path, weight_type: str) -> int:
 
 @pytest.mark.parametrize("weight_type", ["IQ4_NL", "IQ4_XS", "MXFP4"])
 def test_a_codebook_type_packs_at_about_half_its_int8_size(tmp_path, weight_type):
-    # Q8_0 packs as these types did before: int8 codes, float16 scales per 32, no mins. Per weight
-    # 1 + 2/32 bytes against 1/2 + 2/32, plus the norms and the extent's padding.
+    # Q8_0: int8 codes, float16 scales per 32. Per weight 1 + 2/32 bytes against 1/2 + 2/32 (IQ4_XS:
+    # 1/2 + 1/32, its file's), plus the norms and the extent's padding.
     ratio = _layer_extent_bytes(tmp_path, weight_type) / _layer_extent_bytes(tmp_path, "Q8_0")
-    assert 0.5 < ratio < 0.56
+    assert 0.49 < ratio < 0.56
 
 
 def test_an_mxfp4_scale_above_float16_is_refused_naming_the_tensor(tmp_path):

@@ -16,8 +16,8 @@ from tierflow.ggml_types import TierflowType, type_name
 T = GGMLQuantizationType
 ALL_TYPES = sorted(GROUPED_TYPES, key=type_name)
 GROUP_AND_BITS = {
-    T.Q4_0: (32, 4), T.Q4_1: (32, 4), T.Q8_0: (32, 8), T.Q5_0: (32, 8), T.Q5_1: (32, 8),
-    T.Q4_K: (32, 4), T.Q5_K: (32, 8), T.Q6_K: (16, 8),
+    T.Q4_0: (32, 8), T.Q4_1: (32, 8), T.Q8_0: (32, 8), T.Q5_0: (32, 8), T.Q5_1: (32, 8),
+    T.Q4_K: (32, 8), T.Q5_K: (32, 8), T.Q6_K: (16, 8),
     TierflowType.TQ2_1: (32, 2), TierflowType.TQ3_1: (32, 3),
     T.Q2_K: (16, 2), T.Q3_K: (16, 3), T.TQ1_0: (256, 2), T.TQ2_0: (256, 2),
     T.IQ4_NL: (32, 8), T.IQ4_XS: (32, 8), T.MXFP4: (32, 8),
@@ -73,7 +73,7 @@ def test_gguf_quantized_weights_reconstruct_bit_exactly(ggml_type):
     assert_reconstructs(quantized_tensor(ggml_type, shape), ggml_type, shape)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_0, T.Q6_K], ids=type_id)
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_0], ids=type_id)
 def test_negative_zero_weights_keep_their_sign_without_offset(ggml_type):
     # Negative scales times zero codes give -0.0 in ggml; the offset must not make it +0.0.
     shape = (256, 2)
@@ -130,26 +130,33 @@ def test_shapes_are_rows_by_columns_and_rows_by_groups(ggml_type, shape):
     assert groups.scale.dtype == groups.min.dtype == np.float32
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_0, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4], ids=type_id)
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4], ids=type_id)
 def test_formats_without_offset_have_zero_min(ggml_type):
     groups = to_quant_groups(random_tensor(ggml_type, (256, 3)), ggml_type, (256, 3))
     assert np.all(groups.min == 0)
 
 
-def test_q4_0_zero_weights_differ_from_ggml_only_in_sign():
-    shape = (4096, 4)
-    raw = random_tensor(T.Q4_0, shape, seed=2)
-    actual = to_quant_groups(raw, T.Q4_0, shape).dequantize()
-    expected = dequantize(raw, T.Q4_0, shape)
-    differs = actual.view(np.uint32) != expected.view(np.uint32)
-    assert differs.any()  # ggml's -0.0 where d < 0 and q = 8 ...
-    assert np.all(actual[differs] == 0) and np.all(np.signbit(expected[differs]))  # ... is +0.0
-    assert not np.signbit(actual[differs]).any()
+WIDTH_AND_ZERO = {T.Q4_0: (4, 8), T.Q4_1: (4, 0), T.Q5_0: (5, 16), T.Q5_1: (5, 0), T.Q4_K: (4, 0),
+                  T.Q5_K: (5, 0), T.Q6_K: (6, 32)}
 
 
-def test_q4_0_offset_is_minus_eight_scales():
-    groups = to_quant_groups(quantized_tensor(T.Q4_0, (256, 3)), T.Q4_0, (256, 3))
-    assert np.array_equal(groups.min, -8 * groups.scale)
+@pytest.mark.parametrize("ggml_type", sorted(WIDTH_AND_ZERO), ids=type_id)
+def test_int8_codes_plus_the_zero_code_fit_the_files_width(ggml_type):
+    groups = to_quant_groups(random_tensor(ggml_type, (512, 3)), ggml_type, (512, 3))
+    assert (groups.width, groups.zero) == WIDTH_AND_ZERO[ggml_type]
+    stored = groups.q.astype(np.int16) + groups.zero
+    assert stored.min() == 0 and stored.max() == 2**groups.width - 1  # random bytes reach both ends
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS], ids=type_id)
+def test_two_level_scales_keep_the_files_codes_and_ggmls_products(ggml_type):
+    groups = to_quant_groups(random_tensor(ggml_type, (512, 3)), ggml_type, (512, 3))
+    sub = groups.sub
+    d = np.repeat(sub.d, sub.groups_per_super, axis=1)
+    assert sub.scale_codes.max() < 2**sub.bits
+    assert np.array_equal(groups.scale, d * (sub.scale_codes.astype(np.float32) - sub.offset))
+    if sub.min_codes is not None:
+        assert np.array_equal(groups.min, -(np.repeat(sub.dmin, sub.groups_per_super, axis=1) * sub.min_codes))
 
 
 def test_q3_k_offset_is_minus_four_scales():

@@ -24,7 +24,7 @@
 
 /* Vectorizable (see lut_prepare_token): the group's peak |x| is kept per lane, then reduced. */
 TARGET_CLONES void int8_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *codes,
-                                      float *scales, float *sums) {
+                                      float *scales, float *sums, int32_t *code_sums) {
     float peak[16];
     for (int64_t g = 0; g < cols / group; g++) {
         const float *xg = x + g * group;
@@ -37,7 +37,12 @@ TARGET_CLONES void int8_prepare_token(const float *x, int64_t cols, int64_t grou
         }
         for (int i = 0; i < 16; i++) maxabs = peak[i] > maxabs ? peak[i] : maxabs;
         float inv = maxabs > 0.0f ? 127.0f / maxabs : 0.0f;
-        for (int64_t i = 0; i < group; i++) codes[g * group + i] = (int8_t)round_even(xg[i] * inv);
+        int32_t code_sum = 0;
+        for (int64_t i = 0; i < group; i++) {
+            codes[g * group + i] = (int8_t)round_even(xg[i] * inv);
+            code_sum += codes[g * group + i];
+        }
+        code_sums[g] = code_sum;
         scales[g] = maxabs / 127.0f;
         sums[g] = sum;
     }
@@ -52,26 +57,57 @@ const int8_t *int8_codebook(codebook_t id) {
     return id > CODEBOOK_NONE && id < CODEBOOK_COUNT ? CODEBOOKS[id] : NULL;
 }
 
+/* How a tile's codes are stored (packed.py): int8 bytes, codebook indices, or unsigned nibble codes
+ * of 4 bits, or of 5-6 bits with a high plane. */
+enum { CODES_INT8 = 0, CODES_CODEBOOK = 1, CODES_NIBBLE = 2, CODES_NIBBLE_HIGH = 3 };
+
+static inline int code_kind(const packed_matrix *w) {
+    if (w->codebook) return CODES_CODEBOOK;
+    if (w->width == 8) return CODES_INT8;
+    return w->high ? CODES_NIBBLE_HIGH : CODES_NIBBLE;
+}
+
 /* Where quad q's 256-byte block starts: its own block, or the one it shares with its pair. */
 static inline const uint8_t *quad_block(const uint8_t *data, int64_t q, int nibbles) {
     return data + (nibbles ? q >> 1 : q) * 4 * TILE_ROWS;
 }
 
+/* The high bits of quad q: their 256-byte block, and their shift within its bytes. */
+static inline const uint8_t *high_block(const uint8_t *high, int64_t q, int h, int *shift) {
+    const int per_byte = 8 / h;
+    *shift = h * (int)(q % per_byte);
+    return high + (q / per_byte) * 4 * TILE_ROWS;
+}
+
 #define TILE_SETUP                                                            \
     const int64_t groups = w->cols / w->group, quads = w->group / 4;         \
-    const uint8_t *data = w->data + tile * w->cols * TILE_ROWS / (w->codebook ? 2 : 1); \
-    const uint16_t *scales = w->scales + tile * groups * TILE_ROWS;          \
-    const uint16_t *mins = w->mins ? w->mins + tile * groups * TILE_ROWS : NULL; \
-    const int64_t code_stride = a->codes_per_token;
+    const int nibble_data = w->codebook || w->width < 8;                      \
+    const int h = w->width < 8 ? w->width - 4 : 0;                            \
+    const uint8_t *data = w->data + tile * w->cols * TILE_ROWS / (nibble_data ? 2 : 1); \
+    const uint8_t *high = h ? w->high + tile * w->cols * h * 8 : NULL;       \
+    const int64_t code_stride = a->codes_per_token;                          \
+    float scale[TILE_ROWS], min[TILE_ROWS];                                  \
+    (void)high;
 
 /* out[c][r] += acc * scale * step (+ min * sum), the epilogue every path shares per group. */
-static void scalar_epilogue(const int32_t *acc, const uint16_t *scales, const uint16_t *mins,
+static void scalar_epilogue(const int32_t *acc, const float *scale, const float *min, int has_min,
                             float step, float sum, float *out) {
     for (int r = 0; r < TILE_ROWS; r++) {
-        float total = (float)acc[r] * (half_to_float(scales[r]) * step);
-        if (mins) total += half_to_float(mins[r]) * sum;
+        float total = (float)acc[r] * (scale[r] * step);
+        if (has_min) total += min[r] * sum;
         out[r] += total;
     }
+}
+
+/* The code of row r, column 4q + j. */
+static inline int scalar_code(const packed_matrix *w, const uint8_t *data, const uint8_t *high, int h, int64_t q,
+                              int r, int j) {
+    if (!w->codebook && w->width == 8) return (int8_t)quad_block(data, q, 0)[4 * r + j];
+    const int index = (quad_block(data, q, 1)[4 * r + j] >> (4 * (q & 1))) & 15;
+    if (w->codebook) return w->codebook[index];
+    int shift = 0, code = index;
+    if (h) code |= ((high_block(high, q, h, &shift)[4 * r + j] >> shift) & ((1 << h) - 1)) << 4;
+    return code - w->zero;
 }
 
 static void int8_tile_scalar(const packed_matrix *w, const prepared_acts *a, int64_t tile,
@@ -79,54 +115,66 @@ static void int8_tile_scalar(const packed_matrix *w, const prepared_acts *a, int
     TILE_SETUP
     int32_t acc[TILE_ROWS];
     for (int64_t g = 0; g < groups; g++) {
+        const int has_min = group_params_scalar(w, tile, g, scale, min);
         for (int c = 0; c < count; c++) {
             const int8_t *x = a->codes + (token + c) * code_stride;
             memset(acc, 0, sizeof acc);
             for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
-                const uint8_t *block = quad_block(data, q, w->codebook != NULL);
                 for (int r = 0; r < TILE_ROWS; r++) {
-                    for (int j = 0; j < 4; j++) {
-                        int8_t code = w->codebook ? w->codebook[(block[4 * r + j] >> (4 * (q & 1))) & 15]
-                                                  : (int8_t)block[4 * r + j];
-                        acc[r] += code * x[4 * q + j];
-                    }
+                    for (int j = 0; j < 4; j++) acc[r] += scalar_code(w, data, high, h, q, r, j) * x[4 * q + j];
                 }
             }
-            scalar_epilogue(acc, scales + g * TILE_ROWS, mins ? mins + g * TILE_ROWS : NULL,
-                            a->scales[(token + c) * groups + g], a->sums[(token + c) * groups + g],
-                            out + c * TILE_ROWS);
+            scalar_epilogue(acc, scale, min, has_min, a->scales[(token + c) * groups + g],
+                            a->sums[(token + c) * groups + g], out + c * TILE_ROWS);
         }
     }
 }
 
 #ifdef HAVE_X86
 
-/* One specialisation per token count and layout, so both are constants in the inner loops. */
-#define DISPATCH_TOKEN_BLOCK(fn)                                                            \
-    const int nibbles = w->codebook != NULL;                                                \
-    switch (count) {                                                                        \
-    case 1: nibbles ? fn(w, a, tile, token, 1, 1, out) : fn(w, a, tile, token, 1, 0, out); break; \
-    case 2: nibbles ? fn(w, a, tile, token, 2, 1, out) : fn(w, a, tile, token, 2, 0, out); break; \
-    case 3: nibbles ? fn(w, a, tile, token, 3, 1, out) : fn(w, a, tile, token, 3, 0, out); break; \
-    default: nibbles ? fn(w, a, tile, token, 4, 1, out) : fn(w, a, tile, token, 4, 0, out); break; \
+/* One specialisation per token count and code kind, so both are constants in the inner loops. */
+#define DISPATCH_KIND(fn, n)                                                              \
+    switch (code_kind(w)) {                                                               \
+    case CODES_INT8: fn(w, a, tile, token, n, CODES_INT8, out); break;                    \
+    case CODES_CODEBOOK: fn(w, a, tile, token, n, CODES_CODEBOOK, out); break;            \
+    case CODES_NIBBLE: fn(w, a, tile, token, n, CODES_NIBBLE, out); break;                \
+    default: fn(w, a, tile, token, n, CODES_NIBBLE_HIGH, out); break;                     \
+    }
+#define DISPATCH_TOKEN_BLOCK(fn)                                                          \
+    switch (count) {                                                                      \
+    case 1: DISPATCH_KIND(fn, 1) break;                                                   \
+    case 2: DISPATCH_KIND(fn, 2) break;                                                   \
+    case 3: DISPATCH_KIND(fn, 3) break;                                                   \
+    default: DISPATCH_KIND(fn, 4) break;                                                  \
     }
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
-/* Rows 8v .. 8v+7 of quad q as int8 codes: loaded, or looked up from their nibbles. */
-AVX2_TARGET __m256i avx2_quad(const uint8_t *data, int64_t q, int v, const int nibbles, __m256i table) {
-    __m256i bytes = _mm256_loadu_si256((const __m256i *)(quad_block(data, q, nibbles) + 32 * v));
-    if (!nibbles) return bytes;
+/* Rows 8v .. 8v+7 of quad q as int8 codes: loaded, looked up from their nibbles, or assembled. */
+AVX2_TARGET __m256i avx2_quad(const packed_matrix *w, const uint8_t *data, const uint8_t *high, int h, int64_t q,
+                              int v, const int kind, __m256i table) {
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)(quad_block(data, q, kind != CODES_INT8) + 32 * v));
+    if (kind == CODES_INT8) return bytes;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
     if (q & 1) bytes = _mm256_srli_epi16(bytes, 4);
-    return _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F)));
+    bytes = _mm256_and_si256(bytes, low4);
+    if (kind == CODES_CODEBOOK) return _mm256_shuffle_epi8(table, bytes);
+    if (kind == CODES_NIBBLE_HIGH) {
+        int shift;
+        __m256i top = _mm256_loadu_si256((const __m256i *)(high_block(high, q, h, &shift) + 32 * v));
+        top = _mm256_and_si256(_mm256_srl_epi16(top, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)((1 << h) - 1)));
+        bytes = _mm256_or_si256(bytes, _mm256_slli_epi16(top, 4));
+    }
+    return bytes; /* unsigned: the kernel subtracts zero times the activations' code sum */
 }
 
 AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                                  int64_t token, const int count, const int nibbles, float *out) {
+                                  int64_t token, const int count, const int kind, float *out) {
     TILE_SETUP
+    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i table = nibbles ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->codebook))
-                                  : _mm256_setzero_si256();
+    const __m256i table = kind == CODES_CODEBOOK ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->codebook))
+                                                 : _mm256_setzero_si256();
     for (int64_t g = 0; g < groups; g++) {
         __m256i acc[MAX_TOKEN_BLOCK][8]; /* acc[c][v]: rows 8v .. 8v+7 */
         for (int c = 0; c < count; c++) {
@@ -140,27 +188,28 @@ AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a
                 x[c] = _mm256_set1_epi32(four);
             }
             for (int v = 0; v < 8; v++) {
-                __m256i wv = avx2_quad(data, q, v, nibbles, table);
-                __m256i magnitude = _mm256_sign_epi8(wv, wv);
+                __m256i wv = avx2_quad(w, data, high, h, q, v, kind, table);
+                /* unsigned codes below 64 times int8 activations: pairs stay within int16 */
+                __m256i magnitude = unsigned_codes ? wv : _mm256_sign_epi8(wv, wv);
                 for (int c = 0; c < count; c++) {
-                    __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[c], wv));
+                    __m256i pairs = _mm256_maddubs_epi16(magnitude, unsigned_codes ? x[c] : _mm256_sign_epi8(x[c], wv));
                     acc[c][v] = _mm256_add_epi32(acc[c][v], _mm256_madd_epi16(pairs, ones));
                 }
             }
         }
+        const int has_min = group_params_avx2(w, tile, g, scale, min);
         for (int c = 0; c < count; c++) {
             __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + g]);
             __m256 sum = _mm256_set1_ps(a->sums[(token + c) * groups + g]);
+            if (unsigned_codes && w->zero) {
+                __m256i zero_sum = _mm256_set1_epi32(w->zero * a->code_sums[(token + c) * groups + g]);
+                for (int v = 0; v < 8; v++) acc[c][v] = _mm256_sub_epi32(acc[c][v], zero_sum);
+            }
             for (int v = 0; v < 8; v++) {
-                const int64_t r = g * TILE_ROWS + 8 * v;
                 float *dst = out + c * TILE_ROWS + 8 * v;
-                __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + r)));
-                __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c][v]), _mm256_mul_ps(scale, step),
-                                               _mm256_loadu_ps(dst));
-                if (mins) {
-                    __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + r)));
-                    total = _mm256_fmadd_ps(min, sum, total);
-                }
+                __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c][v]),
+                                               _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * v), step), _mm256_loadu_ps(dst));
+                if (has_min) total = _mm256_fmadd_ps(_mm256_loadu_ps(min + 8 * v), sum, total);
                 _mm256_storeu_ps(dst, total);
             }
         }
@@ -176,19 +225,29 @@ __attribute__((target("avx2,fma,f16c"))) static void int8_tile_avx2(
 #define AVX512_TARGET \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"), always_inline)) static inline
 
-/* Rows 16v .. 16v+15 of quad q as int8 codes: loaded, or looked up from their nibbles. */
-AVX512_TARGET __m512i avx512_quad(const uint8_t *data, int64_t q, int v, const int nibbles, __m512i table) {
-    __m512i bytes = _mm512_loadu_si512((const void *)(quad_block(data, q, nibbles) + 64 * v));
-    if (!nibbles) return bytes;
+/* Rows 16v .. 16v+15 of quad q as int8 codes: loaded, looked up from their nibbles, or assembled. */
+AVX512_TARGET __m512i avx512_quad(const packed_matrix *w, const uint8_t *data, const uint8_t *high, int h,
+                                  int64_t q, int v, const int kind, __m512i table) {
+    __m512i bytes = _mm512_loadu_si512((const void *)(quad_block(data, q, kind != CODES_INT8) + 64 * v));
+    if (kind == CODES_INT8) return bytes;
     if (q & 1) bytes = _mm512_srli_epi16(bytes, 4);
-    return _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, _mm512_set1_epi8(0x0F)));
+    bytes = _mm512_and_si512(bytes, _mm512_set1_epi8(0x0F));
+    if (kind == CODES_CODEBOOK) return _mm512_shuffle_epi8(table, bytes);
+    if (kind == CODES_NIBBLE_HIGH) {
+        int shift;
+        __m512i top = _mm512_loadu_si512((const void *)(high_block(high, q, h, &shift) + 64 * v));
+        top = _mm512_and_si512(_mm512_srl_epi16(top, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8((char)((1 << h) - 1)));
+        bytes = _mm512_or_si512(bytes, _mm512_slli_epi16(top, 4));
+    }
+    return bytes; /* unsigned: the kernel subtracts zero times the activations' code sum */
 }
 
 AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                                      int64_t token, const int count, const int nibbles, float *out) {
+                                      int64_t token, const int count, const int kind, float *out) {
     TILE_SETUP
-    const __m512i table = nibbles ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook))
-                                  : _mm512_setzero_si512();
+    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    const __m512i table = kind == CODES_CODEBOOK ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook))
+                                                 : _mm512_setzero_si512();
     for (int64_t g = 0; g < groups; g++) {
         __m512i acc[MAX_TOKEN_BLOCK][4]; /* acc[c][v]: rows 16v .. 16v+15 */
         for (int c = 0; c < count; c++) {
@@ -201,10 +260,14 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
                 memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
                 x[c] = _mm512_set1_epi32(four);
             }
-            const char *ahead = (const char *)quad_block(data, q, nibbles) + PREFETCH_BYTES;
+            const char *ahead = (const char *)quad_block(data, q, kind != CODES_INT8) + PREFETCH_BYTES;
             for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
             for (int v = 0; v < 4; v++) {
-                __m512i wv = avx512_quad(data, q, v, nibbles, table);
+                __m512i wv = avx512_quad(w, data, high, h, q, v, kind, table);
+                if (unsigned_codes) {
+                    for (int c = 0; c < count; c++) acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], wv, x[c]);
+                    continue;
+                }
                 __m512i magnitude = _mm512_abs_epi8(wv);
                 __mmask64 negative = _mm512_movepi8_mask(wv);
                 for (int c = 0; c < count; c++) {
@@ -213,19 +276,19 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
                 }
             }
         }
+        const int has_min = group_params_avx512(w, tile, g, scale, min);
         for (int c = 0; c < count; c++) {
             __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);
             __m512 sum = _mm512_set1_ps(a->sums[(token + c) * groups + g]);
+            if (unsigned_codes && w->zero) {
+                __m512i zero_sum = _mm512_set1_epi32(w->zero * a->code_sums[(token + c) * groups + g]);
+                for (int v = 0; v < 4; v++) acc[c][v] = _mm512_sub_epi32(acc[c][v], zero_sum);
+            }
             for (int v = 0; v < 4; v++) {
-                const int64_t r = g * TILE_ROWS + 16 * v;
                 float *dst = out + c * TILE_ROWS + 16 * v;
-                __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + r)));
-                __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c][v]), _mm512_mul_ps(scale, step),
-                                               _mm512_loadu_ps(dst));
-                if (mins) {
-                    __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + r)));
-                    total = _mm512_fmadd_ps(min, sum, total);
-                }
+                __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c][v]),
+                                               _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * v), step), _mm512_loadu_ps(dst));
+                if (has_min) total = _mm512_fmadd_ps(_mm512_loadu_ps(min + 16 * v), sum, total);
                 _mm512_storeu_ps(dst, total);
             }
         }

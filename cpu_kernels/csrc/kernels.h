@@ -42,10 +42,24 @@ typedef struct {
     int64_t tiles;          /* row tiles; rows are padded to tiles * TILE_ROWS */
     int64_t cols;           /* K */
     const uint8_t *data;    /* bit planes, int8 quads or nibble pairs of quads, see packed.py */
-    const uint16_t *scales; /* float16 [tiles][K / group][TILE_ROWS] */
-    const uint16_t *mins;   /* float16 [tiles][K / group][TILE_ROWS], or NULL (all zero) */
+    const uint16_t *scales; /* float16 [tiles][K / group][TILE_ROWS], or NULL with sub codes */
+    const uint16_t *mins;   /* float16 [tiles][K / group][TILE_ROWS], or NULL (zero's, or none) */
     const int8_t *codebook; /* int8 kernel: NULL, or the 16 codes that data's 4-bit indices select */
+    int width;              /* int8 kernel: 8 int8 codes, 4..6 unsigned nibble codes (and high bits) */
+    int zero;               /* LUT: min = -zero * scale without mins; nibble codes: subtracted */
+    const uint8_t *high;    /* width 5, 6: [tiles][K * (width - 4) / 32][TILE_ROWS][4] high bits */
+    /* Two-level scales (scales NULL): [tiles][supers][bytes][TILE_ROWS] codes, [..][1 or 2][..] d, dmin. */
+    const uint8_t *sub_codes;
+    const uint16_t *supers;
+    int sub_bits, sub_offset, sub_mins;
+    int64_t sub_gps; /* groups per super block */
 } packed_matrix;
+
+/* Each row's float scale and min [TILE_ROWS] of group g of a tile (params.c); returns whether the
+ * mins are nonzero (explicit, two-level or the zero code's); min is zero-filled otherwise. */
+int group_params_scalar(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
+int group_params_avx2(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
+int group_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
 
 /* The named codebooks of 4-bit indices (packed.py's CODEBOOKS): NULL for CODEBOOK_NONE. */
 typedef enum { CODEBOOK_NONE = 0, CODEBOOK_IQ4NL = 1, CODEBOOK_MXFP4 = 2, CODEBOOK_COUNT = 3 } codebook_t;
@@ -57,6 +71,7 @@ typedef struct {
     int8_t *codes;           /* quantized tables or activations */
     float *scales;           /* [tokens][K / group]: the float value of one code step */
     float *sums;             /* [tokens][K / group]: the exact sum of x over the group */
+    int32_t *code_sums;      /* int8: [tokens][K / group], the sum of the group's int8 codes */
 } prepared_acts;
 
 /* One tile of TILE_ROWS rows times `count` tokens (count <= MAX_TOKEN_BLOCK) starting at
@@ -67,7 +82,7 @@ typedef void (*tile_kernel)(const packed_matrix *w, const prepared_acts *a, int6
 void lut_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *tables,
                        float *scales, float *sums);
 void int8_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *codes,
-                        float *scales, float *sums);
+                        float *scales, float *sums, int32_t *code_sums);
 
 tile_kernel lut_tile_kernel(isa_t isa);
 tile_kernel int8_tile_kernel(isa_t isa);

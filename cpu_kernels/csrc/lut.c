@@ -77,8 +77,7 @@ TARGET_CLONES void lut_prepare_token(const float *x, int64_t cols, int64_t group
     const int bits = w->bits;                                                     \
     const int64_t groups = w->cols / w->group, octets = w->group / 8;             \
     const uint8_t *planes = w->data + tile * (w->cols / 8) * bits * TILE_ROWS;    \
-    const uint16_t *scales = w->scales + tile * groups * TILE_ROWS;               \
-    const uint16_t *mins = w->mins + tile * groups * TILE_ROWS;                   \
+    float scale[TILE_ROWS], min[TILE_ROWS];                                       \
     const int64_t table_stride = a->codes_per_token;                              \
     const float half_range = 0.5f * (float)((1 << bits) - 1); /* centre of the codes */
 
@@ -86,6 +85,7 @@ static void lut_tile_scalar(const packed_matrix *w, const prepared_acts *a, int6
                             int64_t token, int count, float *out) {
     TILE_SETUP
     for (int64_t g = 0; g < groups; g++) {
+        group_params_scalar(w, tile, g, scale, min);
         for (int c = 0; c < count; c++) {
             const int8_t *tables = a->codes + (token + c) * table_stride;
             float step = a->scales[(token + c) * groups + g], sum = a->sums[(token + c) * groups + g];
@@ -98,9 +98,8 @@ static void lut_tile_scalar(const packed_matrix *w, const prepared_acts *a, int6
                         acc += (lo_table[byte & 15] + hi_table[byte >> 4]) * (1 << p);
                     }
                 }
-                float scale = half_to_float(scales[g * TILE_ROWS + r]);
-                float mid = half_to_float(mins[g * TILE_ROWS + r]) + scale * half_range;
-                out[c * TILE_ROWS + r] += (float)acc * (scale * step) + mid * sum;
+                float mid = min[r] + scale[r] * half_range;
+                out[c * TILE_ROWS + r] += (float)acc * (scale[r] * step) + mid * sum;
             }
         }
     }
@@ -147,6 +146,7 @@ AVX2_TARGET void lut_tile_avx2_n(const packed_matrix *w, const prepared_acts *a,
             }
         }
         /* Lane l of acc[h][u] holds rows 32h + 16l + 8u .. +7. */
+        group_params_avx2(w, tile, g, scale, min);
         for (int c = 0; c < count; c++) {
             __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + g]);
             __m256 sum = _mm256_set1_ps(a->sums[(token + c) * groups + g]);
@@ -158,11 +158,10 @@ AVX2_TARGET void lut_tile_avx2_n(const packed_matrix *w, const prepared_acts *a,
                     __m128i half16 = i & 1 ? _mm256_extracti128_si256(rows[i >> 1], 1)
                                            : _mm256_castsi256_si128(rows[i >> 1]);
                     __m256 value = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half16));
-                    __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * TILE_ROWS + r)));
-                    __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g * TILE_ROWS + r)));
-                    __m256 mid = _mm256_fmadd_ps(scale, _mm256_set1_ps(half_range), min);
+                    __m256 row_scale = _mm256_loadu_ps(scale + r);
+                    __m256 mid = _mm256_fmadd_ps(row_scale, _mm256_set1_ps(half_range), _mm256_loadu_ps(min + r));
                     float *dst = out + c * TILE_ROWS + r;
-                    __m256 total = _mm256_fmadd_ps(value, _mm256_mul_ps(scale, step), _mm256_loadu_ps(dst));
+                    __m256 total = _mm256_fmadd_ps(value, _mm256_mul_ps(row_scale, step), _mm256_loadu_ps(dst));
                     _mm256_storeu_ps(dst, _mm256_fmadd_ps(mid, sum, total));
                 }
             }
@@ -218,11 +217,11 @@ AVX512_TARGET void lut_tile_avx512_n(const packed_matrix *w, const prepared_acts
                 }
             }
         }
-        __m512 scale[4], mid[4]; /* mid: the row's value at the centre code, min + scale * half_range */
+        __m512 row_scale[4], mid[4]; /* mid: the row's value at the centre code, min + scale * half_range */
+        group_params_avx512(w, tile, g, scale, min);
         for (int i = 0; i < 4; i++) {
-            scale[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * TILE_ROWS + 16 * i)));
-            mid[i] = _mm512_fmadd_ps(scale[i], _mm512_set1_ps(half_range),
-                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * TILE_ROWS + 16 * i))));
+            row_scale[i] = _mm512_loadu_ps(scale + 16 * i);
+            mid[i] = _mm512_fmadd_ps(row_scale[i], _mm512_set1_ps(half_range), _mm512_loadu_ps(min + 16 * i));
         }
         for (int c = 0; c < count; c++) {
             __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);
@@ -234,7 +233,7 @@ AVX512_TARGET void lut_tile_avx512_n(const packed_matrix *w, const prepared_acts
                                        : _mm512_castsi512_si256(rows[i >> 1]);
                 __m512 value = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half16));
                 float *dst = out + c * TILE_ROWS + 16 * i;
-                __m512 total = _mm512_fmadd_ps(value, _mm512_mul_ps(scale[i], step), _mm512_loadu_ps(dst));
+                __m512 total = _mm512_fmadd_ps(value, _mm512_mul_ps(row_scale[i], step), _mm512_loadu_ps(dst));
                 _mm512_storeu_ps(dst, _mm512_fmadd_ps(mid[i], sum, total));
             }
         }

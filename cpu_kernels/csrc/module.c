@@ -7,6 +7,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -90,7 +91,7 @@ static void prepare_item(void *ctx, int64_t token) {
     int8_t *codes = job->acts.codes + token * job->acts.codes_per_token;
     float *scales = job->acts.scales + token * groups, *sums = job->acts.sums + token * groups;
     if (job->w.bits == 8) {
-        int8_prepare_token(x, job->w.cols, job->w.group, codes, scales, sums);
+        int8_prepare_token(x, job->w.cols, job->w.group, codes, scales, sums, job->acts.code_sums + token * groups);
     } else {
         lut_prepare_token(x, job->w.cols, job->w.group, codes, scales, sums);
     }
@@ -119,91 +120,154 @@ static void tile_item(void *ctx, int64_t item) {
 }
 
 PyDoc_STRVAR(matmul_doc,
-"matmul(bits, group, rows, data, scales, mins, x, y, accumulate=False, codebook=0)\n--\n\n"
+"matmul(bits, group, rows, data, scales, mins, x, y, accumulate=False, codebook=0, width=8, zero=0,\n"
+"       high=None, sub_codes=None, supers=None, sub_bits=0, sub_offset=0, sub_groups=0, sub_mins=False)\n--\n\n"
 "y[M, rows] = x[M, K] @ W.T for a packed W (see tierflow.cpu_kernels.packed); y += with accumulate.\n"
-"bits 1..4 uses the LUT kernel, 8 the int8 kernel; mins may be None only for bits 8.\n"
-"codebook (bits 8 only): 0 for int8 codes, else the id of the codebook that data's 4-bit indices\n"
-"select (1 iq4nl, 2 mxfp4), K / 2 bytes per row.");
+"bits 1..4 uses the LUT kernel, 8 the int8 kernel. codebook (bits 8 only): 0 for int8 codes, else the\n"
+"id of the codebook that data's 4-bit indices select (1 iq4nl, 2 mxfp4), K / 2 bytes per row. width\n"
+"(bits 8): 8 for int8 codes, 4..6 for unsigned codes as nibbles (and `high` bits) less zero. zero\n"
+"(LUT): min = -zero * scale where mins is None. sub_codes and supers replace scales (None) with\n"
+"two-level scales: sub_bits-bit codes less sub_offset times d, per super block of sub_groups groups,\n"
+"and with sub_mins their mins, -(dmin * code).");
+
+/* The byte length each array must have. */
+typedef struct {
+    int64_t data, high, params, sub_codes, supers;
+} matmul_sizes;
+
+/* Checks the arguments against each other, writing the problem into `problem` (empty: none). */
+static void matmul_problem(const packed_matrix *w, int codebook, int has_high, int has_scales, int has_mins,
+                           int has_sub, matmul_sizes *sizes, char *problem, size_t size) {
+    const int64_t cols = w->cols, group = w->group, tiles = w->tiles;
+    const int lut = w->bits >= 1 && w->bits <= 4;
+    const int nibbles = w->bits == 8 && (codebook || w->width < 8), h = w->width < 8 ? w->width - 4 : 0;
+    const int64_t divisor = lut || nibbles ? 8 : 4; /* a nibble block holds two quads */
+    problem[0] = 0;
+    if (!lut && w->bits != 8) {
+        snprintf(problem, size, "bits must be 1, 2, 3, 4 or 8, not %d", w->bits);
+    } else if (codebook < CODEBOOK_NONE || codebook >= CODEBOOK_COUNT || (codebook && (w->bits != 8 || w->width != 8))) {
+        snprintf(problem, size, "codebook %d is not one of 0..%d for 8-bit weights", codebook, CODEBOOK_COUNT - 1);
+    } else if (w->width != 8 && (w->bits != 8 || w->width < 4 || w->width > 6)) {
+        snprintf(problem, size, "width %d is not 8, or 4..6 with 8-bit weights", w->width);
+    } else if (w->zero < 0 || w->zero > 127) {
+        snprintf(problem, size, "zero %d is not in 0..127", w->zero);
+    } else if (group < divisor || group % divisor || (lut && group > lut_max_group(w->bits))) {
+        snprintf(problem, size, "group %lld is not supported with %d-bit weights", (long long)group, w->bits);
+    } else if (cols < 1 || cols % group) {
+        snprintf(problem, size, "x has %lld columns, not a positive multiple of group %lld", (long long)cols,
+                 (long long)group);
+    } else if (h && cols % (32 / h)) {
+        snprintf(problem, size, "%d-bit codes need a multiple of %d columns", w->width, 32 / h);
+    } else if (has_high != (h > 0)) {
+        snprintf(problem, size, "high must be given for widths 5 and 6 only");
+    } else if (has_sub == has_scales) {
+        snprintf(problem, size, "give either scales or sub_codes and supers");
+    } else if (has_sub && has_mins) {
+        snprintf(problem, size, "two-level scales code their mins: mins must be None");
+    } else if (lut && !has_mins && !has_sub && !w->zero) {
+        snprintf(problem, size, "%d-bit weights need mins, a zero code or two-level scales", w->bits);
+    }
+    sizes->data = tiles * TILE_ROWS * cols / 8 * (lut ? w->bits : nibbles ? 4 : 8);
+    sizes->high = tiles * cols * h * 8;
+    sizes->params = tiles * (cols / (group > 0 ? group : 1)) * TILE_ROWS;
+    if (problem[0] || !has_sub) return;
+    const int64_t groups = cols / group, values = w->sub_gps * (w->sub_mins ? 2 : 1);
+    if (w->sub_bits != 4 && w->sub_bits != 6 && w->sub_bits != 8) {
+        snprintf(problem, size, "sub_bits must be 4, 6 or 8, not %d", w->sub_bits);
+    } else if (w->sub_gps < 1 || groups % w->sub_gps || values % 4 || w->sub_offset < 0 || w->sub_offset > 255) {
+        snprintf(problem, size, "sub_groups must divide the groups, with a multiple of 4 codes, and sub_offset be 0..255");
+    }
+    const int64_t bytes = w->sub_bits == 8 ? values : values / 2 + (w->sub_bits == 6 ? values / 4 : 0);
+    const int64_t supers = w->sub_gps > 0 ? groups / w->sub_gps : 0;
+    sizes->sub_codes = tiles * supers * bytes * TILE_ROWS;
+    sizes->supers = tiles * supers * (w->sub_mins ? 2 : 1) * TILE_ROWS;
+}
 
 static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"bits", "group", "rows", "data", "scales", "mins", "x", "y",
-                               "accumulate", "codebook", NULL};
-    int bits, codebook = CODEBOOK_NONE;
-    Py_ssize_t group, rows;
-    PyObject *objs[5], *mins_obj;
+    static char *keywords[] = {"bits", "group", "rows", "data", "scales", "mins", "x", "y", "accumulate",
+                               "codebook", "width", "zero", "high", "sub_codes", "supers", "sub_bits",
+                               "sub_offset", "sub_groups", "sub_mins", NULL};
+    int bits, codebook = CODEBOOK_NONE, width = 8, zero = 0, sub_bits = 0, sub_offset = 0, sub_mins = 0;
+    Py_ssize_t group, rows, sub_groups = 0;
+    PyObject *data_obj, *scales_obj, *mins_obj, *x_obj, *y_obj, *high_obj = Py_None, *codes_obj = Py_None,
+             *supers_obj = Py_None;
     int accumulate = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "innOOOOO|pi:matmul", keywords, &bits, &group, &rows,
-                                     &objs[0], &objs[1], &mins_obj, &objs[3], &objs[4], &accumulate,
-                                     &codebook))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "innOOOOO|piiiOOOiinp:matmul", keywords, &bits, &group, &rows,
+                                     &data_obj, &scales_obj, &mins_obj, &x_obj, &y_obj, &accumulate, &codebook,
+                                     &width, &zero, &high_obj, &codes_obj, &supers_obj, &sub_bits, &sub_offset,
+                                     &sub_groups, &sub_mins))
         return NULL;
-    objs[2] = mins_obj;
-    if (!(bits >= 1 && bits <= 4) && bits != 8)
-        return PyErr_Format(PyExc_ValueError, "bits must be 1, 2, 3, 4 or 8, not %d", bits);
-    if (codebook < CODEBOOK_NONE || codebook >= CODEBOOK_COUNT || (codebook && bits != 8))
-        return PyErr_Format(PyExc_ValueError, "codebook %d is not one of 0..%d for 8-bit weights", codebook,
-                            CODEBOOK_COUNT - 1);
     if (rows < 1) return PyErr_Format(PyExc_ValueError, "rows must be positive, not %zd", rows);
-    const int64_t divisor = bits != 8 || codebook ? 8 : 4; /* a nibble block holds two quads */
-    if (group < divisor || group % divisor || (bits != 8 && group > lut_max_group(bits)))
-        return PyErr_Format(PyExc_ValueError, "group %zd is not supported with %d-bit weights", group, bits);
-    if (mins_obj == Py_None && bits != 8)
-        return PyErr_Format(PyExc_ValueError, "%d-bit weights need mins", bits);
-
-    buffer_arg buf[5] = {{.held = 0}};
-    if (get_buffer(objs[0], &buf[0], "data", 1, "Bb", 0) ||
-        get_buffer(objs[1], &buf[1], "scales", 2, "He", 0) ||
+    /* buf: data, scales, mins, x, y, high, sub codes, supers */
+    buffer_arg buf[8] = {{.held = 0}};
+    if (get_buffer(data_obj, &buf[0], "data", 1, "Bb", 0) ||
+        (scales_obj != Py_None && get_buffer(scales_obj, &buf[1], "scales", 2, "He", 0)) ||
         (mins_obj != Py_None && get_buffer(mins_obj, &buf[2], "mins", 2, "He", 0)) ||
-        get_buffer(objs[3], &buf[3], "x", 4, "f", 0) ||
-        get_buffer(objs[4], &buf[4], "y", 4, "f", 1)) {
-        release(buf, 5);
+        get_buffer(x_obj, &buf[3], "x", 4, "f", 0) || get_buffer(y_obj, &buf[4], "y", 4, "f", 1) ||
+        (high_obj != Py_None && get_buffer(high_obj, &buf[5], "high", 1, "B", 0)) ||
+        (codes_obj != Py_None && get_buffer(codes_obj, &buf[6], "sub_codes", 1, "B", 0)) ||
+        (supers_obj != Py_None && get_buffer(supers_obj, &buf[7], "supers", 2, "He", 0))) {
+        release(buf, 8);
         return NULL;
     }
     Py_buffer *x = &buf[3].view, *y = &buf[4].view;
     if (x->ndim != 2 || y->ndim != 2) {
-        release(buf, 5);
+        release(buf, 8);
         return PyErr_Format(PyExc_ValueError, "x and y must be 2-D, not %d-D and %d-D", x->ndim, y->ndim);
     }
     const int64_t tokens = x->shape[0], cols = x->shape[1], tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-    if (cols < 1 || cols % group) {
-        release(buf, 5);
-        return PyErr_Format(PyExc_ValueError, "x has %zd columns, not a positive multiple of group %zd",
-                            (Py_ssize_t)cols, group);
-    }
     if (y->shape[0] != tokens || y->shape[1] != rows) {
-        release(buf, 5);
+        release(buf, 8);
         return PyErr_Format(PyExc_ValueError, "y has shape [%zd, %zd]; expected [%zd, %zd]", y->shape[0],
                             y->shape[1], (Py_ssize_t)tokens, rows);
     }
-    const int64_t scale_items = tiles * (cols / group) * TILE_ROWS;
-    const int64_t data_bytes = tiles * TILE_ROWS * cols / 8 * (bits == 8 && codebook ? 4 : bits);
-    if (check_length(&buf[0], "data", data_bytes) || check_length(&buf[1], "scales", scale_items) ||
-        (buf[2].held && check_length(&buf[2], "mins", scale_items))) {
-        release(buf, 5);
+    packed_matrix w = {
+        .bits = bits, .group = group, .tiles = tiles, .cols = cols, .data = buf[0].view.buf,
+        .scales = buf[1].held ? buf[1].view.buf : NULL, .mins = buf[2].held ? buf[2].view.buf : NULL,
+        .codebook = int8_codebook(codebook), .width = width, .zero = zero,
+        .high = buf[5].held ? buf[5].view.buf : NULL, .sub_codes = buf[6].held ? buf[6].view.buf : NULL,
+        .supers = buf[7].held ? buf[7].view.buf : NULL, .sub_bits = sub_bits, .sub_offset = sub_offset,
+        .sub_mins = sub_mins, .sub_gps = sub_groups,
+    };
+    matmul_sizes sizes = {0};
+    char problem[200];
+    matmul_problem(&w, codebook, buf[5].held, buf[1].held, buf[2].held, buf[6].held || buf[7].held, &sizes,
+                   problem, sizeof problem);
+    if (!problem[0] && buf[6].held != buf[7].held) snprintf(problem, sizeof problem, "sub_codes and supers go together");
+    if (problem[0]) {
+        release(buf, 8);
+        return PyErr_Format(PyExc_ValueError, "%s", problem);
+    }
+    if (check_length(&buf[0], "data", sizes.data) || (buf[1].held && check_length(&buf[1], "scales", sizes.params)) ||
+        (buf[2].held && check_length(&buf[2], "mins", sizes.params)) ||
+        (buf[5].held && check_length(&buf[5], "high", sizes.high)) ||
+        (buf[6].held && check_length(&buf[6], "sub_codes", sizes.sub_codes)) ||
+        (buf[7].held && check_length(&buf[7], "supers", sizes.supers))) {
+        release(buf, 8);
         return NULL;
     }
     if (tokens == 0) {
-        release(buf, 5);
+        release(buf, 8);
         Py_RETURN_NONE;
     }
 
     matmul_job job = {
-        .w = {bits, group, tiles, cols, buf[0].view.buf, buf[1].view.buf,
-              buf[2].held ? buf[2].view.buf : NULL, int8_codebook(codebook)},
-        .kernel = bits == 8 ? int8_tile_kernel(active_isa) : lut_tile_kernel(active_isa),
+        .w = w, .kernel = bits == 8 ? int8_tile_kernel(active_isa) : lut_tile_kernel(active_isa),
         .x = x->buf, .y = y->buf, .rows = rows,
         .chunks = (tokens + TOKEN_CHUNK - 1) / TOKEN_CHUNK, .accumulate = accumulate,
     };
     job.acts.tokens = tokens;
     job.acts.codes_per_token = bits == 8 ? cols : cols / 4 * 16;
     job.acts.codes = malloc((size_t)(tokens * job.acts.codes_per_token));
-    job.acts.scales = malloc((size_t)(tokens * (cols / group) * 2) * sizeof(float));
+    job.acts.scales = malloc((size_t)(tokens * (cols / group) * 3) * sizeof(float));
     if (!job.acts.codes || !job.acts.scales) {
         free(job.acts.codes);
         free(job.acts.scales);
-        release(buf, 5);
+        release(buf, 8);
         return PyErr_NoMemory();
     }
     job.acts.sums = job.acts.scales + tokens * (cols / group);
+    job.acts.code_sums = (int32_t *)(job.acts.sums + tokens * (cols / group));
 
     Py_BEGIN_ALLOW_THREADS
     pool_run(prepare_item, &job, tokens);
@@ -212,7 +276,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs) {
 
     free(job.acts.codes);
     free(job.acts.scales);
-    release(buf, 5);
+    release(buf, 8);
     Py_RETURN_NONE;
 }
 

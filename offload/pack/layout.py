@@ -7,18 +7,20 @@ byte counts, before anything is packed); given a `TensorDecoder` too, it also pr
 (the writer), and each array it produces must have the size the walk computed. A field becomes:
 
     Vector   float32 [n]                                        [offset, nbytes]
-    Matmul   one matrix when its parts agree on a format (float32, or the same bits, group and codebook),
-             its rows the parts' rows in order, with the parts' biases (zeros where a part has
-             none) concatenated; else a concatenation of one matrix per part:
+    Matmul   one matrix when its parts agree on a format (float32, or one GroupLayout form: bits,
+             group, codebook, width, zero code, mins and two-level scales), its rows the parts' rows
+             in order, with the parts' biases (zeros where a part has none) concatenated; else a
+             concatenation of one matrix per part:
                  {"kind": "dense", rows, cols, weight: [offset, nbytes], bias}
-                 {"kind": "packed", rows, cols, bits, group, codebook, data, scales, mins, bias}
+                 {"kind": "packed", rows, cols, bits, group, codebook, width, zero, data, high,
+                  scales, mins, sub: null or {bits, offset, groups_per_super, with_mins, codes,
+                  supers}, bias}
                  {"kind": "concat", parts: [...]}
 
-Packed matrices are cpu_kernels/packed.py's layout (rows padded to tiles of 64): data
-`tiles*64*cols*bits/8` bytes (4 bits a weight for a codebook's indices: IQ4_NL, IQ4_XS and MXFP4
-have one, codebook null otherwise), scales and (when any part's format has an offset, or bits < 8)
-mins `tiles*64*(cols/group)` float16 each. An MXFP4 matrix with a block scale above 2^15 (a weight
-of magnitude 2^16 or more) has no codebook form (quant_groups.py); the pack refuses it.
+Packed matrices are cpu_kernels/packed.py's layout (rows padded to tiles of 64; `packed_sizes`
+gives each array's bytes): every type's bytes are the GGUF's own but TQ1_0's and MXFP4's. An
+MXFP4 matrix with a block scale above 2^15 (a weight of magnitude 2^16 or more) has no codebook
+form (quant_groups.py); the pack refuses it.
 """
 
 from collections.abc import Callable
@@ -27,9 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierflow.cpu_kernels.dequant import dequantize
-from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, pack
+from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, pack, sub_code_bytes
 from tierflow.cpu_kernels.quant_groups import (
     GROUPED_TYPES,
+    GroupLayout,
     QuantGroups,
     group_layout,
     stack_rows,
@@ -47,6 +50,24 @@ ARRAY_ALIGNMENT = 64
 class LinearSize:
     nbytes: int
     bits: int | None  # None: a float32 matrix, computed by torch
+
+
+def packed_sizes(fmt: GroupLayout, rows: int, cols: int) -> dict[str, int]:
+    """The bytes of each array of a packed matrix of this layout (packed.py's docstring), from the
+    header alone: data, high, params (the float16 scales, and as many again for mins), sub_codes and
+    supers (two-level scales)."""
+    padded = -(-rows // TILE_ROWS) * TILE_ROWS
+    nibbles = fmt.bits == 8 and (fmt.codebook is not None or fmt.width < 8)
+    data = padded * cols * (fmt.bits if fmt.bits != 8 else 4 if nibbles else 8) // 8
+    wide = fmt.bits == 8 and fmt.codebook is None and fmt.width > 4
+    high = padded * cols * (fmt.width - 4) // 8 if wide and fmt.width < 8 else 0
+    params = padded * (cols // fmt.group) * 2
+    if fmt.sub is None:
+        return {"data": data, "high": high, "params": params, "sub_codes": 0, "supers": 0}
+    supers = padded * (cols // fmt.group // fmt.sub.groups_per_super)
+    code_bytes = sub_code_bytes(fmt.sub.bits, fmt.sub.groups_per_super, fmt.sub.with_mins)
+    return {"data": data, "high": high, "params": params, "sub_codes": supers * code_bytes,
+            "supers": supers * 2 * (2 if fmt.sub.with_mins else 1)}
 
 
 @dataclass(frozen=True)
@@ -151,9 +172,9 @@ class ExtentLayout:
 
     def _matmul(self, kind: Matmul) -> dict:
         parts = [(weight, self._bias(kind, weight)) for weight in kind.weights]
-        formats = {self._format(weight) for weight, _ in parts}
-        if len(formats) == 1:
-            spec = self._matrix(parts, formats.pop())
+        fmt = self._format(parts[0][0])
+        if all(_same_form(self._format(weight), fmt) for weight, _ in parts):
+            spec = self._matrix(parts, fmt)
         else:
             spec = {"kind": "concat", "parts": [self._matrix([part], self._format(part[0]))
                                                 for part in parts]}
@@ -165,16 +186,14 @@ class ExtentLayout:
             return bias
         return None
 
-    def _format(self, tensor: Tensor) -> tuple[int, int, str | None] | None:
-        """(bits, group, codebook) of a tensor the packed kernels compute; None: float32 (torch)."""
+    def _format(self, tensor: Tensor) -> GroupLayout | None:
+        """The layout of a tensor the packed kernels compute; None: float32 (torch)."""
         ggml_type = self.gguf.tensors[tensor.name].ggml_type
         if ggml_type not in GROUPED_TYPES or len(tensor.shape) < 2:
             return None
-        layout = group_layout(ggml_type)
-        return layout.bits, layout.group, layout.codebook
+        return group_layout(ggml_type)
 
-    def _matrix(self, parts: list[tuple[Tensor, Tensor | None]], fmt: tuple[int, int, str | None] | None
-                ) -> dict:
+    def _matrix(self, parts: list[tuple[Tensor, Tensor | None]], fmt: GroupLayout | None) -> dict:
         weights = [weight for weight, _ in parts]
         rows, cols = sum(w.matrix_shape[0] for w in weights), weights[0].matrix_shape[1]
         spec = {"rows": rows, "cols": cols, "bias": None}
@@ -184,18 +203,23 @@ class ExtentLayout:
             self.linears.append(LinearSize(4 * rows * cols, None))
             return spec | {"kind": "dense", "weight": self._array(
                 4 * rows * cols, lambda: np.concatenate([self.decoder.matrix(w, False) for w in weights]))}
-        bits, group, codebook = fmt
-        types = [self.gguf.tensors[w.name].ggml_type for w in weights]
-        with_mins = bits != 8 or any(group_layout(t).has_min for t in types)
-        padded = -(-rows // TILE_ROWS) * TILE_ROWS
-        packed = _Once(lambda: self._packed(weights, with_mins, codebook))
-        params = padded * (cols // group) * 2
-        data_bytes = padded * cols * (4 if codebook else bits) // 8
-        spec |= {"kind": "packed", "bits": bits, "group": group, "codebook": codebook,
-                 "data": self._array(data_bytes, lambda: packed().data),
-                 "scales": self._array(params, lambda: packed().scales),
-                 "mins": self._array(params, lambda: packed().mins) if with_mins else None}
-        self.linears.append(LinearSize(data_bytes + params * (2 if with_mins else 1), bits))
+        sizes = packed_sizes(fmt, rows, cols)
+        with_mins = fmt.sub is None and fmt.has_min
+        packed = _Once(lambda: self._packed(weights, with_mins, fmt.codebook))
+        spec |= {"kind": "packed", "bits": fmt.bits, "group": fmt.group, "codebook": fmt.codebook,
+                 "width": fmt.width if fmt.bits == 8 else 8, "zero": fmt.zero,
+                 "data": self._array(sizes["data"], lambda: packed().data),
+                 "high": self._array(sizes["high"], lambda: packed().high) if sizes["high"] else None,
+                 "scales": None if fmt.sub else self._array(sizes["params"], lambda: packed().scales),
+                 "mins": self._array(sizes["params"], lambda: packed().mins) if with_mins else None,
+                 "sub": None if fmt.sub is None else {
+                     "bits": fmt.sub.bits, "offset": fmt.sub.offset,
+                     "groups_per_super": fmt.sub.groups_per_super, "with_mins": fmt.sub.with_mins,
+                     "codes": self._array(sizes["sub_codes"], lambda: packed().sub.codes),
+                     "supers": self._array(sizes["supers"], lambda: packed().sub.supers)}}
+        params = (0 if fmt.sub else sizes["params"]) + (sizes["params"] if with_mins else 0)
+        self.linears.append(LinearSize(sizes["data"] + sizes["high"] + params + sizes["sub_codes"]
+                                       + sizes["supers"], fmt.bits))
         return spec
 
     def _packed(self, weights: list[Tensor], with_mins: bool, codebook: str | None) -> PackedMatrix:
@@ -222,6 +246,11 @@ class ExtentLayout:
     def _biases(self, parts: list[tuple[Tensor, Tensor | None]]) -> np.ndarray:
         return np.concatenate([np.zeros(weight.matrix_shape[0], np.float32) if bias is None
                                else self.decoder.vector(bias).astype(np.float32) for weight, bias in parts])
+
+
+def _same_form(a: GroupLayout | None, b: GroupLayout | None) -> bool:
+    """Whether two tensors' layouts stack into one packed matrix (or are both float32)."""
+    return a is None and b is None or a is not None and b is not None and a.form == b.form
 
 
 class _Once:

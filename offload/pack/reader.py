@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 from tierflow.cpu_kernels.linear import PackedLinear
-from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix
+from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, SubPacking
 from tierflow.errors import ModelFileError
 from tierflow.gpu_kernels.matmul import DeviceLinear
 from tierflow.gpu_kernels.packed import view_matrix
 from tierflow.runtime.model import ConcatLinear, DenseLinear, Experts, Kernels, Linear, Weights
 
-PACK_VERSION = 5  # 4: the source identified by device, inode and sampled content; 5: codebook nibbles
+PACK_VERSION = 6  # 4: the source identified by device, inode and sampled content; 5: codebook nibbles;
+# 6: every type in the GGUF's own bytes (nibble codes with high planes, zero codes, two-level scales)
 MAGIC = b"TFPACK01"
 TRAILER = struct.Struct("<8sQQI")  # magic, manifest offset, manifest size, manifest CRC-32
 
@@ -142,18 +143,26 @@ def _matrix(data: memoryview, spec: dict) -> PackedMatrix | torch.Tensor:
     rows, cols = spec["rows"], spec["cols"]
     if spec["kind"] == "dense":
         return torch.from_numpy(_array(data, spec["weight"], np.float32).reshape(rows, cols))
-    bits, group, codebook = spec["bits"], spec["group"], spec["codebook"]
+    bits, group, codebook, width = spec["bits"], spec["group"], spec["codebook"], spec["width"]
     tiles = -(-rows // TILE_ROWS)
-    if codebook is not None:
-        codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols // 8, TILE_ROWS, 4)
-    elif bits == 8:
-        codes = _array(data, spec["data"], np.int8).reshape(tiles, cols // 4, TILE_ROWS, 4)
-    else:
+    if bits != 8:
         codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols // 8, bits, TILE_ROWS)
+    elif codebook is not None or width < 8:
+        codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols // 8, TILE_ROWS, 4)
+    else:
+        codes = _array(data, spec["data"], np.int8).reshape(tiles, cols // 4, TILE_ROWS, 4)
+    high = spec["high"] and _array(data, spec["high"], np.uint8).reshape(tiles, -1, TILE_ROWS, 4)
     params = (tiles, cols // group, TILE_ROWS)
-    mins = None if spec["mins"] is None else _array(data, spec["mins"], np.float16).reshape(params)
-    scales = _array(data, spec["scales"], np.float16).reshape(params)
-    return PackedMatrix(rows, cols, bits, group, codes, scales, mins, codebook)
+    scales, mins = (None if spec[name] is None else _array(data, spec[name], np.float16).reshape(params)
+                    for name in ("scales", "mins"))
+    sub = spec["sub"]
+    if sub is not None:
+        shape = (tiles, cols // group // sub["groups_per_super"], -1, TILE_ROWS)
+        sub = SubPacking(_array(data, sub["codes"], np.uint8).reshape(shape),
+                         _array(data, sub["supers"], np.float16).reshape(shape), sub["bits"], sub["offset"],
+                         sub["groups_per_super"], sub["with_mins"])
+    return PackedMatrix(rows, cols, bits, group, codes, scales, mins, codebook, width, spec["zero"], high,
+                        sub)
 
 
 def _as_linear(matrix: PackedMatrix | torch.Tensor, bias: np.ndarray | None) -> Linear:

@@ -1,0 +1,154 @@
+/* Each row's scale and min of one group of a tile, from whichever form the matrix keeps them in
+ * (see cpu_kernels/packed.py): float16 per group, or two-level (a float16 d, and dmin, per super
+ * block of groups times each group's 4-, 6- or 8-bit code). Both kernels call this once per
+ * group and tile, so the forms cost the inner loops nothing.
+ *
+ * Every path computes exactly packed.py's group_params: scale = d * (float)(code - offset),
+ * min = -(dmin * (float)min_code), or -zero * scale (LUT codes with a zero code and no mins).
+ */
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define HAVE_X86 1
+#endif
+
+/* Where the sub codes' values of (tile, super block) start, and how many values a row has. */
+#define SUB_SETUP                                                                               \
+    const int64_t groups = w->cols / w->group, gps = w->sub_gps;                                \
+    const int64_t supers_per_tile = groups / gps, s = g / gps, gl = g % gps;                    \
+    const int values = (int)gps * (w->sub_mins ? 2 : 1);                                        \
+    const int64_t sub_bytes = w->sub_bits == 8 ? values : values / 2 + (w->sub_bits == 6 ? values / 4 : 0); \
+    const uint8_t *codes = w->sub_codes + (tile * supers_per_tile + s) * sub_bytes * TILE_ROWS;  \
+    const uint16_t *supers = w->supers + (tile * supers_per_tile + s) * (w->sub_mins ? 2 : 1) * TILE_ROWS; \
+    const int v_scale = (int)gl * (w->sub_mins ? 2 : 1);
+
+/* Sub code value v of row r. */
+static inline int sub_value(const packed_matrix *w, const uint8_t *codes, int values, int v, int r) {
+    if (w->sub_bits == 8) return codes[v * TILE_ROWS + r];
+    int code = (codes[(v >> 1) * TILE_ROWS + r] >> (4 * (v & 1))) & 15;
+    if (w->sub_bits == 6) code |= ((codes[(values / 2 + (v >> 2)) * TILE_ROWS + r] >> (2 * (v & 3))) & 3) << 4;
+    return code;
+}
+
+int group_params_scalar(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min) {
+    int has_min = 0;
+    if (w->sub_codes) {
+        SUB_SETUP
+        for (int r = 0; r < TILE_ROWS; r++) {
+            scale[r] = half_to_float(supers[r]) * (float)(sub_value(w, codes, values, v_scale, r) - w->sub_offset);
+            if (w->sub_mins)
+                min[r] = -(half_to_float(supers[TILE_ROWS + r]) * (float)sub_value(w, codes, values, v_scale + 1, r));
+        }
+        has_min = w->sub_mins;
+    } else {
+        const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
+        for (int r = 0; r < TILE_ROWS; r++) scale[r] = half_to_float(w->scales[at + r]);
+        if (w->mins) {
+            for (int r = 0; r < TILE_ROWS; r++) min[r] = half_to_float(w->mins[at + r]);
+            has_min = 1;
+        }
+    }
+    if (!has_min) {
+        const float zero = w->bits != 8 ? (float)-w->zero : 0.0f;
+        for (int r = 0; r < TILE_ROWS; r++) min[r] = zero != 0.0f ? scale[r] * zero : 0.0f;
+        has_min = zero != 0.0f;
+    }
+    return has_min;
+}
+
+#ifdef HAVE_X86
+
+/* The sub codes of value v for rows 8i .. 8i+7 (AVX2) or 16i .. 16i+15 (AVX-512) as int32 lanes. */
+#define SUB_VALUE_LANES(WIDE, LOAD_BYTES, CVT, SRLV, SET1, AND, OR, SLLI, ROWS)                    \
+    static inline WIDE sub_lanes_##ROWS(const packed_matrix *w, const uint8_t *codes, int values, int v, int i) { \
+        if (w->sub_bits == 8) return CVT(LOAD_BYTES(codes + v * TILE_ROWS + ROWS * i));          \
+        WIDE code = AND(SRLV(CVT(LOAD_BYTES(codes + (v >> 1) * TILE_ROWS + ROWS * i)), SET1(4 * (v & 1))), SET1(15)); \
+        if (w->sub_bits != 6) return code;                                                      \
+        WIDE top = CVT(LOAD_BYTES(codes + (values / 2 + (v >> 2)) * TILE_ROWS + ROWS * i));       \
+        return OR(code, SLLI(AND(SRLV(top, SET1(2 * (v & 3))), SET1(3)), 4));                    \
+    }
+
+#define LOAD8(p) _mm_loadl_epi64((const __m128i *)(p))
+#define LOAD16(p) _mm_loadu_si128((const __m128i *)(p))
+
+__attribute__((target("avx2,fma,f16c"))) SUB_VALUE_LANES(__m256i, LOAD8, _mm256_cvtepu8_epi32, _mm256_srlv_epi32,
+    _mm256_set1_epi32, _mm256_and_si256, _mm256_or_si256, _mm256_slli_epi32, 8)
+
+__attribute__((target("avx2,fma,f16c"))) int group_params_avx2(const packed_matrix *w, int64_t tile, int64_t g,
+                                                                float *scale, float *min) {
+    int has_min = 0;
+    if (w->sub_codes) {
+        SUB_SETUP
+        const __m256 offset = _mm256_set1_ps((float)w->sub_offset);
+        for (int i = 0; i < TILE_ROWS / 8; i++) {
+            __m256 d = _mm256_cvtph_ps(LOAD16(supers + 8 * i));
+            __m256 code = _mm256_cvtepi32_ps(sub_lanes_8(w, codes, values, v_scale, i));
+            _mm256_storeu_ps(scale + 8 * i, _mm256_mul_ps(d, _mm256_sub_ps(code, offset)));
+            if (w->sub_mins) {
+                __m256 dmin = _mm256_cvtph_ps(LOAD16(supers + TILE_ROWS + 8 * i));
+                __m256 m = _mm256_cvtepi32_ps(sub_lanes_8(w, codes, values, v_scale + 1, i));
+                _mm256_storeu_ps(min + 8 * i, _mm256_xor_ps(_mm256_mul_ps(dmin, m), _mm256_set1_ps(-0.0f)));
+            }
+        }
+        has_min = w->sub_mins;
+    } else {
+        const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
+        for (int i = 0; i < TILE_ROWS / 8; i++) _mm256_storeu_ps(scale + 8 * i, _mm256_cvtph_ps(LOAD16(w->scales + at + 8 * i)));
+        if (w->mins) {
+            for (int i = 0; i < TILE_ROWS / 8; i++) _mm256_storeu_ps(min + 8 * i, _mm256_cvtph_ps(LOAD16(w->mins + at + 8 * i)));
+            has_min = 1;
+        }
+    }
+    if (!has_min) {
+        const float zero = w->bits != 8 ? (float)-w->zero : 0.0f;
+        for (int i = 0; i < TILE_ROWS / 8; i++)
+            _mm256_storeu_ps(min + 8 * i, zero != 0.0f ? _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), _mm256_set1_ps(zero))
+                                                       : _mm256_setzero_ps());
+        has_min = zero != 0.0f;
+    }
+    return has_min;
+}
+
+#define AVX512_PARAMS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#define LOAD32(p) _mm256_loadu_si256((const __m256i *)(p))
+
+AVX512_PARAMS_TARGET SUB_VALUE_LANES(__m512i, LOAD16, _mm512_cvtepu8_epi32, _mm512_srlv_epi32, _mm512_set1_epi32,
+                                     _mm512_and_si512, _mm512_or_si512, _mm512_slli_epi32, 16)
+
+AVX512_PARAMS_TARGET int group_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, float *scale,
+                                             float *min) {
+    int has_min = 0;
+    if (w->sub_codes) {
+        SUB_SETUP
+        const __m512 offset = _mm512_set1_ps((float)w->sub_offset);
+        for (int i = 0; i < TILE_ROWS / 16; i++) {
+            __m512 d = _mm512_cvtph_ps(LOAD32(supers + 16 * i));
+            __m512 code = _mm512_cvtepi32_ps(sub_lanes_16(w, codes, values, v_scale, i));
+            _mm512_storeu_ps(scale + 16 * i, _mm512_mul_ps(d, _mm512_sub_ps(code, offset)));
+            if (w->sub_mins) {
+                __m512 dmin = _mm512_cvtph_ps(LOAD32(supers + TILE_ROWS + 16 * i));
+                __m512 m = _mm512_cvtepi32_ps(sub_lanes_16(w, codes, values, v_scale + 1, i));
+                _mm512_storeu_ps(min + 16 * i, _mm512_xor_ps(_mm512_mul_ps(dmin, m), _mm512_set1_ps(-0.0f)));
+            }
+        }
+        has_min = w->sub_mins;
+    } else {
+        const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
+        for (int i = 0; i < TILE_ROWS / 16; i++) _mm512_storeu_ps(scale + 16 * i, _mm512_cvtph_ps(LOAD32(w->scales + at + 16 * i)));
+        if (w->mins) {
+            for (int i = 0; i < TILE_ROWS / 16; i++) _mm512_storeu_ps(min + 16 * i, _mm512_cvtph_ps(LOAD32(w->mins + at + 16 * i)));
+            has_min = 1;
+        }
+    }
+    if (!has_min) {
+        const float zero = w->bits != 8 ? (float)-w->zero : 0.0f;
+        for (int i = 0; i < TILE_ROWS / 16; i++)
+            _mm512_storeu_ps(min + 16 * i, zero != 0.0f ? _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * i), _mm512_set1_ps(zero))
+                                                        : _mm512_setzero_ps());
+        has_min = zero != 0.0f;
+    }
+    return has_min;
+}
+
+#endif /* HAVE_X86 */
