@@ -1,8 +1,9 @@
 """Triton kernels: dequantize-and-multiply straight from the packed layout (see packed.py).
 
 Legend: M tokens, N rows of W, K columns, T tiles of 64 rows; BM, BN, BK block sizes; BO = BK / 8
-LUT byte columns, BC = BK / 4 int8 column quads. Rows are the fast axis of every tile: the 64 rows
-of a tile are contiguous in both layouts, so a warp's loads coalesce.
+LUT byte columns, BC = BK / 4 int8 column quads, BG = BK / GROUP groups (1 where a group spans
+blocks). Rows are the fast axis of every tile: the 64 rows of a tile are contiguous in every
+layout, so a warp's loads coalesce.
 
 - `matvec_kernel` (decode, M <= 4): one token and BN rows per program, the K range optionally
   split over programs (split-K) so that a short, wide matrix still fills the GPU; partial sums
@@ -13,9 +14,10 @@ of a tile are contiguous in both layouts, so a warp's loads coalesce.
   a multiply each (`gather_bits`); an int8 program loads [BC, BN, 4], four codes per load (or
   four nibbles: with CODEBOOK, 4-bit indices into the 16 codes at `codebook`, looked up there;
   with WIDTH 4..6, the low bits of unsigned codes, joined in registers to their WIDTH - 4 high
-  bits from `high`, less ZERO). Scales and mins apply per byte column (a group holds whole byte
-  columns): `s * sum(q x) + m * sum(x)`.
-- Scales and mins (`_group_params`) come as float16 per group, or as the file's two-level scales
+  bits from `high`, less ZERO). The partial sums of a group are added first, then its scale and
+  min apply once: `s * sum(q x) + m * sum(x)` (groups are powers of two, so a block of BK columns
+  holds whole groups or lies in one).
+- Scales and mins (`_block_params`) come as float16 per group, or as the file's two-level scales
   (SUB_BITS 4, 6, 8: per group a code, per super block of SUB_GPS groups a float16 d and dmin;
   scale = d * (code - SUB_OFFSET), min = -(dmin * min code), ggml's float32 products), decoded
   where they are applied. MINS says where a group's min comes from: "half" (float16 mins),
@@ -144,7 +146,7 @@ def _by_group(t, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
 def _lut_dot(data, scales, mins, sub_codes, sub_supers, x_row, rows, k0, N, K, GROUP: tl.constexpr,
              BITS: tl.constexpr, ZERO: tl.constexpr, MINS: tl.constexpr, SUB_BITS: tl.constexpr,
              SUB_OFFSET: tl.constexpr, SUB_GPS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum over k in k0 .. k0 + BK of W[rows, k] x[k], as [BO, BN] partial sums; uint8 [T, K/8, BITS, 64]."""
+    """sum over k in k0 .. k0 + BK of W[rows, k] x[k], as [BG, BN] partial sums; uint8 [T, K/8, BITS, 64]."""
     o = k0 // 8 + tl.arange(0, BLOCK_K // 8)[:, None]  # [BO, 1] byte columns
     tile, lane = rows[None, :] // 64, rows[None, :] % 64  # [1, BN]
     mask = (o < K // 8) & (rows[None, :] < N)
@@ -198,7 +200,7 @@ def _int8_dot(data, high, scales, mins, codebook, sub_codes, sub_supers, x_row, 
               GROUP: tl.constexpr, WIDTH: tl.constexpr, ZERO: tl.constexpr, CODEBOOK: tl.constexpr,
               MINS: tl.constexpr, SUB_BITS: tl.constexpr, SUB_OFFSET: tl.constexpr, SUB_GPS: tl.constexpr,
               BLOCK_K: tl.constexpr):
-    """sum over k in k0 .. k0 + BK of W[rows, k] x[k], as [BC, BN] partial sums (int8 layout, or nibbles)."""
+    """sum over k in k0 .. k0 + BK of W[rows, k] x[k], as [BG, BN] partial sums (int8 layout, or nibbles)."""
     c = k0 // 4 + tl.arange(0, BLOCK_K // 4)[:, None]  # [BC, 1] column quads
     tile, lane = rows[None, :] // 64, rows[None, :] % 64  # [1, BN]
     quad = tl.arange(0, 4)

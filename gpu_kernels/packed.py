@@ -34,8 +34,6 @@ from tierflow.cpu_kernels.quant_groups import CODEBOOKS
 MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32
 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # array name -> its dtype and shape
-
-
 SubForm = tuple[int, int, int, bool]  # sub-scales' bits, offset, groups_per_super, with_mins
 
 
@@ -84,9 +82,9 @@ class DeviceMatrix:
         if self.codebook is not None:
             expected["codebook"] = (torch.int8, (16,))
         what = f"a {self.rows} x {self.cols} {form_name(self.bits, self.width)} matrix"
-        for name, tensor in arrays.items():
+        for name, tensor in arrays.items():  # data first: the others must be on its device
             if name in expected:
-                _check_array(name, tensor, *expected[name], self.data.device, what)
+                _check_array(name, tensor, *expected[name], self.data, what)
             elif tensor is not None:
                 raise ValueError(f"{what} has no {name}")
 
@@ -181,13 +179,13 @@ def array_layout(rows: int, cols: int, bits: int, group: int, codebook: bool, wi
 
 
 def _check_array(name: str, tensor: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...],
-                 device: torch.device, what: str) -> None:
+                 data: torch.Tensor, what: str) -> None:
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
         got = (f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor)
                else type(tensor).__name__)
         raise ValueError(f"{name} of {what} must be {dtype} {list(shape)}, got {got}")
-    if not tensor.is_contiguous() or tensor.device != device:
-        raise ValueError(f"{name} must be contiguous and on {device}")
+    if not tensor.is_contiguous() or tensor.device != data.device:
+        raise ValueError(f"{name} must be contiguous and on {data.device}")
     if tensor.numel() > MAX_ELEMENTS:
         raise ValueError(f"{name} has more than 2**31 elements")
 

@@ -278,15 +278,14 @@ def test_matmul_matches_reference_on_each_gguf_form(ggml_type, tokens):
 
 @pytest.mark.parametrize("ggml_type", GGUF_FORMS, ids=type_name)
 def test_kernels_compute_each_gguf_form_as_the_packed_matrix_dequantizes(ggml_type):
-    """One-hot activations (a few, decode; all, prefill) give W.T itself, up to the rounding of
-    `scale * q + min`: any difference in how codes, high bits, zero or sub-scales are read shows in
-    full."""
+    """One-hot activations give columns of W.T itself, up to the rounding of `scale * q + min`: any
+    difference in how codes, high bits, zero or sub-scales are read shows in full. Four columns
+    (decode), then every 7th (prefill): each group of 16, at every place in a byte or quad."""
     matrix = gguf_matrix(ggml_type, 65, 256)
     w, eye = to_device(matrix, DEVICE), torch.eye(256, device=DEVICE)
-    columns = [0, 37, 130, 255]  # in different groups and super blocks
-    for x, rows in ((eye[columns], columns), (eye, slice(None))):
-        error = np.abs(matmul(w, x).cpu().numpy() - matrix.dequantize().T[rows])
-        assert np.all(error <= weight_rounding(matrix)[rows])
+    for columns in ([0, 37, 130, 255], list(range(0, 256, 7))):
+        error = np.abs(matmul(w, eye[columns]).cpu().numpy() - matrix.dequantize().T[columns])
+        assert np.all(error <= weight_rounding(matrix)[columns])
 
 
 @pytest.mark.parametrize("tokens", [2, 9], ids=["decode", "prefill"])
@@ -626,6 +625,27 @@ def test_cuda_matmul_matches_reference_at_model_sizes(kind, tokens):
     for dtype in TOLERANCE:
         x = activations(tokens, 2048, dtype)
         assert_matches_reference(matmul(w, x), w, x)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+@pytest.mark.parametrize("ggml_type", GGUF_FORMS, ids=type_name)
+def test_cuda_matmul_matches_reference_on_each_gguf_form_at_model_sizes(ggml_type, tokens):
+    w = to_device(gguf_matrix(ggml_type, 1024, 2048), "cuda")
+    for dtype in TOLERANCE:
+        x = activations(tokens, 2048, dtype)
+        assert_matches_reference(matmul(w, x), w, x)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 32])
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K, T.Q6_K], ids=type_name)
+def test_cuda_gate_up_silu_mul_matches_reference_on_k_quants_at_model_sizes(ggml_type, tokens):
+    """The register-heaviest matrix-vector programs: sub-scales and high bits, for gate and up."""
+    w = to_device(gguf_matrix(ggml_type, 2 * 1376, 512), "cuda")
+    assert_silu_mul_matches_reference(w, activations(tokens, 512))
 
 
 @pytest.mark.cuda
