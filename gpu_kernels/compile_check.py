@@ -24,8 +24,29 @@ from tierflow.cpu_kernels.hadamard import rotation_sizes
 from tierflow.gpu_kernels import attention_kernels, matmul_kernels, ops_kernels
 from tierflow.kv_types import KV_TYPES
 
-MATRIX = {"x": "*fp16", "data": "*u8", "scales": "*fp16", "mins": "*fp16", "codebook": "*i8", "out": "*fp16",
-          "M": "i32", "N": "i32", "N_OUT": "i32", "K": "i32", "stride_x": "i32"}
+MATRIX = {"x": "*fp16", "data": "*u8", "high": "*u8", "scales": "*fp16", "mins": "*fp16", "codebook": "*i8",
+          "sub_codes": "*u8", "sub_supers": "*fp16", "out": "*fp16", "M": "i32", "N": "i32", "N_OUT": "i32",
+          "K": "i32", "stride_x": "i32"}
+
+
+def matrix_form(bits: int, width: int = 8, zero: int = 0, codebook: bool = False, mins: str = "none",
+                sub: tuple[int, int, int] = (0, 0, 1), group: int = 32) -> dict:
+    """The layout constexprs of the matrix kernels; sub: SUB_BITS, SUB_OFFSET, SUB_GPS."""
+    return dict(GROUP=group, BITS=bits, WIDTH=width, ZERO=zero, CODEBOOK=codebook, MINS=mins,
+                SUB_BITS=sub[0], SUB_OFFSET=sub[1], SUB_GPS=sub[2])
+
+
+# (layout, silu, x dtype): one of each way of reading codes and scales, by a GGUF type that has it
+MATRIX_BUILDS = [
+    (matrix_form(3, mins="half"), True, "*fp16"),  # LUT codes with float16 mins
+    (matrix_form(8), False, "*fp32"),  # Q8_0
+    (matrix_form(8, codebook=True), True, "*fp16"),  # IQ4_NL
+    (matrix_form(8, width=5, zero=16), False, "*fp16"),  # Q5_0
+    (matrix_form(8, width=4, mins="sub", sub=(6, 0, 8)), True, "*fp16"),  # Q4_K
+    (matrix_form(8, width=6, zero=32, sub=(8, 128, 16), group=16), True, "*bf16"),  # Q6_K
+    (matrix_form(3, zero=4, mins="zero", sub=(6, 32, 16), group=16), False, "*fp16"),  # Q3_K
+    (matrix_form(2, mins="sub", sub=(4, 0, 16), group=16), True, "*fp16"),  # Q2_K
+]
 ATTENTION = {name: "*fp32" for name in ("qkv", "keys", "values", "cos", "sin", "out", "partials", "stats")}
 ATTENTION |= {"start": "i32", "H": "i32", "KVH": "i32", "C": "i32", "scale": "fp32", "BASE": "i32",
               "SPLIT_SIZE": "i32", "NUM_SPLITS": "i32", "WINDOW": "i32", "HELD_FROM": "i32",
@@ -35,10 +56,10 @@ ATTENTION |= {"start": "i32", "H": "i32", "KVH": "i32", "C": "i32", "scale": "fp
 def variants(all_configs: bool) -> list[tuple]:
     """(kernel, signature, constexprs, options) of each build."""
     builds = []
-    matrix_builds = [(3, False, True, "*fp16"), (8, False, False, "*fp32"), (8, True, True, "*fp16")]
-    for bits, nibbles, silu, x in matrix_builds:  # nibbles: a codebook's 4-bit indices
-        layout = {"data": "*i8" if bits == 8 and not nibbles else "*u8", "x": x, "out": x}
-        flags = dict(GROUP=32, BITS=bits, HAS_MINS=bits != 8, NIBBLES=nibbles, SILU_MUL=silu)
+    for form, silu, x in MATRIX_BUILDS:
+        int8 = form["BITS"] == 8 and form["WIDTH"] == 8 and not form["CODEBOOK"]
+        layout = {"data": "*i8" if int8 else "*u8", "x": x, "out": x}
+        flags = form | dict(SILU_MUL=silu)
         matvec = matmul_kernels.fitting_configs(matmul_kernels.MATVEC_CONFIGS, flags)
         for config in matvec if all_configs else matvec[:1]:
             builds.append((matmul_kernels.matvec_kernel, MATRIX | layout | {"K_PER_SPLIT": "i32"},
@@ -95,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         usage = compile_one(kernel, signature, constexprs, options, args.arch)
         status = "SPILLS" if usage and "STACK:0 " not in usage else "ok"
         name = (kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel).__name__
-        shown = {k: v for k, v in constexprs.items() if k in ("BITS", "SILU_MUL", "D") or k[:5] == "BLOCK"}
+        shown = {k: v for k, v in constexprs.items()
+                 if k in ("BITS", "WIDTH", "MINS", "SUB_BITS", "SILU_MUL", "D") or k[:5] == "BLOCK"}
         print(f"{status:<7}{name:<20} {shown} {options}  {' '.join(usage.split()[:2])}")
 
 

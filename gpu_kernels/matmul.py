@@ -85,11 +85,15 @@ def _launch(w: DeviceMatrix, x: torch.Tensor, out: torch.Tensor | None, split_k:
 
 
 def _layout(w: DeviceMatrix, silu_mul: bool) -> tuple[tuple, dict]:
-    """The weight pointers (mins, codebook: any pointer when absent) and the constexpr flags of a kernel."""
-    pointers = (w.data, w.scales, w.scales if w.mins is None else w.mins,
-                w.scales if w.codebook is None else w.codebook)
-    return pointers, dict(GROUP=w.group, BITS=w.bits, HAS_MINS=w.mins is not None,
-                          NIBBLES=w.codebook is not None, SILU_MUL=silu_mul)
+    """The weight pointers (data, high, scales, mins, codebook, sub codes, sub supers: data's where
+    absent, never read) and the constexpr flags of a kernel."""
+    sub = w.sub
+    arrays = (w.data, w.high, w.scales, w.mins, w.codebook, sub and sub.codes, sub and sub.supers)
+    pointers = tuple(w.data if array is None else array for array in arrays)
+    sub_flags = (dict(SUB_BITS=0, SUB_OFFSET=0, SUB_GPS=1) if sub is None
+                 else dict(SUB_BITS=sub.bits, SUB_OFFSET=sub.offset, SUB_GPS=sub.groups_per_super))
+    return pointers, dict(GROUP=w.group, BITS=w.bits, WIDTH=w.width, ZERO=w.zero,
+                          CODEBOOK=w.codebook is not None, MINS=w.min_form, SILU_MUL=silu_mul, **sub_flags)
 
 
 def _prefill(kernels, w: DeviceMatrix, x: torch.Tensor, out: torch.Tensor, silu_mul: bool) -> None:

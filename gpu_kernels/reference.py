@@ -12,32 +12,84 @@ import torch
 import torch.nn.functional as F
 
 from tierflow.cpu_kernels.reference import attention_reference  # noqa: F401 (the CPU op's, on any device)
-from tierflow.gpu_kernels.packed import DeviceMatrix
+from tierflow.gpu_kernels.packed import DeviceMatrix, DeviceSubScales
 
 
 def codes(w: DeviceMatrix) -> torch.Tensor:
-    """The codes q [N, K] as int32, undoing the layout."""
-    if w.codebook is not None:
-        indices = torch.stack([w.data & 0x0F, w.data >> 4], dim=2).long()  # [T, K/8, 2, 64, 4]
-        q = w.codebook[indices].permute(0, 3, 1, 2, 4)  # [T, 64, K/8, 2, 4]
-    elif w.bits == 8:
-        q = w.data.permute(0, 2, 1, 3)  # [T, 64, K/4, 4]
-    else:
+    """The codes q [N, K] as int32, undoing the layout (narrow codes less their zero, a codebook's
+    entries for its indices)."""
+    if w.bits != 8:
         shifts = torch.arange(8, device=w.device, dtype=torch.int32)
         bits = (w.data.to(torch.int32)[..., None] >> shifts) & 1  # [T, K/8, b, 64, 8]
         planes = torch.arange(w.bits, device=w.device, dtype=torch.int32)[:, None, None]
-        q = (bits << planes).sum(dim=2).permute(0, 2, 1, 3)  # [T, 64, K/8, 8]
-    return q.reshape(-1, w.cols)[: w.rows].to(torch.int32)
+        q = (bits << planes).sum(dim=2)  # [T, K/8, 64, 8]
+    elif w.codebook is not None:
+        q = w.codebook[_nibble_quads(w.data).long()]  # [T, K/4, 64, 4]
+    elif w.width < 8:
+        q = _nibble_quads(w.data)
+        if w.high is not None:
+            q |= _high_bits(w.high, w.width - 4) << 4
+        q -= w.zero
+    else:
+        q = w.data  # [T, K/4, 64, 4]
+    return q.permute(0, 2, 1, 3).reshape(-1, w.cols)[: w.rows].to(torch.int32)
+
+
+def _nibble_quads(data: torch.Tensor) -> torch.Tensor:
+    """Nibble bytes [T, K/8, 64, 4] -> int32 quads [T, K/4, 64, 4]: byte column o holds quad 2o in its
+    low nibbles, quad 2o + 1 in its high ones."""
+    nibbles = data.to(torch.int32)
+    quads = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2)  # [T, K/8, 2, 64, 4]
+    return quads.reshape(data.shape[0], -1, *data.shape[2:])
+
+
+def _high_bits(high: torch.Tensor, h: int) -> torch.Tensor:
+    """High bytes [T, K*h/32, 64, 4] -> each quad's h high bits [T, K/4, 64, 4]: byte b holds quad
+    (8 / h) * b + i at bits h*i .. h*i + h - 1."""
+    shifts = h * torch.arange(8 // h, device=high.device, dtype=torch.int32)[:, None, None]
+    bits = (high.to(torch.int32)[:, :, None] >> shifts) & ((1 << h) - 1)  # [T, K*h/32, 8/h, 64, 4]
+    return bits.reshape(high.shape[0], -1, *high.shape[2:])
 
 
 def group_params(w: DeviceMatrix) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 scales and mins [N, K], each repeated over its group (mins zero where absent)."""
+    """Float32 scales and mins [N, K], each repeated over its group (mins zero where absent, the
+    zero code's where LUT codes have one): PackedMatrix.group_params(), per column."""
     def per_column(params: torch.Tensor) -> torch.Tensor:
         rows = params.permute(0, 2, 1).reshape(-1, w.cols // w.group)[: w.rows]  # [N, G]
-        return rows.float().repeat_interleave(w.group, dim=1)
+        return rows.repeat_interleave(w.group, dim=1)
 
-    scales = per_column(w.scales)
-    return scales, (torch.zeros_like(scales) if w.mins is None else per_column(w.mins))
+    if w.sub is not None:
+        scales, mins = _sub_params(w.sub)
+    else:
+        scales, mins = w.scales.float(), None if w.mins is None else w.mins.float()
+    if w.min_form == "zero":
+        mins = scales * float(-w.zero)
+    elif mins is None:
+        mins = torch.zeros_like(scales)
+    return per_column(scales), per_column(mins)
+
+
+def _sub_params(sub: DeviceSubScales) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Two-level scales -> float32 scales and mins [T, G, 64] (mins None without min codes):
+    d * (code - offset) and -(dmin * min code), one float32 rounding each, as ggml's."""
+    halves = 2 if sub.with_mins else 1
+    values = sub.groups_per_super * halves  # V codes per row and super block
+    codes = sub.codes.to(torch.int32)  # [T, S', B, 64]
+    tiles, supers = codes.shape[:2]
+    if sub.bits == 8:
+        v = codes
+    else:
+        low = codes[:, :, : values // 2]  # [T, S', V/2, 64]
+        v = torch.stack([low & 0x0F, low >> 4], dim=3).reshape(tiles, supers, values, -1)
+        if sub.bits == 6:
+            top = codes[:, :, values // 2:, None]  # [T, S', V/4, 1, 64]
+            shifts = 2 * torch.arange(4, device=codes.device, dtype=torch.int32)[:, None]
+            v = v | (((top >> shifts) & 3) << 4).reshape(v.shape)
+    v = v.reshape(tiles, supers, sub.groups_per_super, halves, -1).float()  # [T, S', gps, 1 or 2, 64]
+    merge = lambda a: a.reshape(tiles, -1, a.shape[-1])  # noqa: E731  [T, S', gps, 64] -> [T, G, 64]
+    supers_f32 = sub.supers.float()[:, :, :, None]  # [T, S', 1 or 2, 1, 64]
+    scales = merge(supers_f32[:, :, 0] * (v[:, :, :, 0] - sub.offset))
+    return scales, merge(-(supers_f32[:, :, 1] * v[:, :, :, 1])) if sub.with_mins else None
 
 
 def dequantize(w: DeviceMatrix) -> torch.Tensor:

@@ -6,6 +6,7 @@ compiled on the GPU, and the cuda-marked tests add model-sized shapes, the copy 
 buffers and events.
 """
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -15,15 +16,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 
 from tests.support.gpu import load_gpu_kernels_or_skip
+from tests.support.random_weights import random_tensor_bytes
 from tests.test_kernels import WEIGHT_TYPES, weight_type_matrix
 from tests.test_packed import KINDS, as_int8_codes, codebook_groups, kind_id, random_groups
 from tierflow.cpu_kernels import ops as cpu_ops
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes, decode, read_rows
 from tierflow.cpu_kernels.matmul import matmul as cpu_matmul
-from tierflow.cpu_kernels.packed import pack
-from tierflow.cpu_kernels.quant_groups import CODEBOOKS
+from tierflow.cpu_kernels.packed import PackedMatrix, pack
+from tierflow.cpu_kernels.quant_groups import CODEBOOKS, to_quant_groups
 from tierflow.ggml_types import type_name
 from tierflow.gpu_kernels import reference
 from tierflow.gpu_kernels.attention import attention
@@ -128,11 +131,17 @@ def test_kernels_read_the_layout_as_the_cpu_kernels_do(kind):
     read would show in full."""
     matrix, w = packed(kind, 65, 64, 32, seed=kind[0])
     eye = np.eye(64, dtype=np.float32)
-    scales, mins = matrix.group_params()
-    terms = np.abs(matrix.codes().astype(np.float32).reshape(65, -1, 32)) * np.abs(scales[..., None])
-    bound = 1e-5 * (terms + np.abs(mins[..., None])).reshape(65, 64).T + 1e-7  # [K, N]
     for result in (matmul(w, torch.from_numpy(eye).to(DEVICE)).cpu().numpy(), cpu_matmul(matrix, eye)):
-        assert np.all(np.abs(result - matrix.dequantize().T) <= bound)
+        assert np.all(np.abs(result - matrix.dequantize().T) <= weight_rounding(matrix))
+
+
+def weight_rounding(matrix: PackedMatrix) -> np.ndarray:
+    """[K, N]: what a kernel's rounding of `scale * q + min` may move each weight by, relative to the
+    size of the terms (1e-5 of |scale q| + |min|: float32, or tf32x3 on tensor cores)."""
+    scales, mins = matrix.group_params()
+    q = np.abs(matrix.codes().astype(np.float32).reshape(matrix.rows, -1, matrix.group))
+    terms = q * np.abs(scales[..., None]) + np.abs(mins[..., None])
+    return 1e-5 * terms.reshape(matrix.rows, matrix.cols).T + 1e-7
 
 
 @pytest.mark.parametrize("kind", [(2, True), (8, True)], ids=kind_id)
@@ -148,7 +157,10 @@ def test_decode_matches_the_cpu_kernel_up_to_its_activation_rounding(kind):
 @pytest.mark.parametrize("kind", [(3, True), (8, False)], ids=kind_id)
 def test_gate_up_projection_with_silu_mul_epilogue_matches_reference(kind, tokens):
     _, w = packed(kind, 80, 64, 32)  # F = 40: the up rows start inside a tile
-    x = activations(tokens, 64)
+    assert_silu_mul_matches_reference(w, activations(tokens, 64))
+
+
+def assert_silu_mul_matches_reference(w: DeviceMatrix, x: torch.Tensor) -> None:
     expected = reference.matmul_silu_mul_reference(w, x)
     torch.testing.assert_close(matmul_silu_mul(w, x), expected, rtol=1e-4, atol=1e-4 * expected.abs().max())
 
@@ -162,20 +174,33 @@ def test_matmul_writes_into_out_and_device_linear_adds_the_bias():
     assert matmul(w, torch.empty(0, 64, device=DEVICE)).shape == (0, 65)
 
 
-def uploaded(arrays: list[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
-    """The arrays as one layer's bytes (64-byte aligned), uploaded to the stand-in tier; their offsets."""
-    offsets = np.cumsum([0] + [-(-a.nbytes // 64) * 64 for a in arrays])
-    layer = bytearray(int(offsets[-1]))
-    for at, array in zip(offsets, arrays):
-        layer[at: at + array.nbytes] = array.tobytes()
-    return DeviceTier(DEVICE, budget=1 << 20).upload(memoryview(layer)), [int(at) for at in offsets[:-1]]
+def uploaded(matrix: PackedMatrix, tier: DeviceTier | None = None) -> tuple[torch.Tensor, dict]:
+    """The matrix's arrays as one layer's bytes (each 64-byte aligned, as a pack holds them),
+    uploaded to `tier` (by default the stand-in tier), and the pack's manifest entry placing them."""
+    sub = matrix.sub
+    arrays = {"data": matrix.data, "high": matrix.high, "scales": matrix.scales, "mins": matrix.mins,
+              "codes": sub and sub.codes, "supers": sub and sub.supers}
+    layer, places = bytearray(), {}
+    for name, array in arrays.items():
+        if array is not None:
+            layer += bytes(-len(layer) % 64)
+            places[name] = [len(layer), array.nbytes]
+            layer += array.tobytes()
+    place = places.get
+    spec = dict(rows=matrix.rows, cols=matrix.cols, bits=matrix.bits, group=matrix.group,
+                codebook=matrix.codebook, width=matrix.width, zero=matrix.zero, data=place("data"),
+                high=place("high"), scales=place("scales"), mins=place("mins"),
+                sub=sub and dict(bits=sub.bits, offset=sub.offset, groups_per_super=sub.groups_per_super,
+                                 with_mins=sub.with_mins, codes=place("codes"), supers=place("supers")))
+    tier = tier or DeviceTier(DEVICE, budget=1 << 20)
+    return tier.upload(memoryview(layer)), spec
 
 
 def test_views_of_an_uploaded_layer_are_the_matrix():
     """A layer's bytes, uploaded as one buffer (the stand-in tier here), viewed in place."""
     matrix, w = packed((4, True), 65, 64, 32)
-    copy, offsets = uploaded([matrix.data, matrix.scales, matrix.mins])
-    viewed = view_matrix(copy, 65, 64, 4, 32, *offsets)
+    copy, spec = uploaded(matrix)
+    viewed = view_matrix(copy, spec)
     assert viewed.data.data_ptr() == copy.data_ptr()
     x = activations(1, 64)
     assert torch.equal(matmul(viewed, x), matmul(w, x))
@@ -188,13 +213,101 @@ def test_a_codebook_matrix_computes_on_the_device_as_its_int8_layout(codebook, t
     codes up and compute exactly as on the int8 layout of the same codes."""
     groups = codebook_groups(80, 64, 32, codebook)  # F = 40 gate and up rows
     nibbles, expected = pack(groups), to_device(pack(as_int8_codes(groups)), DEVICE)
-    copy, offsets = uploaded([nibbles.data, nibbles.scales])
+    copy, spec = uploaded(nibbles)
     x = activations(tokens, 64)
-    for w in (to_device(nibbles, DEVICE), view_matrix(copy, 80, 64, 8, 32, *offsets, None, codebook)):
+    for w in (to_device(nibbles, DEVICE), view_matrix(copy, spec)):
         assert w.data.dtype == torch.uint8 and 2 * w.data.numel() == expected.data.numel()
         assert torch.equal(reference.codes(w), reference.codes(expected))
         assert torch.equal(matmul(w, x), matmul(expected, x))
         assert torch.equal(matmul_silu_mul(w, x), matmul_silu_mul(expected, x))
+
+
+# --- the GGUF types' packed forms, read as they are -----------------------------------------------
+
+# One type of each form the packed layout gives GGUF blocks (cpu_kernels/packed.py): nibble codes of
+# width 4, 5 and 6 with a zero code (Q4_0, Q5_0, Q6_K) or float16 mins (Q4_1); LUT codes whose min
+# is their zero code's (Q3_K, TQ2_0); two-level scales of 4, 6 and 8 bits, with mins (Q2_K, Q4_K,
+# Q5_K) and without (Q3_K, IQ4_XS, Q6_K).
+GGUF_FORMS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_K, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.TQ2_0, T.IQ4_XS]
+
+
+def gguf_matrix(ggml_type: int, rows: int, cols: int, seed: int = 0) -> PackedMatrix:
+    """Real blocks of the type (random weights that gguf-py quantizes), packed as the kernels read them."""
+    raw = random_tensor_bytes(np.random.default_rng(seed), ggml_type, (rows, cols), 0.02).reshape(-1)
+    return pack(to_quant_groups(raw, ggml_type, (cols, rows)))
+
+
+def host_arrays(matrix: PackedMatrix) -> list[np.ndarray | None]:
+    sub = matrix.sub
+    return [matrix.data, matrix.high, matrix.scales, matrix.mins, sub and sub.codes, sub and sub.supers]
+
+
+def device_arrays(w: DeviceMatrix) -> list[torch.Tensor | None]:
+    """The matrix's own arrays, in host_arrays' order (a codebook's table is shared, not its own)."""
+    sub = w.sub
+    return [w.data, w.high, w.scales, w.mins, sub and sub.codes, sub and sub.supers]
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_FORMS, ids=type_name)
+def test_a_device_matrix_holds_the_packed_bytes_and_no_more(ggml_type):
+    """The device is budgeted by the pack's bytes: every array is copied as it is, none expanded."""
+    matrix = gguf_matrix(ggml_type, 65, 256)
+    w = to_device(matrix, DEVICE)
+    for tensor, array in zip(device_arrays(w), host_arrays(matrix), strict=True):
+        assert (tensor is None) == (array is None)
+        assert tensor is None or torch.equal(tensor.cpu(), torch.from_numpy(array))
+    assert w.nbytes == matrix.nbytes
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_FORMS, ids=type_name)
+def test_reference_dequantizes_each_gguf_form_as_the_packed_matrix(ggml_type):
+    """Bit for bit: the same codes, and ggml's float32 products for the scales (two super blocks)."""
+    matrix = gguf_matrix(ggml_type, 65, 512)
+    w = to_device(matrix, DEVICE)
+    assert torch.equal(reference.codes(w).cpu(), torch.from_numpy(matrix.codes().astype(np.int32)))
+    assert torch.equal(reference.dequantize(w).cpu(), torch.from_numpy(matrix.dequantize()))
+
+
+@pytest.mark.parametrize("tokens", [1, 9], ids=["decode", "prefill"])
+@pytest.mark.parametrize("ggml_type", GGUF_FORMS, ids=type_name)
+def test_matmul_matches_reference_on_each_gguf_form(ggml_type, tokens):
+    w = to_device(gguf_matrix(ggml_type, 65, 512, seed=tokens), DEVICE)
+    x = activations(tokens, 512)
+    assert_matches_reference(matmul(w, x), w, x)
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_FORMS, ids=type_name)
+def test_kernels_compute_each_gguf_form_as_the_packed_matrix_dequantizes(ggml_type):
+    """One-hot activations give columns of W.T itself, up to the rounding of `scale * q + min`: any
+    difference in how codes, high bits, zero or sub-scales are read shows in full. Four columns
+    (decode), then every 7th (prefill): each group of 16, at every place in a byte or quad."""
+    matrix = gguf_matrix(ggml_type, 65, 256)
+    w, eye = to_device(matrix, DEVICE), torch.eye(256, device=DEVICE)
+    for columns in ([0, 37, 130, 255], list(range(0, 256, 7))):
+        error = np.abs(matmul(w, eye[columns]).cpu().numpy() - matrix.dequantize().T[columns])
+        assert np.all(error <= weight_rounding(matrix)[columns])
+
+
+@pytest.mark.parametrize("tokens", [2, 9], ids=["decode", "prefill"])
+@pytest.mark.parametrize("ggml_type", GGUF_FORMS, ids=type_name)
+def test_gate_up_silu_mul_epilogue_matches_reference_on_each_gguf_form(ggml_type, tokens):
+    w = to_device(gguf_matrix(ggml_type, 80, 256), DEVICE)  # F = 40: the up rows start inside a tile
+    assert_silu_mul_matches_reference(w, activations(tokens, 256))
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_FORMS, ids=type_name)
+def test_views_of_an_uploaded_layer_hold_each_gguf_form(ggml_type):
+    """view_matrix places every array the manifest entry names, in the uploaded bytes themselves."""
+    matrix = gguf_matrix(ggml_type, 65, 256)
+    copy, spec = uploaded(matrix)
+    viewed, copied = view_matrix(copy, spec), to_device(matrix, DEVICE)
+    start, end = copy.data_ptr(), copy.data_ptr() + copy.numel()
+    for view, tensor in zip(device_arrays(viewed), device_arrays(copied), strict=True):
+        assert (view is None) == (tensor is None)
+        assert view is None or (torch.equal(view, tensor) and start <= view.data_ptr() < end)
+    assert viewed.nbytes == matrix.nbytes
+    x = activations(1, 256)
+    assert torch.equal(matmul(viewed, x), matmul(copied, x))
 
 
 # --- norms and activation -----------------------------------------------------------------------
@@ -366,6 +479,7 @@ def test_attention_matches_the_cpu_kernel_over_a_prefill_and_decode_steps(neox, 
 @pytest.mark.parametrize("change,problem", [
     (dict(bits=5), "1..4 or 8 bits"),
     (dict(group=12), "multiple of 8"),
+    (dict(group=24, cols=48), "power of two"),
     (dict(cols=128), "data of a"),
     (dict(scales=torch.zeros(2, 2, 64)), "scales of a"),
     (dict(mins=torch.zeros(2, 1, 64, dtype=torch.float16)), "mins of a"),
@@ -377,6 +491,49 @@ def test_a_device_matrix_checks_its_layout(change, problem):
                   mins=w.mins)
     with pytest.raises(ValueError, match=problem):
         DeviceMatrix(**(fields | change))
+
+
+def sub_codes_of(w: DeviceMatrix, codes: torch.Tensor) -> dict:
+    return dict(sub=dataclasses.replace(w.sub, codes=codes))
+
+
+@pytest.mark.parametrize("change,problem", [
+    (lambda w: dict(high=None), "high of a 65 x 256 5-bit nibble matrix must be torch.uint8"),
+    (lambda w: dict(width=7), "4, 5, 6 or 8 bits wide"),
+    (lambda w: dict(zero=32), "zero code of 5-bit nibble codes is 0..31, not 32"),
+    (lambda w: dict(scales=torch.zeros(2, 8, 64, dtype=torch.float16)), "has no scales"),
+    (lambda w: dict(sub=None), "scales of a .* got NoneType"),
+    (lambda w: sub_codes_of(w, w.sub.codes[:, :, 1:].contiguous()), "sub codes of a"),
+    (lambda w: dict(sub=dataclasses.replace(w.sub, bits=5)), "sub-scale codes are 4, 6 or 8 bits"),
+    (lambda w: dict(sub=dataclasses.replace(w.sub, offset=64)), "offset of 64 is not a 6-bit code"),
+])
+def test_a_device_matrix_checks_its_high_bits_and_sub_scales(change, problem):
+    w = to_device(gguf_matrix(T.Q5_K, 65, 256), "cpu")
+    with pytest.raises(ValueError, match=problem):
+        dataclasses.replace(w, **change(w))
+
+
+def with_entry(spec: dict, key: str, value, sub: bool = False) -> dict:
+    """The manifest entry with spec[key] (or spec["sub"][key]) set to value."""
+    if sub:
+        return spec | {"sub": spec["sub"] | {key: value}}
+    return spec | {key: value}
+
+
+@pytest.mark.parametrize("change,problem", [
+    (lambda spec: with_entry(spec, "codes", [spec["sub"]["codes"][0], 64], sub=True),
+     r"sub codes is torch.uint8 \[2, 1, 12, 64\], 1536 bytes, but the pack gives it 64"),
+    (lambda spec: with_entry(spec, "data", [1 << 20, spec["data"][1]]), "outside the buffer"),
+    (lambda spec: with_entry(spec, "supers", [spec["sub"]["supers"][0] + 1, spec["sub"]["supers"][1]],
+                             sub=True), "not aligned to 2"),
+    (lambda spec: with_entry(spec, "high", None), "high of a .* got NoneType"),
+    (lambda spec: with_entry(spec, "scales", spec["data"]), "has no scales"),
+    (lambda spec: with_entry(spec, "group", 48), "power of two"),
+])
+def test_view_matrix_refuses_a_manifest_entry_that_does_not_fit_its_form(change, problem):
+    copy, spec = uploaded(gguf_matrix(T.Q5_K, 65, 256))
+    with pytest.raises(ValueError, match=problem):
+        view_matrix(copy, change(spec))
 
 
 def test_matmul_refuses_what_it_cannot_compute():
@@ -472,6 +629,27 @@ def test_cuda_matmul_matches_reference_at_model_sizes(kind, tokens):
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+@pytest.mark.parametrize("ggml_type", GGUF_FORMS, ids=type_name)
+def test_cuda_matmul_matches_reference_on_each_gguf_form_at_model_sizes(ggml_type, tokens):
+    w = to_device(gguf_matrix(ggml_type, 1024, 2048), "cuda")
+    for dtype in TOLERANCE:
+        x = activations(tokens, 2048, dtype)
+        assert_matches_reference(matmul(w, x), w, x)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 32])
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K, T.Q6_K], ids=type_name)
+def test_cuda_gate_up_silu_mul_matches_reference_on_k_quants_at_model_sizes(ggml_type, tokens):
+    """The register-heaviest matrix-vector programs: sub-scales and high bits, for gate and up."""
+    w = to_device(gguf_matrix(ggml_type, 2 * 1376, 512), "cuda")
+    assert_silu_mul_matches_reference(w, activations(tokens, 512))
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("tokens", [1, 32])
 def test_cuda_gate_up_silu_mul_matches_reference_at_model_sizes(tokens):
     _, w = packed((4, True), 2 * 1376, 512, 32, device="cuda")
@@ -493,17 +671,12 @@ def test_cuda_layer_upload_on_the_copy_stream_then_kernels_on_the_compute_stream
     """DeviceTier stages the bytes in pinned memory and copies them on its side stream; the
     kernel, on the current stream, runs after `ready` makes that stream wait on the copy's event."""
     matrix, _ = packed((4, True), 4096, 4096, 32, device="cpu")
-    arrays = [matrix.data, matrix.scales, matrix.mins]
-    offsets = np.cumsum([0] + [-(-a.nbytes // 64) * 64 for a in arrays])
-    layer = np.zeros(int(offsets[-1]), np.uint8)
-    for at, array in zip(offsets, arrays):
-        layer[at: at + array.nbytes] = np.frombuffer(array.tobytes(), np.uint8)
     tier = DeviceTier(torch.device("cuda"), budget=1 << 30)
-    copy = tier.upload(memoryview(layer))
+    copy, spec = uploaded(matrix, tier)
     assert tier._stream is not None and copy.data_ptr() in tier._events  # in flight on the side stream
     tier.ready(copy)
     assert not tier._events
-    w = view_matrix(copy, 4096, 4096, 4, 32, *map(int, offsets[:3]))
+    w = view_matrix(copy, spec)
     x = activations(1, 4096)
     assert_matches_reference(matmul(w, x), w, x)
 

@@ -190,6 +190,4 @@ def _device_linear(buffer: torch.Tensor, spec: dict) -> Linear:
     if spec["kind"] == "dense":
         weight = _device_array(buffer, spec["weight"], torch.float32).view(spec["rows"], spec["cols"])
         return DeviceLinear(weight, bias)
-    at = {name: None if spec[name] is None else spec[name][0] for name in ("data", "scales", "mins")}
-    return DeviceLinear(view_matrix(buffer, spec["rows"], spec["cols"], spec["bits"], spec["group"],
-                                    at["data"], at["scales"], at["mins"], spec["codebook"]), bias)
+    return DeviceLinear(view_matrix(buffer, spec), bias)
