@@ -138,6 +138,15 @@ class PackedMatrix:
         return self.bits == 8 and (self.codebook is not None or self.width < 8)
 
     @property
+    def centre(self) -> int:
+        """What the int8 kernel subtracts from unsigned codes that have mins (and adds back through
+        them): their middle code, so the rounding of the activations meets codes of half the size,
+        as the LUT kernel's centred tables do."""
+        has_mins = self.mins is not None or (self.sub is not None and self.sub.with_mins)
+        plain = self.bits == 8 and self.codebook is None and self.width < 8
+        return 1 << (self.width - 1) if plain and has_mins else 0
+
+    @property
     def nbytes(self) -> int:
         return sum(0 if a is None else a.nbytes for a in (self.data, self.scales, self.mins, self.high)) + (
             0 if self.sub is None else self.sub.nbytes)

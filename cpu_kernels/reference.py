@@ -53,6 +53,7 @@ def _integer_sums(w: PackedMatrix, x: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """Per token, row and group, the kernel's integer accumulator [M, N, G], plus steps and sums."""
     q = w.codes()
     if w.bits == 8:
+        q = q.astype(np.int16) - w.centre
         codes, steps, sums = int8_codes(x, w.group)
         products = codes.astype(np.int64)[:, None, :] * q.astype(np.int64)[None, :, :]  # [M, N, K]
         return products.reshape(*products.shape[:2], -1, w.group).sum(-1), steps, sums
@@ -72,6 +73,8 @@ def matmul_reference(w: PackedMatrix, x: np.ndarray) -> np.ndarray:
     scales, mins = w.group_params()
     if w.bits != 8:  # centred tables: each row's offset is its value at the centre code
         mins = mins + scales * np.float32(((1 << w.bits) - 1) / 2)
+    else:  # centred codes, likewise
+        mins = mins + scales * np.float32(w.centre)
     scaled = acc * (scales[None].astype(np.float64) * steps[:, None, :])
     return (scaled + mins[None].astype(np.float64) * sums[:, None, :]).sum(-1)
 

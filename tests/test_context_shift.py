@@ -144,7 +144,7 @@ def chat_turns(engine: Engine, questions: list[str], context_shift: bool) -> lis
 
 
 QUESTIONS = ["Name a colour.", "Name a fruit.", "Name a tree.", "Name a bird.", "Name a fish.",
-             "Name a city.", "Name a river.", "Name a planet."]
+             "Name a city.", "Name a river.", "Name a planet.", "Name a flower.", "Name a mountain."]
 
 
 def test_a_turn_that_drops_the_oldest_turns_prefills_only_what_is_new(model_path):

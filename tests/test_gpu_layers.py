@@ -157,9 +157,10 @@ def test_deepseek2_experts_cached_on_the_gpu_keep_the_cpu_tokens(tmp_path):
 
 def test_glm4moe_experts_cached_on_the_gpu_keep_the_cpu_tokens(tmp_path):
     """A dense first layer (no experts to cache), then sigmoid-scored experts with a selection bias
-    and an ungated shared expert."""
+    and an ungated shared expert. (Seed 10: every greedy step of this random model is decided by a
+    margin of 0.6 or more; seed 9's fifth is a tie within 0.011, which the devices' roundings split.)"""
     spec = ModelSpec(arch="glm4moe", num_layers=2, hidden_size=64, num_experts=4, experts_used=2,
-                     expert_ffn_size=64, leading_dense_layers=1, rope_dim=8, weight_type="Q4_0", seed=9)
+                     expert_ffn_size=64, leading_dense_layers=1, rope_dim=8, weight_type="Q4_0", seed=10)
     got, logits = experts_on_the_gpu_and_cpu(write_model(tmp_path / "glm4moe.gguf", spec))
     assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
 

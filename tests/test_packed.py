@@ -263,8 +263,8 @@ def test_packed_weight_type_is_its_weights_up_to_float16_scales(ggml_type):
 
 # Bytes per 256 weights that the packed layout holds beyond the GGUF's: none but for these two.
 LARGER_THAN_FILE = {T.TQ1_0: 66 / 54, T.MXFP4: 144 / 136}
-FILE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0, T.TQ2_0,
-              T.IQ4_NL, T.IQ4_XS, T.MXFP4]
+FILE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0,
+              T.TQ2_0, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
 
 
 @pytest.mark.parametrize("ggml_type", FILE_TYPES, ids=lambda t: t.name)

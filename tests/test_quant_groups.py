@@ -130,7 +130,8 @@ def test_shapes_are_rows_by_columns_and_rows_by_groups(ggml_type, shape):
     assert groups.scale.dtype == groups.min.dtype == np.float32
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4], ids=type_id)
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4],
+                         ids=type_id)
 def test_formats_without_offset_have_zero_min(ggml_type):
     groups = to_quant_groups(random_tensor(ggml_type, (256, 3)), ggml_type, (256, 3))
     assert np.all(groups.min == 0)
@@ -156,7 +157,8 @@ def test_two_level_scales_keep_the_files_codes_and_ggmls_products(ggml_type):
     assert sub.scale_codes.max() < 2**sub.bits
     assert np.array_equal(groups.scale, d * (sub.scale_codes.astype(np.float32) - sub.offset))
     if sub.min_codes is not None:
-        assert np.array_equal(groups.min, -(np.repeat(sub.dmin, sub.groups_per_super, axis=1) * sub.min_codes))
+        dmin = np.repeat(sub.dmin, sub.groups_per_super, axis=1)
+        assert np.array_equal(groups.min, -(dmin * sub.min_codes))
 
 
 def test_q3_k_offset_is_minus_four_scales():

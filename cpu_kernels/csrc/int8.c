@@ -87,7 +87,17 @@ static inline const uint8_t *high_block(const uint8_t *high, int64_t q, int h, i
     const uint8_t *high = h ? w->high + tile * w->cols * h * 8 : NULL;       \
     const int64_t code_stride = a->codes_per_token;                          \
     float scale[TILE_ROWS], min[TILE_ROWS];                                  \
-    (void)high;
+    /* Unsigned codes with mins are centred (packed.py's centre): min + centre * scale takes it back. */ \
+    const int centre = !w->codebook && w->width < 8 && (w->mins || (w->sub_codes && w->sub_mins)) \
+                           ? 1 << (w->width - 1) : 0;                         \
+    const int32_t zero = w->zero + centre;                                   \
+    (void)high;                                                              \
+    (void)zero;
+
+/* The mins of centred codes: each row's value at its centre code. */
+static inline void centre_mins(int centre, const float *scale, float *min) {
+    for (int r = 0; centre && r < TILE_ROWS; r++) min[r] = min[r] + scale[r] * (float)centre;
+}
 
 /* out[c][r] += acc * scale * step (+ min * sum), the epilogue every path shares per group. */
 static void scalar_epilogue(const int32_t *acc, const float *scale, const float *min, int has_min,
@@ -116,12 +126,14 @@ static void int8_tile_scalar(const packed_matrix *w, const prepared_acts *a, int
     int32_t acc[TILE_ROWS];
     for (int64_t g = 0; g < groups; g++) {
         const int has_min = group_params_scalar(w, tile, g, scale, min);
+        centre_mins(centre, scale, min);
         for (int c = 0; c < count; c++) {
             const int8_t *x = a->codes + (token + c) * code_stride;
             memset(acc, 0, sizeof acc);
             for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
                 for (int r = 0; r < TILE_ROWS; r++) {
-                    for (int j = 0; j < 4; j++) acc[r] += scalar_code(w, data, high, h, q, r, j) * x[4 * q + j];
+                    for (int j = 0; j < 4; j++)
+                        acc[r] += (scalar_code(w, data, high, h, q, r, j) - centre) * x[4 * q + j];
                 }
             }
             scalar_epilogue(acc, scale, min, has_min, a->scales[(token + c) * groups + g],
@@ -198,11 +210,12 @@ AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a
             }
         }
         const int has_min = group_params_avx2(w, tile, g, scale, min);
+        centre_mins(centre, scale, min);
         for (int c = 0; c < count; c++) {
             __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + g]);
             __m256 sum = _mm256_set1_ps(a->sums[(token + c) * groups + g]);
-            if (unsigned_codes && w->zero) {
-                __m256i zero_sum = _mm256_set1_epi32(w->zero * a->code_sums[(token + c) * groups + g]);
+            if (unsigned_codes && zero) {
+                __m256i zero_sum = _mm256_set1_epi32(zero * a->code_sums[(token + c) * groups + g]);
                 for (int v = 0; v < 8; v++) acc[c][v] = _mm256_sub_epi32(acc[c][v], zero_sum);
             }
             for (int v = 0; v < 8; v++) {
@@ -277,11 +290,12 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
             }
         }
         const int has_min = group_params_avx512(w, tile, g, scale, min);
+        centre_mins(centre, scale, min);
         for (int c = 0; c < count; c++) {
             __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);
             __m512 sum = _mm512_set1_ps(a->sums[(token + c) * groups + g]);
-            if (unsigned_codes && w->zero) {
-                __m512i zero_sum = _mm512_set1_epi32(w->zero * a->code_sums[(token + c) * groups + g]);
+            if (unsigned_codes && zero) {
+                __m512i zero_sum = _mm512_set1_epi32(zero * a->code_sums[(token + c) * groups + g]);
                 for (int v = 0; v < 4; v++) acc[c][v] = _mm512_sub_epi32(acc[c][v], zero_sum);
             }
             for (int v = 0; v < 4; v++) {

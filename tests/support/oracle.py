@@ -75,14 +75,16 @@ def assert_logits_agree(engine, llama, ids, max_mean_diff: float, near_tie: floa
 
 
 def assert_moe_agrees_but_where_routing_is_a_near_tie(engine, llama, ids) -> float:
-    """A quantized mixture of experts against llama.cpp: its 8-bit activations flip a router's
-    choice where the k-th and (k+1)-th expert nearly tie, and at those few positions (1-2 of 64
-    measured) the logits differ by 1-4; elsewhere they agree within the quantization noise of dense
-    models. Returns the median |logit difference| per position."""
+    """A quantized mixture of experts against llama.cpp: each side's 8-bit activations (rounded its
+    own way) flip a router's choice where the k-th and (k+1)-th expert nearly tie, and at those few
+    positions (1-6 of 64 measured) the logits differ by 1-6; elsewhere they agree within the
+    quantization noise of dense models. (Olmoe in Q4_K against its float32 copy: tierflow's median
+    error 0.19 with 5 such positions, llama.cpp's 0.27 with 3.) Returns the median |logit
+    difference| per position."""
     ours, theirs = engine.logits(ids), llama_cpp_logits(llama, ids)
     per_position = np.abs(ours - theirs).mean(-1)
     decided = top2_margin(theirs) > 1.0
-    assert np.median(per_position) < 0.35 and (per_position > 1.0).mean() <= 0.05
+    assert np.median(per_position) < 0.35 and (per_position > 1.0).mean() <= 0.1
     assert (ours.argmax(-1)[decided] == theirs.argmax(-1)[decided]).mean() >= 0.95
     return float(np.median(per_position))
 
