@@ -32,7 +32,7 @@ class ToolRequest:
     tools: tuple[dict, ...]  # OpenAI's {"type": "function", "function": {...}}, parameters filled in
     choice: str = "auto"  # "auto", "none", "required", or "function": call `function`
     function: str | None = None
-    parallel: bool = True  # several calls in one answer
+    parallel: bool = True  # several calls in one answer (by default, but for a named function)
 
     @classmethod
     def from_openai(cls, tools: Sequence[dict] | None, tool_choice: str | dict | None = None,
@@ -53,7 +53,10 @@ class ToolRequest:
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
             raise InvalidArgumentError(f"parallel_tool_calls must be true or false, "
                                        f"got {parallel_tool_calls!r}")
-        return cls(checked, choice, function, parallel_tool_calls is not False)
+        # A named function is called once (as OpenAI's forced function is) unless parallel calls are asked
+        # for: a small model otherwise repeats the call until max_tokens.
+        parallel = parallel_tool_calls if parallel_tool_calls is not None else choice != "function"
+        return cls(checked, choice, function, parallel)
 
     @property
     def names(self) -> frozenset[str]:

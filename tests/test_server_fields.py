@@ -84,9 +84,9 @@ def test_logit_bias_forces_a_token(client, engine):
 
 
 def test_penalties_reach_the_engine(client, engine):
-    penalties = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "max_tokens": 24}
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "max_tokens": 48}
     expected = engine.chat(HI, **GREEDY | penalties)
-    assert expected.text != engine.chat(HI, **GREEDY | {"max_tokens": 24}).text  # they change the answer
+    assert expected.text != engine.chat(HI, **GREEDY | {"max_tokens": 48}).text  # they change the answer
     reply = client.chat.completions.create(model="any", messages=HI, **GREEDY | penalties)
     assert reply.choices[0].message.content == expected.text
 

@@ -65,10 +65,13 @@ def top2_margin(logits: np.ndarray) -> np.ndarray:
 
 
 def assert_logits_agree(engine, llama, ids, max_mean_diff: float, near_tie: float) -> float:
+    """The logits agree within max_mean_diff on average, and the top tokens wherever both sides see
+    a margin above near_tie: where either sees a tie, its own rounding may have decided it (a
+    quantized qwen3's position whose exact margin is 0.38 read 1.28 in llama.cpp)."""
     ours, theirs = engine.logits(ids), llama_cpp_logits(llama, ids)
     assert ours.shape == theirs.shape == (len(ids), engine.config.vocab_size)
     mean_abs_diff = float(np.abs(ours - theirs).mean())
-    decided = top2_margin(theirs) > near_tie
+    decided = np.minimum(top2_margin(theirs), top2_margin(ours)) > near_tie
     assert np.array_equal(ours.argmax(-1)[decided], theirs.argmax(-1)[decided])
     assert mean_abs_diff < max_mean_diff, mean_abs_diff
     return mean_abs_diff
