@@ -70,7 +70,7 @@ Every mapping is exact: the kernels compute with the file's own codes and ggml's
 Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -150,6 +150,15 @@ class PackedMatrix:
     def nbytes(self) -> int:
         return sum(0 if a is None else a.nbytes for a in (self.data, self.scales, self.mins, self.high)) + (
             0 if self.sub is None else self.sub.nbytes)
+
+    def copy(self) -> "PackedMatrix":
+        """The matrix in arrays of its own."""
+        def copied(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a.copy()
+
+        sub = self.sub and replace(self.sub, codes=self.sub.codes.copy(), supers=self.sub.supers.copy())
+        return replace(self, data=self.data.copy(), scales=copied(self.scales), mins=copied(self.mins),
+                       high=copied(self.high), sub=sub)
 
     def codes(self) -> np.ndarray:
         """The codes q [N, K] (uint8 for LUT bits, int8 for 8: a codebook's entries), undoing the layout."""

@@ -284,3 +284,15 @@ def test_packed_matrix_computes_the_files_weights(ggml_type):
     assert np.array_equal(np.abs(packed.dequantize()), expected)
     ids = np.array([69, 0, 63, 64, 64, 7])
     assert np.array_equal(np.abs(packed.row_slice(ids)), expected[ids])
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q4_1, T.Q3_K, T.IQ4_XS], ids=lambda t: t.name)
+def test_a_token_gets_the_same_bits_alone_as_among_many(ggml_type):
+    # Among many tokens a tile's scales are decoded once for all of them: the same floats as one by one.
+    shape = (512, 70)
+    raw = random_tensor_bytes(np.random.default_rng(7), ggml_type, shape[::-1], std=0.02).reshape(-1)
+    packed = pack(to_quant_groups(raw, ggml_type, shape))
+    x = np.random.default_rng(8).standard_normal((40, 512)).astype(np.float32)
+    together = matmul(packed, x)
+    alone = np.concatenate([matmul(packed, x[i:i + 1]) for i in range(len(x))])
+    assert np.array_equal(together.view(np.uint32), alone.view(np.uint32))

@@ -86,18 +86,23 @@ static inline const uint8_t *high_block(const uint8_t *high, int64_t q, int h, i
     const uint8_t *data = w->data + tile * w->cols * TILE_ROWS / (nibble_data ? 2 : 1); \
     const uint8_t *high = h ? w->high + tile * w->cols * h * 8 : NULL;       \
     const int64_t code_stride = a->codes_per_token;                          \
-    float scale[TILE_ROWS], min[TILE_ROWS];                                  \
-    /* Unsigned codes with mins are centred (packed.py's centre): min + centre * scale takes it back. */ \
-    const int centre = !w->codebook && w->width < 8 && (w->mins || (w->sub_codes && w->sub_mins)) \
-                           ? 1 << (w->width - 1) : 0;                         \
+    float own_params[2 * TILE_ROWS];                                         \
+    const float *scale = own_params, *min = own_params + TILE_ROWS;          \
+    const int has_min = params_have_min(w);                                  \
+    /* Unsigned codes with mins are centred (packed.py's centre); their mins hold it back. */ \
+    const int centre = params_centre(w);                                     \
     const int32_t zero = w->zero + centre;                                   \
     (void)high;                                                              \
     (void)zero;
 
-/* The mins of centred codes: each row's value at its centre code. */
-static inline void centre_mins(int centre, const float *scale, float *min) {
-    for (int r = 0; centre && r < TILE_ROWS; r++) min[r] = min[r] + scale[r] * (float)centre;
-}
+/* The group's scales and mins: the tile's precomputed ones, or decoded now. */
+#define GROUP_PARAMS(decode)                                                  \
+    if (params) {                                                             \
+        scale = params + g * 2 * TILE_ROWS, min = scale + TILE_ROWS;          \
+    } else {                                                                  \
+        scale = own_params, min = own_params + TILE_ROWS;                     \
+        decode(w, tile, g, own_params, own_params + TILE_ROWS);               \
+    }
 
 /* out[c][r] += acc * scale * step (+ min * sum), the epilogue every path shares per group. */
 static void scalar_epilogue(const int32_t *acc, const float *scale, const float *min, int has_min,
@@ -121,12 +126,11 @@ static inline int scalar_code(const packed_matrix *w, const uint8_t *data, const
 }
 
 static void int8_tile_scalar(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                             int64_t token, int count, float *out) {
+                             int64_t token, int count, const float *params, float *out) {
     TILE_SETUP
     int32_t acc[TILE_ROWS];
     for (int64_t g = 0; g < groups; g++) {
-        const int has_min = group_params_scalar(w, tile, g, scale, min);
-        centre_mins(centre, scale, min);
+        GROUP_PARAMS(group_params_scalar)
         for (int c = 0; c < count; c++) {
             const int8_t *x = a->codes + (token + c) * code_stride;
             memset(acc, 0, sizeof acc);
@@ -147,10 +151,10 @@ static void int8_tile_scalar(const packed_matrix *w, const prepared_acts *a, int
 /* One specialisation per token count and code kind, so both are constants in the inner loops. */
 #define DISPATCH_KIND(fn, n)                                                              \
     switch (code_kind(w)) {                                                               \
-    case CODES_INT8: fn(w, a, tile, token, n, CODES_INT8, out); break;                    \
-    case CODES_CODEBOOK: fn(w, a, tile, token, n, CODES_CODEBOOK, out); break;            \
-    case CODES_NIBBLE: fn(w, a, tile, token, n, CODES_NIBBLE, out); break;                \
-    default: fn(w, a, tile, token, n, CODES_NIBBLE_HIGH, out); break;                     \
+    case CODES_INT8: fn(w, a, tile, token, n, CODES_INT8, params, out); break;                    \
+    case CODES_CODEBOOK: fn(w, a, tile, token, n, CODES_CODEBOOK, params, out); break;            \
+    case CODES_NIBBLE: fn(w, a, tile, token, n, CODES_NIBBLE, params, out); break;                \
+    default: fn(w, a, tile, token, n, CODES_NIBBLE_HIGH, params, out); break;                     \
     }
 #define DISPATCH_TOKEN_BLOCK(fn)                                                          \
     switch (count) {                                                                      \
@@ -181,7 +185,8 @@ AVX2_TARGET __m256i avx2_quad(const packed_matrix *w, const uint8_t *data, const
 }
 
 AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                                  int64_t token, const int count, const int kind, float *out) {
+                                  int64_t token, const int count, const int kind, const float *params,
+                                  float *out) {
     TILE_SETUP
     const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -209,8 +214,7 @@ AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a
                 }
             }
         }
-        const int has_min = group_params_avx2(w, tile, g, scale, min);
-        centre_mins(centre, scale, min);
+        GROUP_PARAMS(group_params_avx2)
         for (int c = 0; c < count; c++) {
             __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + g]);
             __m256 sum = _mm256_set1_ps(a->sums[(token + c) * groups + g]);
@@ -231,7 +235,7 @@ AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a
 
 __attribute__((target("avx2,fma,f16c"))) static void int8_tile_avx2(
     const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token, int count,
-    float *out) {
+    const float *params, float *out) {
     DISPATCH_TOKEN_BLOCK(int8_tile_avx2_n)
 }
 
@@ -256,7 +260,8 @@ AVX512_TARGET __m512i avx512_quad(const packed_matrix *w, const uint8_t *data, c
 }
 
 AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                                      int64_t token, const int count, const int kind, float *out) {
+                                      int64_t token, const int count, const int kind, const float *params,
+                                  float *out) {
     TILE_SETUP
     const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
     const __m512i table = kind == CODES_CODEBOOK ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook))
@@ -289,8 +294,7 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
                 }
             }
         }
-        const int has_min = group_params_avx512(w, tile, g, scale, min);
-        centre_mins(centre, scale, min);
+        GROUP_PARAMS(group_params_avx512)
         for (int c = 0; c < count; c++) {
             __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);
             __m512 sum = _mm512_set1_ps(a->sums[(token + c) * groups + g]);
@@ -311,7 +315,7 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))) static void
 int8_tile_avx512(const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token,
-                 int count, float *out) {
+                 int count, const float *params, float *out) {
     DISPATCH_TOKEN_BLOCK(int8_tile_avx512_n)
 }
 

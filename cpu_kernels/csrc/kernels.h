@@ -56,10 +56,17 @@ typedef struct {
 } packed_matrix;
 
 /* Each row's float scale and min [TILE_ROWS] of group g of a tile (params.c); returns whether the
- * mins are nonzero (explicit, two-level or the zero code's); min is zero-filled otherwise. */
+ * matrix has mins (params_have_min); min is zero-filled otherwise. The mins of the int8 kernel's
+ * centred codes (params_centre) include the centre's value: min + centre * scale. */
 int group_params_scalar(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
 int group_params_avx2(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
 int group_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
+int params_have_min(const packed_matrix *w);
+/* What the int8 kernel subtracts from unsigned nibble codes that have mins: their middle code. */
+int params_centre(const packed_matrix *w);
+/* Every group's scales and mins of a tile, [K / group][2][TILE_ROWS]: what a kernel reads instead of
+ * decoding them again for each block of tokens. */
+void tile_params(const packed_matrix *w, int64_t tile, isa_t isa, float *out);
 
 /* The named codebooks of 4-bit indices (packed.py's CODEBOOKS): NULL for CODEBOOK_NONE. */
 typedef enum { CODEBOOK_NONE = 0, CODEBOOK_IQ4NL = 1, CODEBOOK_MXFP4 = 2, CODEBOOK_COUNT = 3 } codebook_t;
@@ -77,7 +84,7 @@ typedef struct {
 /* One tile of TILE_ROWS rows times `count` tokens (count <= MAX_TOKEN_BLOCK) starting at
  * `token`, accumulated into out[count][TILE_ROWS] (which the caller zeroes). */
 typedef void (*tile_kernel)(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                            int64_t token, int count, float *out);
+                            int64_t token, int count, const float *params, float *out);
 
 void lut_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *tables,
                        float *scales, float *sums);

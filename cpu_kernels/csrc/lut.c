@@ -73,19 +73,29 @@ TARGET_CLONES void lut_prepare_token(const float *x, int64_t cols, int64_t group
 }
 
 /* Pointers into a packed matrix and the prepared activations for one tile. */
+/* The group's scales and mins: the tile's precomputed ones, or decoded now. */
+#define GROUP_PARAMS(decode)                                                          \
+    if (params) {                                                                     \
+        scale = params + g * 2 * TILE_ROWS, min = scale + TILE_ROWS;                  \
+    } else {                                                                          \
+        scale = own_params, min = own_params + TILE_ROWS;                             \
+        decode(w, tile, g, own_params, own_params + TILE_ROWS);                       \
+    }
+
 #define TILE_SETUP                                                                 \
     const int bits = w->bits;                                                     \
     const int64_t groups = w->cols / w->group, octets = w->group / 8;             \
     const uint8_t *planes = w->data + tile * (w->cols / 8) * bits * TILE_ROWS;    \
-    float scale[TILE_ROWS], min[TILE_ROWS];                                       \
+    float own_params[2 * TILE_ROWS];                                              \
+    const float *scale = own_params, *min = own_params + TILE_ROWS;              \
     const int64_t table_stride = a->codes_per_token;                              \
     const float half_range = 0.5f * (float)((1 << bits) - 1); /* centre of the codes */
 
 static void lut_tile_scalar(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                            int64_t token, int count, float *out) {
+                            int64_t token, int count, const float *params, float *out) {
     TILE_SETUP
     for (int64_t g = 0; g < groups; g++) {
-        group_params_scalar(w, tile, g, scale, min);
+        GROUP_PARAMS(group_params_scalar)
         for (int c = 0; c < count; c++) {
             const int8_t *tables = a->codes + (token + c) * table_stride;
             float step = a->scales[(token + c) * groups + g], sum = a->sums[(token + c) * groups + g];
@@ -110,7 +120,7 @@ static void lut_tile_scalar(const packed_matrix *w, const prepared_acts *a, int6
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
 AVX2_TARGET void lut_tile_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                                 int64_t token, const int count, float *out) {
+                                 int64_t token, const int count, const float *params, float *out) {
     TILE_SETUP
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int64_t g = 0; g < groups; g++) {
@@ -146,7 +156,7 @@ AVX2_TARGET void lut_tile_avx2_n(const packed_matrix *w, const prepared_acts *a,
             }
         }
         /* Lane l of acc[h][u] holds rows 32h + 16l + 8u .. +7. */
-        group_params_avx2(w, tile, g, scale, min);
+        GROUP_PARAMS(group_params_avx2)
         for (int c = 0; c < count; c++) {
             __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + g]);
             __m256 sum = _mm256_set1_ps(a->sums[(token + c) * groups + g]);
@@ -171,12 +181,12 @@ AVX2_TARGET void lut_tile_avx2_n(const packed_matrix *w, const prepared_acts *a,
 
 __attribute__((target("avx2,fma,f16c"))) static void lut_tile_avx2(
     const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token, int count,
-    float *out) {
+    const float *params, float *out) {
     switch (count) {
-    case 1: lut_tile_avx2_n(w, a, tile, token, 1, out); break;
-    case 2: lut_tile_avx2_n(w, a, tile, token, 2, out); break;
-    case 3: lut_tile_avx2_n(w, a, tile, token, 3, out); break;
-    default: lut_tile_avx2_n(w, a, tile, token, 4, out); break;
+    case 1: lut_tile_avx2_n(w, a, tile, token, 1, params, out); break;
+    case 2: lut_tile_avx2_n(w, a, tile, token, 2, params, out); break;
+    case 3: lut_tile_avx2_n(w, a, tile, token, 3, params, out); break;
+    default: lut_tile_avx2_n(w, a, tile, token, 4, params, out); break;
     }
 }
 
@@ -184,7 +194,7 @@ __attribute__((target("avx2,fma,f16c"))) static void lut_tile_avx2(
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"), always_inline)) static inline
 
 AVX512_TARGET void lut_tile_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                                     int64_t token, const int count, float *out) {
+                                     int64_t token, const int count, const float *params, float *out) {
     TILE_SETUP
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     /* Lane l of unpacklo holds rows 16l .. 16l+7, of unpackhi rows 16l+8 .. 16l+15: these
@@ -218,7 +228,7 @@ AVX512_TARGET void lut_tile_avx512_n(const packed_matrix *w, const prepared_acts
             }
         }
         __m512 row_scale[4], mid[4]; /* mid: the row's value at the centre code, min + scale * half_range */
-        group_params_avx512(w, tile, g, scale, min);
+        GROUP_PARAMS(group_params_avx512)
         for (int i = 0; i < 4; i++) {
             row_scale[i] = _mm512_loadu_ps(scale + 16 * i);
             mid[i] = _mm512_fmadd_ps(row_scale[i], _mm512_set1_ps(half_range), _mm512_loadu_ps(min + 16 * i));
@@ -242,12 +252,12 @@ AVX512_TARGET void lut_tile_avx512_n(const packed_matrix *w, const prepared_acts
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))) static void
 lut_tile_avx512(const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token,
-                int count, float *out) {
+                int count, const float *params, float *out) {
     switch (count) {
-    case 1: lut_tile_avx512_n(w, a, tile, token, 1, out); break;
-    case 2: lut_tile_avx512_n(w, a, tile, token, 2, out); break;
-    case 3: lut_tile_avx512_n(w, a, tile, token, 3, out); break;
-    default: lut_tile_avx512_n(w, a, tile, token, 4, out); break;
+    case 1: lut_tile_avx512_n(w, a, tile, token, 1, params, out); break;
+    case 2: lut_tile_avx512_n(w, a, tile, token, 2, params, out); break;
+    case 3: lut_tile_avx512_n(w, a, tile, token, 3, params, out); break;
+    default: lut_tile_avx512_n(w, a, tile, token, 4, params, out); break;
     }
 }
 

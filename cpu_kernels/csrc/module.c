@@ -78,6 +78,7 @@ typedef struct {
     packed_matrix w;
     prepared_acts acts;
     tile_kernel kernel;
+    isa_t isa;
     const float *x;
     float *y;
     int64_t rows, chunks;
@@ -104,10 +105,14 @@ static void tile_item(void *ctx, int64_t item) {
     const int64_t row0 = tile * TILE_ROWS;
     const int64_t valid = job->rows - row0 < TILE_ROWS ? job->rows - row0 : TILE_ROWS;
     float out[MAX_TOKEN_BLOCK * TILE_ROWS];
+    /* Several blocks of tokens share the tile's scales, decoded once (a failed allocation: per block). */
+    float *params = last - first > MAX_TOKEN_BLOCK ? malloc(job->w.cols / job->w.group * 2 * TILE_ROWS * sizeof(float))
+                                                   : NULL;
+    if (params) tile_params(&job->w, tile, job->isa, params);
     for (int64_t token = first; token < last; token += MAX_TOKEN_BLOCK) {
         int count = last - token < MAX_TOKEN_BLOCK ? (int)(last - token) : MAX_TOKEN_BLOCK;
         memset(out, 0, sizeof out);
-        job->kernel(&job->w, &job->acts, tile, token, count, out);
+        job->kernel(&job->w, &job->acts, tile, token, count, params, out);
         for (int c = 0; c < count; c++) {
             float *dst = job->y + (token + c) * job->rows + row0;
             if (job->accumulate) {
@@ -117,6 +122,7 @@ static void tile_item(void *ctx, int64_t item) {
             }
         }
     }
+    free(params);
 }
 
 PyDoc_STRVAR(matmul_doc,
@@ -252,7 +258,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
 
     matmul_job job = {
-        .w = w, .kernel = bits == 8 ? int8_tile_kernel(active_isa) : lut_tile_kernel(active_isa),
+        .w = w, .kernel = bits == 8 ? int8_tile_kernel(active_isa) : lut_tile_kernel(active_isa), .isa = active_isa,
         .x = x->buf, .y = y->buf, .rows = rows,
         .chunks = (tokens + TOKEN_CHUNK - 1) / TOKEN_CHUNK, .accumulate = accumulate,
     };

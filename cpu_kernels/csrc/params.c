@@ -54,7 +54,30 @@ int group_params_scalar(const packed_matrix *w, int64_t tile, int64_t g, float *
         for (int r = 0; r < TILE_ROWS; r++) min[r] = zero != 0.0f ? scale[r] * zero : 0.0f;
         has_min = zero != 0.0f;
     }
+    const float centre = (float)params_centre(w);
+    for (int r = 0; centre != 0.0f && r < TILE_ROWS; r++) min[r] = min[r] + scale[r] * centre;
     return has_min;
+}
+
+int params_have_min(const packed_matrix *w) {
+    return w->mins || (w->sub_codes && w->sub_mins) || (w->bits != 8 && w->zero);
+}
+
+int params_centre(const packed_matrix *w) {
+    const int with_mins = w->mins || (w->sub_codes && w->sub_mins);
+    return w->bits == 8 && !w->codebook && w->width < 8 && with_mins ? 1 << (w->width - 1) : 0;
+}
+
+void tile_params(const packed_matrix *w, int64_t tile, isa_t isa, float *out) {
+    for (int64_t g = 0; g < w->cols / w->group; g++) {
+        float *scale = out + g * 2 * TILE_ROWS, *min = scale + TILE_ROWS;
+#ifdef HAVE_X86
+        if (isa == ISA_AVX512) { group_params_avx512(w, tile, g, scale, min); continue; }
+        if (isa == ISA_AVX2) { group_params_avx2(w, tile, g, scale, min); continue; }
+#endif
+        (void)isa;
+        group_params_scalar(w, tile, g, scale, min);
+    }
 }
 
 #ifdef HAVE_X86
@@ -107,6 +130,10 @@ __attribute__((target("avx2,fma,f16c"))) int group_params_avx2(const packed_matr
                                                        : _mm256_setzero_ps());
         has_min = zero != 0.0f;
     }
+    const float centre = (float)params_centre(w);
+    for (int i = 0; centre != 0.0f && i < TILE_ROWS / 8; i++)
+        _mm256_storeu_ps(min + 8 * i, _mm256_add_ps(_mm256_loadu_ps(min + 8 * i),
+                                                    _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), _mm256_set1_ps(centre))));
     return has_min;
 }
 
@@ -148,6 +175,10 @@ AVX512_PARAMS_TARGET int group_params_avx512(const packed_matrix *w, int64_t til
                                                         : _mm512_setzero_ps());
         has_min = zero != 0.0f;
     }
+    const float centre = (float)params_centre(w);
+    for (int i = 0; centre != 0.0f && i < TILE_ROWS / 16; i++)
+        _mm512_storeu_ps(min + 16 * i, _mm512_add_ps(_mm512_loadu_ps(min + 16 * i),
+                                                     _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * i), _mm512_set1_ps(centre))));
     return has_min;
 }
 

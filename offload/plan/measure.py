@@ -6,7 +6,6 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -83,9 +82,7 @@ def cold_ring(first: PackedMatrix, cold_bytes: int) -> list[PackedMatrix]:
     """`first` and distinct copies of it, together more than cold_bytes: cycling through them, no
     call finds its matrix in the cache when cold_bytes is a few times the L3 size."""
     copies = cold_bytes // first.nbytes + 1
-    return [first] + [replace(first, data=first.data.copy(), scales=first.scales.copy(),
-                              mins=None if first.mins is None else first.mins.copy())
-                      for _ in range(copies - 1)]
+    return [first] + [first.copy() for _ in range(copies - 1)]
 
 
 def seconds_per_call(ring: list[PackedMatrix], batch: int, passes: int) -> float:
