@@ -266,6 +266,10 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
     const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
     const __m512i table = kind == CODES_CODEBOOK ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook))
                                                  : _mm512_setzero_si512();
+    __m512 total[MAX_TOKEN_BLOCK][4]; /* the rows' sums over the groups so far, kept in registers */
+    for (int c = 0; c < count; c++) {
+        for (int v = 0; v < 4; v++) total[c][v] = _mm512_loadu_ps(out + c * TILE_ROWS + 16 * v);
+    }
     for (int64_t g = 0; g < groups; g++) {
         __m512i acc[MAX_TOKEN_BLOCK][4]; /* acc[c][v]: rows 16v .. 16v+15 */
         for (int c = 0; c < count; c++) {
@@ -303,13 +307,14 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
                 for (int v = 0; v < 4; v++) acc[c][v] = _mm512_sub_epi32(acc[c][v], zero_sum);
             }
             for (int v = 0; v < 4; v++) {
-                float *dst = out + c * TILE_ROWS + 16 * v;
-                __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c][v]),
-                                               _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * v), step), _mm512_loadu_ps(dst));
-                if (has_min) total = _mm512_fmadd_ps(_mm512_loadu_ps(min + 16 * v), sum, total);
-                _mm512_storeu_ps(dst, total);
+                total[c][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c][v]),
+                                              _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * v), step), total[c][v]);
+                if (has_min) total[c][v] = _mm512_fmadd_ps(_mm512_loadu_ps(min + 16 * v), sum, total[c][v]);
             }
         }
+    }
+    for (int c = 0; c < count; c++) {
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + c * TILE_ROWS + 16 * v, total[c][v]);
     }
 }
 

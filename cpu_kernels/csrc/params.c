@@ -140,8 +140,22 @@ __attribute__((target("avx2,fma,f16c"))) int group_params_avx2(const packed_matr
 #define AVX512_PARAMS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 #define LOAD32(p) _mm256_loadu_si256((const __m256i *)(p))
 
-AVX512_PARAMS_TARGET SUB_VALUE_LANES(__m512i, LOAD16, _mm512_cvtepu8_epi32, _mm512_srlv_epi32, _mm512_set1_epi32,
-                                     _mm512_and_si512, _mm512_or_si512, _mm512_slli_epi32, 16)
+/* Sub code value v of all 64 rows, one byte each: the nibble (and top two bits) picked in place. */
+AVX512_PARAMS_TARGET static inline __m512i sub_bytes_64(const packed_matrix *w, const uint8_t *codes, int values,
+                                                        int v) {
+    if (w->sub_bits == 8) return _mm512_loadu_si512((const void *)(codes + v * TILE_ROWS));
+    __m512i low = _mm512_loadu_si512((const void *)(codes + (v >> 1) * TILE_ROWS));
+    low = _mm512_and_si512(_mm512_srl_epi16(low, _mm_cvtsi32_si128(4 * (v & 1))), _mm512_set1_epi8(0x0F));
+    if (w->sub_bits != 6) return low;
+    __m512i top = _mm512_loadu_si512((const void *)(codes + (values / 2 + (v >> 2)) * TILE_ROWS));
+    top = _mm512_and_si512(_mm512_srl_epi16(top, _mm_cvtsi32_si128(2 * (v & 3))), _mm512_set1_epi8(3));
+    return _mm512_or_si512(low, _mm512_slli_epi16(top, 4));
+}
+
+/* Rows 16i .. 16i+15 of 64 code bytes as floats. */
+AVX512_PARAMS_TARGET static inline __m512 bytes_to_floats(__m512i bytes, int i) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, i)));
+}
 
 AVX512_PARAMS_TARGET int group_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, float *scale,
                                              float *min) {
@@ -149,13 +163,15 @@ AVX512_PARAMS_TARGET int group_params_avx512(const packed_matrix *w, int64_t til
     if (w->sub_codes) {
         SUB_SETUP
         const __m512 offset = _mm512_set1_ps((float)w->sub_offset);
+        const __m512i scale_codes = sub_bytes_64(w, codes, values, v_scale);
+        const __m512i min_codes = w->sub_mins ? sub_bytes_64(w, codes, values, v_scale + 1) : scale_codes;
         for (int i = 0; i < TILE_ROWS / 16; i++) {
             __m512 d = _mm512_cvtph_ps(LOAD32(supers + 16 * i));
-            __m512 code = _mm512_cvtepi32_ps(sub_lanes_16(w, codes, values, v_scale, i));
+            __m512 code = bytes_to_floats(scale_codes, i);
             _mm512_storeu_ps(scale + 16 * i, _mm512_mul_ps(d, _mm512_sub_ps(code, offset)));
             if (w->sub_mins) {
                 __m512 dmin = _mm512_cvtph_ps(LOAD32(supers + TILE_ROWS + 16 * i));
-                __m512 m = _mm512_cvtepi32_ps(sub_lanes_16(w, codes, values, v_scale + 1, i));
+                __m512 m = bytes_to_floats(min_codes, i);
                 _mm512_storeu_ps(min + 16 * i, _mm512_xor_ps(_mm512_mul_ps(dmin, m), _mm512_set1_ps(-0.0f)));
             }
         }
