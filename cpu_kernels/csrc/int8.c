@@ -95,15 +95,6 @@ static inline const uint8_t *high_block(const uint8_t *high, int64_t q, int h, i
     (void)high;                                                              \
     (void)zero;
 
-/* The group's scales and mins: the tile's precomputed ones, or decoded now. */
-#define GROUP_PARAMS(decode)                                                  \
-    if (params) {                                                             \
-        scale = params + g * 2 * TILE_ROWS, min = scale + TILE_ROWS;          \
-    } else {                                                                  \
-        scale = own_params, min = own_params + TILE_ROWS;                     \
-        decode(w, tile, g, own_params, own_params + TILE_ROWS);               \
-    }
-
 /* out[c][r] += acc * scale * step (+ min * sum), the epilogue every path shares per group. */
 static void scalar_epilogue(const int32_t *acc, const float *scale, const float *min, int has_min,
                             float step, float sum, float *out) {

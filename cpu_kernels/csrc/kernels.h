@@ -68,6 +68,16 @@ int params_centre(const packed_matrix *w);
  * decoding them again for each block of tokens. */
 void tile_params(const packed_matrix *w, int64_t tile, isa_t isa, float *out);
 
+/* In a tile kernel: point scale and min at group g's, the tile's precomputed `params` or decoded
+ * now into own_params by `decode` (a group_params_* of the kernel's ISA). */
+#define GROUP_PARAMS(decode)                                                  \
+    if (params) {                                                             \
+        scale = params + g * 2 * TILE_ROWS, min = scale + TILE_ROWS;          \
+    } else {                                                                  \
+        scale = own_params, min = own_params + TILE_ROWS;                     \
+        decode(w, tile, g, own_params, own_params + TILE_ROWS);               \
+    }
+
 /* The named codebooks of 4-bit indices (packed.py's CODEBOOKS): NULL for CODEBOOK_NONE. */
 typedef enum { CODEBOOK_NONE = 0, CODEBOOK_IQ4NL = 1, CODEBOOK_MXFP4 = 2, CODEBOOK_COUNT = 3 } codebook_t;
 const int8_t *int8_codebook(codebook_t id);

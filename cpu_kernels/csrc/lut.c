@@ -73,15 +73,6 @@ TARGET_CLONES void lut_prepare_token(const float *x, int64_t cols, int64_t group
 }
 
 /* Pointers into a packed matrix and the prepared activations for one tile. */
-/* The group's scales and mins: the tile's precomputed ones, or decoded now. */
-#define GROUP_PARAMS(decode)                                                          \
-    if (params) {                                                                     \
-        scale = params + g * 2 * TILE_ROWS, min = scale + TILE_ROWS;                  \
-    } else {                                                                          \
-        scale = own_params, min = own_params + TILE_ROWS;                             \
-        decode(w, tile, g, own_params, own_params + TILE_ROWS);                       \
-    }
-
 #define TILE_SETUP                                                                 \
     const int bits = w->bits;                                                     \
     const int64_t groups = w->cols / w->group, octets = w->group / 8;             \
