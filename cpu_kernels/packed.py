@@ -74,6 +74,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.quant_groups import CODEBOOKS, QuantGroups, SubScales
 
 TILE_ROWS = 64
@@ -382,22 +383,18 @@ def _nibble_data(nibbles: np.ndarray, group: int, tiles: int) -> np.ndarray:
 
 
 def _nibbles_and_high(groups: QuantGroups, tiles: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Unsigned codes q + zero of `width` bits -> their nibbles and, above 4 bits, the high plane."""
+    """Unsigned codes q + zero of `width` bits -> their nibbles and, above 4 bits, the high plane
+    (in C: numpy's strided shuffles made packing most of a first load)."""
+    rows, cols = groups.q.shape
     h = groups.width - 4
-    if h and groups.q.shape[1] % (32 // h):
-        raise ValueError(f"{groups.width}-bit codes need a multiple of {32 // h} columns, "
-                         f"not {groups.q.shape[1]}")
-    codes = (groups.q.astype(np.int16) + groups.zero)
-    if codes.size and (codes.min() < 0 or codes.max() >= 1 << groups.width):
+    if groups.group % 8 or (h and cols % (32 // h)):
+        raise ValueError(f"{groups.width}-bit codes need a group that is a multiple of 8 and a multiple of "
+                         f"{32 // h if h else 8} columns, not group {groups.group} of {cols}")
+    data = np.empty((tiles, cols // 8, TILE_ROWS, 4), np.uint8)
+    high = np.empty((tiles, cols * h // 32, TILE_ROWS, 4), np.uint8) if h else None
+    if not _kernels.pack_nibbles(np.ascontiguousarray(groups.q), groups.zero, groups.width, data, high):
         raise ValueError(f"codes plus zero {groups.zero} do not fit {groups.width} unsigned bits")
-    codes = codes.astype(np.uint8)
-    data = _nibble_data(codes & 0x0F, groups.group, tiles)
-    if not h:
-        return data, None
-    quads = (_tile_rows(codes >> 4, tiles).reshape(tiles, TILE_ROWS, -1, 8 // h, 4)
-             .transpose(0, 2, 1, 3, 4))  # [T, K*h/32, 64, 8/h, 4]
-    shifts = (h * np.arange(8 // h, dtype=np.uint8))[:, None]
-    return data, np.ascontiguousarray(np.bitwise_or.reduce(quads << shifts, axis=-2), dtype=np.uint8)
+    return data, high
 
 
 def _sub_packing(sub: SubScales, tiles: int) -> SubPacking:

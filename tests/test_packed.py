@@ -296,3 +296,11 @@ def test_a_token_gets_the_same_bits_alone_as_among_many(ggml_type):
     together = matmul(packed, x)
     alone = np.concatenate([matmul(packed, x[i:i + 1]) for i in range(len(x))])
     assert np.array_equal(together.view(np.uint32), alone.view(np.uint32))
+
+
+def test_codes_that_do_not_fit_their_width_are_refused():
+    q = np.zeros((3, 64), np.int8)
+    q[2, 5] = 8  # with zero 8: 16, past 4 bits
+    scale = np.ones((3, 2), np.float32)
+    with pytest.raises(ValueError, match="do not fit 4 unsigned bits"):
+        pack(QuantGroups(q, scale, np.full_like(scale, -0.0), 32, 8, width=4, zero=8))

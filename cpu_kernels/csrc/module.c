@@ -523,7 +523,69 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
                         ISA_NAMES[best_isa]);
 }
 
+PyDoc_STRVAR(pack_nibbles_doc,
+"pack_nibbles(q, zero, width, data, high)\n--\n\n"
+"Lays out int8 codes q [N, K] as unsigned codes q + zero of `width` (4..6) bits in packed.py's nibble\n"
+"layout: their low nibbles into data (uint8 [T, K / 8, 64, 4]), their high bits into high (uint8\n"
+"[T, K * (width - 4) / 32, 64, 4], or None for width 4); rows past N are zeros. Returns False, having\n"
+"written part of the arrays, when a code plus zero does not fit the width.");
+
+/* One row's codes into the nibble bytes (and high bits) of its tile row; 0 when a code does not fit. */
+static int pack_row(const int8_t *q, int64_t cols, int zero, int width, uint8_t *data, uint8_t *high) {
+    const int h = width - 4, per_byte = h ? 8 / h : 1;
+    for (int64_t quad = 0; quad < cols / 4; quad++) {
+        for (int j = 0; j < 4; j++) {
+            const int code = q[4 * quad + j] + zero;
+            if (code < 0 || code >= 1 << width) return 0;
+            /* nibble byte (o, r, j): quad 2o in the low nibble, 2o + 1 in the high one */
+            data[(quad >> 1) * TILE_ROWS * 4 + j] |= (uint8_t)((code & 15) << (4 * (quad & 1)));
+            if (h) high[(quad / per_byte) * TILE_ROWS * 4 + j] |= (uint8_t)((code >> 4) << (h * (quad % per_byte)));
+        }
+    }
+    return 1;
+}
+
+static PyObject *py_pack_nibbles(PyObject *self, PyObject *args) {
+    PyObject *q_obj, *data_obj, *high_obj;
+    int zero, width;
+    if (!PyArg_ParseTuple(args, "OiiOO:pack_nibbles", &q_obj, &zero, &width, &data_obj, &high_obj)) return NULL;
+    buffer_arg buf[3] = {{.held = 0}};
+    if (get_buffer(q_obj, &buf[0], "q", 1, "b", 0) || get_buffer(data_obj, &buf[1], "data", 1, "B", 1) ||
+        (high_obj != Py_None && get_buffer(high_obj, &buf[2], "high", 1, "B", 1))) {
+        release(buf, 3);
+        return NULL;
+    }
+    const Py_buffer *q = &buf[0].view;
+    const int h = width - 4;
+    if (q->ndim != 2 || width < 4 || width > 6 || zero < 0 || zero > 127 || (h > 0) != buf[2].held ||
+        q->shape[1] % (h ? 32 / h : 8)) {
+        release(buf, 3);
+        return PyErr_Format(PyExc_ValueError, "pack_nibbles: q must be 2-D with whole blocks of columns, width 4..6 "
+                            "(high given for 5 and 6), zero 0..127");
+    }
+    const int64_t rows = q->shape[0], cols = q->shape[1], tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    if (check_length(&buf[1], "data", tiles * TILE_ROWS * cols / 2) ||
+        (buf[2].held && check_length(&buf[2], "high", tiles * cols * h * 8))) {
+        release(buf, 3);
+        return NULL;
+    }
+    int fits = 1;
+    Py_BEGIN_ALLOW_THREADS
+    memset(buf[1].view.buf, 0, buf[1].view.len);
+    if (buf[2].held) memset(buf[2].view.buf, 0, buf[2].view.len);
+    for (int64_t row = 0; fits && row < rows; row++) {
+        const int64_t tile = row / TILE_ROWS, r = row % TILE_ROWS;
+        uint8_t *data = (uint8_t *)buf[1].view.buf + tile * cols * TILE_ROWS / 2 + 4 * r;
+        uint8_t *high = buf[2].held ? (uint8_t *)buf[2].view.buf + tile * cols * h * 8 + 4 * r : NULL;
+        fits = pack_row((const int8_t *)q->buf + row * cols, cols, zero, width, data, high);
+    }
+    Py_END_ALLOW_THREADS
+    release(buf, 3);
+    return PyBool_FromLong(fits);
+}
+
 static PyMethodDef methods[] = {
+    {"pack_nibbles", py_pack_nibbles, METH_VARARGS, pack_nibbles_doc},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS, matmul_doc},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, weight, eps, out): out = x / rms(x) * weight, per row."},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, out): out = silu(gate) * up, gate_up = [gate, up] per row."},
