@@ -1,324 +1,313 @@
-"""Matrix-vector kernel GB/s per bit width, against the machine's read bandwidth and llama.cpp, in one run.
+"""Matmul kernels per GGUF type and Llama shape: decode GB/s against the read bandwidth, prefill GOP/s
+against the int8 kernel's peak, all measured in one run.
 
-    python -m benchmarks.kernels [--threads 2] [--repeats 5] [--quick] [--json]
+    python -m benchmarks.kernels [--threads 2] [--repeats 5] [--types Q4_K,Q6_K,...] [--shapes 1b,8b]
+                                 [--quick] [--json]
 
-For each bit width (1-4: the LUT kernel; 8: the int8 kernel) and each Llama-2-7B projection shape
-(N rows x K columns: 4096 x 4096 for q/k/v/o, 11008 x 4096 for gate/up, 4096 x 11008 for down),
-`matmul(w, x, out)` is timed at M = 1 (decode) and M = 8 (a speculative verify batch) on random
-codes packed with group 32. The figure is bytes of the packed matrix (data + scales + mins) per
-second, GB = 1e9 bytes, and its fraction of the read bandwidth measured in the same run with the
-same thread count. Goal: 80% or more at 4 and 2 bits.
+Each type's matrices are real GGUF blocks: random ones from the model generator
+(tests/support/random_weights.py, weights of std 0.02), split into codes and scales by
+quant_groups.py and packed as the kernels read them (packed.py: the file's own bytes, or no more).
+Shapes (N rows x K columns) are the Llama projections: 1b is Llama-3.2-1B's (2048 x 2048 for q/o,
+8192 x 2048 for gate/up, 2048 x 8192 for down), 8b Llama-3-8B's (4096, 14336).
 
+Decode, M = 1: `matmul(w, x, out)` on one token. The figure is the packed matrix's bytes (codes,
+scales, two-level scale codes) per second, GB = 1e9 bytes, and its fraction of the read bandwidth
+measured in the same run at the same thread count. Goal (issue 22): 90% at every shape.
 Weights are never cache-resident: each case cycles through distinct copies of its matrix whose
 total exceeds 4x the L3 cache, so every call reads its matrix from DRAM.
 
-Read bandwidth: numpy reductions (`np.add.reduce` over uint64 words, `np.maximum.reduce` over
-int32, the faster of the two) over a buffer 16x the L3 cache, one slice per thread (numpy releases
-the GIL inside a reduction, so the slices are read in parallel).
+Prefill, M = 512 tokens (128 with --quick): GOP/s = 2 N K M / seconds, cycling through copies that
+together exceed the L3 once (a layer's weights come from DRAM in a real prefill too), and its
+fraction of the int8 peak. The peak is the int8 kernel's own, not the instruction's: its best GOP/s
+at the same M on an 8192 x 2048 matrix called over and over, so that it stays in the L3 (17 MiB in
+Q8_0): no DRAM traffic. Its N is large because preparing the activations, once per call, costs 1/N
+of the work: a 1024 x 1024 matrix, inside the L2, runs a fifth slower.
+It is taken on Q8_0 (signed int8 codes) and on Q4_0 (unsigned nibble codes), and the faster is the
+peak: signed codes cost the kernel a sign flip per token, so Q8_0 alone is beaten by the 4-bit types.
+Q2_K, Q3_K and TQ2_0 run on the LUT kernel at every M (the `kernel` column): their fraction compares
+that kernel with the int8 one's peak, and can pass 100%.
 
-ggml-style baseline: llama.cpp cannot run a single matmul, so it decodes with a random llama model
-of the same shapes (hidden 4096, ffn 11008) in Q4_0 (beside 4 bits) and Q8_0 (beside 8 bits), with
-a 259-token byte vocabulary so that the output head is negligible, and as many layers as it takes
-to exceed 4x L3 too. Its GB/s is every weight byte of the file (all read once per token) times
-tokens/s: an end-to-end figure, attention and norms included, so a little below its matmuls' own.
+Read bandwidth: numpy reductions over a buffer 16x the L3 cache, one slice per thread
+(offload/plan/measure.py's ReadBandwidth, as `tierflow probe` measures it).
 
-The machine is shared and noisy: after one warm-up round every measurement (bandwidth, each kernel
-case, each llama.cpp model) runs once per round, the order reversed every round, and the best of
-the rounds is reported. Peak memory is about 76 x L3 (15 cases of 4 x L3 of packed copies, and
-the 16 x L3 read buffer; 2.7 GiB here) plus the two models.
+No llama.cpp column: llama.cpp cannot time one matmul, and an end-to-end model per type and shape
+(several GB at 8b) is not cheap; benchmarks/decode.py and benchmarks/weight_types.py compare end to
+end.
+
+The machine is shared and noisy, so every figure is the best of its samples, and the samples of a
+type are spread over the run: `--repeats` sweeps through the types, the order reversed every sweep,
+each visit to a type a warm-up and a timed round of its cases, the read bandwidth and the int8 peak
+(so a burst of load from another process costs a type one sample, not all of them, and bandwidth
+and peak are sampled beside every type). A visit copies its type's matrices into their rings and
+frees them after. Peak memory: every type's matrices once (1.1 GiB for all types at both shapes),
+one type's copies (6 cases of 4 x L3) and the 16 x L3 read buffer: about 2.4 GiB here.
 """
 
 import argparse
 import json
-import math
 import sys
-import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-import llama_cpp
 import numpy as np
+from gguf import GGMLQuantizationType
 
+from benchmarks.decode import positive_int
+from tests.support.random_weights import random_tensor_bytes
 from tierflow.cpu_kernels import matmul as kernels
-from tierflow.cpu_kernels.packed import PackedMatrix
+from tierflow.cpu_kernels.packed import PackedMatrix, pack
+from tierflow.cpu_kernels.quant_groups import GROUPED_TYPES, to_quant_groups
 from tierflow.offload.plan.measure import (
     ReadBandwidth,
+    best_of_rounds,
     cold_ring,
     l3_cache_bytes,
-    random_packed,
     seconds_per_call,
 )
 
-BITS = (1, 2, 3, 4, 8)
-GROUP = 32
-VERIFY_BATCH = 8  # M of a speculative verify step
-GOAL_FRACTION, GOAL_BITS = 0.8, (2, 4)
-BASELINE_TYPES = {4: "Q4_0", 8: "Q8_0"}  # ggml type run beside each bit width
+TYPES = ("Q4_0", "Q4_1", "Q5_K", "Q4_K", "Q6_K", "Q8_0", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ2_0")
+SHAPES = {"1b": (2048, 8192), "8b": (4096, 14336)}  # hidden, FFN
+WEIGHT_STD = 0.02
+PREFILL_TOKENS, QUICK_PREFILL_TOKENS = 512, 128
+PEAK_SHAPE = (8192, 2048)
+PEAK_TYPES = ("Q8_0", "Q4_0")  # the int8 kernel's signed and unsigned codes
+PEAK_CALLS = 4  # per pass, on the same (cache-resident) matrix
+GOAL_FRACTION = 0.9
+
+
+def projections(shape_names: list[str]) -> Iterator[tuple[str, int, int]]:
+    """(label, N rows, K columns) of each projection of each named shape."""
+    for name in shape_names:
+        h, f = SHAPES[name]
+        yield from ((f"{name} {h} x {h} (q/o)", h, h), (f"{name} {f} x {h} (gate/up)", f, h),
+                    (f"{name} {h} x {f} (down)", h, f))
+
+
+def packed_matrix(rng: np.random.Generator, qtype: str, rows: int, cols: int) -> PackedMatrix:
+    """Random `qtype` blocks of a rows x cols matrix, as a GGUF file holds them, packed for the kernels."""
+    ggml_type = GGMLQuantizationType[qtype]
+    raw = random_tensor_bytes(rng, ggml_type, (rows, cols), WEIGHT_STD).reshape(-1)
+    return pack(to_quant_groups(raw, ggml_type, (cols, rows)))
+
+
+def gop_per_s(rows: int, cols: int, tokens: int, seconds: float) -> float:
+    return 2 * rows * cols * tokens / seconds / 1e9
 
 
 @dataclass(frozen=True)
-class Shapes:
-    hidden: int
-    ffn: int
-    num_heads: int  # of the baseline model (Llama-2-7B: 32 heads of 128, no grouped KV)
+class Settings:
+    threads: int
+    repeats: int
+    decode_passes: int
+    prefill_tokens: int
+    l3_bytes: int
 
-    def matrices(self) -> list[tuple[str, int, int]]:
-        """(label, N rows, K columns) of each projection shape."""
-        h, f = self.hidden, self.ffn
-        return [(f"{h} x {h} (q/k/v/o)", h, h), (f"{f} x {h} (gate/up)", f, h),
-                (f"{h} x {f} (down)", h, f)]
-
-
-FULL_SHAPES = Shapes(hidden=4096, ffn=11008, num_heads=32)
-QUICK_SHAPES = Shapes(hidden=1024, ffn=2752, num_heads=8)
+    @property
+    def cold_bytes(self) -> int:
+        return 4 * self.l3_bytes
 
 
-# --- what is timed ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Matrix:
+    """One case: a type's matrix at one projection shape, kept for the whole run."""
+
+    qtype: str
+    label: str
+    packed: PackedMatrix
+
 
 @dataclass
 class KernelCase:
-    bits: int
-    label: str
-    rows: int  # N
-    cols: int  # K
-    ring: list[PackedMatrix]  # distinct copies of one matrix, together more than 4x L3
+    """A matrix with fresh copies to cycle through, for one visit to its type."""
 
-    @property
-    def matrix_bytes(self) -> int:
-        return self.ring[0].nbytes
+    matrix: Matrix
+    ring: list[PackedMatrix]  # distinct copies of the matrix, together more than 4x L3
+    prefill_ring: list[PackedMatrix]  # its first copies, together more than L3
 
-    def seconds_per_call(self, batch: int, passes: int) -> float:
-        """Best over `passes` passes through the ring of the mean time of one call."""
-        return seconds_per_call(self.ring, batch, passes)
+    def decode_gb_per_s(self, passes: int) -> float:
+        return self.matrix.packed.nbytes / seconds_per_call(self.ring, 1, passes) / 1e9
 
-
-def make_case(rng: np.random.Generator, bits: int, label: str, rows: int, cols: int,
-              cold_bytes: int) -> KernelCase:
-    first = random_packed(rng, bits, rows, cols, GROUP)
-    return KernelCase(bits, label, rows, cols, cold_ring(first, cold_bytes))
+    def prefill_gop_per_s(self, tokens: int) -> float:
+        w = self.matrix.packed
+        return gop_per_s(w.rows, w.cols, tokens, seconds_per_call(self.prefill_ring, tokens, 1))
 
 
-@dataclass
-class GgmlBaseline:
-    bits: int
-    qtype: str
-    num_layers: int
-    weight_bytes: int  # every tensor of the file: all are read once per decoded token
-    num_weights: int  # their elements
-    llama: llama_cpp.Llama
-
-    def tokens_per_s(self, steps: int) -> float:
-        self.llama.reset()  # the KV cache restarts at 0, so attention stays negligible
-        started = time.perf_counter()
-        for step in range(steps):
-            self.llama.eval([FIRST_BYTE_TOKEN + step % 256])
-        return steps / (time.perf_counter() - started)
+def make_case(matrix: Matrix, settings: Settings) -> KernelCase:
+    ring = cold_ring(matrix.packed, settings.cold_bytes)
+    return KernelCase(matrix, ring, ring[: settings.l3_bytes // matrix.packed.nbytes + 2])
 
 
-# --- the baseline model: make_model's layout with a byte vocabulary ------------------------------
-
-FIRST_BYTE_TOKEN = 3  # <unk>, <s>, </s>, then <0x00> .. <0xFF>
-
-
-def _model_writers():
-    """make_model's building blocks (tests/support), imported when a baseline model is written."""
-    from tests.support import gguf_bytes, gguf_writing, model_spec, random_weights
-
-    return gguf_bytes, gguf_writing, model_spec, random_weights
-
-
-def _byte_vocabulary_kvs(gguf_bytes) -> tuple[list[bytes], int]:
-    """A 259-token SentencePiece vocabulary, instead of make_model's 49152-token one (whose tied
-    output head would read twice the bytes of a whole 4096-wide layer per token)."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]
-    token_types = np.array([2, 3, 3] + [6] * 256, np.int32)  # unknown, control, byte
-    kvs = [("tokenizer.ggml.model", "llama"), ("tokenizer.ggml.tokens", tokens),
-           ("tokenizer.ggml.scores", np.zeros(len(tokens), np.float32)),
-           ("tokenizer.ggml.token_type", token_types)]
-    kvs += [(key, gguf_bytes.Typed(gguf_bytes.UINT32, token_id)) for key, token_id in (
-        ("tokenizer.ggml.unknown_token_id", 0), ("tokenizer.ggml.bos_token_id", 1),
-        ("tokenizer.ggml.eos_token_id", 2))]
-    return [gguf_bytes.pack_kv(key, value) for key, value in kvs], len(tokens)
-
-
-def write_baseline_model(path: Path, shapes: Shapes, qtype: str, cold_bytes: int) -> tuple[int, int, int]:
-    """A random llama model of `shapes` in `qtype` whose layers together exceed `cold_bytes`;
-    returns (num_layers, bytes of all its tensors, their elements)."""
-    gguf_bytes, gguf_writing, model_spec, random_weights = _model_writers()
-    vocab_kvs, vocab_size = _byte_vocabulary_kvs(gguf_bytes)
-    spec = model_spec.ModelSpec(num_layers=1, hidden_size=shapes.hidden, ffn_size=shapes.ffn,
-                                num_heads=shapes.num_heads, num_kv_heads=shapes.num_heads,
-                                weight_type=qtype, embedding_type=qtype)
-    layer_bytes = sum(t.entry.nbytes for t in model_spec.tensor_plan(spec, vocab_size)
-                      if t.name.startswith("blk."))
-    spec = replace(spec, num_layers=max(1, math.ceil(cold_bytes / layer_bytes)))
-    plan = model_spec.tensor_plan(spec, vocab_size)
-    rng = np.random.default_rng(spec.seed)
-    kvs = [gguf_bytes.pack_kv(k, v) for k, v in model_spec.architecture_metadata(spec, vocab_size)]
-    data = (random_weights.random_tensor_bytes(rng, t.qtype, t.shape, t.std, t.mean, t.values)
-            for t in plan)
-    gguf_writing.write_gguf(path, kvs + vocab_kvs, [t.entry for t in plan], data)
-    return spec.num_layers, sum(t.entry.nbytes for t in plan), sum(math.prod(t.shape) for t in plan)
-
-
-def load_baseline(directory: Path, bits: int, shapes: Shapes, cold_bytes: int,
-                  threads: int) -> GgmlBaseline:
-    qtype = BASELINE_TYPES[bits]
-    path = directory / f"{qtype}.gguf"
-    num_layers, weight_bytes, num_weights = write_baseline_model(path, shapes, qtype, cold_bytes)
-    # No mmap: weights in anonymous memory, as tierflow's packed arrays are.
-    llama = llama_cpp.Llama(str(path), n_ctx=256, n_batch=64, n_threads=threads,
-                            n_threads_batch=threads, use_mmap=False, verbose=False)
-    return GgmlBaseline(bits, qtype, num_layers, weight_bytes, num_weights, llama)
-
-
-# --- running and reporting -----------------------------------------------------------------------
-
-def measure(tasks: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
-    """One warm-up round, then `repeats` rounds running every task once, order reversed each round."""
-    for task in tasks.values():
-        task()
-    samples: dict[str, list[float]] = {name: [] for name in tasks}
-    order = list(tasks)
-    for _ in range(repeats):
-        for name in order:
-            time.sleep(0.02)  # let the last task's spinning threads (ours or ggml's) go to sleep
-            samples[name].append(tasks[name]())
-        order.reverse()
-    return samples
-
-
-def build_tasks(bandwidth: ReadBandwidth, cases: list[KernelCase], baselines: list[GgmlBaseline],
-                threads: int, passes: int, steps: int) -> dict[str, Callable[[], float]]:
-    """Name -> a callable returning one sample: GB/s, seconds per call, or tokens/s."""
-    tasks = {f"bandwidth/{n}": (lambda n=n: bandwidth.gb_per_s(n, passes)) for n in sorted({1, threads})}
-    for case in cases:
-        for batch in (1, VERIFY_BATCH):
-            tasks[f"kernel/{case.bits}/{case.label}/M{batch}"] = (
-                lambda case=case, batch=batch: case.seconds_per_call(batch, passes))
-    for baseline in baselines:
-        tasks[f"llama.cpp/{baseline.qtype}"] = lambda baseline=baseline: baseline.tokens_per_s(steps)
+def shared_tasks(rng: np.random.Generator, bandwidth: ReadBandwidth,
+                 settings: Settings) -> dict[tuple, Callable[[], float]]:
+    """The rates every visit also samples: read GB/s at 1 and `threads` threads, and the int8 kernel's
+    GOP/s on each cache-resident peak matrix."""
+    passes = settings.decode_passes
+    tasks = {("bandwidth", n): (lambda n=n: bandwidth.gb_per_s(n, passes))
+             for n in sorted({1, settings.threads})}
+    for qtype in PEAK_TYPES:
+        calls = [packed_matrix(rng, qtype, *PEAK_SHAPE)] * PEAK_CALLS
+        tasks[("peak", qtype)] = lambda calls=calls: gop_per_s(
+            *PEAK_SHAPE, settings.prefill_tokens, seconds_per_call(calls, settings.prefill_tokens, passes))
     return tasks
 
 
-def summarize(samples: dict[str, list[float]], cases: list[KernelCase], baselines: list[GgmlBaseline],
-              threads: int) -> dict:
-    bandwidth = max(samples[f"bandwidth/{threads}"])
-    baseline_rows = {}
-    for b in baselines:
-        tokens_per_s = max(samples[f"llama.cpp/{b.qtype}"])
-        gb_per_s = b.weight_bytes * tokens_per_s / 1e9
-        baseline_rows[b.bits] = {
-            "system": f"llama.cpp {b.qtype}", "layers": b.num_layers, "weight_bytes": b.weight_bytes,
-            "ms_per_token": 1e3 / tokens_per_s, "gb_per_s": gb_per_s,
-            "weights_per_s": b.num_weights * tokens_per_s,
-            "fraction_of_bandwidth": gb_per_s / bandwidth,
-            "tokens_per_s_samples": samples[f"llama.cpp/{b.qtype}"]}
+def visit_type(matrices: list[Matrix], shared: dict, settings: Settings) -> dict[tuple, float]:
+    """A warm-up and a timed round of the shared tasks and one type's cases, on copies freed on return."""
+    tasks = dict(shared)
+    for case in (make_case(matrix, settings) for matrix in matrices):
+        key = (case.matrix.qtype, case.matrix.label)
+        tasks[("decode", *key)] = lambda case=case: case.decode_gb_per_s(settings.decode_passes)
+        tasks[("prefill", *key)] = lambda case=case: case.prefill_gop_per_s(settings.prefill_tokens)
+    return best_of_rounds(tasks, 1)
+
+
+def measure(matrices_by_type: dict[str, list[Matrix]], shared: dict,
+            settings: Settings) -> dict[tuple, float]:
+    """The best sample of every rate over `repeats` sweeps through the types, the order reversed each
+    sweep: a burst of load from another process then costs a type one sample, not all of them."""
+    best: dict[tuple, float] = {}
+    order = list(matrices_by_type)
+    for sweep in range(settings.repeats):
+        for qtype in order:
+            for key, rate in visit_type(matrices_by_type[qtype], shared, settings).items():
+                best[key] = max(rate, best.get(key, 0.0))
+        order.reverse()
+        print(f"sweep {sweep + 1} of {settings.repeats} done", file=sys.stderr)
+    return best
+
+
+def kernel_rows(matrices: list[Matrix], best: dict[tuple, float], bandwidth: float, peak: float,
+                tokens: int) -> list[dict]:
+    """Each case's best rates, times, and fractions of the run's read bandwidth and int8 peak."""
     rows = []
-    for case in cases:
-        key = f"kernel/{case.bits}/{case.label}"
-        seconds, verify_seconds = min(samples[key + "/M1"]), min(samples[f"{key}/M{VERIFY_BATCH}"])
-        gb_per_s = case.matrix_bytes / seconds / 1e9
-        baseline = baseline_rows.get(case.bits)
-        rows.append({
-            "bits": case.bits, "shape": case.label, "rows": case.rows, "cols": case.cols,
-            "matrix_bytes": case.matrix_bytes, "copies": len(case.ring), "ms_per_call": seconds * 1e3,
-            "gb_per_s": gb_per_s, "weights_per_s": case.rows * case.cols / seconds,
-            "fraction_of_bandwidth": gb_per_s / bandwidth,
-            f"m{VERIFY_BATCH}_over_m1": verify_seconds / seconds,
-            "vs_baseline": gb_per_s / baseline["gb_per_s"] if baseline else None,
-            "seconds_samples": samples[key + "/M1"],
-            f"m{VERIFY_BATCH}_seconds_samples": samples[f"{key}/M{VERIFY_BATCH}"]})
-    goal = {bits: min(r["fraction_of_bandwidth"] for r in rows if r["bits"] == bits)
-            for bits in GOAL_BITS}
-    notes = []
-    if threads > 1 and bandwidth < 1.3 * max(samples["bandwidth/1"]):
-        notes.append(f"{threads}-thread read bandwidth is barely above 1 thread's: another process "
+    for m in matrices:
+        weights, nbytes = m.packed.rows * m.packed.cols, m.packed.nbytes
+        decode, prefill = best[("decode", m.qtype, m.label)], best[("prefill", m.qtype, m.label)]
+        rows.append({"type": m.qtype, "kernel": "int8" if m.packed.bits == 8 else "LUT", "shape": m.label,
+                     "rows": m.packed.rows, "cols": m.packed.cols,
+                     "matrix_bytes": nbytes, "bits_per_weight": 8 * nbytes / weights,
+                     "decode_gb_per_s": decode, "decode_ms": nbytes / decode / 1e6,
+                     "decode_of_bandwidth": decode / bandwidth, "prefill_gop_per_s": prefill,
+                     "prefill_ms": 2 * weights * tokens / prefill / 1e6,
+                     "prefill_of_peak": prefill / peak})
+    return rows
+
+
+def summarize(matrices: list[Matrix], best: dict[tuple, float], settings: Settings) -> dict:
+    bandwidth = {n: best[("bandwidth", n)] for n in sorted({1, settings.threads})}
+    peaks = {qtype: best[("peak", qtype)] for qtype in PEAK_TYPES}
+    rows = kernel_rows(matrices, best, bandwidth[settings.threads], max(peaks.values()),
+                       settings.prefill_tokens)
+    worst = {qtype: min(row["decode_of_bandwidth"] for row in rows if row["type"] == qtype)
+             for qtype in dict.fromkeys(row["type"] for row in rows)}
+    return {"bandwidth_gb_per_s": bandwidth, "peak_gop_per_s": peaks,
+            "int8_peak_gop_per_s": max(peaks.values()), "kernels": rows, "decode_worst_of_bandwidth": worst,
+            "notes": notes(rows, bandwidth, settings.threads)}
+
+
+def notes(rows: list[dict], bandwidth: dict[int, float], threads: int) -> list[str]:
+    found = []
+    if threads > 1 and bandwidth[threads] < 1.3 * bandwidth[1]:
+        found.append(f"{threads}-thread read bandwidth is barely above 1 thread's: another process "
                      "probably held a core in every round; rerun")
-    return {"bandwidth_gb_per_s": {n: max(samples[f"bandwidth/{n}"]) for n in sorted({1, threads})},
-            "bandwidth_samples": {n: samples[f"bandwidth/{n}"] for n in sorted({1, threads})},
-            "kernels": rows, "baselines": list(baseline_rows.values()),
-            "goal_min_fraction": goal, "notes": notes}
+    if any(row["prefill_of_peak"] > 1.05 for row in rows if row["kernel"] == "int8"):
+        found.append("an int8-kernel prefill beat the int8 peak by over 5%: the peak's samples were all "
+                     "disturbed; rerun")
+    return found
 
 
 def print_table(report: dict) -> None:
-    bw = report["bandwidth_gb_per_s"]
     print(f"threads: {report['threads']}, ISA {report['isa']}; L3 {report['l3_bytes'] / 2**20:.1f} MiB "
-          f"({report['l3_source']}); weights cycled over > {report['cold_bytes'] / 2**20:.0f} MiB; "
-          f"best of {report['repeats']} rounds")
+          f"({report['l3_source']}); decode cycles over > {report['cold_bytes'] / 2**20:.0f} MiB of copies, "
+          f"prefill over > {report['l3_bytes'] / 2**20:.0f} MiB; best of {report['repeats']} sweeps")
     print("read bandwidth: " + ", ".join(f"{gb:.1f} GB/s with {n} thread{'s' * (n > 1)}"
-                                         for n, gb in bw.items()))
-    header = (f"{'bits':>4}  {'weights N x K':<32}{'MiB':>8}{'ms/call':>9}{'GB/s':>7}{'Gw/s':>7}"
-              f"{'% of BW':>9}{f'M={VERIFY_BATCH}/M=1':>9}{'vs ggml':>9}")
-    print(header)
-    print("-" * len(header))
-    baselines = {row["system"].split()[1]: row for row in report["baselines"]}
-    for row in report["kernels"]:
-        vs = f"{row['vs_baseline']:.2f}x" if row["vs_baseline"] else ""
-        print(f"{row['bits']:>4}  {row['shape']:<32}{row['matrix_bytes'] / 2**20:>8.1f}"
-              f"{row['ms_per_call']:>9.3f}{row['gb_per_s']:>7.1f}{row['weights_per_s'] / 1e9:>7.1f}"
-              f"{row['fraction_of_bandwidth']:>9.0%}"
-              f"{row[f'm{VERIFY_BATCH}_over_m1']:>8.2f}x{vs:>9}")
-        qtype = BASELINE_TYPES.get(row["bits"])
-        if qtype in baselines and row is _last_of_bits(report["kernels"], row["bits"]):
-            b = baselines[qtype]
-            label = f"{qtype} llama.cpp, {b['layers']} layer{'s' * (b['layers'] > 1)}*"
-            print(f"{'':>4}  {label:<32}{b['weight_bytes'] / 2**20:>8.1f}{b['ms_per_token']:>9.3f}"
-                  f"{b['gb_per_s']:>7.1f}{b['weights_per_s'] / 1e9:>7.1f}{b['fraction_of_bandwidth']:>9.0%}")
-    print("* ggml-style baseline, end-to-end decode: all weight bytes x tokens/s; ms is per token")
-    print("Gw/s: billions of weights per second; vs ggml: GB/s over the baseline's GB/s")
-    goals = ", ".join(f"{bits}-bit worst shape {f:.0%} ({'met' if f >= GOAL_FRACTION else 'not met'})"
-                      for bits, f in report["goal_min_fraction"].items())
-    print(f"goal >= {GOAL_FRACTION:.0%} of read bandwidth: {goals}")
+                                         for n, gb in report["bandwidth_gb_per_s"].items()))
+    tokens, (rows, cols) = report["prefill_tokens"], PEAK_SHAPE
+    print(f"int8 peak, M={tokens} on a cache-resident {rows} x {cols}: "
+          + ", ".join(f"{q} {gop:.0f}" for q, gop in report["peak_gop_per_s"].items())
+          + f" GOP/s -> {report['int8_peak_gop_per_s']:.0f}")
+    print_kernel_rows(report["kernels"], report["prefill_tokens"])
+    print_goal(report["decode_worst_of_bandwidth"])
     for note in report["notes"]:
         print(f"note: {note}")
 
 
-def _last_of_bits(rows: list[dict], bits: int) -> dict:
-    return [row for row in rows if row["bits"] == bits][-1]
+def print_kernel_rows(rows: list[dict], tokens: int) -> None:
+    header = (f"{'type':<8}{'kernel':<7}{'weights N x K':<30}{'MiB':>7}{'b/w':>6}"
+              f"{'M=1 ms':>9}{'GB/s':>7}{'% BW':>6}{f'M={tokens} ms':>11}{'GOP/s':>7}{'% peak':>8}")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(f"{row['type']:<8}{row['kernel']:<7}{row['shape']:<30}{row['matrix_bytes'] / 2**20:>7.1f}"
+              f"{row['bits_per_weight']:>6.2f}"
+              f"{row['decode_ms']:>9.3f}{row['decode_gb_per_s']:>7.1f}{row['decode_of_bandwidth']:>6.0%}"
+              f"{row['prefill_ms']:>11.1f}{row['prefill_gop_per_s']:>7.0f}{row['prefill_of_peak']:>8.0%}")
+    print("b/w: packed bits per weight; GB/s: packed bytes read per second; GOP/s: 2 N K M per second; "
+          "the peak is the int8 kernel's, which LUT-kernel types may pass")
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def print_goal(worst: dict[str, float]) -> None:
+    met = [qtype for qtype, fraction in worst.items() if fraction >= GOAL_FRACTION]
+    missed = [f"{qtype} {fraction:.0%}" for qtype, fraction in worst.items() if fraction < GOAL_FRACTION]
+    print(f"decode goal >= {GOAL_FRACTION:.0%} of read bandwidth at every shape: "
+          f"met by {', '.join(met) or 'none'}; not by {', '.join(missed) or 'none'} (worst shape)")
+
+
+def type_list(text: str) -> list[str]:
+    names = text.split(",")
+    members = GGMLQuantizationType.__members__
+    unknown = [name for name in names if name not in members or members[name] not in GROUPED_TYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"not a group-quantized GGUF type: {', '.join(unknown)} "
+                                         f"(the default list: {','.join(TYPES)})")
+    return names
+
+
+def shape_list(text: str) -> list[str]:
+    names = text.split(",")
+    if any(name not in SHAPES for name in names):
+        raise argparse.ArgumentTypeError(f"shapes are {', '.join(SHAPES)}, not {text}")
+    return names
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=positive_int, default=2)
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed rounds after a warm-up")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="sweeps through the types: samples of each figure")
+    parser.add_argument("--types", type=type_list, default=list(TYPES), help="comma-separated GGUF types")
+    parser.add_argument("--shapes", type=shape_list, default=None,
+                        help="comma-separated, of 1b and 8b (default: both; 1b with --quick)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK_SHAPES.hidden}/{QUICK_SHAPES.ffn} shapes, fewer passes: a smoke run")
+                        help=f"1b shapes, a {QUICK_PREFILL_TOKENS}-token prefill, fewer passes: a smoke run")
     parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+def run(args: argparse.Namespace) -> dict:
     l3_bytes, l3_source = l3_cache_bytes()
-    cold_bytes = 4 * l3_bytes
+    prefill_tokens = QUICK_PREFILL_TOKENS if args.quick else PREFILL_TOKENS
+    settings = Settings(args.threads, args.repeats, decode_passes=2 if args.quick else 3,
+                        prefill_tokens=prefill_tokens, l3_bytes=l3_bytes)
+    shape_names = args.shapes or (["1b"] if args.quick else list(SHAPES))
     kernels.set_threads(args.threads)
     rng = np.random.default_rng(0)
-    cases = [make_case(rng, bits, label, rows, cols, cold_bytes)
-             for bits in BITS for label, rows, cols in shapes.matrices()]
-    bandwidth = ReadBandwidth(16 * l3_bytes, args.threads)
-    with tempfile.TemporaryDirectory(prefix="tierflow-kernels-") as directory:
-        baselines = [load_baseline(Path(directory), bits, shapes, cold_bytes, args.threads)
-                     for bits in BASELINE_TYPES]
-    tasks = build_tasks(bandwidth, cases, baselines, args.threads, passes=2 if args.quick else 3,
-                        steps=8 if args.quick else 16)
-    samples = measure(tasks, args.repeats)
-    report = {"threads": args.threads, "isa": kernels.isa(), "quick": args.quick, "group": GROUP,
-              "l3_bytes": l3_bytes, "l3_source": l3_source, "cold_bytes": cold_bytes,
-              "read_buffer_bytes": bandwidth.buffer.nbytes, "repeats": args.repeats, "statistic": "best",
-              "gb": 1e9, **summarize(samples, cases, baselines, args.threads)}
-    for baseline in baselines:
-        baseline.llama.close()
+    matrices_by_type = {qtype: [Matrix(qtype, label, packed_matrix(rng, qtype, rows, cols))
+                                for label, rows, cols in projections(shape_names)] for qtype in args.types}
+    with ReadBandwidth(16 * l3_bytes, args.threads) as bandwidth:
+        best = measure(matrices_by_type, shared_tasks(rng, bandwidth, settings), settings)
+        read_buffer_bytes = bandwidth.buffer.nbytes
+    matrices = [matrix for type_matrices in matrices_by_type.values() for matrix in type_matrices]
+    return {"threads": args.threads, "isa": kernels.isa(), "quick": args.quick, "shapes": shape_names,
+            "prefill_tokens": settings.prefill_tokens, "peak_shape": PEAK_SHAPE, "l3_bytes": l3_bytes,
+            "l3_source": l3_source, "cold_bytes": settings.cold_bytes, "read_buffer_bytes": read_buffer_bytes,
+            "repeats": args.repeats, "statistic": "best", "gb": 1e9,
+            **summarize(matrices, best, settings)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    report = run(args)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
