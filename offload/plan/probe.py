@@ -20,8 +20,8 @@ but for each model planned (runtime/overhead.py), and cached in the same file.
 On a shared machine another process holding a core for a while can halve a figure even so:
 `probe` warns (ProbeWarning) when other processes kept more than BUSY_CORES cores busy meanwhile.
 
-The measuring helpers here (`l3_cache_bytes`, `ReadBandwidth`, `random_packed`, `cold_ring`,
-`seconds_per_call`) are shared with benchmarks/kernels.py.
+The measuring helpers (offload/plan/measure.py: `l3_cache_bytes`, `ReadBandwidth`, `cold_ring`,
+`seconds_per_call`) are shared with benchmarks/kernels.py; `random_packed` is the probe's own.
 """
 
 import errno
@@ -243,8 +243,8 @@ def cpu_speeds(threads: int, sizes: ProbeSizes,
     """(RAM read GB/s, bits -> kernel GB/s at M = 1, bits -> packed bytes x 32 / time at M = 32),
     with the kernels' current thread count.
 
-    Timed in rounds, as benchmarks/kernels.py does: after a warm-up round each timing runs once a
-    round, the order reversed every round, and each keeps its best. A quiet moment anywhere in the
+    Timed in rounds, as benchmarks/kernels.py times its sweeps: after a warm-up round each timing runs
+    once a round, the order reversed every round, and each keeps its best. A quiet moment anywhere in the
     run then serves every figure; timing each figure's passes back to back lets another process
     that holds a core for a second halve one figure and not the next. Peak memory: the read
     buffer plus every bit width's ring (16 + 5 x 4 L3 sizes, 1.3 GiB with a 36 MiB L3), capped
