@@ -55,12 +55,12 @@ typedef struct {
     int64_t sub_gps; /* groups per super block */
 } packed_matrix;
 
-/* Each row's float scale and min [TILE_ROWS] of group g of a tile (params.c); returns whether the
- * matrix has mins (params_have_min); min is zero-filled otherwise. The mins of the int8 kernel's
- * centred codes (params_centre) include the centre's value: min + centre * scale. */
-int group_params_scalar(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
-int group_params_avx2(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
-int group_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
+/* Each row's float scale and min [TILE_ROWS] of group g of a tile (params.c); min is zero-filled
+ * where the matrix has none (params_have_min). The mins of the int8 kernel's centred codes
+ * (params_centre) include the centre's value: min + centre * scale. */
+void group_params_scalar(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
+void group_params_avx2(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
+void group_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min);
 int params_have_min(const packed_matrix *w);
 /* What the int8 kernel subtracts from unsigned nibble codes that have mins: their middle code. */
 int params_centre(const packed_matrix *w);

@@ -31,8 +31,25 @@ static inline int sub_value(const packed_matrix *w, const uint8_t *codes, int va
     return code;
 }
 
-int group_params_scalar(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min) {
-    int has_min = 0;
+/* Whether the form fills min itself: float16 mins, or two-level ones. */
+static inline int explicit_mins(const packed_matrix *w) {
+    return w->mins || (w->sub_codes && w->sub_mins);
+}
+
+/* The mins no form stored (the LUT zero code's, -zero * scale, or none), then the int8 kernel's
+ * centre folded in: min + centre * scale. Inlined into each ISA's decoder, which vectorizes it. */
+static inline void finish_mins(const packed_matrix *w, const float *scale, float *min) {
+    if (!explicit_mins(w)) {
+        const float zero = w->bits != 8 ? (float)-w->zero : 0.0f;
+        for (int r = 0; r < TILE_ROWS; r++) min[r] = zero != 0.0f ? scale[r] * zero : 0.0f;
+    }
+    const float centre = (float)params_centre(w);
+    if (centre != 0.0f) {
+        for (int r = 0; r < TILE_ROWS; r++) min[r] = min[r] + scale[r] * centre;
+    }
+}
+
+void group_params_scalar(const packed_matrix *w, int64_t tile, int64_t g, float *scale, float *min) {
     if (w->sub_codes) {
         SUB_SETUP
         for (int r = 0; r < TILE_ROWS; r++) {
@@ -40,32 +57,22 @@ int group_params_scalar(const packed_matrix *w, int64_t tile, int64_t g, float *
             if (w->sub_mins)
                 min[r] = -(half_to_float(supers[TILE_ROWS + r]) * (float)sub_value(w, codes, values, v_scale + 1, r));
         }
-        has_min = w->sub_mins;
     } else {
         const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
         for (int r = 0; r < TILE_ROWS; r++) scale[r] = half_to_float(w->scales[at + r]);
         if (w->mins) {
             for (int r = 0; r < TILE_ROWS; r++) min[r] = half_to_float(w->mins[at + r]);
-            has_min = 1;
         }
     }
-    if (!has_min) {
-        const float zero = w->bits != 8 ? (float)-w->zero : 0.0f;
-        for (int r = 0; r < TILE_ROWS; r++) min[r] = zero != 0.0f ? scale[r] * zero : 0.0f;
-        has_min = zero != 0.0f;
-    }
-    const float centre = (float)params_centre(w);
-    for (int r = 0; centre != 0.0f && r < TILE_ROWS; r++) min[r] = min[r] + scale[r] * centre;
-    return has_min;
+    finish_mins(w, scale, min);
 }
 
 int params_have_min(const packed_matrix *w) {
-    return w->mins || (w->sub_codes && w->sub_mins) || (w->bits != 8 && w->zero);
+    return explicit_mins(w) || (w->bits != 8 && w->zero);
 }
 
 int params_centre(const packed_matrix *w) {
-    const int with_mins = w->mins || (w->sub_codes && w->sub_mins);
-    return w->bits == 8 && !w->codebook && w->width < 8 && with_mins ? 1 << (w->width - 1) : 0;
+    return w->bits == 8 && !w->codebook && w->width < 8 && explicit_mins(w) ? 1 << (w->width - 1) : 0;
 }
 
 void tile_params(const packed_matrix *w, int64_t tile, isa_t isa, float *out) {
@@ -82,25 +89,23 @@ void tile_params(const packed_matrix *w, int64_t tile, isa_t isa, float *out) {
 
 #ifdef HAVE_X86
 
-/* The sub codes of value v for rows 8i .. 8i+7 (AVX2) or 16i .. 16i+15 (AVX-512) as int32 lanes. */
-#define SUB_VALUE_LANES(WIDE, LOAD_BYTES, CVT, SRLV, SET1, AND, OR, SLLI, ROWS)                    \
-    static inline WIDE sub_lanes_##ROWS(const packed_matrix *w, const uint8_t *codes, int values, int v, int i) { \
-        if (w->sub_bits == 8) return CVT(LOAD_BYTES(codes + v * TILE_ROWS + ROWS * i));          \
-        WIDE code = AND(SRLV(CVT(LOAD_BYTES(codes + (v >> 1) * TILE_ROWS + ROWS * i)), SET1(4 * (v & 1))), SET1(15)); \
-        if (w->sub_bits != 6) return code;                                                      \
-        WIDE top = CVT(LOAD_BYTES(codes + (values / 2 + (v >> 2)) * TILE_ROWS + ROWS * i));       \
-        return OR(code, SLLI(AND(SRLV(top, SET1(2 * (v & 3))), SET1(3)), 4));                    \
-    }
-
 #define LOAD8(p) _mm_loadl_epi64((const __m128i *)(p))
 #define LOAD16(p) _mm_loadu_si128((const __m128i *)(p))
 
-__attribute__((target("avx2,fma,f16c"))) SUB_VALUE_LANES(__m256i, LOAD8, _mm256_cvtepu8_epi32, _mm256_srlv_epi32,
-    _mm256_set1_epi32, _mm256_and_si256, _mm256_or_si256, _mm256_slli_epi32, 8)
+/* The sub codes of value v for rows 8i .. 8i+7 as int32 lanes. */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256i sub_lanes_8(const packed_matrix *w, const uint8_t *codes,
+                                                                           int values, int v, int i) {
+    if (w->sub_bits == 8) return _mm256_cvtepu8_epi32(LOAD8(codes + v * TILE_ROWS + 8 * i));
+    __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(LOAD8(codes + (v >> 1) * TILE_ROWS + 8 * i)),
+                                                      _mm256_set1_epi32(4 * (v & 1))), _mm256_set1_epi32(15));
+    if (w->sub_bits != 6) return code;
+    __m256i top = _mm256_cvtepu8_epi32(LOAD8(codes + (values / 2 + (v >> 2)) * TILE_ROWS + 8 * i));
+    top = _mm256_and_si256(_mm256_srlv_epi32(top, _mm256_set1_epi32(2 * (v & 3))), _mm256_set1_epi32(3));
+    return _mm256_or_si256(code, _mm256_slli_epi32(top, 4));
+}
 
-__attribute__((target("avx2,fma,f16c"))) int group_params_avx2(const packed_matrix *w, int64_t tile, int64_t g,
+__attribute__((target("avx2,fma,f16c"))) void group_params_avx2(const packed_matrix *w, int64_t tile, int64_t g,
                                                                 float *scale, float *min) {
-    int has_min = 0;
     if (w->sub_codes) {
         SUB_SETUP
         const __m256 offset = _mm256_set1_ps((float)w->sub_offset);
@@ -114,27 +119,14 @@ __attribute__((target("avx2,fma,f16c"))) int group_params_avx2(const packed_matr
                 _mm256_storeu_ps(min + 8 * i, _mm256_xor_ps(_mm256_mul_ps(dmin, m), _mm256_set1_ps(-0.0f)));
             }
         }
-        has_min = w->sub_mins;
     } else {
         const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
         for (int i = 0; i < TILE_ROWS / 8; i++) _mm256_storeu_ps(scale + 8 * i, _mm256_cvtph_ps(LOAD16(w->scales + at + 8 * i)));
         if (w->mins) {
             for (int i = 0; i < TILE_ROWS / 8; i++) _mm256_storeu_ps(min + 8 * i, _mm256_cvtph_ps(LOAD16(w->mins + at + 8 * i)));
-            has_min = 1;
         }
     }
-    if (!has_min) {
-        const float zero = w->bits != 8 ? (float)-w->zero : 0.0f;
-        for (int i = 0; i < TILE_ROWS / 8; i++)
-            _mm256_storeu_ps(min + 8 * i, zero != 0.0f ? _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), _mm256_set1_ps(zero))
-                                                       : _mm256_setzero_ps());
-        has_min = zero != 0.0f;
-    }
-    const float centre = (float)params_centre(w);
-    for (int i = 0; centre != 0.0f && i < TILE_ROWS / 8; i++)
-        _mm256_storeu_ps(min + 8 * i, _mm256_add_ps(_mm256_loadu_ps(min + 8 * i),
-                                                    _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), _mm256_set1_ps(centre))));
-    return has_min;
+    finish_mins(w, scale, min);
 }
 
 #define AVX512_PARAMS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
@@ -157,9 +149,8 @@ AVX512_PARAMS_TARGET static inline __m512 bytes_to_floats(__m512i bytes, int i) 
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, i)));
 }
 
-AVX512_PARAMS_TARGET int group_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, float *scale,
+AVX512_PARAMS_TARGET void group_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, float *scale,
                                              float *min) {
-    int has_min = 0;
     if (w->sub_codes) {
         SUB_SETUP
         const __m512 offset = _mm512_set1_ps((float)w->sub_offset);
@@ -175,27 +166,14 @@ AVX512_PARAMS_TARGET int group_params_avx512(const packed_matrix *w, int64_t til
                 _mm512_storeu_ps(min + 16 * i, _mm512_xor_ps(_mm512_mul_ps(dmin, m), _mm512_set1_ps(-0.0f)));
             }
         }
-        has_min = w->sub_mins;
     } else {
         const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
         for (int i = 0; i < TILE_ROWS / 16; i++) _mm512_storeu_ps(scale + 16 * i, _mm512_cvtph_ps(LOAD32(w->scales + at + 16 * i)));
         if (w->mins) {
             for (int i = 0; i < TILE_ROWS / 16; i++) _mm512_storeu_ps(min + 16 * i, _mm512_cvtph_ps(LOAD32(w->mins + at + 16 * i)));
-            has_min = 1;
         }
     }
-    if (!has_min) {
-        const float zero = w->bits != 8 ? (float)-w->zero : 0.0f;
-        for (int i = 0; i < TILE_ROWS / 16; i++)
-            _mm512_storeu_ps(min + 16 * i, zero != 0.0f ? _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * i), _mm512_set1_ps(zero))
-                                                        : _mm512_setzero_ps());
-        has_min = zero != 0.0f;
-    }
-    const float centre = (float)params_centre(w);
-    for (int i = 0; centre != 0.0f && i < TILE_ROWS / 16; i++)
-        _mm512_storeu_ps(min + 16 * i, _mm512_add_ps(_mm512_loadu_ps(min + 16 * i),
-                                                     _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * i), _mm512_set1_ps(centre))));
-    return has_min;
+    finish_mins(w, scale, min);
 }
 
 #endif /* HAVE_X86 */
