@@ -185,18 +185,6 @@ class PackedMatrix:
             quads = quads | (_high_bits(high, self.width - 4) << 4)
         return (quads.astype(np.int16) - self.zero).astype(np.int8)
 
-    def expanded(self) -> "PackedMatrix":
-        """The matrix as int8 codes (or LUT planes) with float16 scales and mins per group: the layout
-        the GPU kernels read (more bytes; two-level scales rounded to float16)."""
-        simple = self.sub is None and not self.nibbles and (self.bits == 8 or self.mins is not None)
-        if simple:
-            return self
-        scales, mins = self.group_params()
-        keep_mins = self.bits != 8 or self.mins is not None or (self.sub is not None and self.sub.with_mins)
-        return PackedMatrix(self.rows, self.cols, self.bits, self.group, self.int8_data() if self.bits == 8
-                            else self.data, _tiled_params(_to_half(scales, "scale"), self.tiles),
-                            _tiled_params(_to_half(mins, "min"), self.tiles) if keep_mins else None)
-
     def group_params(self) -> tuple[np.ndarray, np.ndarray]:
         """Float32 scales and mins [N, G] (mins the zero code's, or zero, where absent)."""
         scales, mins = self._params(self.scales, self.mins, self.sub and (self.sub.codes, self.sub.supers))
@@ -314,9 +302,7 @@ def _to_half(values: np.ndarray, what: str) -> np.ndarray:
 
 def _tiled_params(values: np.ndarray, tiles: int) -> np.ndarray:
     """[N, G] -> [T, G, 64], padded rows zero."""
-    padded = np.zeros((tiles * TILE_ROWS, values.shape[1]), values.dtype)
-    padded[: values.shape[0]] = values
-    return np.ascontiguousarray(padded.reshape(tiles, TILE_ROWS, -1).transpose(0, 2, 1))
+    return np.ascontiguousarray(_tile_rows(values, tiles).reshape(tiles, TILE_ROWS, -1).transpose(0, 2, 1))
 
 
 def pack(groups: QuantGroups, with_mins: bool | None = None) -> PackedMatrix:

@@ -114,9 +114,10 @@ def test_codebook_matrix_reads_back_as_its_int8_layout(codebook):
     nibbles, int8 = pack(groups), pack(as_int8_codes(groups))
     assert (nibbles.codebook, int8.codebook) == (codebook, None)
     assert np.array_equal(nibbles.codes(), int8.codes())
-    expanded = nibbles.expanded()
-    assert (expanded.codebook, expanded.data.shape, expanded.data.dtype) == (None, int8.data.shape, np.int8)
-    assert np.array_equal(expanded.codes(), int8.codes())  # padding rows may differ: their scales are 0
+    expanded = nibbles.int8_data()
+    assert (expanded.shape, expanded.dtype) == (int8.data.shape, np.int8)
+    rows = expanded.transpose(0, 2, 1, 3).reshape(-1, 96)[:130]  # padding rows may differ: their scales are 0
+    assert np.array_equal(rows, int8.codes())
     assert np.array_equal(nibbles.dequantize(), int8.dequantize())
     ids = np.array([129, 0, 63, 64, 64, 7])
     assert np.array_equal(nibbles.row_slice(ids), int8.row_slice(ids))
