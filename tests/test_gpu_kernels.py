@@ -19,14 +19,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests.support.gpu import load_gpu_kernels_or_skip
-from tests.support.random_weights import random_tensor_bytes
 from tests.test_kernels import WEIGHT_TYPES, weight_type_matrix
-from tests.test_packed import KINDS, as_int8_codes, codebook_groups, kind_id, random_groups
+from tests.test_packed import KINDS, as_int8_codes, codebook_groups, gguf_matrix, kind_id, random_groups
 from tierflow.cpu_kernels import ops as cpu_ops
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes, decode, read_rows
 from tierflow.cpu_kernels.matmul import matmul as cpu_matmul
 from tierflow.cpu_kernels.packed import PackedMatrix, pack
-from tierflow.cpu_kernels.quant_groups import CODEBOOKS, to_quant_groups
+from tierflow.cpu_kernels.quant_groups import CODEBOOKS
 from tierflow.ggml_types import type_name
 from tierflow.gpu_kernels import reference
 from tierflow.gpu_kernels.attention import attention
@@ -229,12 +228,6 @@ def test_a_codebook_matrix_computes_on_the_device_as_its_int8_layout(codebook, t
 # is their zero code's (Q3_K, TQ2_0); two-level scales of 4, 6 and 8 bits, with mins (Q2_K, Q4_K,
 # Q5_K) and without (Q3_K, IQ4_XS, Q6_K).
 GGUF_FORMS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_K, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.TQ2_0, T.IQ4_XS]
-
-
-def gguf_matrix(ggml_type: int, rows: int, cols: int, seed: int = 0) -> PackedMatrix:
-    """Real blocks of the type (random weights that gguf-py quantizes), packed as the kernels read them."""
-    raw = random_tensor_bytes(np.random.default_rng(seed), ggml_type, (rows, cols), 0.02).reshape(-1)
-    return pack(to_quant_groups(raw, ggml_type, (cols, rows)))
 
 
 def host_arrays(matrix: PackedMatrix) -> list[np.ndarray | None]:

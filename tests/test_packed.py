@@ -8,7 +8,7 @@ from tests.support.random_weights import random_tensor_bytes
 from tests.test_dequant import random_tensor
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.matmul import matmul
-from tierflow.cpu_kernels.packed import TILE_ROWS, pack
+from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, pack
 from tierflow.cpu_kernels.quant_groups import (
     CODEBOOKS,
     GROUPED_TYPES,
@@ -287,12 +287,16 @@ def test_packed_matrix_computes_the_files_weights(ggml_type):
     assert np.array_equal(np.abs(packed.row_slice(ids)), expected[ids])
 
 
+def gguf_matrix(ggml_type: int, rows: int, cols: int, seed: int = 0) -> PackedMatrix:
+    """Real blocks of the type (random weights that gguf-py quantizes), packed as the kernels read them."""
+    raw = random_tensor_bytes(np.random.default_rng(seed), ggml_type, (rows, cols), 0.02).reshape(-1)
+    return pack(to_quant_groups(raw, ggml_type, (cols, rows)))
+
+
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q4_1, T.Q3_K, T.IQ4_XS], ids=lambda t: t.name)
 def test_a_token_gets_the_same_bits_alone_as_among_many(ggml_type):
     # Among many tokens a tile's scales are decoded once for all of them: the same floats as one by one.
-    shape = (512, 70)
-    raw = random_tensor_bytes(np.random.default_rng(7), ggml_type, shape[::-1], std=0.02).reshape(-1)
-    packed = pack(to_quant_groups(raw, ggml_type, shape))
+    packed = gguf_matrix(ggml_type, 70, 512, seed=7)
     x = np.random.default_rng(8).standard_normal((40, 512)).astype(np.float32)
     together = matmul(packed, x)
     alone = np.concatenate([matmul(packed, x[i:i + 1]) for i in range(len(x))])
