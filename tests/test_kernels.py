@@ -373,6 +373,42 @@ def test_bad_codebook_argument_is_an_exception_naming_it(name, value, message):
         _kernels.matmul(**args)
 
 
+def compact_args() -> dict:
+    """Arguments of _kernels.matmul for a real Q5_K matrix [65, 256]: nibbles, high bits and two-level
+    scales with mins, 3 tokens."""
+    w = pack(to_quant_groups(random_tensor(T.Q5_K, (256, 65)), T.Q5_K, (256, 65)))
+    return dict(bits=8, group=w.group, rows=w.rows, data=w.data, scales=None, mins=None,
+                x=np.ones((3, 256), np.float32), y=np.zeros((3, 65), np.float32), width=5, zero=0,
+                high=w.high, sub_codes=w.sub.codes, supers=w.sub.supers, sub_bits=6, sub_offset=0,
+                sub_groups=8, sub_mins=True)
+
+
+# (argument changed, its bad value, what the error message says)
+BAD_COMPACT_ARGUMENTS = [
+    ("width", 7, "width 7 is not 8, or 4..6 with 8-bit weights"),
+    ("width", 4, "high must be given for widths 5 and 6 only"),
+    ("zero", 128, "zero 128 is not in 0..127"),
+    ("high", None, "high must be given for widths 5 and 6 only"),
+    ("high", np.zeros(100, np.uint8), "high holds 100 items"),
+    ("scales", np.zeros(4 * 64 * 8, np.float16), "give either scales or sub_codes and supers"),
+    ("mins", np.zeros(2 * 64 * 8, np.float16), "two-level scales code their mins: mins must be None"),
+    ("supers", None, "sub_codes and supers go together"),
+    ("sub_bits", 5, "sub_bits must be 4, 6 or 8, not 5"),
+    ("sub_groups", 3, "sub_groups must divide the groups"),
+    ("sub_codes", np.zeros(10, np.uint8), "sub_codes holds 10 items"),
+]
+
+
+@pytest.mark.parametrize("name, value, message", BAD_COMPACT_ARGUMENTS,
+                         ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_COMPACT_ARGUMENTS)])
+def test_bad_compact_layout_argument_is_an_exception_naming_it(name, value, message):
+    args = compact_args()
+    _kernels.matmul(**args)  # valid as they are
+    args[name] = value
+    with pytest.raises(ValueError, match=message):
+        _kernels.matmul(**args)
+
+
 def test_valid_arguments_work():
     args = valid_args()
     _kernels.matmul(*args.values())
@@ -488,3 +524,10 @@ def test_packed_linear_adds_bias(linear_and_matrix):
     x = np.random.default_rng(2).standard_normal((6, 96)).astype(np.float32)
     assert np.array_equal(PackedLinear(w, bias)(x), PackedLinear(w)(x) + bias)
     assert PackedLinear(w, bias).nbytes == w.nbytes + 65 * 4
+
+
+@pytest.mark.parametrize("width, high", [(7, None), (5, None), (4, np.zeros(64, np.uint8))], ids=str)
+def test_pack_nibbles_refuses_a_width_and_high_plane_that_disagree(width, high):
+    data = np.zeros((1, 4, 64, 4), np.uint8)
+    with pytest.raises(ValueError, match="pack_nibbles: q must be 2-D .* width 4..6"):
+        _kernels.pack_nibbles(np.zeros((3, 32), np.int8), 0, width, data, high)
