@@ -1,5 +1,7 @@
 """The Python face of the C kernels: `matmul` on packed matrices, and the thread and ISA knobs."""
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from tierflow.cpu_kernels import _kernels
@@ -14,13 +16,23 @@ supported_isas = _kernels.supported_isas
 
 def matmul_into(w: PackedMatrix, x: np.ndarray, out: np.ndarray) -> None:
     """out[M, N] = x [M, K] float32 @ W.T, every form of the packed layout passed to the C kernel."""
+    args, kwargs = _arguments(w, x, out)
+    _kernels.matmul(*args, **kwargs)
+
+
+def matmul_each(products: Sequence[tuple[PackedMatrix, np.ndarray, np.ndarray]]) -> None:
+    """matmul_into(w, x, out) for each (w, x, out), in one pass of the kernels' threads: many small
+    products (a MoE layer's experts) cost what their bytes do, not one wait for the threads each."""
+    _kernels.matmul_many([_arguments(*product) for product in products])
+
+
+def _arguments(w: PackedMatrix, x: np.ndarray, out: np.ndarray) -> tuple[tuple, dict]:
     sub = w.sub
-    _kernels.matmul(w.bits, w.group, w.rows, w.data, w.scales, w.mins, x, out, codebook=w.codebook_id,
-                    width=w.width, zero=w.zero, high=w.high,
-                    sub_codes=None if sub is None else sub.codes, supers=None if sub is None else sub.supers,
-                    sub_bits=0 if sub is None else sub.bits, sub_offset=0 if sub is None else sub.offset,
-                    sub_groups=0 if sub is None else sub.groups_per_super,
-                    sub_mins=sub is not None and sub.with_mins)
+    return (w.bits, w.group, w.rows, w.data, w.scales, w.mins, x, out), dict(
+        codebook=w.codebook_id, width=w.width, zero=w.zero, high=w.high,
+        sub_codes=None if sub is None else sub.codes, supers=None if sub is None else sub.supers,
+        sub_bits=0 if sub is None else sub.bits, sub_offset=0 if sub is None else sub.offset,
+        sub_groups=0 if sub is None else sub.groups_per_super, sub_mins=sub is not None and sub.with_mins)
 
 
 def matmul(w: PackedMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -36,6 +36,12 @@ class TritonKernels:
             return matmul.matmul_silu_mul(gate_up.matrix, x)
         return ops.silu_mul(gate_up(x))
 
+    def linear_each(self, linears, xs) -> list[torch.Tensor]:
+        return [linear(x) for linear, x in zip(linears, xs, strict=True)]
+
+    def swiglu_each(self, gate_ups, xs) -> list[torch.Tensor]:
+        return [self.swiglu(gate_up, x) for gate_up, x in zip(gate_ups, xs, strict=True)]
+
     def attention(self, qkv, keys, values, cos, sin, heads: int, start: int, neox: bool,
                   parents: np.ndarray | None, tree_start: int | None, window: int = 0,
                   scale: float | None = None, softcap: float = 0.0, held_from: int = 0,

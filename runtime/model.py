@@ -11,7 +11,7 @@ Shape legend: T new tokens, S positions in the cache so far, H query heads, K ke
 D head size, E hidden size, F feed-forward size, V vocabulary.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tierflow.cpu_kernels import ops
+from tierflow.cpu_kernels.linear import linear_each
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.rope import layer_rope_tables
@@ -39,6 +40,12 @@ class Kernels(Protocol):
                      eps: float) -> Activations: ...  # residual += x; rms_norm(residual)
 
     def swiglu(self, gate_up: Linear, x: Activations) -> Activations: ...  # silu(gate) * up
+
+    def linear_each(self, linears: Sequence[Linear], xs: Sequence[Activations]
+                    ) -> list[Activations]: ...  # [linear(x) for each]: a MoE layer's experts at once
+
+    def swiglu_each(self, gate_ups: Sequence[Linear], xs: Sequence[Activations]
+                    ) -> list[Activations]: ...  # [swiglu(gate_up, x) for each]
 
     def attention(self, qkv: Activations, keys: Activations, values: Activations, cos: Activations,
                   sin: Activations, heads: int, start: int, neox: bool, parents: np.ndarray | None,
@@ -62,6 +69,12 @@ class CpuKernels:
 
     def swiglu(self, gate_up: Linear, x: np.ndarray) -> np.ndarray:
         return ops.silu_mul(gate_up(x))
+
+    def linear_each(self, linears: Sequence[Linear], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return linear_each(linears, xs)
+
+    def swiglu_each(self, gate_ups: Sequence[Linear], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [ops.silu_mul(h) for h in linear_each(gate_ups, xs)]
 
     def attention(self, qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start, window=0,
                   scale=None, softcap=0.0, held_from=0, sinks=None) -> np.ndarray:
@@ -125,10 +138,12 @@ class Weights:
 class Experts(Protocol):
     """A MoE layer's experts, wherever they live (resident, cached, streamed: the source's business)."""
 
-    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, Weights]]:
-        """Each expert in chosen (int64 [T, k]: every token's top-k) once, with its weights, in an
-        order the source picks (those at hand first, say); residual [T, E] is the stream entering
-        the FFN: with chosen, a hint of what the next layers will route to."""
+    def groups(self, chosen: np.ndarray, residual: Activations) -> Iterator[list[tuple[int, Weights]]]:
+        """Each expert in chosen (int64 [T, k]: every token's top-k) once, with its weights, in
+        groups the decoder computes together, in an order the source picks: those at hand first,
+        then those that arrive together (a group waits for none of the later ones). residual
+        [T, E] is the stream entering the FFN: with chosen, a hint of what the next layers will
+        route to."""
         ...
 
 

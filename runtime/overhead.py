@@ -75,8 +75,8 @@ class _CostlessExperts:
     def __init__(self, experts: list[Weights]):
         self.experts = experts
 
-    def each(self, chosen: np.ndarray, residual):
-        return ((e, self.experts[e]) for e in np.unique(chosen).tolist())
+    def groups(self, chosen: np.ndarray, residual):
+        yield [(e, self.experts[e]) for e in np.unique(chosen).tolist()]
 
 
 class _CostlessWeights:

@@ -9,10 +9,10 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from tests.test_dequant import random_tensor
-from tests.test_packed import KINDS, as_int8_codes, codebook_groups, kind_id, random_groups
+from tests.test_packed import KINDS, as_int8_codes, codebook_groups, gguf_matrix, kind_id, random_groups
 from tierflow.cpu_kernels import _kernels
-from tierflow.cpu_kernels.linear import PackedLinear
-from tierflow.cpu_kernels.matmul import matmul
+from tierflow.cpu_kernels.linear import PackedLinear, linear_each
+from tierflow.cpu_kernels.matmul import matmul, matmul_each
 from tierflow.cpu_kernels.packed import LUT_MAX_GROUP, PackedMatrix, pack
 from tierflow.cpu_kernels.quant_groups import CODEBOOKS, QuantGroups, to_quant_groups
 from tierflow.cpu_kernels.reference import matmul_exact, matmul_reference
@@ -487,6 +487,56 @@ def test_concurrent_callers_each_get_their_own_product():
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(run, range(4)))
+
+
+# --- many products in one call -------------------------------------------------------------------
+
+
+def mixed_products() -> list[tuple[PackedMatrix, np.ndarray]]:
+    """Matrices of several layouts and shapes, each with its own tokens (none for one of them)."""
+    rng = np.random.default_rng(7)
+    matrices = [pack(random_groups(65, 96, 4, 32)), gguf_matrix(T.Q4_K, 128, 256),
+                pack(random_groups(200, 64, 8, 32)), gguf_matrix(T.Q6_K, 64, 256, seed=1),
+                gguf_matrix(T.IQ4_NL, 96, 64, seed=2)]
+    tokens = [1, 3, 0, 40, 1]
+    return [(w, rng.standard_normal((m, w.cols)).astype(np.float32)) for w, m in zip(matrices, tokens)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matmul_each_gives_each_product_what_matmul_gives(threads):
+    products, before = mixed_products(), _kernels.threads()
+    outs = [np.full((x.shape[0], w.rows), np.nan, np.float32) for w, x in products]
+    _kernels.set_threads(threads)
+    try:
+        matmul_each([(w, x, out) for (w, x), out in zip(products, outs)])
+    finally:
+        _kernels.set_threads(before)
+    assert all(np.array_equal(out, matmul(w, x)) for (w, x), out in zip(products, outs))
+
+
+def test_matmul_many_with_a_bad_call_names_it_and_computes_nothing():
+    calls = [((4, 32, 65, args["data"], args["scales"], args["mins"], args["x"], args["y"]), None)
+             for args in (valid_args(), valid_args())]
+    bad = valid_args()
+    calls.append(((4, 32, 65, bad["data"][:-1], bad["scales"], bad["mins"], bad["x"], bad["y"]), None))
+    with pytest.raises(ValueError, match="data holds"):
+        _kernels.matmul_many(calls)
+    assert not calls[0][0][-1].any()
+
+
+@pytest.mark.parametrize("call", [None, (), ((4,),), ([], {}), ((), [])], ids=str)
+def test_matmul_many_refuses_what_is_not_args_and_kwargs(call):
+    with pytest.raises(TypeError, match=r"calls\[0\]"):
+        _kernels.matmul_many([call])
+
+
+def test_linear_each_is_each_linear_of_its_own_input():
+    (w1, x1), (w2, x2), (w3, x3) = mixed_products()[:3]
+    bias = np.linspace(-1, 1, w2.rows, dtype=np.float32)
+    linears = [PackedLinear(w1), PackedLinear(w2, bias), lambda x: 2 * x, PackedLinear(w3)]
+    xs = [x1, x2, x3, x3]
+    outs = linear_each(linears, xs)
+    assert all(np.array_equal(out, linear(x)) for out, linear, x in zip(outs, linears, xs))
 
 
 # --- PackedLinear -------------------------------------------------------------------------------

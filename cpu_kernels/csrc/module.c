@@ -189,7 +189,21 @@ static void matmul_problem(const packed_matrix *w, int codebook, int has_high, i
     sizes->supers = tiles * supers * (w->sub_mins ? 2 : 1) * TILE_ROWS;
 }
 
-static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs) {
+/* One product's parsed arguments: its job and the buffers it holds until it is done. */
+typedef struct {
+    matmul_job job;
+    buffer_arg buf[8]; /* data, scales, mins, x, y, high, sub codes, supers */
+} matmul_call;
+
+static void free_call(matmul_call *call) {
+    free(call->job.acts.codes);
+    free(call->job.acts.scales);
+    release(call->buf, 8);
+}
+
+/* Parses and checks one product's arguments into `call` (its activations' scratch allocated);
+ * -1 with a Python exception set. What it holds is freed by free_call either way. */
+static int parse_matmul(PyObject *args, PyObject *kwargs, matmul_call *call) {
     static char *keywords[] = {"bits", "group", "rows", "data", "scales", "mins", "x", "y", "accumulate",
                                "codebook", "width", "zero", "high", "sub_codes", "supers", "sub_bits",
                                "sub_offset", "sub_groups", "sub_mins", NULL};
@@ -198,34 +212,34 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs) {
     PyObject *data_obj, *scales_obj, *mins_obj, *x_obj, *y_obj, *high_obj = Py_None, *codes_obj = Py_None,
              *supers_obj = Py_None;
     int accumulate = 0;
+    buffer_arg *buf = call->buf;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "innOOOOO|piiiOOOiinp:matmul", keywords, &bits, &group, &rows,
                                      &data_obj, &scales_obj, &mins_obj, &x_obj, &y_obj, &accumulate, &codebook,
                                      &width, &zero, &high_obj, &codes_obj, &supers_obj, &sub_bits, &sub_offset,
                                      &sub_groups, &sub_mins))
-        return NULL;
-    if (rows < 1) return PyErr_Format(PyExc_ValueError, "rows must be positive, not %zd", rows);
-    /* buf: data, scales, mins, x, y, high, sub codes, supers */
-    buffer_arg buf[8] = {{.held = 0}};
+        return -1;
+    if (rows < 1) {
+        PyErr_Format(PyExc_ValueError, "rows must be positive, not %zd", rows);
+        return -1;
+    }
     if (get_buffer(data_obj, &buf[0], "data", 1, "Bb", 0) ||
         (scales_obj != Py_None && get_buffer(scales_obj, &buf[1], "scales", 2, "He", 0)) ||
         (mins_obj != Py_None && get_buffer(mins_obj, &buf[2], "mins", 2, "He", 0)) ||
         get_buffer(x_obj, &buf[3], "x", 4, "f", 0) || get_buffer(y_obj, &buf[4], "y", 4, "f", 1) ||
         (high_obj != Py_None && get_buffer(high_obj, &buf[5], "high", 1, "B", 0)) ||
         (codes_obj != Py_None && get_buffer(codes_obj, &buf[6], "sub_codes", 1, "B", 0)) ||
-        (supers_obj != Py_None && get_buffer(supers_obj, &buf[7], "supers", 2, "He", 0))) {
-        release(buf, 8);
-        return NULL;
-    }
+        (supers_obj != Py_None && get_buffer(supers_obj, &buf[7], "supers", 2, "He", 0)))
+        return -1;
     Py_buffer *x = &buf[3].view, *y = &buf[4].view;
     if (x->ndim != 2 || y->ndim != 2) {
-        release(buf, 8);
-        return PyErr_Format(PyExc_ValueError, "x and y must be 2-D, not %d-D and %d-D", x->ndim, y->ndim);
+        PyErr_Format(PyExc_ValueError, "x and y must be 2-D, not %d-D and %d-D", x->ndim, y->ndim);
+        return -1;
     }
     const int64_t tokens = x->shape[0], cols = x->shape[1], tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
     if (y->shape[0] != tokens || y->shape[1] != rows) {
-        release(buf, 8);
-        return PyErr_Format(PyExc_ValueError, "y has shape [%zd, %zd]; expected [%zd, %zd]", y->shape[0],
-                            y->shape[1], (Py_ssize_t)tokens, rows);
+        PyErr_Format(PyExc_ValueError, "y has shape [%zd, %zd]; expected [%zd, %zd]", y->shape[0], y->shape[1],
+                     (Py_ssize_t)tokens, rows);
+        return -1;
     }
     packed_matrix w = {
         .bits = bits, .group = group, .tiles = tiles, .cols = cols, .data = buf[0].view.buf,
@@ -241,48 +255,110 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs) {
                    problem, sizeof problem);
     if (!problem[0] && buf[6].held != buf[7].held) snprintf(problem, sizeof problem, "sub_codes and supers go together");
     if (problem[0]) {
-        release(buf, 8);
-        return PyErr_Format(PyExc_ValueError, "%s", problem);
+        PyErr_Format(PyExc_ValueError, "%s", problem);
+        return -1;
     }
     if (check_length(&buf[0], "data", sizes.data) || (buf[1].held && check_length(&buf[1], "scales", sizes.params)) ||
         (buf[2].held && check_length(&buf[2], "mins", sizes.params)) ||
         (buf[5].held && check_length(&buf[5], "high", sizes.high)) ||
         (buf[6].held && check_length(&buf[6], "sub_codes", sizes.sub_codes)) ||
-        (buf[7].held && check_length(&buf[7], "supers", sizes.supers))) {
-        release(buf, 8);
-        return NULL;
-    }
-    if (tokens == 0) {
-        release(buf, 8);
-        Py_RETURN_NONE;
-    }
-
-    matmul_job job = {
+        (buf[7].held && check_length(&buf[7], "supers", sizes.supers)))
+        return -1;
+    matmul_job *job = &call->job;
+    *job = (matmul_job){
         .w = w, .kernel = bits == 8 ? int8_tile_kernel(active_isa) : lut_tile_kernel(active_isa), .isa = active_isa,
         .x = x->buf, .y = y->buf, .rows = rows,
         .chunks = (tokens + TOKEN_CHUNK - 1) / TOKEN_CHUNK, .accumulate = accumulate,
     };
-    job.acts.tokens = tokens;
-    job.acts.codes_per_token = bits == 8 ? cols : cols / 4 * 16;
-    job.acts.codes = malloc((size_t)(tokens * job.acts.codes_per_token));
-    job.acts.scales = malloc((size_t)(tokens * (cols / group) * 3) * sizeof(float));
-    if (!job.acts.codes || !job.acts.scales) {
-        free(job.acts.codes);
-        free(job.acts.scales);
-        release(buf, 8);
-        return PyErr_NoMemory();
+    job->acts.tokens = tokens;
+    job->acts.codes_per_token = bits == 8 ? cols : cols / 4 * 16;
+    if (tokens == 0) return 0;
+    job->acts.codes = malloc((size_t)(tokens * job->acts.codes_per_token));
+    job->acts.scales = malloc((size_t)(tokens * (cols / group) * 3) * sizeof(float));
+    if (!job->acts.codes || !job->acts.scales) {
+        PyErr_NoMemory();
+        return -1;
     }
-    job.acts.sums = job.acts.scales + tokens * (cols / group);
-    job.acts.code_sums = (int32_t *)(job.acts.sums + tokens * (cols / group));
+    job->acts.sums = job->acts.scales + tokens * (cols / group);
+    job->acts.code_sums = (int32_t *)(job->acts.sums + tokens * (cols / group));
+    return 0;
+}
 
+/* Several products as one job of the pool: item i is item i - starts[c] of call c, the last call whose
+ * first item is at most i (calls without items are passed over). */
+typedef struct {
+    matmul_call *calls;
+    int64_t count;
+    int64_t *starts; /* [count + 1] */
+    pool_fn fn;      /* prepare_item or tile_item, on one call's job */
+} matmul_calls;
+
+static void calls_item(void *ctx, int64_t item) {
+    matmul_calls *all = ctx;
+    int64_t lo = 0, hi = all->count - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (all->starts[mid] <= item) lo = mid; else hi = mid - 1;
+    }
+    all->fn(&all->calls[lo].job, item - all->starts[lo]);
+}
+
+/* Runs the calls' products (the GIL released): every activation prepared, then every tile, each step one
+ * job of the pool, so that small products keep every thread busy and wait for each other once. */
+static void run_matmuls(matmul_call *calls, int64_t count, int64_t *starts) {
+    matmul_calls all = {.calls = calls, .count = count, .starts = starts, .fn = prepare_item};
     Py_BEGIN_ALLOW_THREADS
-    pool_run(prepare_item, &job, tokens);
-    pool_run(tile_item, &job, tiles * job.chunks);
+    starts[0] = 0;
+    for (int64_t c = 0; c < count; c++) starts[c + 1] = starts[c] + calls[c].job.acts.tokens;
+    if (starts[count]) pool_run(calls_item, &all, starts[count]);
+    all.fn = tile_item;
+    for (int64_t c = 0; c < count; c++) {
+        const matmul_job *job = &calls[c].job;
+        starts[c + 1] = starts[c] + (job->acts.tokens ? job->w.tiles * job->chunks : 0);
+    }
+    if (starts[count]) pool_run(calls_item, &all, starts[count]);
     Py_END_ALLOW_THREADS
+}
 
-    free(job.acts.codes);
-    free(job.acts.scales);
-    release(buf, 8);
+static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs) {
+    matmul_call call = {0};
+    int64_t starts[2];
+    const int failed = parse_matmul(args, kwargs, &call) != 0;
+    if (!failed) run_matmuls(&call, 1, starts);
+    free_call(&call);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(matmul_many_doc,
+"matmul_many(calls)\n--\n\n"
+"Each (args, kwargs) of calls (kwargs a dict or None) as matmul(*args, **kwargs), in one pass of the\n"
+"thread pool: what a MoE layer's experts, each a small product, take together.");
+
+static PyObject *py_matmul_many(PyObject *self, PyObject *calls_obj) {
+    PyObject *seq = PySequence_Fast(calls_obj, "calls must be a sequence of (args, kwargs)");
+    if (!seq) return NULL;
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    matmul_call *calls = calloc(count ? count : 1, sizeof *calls);
+    int64_t *starts = malloc((count + 1) * sizeof *starts);
+    int failed = !calls || !starts;
+    if (failed) PyErr_NoMemory();
+    for (Py_ssize_t c = 0; !failed && c < count; c++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, c), *args, *kwargs;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 || !PyTuple_Check(args = PyTuple_GET_ITEM(item, 0)) ||
+            ((kwargs = PyTuple_GET_ITEM(item, 1)) != Py_None && !PyDict_Check(kwargs))) {
+            PyErr_Format(PyExc_TypeError, "calls[%zd] is not a tuple (args tuple, kwargs dict or None)", c);
+            failed = 1;
+        } else {
+            failed = parse_matmul(args, kwargs == Py_None ? NULL : kwargs, &calls[c]) != 0;
+        }
+    }
+    if (!failed) run_matmuls(calls, count, starts);
+    for (Py_ssize_t c = 0; calls && c < count; c++) free_call(&calls[c]);
+    free(calls);
+    free(starts);
+    Py_DECREF(seq);
+    if (failed) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -587,6 +663,7 @@ static PyObject *py_pack_nibbles(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"pack_nibbles", py_pack_nibbles, METH_VARARGS, pack_nibbles_doc},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS, matmul_doc},
+    {"matmul_many", py_matmul_many, METH_O, matmul_many_doc},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, weight, eps, out): out = x / rms(x) * weight, per row."},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, out): out = silu(gate) * up, gate_up = [gate, up] per row."},
     {"attention", py_attention, METH_VARARGS, attention_doc},

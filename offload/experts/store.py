@@ -75,6 +75,9 @@ class ExpertStore(ExpertTier):
     def _weights(self, read: _ExpertRead) -> Weights:
         return read.weights()
 
+    def _arrived(self, read: _ExpertRead) -> bool:
+        return read.future.done()
+
     def _fetch(self, key: ExpertKey) -> _ExpertRead:
         extent = self.packed.experts[key[0]][key[1]]
         return _ExpertRead(self._reader.submit(self._read, key), extent.nbytes)

@@ -9,7 +9,8 @@ NextLayerPredictor (prediction.py). A layer step, the same in both:
    are served another way (`_route`);
 3. gets those from the cache (hits at once, misses fetched), then starts fetching the next
    layer's predicted experts, so that fetches overlap this layer's compute;
-4. hands the experts to the decoder, the cached ones first;
+4. hands the experts to the decoder in groups it computes together: the cached ones at hand,
+   then those whose reads arrived while the last group computed, then the others;
 5. releases them, and after the model's last layer moves the cache's clock on by the step's tokens.
 
 ExpertStore (store.py) streams experts from disk into a cache in RAM; HybridExperts (hybrid.py)
@@ -42,8 +43,10 @@ class ExpertTier:
         return LayerExperts(self, layer_idx)
 
     def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
-             ) -> Iterator[tuple[int, Weights]]:
-        """The experts of one layer step (chosen int64 [T, k]), as runtime.model.Experts hands them."""
+             ) -> Iterator[list[tuple[int, Weights]]]:
+        """The experts of one layer step (chosen int64 [T, k]), grouped as runtime.model.Experts hands
+        them: the cached ones at hand, then each set of those that arrived while the last computed,
+        then the others."""
         ids, counts = np.unique(chosen, return_counts=True)
         residual = np.asarray(torch.as_tensor(residual).cpu())
         prediction = self.predictor.step(layer_idx, chosen, residual) if self.prefetch else None
@@ -54,9 +57,14 @@ class ExpertTier:
         if prediction is not None:
             self.cache.prefetch(layer_idx + 1)
         try:
-            for expert_id, payload in zip(cached, payloads):
-                yield expert_id, self._weights(payload)
-            yield from others
+            waiting = list(zip(cached, payloads))
+            while waiting:
+                arrived = [item for item in waiting if self._arrived(item[1])] or waiting[:1]
+                waiting = [item for item in waiting if item not in arrived]
+                yield [(expert_id, self._weights(payload)) for expert_id, payload in arrived]
+            rest = list(others)
+            if rest:
+                yield rest
         finally:
             self.cache.release()
             if layer_idx == self.num_layers - 1:
@@ -69,8 +77,12 @@ class ExpertTier:
         raise NotImplementedError
 
     def _weights(self, payload) -> Weights:
-        """The weights of an expert the cache holds (its payload)."""
+        """The weights of an expert the cache holds (its payload), once they are there."""
         raise NotImplementedError
+
+    def _arrived(self, payload) -> bool:
+        """Whether _weights(payload) has nothing left to wait for (a read in flight has)."""
+        return True
 
 
 class LayerExperts:
@@ -79,5 +91,5 @@ class LayerExperts:
     def __init__(self, tier: ExpertTier, layer_idx: int):
         self.tier, self.layer_idx = tier, layer_idx
 
-    def each(self, chosen: np.ndarray, residual: Activations) -> Iterator[tuple[int, Weights]]:
+    def groups(self, chosen: np.ndarray, residual: Activations) -> Iterator[list[tuple[int, Weights]]]:
         return self.tier.step(self.layer_idx, chosen, residual)

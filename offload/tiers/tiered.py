@@ -200,8 +200,8 @@ class ResidentExperts:
     def __init__(self, experts: list[Weights]):
         self.experts = experts
 
-    def each(self, chosen: np.ndarray, residual) -> Iterator[tuple[int, Weights]]:
-        return ((e, self.experts[e]) for e in np.unique(chosen).tolist())
+    def groups(self, chosen: np.ndarray, residual) -> Iterator[list[tuple[int, Weights]]]:
+        yield [(e, self.experts[e]) for e in np.unique(chosen).tolist()]
 
 
 def _experts_bytes(packed: PackedFile, layer_idx: int) -> int:

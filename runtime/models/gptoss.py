@@ -8,7 +8,7 @@ layers are local, the odd ones see the whole context). The pre-FFN norm is the t
 calls attn_post_norm (`post_attention_norm`). Every layer is a mixture of experts: the top
 `expert_used_count` experts by the router's raw logits (with its bias), weighted by the softmax
 of those k logits; each expert, `expert_feed_forward_length` wide with biases on gate, up and
-down, computes the clamped SwiGLU (layers.clamped_swiglu). The output head is its own tensor.
+down, computes the clamped SwiGLU (layers.clamped_swiglu_experts). The output head is its own tensor.
 """
 
 from dataclasses import replace
@@ -18,7 +18,7 @@ from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
 from tierflow.runtime.models.gemma2 import sliding_windows
-from tierflow.runtime.models.layers import clamped_swiglu, moe_ffn, pre_norm_block
+from tierflow.runtime.models.layers import clamped_swiglu_experts, moe_ffn, pre_norm_block
 
 LOCAL_PERIOD = 2  # of every 2 layers, the first is local
 
@@ -40,7 +40,7 @@ def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
                   requantize=False)]
 
 
-_ffn = partial(moe_ffn, expert_ffn=clamped_swiglu)
+_ffn = partial(moe_ffn, expert_ffn=clamped_swiglu_experts)
 
 
 def block(x, w, p):

@@ -10,7 +10,7 @@ N experts in the layer, k experts used per token.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ FFN = Callable[[LayerPass, Weights, Activations, Activations], Activations]  # (
 QKNorm = Callable[[LayerPass, Weights, Activations], Activations]  # qkv -> qkv
 Router = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # logits [T, N], k -> weights,
 # chosen experts, each [T, k]
-ExpertFFN = Callable[[Kernels, Linear, Linear, Activations], Activations]  # (kernels, gate_up, down, h)
+ExpertFFN = Callable[[Kernels, Sequence[Weights], Sequence[Activations]], list[Activations]]  # experts
+# on one device, each with its tokens' rows of h -> each one's output
 
 
 def pre_norm_block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, qk_norm: QKNorm | None = None
@@ -88,12 +89,23 @@ def swiglu(kernels: Kernels, gate_up: Linear, down: Linear, h: Activations) -> A
     return down(kernels.swiglu(gate_up, h))
 
 
-def clamped_swiglu(kernels: Kernels, gate_up: Linear, down: Linear, h: Activations) -> Activations:
-    """gpt-oss's expert: down(g * sigmoid(1.702 g) * (u + 1)) with g = min(gate h, 7) and u = up h
+def swiglu_experts(kernels: Kernels, experts: Sequence[Weights], hs: Sequence[Activations]
+                   ) -> list[Activations]:
+    """Each expert's SwiGLU (gate_up, down) of its h, the experts' products together."""
+    acts = kernels.swiglu_each([e.gate_up for e in experts], hs)
+    return kernels.linear_each([e.down for e in experts], acts)
+
+
+def clamped_swiglu_experts(kernels: Kernels, experts: Sequence[Weights], hs: Sequence[Activations]
+                           ) -> list[Activations]:
+    """gpt-oss's experts: down(g * sigmoid(1.702 g) * (u + 1)) with g = min(gate h, 7) and u = up h
     clamped to [-7, 7], in ggml's float32 steps (swiglu_oai: g / (1 + exp(1.702 * -g)))."""
-    gate, up = torch.as_tensor(gate_up(h)).chunk(2, dim=-1)  # [T, F] each
-    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
-    return down(kernels.take(gate / (1.0 + torch.exp(1.702 * -gate)) * (up + 1.0)))
+    acts = []
+    for gate_up in kernels.linear_each([e.gate_up for e in experts], hs):
+        gate, up = torch.as_tensor(gate_up).chunk(2, dim=-1)  # [T, F] each
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        acts.append(kernels.take(gate / (1.0 + torch.exp(1.702 * -gate)) * (up + 1.0)))
+    return kernels.linear_each([e.down for e in experts], acts)
 
 
 def dense_ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations) -> Activations:
@@ -170,7 +182,7 @@ def keep_best_groups(selection: torch.Tensor, groups: int, used: int) -> torch.T
 
 
 def moe_ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations,
-            expert_ffn: ExpertFFN = swiglu) -> Activations:
+            expert_ffn: ExpertFFN = swiglu_experts) -> Activations:
     """A mixture of experts: the config's router (scored_top_k, with the layer's selection bias
     where it has one) picks each token's experts, whose outputs (expert_ffn: SwiGLU unless the
     family says otherwise) are summed with the router's weights; where the model has a shared
@@ -193,26 +205,48 @@ def shared_expert_output(p: LayerPass, w: Weights, h: Activations) -> torch.Tens
 
 
 def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activations, router: Router,
-                   expert_ffn: ExpertFFN = swiglu) -> torch.Tensor:
-    """Each expert computes all the tokens routed to it at once (wherever the layer's experts
-    live: `w.experts` hands them over in the order it picks); their outputs are summed in expert
-    order, so the result does not depend on that order. residual [T, E] (the stream entering the
-    FFN) lets the experts' source predict the next layer's routing."""
+                   expert_ffn: ExpertFFN = swiglu_experts) -> torch.Tensor:
+    """Each expert computes all the tokens routed to it at once, and the experts of a group that
+    `w.experts` hands over (wherever they live, in the order it picks) on one device compute
+    together; their outputs are summed in expert order, so the result does not depend on that
+    order. residual [T, E] (the stream entering the FFN) lets the experts' source predict the next
+    layer's routing."""
     hidden = torch.as_tensor(h)  # [T, E], shares memory
     weights, chosen = router(torch.as_tensor(w.router(h)), p.config.experts_used)  # [T, k] each
     chosen_ids = chosen.cpu().numpy()
     if p.on_routing is not None:
         p.on_routing(p.layer_idx, chosen_ids)
-    outputs = {}  # expert id -> its rows, their top-k slots, its output (on its device until all ran)
-    for expert_id, expert in w.experts.each(chosen_ids, residual):
-        rows, slots = (chosen == expert_id).nonzero(as_tuple=True)
-        x = expert.kernels.take(hidden[rows])
-        outputs[expert_id] = rows, slots, expert_ffn(expert.kernels, expert.gate_up, expert.down, x)
+    routed = _tokens_by_expert(chosen_ids)
+    outputs = {}  # expert id -> its output (on its device until all ran)
+    for group in w.experts.groups(chosen_ids, residual):
+        for kernels, members in _by_kernels(group).items():
+            xs = [kernels.take(hidden[routed[e][0]]) for e, _ in members]
+            ys = expert_ffn(kernels, [expert for _, expert in members], xs)
+            outputs.update(zip((e for e, _ in members), ys))
     out = torch.zeros_like(hidden)
     for expert_id in sorted(outputs):
-        rows, slots, y = outputs[expert_id]
-        out.index_add_(0, rows, weights[rows, slots, None] * torch.as_tensor(y).to(out.device))
+        rows, slots = (index.to(weights.device) for index in routed[expert_id])
+        y = torch.as_tensor(outputs[expert_id]).to(out.device)
+        out.index_add_(0, rows, weights[rows, slots, None] * y)
     return out
+
+
+def _tokens_by_expert(chosen: np.ndarray) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """expert id -> (the rows of the tokens that chose it, ascending; the top-k slot each chose it in)."""
+    k = chosen.shape[1]
+    order = np.argsort(chosen, axis=None, kind="stable")  # flat [T * k] indices, by expert, rows ascending
+    ids, starts = np.unique(chosen.reshape(-1)[order], return_index=True)
+    ends = [*starts[1:], order.size]
+    return {int(e): (torch.from_numpy(order[a:b] // k), torch.from_numpy(order[a:b] % k))
+            for e, a, b in zip(ids, starts, ends)}
+
+
+def _by_kernels(group: list[tuple[int, Weights]]) -> dict[Kernels, list[tuple[int, Weights]]]:
+    """A group's experts by the kernels (the device) that compute them, in the group's order."""
+    by_kernels: dict[Kernels, list[tuple[int, Weights]]] = {}
+    for member in group:
+        by_kernels.setdefault(member[1].kernels, []).append(member)
+    return by_kernels
 
 
 def _split_qkv(cfg: ModelConfig, qkv: Activations) -> tuple[Activations, Activations, Activations]:
