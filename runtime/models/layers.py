@@ -208,37 +208,31 @@ def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activatio
                    expert_ffn: ExpertFFN = swiglu_experts) -> torch.Tensor:
     """Each expert computes all the tokens routed to it at once, and the experts of a group that
     `w.experts` hands over (wherever they live, in the order it picks) on one device compute
-    together; their outputs are summed in expert order, so the result does not depend on that
-    order. residual [T, E] (the stream entering the FFN) lets the experts' source predict the next
-    layer's routing."""
+    together; each token sums its experts' outputs, weighted, in the order the router ranked them
+    (as llama.cpp does), so the result does not depend on the order they came in. residual [T, E]
+    (the stream entering the FFN) lets the experts' source predict the next layer's routing."""
     hidden = torch.as_tensor(h)  # [T, E], shares memory
     weights, chosen = router(torch.as_tensor(w.router(h)), p.config.experts_used)  # [T, k] each
     chosen_ids = chosen.cpu().numpy()
     if p.on_routing is not None:
         p.on_routing(p.layer_idx, chosen_ids)
-    routed = _tokens_by_expert(chosen_ids)
+    tokens, k = chosen_ids.shape
+    order = np.argsort(chosen_ids, axis=None, kind="stable")  # the T * k choices by expert, tokens ascending
+    ids, starts = np.unique(chosen_ids.reshape(-1)[order], return_index=True)
+    ends = [*starts[1:].tolist(), order.size]
+    spans = {e: slice(a, b) for e, a, b in zip(ids.tolist(), starts.tolist(), ends)}  # each expert's choices
+    choices = torch.from_numpy(order)
+    rows = choices // k
     outputs = {}  # expert id -> its output (on its device until all ran)
     for group in w.experts.groups(chosen_ids, residual):
         for kernels, members in _by_kernels(group).items():
-            xs = [kernels.take(hidden[routed[e][0]]) for e, _ in members]
+            xs = [kernels.take(hidden[rows[spans[e]]]) for e, _ in members]
             ys = expert_ffn(kernels, [expert for _, expert in members], xs)
             outputs.update(zip((e for e, _ in members), ys))
-    out = torch.zeros_like(hidden)
-    for expert_id in sorted(outputs):
-        rows, slots = (index.to(weights.device) for index in routed[expert_id])
-        y = torch.as_tensor(outputs[expert_id]).to(out.device)
-        out.index_add_(0, rows, weights[rows, slots, None] * y)
-    return out
-
-
-def _tokens_by_expert(chosen: np.ndarray) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """expert id -> (the rows of the tokens that chose it, ascending; the top-k slot each chose it in)."""
-    k = chosen.shape[1]
-    order = np.argsort(chosen, axis=None, kind="stable")  # flat [T * k] indices, by expert, rows ascending
-    ids, starts = np.unique(chosen.reshape(-1)[order], return_index=True)
-    ends = [*starts[1:], order.size]
-    return {int(e): (torch.from_numpy(order[a:b] // k), torch.from_numpy(order[a:b] % k))
-            for e, a, b in zip(ids, starts, ends)}
+    chosen_out = torch.empty((tokens * k, hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    for expert_id, y in outputs.items():
+        chosen_out[choices[spans[expert_id]]] = torch.as_tensor(y).to(hidden.device)
+    return (weights.to(hidden.device)[..., None] * chosen_out.view(tokens, k, -1)).sum(dim=1)
 
 
 def _by_kernels(group: list[tuple[int, Weights]]) -> dict[Kernels, list[tuple[int, Weights]]]:
