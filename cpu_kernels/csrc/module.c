@@ -15,6 +15,7 @@
 #include "ops.h"
 
 #define TOKEN_CHUNK 32 /* tokens per work item in a many-token product */
+#define INLINE_PREPARES 16 /* token rows the caller quantizes itself rather than wait for the threads once more */
 
 static const char *ISA_NAMES[] = {"scalar", "avx2", "avx512"};
 static isa_t best_isa = ISA_SCALAR, active_isa = ISA_SCALAR;
@@ -310,7 +311,11 @@ static void run_matmuls(matmul_call *calls, int64_t count, int64_t *starts) {
     Py_BEGIN_ALLOW_THREADS
     starts[0] = 0;
     for (int64_t c = 0; c < count; c++) starts[c + 1] = starts[c] + calls[c].job.acts.tokens;
-    if (starts[count]) pool_run(calls_item, &all, starts[count]);
+    if (starts[count] > INLINE_PREPARES) {
+        pool_run(calls_item, &all, starts[count]);
+    } else {
+        for (int64_t item = 0; item < starts[count]; item++) calls_item(&all, item);
+    }
     all.fn = tile_item;
     for (int64_t c = 0; c < count; c++) {
         const matmul_job *job = &calls[c].job;
