@@ -27,12 +27,8 @@ def matmul_each(products: Sequence[tuple[PackedMatrix, np.ndarray, np.ndarray]])
 
 
 def _arguments(w: PackedMatrix, x: np.ndarray, out: np.ndarray) -> tuple[tuple, dict]:
-    sub = w.sub
-    return (w.bits, w.group, w.rows, w.data, w.scales, w.mins, x, out), dict(
-        codebook=w.codebook_id, width=w.width, zero=w.zero, high=w.high,
-        sub_codes=None if sub is None else sub.codes, supers=None if sub is None else sub.supers,
-        sub_bits=0 if sub is None else sub.bits, sub_offset=0 if sub is None else sub.offset,
-        sub_groups=0 if sub is None else sub.groups_per_super, sub_mins=sub is not None and sub.with_mins)
+    matrix, keywords = w.kernel_arguments
+    return (*matrix, x, out), keywords
 
 
 def matmul(w: PackedMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

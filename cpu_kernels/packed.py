@@ -71,6 +71,7 @@ Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second.
 """
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -132,6 +133,17 @@ class PackedMatrix:
     def codebook_id(self) -> int:
         """The codebook as the C kernels name it (0: none)."""
         return 0 if self.codebook is None else CODEBOOK_IDS[self.codebook]
+
+    @cached_property
+    def kernel_arguments(self) -> tuple[tuple, dict]:
+        """The C matmul's arguments that name this matrix (those before x, and the keywords), made once:
+        a decode step passes hundreds of matrices."""
+        sub = self.sub
+        return (self.bits, self.group, self.rows, self.data, self.scales, self.mins), dict(
+            codebook=self.codebook_id, width=self.width, zero=self.zero, high=self.high,
+            sub_codes=None if sub is None else sub.codes, supers=None if sub is None else sub.supers,
+            sub_bits=0 if sub is None else sub.bits, sub_offset=0 if sub is None else sub.offset,
+            sub_groups=0 if sub is None else sub.groups_per_super, sub_mins=sub is not None and sub.with_mins)
 
     @property
     def nibbles(self) -> bool:

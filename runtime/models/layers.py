@@ -221,18 +221,21 @@ def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activatio
     ids, starts = np.unique(chosen_ids.reshape(-1)[order], return_index=True)
     ends = [*starts[1:].tolist(), order.size]
     spans = {e: slice(a, b) for e, a, b in zip(ids.tolist(), starts.tolist(), ends)}  # each expert's choices
-    choices = torch.from_numpy(order)
-    rows = choices // k
+    rows = torch.from_numpy(order // k)
     outputs = {}  # expert id -> its output (on its device until all ran)
     for group in w.experts.groups(chosen_ids, residual):
         for kernels, members in _by_kernels(group).items():
-            xs = [kernels.take(hidden[rows[spans[e]]]) for e, _ in members]
+            xs = [kernels.take(_expert_rows(hidden, rows[spans[e]])) for e, _ in members]
             ys = expert_ffn(kernels, [expert for _, expert in members], xs)
             outputs.update(zip((e for e, _ in members), ys))
-    chosen_out = torch.empty((tokens * k, hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
-    for expert_id, y in outputs.items():
-        chosen_out[choices[spans[expert_id]]] = torch.as_tensor(y).to(hidden.device)
-    return (weights.to(hidden.device)[..., None] * chosen_out.view(tokens, k, -1)).sum(dim=1)
+    by_expert = torch.cat([torch.as_tensor(outputs[e]).to(hidden.device) for e in ids.tolist()])  # in `order`
+    chosen_out = by_expert[torch.from_numpy(np.argsort(order))].view(tokens, k, -1)  # [T, k, E]
+    return (weights.to(hidden.device)[..., None] * chosen_out).sum(dim=1)
+
+
+def _expert_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The rows of the tokens that chose an expert (ascending): all of them as they are, when all did."""
+    return hidden if len(rows) == len(hidden) else hidden[rows]
 
 
 def _by_kernels(group: list[tuple[int, Weights]]) -> dict[Kernels, list[tuple[int, Weights]]]:
