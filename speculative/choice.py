@@ -10,8 +10,10 @@ token a level); the best k, or a plain decode step if none pays.
 
 `AutoSpeculator` runs the candidate predicted fastest for TRIAL_PASSES passes and measures its
 tokens/s (the tokens its passes gave over their seconds, draft and verify); then each candidate
-whose prediction beats the best measured so far gets as many passes, in order of prediction;
-then the best measured runs from then on. A seeded sampled generation runs the predicted best
+predicted at least CLOSE_CALL as fast as the best measured one was predicted gets as many
+passes, in order of prediction (the cost model's absolute figures can be off on a machine, their
+ratios less so: a close call is measured, a clear one is not); then the best measured runs from
+then on. A seeded sampled generation runs the predicted best
 alone, without measuring: its output must not depend on timings.
 """
 
@@ -44,6 +46,7 @@ from tierflow.speculative.speculator import (
 log = logging.getLogger("tierflow.speculative")
 
 TRIAL_PASSES = 6  # passes each candidate runs before its tokens/s counts
+CLOSE_CALL = 0.8  # a candidate predicted this fast relative to the best measured one is measured too
 # The chance that a draft's next guess is the target's token, before any is measured: prompt
 # lookup guesses only where the text repeats (code, quotes; on open prose it rarely has a guess);
 # a draft model of the target's vocabulary agrees often (a 3-bit conversion of SmolLM2 about half
@@ -121,7 +124,7 @@ class AutoSpeculator:
         """The choice and why, for the load's notices."""
         others = ", ".join(f"{c.name} {c.predicted:.1f}" for c in self.candidates[1:])
         return (f"draft: {self.current.name} first, predicted {self.current.predicted:.1f} tokens/s"
-                + (f" (then measured against {others} predicted)" if others else ""))
+                + (f" (others predicted: {others})" if others else ""))
 
     def for_generation(self, sampler: Sampler) -> "AutoSpeculator | Speculator":
         if sampler.greedy or sampler.params.seed is None:
@@ -141,7 +144,8 @@ class AutoSpeculator:
 
     def _next(self, done: Candidate) -> None:
         best = max((c for c in self.candidates if c.measured is not None), key=lambda c: c.measured)
-        untried = [c for c in self.candidates if c.measured is None and c.predicted > best.measured]
+        untried = [c for c in self.candidates
+                   if c.measured is None and c.predicted >= CLOSE_CALL * best.predicted]
         self.current = untried[0] if untried else best
         self.settled = not untried
         log.info("draft: %s measured %.1f tokens/s; now %s", done.name, done.measured, self.current.name)
