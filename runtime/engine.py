@@ -49,9 +49,9 @@ from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
 from tierflow.runtime.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls, tool_format
 from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
-from tierflow.speculative.choice import AutoSpeculator, draft_speculator
+from tierflow.speculative.choice import AutoSpeculator, draft_budgets, draft_speculator
 from tierflow.speculative.placement import load_draft
-from tierflow.speculative.self_draft import parse_draft, self_draft_budgets
+from tierflow.speculative.self_draft import parse_draft
 from tierflow.speculative.speculator import Speculator, check_draft_options
 from tierflow.units import format_size
 
@@ -160,9 +160,9 @@ class Engine:
                 if request is not None and request.file is not None:
                     drafted = load_draft(request.file, target, budgets, gpu, progress)
                     budgets = budgets.less(drafted.bytes_by_tier())
-                if request is not None and request.wants_self:
-                    budgets = self_draft_budgets(target, sizes, budgets, profile, request.layers,
-                                                 request.kind == "self") or budgets
+                if request is not None:
+                    budgets = draft_budgets(request, target, sizes, budgets, profile, drafted, draft_shape,
+                                            draft_tokens)
                 try:
                     loaded = load_model(target, sizes, budgets, gpu, profile, progress)
                 except BudgetError as error:

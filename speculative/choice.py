@@ -30,10 +30,17 @@ from tierflow.offload.pack.writer import PackSizes, pack_sizes
 from tierflow.offload.plan.cost_model import Costs, Layout, pass_stages, steady_pass_seconds
 from tierflow.offload.plan.planner import DEFAULT_PROMPT_TOKENS, Plan, ProfileSource
 from tierflow.offload.plan.profile import HardwareProfile
+from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import GenerationStats, TokenGenerator
-from tierflow.runtime.loader import LoadedModel
+from tierflow.runtime.loader import Budgets, LoadedModel, plan_load
 from tierflow.runtime.sampler import Sampler
-from tierflow.speculative.self_draft import DraftRequest, SelfDraft, self_draft_depths, self_draft_generators
+from tierflow.speculative.self_draft import (
+    DraftRequest,
+    SelfDraft,
+    self_draft_budgets,
+    self_draft_depths,
+    self_draft_generators,
+)
 from tierflow.speculative.sizing import SIZES
 from tierflow.speculative.speculator import (
     MAX_GUESSES,
@@ -151,39 +158,85 @@ class AutoSpeculator:
         log.info("draft: %s measured %.1f tokens/s; now %s", done.name, done.measured, self.current.name)
 
 
+@dataclass(frozen=True)
+class Predictions:
+    """Each kind of draft's predicted tokens/s for a target as planned (see the module docstring)."""
+
+    verify: PassCosts  # the target's passes
+    num_layers: int
+    most: int  # a draft model's guesses per pass at most
+    file_level_s: float | None  # the draft file's pass over one token; None: no file
+
+    @classmethod
+    def of(cls, target: ModelFile, sizes: PackSizes, plan: Plan, drafted: LoadedModel | None,
+           profile: ProfileSource, shape: str, tokens: int | None) -> "Predictions":
+        hardware = profile() if callable(profile) else profile
+        verify = _pass_costs(target.config, plan, sizes, hardware)
+        level_s = None
+        if drafted is not None:
+            with open_model_file(drafted.path) as opened:
+                level_s = _pass_costs(drafted.config, drafted.plan, pack_sizes(opened), hardware).seconds(1)
+        return cls(verify, target.config.num_layers, max(model_budget(shape, tokens).sizes), level_s)
+
+    def self_draft(self, depth: int) -> float:
+        return predicted_tokens_per_s(self_acceptance(depth, self.num_layers), self.verify.seconds(1, depth),
+                                      self.verify.seconds, self.most)
+
+    def ngram(self) -> float:
+        return predicted_tokens_per_s(ACCEPTANCE_PRIOR["ngram"], 0.0, self.verify.seconds, MAX_GUESSES)
+
+    def file(self) -> float:
+        return predicted_tokens_per_s(ACCEPTANCE_PRIOR["file"], self.file_level_s, self.verify.seconds,
+                                      self.most)
+
+
+def draft_budgets(request: DraftRequest, target: ModelFile, sizes: PackSizes, budgets: Budgets,
+                  profile: ProfileSource, drafted: LoadedModel | None, shape: str, tokens: int | None
+                  ) -> Budgets:
+    """budgets with the self-draft's layers (Budgets.draft_layers) where the request has one:
+    "self" and "self:N" always (a BudgetError if they cannot fit); "auto" when they fit and some
+    depth is predicted at least CLOSE_CALL as fast as prompt lookup or the draft file (else its
+    layers and KV cache would be held for a draft that is never measured)."""
+    if not request.wants_self:
+        return budgets
+    with_self = self_draft_budgets(target, sizes, budgets, profile, request.layers, request.kind == "self")
+    if request.kind == "self" or with_self is None:
+        return with_self or budgets
+    predicted = Predictions.of(target, sizes, plan_load(target, sizes, with_self, profile), drafted, profile,
+                               shape, tokens)
+    others = max(predicted.ngram(), predicted.file() if drafted is not None else 0.0)
+    selves = max(map(predicted.self_draft, self_draft_depths(with_self.draft_layers, None)))
+    return with_self if selves >= CLOSE_CALL * others else budgets
+
+
 def draft_speculator(request: DraftRequest, target: ModelFile, sizes: PackSizes, loaded: LoadedModel,
                      drafted: LoadedModel | None, profile: ProfileSource, shape: str, tokens: int | None
                      ) -> tuple["Speculator | AutoSpeculator", tuple[str, ...]]:
-    """The speculator a draft request asks for (loaded: the target as planned with its
-    self-draft's layers; drafted: the draft file's model), and what the load says about it."""
+    """The speculator a draft request asks for (loaded: the target as planned, with the self-draft's
+    layers if draft_budgets gave it some; drafted: the draft file's model), and what the load
+    says about it."""
     vocab_size = target.config.vocab_size
     if request.kind in ("ngram", "file"):
         return make_speculator(drafted and drafted.generator, shape, tokens, vocab_size), ()
     selves = _self_speculators(request, loaded, shape, tokens)
     if request.layers is not None:
         return selves[request.layers], ()
-    verify = _pass_costs(loaded, sizes, profile() if callable(profile) else profile)
-    most = max(model_budget(shape, tokens).sizes)
-    candidates = [Candidate(f"self:{depth}", speculator, predicted_tokens_per_s(
-        self_acceptance(depth, target.config.num_layers), verify.seconds(1, depth), verify.seconds, most))
-        for depth, speculator in selves.items()]
+    predicted = Predictions.of(target, sizes, loaded.plan, drafted, profile, shape, tokens)
+    candidates = [Candidate(f"self:{depth}", speculator, predicted.self_draft(depth))
+                  for depth, speculator in selves.items()]
     if request.kind == "auto":
         lookup = make_speculator(None, shape, tokens, vocab_size)
-        candidates.append(Candidate("ngram", lookup, predicted_tokens_per_s(
-            ACCEPTANCE_PRIOR["ngram"], 0.0, verify.seconds, MAX_GUESSES)))
+        candidates.append(Candidate("ngram", lookup, predicted.ngram()))
     if request.kind == "auto" and drafted is not None:
-        with open_model_file(drafted.path) as opened:
-            level_s = _pass_costs(drafted, pack_sizes(opened), verify.costs.p).seconds(1)
         speculator = make_speculator(drafted.generator, shape, tokens, vocab_size)
-        candidates.append(Candidate(drafted.path.name, speculator, predicted_tokens_per_s(
-            ACCEPTANCE_PRIOR["file"], level_s, verify.seconds, most)))
+        candidates.append(Candidate(drafted.path.name, speculator, predicted.file()))
     chooser = AutoSpeculator(candidates)
     return chooser, (chooser.describe(),)
 
 
 def _self_speculators(request: DraftRequest, loaded: LoadedModel, shape: str, tokens: int | None
                       ) -> dict[int, Speculator]:
-    """The self-draft's speculator at each depth it may run at (none when its layers did not fit)."""
+    """The self-draft's speculator at each depth it may run at (none when it has no layers)."""
     if not loaded.plan.draft_layers:
         return {}
     depths = self_draft_depths(loaded.plan.draft_layers, request.layers)
@@ -193,8 +246,7 @@ def _self_speculators(request: DraftRequest, loaded: LoadedModel, shape: str, to
                               model_budget(shape, tokens)) for depth in depths}
 
 
-def _pass_costs(model: LoadedModel, sizes: PackSizes, profile: HardwareProfile) -> PassCosts:
-    """The cost model of a loaded model's passes as planned."""
-    plan = model.plan
-    costs = Costs(profile, model.config, KV_TYPES[plan.kv_type], plan.kv_on_cpu)
+def _pass_costs(config: ModelConfig, plan: Plan, sizes: PackSizes, profile: HardwareProfile) -> PassCosts:
+    """The cost model of a model's passes as planned."""
+    costs = Costs(profile, config, KV_TYPES[plan.kv_type], plan.kv_on_cpu)
     return PassCosts.of(plan, sizes.globals, sizes.layers, costs)

@@ -82,20 +82,30 @@ def test_seeded_sampling_with_a_self_draft_repeats_itself(model_path):
     assert first.tokens == again.tokens and first.stats.drafted_tokens > 0
 
 
-def test_auto_says_what_it_picked_and_greedy_output_is_the_targets_own(model_path, plain):
-    with Engine.load(model_path, threads=2, context_length=CONTEXT, draft="auto",
-                     cpu_memory=STREAMED) as engine:
-        assert any(notice.startswith("draft: ngram first, predicted") for notice in engine.notices)
-        results = [engine.generate(PROMPT, max_tokens=24, temperature=0) for _ in range(3)]
-    assert all(result.tokens == plain.tokens for result in results)
-
-
-def test_auto_with_a_draft_file_picks_it_first_for_a_streamed_target(model_path):
-    """The bundled file drafting for its own streamed copy: it agrees fully and costs a resident
-    pass, far below the disk's sweep."""
+@pytest.fixture(scope="module")
+def auto_with_file(model_path):
+    """auto:FILE with the bundled file drafting for its own streamed copy: it agrees fully and
+    costs a resident pass, far below the disk's sweep."""
     with Engine.load(model_path, threads=2, context_length=CONTEXT, draft=model_path) as engine:
         draft_bytes = engine.draft.bytes_by_tier()["cpu"]
     with Engine.load(model_path, threads=2, context_length=CONTEXT, draft=f"auto:{model_path}",
                      cpu_memory=draft_bytes + (70 << 20)) as engine:
         assert engine.weights.streamed_layers
-        assert engine.notices[-1].startswith(f"draft: {model_path.name} first")
+        yield engine
+
+
+def test_auto_with_a_draft_file_picks_it_first_for_a_streamed_target(auto_with_file, model_path):
+    assert auto_with_file.notices[-1].startswith(f"draft: {model_path.name} first")
+
+
+def test_auto_holds_no_layers_for_a_self_draft_predicted_far_slower(auto_with_file):
+    assert auto_with_file.plan.draft_layers == 0 and "self:" not in auto_with_file.notices[-1]
+
+
+def test_auto_measures_a_close_call_and_keeps_the_target_output(model_path, plain):
+    with Engine.load(model_path, threads=2, context_length=CONTEXT, draft="auto",
+                     cpu_memory=STREAMED) as engine:
+        assert "self:" in engine.notices[-1]  # prompt lookup's prediction is within CLOSE_CALL
+        results = [engine.generate(PROMPT, max_tokens=24, temperature=0) for _ in range(3)]
+        assert sum(c.measured is not None for c in engine.speculator.candidates) > 1
+    assert all(result.tokens == plain.tokens for result in results)
