@@ -51,6 +51,16 @@ def test_self_draft_greedy_output_is_the_targets_own_when_the_target_streams(mod
     assert result.tokens == plain.tokens and result.stats.drafted_tokens > 0
 
 
+def test_self_draft_on_the_gpu_tier_keeps_its_cache_within_gpu_memory(model_path, plain):
+    """With the CPU standing in for a GPU: the draft's layers there, its KV cache of them beside."""
+    with Engine.load(model_path, threads=2, context_length=CONTEXT, draft="self:12", gpu_memory="40MiB",
+                     gpu_device="cpu", draft_tokens=4) as engine:
+        assert set(range(12)) <= set(engine.plan.gpu_layers)
+        result = engine.generate(PROMPT, max_tokens=24, temperature=0)
+        assert engine.weights.bytes_by_tier()["gpu"] <= 40 << 20
+    assert result.tokens == plain.tokens and result.stats.drafted_tokens > 0
+
+
 def test_self_draft_layers_are_planned_held_first(opened):
     assert set(range(8)) & set(plan(opened, 64 << 20).streamed_layers)  # spread between streamed ones
     assert not set(range(8)) & set(plan(opened, 64 << 20, draft_layers=8).streamed_layers)
