@@ -4,13 +4,15 @@
 
 Three settings, each against the same target without a draft, in this run:
 - resident: the bundled SmolLM2-135M-Instruct (Q4_1) in RAM; drafts: prompt lookup ("ngram"),
-  and its own 3-bit conversion (`tierflow convert --bits 3`, made here once) as a chain and a tree.
+  its own 3-bit conversion (`tierflow convert --bits 3`, made here once) as a chain and a tree,
+  and "auto" (prompt lookup or the self-draft).
 - streamed: the same target with three quarters of its layers streamed from disk (a quarter of
   the layer bytes resident beside the embeddings), the draft resident beside it as extra memory
   (as a GPU-hosted draft's would be); also the target alone given that extra memory.
 - f32: a bigger target, the same model dequantized to F32 (515 MiB, written here once by
   tests/support/make_model.py), streamed the same way, with the bundled Q4_1 model as its draft: the
-  low-bit self-draft of an offloaded model, SpecExec's setting.
+  low-bit self-draft of an offloaded model, SpecExec's setting. Both streamed settings also run
+  "self" (the target's own first layers, within the target's budget) and "auto:DRAFT".
 Every run's tokens are checked equal to the target's own. The figures are the median of
 --repeats runs after two warm-up generations (from which the tree sizing starts learning).
 """
@@ -120,7 +122,7 @@ def main() -> None:
         compare("target in RAM", target, {
             "target alone": {}, "+ ngram": {"draft": "ngram"},
             "+ 3-bit chain": {"draft": three_bit, "draft_shape": "chain"},
-            "+ 3-bit tree": {"draft": three_bit}}, PROMPTS, args)
+            "+ 3-bit tree": {"draft": three_bit}, "+ auto": {"draft": "auto"}}, PROMPTS, args)
     prose = {k: PROMPTS[k] for k in ("open prose", "summary of a text")}
     for case, model, draft in (("streamed", target, three_bit), ("f32", f32, target)):
         if case not in cases:
@@ -132,7 +134,10 @@ def main() -> None:
                     "alone, + the draft's memory": {"cpu_memory": budget + extra},
                     "+ ngram": {"cpu_memory": budget, "draft": "ngram"},
                     "+ draft chain": {"cpu_memory": budget + extra, "draft": draft, "draft_shape": "chain"},
-                    "+ draft tree": {"cpu_memory": budget + extra, "draft": draft}}, prose, args)
+                    "+ draft tree": {"cpu_memory": budget + extra, "draft": draft},
+                    "+ self": {"cpu_memory": budget, "draft": "self"},
+                    "+ auto (ngram, self, draft)": {"cpu_memory": budget + extra, "draft": f"auto:{draft}"}},
+                prose, args)
     print("\nA draft on a GPU (Dovetail's setting) needs the GPU tier's engine path (issue 5); "
           "this machine has no GPU.")
 

@@ -49,8 +49,10 @@ from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
 from tierflow.runtime.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls, tool_format
 from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
+from tierflow.speculative.choice import AutoSpeculator, draft_budgets, draft_speculator
 from tierflow.speculative.placement import load_draft
-from tierflow.speculative.speculator import Speculator, check_draft_options, make_speculator
+from tierflow.speculative.self_draft import parse_draft
+from tierflow.speculative.speculator import Speculator, check_draft_options
 from tierflow.units import format_size
 
 
@@ -63,7 +65,7 @@ class Engine:
     """
 
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer, threads: int,
-                 speculator: Speculator | None = None, draft: LoadedModel | None = None,
+                 speculator: Speculator | AutoSpeculator | None = None, draft: LoadedModel | None = None,
                  sampling_defaults: dict | None = None, notices: tuple[str, ...] = (),
                  pooling: str = "mean"):
         self.path: Path = model.path
@@ -134,6 +136,12 @@ class Engine:
         its distribution exactly. draft_tokens fixes the guesses per pass; by default the tree's
         size follows the measured cost of draft and verify passes and the tokens they gain
         (and prompt lookup guesses up to 16, fewer while they miss).
+        draft "self:N" drafts with the target's own first N layers and its output head (an early
+        exit: no second model, its layers held in memory, never streamed, with a KV cache of their
+        own within the budgets); "self" tries a few depths on the first passes and keeps the
+        fastest measured. "auto" (or "auto:FILE", with that draft file) picks among prompt
+        lookup, the self-draft and the file by the planner's predicted tokens/s, then measures
+        them (speculative/choice.py); engine.notices says what it chose.
         """
         path = resolve_model_path(model)
         threads = thread_count(threads)
@@ -143,14 +151,18 @@ class Engine:
                              flag("allow_context_extension", allow_context_extension),
                              check_parallel(parallel))
         with open_model_file(path) as target:  # validated before llama.cpp sees the file
+            request = parse_draft(draft, target.config.num_layers)
             profile, sizes = profile_source(target, threads, gpu, progress), pack_sizes(target)
             budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile)
             tokenizer = load_tokenizer(target)
-            drafted = None
+            drafted = loaded = None
             try:
-                if draft not in (None, "ngram"):
-                    drafted = load_draft(draft, target, budgets, gpu, progress)
+                if request is not None and request.file is not None:
+                    drafted = load_draft(request.file, target, budgets, gpu, progress)
                     budgets = budgets.less(drafted.bytes_by_tier())
+                if request is not None:
+                    budgets = draft_budgets(request, target, sizes, budgets, profile, drafted, draft_shape,
+                                            draft_tokens)
                 try:
                     loaded = load_model(target, sizes, budgets, gpu, profile, progress)
                 except BudgetError as error:
@@ -160,17 +172,18 @@ class Engine:
                     raise BudgetError(f"{error} (what is left after the draft model, placed first, took "
                                       f"{format_size(held['cpu'])} of RAM and {format_size(held['gpu'])} "
                                       f"of GPU memory)") from error
+                speculator, said = None, ()
+                if request is not None:
+                    speculator, said = draft_speculator(request, target, sizes, loaded, drafted, profile,
+                                                        draft_shape, draft_tokens)
             except BaseException:
                 tokenizer.close()
-                if drafted is not None:
-                    drafted.close()
+                for model_loaded in (drafted, loaded):
+                    if model_loaded is not None:
+                        model_loaded.close()
                 raise
-        speculator = None
-        if draft is not None:
-            draft_model = None if drafted is None else drafted.generator
-            speculator = make_speculator(draft_model, draft_shape, draft_tokens, target.config.vocab_size)
         sampling_defaults = recommended_sampling(target.gguf.metadata, budgets.context_length)
-        return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults, budgets.notices,
+        return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults, budgets.notices + said,
                    model_pooling(target.gguf.metadata, target.config.arch))
 
     # -- generation ------------------------------------------------------------------------

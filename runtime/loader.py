@@ -85,6 +85,7 @@ class Budgets:
     kv_on_cpu: bool = False
     notices: tuple[str, ...] = field(default=(), compare=False)  # what choosing the context decided
     sequences: int = 1  # KV caches of context_length positions (CacheOptions.parallel)
+    draft_layers: int = 0  # a self-draft's layers: held, never streamed, with a KV cache of their own
 
     def less(self, held: dict[str, int]) -> "Budgets":
         """What is left after `held` bytes per tier ("cpu", "gpu") were placed first."""
@@ -224,7 +225,8 @@ def plan_load(model: ModelFile, sizes: PackSizes, budgets: Budgets, profile: Pro
     may be a function (see make_plan)."""
     plan = make_plan(model, sizes, profile, gpu_budget=budgets.gpu_bytes, cpu_budget=budgets.cpu_bytes,
                      context_length=budgets.context_length, prompt_tokens=prompt_tokens, kv=budgets.kv,
-                     kv_on_cpu=budgets.kv_on_cpu, sequences=budgets.sequences)
+                     kv_on_cpu=budgets.kv_on_cpu, sequences=budgets.sequences,
+                     draft_layers=budgets.draft_layers)
     return replace(plan, notes=(*plan.notes, *budgets.notices))
 
 

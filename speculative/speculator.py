@@ -33,10 +33,19 @@ def make_speculator(draft_model: TokenGenerator | None, shape: str, tokens: int 
     if draft_model is None:
         size = tokens or MAX_GUESSES
         return Speculator(NgramDraft(vocab_size, size), TreeBudget(size, start=4, fixed=tokens is not None))
+    return Speculator(ModelDraft(draft_model, max_width=draft_width(shape)), model_budget(shape, tokens))
+
+
+def draft_width(shape: str) -> int:
+    """Children per node of a draft model's tree: 1 makes it a chain."""
+    return 1 if shape == "chain" else 4
+
+
+def model_budget(shape: str, tokens: int | None) -> TreeBudget:
+    """A draft model's guesses per pass: `tokens`, or sized by measured cost from a start."""
     chain = shape == "chain"
-    budget = TreeBudget(tokens or (MAX_CHAIN if chain else MAX_TREE), start=4 if chain else 8,
-                        fixed=tokens is not None)
-    return Speculator(ModelDraft(draft_model, max_width=1 if chain else 4), budget)
+    return TreeBudget(tokens or (MAX_CHAIN if chain else MAX_TREE), start=4 if chain else 8,
+                      fixed=tokens is not None)
 
 
 class Speculator:

@@ -102,10 +102,12 @@ class CacheFootprint:
 
     @classmethod
     def of(cls, config: ModelConfig, context_length: int, kv: KVType, on_cpu: bool,
-           sequences: int = 1) -> "CacheFootprint":
+           sequences: int = 1, draft_layers: int = 0) -> "CacheFootprint":
         """The footprint of `sequences` KV caches of context_length positions each (one per sequence
-        decoded together); a pass's activations are bounded by its token count whatever it holds."""
-        layer_bytes = tuple(sequences * layer_kv_bytes(config, i, context_length, kv)
+        decoded together), and a self-draft's one cache of the first draft_layers layers (which
+        the draft computes with the target's own weights, where the target computes them); a
+        pass's activations are bounded by its token count whatever it holds."""
+        layer_bytes = tuple((sequences + (i < draft_layers)) * layer_kv_bytes(config, i, context_length, kv)
                             for i in range(config.num_layers))
         return cls(kv, on_cpu, layer_bytes, activation_bytes(config, context_length))
 

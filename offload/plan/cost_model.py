@@ -130,32 +130,41 @@ class Layout:
     depth: int
 
 
-def timings(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], costs: Costs,
-             prompt_tokens: int, context_length: int, experts: "ExpertStages | None" = None
-             ) -> tuple[Timing, Timing]:
-    """(prefill of prompt_tokens, a decode step with the context full); `experts` adds a MoE
-    model's experts to the stage of every layer that has them (their reads, if any, run ahead by
-    experts.read_ahead_layers)."""
-    def device(i: int) -> str:
-        return "gpu" if i in layout.gpu else "cpu"
-
-    def stage(i: int, x: ExtentSize, tokens: int, start: int) -> Stage:
-        compute = costs.layer_s(i, x, device(i), tokens, start)
+def pass_stages(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], costs: Costs, tokens: int,
+                start: int, experts: "ExpertStages | None" = None) -> list[Stage]:
+    """The stages of a pass over `tokens` new tokens at positions start..: one per layer, then the
+    output head (one token's); `experts` adds a MoE model's experts to each layer that has them."""
+    def stage(i: int, x: ExtentSize) -> Stage:
+        compute = costs.layer_s(i, x, "gpu" if i in layout.gpu else "cpu", tokens, start)
         read = costs.read_s(x) if i in layout.streamed else 0.0
         if experts is not None and experts.config.has_experts(i):
             expert_compute, expert_read = experts.layer_s(tokens)
             compute, read = compute + expert_compute, read + expert_read
         return Stage(compute, read)
 
+    head = Stage(costs.matmul_s(globals_.linears, 1, "cpu", False))
+    return [stage(i, x) for i, x in enumerate(layers)] + [head]
+
+
+def steady_pass_seconds(step: list[Stage], depth: int) -> float:
+    """The period of a pass repeated back to back (the ring reading ahead across passes)."""
+    ends = run_pipeline([step] * _DECODE_PASSES, depth)
+    return (ends[-1] - ends[-1 - _STEADY_PASSES]) / _STEADY_PASSES
+
+
+def timings(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], costs: Costs,
+             prompt_tokens: int, context_length: int, experts: "ExpertStages | None" = None
+             ) -> tuple[Timing, Timing]:
+    """(prefill of prompt_tokens, a decode step with the context full); `experts` adds a MoE
+    model's experts to the stage of every layer that has them (their reads, if any, run ahead by
+    experts.read_ahead_layers)."""
     def pass_(tokens: int, start: int) -> list[Stage]:
-        stages = [stage(i, x, tokens, start) for i, x in enumerate(layers)]
-        return stages + [Stage(costs.matmul_s(globals_.linears, 1, "cpu", False))]
+        return pass_stages(layout, globals_, layers, costs, tokens, start, experts)
 
     depth = layout.depth if experts is None else max(layout.depth, experts.read_ahead_layers)
     step = pass_(1, context_length - 1)
-    ends = run_pipeline([step] * _DECODE_PASSES, depth)
-    period = (ends[-1] - ends[-1 - _STEADY_PASSES]) / _STEADY_PASSES
-    decode = Timing(1, period, sum(s.compute_s for s in step), sum(s.read_s for s in step))
+    decode = Timing(1, steady_pass_seconds(step, depth), sum(s.compute_s for s in step),
+                    sum(s.read_s for s in step))
     chunks = [pass_(min(PREFILL_CHUNK, prompt_tokens - s), s) for s in range(0, prompt_tokens, PREFILL_CHUNK)]
     stages = [s for chunk in chunks for s in chunk]
     prefill = Timing(prompt_tokens, run_pipeline(chunks, depth)[-1],

@@ -47,6 +47,7 @@ class Plan:
     notes: tuple[str, ...]  # assumptions behind the figures
     experts: ExpertPlacement | None = None  # a MoE model's experts: their home, their cache
     sequences: int = 1  # KV caches of context_length positions: the sequences decoded together
+    draft_layers: int = 0  # a self-draft's layers (the first ones): never streamed; kv_bytes holds its cache
 
     @property
     def predicted_prefill_tps(self) -> float | None:

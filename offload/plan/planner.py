@@ -32,7 +32,9 @@ Placement of a dense model, in order:
 1. GPU (only when the profile has a GPU and gpu_budget > 0): layers from 0 up while they fit, each
    with its KV cache (a layer computed on the GPU keeps its keys and values there).
 2. cpu_budget less the RAM's KV cache and activations is what the weights get. The globals stay
-   in RAM (every token needs them).
+   in RAM (every token needs them), and so do a self-draft's layers (draft_layers, the first
+   ones, not on the GPU: the draft runs them every step); its KV cache of those layers counts
+   with the target's, on the tier where each layer computes.
 3. If the other layers fit beside them, all are resident: no ring, depth 0.
 4. Else the rest stream from disk through a ring of depth + 1 slots of the largest layer's extent,
    depth 1..4, the ring counted against cpu_budget. For each affordable depth, the layers that fit
@@ -102,24 +104,30 @@ def _resident_choices(candidates: list[int], sizes: list[int], room: int) -> lis
 
 
 def _choose_layout(globals_: ExtentSize, layers: list[ExtentSize], gpu: tuple[int, ...], ram: RamBudget,
-                   costs: Costs, prompt_tokens: int, context_length: int) -> Layout:
+                   costs: Costs, prompt_tokens: int, context_length: int, pinned: int = 0) -> Layout:
+    """The streamed layers and ring depth (steps 3 and 4); the first `pinned` layers (a
+    self-draft's) are held like the globals, never streamed."""
     sizes = [x.nbytes for x in layers]
-    candidates = [i for i in range(len(layers)) if i not in gpu]
-    everything = globals_.nbytes + sum(sizes[i] for i in candidates)
+    held = [i for i in range(min(pinned, len(layers))) if i not in gpu]
+    fixed = globals_.nbytes + sum(sizes[i] for i in held)  # in RAM whatever else streams
+    candidates = [i for i in range(len(layers)) if i not in gpu and i not in held]
+    everything = fixed + sum(sizes[i] for i in candidates)
     if everything <= ram.room:
         return Layout(gpu, (), 0)
     slot = max(sizes)  # the streamer's slots hold the largest extent (already 4 KiB-aligned)
-    if ram.room < globals_.nbytes + 2 * slot:
+    if ram.room < fixed + 2 * slot:
         need = f"the embeddings and output head ({format_size(globals_.nbytes)})"
-        if everything < globals_.nbytes + 2 * slot:  # cheaper to hold every layer than to stream
+        if held:
+            need += f", the self-draft's {len(held)} layers ({format_size(fixed - globals_.nbytes)})"
+        if everything < fixed + 2 * slot:  # cheaper to hold every layer than to stream
             if candidates:
-                need += f" and {len(candidates)} layers ({format_size(everything - globals_.nbytes)})"
+                need += f" and {len(candidates)} layers ({format_size(everything - fixed)})"
         else:
             need += f" plus two streaming buffers of the largest layer ({format_size(slot)} each)"
-        raise ram.refuse(need, min(everything, globals_.nbytes + 2 * slot))
+        raise ram.refuse(need, min(everything, fixed + 2 * slot))
     best, best_key = None, None
     for depth in range(1, MAX_PREFETCH_DEPTH + 1):
-        room = ram.room - globals_.nbytes - (depth + 1) * slot
+        room = ram.room - fixed - (depth + 1) * slot
         if room < 0:
             break
         for order, resident in enumerate(_resident_choices(candidates, sizes, room)):
@@ -150,10 +158,12 @@ ProfileSource = HardwareProfile | Callable[[], HardwareProfile]
 
 def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu_budget: int, cpu_budget: int,
               context_length: int, prompt_tokens: int | None = None, kv: KVType = KV_TYPES[DEFAULT_KV_TYPE],
-              kv_on_cpu: bool = False, sequences: int = 1) -> Plan:
+              kv_on_cpu: bool = False, sequences: int = 1, draft_layers: int = 0) -> Plan:
     """The plan for a model file under budgets the caller resolved (runtime/loader.py), with a KV
     cache of type kv for context_length positions (the caller checked it against the model's) for
-    each of `sequences` sequences decoded together.
+    each of `sequences` sequences decoded together. draft_layers > 0: a self-draft computes with
+    the first draft_layers layers, which are then never streamed, and holds its own KV cache of
+    them (one sequence's) beside the target's, where they compute.
     A budget that cannot work raises PlanBudgetError (a BudgetError) naming the smallest that
     would. profile may be a function, called only when the placement needs the machine's speeds.
     prompt_tokens (default 512, at most the context) is the prefill prediction's prompt."""
@@ -166,7 +176,7 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
         raise ContextLengthError(f"prompt_tokens must be 1..{context_length} (the context), "
                                  f"got {prompt_tokens}")
     globals_, layers = sizes.globals, sizes.layers
-    cache = CacheFootprint.of(config, context_length, kv, kv_on_cpu, sequences)
+    cache = CacheFootprint.of(config, context_length, kv, kv_on_cpu, sequences, draft_layers)
     fits = not gpu_budget and sizes.total_bytes <= cache.ram(cpu_budget, ()).room
     if callable(profile) and not fits:
         profile = profile()
@@ -187,12 +197,12 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
     else:
         gpu = _gpu_layers(layers, gpu_budget, cache.on_gpu())
         layout = _choose_layout(globals_, layers, gpu, cache.ram(cpu_budget, gpu), costs, prompt_tokens,
-                                context_length)
+                                context_length, draft_layers)
     prefill, decode = (None, None) if costs is None else timings(layout, globals_, layers, costs,
                                                                  prompt_tokens, context_length, stages)
     plan = _assemble(model, sizes, layout, experts, (prefill, decode), cache, gpu_budget, cpu_budget,
                      context_length, prompt_tokens, costs.notes if costs else ())
-    return replace(plan, sequences=sequences)
+    return replace(plan, sequences=sequences, draft_layers=draft_layers)
 
 
 def resident_plan(model: ModelFile, sizes: PackSizes, *, on_gpu: bool, gpu_budget: int, cpu_budget: int,

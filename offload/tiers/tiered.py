@@ -147,6 +147,14 @@ class TieredWeights:
             self.streamer.release()  # the streamed layer before this one is done with
         return weights
 
+    def held_layer(self, layer_idx: int) -> Weights:
+        """A layer held in RAM or on the device tier, for a decoder beside the model's own (a
+        self-draft's): unlike layer(), it leaves the streamer alone, which runs in layer order."""
+        weights = self._layers.get(layer_idx)
+        if weights is None:
+            raise ValueError(f"layer {layer_idx} is streamed, not held")
+        return weights
+
     def output_norm(self) -> np.ndarray:
         return self._output_norm
 
