@@ -7,7 +7,7 @@ the draft's own KV cache of them, one sequence's, beside the target's, on the ti
 layer computes. A draft of fewer layers costs less per level and agrees with the target less
 often (on SmolLM2-135M, greedy, the first 16 of 30 layers picked the target's token 11% of the
 time, 24 layers 41%, 27 layers 48%); "self" without a depth leaves the choice to measurement
-(speculative/auto.py), among DEPTH_FRACTIONS of the most layers the budgets hold.
+(speculative/choice.py), among DEPTH_FRACTIONS of the most layers the budgets hold.
 """
 
 import os
