@@ -70,6 +70,13 @@ def test_each_familys_token_trees_over_streamed_experts_give_its_resident_tokens
         assert greedy(engine) == resident
 
 
+def test_each_familys_own_file_as_a_draft_model_gives_its_resident_tokens(family):
+    # a draft model's trees are verified many tokens at a pass: its experts' bits must not depend on that
+    path, resident, _ = family
+    with Engine.load(path, threads=2, context_length=CONTEXT, draft=path) as engine:
+        assert greedy(engine) == resident
+
+
 def test_the_plan_puts_each_familys_experts_on_disk_with_a_cache_in_ram(family):
     path, _, (base, one) = family
     with Engine.load(path, threads=2, context_length=CONTEXT, cpu_memory=base + 12 * one) as engine:
