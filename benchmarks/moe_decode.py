@@ -2,7 +2,8 @@
 
     python -m benchmarks.moe_decode [--size 2GB] [--weight-type Q4_0] [--fraction 0.333]
                                     [--prompt-tokens 64] [--decode-tokens 48] [--repeats 3]
-                                    [--threads N] [--policy score|lru|lfu] [--no-prefetch] [--json]
+                                    [--threads N] [--policy score|lru|lfu] [--prefetch gated|all|none]
+                                    [--json]
 
 The model is a random-weight Mixtral-style `llama` of about --size with 8 experts per layer, top-2
 routing, written once by the project's generator (tests/support/make_model.py) into the cache directory.
@@ -22,6 +23,11 @@ cache's hit rate, bytes read from disk per decode step, the early router's predi
 and two disk bounds at this disk's measured read speed: the bytes the run read per step, and the
 least any cache of this size could read, a clairvoyant one (Belady's optimum on the routing the
 run recorded): what no cache policy can beat on this model, disk and budget.
+
+--prefetch says which of the early router's predictions are read ahead: those the prefetch gate
+admits (offload/experts/prefetch_gate.py: a confidence threshold kept where decode tokens come
+fastest; the default), every one, or none; run it with each to see the bytes read per step and
+the speed with and without the gate.
 """
 
 import argparse
@@ -44,12 +50,15 @@ from tests.support.budgets import ram_beside_weights
 from tests.support.make_model import spec_for_size, write_model
 from tierflow import Engine
 from tierflow.offload.experts.policy import make_policy  # noqa: E402
+from tierflow.offload.experts.prefetch_gate import PrefetchGate  # noqa: E402
 from tierflow.offload.experts.store import READERS  # noqa: E402
 from tierflow.offload.io.disk import DiskFile, aligned_buffer  # noqa: E402
 from tierflow.offload.plan.profile import cache_dir  # noqa: E402
 from tierflow.units import format_size, parse_size  # noqa: E402
 
 CONTEXT = 2048  # tokens each engine holds: --prompt-tokens plus --decode-tokens must fit
+PREFETCH = {"gated": "prefetch gated by measured speed", "all": "every prediction prefetched",
+            "none": "demand reads only"}
 
 EXPERTS, USED = 8, 2
 
@@ -131,7 +140,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=psutil.cpu_count(logical=False) or 1)
     parser.add_argument("--policy", default="score", choices=["score", "lru", "lfu"])
-    parser.add_argument("--no-prefetch", action="store_true", help="demand reads only (no early router)")
+    parser.add_argument("--prefetch", default="gated", choices=list(PREFETCH),
+                        help="gated: the predictions the prefetch gate admits; all: every prediction; "
+                             "none: demand reads only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -140,7 +151,8 @@ def main() -> None:
     cpu_memory, expert_bytes = expert_budget(path, args.threads, args.fraction)
     streamed = Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=cpu_memory)
     streamed.weights.experts.cache.policy = make_policy(args.policy)  # before any expert is cached
-    streamed.weights.experts.prefetch = not args.no_prefetch
+    streamed.weights.experts.prefetch = args.prefetch != "none"
+    streamed.weights.experts.gate = PrefetchGate(fixed=args.prefetch == "all")
     resident = Engine.load(path, threads=args.threads, context_length=CONTEXT)
     llama = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.decode_tokens + 8, n_batch=512,
                             n_threads=args.threads, verbose=False)
@@ -178,7 +190,8 @@ def main() -> None:
     report = {
         "model": path.name, "file_bytes": path.stat().st_size, "expert_bytes": expert_bytes,
         "cpu_memory": cpu_memory, "expert_cache_bytes": streamed.weights.experts.nbytes,
-        "policy": args.policy, "prefetch": not args.no_prefetch, "threads": args.threads,
+        "policy": args.policy, "prefetch": args.prefetch, "threads": args.threads,
+        "prefetch_threshold": streamed.weights.experts.gate.best,
         "prompt_tokens": len(prompt),
         "decode_tokens": args.decode_tokens, "decode_tokens_per_s": decode,
         "streamed_vs_resident": decode["tierflow streamed"] / decode["tierflow resident"],
@@ -200,14 +213,15 @@ def main() -> None:
     print(f"{report['model']}: {format_size(report['file_bytes'])}, experts {format_size(expert_bytes)}; "
           f"cpu_memory {format_size(cpu_memory)} (expert cache {format_size(report['expert_cache_bytes'])}, "
           f"{args.fraction:.0%} of the experts, policy {args.policy}, "
-          f"{'demand reads only' if args.no_prefetch else 'prefetch'}); {args.threads} threads, "
+          f"{PREFETCH[args.prefetch]}); {args.threads} threads, "
           f"prompt {len(prompt)}, {args.decode_tokens} decode steps, median of {args.repeats}")
     for name, rate in decode.items():
         print(f"  {name:<20} {rate:7.2f} tok/s")
     print(f"streamed / resident: {report['streamed_vs_resident']:.2f}x (goal >= 0.5); "
           f"resident / llama.cpp: {report['resident_vs_llama_cpp']:.2f}x")
     print(f"expert cache: hit rate {stats.hit_rate:.1%}, {format_size(int(per_token))} read per decode step, "
-          f"early-router predictions {stats.prediction_precision:.1%} right; disk {gbps:.2f} GB/s, so "
+          f"early-router predictions {stats.prediction_precision:.1%} right (fetched ahead from confidence "
+          f"{report['prefetch_threshold']:.2f}); disk {gbps:.2f} GB/s, so "
           f"reads alone allow {report['disk_bound_tokens_per_s'] or 0:.1f} tok/s; streamed tokens "
           f"{'agree' if report['tokens_agree'] else 'DIFFER'} with resident")
     bound = report["clairvoyant_bound_tokens_per_s"] or 0

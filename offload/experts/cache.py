@@ -177,11 +177,13 @@ class ExpertCache:
             self._predicted[key] = max(float(c), self._predicted.get(key, 0.0))
         self.policy.set_predictions(self._predicted)
 
-    def prefetch(self, layer_idx: int | None = None) -> list[ExpertKey]:
-        """Fetches the predicted experts (of one layer, or all) that are not resident, most
-        confident first, as far as the policy admits them; returns the keys fetched."""
-        wanted = sorted((k for k in self._predicted if k not in self._entries
-                         and (layer_idx is None or k[0] == layer_idx)), key=lambda k: -self._predicted[k])
+    def prefetch(self, layer_idx: int | None = None, min_confidence: float = 0.0) -> list[ExpertKey]:
+        """Fetches the predicted experts (of one layer, or all) that are not resident and were
+        predicted with at least min_confidence, most confident first, as far as the policy admits
+        them; returns the keys fetched."""
+        wanted = sorted((k for k, confidence in self._predicted.items() if k not in self._entries
+                         and (layer_idx is None or k[0] == layer_idx) and confidence >= min_confidence),
+                        key=lambda k: -self._predicted[k])
         protected = self._pinned | self._predicted.keys()  # never evict one prediction for another
         fetched = []
         for key in wanted:

@@ -8,7 +8,9 @@ NextLayerPredictor (prediction.py). A layer step, the same in both:
 2. asks the tier which of this step's experts come through the cache, in what order, and which
    are served another way (`_route`);
 3. gets those from the cache (hits at once, misses fetched), then starts fetching the next
-   layer's predicted experts, so that fetches overlap this layer's compute;
+   layer's predicted experts, so that fetches overlap this layer's compute: those predicted
+   with the confidence the PrefetchGate asks for now (prefetch_gate.py), which measures what
+   wrong guesses cost;
 4. hands the experts to the decoder in groups it computes together: the cached ones at hand,
    then those whose reads arrived while the last group computed, then the others;
 5. releases them, and after the model's last layer moves the cache's clock on by the step's tokens.
@@ -17,6 +19,7 @@ ExpertStore (store.py) streams experts from disk into a cache in RAM; HybridExpe
 keeps them in RAM with a cache on the GPU and schedules each between the devices.
 """
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,6 +27,7 @@ import torch
 
 from tierflow.offload.experts.cache import CacheStats, ExpertCache
 from tierflow.offload.experts.prediction import NextLayerPredictor
+from tierflow.offload.experts.prefetch_gate import PrefetchGate
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.model import Activations, Weights
 
@@ -34,6 +38,8 @@ class ExpertTier:
         self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
                                             config.rms_norm_eps, config.expert_gating)
         self.prefetch = True  # predict and fetch ahead (off: demand fetches only, for comparison)
+        self.gate = PrefetchGate()  # how sure a prediction must be to be fetched ahead
+        self._token_started: float | None = None  # when the decode token in progress began
 
     @property
     def stats(self) -> CacheStats:
@@ -55,7 +61,7 @@ class ExpertTier:
         cached, others = self._route(layer_idx, dict(zip(ids.tolist(), counts.tolist())))
         payloads = self.cache.get(layer_idx, cached) if cached else []
         if prediction is not None:
-            self.cache.prefetch(layer_idx + 1)
+            self.cache.prefetch(layer_idx + 1, self.gate.threshold)
         try:
             waiting = list(zip(cached, payloads))
             while waiting:
@@ -69,6 +75,15 @@ class ExpertTier:
             self.cache.release()
             if layer_idx == self.num_layers - 1:
                 self.cache.next_token(len(chosen))
+                self._time_token(len(chosen))
+
+    def _time_token(self, tokens: int) -> None:
+        """After a step's last layer: a decode token's seconds (from the end of the one before) go to
+        the gate; a pass of many tokens (a prompt, a verify pass) starts the clock over."""
+        now = time.perf_counter()
+        if tokens == 1 and self._token_started is not None and self.prefetch:
+            self.gate.update(now - self._token_started)
+        self._token_started = now if tokens == 1 else None
 
     def _route(self, layer_idx: int, expert_tokens: dict[int, int]
                ) -> tuple[list[int], Iterator[tuple[int, Weights]]]:
