@@ -50,6 +50,7 @@ from tierflow.runtime.tokenizer import Tokenizer
 from tierflow.runtime.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls, tool_format
 from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
 from tierflow.speculative.placement import load_draft
+from tierflow.speculative.prediction import speculation_prior
 from tierflow.speculative.speculator import Speculator, check_draft_options, make_speculator
 from tierflow.units import format_size
 
@@ -133,7 +134,8 @@ class Engine:
         in one pass. Greedy output is the target's own, token for token; sampled output follows
         its distribution exactly. draft_tokens fixes the guesses per pass; by default the tree's
         size follows the measured cost of draft and verify passes and the tokens they gain
-        (and prompt lookup guesses up to 16, fewer while they miss).
+        (and prompt lookup guesses up to 16, fewer while they miss), starting from the size the
+        plan's predicted costs favour, or what earlier loads of the same pair measured.
         """
         path = resolve_model_path(model)
         threads = thread_count(threads)
@@ -168,7 +170,9 @@ class Engine:
         speculator = None
         if draft is not None:
             draft_model = None if drafted is None else drafted.generator
-            speculator = make_speculator(draft_model, draft_shape, draft_tokens, target.config.vocab_size)
+            prior = speculation_prior(loaded, sizes, profile, threads, gpu, drafted)
+            speculator = make_speculator(draft_model, draft_shape, draft_tokens, target.config.vocab_size,
+                                         prior)
         sampling_defaults = recommended_sampling(target.gguf.metadata, budgets.context_length)
         return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults, budgets.notices,
                    model_pooling(target.gguf.metadata, target.config.arch))
@@ -478,6 +482,8 @@ class Engine:
                 return
             if self._batcher is not None:
                 self._batcher.close()
+            if self.speculator is not None:
+                self.speculator.save()  # what it learned, for the next load of the same pair
             self.tokenizer.close()
             self.weights.close()
             if self.draft is not None:

@@ -9,6 +9,7 @@ from tierflow.runtime.generation import GenerationStats, TokenGenerator
 from tierflow.runtime.sampler import Sampler
 from tierflow.speculative.acceptance import accept_tree
 from tierflow.speculative.drafts import ModelDraft, NgramDraft
+from tierflow.speculative.prediction import SpeculationPrior, ngram_taken
 from tierflow.speculative.sizing import TreeBudget
 from tierflow.speculative.tree import TokenTree
 
@@ -27,23 +28,42 @@ def check_draft_options(shape: str, tokens: int | None) -> None:
 
 
 def make_speculator(draft_model: TokenGenerator | None, shape: str, tokens: int | None,
-                    vocab_size: int) -> "Speculator":
+                    vocab_size: int, prior: SpeculationPrior | None = None) -> "Speculator":
     """Prompt lookup when there is no draft model, else the draft model's tree (or chain); sized by
-    measured cost unless `tokens` fixes the guesses per pass."""
+    measured cost unless `tokens` fixes the guesses per pass, its first passes by `prior`."""
+    learned = prior and prior.learned
     if draft_model is None:
         size = tokens or MAX_GUESSES
-        return Speculator(NgramDraft(vocab_size, size), TreeBudget(size, start=4, fixed=tokens is not None))
-    chain = shape == "chain"
-    budget = TreeBudget(tokens or (MAX_CHAIN if chain else MAX_TREE), start=4 if chain else 8,
-                        fixed=tokens is not None)
-    return Speculator(ModelDraft(draft_model, max_width=1 if chain else 4), budget)
+        draft, budget = NgramDraft(vocab_size, size), TreeBudget(size, start=4, fixed=tokens is not None)
+        taken = ngram_taken()
+    else:
+        chain = shape == "chain"
+        budget = TreeBudget(tokens or (MAX_CHAIN if chain else MAX_TREE), start=4 if chain else 8,
+                            fixed=tokens is not None)
+        draft = ModelDraft(draft_model, max_width=1 if chain else 4,
+                           learned=learned and (learned.rank_taken, learned.rank_tries))
+        taken = draft.ranks.probabilities()
+    predicted = prior and tokens is None and prior.sizes(budget.sizes, taken)
+    if predicted:
+        budget.seed(predicted)
+    return Speculator(draft, budget, prior=prior)
 
 
 class Speculator:
-    def __init__(self, draft: NgramDraft | ModelDraft, budget: TreeBudget | None, timed: bool = True):
+    def __init__(self, draft: NgramDraft | ModelDraft, budget: TreeBudget | None, timed: bool = True,
+                 prior: SpeculationPrior | None = None):
         self.draft = draft
         self.budget = budget  # None: the draft sizes itself (prompt lookup's DraftLength)
         self.timed = timed  # whether sizes follow measured time (else acceptance alone)
+        self.prior = prior  # what sized the first passes; where save() keeps what was learned
+
+    def save(self) -> None:
+        """Keeps what the passes so far measured for the next load of the same pair."""
+        if self.prior is None or self.budget is None or len(self.budget.sizes) == 1:
+            return
+        ranks = self.draft.ranks if isinstance(self.draft, ModelDraft) else None
+        self.prior.save(self.budget.gained, self.budget.seconds,
+                        ranks and (ranks.taken.tolist(), ranks.tries.tolist()))
 
     def for_generation(self, sampler: Sampler) -> "Speculator":
         """This speculator, or for a seeded sampled generation a fresh one whose sizes depend on
@@ -82,3 +102,4 @@ class Speculator:
         if self.budget:
             self.budget.update(budget, accepted, verified - started)
         return tree.path_tokens(path[-1]), token
+
