@@ -2,7 +2,7 @@
 accepted path and the target's next token come back; both models' caches keep only that path."""
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.generation import GenerationStats, TokenGenerator
@@ -81,12 +81,14 @@ class Speculator:
         cache); room bounds the tree's guesses. Returns the accepted guesses and the target's
         next token after them."""
         budget = min(room, self.budget.next(self.timed)) if self.budget else room
+        reading = _read_clock(target)
         with self.draft.turn:
-            started = time.perf_counter()
+            started, read_before = time.perf_counter(), reading()
             draft_sampler = sampler.for_draft()  # the draft's distributions are no token's logprobs
             tree = (self.draft.propose(history, budget, draft_sampler) if budget
                     else TokenTree.root(history[-1]))
             drafted = time.perf_counter()
+            stats.draft_hidden_seconds += reading() - read_before
             start = target.cache.length
             rows = target.verify_tree(tree.tokens, tree.parents)
             path, token = accept_tree(tree, rows, sampler, history)
@@ -103,3 +105,9 @@ class Speculator:
             self.budget.update(budget, accepted, verified - started)
         return tree.path_tokens(path[-1]), token
 
+
+def _read_clock(target: TokenGenerator) -> Callable[[], float]:
+    """Seconds so far during which the target's streamed layers were being read (0 when nothing
+    streams): its change over the draft's run is the share of the draft hidden under reads."""
+    streamer = getattr(target.decoder.weights, "streamer", None)
+    return (lambda: 0.0) if streamer is None else (lambda: streamer.read_seconds)

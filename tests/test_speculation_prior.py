@@ -1,5 +1,6 @@
-"""The first passes' tree sizes from the plan's predicted costs and an acceptance prior, and what a
-pair learned kept for its next load (speculative/prediction.py, speculative/learned.py)."""
+"""The first passes' tree sizes from the plan's predicted costs and an acceptance prior, what a
+pair learned kept for its next load (speculative/prediction.py, speculative/learned.py), and a
+streamed target's reads going on while the draft proposes."""
 
 import json
 from dataclasses import replace
@@ -148,3 +149,18 @@ def test_a_seeded_sampled_generation_ignores_what_was_learned(model_path):
 
     LearnedStore(model_path, model_path, "").path.unlink(missing_ok=True)
     assert seeded() == seeded()
+
+
+def test_the_whole_ring_reads_the_next_pass_while_the_draft_runs(model_path):
+    """Once a pass's layers are done, every slot reads ahead, the last streamed layer's too."""
+    with Engine.load(model_path, threads=2, cpu_memory="50MiB", context_length=CONTEXT) as engine:
+        streamer = engine.weights.streamer
+        assert engine.plan.streamed_layers[-1] == engine.config.num_layers - 1  # its slot is the last freed
+        engine.generate(PROMPT, max_tokens=4, temperature=0)
+        assert streamer.read_ahead == len(streamer.slots)
+
+
+def test_the_draft_time_hidden_under_reads_is_part_of_the_draft_time(streamed):
+    stats = streamed.generate(PROMPT, max_tokens=24, temperature=0).stats
+    assert 0 <= stats.draft_hidden_seconds <= stats.draft_seconds
+    assert stats.as_dict()["draft_hidden_seconds"] == round(stats.draft_hidden_seconds, 4)
