@@ -25,7 +25,7 @@ import numpy as np
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.sampler import Sampler
 from tierflow.speculative.ngram import DraftLength, continuations
-from tierflow.speculative.prediction import MIN_REACH
+from tierflow.speculative.prediction import MIN_REACH, OTHER_MODEL_RATES
 from tierflow.speculative.tree import TokenTree
 
 NEVER = threading.Event()  # the target's generation loop checks cancellation between passes
@@ -74,20 +74,21 @@ class ModelDraft:
     share it and take turns (`turn`, held from propose to accepted): its cache holds one history."""
 
     def __init__(self, generator: TokenGenerator, max_width: int = 4, min_reach: float = MIN_REACH,
-                 turn: "threading.Lock | None" = None,
+                 turn: "threading.Lock | None" = None, rates: tuple[float, float] = OTHER_MODEL_RATES,
                  learned: tuple[list[float], list[float]] | None = None):
         self.generator = generator
         self.turn = threading.Lock() if turn is None else turn
         self.max_width = max_width  # children per node at most (1: a chain)
         self.min_reach = min_reach  # a child less likely than this to be reached is not proposed
-        self.ranks = RankAcceptance(max_width, learned)
+        self.rates = rates  # the acceptance prior of this kind of draft
+        self.ranks = RankAcceptance(max_width, rates, learned)
         self._root_slot = 0
         self._fed = 0  # tree nodes in the draft's cache (the last level never is)
 
     def fresh(self) -> "ModelDraft":
         """The same model and cache (which give the same bits whatever they hold) with the
-        counts of which candidates were taken started over."""
-        return ModelDraft(self.generator, self.max_width, self.min_reach, self.turn)
+        counts of which candidates were taken started over, from the prior of its kind."""
+        return ModelDraft(self.generator, self.max_width, self.min_reach, self.turn, self.rates)
 
     def propose(self, history: Sequence[int], budget: int, sampler: Sampler) -> TokenTree:
         generator, tree = self.generator, TokenTree.root(history[-1])
@@ -149,19 +150,18 @@ class ModelDraft:
 
 class RankAcceptance:
     """How often the target takes a node's r-th candidate, given it took none before it
-    (counted from the passes so far, starting from a prior: PRIOR_RATE in PRIOR_TRIES, or the
-    counts an earlier run of the same pair learned)."""
+    (counted from the passes so far, starting from a prior: `rates` (the first candidate's, the
+    others') counted as PRIOR_TRIES passes, or the counts an earlier run of the same pair learned)."""
 
-    # first candidate, the others: a conservative guess at a draft of the same family (Sequoia
-    # measures 0.6-0.8 for the first); the target's own low-bit copy soon shows 0.9 and more
-    PRIOR_RATE, PRIOR_TRIES = (0.7, 0.2), 2.0
+    PRIOR_TRIES = 2.0
 
-    def __init__(self, max_width: int, learned: tuple[list[float], list[float]] | None = None):
+    def __init__(self, max_width: int, rates: tuple[float, float] = OTHER_MODEL_RATES,
+                 learned: tuple[list[float], list[float]] | None = None):
         if learned is not None and len(learned[0]) == len(learned[1]) == max_width:
             self.taken, self.tries = np.array(learned[0]), np.array(learned[1])
             if np.all(self.tries > 0) and np.all(self.taken <= self.tries):
                 return
-        self.taken = np.array([self.PRIOR_RATE[min(r, 1)] * self.PRIOR_TRIES for r in range(max_width)])
+        self.taken = np.array([rates[min(r, 1)] * self.PRIOR_TRIES for r in range(max_width)])
         self.tries = np.full(max_width, self.PRIOR_TRIES)
 
     def record(self, num_children: int, taken: int | None) -> None:

@@ -26,9 +26,15 @@ from tierflow.offload.plan.planner import ProfileSource
 from tierflow.offload.plan.probe import read_profile
 from tierflow.offload.plan.profile import profile_path
 from tierflow.runtime.loader import GpuTier, LoadedModel, model_profile
+from tierflow.runtime.overhead import shape_key
 from tierflow.speculative.learned import Learned, LearnedStore
 
-NGRAM_TAKEN = 0.4  # the chance the target takes prompt lookup's next guess (a chain: one candidate)
+# Acceptance priors per kind of draft, conservative (passes soon replace them): the chance the target
+# takes prompt lookup's next guess (a chain: one candidate), and for a draft model the chance it
+# takes the first candidate, then another given it took none before.
+NGRAM_TAKEN = 0.4
+OTHER_MODEL_RATES = (0.7, 0.2)  # a smaller model with the vocabulary (Sequoia measures 0.6-0.8 for the first)
+SAME_MODEL_RATES = (0.9, 0.2)  # a conversion of the target itself (its shapes): mostly the target's picks
 MIN_REACH = 0.01  # ModelDraft's: a node less likely than this to be reached is not proposed
 
 
@@ -92,6 +98,7 @@ class SpeculationPrior:
     draft_pass: Callable[[int], float] | None
     store: LearnedStore
     learned: Learned | None
+    rates: tuple[float, float] = OTHER_MODEL_RATES  # a draft model's acceptance prior
 
     def sizes(self, sizes: Sequence[int], taken: np.ndarray) -> SizePredictions | None:
         """Predictions for each size, what was learned standing in for the cost model's where
@@ -123,8 +130,11 @@ def speculation_prior(target: LoadedModel, sizes: PackSizes, profile: ProfileSou
                  f"depth {plan.prefetch_depth}, kv {plan.kv_type}{' on cpu' if plan.kv_on_cpu else ''}; "
                  f"draft gpu {draft.plan.gpu_layers if draft is not None else ()}")
     store = LearnedStore(target.path, None if draft is None else draft.path, placement)
+    same_model = draft is not None and (shape_key(draft.config), draft.config.num_layers) == (
+        shape_key(target.config), target.config.num_layers)
+    rates = SAME_MODEL_RATES if same_model else OTHER_MODEL_RATES
     if target.plan.decode is None and read_profile(profile_path(threads)) is None:
-        return SpeculationPrior(None, None, store, store.load())
+        return SpeculationPrior(None, None, store, store.load(), rates)
     verify = PassCosts(target.plan, target.config, sizes, profile() if callable(profile) else profile)
     draft_pass = None
     if draft is not None:
@@ -132,4 +142,4 @@ def speculation_prior(target: LoadedModel, sizes: PackSizes, profile: ProfileSou
             draft_costs = PassCosts(draft.plan, draft.config, pack_sizes(opened),
                                     model_profile(opened, threads, gpu))
         draft_pass = draft_costs.seconds
-    return SpeculationPrior(verify, draft_pass, store, store.load())
+    return SpeculationPrior(verify, draft_pass, store, store.load(), rates)

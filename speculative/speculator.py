@@ -9,7 +9,7 @@ from tierflow.runtime.generation import GenerationStats, TokenGenerator
 from tierflow.runtime.sampler import Sampler
 from tierflow.speculative.acceptance import accept_tree
 from tierflow.speculative.drafts import ModelDraft, NgramDraft
-from tierflow.speculative.prediction import SpeculationPrior, ngram_taken
+from tierflow.speculative.prediction import OTHER_MODEL_RATES, SpeculationPrior, ngram_taken
 from tierflow.speculative.sizing import TreeBudget
 from tierflow.speculative.tree import TokenTree
 
@@ -41,6 +41,7 @@ def make_speculator(draft_model: TokenGenerator | None, shape: str, tokens: int 
         budget = TreeBudget(tokens or (MAX_CHAIN if chain else MAX_TREE), start=4 if chain else 8,
                             fixed=tokens is not None)
         draft = ModelDraft(draft_model, max_width=1 if chain else 4,
+                           rates=prior.rates if prior else OTHER_MODEL_RATES,
                            learned=learned and (learned.rank_taken, learned.rank_tries))
         taken = draft.ranks.probabilities()
     predicted = prior and tokens is None and prior.sizes(budget.sizes, taken)

@@ -15,7 +15,7 @@ from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.pass_costs import PassCosts
 from tierflow.offload.plan.probe import load_profile
 from tierflow.speculative.learned import LearnedStore
-from tierflow.speculative.prediction import SizePredictions, grown_tree, predict_sizes
+from tierflow.speculative.prediction import SAME_MODEL_RATES, SizePredictions, grown_tree, predict_sizes
 from tierflow.speculative.sizing import TreeBudget
 
 CONTEXT = 256
@@ -164,3 +164,7 @@ def test_the_draft_time_hidden_under_reads_is_part_of_the_draft_time(streamed):
     stats = streamed.generate(PROMPT, max_tokens=24, temperature=0).stats
     assert 0 <= stats.draft_hidden_seconds <= stats.draft_seconds
     assert stats.as_dict()["draft_hidden_seconds"] == round(stats.draft_hidden_seconds, 4)
+
+
+def test_a_conversion_of_the_target_drafts_from_the_same_models_prior(resident):
+    assert resident.speculator.draft.rates == SAME_MODEL_RATES
