@@ -6,9 +6,10 @@ tree. So the budget that gives the most tokens per second depends on the machine
 TreeBudget keeps, for each size tried, moving averages of the tokens a pass gained (accepted
 guesses plus the target's own token) and of the seconds it took (draft plus verify), and picks
 the size with the best ratio. The neighbours of the best size are tried as soon as they are
-unmeasured (so it climbs or descends quickly), then again every few passes (less often while
-that changes nothing) so the estimates around it stay current. Size 0 is a plain decode step:
-where no draft pays, speculation all but switches itself off.
+unmeasured (so it climbs or descends quickly; not while the best gains what a prior predicted,
+whose estimates then stand in for them), then again every few passes (less often
+while that changes nothing) so the estimates around it stay current. Size 0 is a plain decode
+step: where no draft pays, speculation all but switches itself off.
 
 Before a size is measured, a prior may stand in for it (`seed`: the cost model's predictions and
 an acceptance prior, speculative/prediction.py, or what earlier runs of the pair measured): the
@@ -66,7 +67,8 @@ class TreeBudget:
         self._since_explored += 1
         if best not in self.gained:  # the start, or the prior's best: measured first
             self.current = best
-        elif up not in self.gained or down not in self.gained:  # try each neighbour of the best once
+        elif (up not in self.gained or down not in self.gained) and not self._prior_held(best):
+            # each neighbour of the best is tried at once, unless a prior borne out stands in for them
             self.current = up if up not in self.gained else down
         elif self._since_explored >= self._explore_every:  # the next size up and down in turn
             self._explore_up = not self._explore_up
@@ -97,6 +99,12 @@ class TreeBudget:
         if not estimates:
             return self.current
         return max(estimates, key=lambda s: estimates[s][0] / estimates[s][1])
+
+    def _prior_held(self, size: int) -> bool:
+        """Whether the passes of `size` gained at least the tokens the prior predicted (the draft
+        is as good as it assumed): its estimates of the other sizes (their seconds calibrated by
+        the measured ones) are then trusted until the periodic tries."""
+        return self.prior is not None and self.gained[size] >= self.prior.gained[size]
 
     def _estimates(self) -> dict[int, tuple[float, float]]:
         """size -> (tokens per pass, seconds per pass): measured, else the prior's (its seconds

@@ -168,3 +168,14 @@ def test_the_draft_time_hidden_under_reads_is_part_of_the_draft_time(streamed):
 
 def test_a_conversion_of_the_target_drafts_from_the_same_models_prior(resident):
     assert resident.speculator.draft.rates == SAME_MODEL_RATES
+
+
+def test_with_a_prior_the_best_size_is_kept_rather_than_its_neighbours_tried_at_once():
+    budget = TreeBudget(64, start=8)
+    budget.seed(SizePredictions({s: 1 + s for s in budget.sizes}, {s: 1.0 for s in budget.sizes}))
+    sizes = []
+    for _ in range(3):  # the draft is always right and a pass costs the same at any size
+        size = budget.next()
+        budget.update(size, size, 1.0)
+        sizes.append(size)
+    assert sizes == [64, 64, 64]
