@@ -81,7 +81,8 @@ class Speculator:
         """history ends with the token just sampled (the tree's root, not yet in the target's
         cache); room bounds the tree's guesses. Returns the accepted guesses and the target's
         next token after them."""
-        budget = min(room, self.budget.next(self.timed)) if self.budget else room
+        asked = self.budget.next(self.timed) if self.budget else room
+        budget = min(room, asked)
         reading = _read_clock(target)
         with self.draft.turn:
             started, read_before = time.perf_counter(), reading()
@@ -102,7 +103,7 @@ class Speculator:
         stats.accepted_tokens += accepted
         stats.draft_seconds += drafted - started
         stats.verify_seconds += verified - drafted
-        if self.budget:
+        if self.budget and budget == asked:  # a tree cut short by the generation's end samples no size
             self.budget.update(budget, accepted, verified - started)
         return tree.path_tokens(path[-1]), token
 

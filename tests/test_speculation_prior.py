@@ -179,3 +179,10 @@ def test_with_a_prior_the_best_size_is_kept_rather_than_its_neighbours_tried_at_
         budget.update(size, size, 1.0)
         sizes.append(size)
     assert sizes == [64, 64, 64]
+
+
+def test_a_tree_cut_short_by_the_generations_end_is_not_counted_for_its_size(streamed):
+    assert first_size(streamed) > 1  # a pass with room for one guess is cut short
+    before = dict(streamed.speculator.budget.gained)
+    streamed.generate(PROMPT, max_tokens=3, temperature=0)  # one pass, with room for one guess
+    assert streamed.speculator.budget.gained == before
