@@ -3,9 +3,10 @@
 One JSON file per pair in the cache folder beside the packs (cache_dir("speculation")), named
 after a hash of the pair and holding the pair itself: the target file's identity as the pack
 cache records it (device, inode, size, modification time, a hash of sampled content) and the
-draft file's, or "ngram" for prompt lookup. A file is used only when the pair it holds is the
-pair being loaded: another model, another draft, either file changed, or a file that does not
-parse is ignored, never applied; the next save replaces it.
+draft file's, or "ngram" for prompt lookup, and the draft's shape (tree or chain). A file is
+used only when the pair it holds is the pair being loaded: another model, another draft, either
+file changed, another shape, or a file that does not parse is ignored, never applied; the next
+save replaces it.
 
 It holds tokens per pass by tree size (the pair's acceptance, wherever it runs), seconds per pass
 by tree size with the placement they were measured under (used only under the same threads,
@@ -38,11 +39,13 @@ class Learned:
 
 
 class LearnedStore:
-    """The learned file of one (target, draft) pair under one placement."""
+    """The learned file of one (target, draft) pair, the draft's tree or chain, under one placement."""
 
-    def __init__(self, target: Path, draft: Path | None, placement: str):
+    def __init__(self, target: Path, draft: Path | None, shape: str, placement: str):
         draft_identity = "ngram" if draft is None else source_identity(draft)
-        self.pair = {"target": source_identity(target), "draft": draft_identity}
+        # a chain and a tree of the same draft gain differently at a size: each has its own file
+        self.pair = {"target": source_identity(target), "draft": draft_identity,
+                     "shape": "chain" if draft is None else shape}
         self.placement = placement
         digest = hashlib.sha256(json.dumps(self.pair, sort_keys=True).encode()).hexdigest()[:16]
         self.path = cache_dir("speculation") / f"{Path(target).stem}.{digest}.json"

@@ -121,15 +121,16 @@ class SpeculationPrior:
 
 
 def speculation_prior(target: LoadedModel, sizes: PackSizes, profile: ProfileSource, threads: int,
-                      gpu: GpuTier, draft: LoadedModel | None) -> SpeculationPrior:
-    """The prior of a loaded target (its pack's `sizes`) and draft (None: prompt lookup). The
-    costs are predicted only where the machine has a profile: a load whose plan did not need one
-    does not measure it for this (the first passes then start from fixed sizes, as before)."""
+                      gpu: GpuTier, draft: LoadedModel | None, shape: str) -> SpeculationPrior:
+    """The prior of a loaded target (its pack's `sizes`) and draft (None: prompt lookup) of
+    `shape` ("tree" or "chain"). The costs are predicted only where the machine has a profile: a
+    load whose plan did not need one does not measure it for this (the first passes then start
+    from fixed sizes, as before)."""
     plan = target.plan
     placement = (f"{threads} threads; target gpu {plan.gpu_layers}, streamed {plan.streamed_layers}, "
                  f"depth {plan.prefetch_depth}, kv {plan.kv_type}{' on cpu' if plan.kv_on_cpu else ''}; "
                  f"draft gpu {draft.plan.gpu_layers if draft is not None else ()}")
-    store = LearnedStore(target.path, None if draft is None else draft.path, placement)
+    store = LearnedStore(target.path, None if draft is None else draft.path, shape, placement)
     same_model = draft is not None and (shape_key(draft.config), draft.config.num_layers) == (
         shape_key(target.config), target.config.num_layers)
     rates = SAME_MODEL_RATES if same_model else OTHER_MODEL_RATES
