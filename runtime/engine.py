@@ -170,7 +170,13 @@ class Engine:
         speculator = None
         if draft is not None:
             draft_model = None if drafted is None else drafted.generator
-            prior = speculation_prior(loaded, sizes, profile, threads, gpu, drafted, draft_shape)
+            try:
+                prior = speculation_prior(loaded, sizes, profile, threads, gpu, drafted, draft_shape)
+            except BaseException:
+                for part in (loaded, drafted, tokenizer):
+                    if part is not None:
+                        part.close()
+                raise
             speculator = make_speculator(draft_model, draft_shape, draft_tokens, target.config.vocab_size,
                                          prior)
         sampling_defaults = recommended_sampling(target.gguf.metadata, budgets.context_length)
