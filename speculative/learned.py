@@ -9,10 +9,11 @@ file changed, another shape, or a file that does not parse is ignored, never app
 save replaces it.
 
 It holds tokens per pass by tree size (the pair's acceptance, wherever it runs), seconds per pass
-by tree size with the placement they were measured under (used only under the same threads,
-layers on each tier and ring depth), and for a draft model how often the target took each rank
-of candidate (RankAcceptance's counts, scaled down to LEARNED_TRIES passes so that the new run's
-passes still move them).
+by tree size for each placement they were measured under (threads, layers on each tier, ring
+depth: a load uses its own placement's, and keeps the others' for loads under them, the
+MAX_PLACEMENTS latest), and for a draft model how often the target took each rank of candidate
+(RankAcceptance's counts, scaled down to LEARNED_TRIES passes so that the new run's passes still
+move them).
 """
 
 import hashlib
@@ -25,15 +26,16 @@ from pathlib import Path
 from tierflow.offload.pack.cache import source_identity
 from tierflow.offload.plan.profile import cache_dir
 
-VERSION = 1
+VERSION = 2
 LEARNED_TRIES = 16.0  # the most passes' worth of evidence a learned rank acceptance counts as
+MAX_PLACEMENTS = 8
 
 
 @dataclass
 class Learned:
     gained: dict[int, float] = field(default_factory=dict)  # tree size -> tokens per pass
-    seconds: dict[int, float] = field(default_factory=dict)  # tree size -> seconds per pass, under placement
-    placement: str = ""
+    seconds: dict[int, float] = field(default_factory=dict)  # tree size -> seconds per pass, this placement's
+    other_seconds: dict[str, dict[int, float]] = field(default_factory=dict)  # other placements'
     rank_taken: list[float] = field(default_factory=list)  # RankAcceptance.taken, .tries (a draft model)
     rank_tries: list[float] = field(default_factory=list)
 
@@ -51,15 +53,15 @@ class LearnedStore:
         self.path = cache_dir("speculation") / f"{Path(target).stem}.{digest}.json"
 
     def load(self) -> Learned | None:
-        """What was learned for this pair (seconds only if under this placement); None when
-        nothing was, or the file is another pair's or damaged."""
+        """What was learned for this pair; None when nothing was, or the file is another pair's or
+        damaged."""
         try:
             data = json.loads(self.path.read_text())
             if data.get("version") != VERSION or data.get("pair") != self.pair:
                 return None
-            same_placement = data["placement"] == self.placement
-            return Learned(_sizes(data["gained"]), _sizes(data["seconds"]) if same_placement else {},
-                           self.placement, _counts(data["rank_taken"]), _counts(data["rank_tries"]))
+            seconds = {str(placement): _sizes(table) for placement, table in data["seconds"].items()}
+            return Learned(_sizes(data["gained"]), seconds.pop(self.placement, {}), seconds,
+                           _counts(data["rank_taken"]), _counts(data["rank_tries"]))
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             return None
 
@@ -67,8 +69,9 @@ class LearnedStore:
         """Replaces the pair's file (atomically: a reader sees the old one or the new one). A cache
         folder this user cannot write only loses what was learned."""
         scale = min(1.0, LEARNED_TRIES / max(learned.rank_tries, default=1.0))
-        data = {"version": VERSION, "pair": self.pair, "placement": self.placement,
-                "gained": learned.gained, "seconds": learned.seconds,
+        others = list(learned.other_seconds.items())[-(MAX_PLACEMENTS - 1):]
+        data = {"version": VERSION, "pair": self.pair, "gained": learned.gained,
+                "seconds": dict([*others, (self.placement, learned.seconds)]),
                 "rank_taken": [x * scale for x in learned.rank_taken],
                 "rank_tries": [x * scale for x in learned.rank_tries]}
         temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")

@@ -116,7 +116,7 @@ class SpeculationPrior:
         """Keeps what this run measured beside what earlier runs did, for the pair's next load."""
         learned = self.learned or Learned()
         taken, tries = ranks if ranks is not None else (learned.rank_taken, learned.rank_tries)
-        self.store.save(Learned(learned.gained | gained, learned.seconds | seconds, self.store.placement,
+        self.store.save(Learned(learned.gained | gained, learned.seconds | seconds, learned.other_seconds,
                                 list(taken), list(tries)))
 
 

@@ -60,8 +60,8 @@ class Speculator:
 
     def save(self) -> None:
         """Keeps what the passes so far measured for the next load of the same pair."""
-        if self.prior is None or self.budget is None or len(self.budget.sizes) == 1:
-            return
+        if self.prior is None or self.budget is None or len(self.budget.sizes) == 1 or not self.budget.gained:
+            return  # nothing measured: what earlier loads learned stays as it is
         ranks = self.draft.ranks if isinstance(self.draft, ModelDraft) else None
         self.prior.save(self.budget.gained, self.budget.seconds,
                         ranks and (ranks.taken.tolist(), ranks.tries.tolist()))

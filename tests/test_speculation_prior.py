@@ -14,7 +14,7 @@ from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.pass_costs import PassCosts
 from tierflow.offload.plan.probe import load_profile
-from tierflow.speculative.learned import LearnedStore
+from tierflow.speculative.learned import Learned, LearnedStore
 from tierflow.speculative.prediction import SAME_MODEL_RATES, SizePredictions, grown_tree, predict_sizes
 from tierflow.speculative.sizing import TreeBudget
 
@@ -192,3 +192,24 @@ def test_a_tree_cut_short_by_the_generations_end_is_not_counted_for_its_size(str
 def test_a_chain_and_a_tree_of_the_same_draft_learn_apart(model_path):
     tree = LearnedStore(model_path, model_path, "tree", "")
     assert LearnedStore(model_path, model_path, "chain", "").path != tree.path
+
+
+def test_seconds_learned_under_one_placement_survive_a_load_under_another(model_path):
+    def store(placement: str) -> LearnedStore:
+        return LearnedStore(model_path, model_path, "chain", placement)
+
+    store("streamed").save(Learned(gained={8: 9.0}, seconds={8: 0.5}))
+    in_ram = store("in RAM").load()
+    assert in_ram.gained == {8: 9.0} and in_ram.seconds == {}
+    store("in RAM").save(Learned(in_ram.gained, {8: 0.01}, in_ram.other_seconds))
+    assert store("streamed").load().seconds == {8: 0.5}
+    store("streamed").path.unlink()
+
+
+def test_a_load_that_measured_nothing_leaves_what_was_learned(model_path):
+    with Engine.load(model_path, threads=2, draft="ngram", context_length=CONTEXT) as first:
+        first.generate(PROMPT, max_tokens=32, temperature=0)
+    learned = first.speculator.prior.store.path.read_text()
+    with Engine.load(model_path, threads=2, draft="ngram", context_length=CONTEXT, kv_cache_type="f32"):
+        pass
+    assert first.speculator.prior.store.path.read_text() == learned
