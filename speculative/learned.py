@@ -10,10 +10,10 @@ save replaces it.
 
 It holds tokens per pass by tree size (the pair's acceptance, wherever it runs), seconds per pass
 by tree size for each placement they were measured under (threads, layers on each tier, ring
-depth: a load uses its own placement's, and keeps the others' for loads under them, the
-MAX_PLACEMENTS latest), and for a draft model how often the target took each rank of candidate
-(RankAcceptance's counts, scaled down to LEARNED_TRIES passes so that the new run's passes still
-move them).
+depth: a load calibrates the cost model's curve with its own placement's, prediction.py, and
+keeps the others' for loads under them, the MAX_PLACEMENTS latest), and for a draft model how
+often the target took each rank of candidate (RankAcceptance's counts, scaled down to
+LEARNED_TRIES passes so that the new run's passes still move them).
 """
 
 import hashlib

@@ -14,6 +14,7 @@ The acceptance prior is a constant per draft kind (conservative: a good draft be
 quickly), or what earlier runs of the same pair learned (learned.py).
 """
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -101,15 +102,21 @@ class SpeculationPrior:
     rates: tuple[float, float] = OTHER_MODEL_RATES  # a draft model's acceptance prior
 
     def sizes(self, sizes: Sequence[int], taken: np.ndarray) -> SizePredictions | None:
-        """Predictions for each size, what was learned standing in for the cost model's where
-        there is some; None when there is neither."""
+        """Predictions for each size: the tokens per pass learned where there are some, else the
+        prior's; the cost model's seconds scaled by the median ratio of the learned seconds to
+        them (the machine's speed under this placement: the curve's shape stays the cost model's,
+        so one size timed while the machine was busy does not decide the next load's first trees).
+        Without a profile, what was learned alone, if it covers every size; else None."""
         learned = self.learned or Learned()
         if self.verify is None:
             if not all(s in learned.gained and s in learned.seconds for s in sizes):
                 return None
             return SizePredictions(dict(learned.gained), dict(learned.seconds))
         predicted = predict_sizes(sizes, taken, self.verify, self.draft_pass)
-        return SizePredictions(predicted.gained | learned.gained, predicted.seconds | learned.seconds)
+        ratios = [t / predicted.seconds[s] for s, t in learned.seconds.items() if s in predicted.seconds]
+        scale = statistics.median(ratios) if ratios else 1.0
+        return SizePredictions(predicted.gained | learned.gained,
+                               {s: scale * t for s, t in predicted.seconds.items()})
 
     def save(self, gained: dict[int, float], seconds: dict[int, float],
              ranks: tuple[list[float], list[float]] | None) -> None:

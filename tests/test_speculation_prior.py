@@ -15,7 +15,13 @@ from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.pass_costs import PassCosts
 from tierflow.offload.plan.probe import load_profile
 from tierflow.speculative.learned import Learned, LearnedStore
-from tierflow.speculative.prediction import SAME_MODEL_RATES, SizePredictions, grown_tree, predict_sizes
+from tierflow.speculative.prediction import (
+    SAME_MODEL_RATES,
+    SizePredictions,
+    SpeculationPrior,
+    grown_tree,
+    predict_sizes,
+)
 from tierflow.speculative.sizing import TreeBudget
 
 CONTEXT = 256
@@ -213,3 +219,14 @@ def test_a_load_that_measured_nothing_leaves_what_was_learned(model_path):
     with Engine.load(model_path, threads=2, draft="ngram", context_length=CONTEXT, kv_cache_type="f32"):
         pass
     assert first.speculator.prior.store.path.read_text() == learned
+
+
+def test_learned_seconds_scale_the_cost_models_curve_rather_than_replace_a_size(pass_costs, model_path):
+    _, in_ram = pass_costs
+    sizes, taken = (0, 1, 2, 4, 8, 16), np.array([0.9, 0.2])
+    store = LearnedStore(model_path, None, "chain", "")
+    plain = SpeculationPrior(in_ram, None, store, None).sizes(sizes, taken)
+    slow = Learned(seconds={plain.best: 3 * plain.seconds[plain.best]})  # timed while the machine was busy
+    scaled = SpeculationPrior(in_ram, None, store, slow).sizes(sizes, taken)
+    assert scaled.seconds == pytest.approx({s: 3 * t for s, t in plain.seconds.items()})
+    assert scaled.best == plain.best
