@@ -1,8 +1,8 @@
 """Speculative decoding: greedy decode tokens/s with and without a draft, same prompts, one run.
 
-    python -m benchmarks.speculative [--threads 2] [--tokens 96] [--cases resident,streamed,f32]
+    python -m benchmarks.speculative [--threads 2] [--tokens 96] [--cases resident,streamed,f32,fresh]
 
-Three settings, each against the same target without a draft, in this run:
+Four settings, each against the same target without a draft, in this run:
 - resident: the bundled SmolLM2-135M-Instruct (Q4_1) in RAM; drafts: prompt lookup ("ngram"),
   its own 3-bit conversion (`tierflow convert --bits 3`, made here once) as a chain and a tree,
   and "auto" (prompt lookup or the self-draft).
@@ -13,11 +13,19 @@ Three settings, each against the same target without a draft, in this run:
   tests/support/make_model.py), streamed the same way, with the bundled Q4_1 model as its draft: the
   low-bit self-draft of an offloaded model, SpecExec's setting. Both streamed settings also run
   "self" (the target's own first layers, within the target's budget) and "auto:DRAFT".
-Every run's tokens are checked equal to the target's own. The figures are the median of
---repeats runs after two warm-up generations (from which the tree sizing starts learning).
+- fresh: the f32 setting as a user meets it: each prompt on a freshly loaded engine, the first
+  --first tokens and the --then tokens after them (a second generation continuing the first)
+  reported apart, as the geometric mean over the prompts of the speed-up over the target alone,
+  with tokens per pass, the draft's and the target's seconds and the share of the draft's time
+  hidden under the target's reads. Before each load the pair's learned prior is removed (a first
+  load ever) unless --keep-learned.
+Every run's tokens are checked equal to the target's own. The figures of the first three are the
+median of --repeats runs after two warm-up generations (from which the tree sizing starts
+learning).
 """
 
 import argparse
+import math
 import statistics
 from pathlib import Path
 
@@ -29,6 +37,7 @@ from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.profile import cache_dir
+from tierflow.speculative.learned import LearnedStore
 from tierflow.units import format_size
 
 CONTEXT = 1024
@@ -103,6 +112,57 @@ def compare(title: str, target: Path, variants: dict, prompts: dict, args) -> No
             engine.close()
 
 
+def segment(stats) -> str:
+    """A generation's tokens per pass, draft and verify seconds and the share of the draft's time
+    hidden under the target's reads."""
+    hidden = stats.draft_hidden_seconds / stats.draft_seconds if stats.draft_seconds else 0.0
+    return (f"{stats.tokens_per_pass:.1f}/pass, draft {stats.draft_seconds:.2f} s, "
+            f"verify {stats.verify_seconds:.2f} s, {hidden:.0%} hidden")
+
+
+def forget_learned(model: Path, draft: Path) -> None:
+    """Removes what loads of this pair (a tree) learned: the next load is the pair's first."""
+    LearnedStore(model, draft, "tree", "").path.unlink(missing_ok=True)
+
+
+def fresh_engines(model: Path, draft: Path, prompts: dict, args) -> None:
+    """Each prompt on a fresh engine: the first args.first tokens, then args.then more, against
+    the target alone (whose streamed step costs the same per token, one sweep of the disk, so 16
+    tokens measure it), run just before it: a shared machine's load then weighs on both alike.
+    Three drafts: the draft file, the target's own first layers ("self", within the target's
+    budget) and "auto:" the file."""
+    budget, extra = quarter_resident_budget(model), draft_bytes(model, draft)
+    with Engine.load(model, threads=args.threads, context_length=CONTEXT) as resident:
+        expected = {label: resident.generate(prompt, max_tokens=args.first + args.then, temperature=0).tokens
+                    for label, prompt in prompts.items()}
+    settings = {f"draft {draft.name}": (budget + extra, draft), "self": (budget, "self"),
+                "auto": (budget + extra, f"auto:{draft}")}
+    for name, (memory, asked) in settings.items():
+        print(f"\n## {model.name} streamed, {format_size(budget)} resident, fresh engines; {name} "
+              f"({format_size(memory - budget)} beside it)\n")
+        print(f"| prompt | target alone | first {args.first} | next {args.then} |")
+        print("|---|---|---|---|")
+        speedups = ([], [])
+        with Engine.load(model, threads=args.threads, context_length=CONTEXT, cpu_memory=budget) as alone:
+            for label, prompt in prompts.items():
+                base = alone.generate(prompt, max_tokens=16, temperature=0).stats.decode_tokens_per_s
+                if not args.keep_learned:
+                    forget_learned(model, draft)
+                with Engine.load(model, threads=args.threads, context_length=CONTEXT, cpu_memory=memory,
+                                 draft=asked) as engine:
+                    first = engine.generate(prompt, max_tokens=args.first, temperature=0)
+                    continued = engine.tokenize(prompt) + first.tokens
+                    then = engine.generate(continued, max_tokens=args.then, temperature=0)
+                assert first.tokens + then.tokens == expected[label], f"{label}: the draft changed the output"
+                cells = []
+                for result, gains in zip((first, then), speedups):
+                    gains.append(result.stats.decode_tokens_per_s / base)
+                    cells.append(f"**{gains[-1]:.2f}x**, {segment(result.stats)}")
+                print(f"| {label} | {base:.2f} tok/s | {' | '.join(cells)} |", flush=True)
+        means = [f"**{math.exp(statistics.fmean(map(math.log, gains))):.2f}x**" for gains in speedups]
+        print(f"| geometric mean | | {' | '.join(means)} |")
+
+
 def draft_bytes(target: Path, draft: Path) -> int:
     """The draft's weights in RAM and what its cache and activations keep beside them."""
     with Engine.load(target, threads=1, context_length=CONTEXT, draft=draft) as engine:
@@ -114,7 +174,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--cases", default="resident,streamed,f32")
+    parser.add_argument("--cases", default="resident,streamed,f32,fresh")
+    parser.add_argument("--first", type=int, default=64)
+    parser.add_argument("--then", type=int, default=256)
+    parser.add_argument("--keep-learned", action="store_true")
     args = parser.parse_args()
     target, three_bit, f32 = bench_files()
     cases = args.cases.split(",")
@@ -138,6 +201,8 @@ def main() -> None:
                     "+ self": {"cpu_memory": budget, "draft": "self"},
                     "+ auto (ngram, self, draft)": {"cpu_memory": budget + extra, "draft": f"auto:{draft}"}},
                 prose, args)
+    if "fresh" in cases:
+        fresh_engines(f32, target, PROMPTS, args)
     print("\nA draft on a GPU (Dovetail's setting) needs the GPU tier's engine path (issue 5); "
           "this machine has no GPU.")
 

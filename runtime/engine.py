@@ -51,6 +51,7 @@ from tierflow.runtime.tool_calls import ToolCallStream, ToolFormat, parse_tool_c
 from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
 from tierflow.speculative.choice import AutoSpeculator, draft_budgets, draft_speculator
 from tierflow.speculative.placement import load_draft
+from tierflow.speculative.prediction import SpeculationPrior, speculation_prior
 from tierflow.speculative.self_draft import parse_draft
 from tierflow.speculative.speculator import Speculator, check_draft_options
 from tierflow.units import format_size
@@ -135,7 +136,8 @@ class Engine:
         in one pass. Greedy output is the target's own, token for token; sampled output follows
         its distribution exactly. draft_tokens fixes the guesses per pass; by default the tree's
         size follows the measured cost of draft and verify passes and the tokens they gain
-        (and prompt lookup guesses up to 16, fewer while they miss).
+        (and prompt lookup guesses up to 16, fewer while they miss), starting from the size the
+        plan's predicted costs favour, or what earlier loads of the same pair measured.
         draft "self:N" drafts with the target's own first N layers and its output head (an early
         exit: no second model, its layers held in memory, never streamed, with a KV cache of their
         own within the budgets); "self" tries a few depths on the first passes and keeps the
@@ -174,8 +176,11 @@ class Engine:
                                       f"of GPU memory)") from error
                 speculator, said = None, ()
                 if request is not None:
+                    def prior(model: LoadedModel | None) -> SpeculationPrior:
+                        return speculation_prior(loaded, sizes, profile, threads, gpu, model, draft_shape)
+
                     speculator, said = draft_speculator(request, target, sizes, loaded, drafted, profile,
-                                                        draft_shape, draft_tokens)
+                                                        draft_shape, draft_tokens, prior)
             except BaseException:
                 tokenizer.close()
                 for model_loaded in (drafted, loaded):
@@ -491,6 +496,8 @@ class Engine:
                 return
             if self._batcher is not None:
                 self._batcher.close()
+            if self.speculator is not None:
+                self.speculator.save()  # what it learned, for the next load of the same pair
             self.tokenizer.close()
             self.weights.close()
             if self.draft is not None:

@@ -33,6 +33,9 @@ class GenerationStats:
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0  # of decode_seconds, spent by the draft proposing
     verify_seconds: float = 0.0  # of decode_seconds, spent by the target verifying guesses
+    # of draft_seconds, those during which the streamed target's layers were being read (the draft
+    # then costs nothing: the next verify pass waits for those reads either way)
+    draft_hidden_seconds: float = 0.0
     # per tier (gpu, cpu, disk): the most bytes of weights (and, on the GPU, KV cache) held during
     # the generation, as TieredWeights.peak_bytes_by_tier measures them
     peak_weight_bytes: dict[str, int] = field(default_factory=dict)
@@ -64,6 +67,7 @@ class GenerationStats:
             "decode_seconds": round(self.decode_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
+            "draft_hidden_seconds": round(self.draft_hidden_seconds, 4),
             "tokens_per_pass": round(self.tokens_per_pass, 3),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),

@@ -25,6 +25,7 @@ import numpy as np
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.sampler import Sampler
 from tierflow.speculative.ngram import DraftLength, continuations
+from tierflow.speculative.prediction import MIN_REACH, OTHER_MODEL_RATES
 from tierflow.speculative.tree import TokenTree
 
 NEVER = threading.Event()  # the target's generation loop checks cancellation between passes
@@ -72,20 +73,22 @@ class ModelDraft:
     """A draft model's token generator (its own decoder and KV cache). Generations running together
     share it and take turns (`turn`, held from propose to accepted): its cache holds one history."""
 
-    def __init__(self, generator: TokenGenerator, max_width: int = 4, min_reach: float = 0.01,
-                 turn: "threading.Lock | None" = None):
+    def __init__(self, generator: TokenGenerator, max_width: int = 4, min_reach: float = MIN_REACH,
+                 turn: "threading.Lock | None" = None, rates: tuple[float, float] = OTHER_MODEL_RATES,
+                 learned: tuple[list[float], list[float]] | None = None):
         self.generator = generator
         self.turn = threading.Lock() if turn is None else turn
         self.max_width = max_width  # children per node at most (1: a chain)
         self.min_reach = min_reach  # a child less likely than this to be reached is not proposed
-        self.ranks = RankAcceptance(max_width)
+        self.rates = rates  # the acceptance prior of this kind of draft
+        self.ranks = RankAcceptance(max_width, rates, learned)
         self._root_slot = 0
         self._fed = 0  # tree nodes in the draft's cache (the last level never is)
 
     def fresh(self) -> "ModelDraft":
         """The same model and cache (which give the same bits whatever they hold) with the
-        counts of which candidates were taken started over."""
-        return ModelDraft(self.generator, self.max_width, self.min_reach, self.turn)
+        counts of which candidates were taken started over, from the prior of its kind."""
+        return ModelDraft(self.generator, self.max_width, self.min_reach, self.turn, self.rates)
 
     def propose(self, history: Sequence[int], budget: int, sampler: Sampler) -> TokenTree:
         generator, tree = self.generator, TokenTree.root(history[-1])
@@ -147,12 +150,18 @@ class ModelDraft:
 
 class RankAcceptance:
     """How often the target takes a node's r-th candidate, given it took none before it
-    (counted from the passes so far, starting from a prior of PRIOR_TAKEN in PRIOR_TRIES)."""
+    (counted from the passes so far, starting from a prior: `rates` (the first candidate's, the
+    others') counted as PRIOR_TRIES passes, or the counts an earlier run of the same pair learned)."""
 
-    PRIOR_TAKEN, PRIOR_TRIES = (1.0, 0.25), 2.0  # first candidate, the others
+    PRIOR_TRIES = 2.0
 
-    def __init__(self, max_width: int):
-        self.taken = np.array([self.PRIOR_TAKEN[min(r, 1)] for r in range(max_width)])
+    def __init__(self, max_width: int, rates: tuple[float, float] = OTHER_MODEL_RATES,
+                 learned: tuple[list[float], list[float]] | None = None):
+        if learned is not None and len(learned[0]) == len(learned[1]) == max_width:
+            self.taken, self.tries = np.array(learned[0]), np.array(learned[1])
+            if np.all(self.tries > 0) and np.all(self.taken <= self.tries):
+                return
+        self.taken = np.array([rates[min(r, 1)] * self.PRIOR_TRIES for r in range(max_width)])
         self.tries = np.full(max_width, self.PRIOR_TRIES)
 
     def record(self, num_children: int, taken: int | None) -> None:

@@ -6,15 +6,29 @@ tree. So the budget that gives the most tokens per second depends on the machine
 TreeBudget keeps, for each size tried, moving averages of the tokens a pass gained (accepted
 guesses plus the target's own token) and of the seconds it took (draft plus verify), and picks
 the size with the best ratio. The neighbours of the best size are tried as soon as they are
-unmeasured (so it climbs or descends quickly), then again every few passes (less often while
-that changes nothing) so the estimates around it stay current. Size 0 is a plain decode step:
-where no draft pays, speculation all but switches itself off.
+unmeasured (so it climbs or descends quickly; not while the best gains what a prior predicted,
+whose estimates then stand in for them), then again every few passes (less often
+while that changes nothing) so the estimates around it stay current. Size 0 is a plain decode
+step: where no draft pays, speculation all but switches itself off.
+
+Before a size is measured, a prior may stand in for it (`seed`: the cost model's predictions and
+an acceptance prior, speculative/prediction.py, or what earlier runs of the pair measured): the
+first pass then goes to the size predicted best rather than a fixed one. A measured size's
+seconds replace the prior's at once, and the prior's seconds of the sizes not yet measured are
+scaled by how far off it was at the measured ones (a machine slower than profiled is slower at
+every size). Its tokens per pass count for 1 - FIRST_PASS_WEIGHT beside the first pass's (one
+pass's acceptance is a noisy sample), then fade as the moving average goes on.
 """
+
+import statistics
+
+from tierflow.speculative.prediction import SizePredictions
 
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)  # 0: no guesses, a plain decode step (the draft does not run)
 SMOOTHING = 0.3  # weight of the newest pass in the moving averages
 EXPLORE_EVERY = 4  # passes between tries of a neighbouring size, doubling while they change nothing
 MAX_EXPLORE_EVERY = 32
+FIRST_PASS_WEIGHT = 0.7  # of a size's first measured pass beside its prior's tokens per pass
 
 
 class TreeBudget:
@@ -29,6 +43,13 @@ class TreeBudget:
         self._explore_every = EXPLORE_EVERY
         self._best_when_explored: int | None = None
         self._explore_up = False
+        self.prior: SizePredictions | None = None
+
+    def seed(self, prior: SizePredictions) -> None:
+        """Estimates for the sizes not measured yet; the next pass goes to the best of them."""
+        self.prior = SizePredictions({s: prior.gained[s] for s in self.sizes},
+                                     {s: prior.seconds[s] for s in self.sizes})
+        self.current = self.prior.best
 
     def next(self, timed: bool = True) -> int:
         """The tree size (guesses, the root not counted) for the next pass. timed=False sizes by
@@ -44,7 +65,10 @@ class TreeBudget:
         i = self.sizes.index(best)
         up, down = self.sizes[min(i + 1, len(self.sizes) - 1)], self.sizes[max(i - 1, 0)]
         self._since_explored += 1
-        if up not in self.gained or down not in self.gained:  # try each neighbour of the best once
+        if best not in self.gained:  # the start, or the prior's best: measured first
+            self.current = best
+        elif (up not in self.gained or down not in self.gained) and not self._prior_held(best):
+            # each neighbour of the best is tried at once, unless a prior borne out stands in for them
             self.current = up if up not in self.gained else down
         elif self._since_explored >= self._explore_every:  # the next size up and down in turn
             self._explore_up = not self._explore_up
@@ -57,15 +81,39 @@ class TreeBudget:
     def update(self, size: int, accepted: int, seconds: float) -> None:
         """A pass asked for `size` guesses took `seconds` and the target accepted `accepted`."""
         bucket = min(self.sizes, key=lambda s: abs(s - size))
-        for table, value in ((self.gained, accepted + 1.0), (self.seconds, seconds)):
+        gained = accepted + 1.0
+        if bucket not in self.gained and self.prior is not None:
+            gained = FIRST_PASS_WEIGHT * gained + (1 - FIRST_PASS_WEIGHT) * self.prior.gained[bucket]
+        for table, value in ((self.gained, gained), (self.seconds, seconds)):
             old = table.get(bucket)
             table[bucket] = value if old is None else (1 - SMOOTHING) * old + SMOOTHING * value
         self.current = bucket
 
     def _best(self, timed: bool) -> int:
-        if not self.gained:
-            return self.current
         if not timed:
+            if not self.gained:
+                return self.current
             good = [s for s in self.gained if self.gained[s] - 1 >= s / 2]
             return max(good) if good else min(self.gained)
-        return max(self.gained, key=lambda s: self.gained[s] / self.seconds[s])
+        estimates = self._estimates()
+        if not estimates:
+            return self.current
+        return max(estimates, key=lambda s: estimates[s][0] / estimates[s][1])
+
+    def _prior_held(self, size: int) -> bool:
+        """Whether the passes of `size` gained at least the tokens the prior predicted (the draft
+        is as good as it assumed): its estimates of the other sizes (their seconds calibrated by
+        the measured ones) are then trusted until the periodic tries."""
+        return self.prior is not None and self.gained[size] >= self.prior.gained[size]
+
+    def _estimates(self) -> dict[int, tuple[float, float]]:
+        """size -> (tokens per pass, seconds per pass): measured, else the prior's (its seconds
+        scaled by the median ratio of measured to prior seconds)."""
+        estimates = {s: (self.gained[s], self.seconds[s]) for s in self.gained}
+        if self.prior is None:
+            return estimates
+        ratios = [self.seconds[s] / self.prior.seconds[s] for s in self.gained if self.prior.seconds[s] > 0]
+        scale = statistics.median(ratios) if ratios else 1.0
+        unmeasured = {s: (self.prior.gained[s], scale * self.prior.seconds[s]) for s in self.sizes
+                      if s not in self.gained}
+        return estimates | unmeasured

@@ -2,13 +2,14 @@
 accepted path and the target's next token come back; both models' caches keep only that path."""
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.generation import GenerationStats, TokenGenerator
 from tierflow.runtime.sampler import Sampler
 from tierflow.speculative.acceptance import accept_tree
 from tierflow.speculative.drafts import ModelDraft, NgramDraft
+from tierflow.speculative.prediction import OTHER_MODEL_RATES, SpeculationPrior, ngram_taken
 from tierflow.speculative.sizing import TreeBudget
 from tierflow.speculative.tree import TokenTree
 
@@ -27,13 +28,24 @@ def check_draft_options(shape: str, tokens: int | None) -> None:
 
 
 def make_speculator(draft_model: TokenGenerator | None, shape: str, tokens: int | None,
-                    vocab_size: int) -> "Speculator":
+                    vocab_size: int, prior: SpeculationPrior | None = None) -> "Speculator":
     """Prompt lookup when there is no draft model, else the draft model's tree (or chain); sized by
-    measured cost unless `tokens` fixes the guesses per pass."""
+    measured cost unless `tokens` fixes the guesses per pass, its first passes by `prior`."""
+    learned = prior and prior.learned
     if draft_model is None:
         size = tokens or MAX_GUESSES
-        return Speculator(NgramDraft(vocab_size, size), TreeBudget(size, start=4, fixed=tokens is not None))
-    return Speculator(ModelDraft(draft_model, max_width=draft_width(shape)), model_budget(shape, tokens))
+        draft, budget = NgramDraft(vocab_size, size), TreeBudget(size, start=4, fixed=tokens is not None)
+        taken = ngram_taken()
+    else:
+        budget = model_budget(shape, tokens)
+        draft = ModelDraft(draft_model, max_width=draft_width(shape),
+                           rates=prior.rates if prior else OTHER_MODEL_RATES,
+                           learned=learned and (learned.rank_taken, learned.rank_tries))
+        taken = draft.ranks.probabilities()
+    predicted = prior and tokens is None and prior.sizes(budget.sizes, taken)
+    if predicted:
+        budget.seed(predicted)
+    return Speculator(draft, budget, prior=prior)
 
 
 def draft_width(shape: str) -> int:
@@ -49,10 +61,20 @@ def model_budget(shape: str, tokens: int | None) -> TreeBudget:
 
 
 class Speculator:
-    def __init__(self, draft: NgramDraft | ModelDraft, budget: TreeBudget | None, timed: bool = True):
+    def __init__(self, draft: NgramDraft | ModelDraft, budget: TreeBudget | None, timed: bool = True,
+                 prior: SpeculationPrior | None = None):
         self.draft = draft
         self.budget = budget  # None: the draft sizes itself (prompt lookup's DraftLength)
         self.timed = timed  # whether sizes follow measured time (else acceptance alone)
+        self.prior = prior  # what sized the first passes; where save() keeps what was learned
+
+    def save(self) -> None:
+        """Keeps what the passes so far measured for the next load of the same pair."""
+        if self.prior is None or self.budget is None or len(self.budget.sizes) == 1 or not self.budget.gained:
+            return  # nothing measured: what earlier loads learned stays as it is
+        ranks = self.draft.ranks if isinstance(self.draft, ModelDraft) else None
+        self.prior.save(self.budget.gained, self.budget.seconds,
+                        ranks and (ranks.taken.tolist(), ranks.tries.tolist()))
 
     def for_generation(self, sampler: Sampler) -> "Speculator":
         """This speculator, or for a seeded sampled generation a fresh one whose sizes depend on
@@ -69,13 +91,16 @@ class Speculator:
         """history ends with the token just sampled (the tree's root, not yet in the target's
         cache); room bounds the tree's guesses. Returns the accepted guesses and the target's
         next token after them."""
-        budget = min(room, self.budget.next(self.timed)) if self.budget else room
+        asked = self.budget.next(self.timed) if self.budget else room
+        budget = min(room, asked)
+        reading = _read_clock(target)
         with self.draft.turn:
-            started = time.perf_counter()
+            started, read_before = time.perf_counter(), reading()
             draft_sampler = sampler.for_draft()  # the draft's distributions are no token's logprobs
             tree = (self.draft.propose(history, budget, draft_sampler) if budget
                     else TokenTree.root(history[-1]))
             drafted = time.perf_counter()
+            stats.draft_hidden_seconds += reading() - read_before
             start = target.cache.length
             rows = target.verify_tree(tree.tokens, tree.parents)
             path, token = accept_tree(tree, rows, sampler, history)
@@ -88,6 +113,13 @@ class Speculator:
         stats.accepted_tokens += accepted
         stats.draft_seconds += drafted - started
         stats.verify_seconds += verified - drafted
-        if self.budget:
+        if self.budget and budget == asked:  # a tree cut short by the generation's end samples no size
             self.budget.update(budget, accepted, verified - started)
         return tree.path_tokens(path[-1]), token
+
+
+def _read_clock(target: TokenGenerator) -> Callable[[], float]:
+    """Seconds so far during which the target's streamed layers were being read (0 when nothing
+    streams): its change over the draft's run is the share of the draft hidden under reads."""
+    streamer = getattr(target.decoder.weights, "streamer", None)
+    return (lambda: 0.0) if streamer is None else (lambda: streamer.read_seconds)

@@ -6,8 +6,8 @@ what disks are fastest at), each into its own slot of a ring of depth + 1 page-a
 Two reader threads keep two reads in flight: a disk serves a queue of two requests faster than
 one at a time, which matters for small layers (2 MB layers read at about half the disk's speed
 one at a time, and at full speed two at a time, on the machine this was written on).
-When the decoder moves on (to any layer, resident ones included: TieredWeights calls release()),
-layer n's slot takes the read of layer n+depth+1.
+When the decoder moves on (to any layer, resident ones included, or past the last layer to the
+output head: TieredWeights calls release()), layer n's slot takes the read of layer n+depth+1.
 The last streamed layers of one step are followed by the first ones of the next, so reading
 continues across tokens. Reads use os.preadv, which releases the GIL.
 
@@ -72,6 +72,11 @@ class LayerStreamer:
         with self._stats_lock:
             busy = time.perf_counter() - self._busy_since if self._active_reads else 0.0
             return self._read_seconds + busy
+
+    @property
+    def read_ahead(self) -> int:
+        """Layers read, or being read, ahead of the one the decoder holds (at most the ring's slots)."""
+        return self._scheduled - self._consumed
 
     @property
     def nbytes(self) -> int:

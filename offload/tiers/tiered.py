@@ -156,6 +156,11 @@ class TieredWeights:
         return weights
 
     def output_norm(self) -> np.ndarray:
+        """Asked for once a pass's layers are done: the last streamed layer's slot is free, so the
+        whole ring reads the next pass's first streamed layers while the head and whatever comes
+        between passes (a draft proposing the next tree) run."""
+        if self.streamer is not None:
+            self.streamer.release()
         return self._output_norm
 
     def output(self) -> Linear:
