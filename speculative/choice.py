@@ -4,7 +4,7 @@ Each candidate (prompt lookup, the self-draft at a depth, a draft model) is a Sp
 predicted tokens/s. The prediction is a chain of k guesses, each the target's token with the
 candidate's acceptance prior a (ACCEPTANCE_PRIOR; for a self-draft self_acceptance): a pass
 gains (1 - a^(k+1)) / (1 - a) tokens and costs k draft levels plus a verify pass over k + 1
-tokens, each as the planner's cost model predicts it (offload/plan/pass_costs.py: the target's
+tokens, each as the planner's cost model predicts it (offload/plan/cost_model.py: the target's
 layers as planned, a streamed target's reads included; the draft's held layers and head, one
 token a level); the best k, or a plain decode step if none pays.
 
@@ -23,10 +23,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tierflow.kv_types import KV_TYPES
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
+from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.pack.writer import PackSizes, pack_sizes
-from tierflow.offload.plan.pass_costs import PassCosts
-from tierflow.offload.plan.planner import Plan, ProfileSource
+from tierflow.offload.plan.cost_model import Costs, Layout, pass_stages, steady_pass_seconds
+from tierflow.offload.plan.planner import DEFAULT_PROMPT_TOKENS, Plan, ProfileSource
+from tierflow.offload.plan.profile import HardwareProfile
+from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import GenerationStats, TokenGenerator
 from tierflow.runtime.loader import Budgets, LoadedModel, plan_load
 from tierflow.runtime.sampler import Sampler
@@ -62,6 +66,29 @@ def self_acceptance(depth: int, num_layers: int) -> float:
     """The prior of a self-draft of `depth` of the target's layers: an untrained early exit agrees
     little until near the top (SmolLM2-135M: 11% at 16 of 30 layers, 41% at 24, 48% at 27)."""
     return 0.6 * (depth / num_layers) ** 3
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """What the planner's cost model predicts for passes of one model as placed."""
+
+    layout: Layout
+    globals_: ExtentSize
+    layers: list[ExtentSize]
+    costs: Costs
+    position: int  # where the passes are predicted: a chat's typical length
+
+    @classmethod
+    def of(cls, plan: Plan, globals_: ExtentSize, layers: list[ExtentSize], costs: Costs) -> "PassCosts":
+        layout = Layout(plan.gpu_layers, plan.streamed_layers, plan.prefetch_depth)
+        return cls(layout, globals_, layers, costs, min(DEFAULT_PROMPT_TOKENS, plan.context_length // 2))
+
+    def seconds(self, tokens: int, num_layers: int | None = None) -> float:
+        """A pass over `tokens` tokens, back to back with others, through the first num_layers
+        layers (default: all) and the head."""
+        layers = self.layers[:num_layers]
+        stages = pass_stages(self.layout, self.globals_, layers, self.costs, tokens, self.position)
+        return steady_pass_seconds(stages, self.layout.depth)
 
 
 def predicted_tokens_per_s(acceptance: float, level_s: float, verify_s: Callable[[int], float],
@@ -150,17 +177,16 @@ class Predictions:
     def of(cls, target: ModelFile, sizes: PackSizes, plan: Plan, drafted: LoadedModel | None,
            profile: ProfileSource, shape: str, tokens: int | None) -> "Predictions":
         hardware = profile() if callable(profile) else profile
-        verify = PassCosts(plan, target.config, sizes, hardware)
+        verify = _pass_costs(target.config, plan, sizes, hardware)
         level_s = None
         if drafted is not None:
             with open_model_file(drafted.path) as opened:
-                level_s = PassCosts(drafted.plan, drafted.config, pack_sizes(opened), hardware).seconds(1)
+                level_s = _pass_costs(drafted.config, drafted.plan, pack_sizes(opened), hardware).seconds(1)
         return cls(verify, target.config.num_layers, max(model_budget(shape, tokens).sizes), level_s)
 
     def self_draft(self, depth: int) -> float:
-        level_s = self.verify.seconds(1, layers=depth)  # the target's first layers and head, one token
-        return predicted_tokens_per_s(self_acceptance(depth, self.num_layers), level_s, self.verify.seconds,
-                                      self.most)
+        return predicted_tokens_per_s(self_acceptance(depth, self.num_layers), self.verify.seconds(1, depth),
+                                      self.verify.seconds, self.most)
 
     def ngram(self) -> float:
         return predicted_tokens_per_s(ACCEPTANCE_PRIOR["ngram"], 0.0, self.verify.seconds, MAX_GUESSES)
@@ -226,3 +252,9 @@ def _self_speculators(request: DraftRequest, loaded: LoadedModel, shape: str, to
     generators = self_draft_generators(loaded, depths)
     return {depth: Speculator(SelfDraft(generators[depth], owner, turn, draft_width(shape)),
                               model_budget(shape, tokens)) for depth in depths}
+
+
+def _pass_costs(config: ModelConfig, plan: Plan, sizes: PackSizes, profile: HardwareProfile) -> PassCosts:
+    """The cost model of a model's passes as planned."""
+    costs = Costs(profile, config, KV_TYPES[plan.kv_type], plan.kv_on_cpu)
+    return PassCosts.of(plan, sizes.globals, sizes.layers, costs)
