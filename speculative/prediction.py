@@ -85,6 +85,15 @@ def predict_sizes(sizes: Sequence[int], taken: np.ndarray, verify: PassCosts,
     return SizePredictions(gained, seconds)
 
 
+def calibrated(predicted: dict[int, float], measured: dict[int, float]) -> dict[int, float]:
+    """The predicted seconds per size scaled by the median ratio of measured to predicted over the
+    sizes measured (1 with none): a machine slower than its profile is slower at every size, while
+    the curve's shape stays the cost model's."""
+    ratios = [t / predicted[s] for s, t in measured.items() if predicted.get(s, 0) > 0]
+    scale = statistics.median(ratios) if ratios else 1.0
+    return {s: scale * t for s, t in predicted.items()}
+
+
 def ngram_taken() -> np.ndarray:
     return np.array([NGRAM_TAKEN])
 
@@ -113,10 +122,8 @@ class SpeculationPrior:
                 return None
             return SizePredictions(dict(learned.gained), dict(learned.seconds))
         predicted = predict_sizes(sizes, taken, self.verify, self.draft_pass)
-        ratios = [t / predicted.seconds[s] for s, t in learned.seconds.items() if s in predicted.seconds]
-        scale = statistics.median(ratios) if ratios else 1.0
-        return SizePredictions(predicted.gained | learned.gained,
-                               {s: scale * t for s, t in predicted.seconds.items()})
+        seconds = calibrated(predicted.seconds, learned.seconds)
+        return SizePredictions(predicted.gained | learned.gained, seconds)
 
     def save(self, gained: dict[int, float], seconds: dict[int, float],
              ranks: tuple[list[float], list[float]] | None) -> None:

@@ -20,9 +20,7 @@ every size). Its tokens per pass count for 1 - FIRST_PASS_WEIGHT beside the firs
 pass's acceptance is a noisy sample), then fade as the moving average goes on.
 """
 
-import statistics
-
-from tierflow.speculative.prediction import SizePredictions
+from tierflow.speculative.prediction import SizePredictions, calibrated
 
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)  # 0: no guesses, a plain decode step (the draft does not run)
 SMOOTHING = 0.3  # weight of the newest pass in the moving averages
@@ -112,8 +110,5 @@ class TreeBudget:
         estimates = {s: (self.gained[s], self.seconds[s]) for s in self.gained}
         if self.prior is None:
             return estimates
-        ratios = [self.seconds[s] / self.prior.seconds[s] for s in self.gained if self.prior.seconds[s] > 0]
-        scale = statistics.median(ratios) if ratios else 1.0
-        unmeasured = {s: (self.prior.gained[s], scale * self.prior.seconds[s]) for s in self.sizes
-                      if s not in self.gained}
-        return estimates | unmeasured
+        seconds = calibrated(self.prior.seconds, self.seconds)
+        return estimates | {s: (self.prior.gained[s], seconds[s]) for s in self.sizes if s not in self.gained}
