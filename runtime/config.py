@@ -9,7 +9,7 @@ naming the key, never a TypeError from deep inside.
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,29 @@ class RopeScaling:
             raise UnsupportedModelError(f"rope scaling type {self.kind!r} is not supported")
         if not math.isfinite(self.factor) or self.factor <= 0:
             raise ModelFileError(f"rope scaling factor must be a positive number, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """A linear-attention layer's recurrent state (Gated DeltaNet): per sequence, the last
+    conv_kernel - 1 inputs of a causal convolution over conv_channels (the queries, keys and
+    values side by side), and a key_dim x value_dim matrix per value head. Queries and keys have
+    key_heads heads, each shared by value_heads / key_heads value heads."""
+
+    conv_kernel: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def state_bytes(self) -> int:
+        """float32 bytes of one sequence's state in one layer: the convolution's and the matrices."""
+        return 4 * (self.conv_channels * (self.conv_kernel - 1) + self.value_heads * self.key_dim * self.value_dim)
 
 
 @dataclass(frozen=True)
@@ -93,6 +116,10 @@ class ModelConfig:
     # token chooses only among the expert_groups_used groups whose two best scores sum highest.
     expert_groups: int = 1
     expert_groups_used: int = 1
+    # Hybrid linear attention (Qwen3.5, Qwen3-Next): which layers carry a recurrent state
+    # (`recurrent`'s shape) instead of a KV cache; () when none does.
+    recurrent_layers: tuple[bool, ...] = ()
+    recurrent: RecurrentShape | None = None
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
@@ -125,6 +152,9 @@ class ModelConfig:
         self._check_scales()
         self._check_latent()
         self._check_groups()
+        if self.recurrent_layers and (len(self.recurrent_layers) != self.num_layers or self.recurrent is None):
+            raise ModelFileError(f"recurrent layers must be one flag per layer ({self.num_layers}) with a "
+                                 f"state shape, got {len(self.recurrent_layers)}")
 
     def _check_groups(self) -> None:
         groups, used = self.expert_groups, self.expert_groups_used
@@ -166,6 +196,16 @@ class ModelConfig:
         for field in ("attention_scale", "attn_logit_softcap", "final_logit_softcap"):
             if not (math.isfinite(getattr(self, field)) and getattr(self, field) >= 0):
                 raise ModelFileError(f"{field} must be a number >= 0, got {getattr(self, field)}")
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether the layer carries a recurrent state instead of a KV cache."""
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+
+    def first_layers(self, num_layers: int) -> "ModelConfig":
+        """The config of the model made of its first num_layers layers."""
+        return replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers],
+                       recurrent_layers=self.recurrent_layers[:num_layers],
+                       leading_dense_layers=min(self.leading_dense_layers, num_layers))
 
     def window(self, layer: int) -> int:
         """The layer's sliding window in positions, 0 if it attends to the whole context."""

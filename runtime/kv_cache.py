@@ -20,6 +20,7 @@ from tierflow.cpu_kernels.reference import apply_rope
 from tierflow.errors import InvalidArgumentError
 from tierflow.kv_types import KV_TYPES, MAX_PASS_TOKENS, KVType, cache_positions, scored_slots
 from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.recurrent_state import RecurrentStates
 
 SHIFT_CHUNK = 1024  # positions a context shift reads, re-rotates and writes at a time: bounds its copies
 
@@ -65,7 +66,8 @@ class KVCache:
         self._turned_items = row_items(self.kv_type, rows.rotary_dim if rows.latent else rows.key_dim)
         layers = range(config.num_layers)
         self.windows = [config.window(i) for i in layers]
-        self.capacities = [cache_positions(context_length, window) for window in self.windows]
+        self.capacities = [0 if config.is_recurrent(i) else cache_positions(context_length, window)
+                           for i, window in zip(layers, self.windows)]
         dtype, allocate = CACHE_DTYPES[self.kv_type.name], allocate or allocate_in_ram
         key_shapes, value_shapes = ([cache_shapes(self.kv_type, rows.heads, capacity, dim)[which]
                                      for capacity in self.capacities]
@@ -76,6 +78,10 @@ class KVCache:
         self.length = 0  # positions holding valid entries, the same for every layer
         self.held_from = [0] * config.num_layers  # per layer: none before it since a context shift
         self._written = 0  # 1 + the last position written: a ring holds none before _written - C
+        self.recurrent = None  # the linear-attention layers' states, where the model has such layers
+        if config.recurrent_layers:
+            self.recurrent = RecurrentStates(
+                config, lambda layer, shape: torch.as_tensor(allocate(layer, shape, torch.float32)))
 
     @property
     def num_bytes(self) -> int:
@@ -113,7 +119,7 @@ class KVCache:
         layer cannot take (a ring holds the window before a pass and at most MAX_PASS_TOKENS of
         its tokens), and notes what the rings overwrite."""
         for layer, (window, capacity) in enumerate(zip(self.windows, self.capacities)):
-            if scored_slots(first, end, window) > capacity:
+            if capacity and scored_slots(first, end, window) > capacity:
                 raise InvalidArgumentError(
                     f"positions {first} .. {end - 1} do not fit in layer {layer}'s cache of {capacity} "
                     f"positions" + (f" (a ring of its window of {window} and a pass of at most "
@@ -136,7 +142,29 @@ class KVCache:
         every layer still holds the positions that a token at `length` sees and the cache had
         not lost to a context shift (a ring may have overwritten them since)."""
         length = max(0, min(length, self.length))
-        return length == 0 or all(self._holds_window(layer, length) for layer in range(len(self.keys)))
+        if self.recurrent is not None and self.recurrent.reachable(length) != length:
+            return False
+        return length == 0 or all(self._holds_window(layer, length) for layer in range(len(self.keys))
+                                  if self.capacities[layer])
+
+    def reachable(self, length: int) -> int:
+        """The longest length <= `length` the cache can go back to: itself where it can, else (a
+        recurrent state) the nearest state kept before it, else 0."""
+        length = max(0, min(length, self.length))
+        if self.recurrent is not None:
+            length = self.recurrent.reachable(length)
+        return length if self.can_truncate_to(length) else 0
+
+    def checkpoint(self) -> None:
+        """Keeps what going back to the current length needs later (a recurrent state's copy; a KV
+        cache needs nothing): the end of a prompt, which a chat's next turn starts from."""
+        if self.recurrent is not None:
+            self.recurrent.checkpoint(self.length)
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether `shift` can drop positions from the middle: not from a recurrent state."""
+        return self.recurrent is None
 
     def _holds_window(self, layer: int, length: int) -> bool:
         window, held_from = self.windows[layer], self.held_from[layer]
@@ -147,6 +175,8 @@ class KVCache:
         """Forgets positions >= length (the entries are overwritten by the next write); going back
         further than `can_truncate_to` allows is refused. At 0 the cache holds nothing, lost or not."""
         length = max(0, min(length, self.length))
+        if self.recurrent is not None:
+            self.recurrent.truncate(length)  # refuses a length it cannot go back to, naming what it holds
         if not self.can_truncate_to(length):
             raise InvalidArgumentError(f"the KV cache cannot go back to {length} positions: a sliding-window "
                                        f"layer's ring no longer holds the window before it")
@@ -163,11 +193,13 @@ class KVCache:
         if not self.can_truncate_to(start):
             raise InvalidArgumentError(f"a token tree from position {start}: the cache no longer holds the "
                                        f"window before it")
+        if self.recurrent is not None:
+            self.recurrent.keep_path(start, list(offsets))
         src = start + np.asarray(offsets, np.int64)
         dst = start + np.arange(len(src))
         moved = src != dst
         if moved.any():
-            for layer in range(len(self.keys)):
+            for layer in (layer for layer in range(len(self.keys)) if self.capacities[layer]):
                 keys, values, s = self._tensors(layer, src[moved])
                 d = self._tensors(layer, dst[moved])[2]
                 write_rows(keys, values, d, *read_rows(keys, values, s))
@@ -191,6 +223,9 @@ class KVCache:
         A ring moves the positions it holds; kept positions it had overwritten stay lost
         (`held_from`).
         """
+        if not self.can_shift:
+            raise InvalidArgumentError("a recurrent state cannot drop tokens from its middle: prefill the kept "
+                                       "tokens again")
         if not (keep >= 0 and num_dropped > 0 and keep + num_dropped <= self.length):
             raise InvalidArgumentError(f"cannot drop positions [{keep}, {keep + num_dropped}) of the "
                                        f"{self.length} the cache holds")

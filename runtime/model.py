@@ -23,6 +23,7 @@ from tierflow.cpu_kernels import ops
 from tierflow.cpu_kernels.linear import linear_each
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.kv_cache import KVCache
+from tierflow.runtime.recurrent_state import RecurrentPass
 from tierflow.runtime.rope import layer_rope_tables
 
 Activations = np.ndarray | torch.Tensor  # float32 [T, width]: numpy on the CPU, torch on a device
@@ -173,6 +174,7 @@ class SequencePass:
     parents: np.ndarray | None  # a token tree's parents (Decoder.forward)
     tree_start: int | None
     held_from: int = 0  # the oldest position the layer's cache holds (KVCache.held_from)
+    recurrent: "RecurrentPass | None" = None  # a linear-attention layer's recurrence over its state
 
 
 @dataclass(frozen=True)
@@ -294,15 +296,22 @@ class _Placed:
             tree_start = start if item.tree_start is None else item.tree_start
             positions = tree_start + tree_depths(item.parents)[start - tree_start:]
         cache.will_write(start if item.parents is None else tree_start, start + count)
+        if cache.recurrent is not None:
+            cache.recurrent.begin_pass(start, count, item.parents, tree_start)
         return cls(item, start, positions, tree_start)
 
     def layer(self, layer_idx: int, rows: slice) -> SequencePass:
         cache = self.input.cache
+        states = cache.recurrent
+        recurrent = states.layer(layer_idx) if states is not None and layer_idx in states.layers else None
         return SequencePass(rows, cache.keys[layer_idx], cache.values[layer_idx], self.start,
-                            self.input.parents, self.tree_start, cache.held_from[layer_idx])
+                            self.input.parents, self.tree_start, cache.held_from[layer_idx], recurrent)
 
     def done(self) -> None:
-        self.input.cache.length = self.start + self.input.token_ids.shape[0]
+        cache = self.input.cache
+        cache.length = self.start + self.input.token_ids.shape[0]
+        if cache.recurrent is not None:
+            cache.recurrent.end_pass()
 
 
 def soft_cap(logits: np.ndarray, cap: float) -> np.ndarray:

@@ -139,8 +139,7 @@ class PrefixWeights:
 
 def prefix_config(config: ModelConfig, num_layers: int) -> ModelConfig:
     """The config of a model made of the first num_layers layers."""
-    return replace(config, num_layers=num_layers, layer_windows=config.layer_windows[:num_layers],
-                   leading_dense_layers=min(config.leading_dense_layers, num_layers))
+    return config.first_layers(num_layers)
 
 
 def self_draft_generators(target: LoadedModel, depths: list[int]) -> dict[int, TokenGenerator]:

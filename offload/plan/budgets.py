@@ -16,6 +16,7 @@ from tierflow.kv_types import KVType, cache_positions
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
 from tierflow.runtime.models.latent_attention import QUERY_CHUNK
+from tierflow.runtime.recurrent_state import recurrent_state_bytes
 from tierflow.units import format_size, round_up_as_printed
 
 CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # the default cpu_memory keeps this much RAM free
@@ -24,7 +25,9 @@ CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # the default cpu_memory ke
 def layer_kv_bytes(config: ModelConfig, layer_idx: int, context_length: int, kv: KVType) -> int:
     """One layer's keys and values stored as `kv` (per position its cache rows: per-head keys and
     values, or the latent row), a ring for a sliding-window layer, else the whole context
-    (cache_positions)."""
+    (cache_positions); a linear-attention layer's recurrent state instead (whatever the context)."""
+    if config.is_recurrent(layer_idx):
+        return recurrent_state_bytes(config.recurrent)
     positions = cache_positions(context_length, config.window(layer_idx))
     return config.cache_rows.position_bytes(kv) * positions
 

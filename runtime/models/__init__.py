@@ -19,13 +19,15 @@ from tierflow.runtime.models import (
     qwen2moe,
     qwen3,
     qwen3moe,
+    qwen35,
+    qwen35moe,
 )
 from tierflow.runtime.models.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
     family.ARCHITECTURE.name: family.ARCHITECTURE
     for family in (llama, qwen2, qwen2moe, olmoe, qwen3, qwen3moe, gemma2, gemma3, glm4moe, gptoss,
-                   deepseek2)
+                   deepseek2, qwen35, qwen35moe)
 }
 
 

@@ -51,17 +51,23 @@ def attention(p: LayerPass, w: Weights, x: Activations, qk_norm: QKNorm | None =
     """Causal self-attention with rotary positions over the layer's KV cache, with the layer's
     sliding window, the model's score scale and soft cap, and the layer's attention sinks where its
     map has them (`attn_sinks` [H]): x [T, E] -> [T, E]."""
-    cfg = p.config
     qkv = w.qkv(x)  # [T, H*D + 2*K*D]
     if qk_norm is not None:
         qkv = qk_norm(p, w, qkv)
+    return w.wo(attend(p, w, qkv))
+
+
+def attend(p: LayerPass, w: Weights, qkv: Activations) -> Activations:
+    """The attention kernel over each sequence's KV cache: queries, keys and values side by side
+    [T, H*D + 2*K*D] (before rotary) -> the heads' outputs [T, H*D]."""
+    cfg = p.config
     sinks = w.fields.get("attn_sinks")
     outs = [p.kernels.attention(qkv[s.rows], s.keys, s.values, p.cos[s.rows], p.sin[s.rows], cfg.num_heads,
                                 s.start, cfg.rope_style == "neox", s.parents, s.tree_start,
                                 cfg.window(p.layer_idx), cfg.query_scale, cfg.attn_logit_softcap, s.held_from,
                                 sinks)
             for s in p.sequences]
-    return w.wo(stack_rows(outs))
+    return stack_rows(outs)
 
 
 def norm_whole_projections(p: LayerPass, w: Weights, qkv: Activations) -> Activations:

@@ -62,7 +62,7 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-from tests.support.gguf_bytes import BOOL, FLOAT32, STRING, UINT32, Typed
+from tests.support.gguf_bytes import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Typed
 from tests.support.gguf_writing import TensorEntry
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.models import architecture
@@ -110,6 +110,8 @@ class _ArchTraits:
                                     # written when the spec sets none (0: not required)
     latent_attention: bool = False  # deepseek2's MLA: kv_lora_rank, rope_dim, value_head_size,
                                     # q_lora_rank and the router's keys (see ModelSpec)
+    linear_attention: bool = False  # Gated DeltaNet layers (qwen35): the ssm.* keys, the full-attention
+                                    # interval and rope sections (see ModelSpec)
 
 
 ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
@@ -126,7 +128,10 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
          "gpt-oss": _ArchTraits(experts="always", expert_width_key=True, untied_only=True,
                                 required_window=128),
          "deepseek2": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True,
-                                  latent_attention=True)}
+                                  latent_attention=True),
+         "qwen35": _ArchTraits(linear_attention=True),
+         "qwen35moe": _ArchTraits(experts="always", expert_width_key=True, shared_expert=True,
+                                  linear_attention=True)}
 MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
 _MIX_BLOCK = 32  # every type a mix falls back to packs rows in blocks of 32
 
@@ -177,6 +182,14 @@ class ModelSpec:
     expert_weights_norm: bool = False
     expert_weights_scale: float = 1.0
     expert_groups: int = 1           # expert_group_count (V3's n_group); 1: not written
+    # Gated DeltaNet (linear_attention archs): every full_attention_interval-th layer is full
+    # attention, the others linear, with ssm_key_heads query/key heads and ssm_value_heads value
+    # heads of ssm_state each, and a causal convolution of ssm_conv_kernel taps.
+    full_attention_interval: int = 4
+    ssm_state: int = 16
+    ssm_key_heads: int = 2
+    ssm_value_heads: int = 4
+    ssm_conv_kernel: int = 4
     expert_groups_used: int = 1      # expert_group_used_count (V3's topk_group)
     yarn_log_multiplier: float | None = None  # rope.scaling.yarn_log_multiplier (0.1 x DeepSeek's
                                               # mscale_all_dim, as the converter writes it)
@@ -317,6 +330,11 @@ class ModelSpec:
 
     def _row_lengths(self) -> tuple[int, ...]:
         """Every weight_type row length: matrices' inputs, the FFN's and experts' down rows."""
+        if ARCHS[self.arch].linear_attention:
+            lengths = (self.hidden_size, self.num_heads * self.head_dim, self.ssm_value_heads * self.ssm_state)
+            if self.num_experts:
+                lengths += (self.expert_ffn_width, self.shared_expert_ffn_width)
+            return lengths + ((self.ffn_size,) if not self.num_experts else ())
         if ARCHS[self.arch].latent_attention:
             lengths = (self.hidden_size, self.ffn_size, self.expert_ffn_width, self.kv_lora_rank,
                        self.num_heads * self.value_head_size, self.head_dim - self.rope_dim,
@@ -400,6 +418,25 @@ _SINK_STD = 1.0
 _ARCH_GAINS = {"gpt-oss": {"ffn_gate_exps.weight": 3.0, "ffn_up_exps.weight": 3.0}}
 
 
+def _decays(shape: tuple[int, ...], spec: ModelSpec) -> np.ndarray:
+    """ssm_a, -exp(A_log): a decay per value head of about 0.2 (times softplus of ~1), so the state
+    keeps most of what it held a few tokens back and a wrong state shows in the logits."""
+    rng = np.random.default_rng(spec.seed + 7)
+    return (-np.exp(rng.normal(np.log(0.2), 0.5, shape))).astype(np.float32)
+
+
+def _uniform(low: float, high: float, salt: int):
+    def values(shape: tuple[int, ...], spec: ModelSpec) -> np.ndarray:
+        return np.random.default_rng(spec.seed + salt).uniform(low, high, shape).astype(np.float32)
+    return values
+
+
+# DeltaNet tensors with values of their own, in float32 as llama.cpp's converter keeps them: the
+# decays, their bias, and a causal convolution whose taps sum to about 1 per channel.
+_DELTA_NET_VALUES = {"ssm_a": _decays, "ssm_dt.bias": _uniform(-0.5, 0.5, 11),
+                     "ssm_conv1d.weight": _uniform(-0.2, 0.7, 13)}
+
+
 class PlannedTensor(NamedTuple):
     name: str
     shape: tuple[int, ...]  # numpy order, ([experts,] rows, row_length); GGUF lists it reversed
@@ -424,6 +461,7 @@ def _gain(role: str, moe: bool, arch: str) -> float:
         return _ARCH_GAINS[arch][role]
     gains = {"token_embd.weight": _LOGIT_GAIN, "output.weight": _LOGIT_GAIN,
              "attn_output.weight": _MOE_ATTN_GAIN if moe else _RESIDUAL_GAIN,
+             "ssm_out.weight": _MOE_ATTN_GAIN if moe else _RESIDUAL_GAIN,
              "ffn_down.weight": _RESIDUAL_GAIN, "ffn_down_shexp.weight": _RESIDUAL_GAIN,
              "ffn_down_exps.weight": _EXPERT_GAIN, "ffn_gate_inp.weight": _ROUTER_GAIN,
              "ffn_gate_inp_shexp.weight": _SHARED_GATE_GAIN}
@@ -440,6 +478,8 @@ def _planned(tensor: Tensor, spec: ModelSpec, bias: bool = False) -> PlannedTens
         return PlannedTensor(tensor.name, shape, Q.F32, std)
     if role == "attn_sinks.weight":
         return PlannedTensor(tensor.name, shape, Q.F32, _SINK_STD)
+    if role in _DELTA_NET_VALUES:
+        return PlannedTensor(tensor.name, shape, Q.F32, 0.0, values=_DELTA_NET_VALUES[role](shape, spec))
     if len(shape) == 1 and role != "ffn_gate_inp_shexp.weight":  # a norm's weight
         mean = _POST_NORM_MEAN if role in _POST_NORMS and spec.arch in _SANDWICH_ARCHS else 1.0
         return PlannedTensor(tensor.name, shape, Q.F32, _NORM_STD * mean, mean=mean)
@@ -585,7 +625,22 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         metadata.append((f"{arch}.pooling_type", u32(spec.pooling_type)))
     if ARCHS[arch].latent_attention:
         return _latent_metadata(spec, metadata)
+    if ARCHS[arch].linear_attention:
+        return metadata + _linear_attention_metadata(spec)
     return metadata + _gemma_metadata(spec)
+
+
+def _linear_attention_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
+    """qwen35's keys: the DeltaNet layers' sizes, the interval of full-attention layers and the
+    multi-section rotary's sections (text rotates the same in each: the last one empty)."""
+    pairs = (spec.rope_dim or spec.head_dim) // 2
+    sections = [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0]
+    keys = {"ssm.conv_kernel": spec.ssm_conv_kernel, "ssm.state_size": spec.ssm_state,
+            "ssm.group_count": spec.ssm_key_heads, "ssm.time_step_rank": spec.ssm_value_heads,
+            "ssm.inner_size": spec.ssm_value_heads * spec.ssm_state,
+            "full_attention_interval": spec.full_attention_interval}
+    return ([(f"{spec.arch}.{key}", Typed(UINT32, value)) for key, value in keys.items()]
+            + [(f"{spec.arch}.rope.dimension_sections", Typed(ARRAY, sections, INT32))])
 
 
 def _latent_metadata(spec: ModelSpec, metadata: list[tuple[str, Typed]]) -> list[tuple[str, Typed]]:

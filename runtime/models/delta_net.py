@@ -1,0 +1,157 @@
+"""The hybrid linear-attention decoder of Qwen3.5 (llama.cpp's qwen35, qwen35moe): three of every
+`full_attention_interval` layers are Gated DeltaNet linear attention, the last one full attention.
+
+A DeltaNet layer (llama.cpp's build_layer_attn_linear), on the normed input x:
+    qkv = x @ attn_qkv, z = x @ attn_gate, beta = sigmoid(x @ ssm_beta),
+    g = softplus(x @ ssm_alpha + ssm_dt.bias) * ssm_a          (ssm_a < 0: a decay)
+    q, k, v = split(silu(causal_conv(qkv, ssm_conv1d)))         (q, k L2-normed per head)
+    o = gated delta rule over the layer's recurrent state (runtime/delta_rule.py)
+    out = (rms_norm(o per head) * ssm_norm * silu(z)) @ ssm_out
+Queries and keys have `ssm.group_count` heads of `ssm.state_size`, values `ssm.time_step_rank`
+heads of `ssm.inner_size / ssm.time_step_rank`; value head h reads query/key head h % group_count
+(ggml_repeat's tiling). The state lives in the cache (runtime/recurrent_state.py), not in here.
+A full-attention layer projects queries and a gate jointly (`attn_q`, per head the query then
+the gate), norms each head's query and key, rotates the first `rope.dimension_count` dimensions
+(multi-section rotary: text positions are the same in every section, so it is neox rotary) and
+multiplies the attention's output by sigmoid(gate) before `attn_output`. Each block is
+x += mixer(attn_norm(x)); x += ffn(post_attention_norm(x)).
+"""
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tierflow.errors import ModelFileError, UnsupportedModelError
+from tierflow.runtime.config import Metadata, ModelConfig, RecurrentShape
+from tierflow.runtime.model import Activations, LayerPass, Weights, stack_rows
+from tierflow.runtime.models import tensor_map as tm
+from tierflow.runtime.models.layers import FFN, attend
+
+PRE_FFN_NORM = "post_attention_norm"
+
+
+def hybrid_config(meta: Metadata, base: ModelConfig) -> ModelConfig:
+    """The recurrent layers and their state's shape, from the ssm.* keys and the interval."""
+    shape = RecurrentShape(conv_kernel=meta.count("ssm.conv_kernel", minimum=2, maximum=64),
+                           key_heads=meta.count("ssm.group_count"), value_heads=meta.count("ssm.time_step_rank"),
+                           key_dim=meta.count("ssm.state_size"), value_dim=1)
+    inner = meta.count("ssm.inner_size")
+    if inner % shape.value_heads or inner // shape.value_heads != shape.key_dim:
+        raise UnsupportedModelError(f"{meta.arch}.ssm.inner_size {inner} is not ssm.time_step_rank "
+                                    f"{shape.value_heads} heads of ssm.state_size {shape.key_dim}: "
+                                    f"tierflow computes value heads as wide as key heads")
+    if shape.value_heads % shape.key_heads:
+        raise ModelFileError(f"{meta.arch}.ssm.time_step_rank {shape.value_heads} (value heads) is not a "
+                             f"multiple of ssm.group_count {shape.key_heads} (key heads)")
+    interval = meta.count("full_attention_interval", 4)
+    layers = base.num_layers - meta.count("nextn_predict_layers", 0, minimum=0)
+    if layers < 1:
+        raise ModelFileError(f"{meta.arch}.nextn_predict_layers must be below block_count "
+                             f"{base.num_layers}: no layer would be left to run")
+    _check_rope_sections(meta, base.rope_dim)
+    return replace(base, num_layers=layers, recurrent=replace(shape, value_dim=shape.key_dim),
+                   recurrent_layers=tuple((i + 1) % interval != 0 for i in range(layers)))
+
+
+def _check_rope_sections(meta: Metadata, rope_dim: int) -> None:
+    """Multi-section rotary rotates text as neox rotary when its fourth section is empty."""
+    key = f"{meta.arch}.rope.dimension_sections"
+    sections = meta.metadata.get(key)
+    if sections is None:
+        return
+    if len(sections) != 4 or any(not isinstance(s, (int, np.integer)) or s < 0 for s in sections):
+        raise ModelFileError(f"metadata '{key}' must be 4 counts >= 0, got {list(sections)[:8]}")
+    if sections[3]:
+        raise UnsupportedModelError(f"metadata '{key}' gives {sections[3]} rotary pairs to a fourth "
+                                    f"section: tierflow rotates text positions only (rope dimension {rope_dim})")
+
+
+def layer_fields(config: ModelConfig, layer: int, ffn: Callable[[ModelConfig, int], list[tm.Field]]
+                 ) -> list[tm.Field]:
+    """A layer's mixer (linear or full attention) and its FFN's fields (`ffn`'s, whose norm is the
+    file's post_attention_norm)."""
+    mixer = linear_attention_fields if config.is_recurrent(layer) else gated_attention_fields
+    return mixer(config, layer) + ffn(config, layer)
+
+
+def linear_attention_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
+    e, s, p = config.hidden_size, config.recurrent, f"blk.{layer}."
+    values = s.value_heads * s.value_dim
+    return [tm.vector("attn_norm", p + "attn_norm.weight", (e,), "attention"),
+            tm.matmul("ssm_in", [(p + "attn_qkv.weight", (e, s.conv_channels)), (p + "attn_gate.weight", (e, values)),
+                                 (p + "ssm_beta.weight", (e, s.value_heads)),
+                                 (p + "ssm_alpha.weight", (e, s.value_heads))], "attention"),
+            tm.vector("ssm_conv1d", p + "ssm_conv1d.weight", (s.conv_kernel, s.conv_channels), "attention"),
+            tm.vector("ssm_dt", p + "ssm_dt.bias", (s.value_heads,), "attention"),
+            tm.vector("ssm_a", p + "ssm_a", (s.value_heads,), "attention"),
+            tm.vector("ssm_norm", p + "ssm_norm.weight", (s.value_dim,), "attention"),
+            tm.matmul("ssm_out", [(p + "ssm_out.weight", (values, e))], "attention")]
+
+
+def gated_attention_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
+    e, p = config.hidden_size, f"blk.{layer}."
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return [tm.vector("attn_norm", p + "attn_norm.weight", (e,), "attention"),
+            tm.matmul("qkv", [(p + "attn_q.weight", (e, 2 * q)), (p + "attn_k.weight", (e, kv)),
+                              (p + "attn_v.weight", (e, kv))], "attention"),
+            *tm.qk_norm_fields(config, layer, per_head=True),
+            tm.matmul("wo", [(p + "attn_output.weight", (q, e))], "attention")]
+
+
+def block(x: Activations, w: Weights, p: LayerPass, ffn: FFN) -> Activations:
+    kernels, eps = p.kernels, p.config.rms_norm_eps
+    h = kernels.rms_norm(x, w.attn_norm, eps)
+    mixed = linear_attention(p, w, h) if p.config.is_recurrent(p.layer_idx) else gated_attention(p, w, h)
+    h = kernels.add_rms_norm(x, mixed, w.ffn_norm, eps)
+    x += ffn(p, w, h, x)
+    return x
+
+
+def gated_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
+    cfg, kernels = p.config, p.kernels
+    tokens, heads, d, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+    projected = torch.as_tensor(w.qkv(x))  # [T, 2 H D + 2 K D]: per head its query then its gate
+    query_gate = projected[:, :2 * heads * d].reshape(tokens, heads, 2, d)
+    gate = query_gate[:, :, 1].reshape(tokens, -1)
+    q = kernels.rms_norm(kernels.take(query_gate[:, :, 0].reshape(tokens * heads, d)), w.q_norm, eps)
+    k, v = projected[:, 2 * heads * d:].chunk(2, dim=-1)  # [T, K D] each
+    k = kernels.rms_norm(kernels.take(k.reshape(tokens * cfg.num_kv_heads, d)), w.k_norm, eps)
+    qkv = torch.cat([torch.as_tensor(part).reshape(tokens, -1) for part in (q, k, v)], dim=-1)
+    attended = torch.as_tensor(attend(p, w, kernels.take(qkv)))
+    return w.wo(kernels.take(attended * torch.sigmoid(gate)))
+
+
+def linear_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
+    cfg, s = p.config, p.config.recurrent
+    values = s.value_heads * s.value_dim
+    projected = torch.as_tensor(w.ssm_in(x))  # [T, C + values + 2 H]
+    conv_in, z, beta, alpha = projected.split([s.conv_channels, values, s.value_heads, s.value_heads], dim=-1)
+    beta = torch.sigmoid(beta)
+    g = F.softplus(alpha + torch.as_tensor(w.ssm_dt)) * torch.as_tensor(w.ssm_a)
+    conv_weight = torch.as_tensor(w.ssm_conv1d).reshape(s.conv_channels, s.conv_kernel)
+    split = _splitter(s, cfg.rms_norm_eps)
+    outs = [seq.recurrent(conv_in[seq.rows], conv_weight, g[seq.rows], beta[seq.rows], split)
+            for seq in p.sequences]
+    o = torch.as_tensor(stack_rows(outs))  # [T, H, Dv]
+    normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * torch.as_tensor(w.ssm_norm)
+    gated = normed.reshape(o.shape[0], -1) * F.silu(z)
+    return w.ssm_out(p.kernels.take(gated.contiguous()))
+
+
+def _splitter(s: RecurrentShape, eps: float):
+    """conv outputs [T, C] -> L2-normed queries and keys, each value head's ([T, H, Dk]), and values."""
+    def split(conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, width = conv_out.shape[0], s.key_heads * s.key_dim
+        q, k, v = conv_out.split([width, width, s.value_heads * s.value_dim], dim=-1)
+        shared = s.value_heads // s.key_heads
+        q, k = (_l2_norm(x.reshape(tokens, s.key_heads, s.key_dim), eps).repeat(1, shared, 1) for x in (q, k))
+        return q, k, v.reshape(tokens, s.value_heads, s.value_dim)
+    return split
+
+
+def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / max(|x|, eps) over the last dimension, as ggml_l2_norm."""
+    return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
