@@ -63,7 +63,8 @@ class RecurrentShape:
     @property
     def state_bytes(self) -> int:
         """float32 bytes of one sequence's state in one layer: the convolution's and the matrices."""
-        return 4 * (self.conv_channels * (self.conv_kernel - 1) + self.value_heads * self.key_dim * self.value_dim)
+        matrices = self.value_heads * self.key_dim * self.value_dim
+        return 4 * (self.conv_channels * (self.conv_kernel - 1) + matrices)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ class ModelConfig:
         self._check_scales()
         self._check_latent()
         self._check_groups()
-        if self.recurrent_layers and (len(self.recurrent_layers) != self.num_layers or self.recurrent is None):
+        layers = len(self.recurrent_layers)
+        if self.recurrent_layers and (layers != self.num_layers or self.recurrent is None):
             raise ModelFileError(f"recurrent layers must be one flag per layer ({self.num_layers}) with a "
                                  f"state shape, got {len(self.recurrent_layers)}")
 

@@ -20,13 +20,21 @@ import torch.nn.functional as F
 CHUNK = 64  # tokens per chunk of the chunked form (llama.cpp's)
 
 
+def same_bits(function, x: torch.Tensor) -> torch.Tensor:
+    """function(x) computed in float64 and rounded to x's float32: the same bits for an element
+    whatever the tensor's size. torch computes transcendental functions with vector code and the
+    elements left over with scalar code, which can differ in the last bit; both round alike from
+    float64. Decoding one token and verifying many must give a token's row bit for bit."""
+    return function(x.double()).to(x.dtype)
+
+
 def causal_conv(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu of each channel's causal convolution: history [K-1, C] (the inputs before x), x [T, C],
     weight [C, K] (tap K-1 multiplies the newest input) -> [T, C]."""
     window = torch.cat([history, x])  # [K-1+T, C]
     taps = weight.shape[1]
     out = sum(window[j:j + x.shape[0]] * weight[:, j] for j in range(taps))
-    return F.silu(out)
+    return same_bits(F.silu, out)
 
 
 def step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -68,7 +76,8 @@ def chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).tril()
     decay_mask = torch.exp(relative) * lower
     k_beta = k * beta[..., None]
-    strict = (k_beta @ k.transpose(-1, -2)) * decay_mask * ~torch.eye(CHUNK, dtype=torch.bool, device=k.device)
+    off_diagonal = ~torch.eye(CHUNK, dtype=torch.bool, device=k.device)
+    strict = (k_beta @ k.transpose(-1, -2)) * decay_mask * off_diagonal
     identity = torch.eye(CHUNK, dtype=k.dtype, device=k.device).expand_as(strict)
     solve = torch.linalg.solve_triangular(identity + strict, identity, upper=False)  # (I + A)^-1
     values = solve @ (v * beta[..., None])  # [H, N, CHUNK, Dv]

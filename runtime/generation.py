@@ -85,7 +85,8 @@ class TokenGenerator:
     which only a prefill that asks for it (`shifted=True`, a conversation that dropped its oldest
     turns) reuses. A sliding-window layer's ring goes back only as far as it still holds the
     window before the new end (KVCache.can_truncate_to): a prefix that diverges further back is
-    prefilled again from the start.
+    prefilled again from the start. A recurrent state goes back only to the states it kept (the end
+    of each prompt among them: KVCache.reachable), and is prefilled again from the nearest.
     """
 
     def __init__(self, decoder: Decoder, cache: KVCache):
@@ -116,6 +117,7 @@ class TokenGenerator:
             chunks.append(self._forward(token_ids[start:start + PREFILL_CHUNK], all_logits))
         if progress is not None:
             progress(len(token_ids), len(token_ids))
+        self.cache.checkpoint()  # a chat's next turn starts from here
         return np.concatenate(chunks) if all_logits else chunks[-1][-1], reused
 
     def decode_step(self, token_id: int) -> np.ndarray:
@@ -189,12 +191,12 @@ class TokenGenerator:
             common = min(common, self.exact_length)
         else:
             run_start, run_length = _longest_run(self.cached_tokens, token_ids, common)
-            if run_length and self.cache.can_truncate_to(run_start + run_length):
+            if run_length and self.cache.can_shift and self.cache.can_truncate_to(run_start + run_length):
                 self._truncate(run_start + run_length)
                 self.shift(common, run_start - common)
                 common += run_length
         reused = min(common, len(token_ids) - 1)  # the last prompt token is always recomputed
-        return reused if self.cache.can_truncate_to(reused) else 0
+        return self.cache.reachable(reused)
 
     def _truncate(self, length: int) -> None:
         self.cache.truncate(length)

@@ -156,10 +156,10 @@ class KVCache:
         return length if self.can_truncate_to(length) else 0
 
     def checkpoint(self) -> None:
-        """Keeps what going back to the current length needs later (a recurrent state's copy; a KV
-        cache needs nothing): the end of a prompt, which a chat's next turn starts from."""
+        """Keeps what going back to before the last token needs later (a recurrent state's; a KV
+        cache needs nothing): a prompt's end, whose last token a chat's next turn recomputes."""
         if self.recurrent is not None:
-            self.recurrent.checkpoint(self.length)
+            self.recurrent.checkpoint(self.length - 1)
 
     @property
     def can_shift(self) -> bool:
@@ -224,8 +224,8 @@ class KVCache:
         (`held_from`).
         """
         if not self.can_shift:
-            raise InvalidArgumentError("a recurrent state cannot drop tokens from its middle: prefill the kept "
-                                       "tokens again")
+            raise InvalidArgumentError("a recurrent state cannot drop tokens from its middle: prefill the "
+                                       "kept tokens again")
         if not (keep >= 0 and num_dropped > 0 and keep + num_dropped <= self.length):
             raise InvalidArgumentError(f"cannot drop positions [{keep}, {keep + num_dropped}) of the "
                                        f"{self.length} the cache holds")

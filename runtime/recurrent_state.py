@@ -9,10 +9,12 @@ truncated, so this keeps what going back needs:
   (`keep_path`);
 - `tip`, the state after the last token fed, so that a pass continuing from it replays nothing;
 - up to CHECKPOINTS earlier states (at the start of each long prefill pass, and where the
-  generator asks: the end of a prompt), to go back to for a chat's next turn.
+  generator asks: before a prompt's last token, which a chat's next turn or a regeneration
+  recomputes), to go back to.
 A pass of at most STEPWISE_TOKENS tokens (decoding, draft verification, a token tree) runs token by
-token and is recorded; a longer one (a prefill chunk) runs chunked and is not, so the cache can go
-back into it only to its start. Tree tokens each start from their parent's state, so a row of a
+token and is recorded; a longer one (a prefill chunk) runs chunked but for its last token, which
+is recorded, so the cache can go back into it to its start and to its last token. Tree tokens
+each start from their parent's state, so a row of a
 tree is bit for bit what decoding its path one token at a time gives.
 
 States are torch tensors replaced, never written in place, so keeping one is keeping a reference.
@@ -109,7 +111,8 @@ class RecurrentStates:
         long = count > STEPWISE_TOKENS
         if long and (parents is not None or preds[0] != self.tip_slot):
             raise InvalidArgumentError(f"a pass of {count} tokens must continue the recurrent state it "
-                                       f"follows: only {STEPWISE_TOKENS} tokens can branch from an earlier one")
+                                       f"follows: only {STEPWISE_TOKENS} tokens can branch from an earlier "
+                                       f"one")
         if long:
             for states in self.layers.values():
                 self._keep_checkpoint(states, start, states.tip)
@@ -120,19 +123,22 @@ class RecurrentStates:
         return RecurrentPass(self, layer, self.layers[layer], self._pass)
 
     def end_pass(self) -> None:
-        """The pass finished: each layer's last token's state is its tip, and its tokens are recorded."""
+        """The pass finished: each layer's last token's state is its tip, and its tokens are recorded
+        (of a long pass the last one, after the state before it, the new base)."""
         run, self._pass = self._pass, None
-        for layer, (tip, records) in run.results.items():
+        end = run.start + len(run.preds)
+        recorded_from = end - 1 if run.long else run.start
+        for layer, (tip, records, base) in run.results.items():
             states = self.layers[layer]
             states.tip = tip
-            del states.records[run.start - self.base_length:]
+            if base is not None:
+                states.base, states.records = base, []
+            del states.records[recorded_from - self.base_length if base is None else 0:]
             states.records.extend(records)
-        end = run.start + len(run.preds)
         if run.long:
-            self._rebase(end)
-        else:
-            self.parents[run.start - self.base_length:] = run.preds
-            self.tip_slot = end - 1
+            self.base_length, self.parents = end - 1, []
+        self.parents[recorded_from - self.base_length:] = run.preds[recorded_from - run.start:]
+        self.tip_slot = end - 1
 
     # -- going back ----------------------------------------------------------------------------
 
@@ -179,7 +185,7 @@ class RecurrentStates:
             raise InvalidArgumentError(f"a token tree from slot {start}: the recurrent state holds the "
                                        f"tokens from {self.base_length} on only")
         for states in self.layers.values():
-            states.tip = self._replay(states, start + offsets[-1]) if offsets else self._replay(states, start - 1)
+            states.tip = self._replay(states, start + offsets[-1] if offsets else start - 1)
             states.records[first:] = [states.records[first + i] for i in offsets]
         self.parents[first:] = list(range(start - 1, start - 1 + len(offsets)))
         self.tip_slot = start + len(offsets) - 1
@@ -237,7 +243,8 @@ class _Pass:
     start: int
     preds: list[int]  # each token's predecessor slot
     long: bool  # run chunked and not recorded
-    results: dict[int, tuple[State, list[Record]]] = field(default_factory=dict)  # per layer, till the end
+    # per layer till the pass ends: its tip, its records and (a long pass) the state before its last token
+    results: dict[int, tuple[State, list[Record], State | None]] = field(default_factory=dict)
 
 
 class RecurrentPass:
@@ -257,12 +264,21 @@ class RecurrentPass:
         start = self.owner._replay(states, run.preds[0])
         conv_out = delta_rule.causal_conv(start.history, conv_in, conv_weight)
         q, k, v = split(conv_out)
-        recurrence = delta_rule.chunked if run.long else delta_rule.stepwise
-        out, matrices = recurrence(start.matrices, q, k, v, g, beta)
+        base, stepped = None, 0  # a long pass: all but its last token chunked, that one recorded
+        matrices = start.matrices
+        outs = []
+        if run.long:
+            stepped = len(run.preds) - 1
+            out, matrices = delta_rule.chunked(matrices, q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1])
+            outs.append(out)
+            base = State(torch.cat([start.history, conv_in[:-1]])[-start.history.shape[0]:], matrices)
+        out, matrices = delta_rule.stepwise(matrices, q[stepped:], k[stepped:], v[stepped:], g[stepped:],
+                                            beta[stepped:])
+        outs.append(out)
         history = torch.cat([start.history, conv_in])[-start.history.shape[0]:]
-        records = [] if run.long else _records(conv_in, conv_out, g, beta)
-        run.results[self.layer] = (State(history, matrices), records)
-        return out
+        records = _records(conv_in[stepped:], conv_out[stepped:], g[stepped:], beta[stepped:])
+        run.results[self.layer] = (State(history, matrices), records, base)
+        return torch.cat(outs)
 
     def _tree(self, conv_in, conv_weight, g, beta, split) -> torch.Tensor:
         """Each token from its parent's state, one at a time."""
@@ -278,7 +294,7 @@ class RecurrentPass:
             outs.append(out)
             conv_outs.append(conv_out)
         tip = computed[run.start + len(run.preds) - 1]
-        run.results[self.layer] = (tip, _records(conv_in, torch.cat(conv_outs), g, beta))
+        run.results[self.layer] = (tip, _records(conv_in, torch.cat(conv_outs), g, beta), None)
         return torch.stack(outs)
 
 

@@ -28,6 +28,8 @@ FAMILIES = {
     "deepseek2": ModelSpec(arch="deepseek2", expert_ffn_size=64, head_size=48, rope_dim=16, q_lora_rank=32,
                            leading_dense_layers=1, expert_gating="sigmoid", expert_weights_norm=True,
                            **SHAPE),
+    # Qwen3.5's: Gated DeltaNet layers with a recurrent state, a gated shared expert
+    "qwen35moe": ModelSpec(arch="qwen35moe", expert_ffn_size=64, head_size=32, rope_dim=16, **SHAPE),
 }
 
 

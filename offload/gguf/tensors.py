@@ -29,8 +29,11 @@ def check_tensors(gguf: GGUFFile, arch: Architecture, config: ModelConfig) -> No
     for tensor, _ in needed_tensors(gguf, arch, config):
         info = gguf.tensors.get(tensor.name)
         if info is None:
+            layer = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else None
+            kind = None if layer is None or arch.layer_kind is None else arch.layer_kind(config, int(layer))
+            why = "" if kind is None else f": {kind}"
             raise ModelFileError(f"{gguf.path.name}: missing tensor '{tensor.name}' (a {config.arch} model "
-                                 f"needs it)")
+                                 f"needs it{why})")
         if info.shape != tensor.shape:
             raise ModelFileError(
                 f"{gguf.path.name}: tensor '{tensor.name}' has shape {list(info.shape)}, "

@@ -30,6 +30,8 @@ class Architecture:
     expert_fields: Callable[[ModelConfig, int, int], list[Field]] = no_experts  # a MoE layer's experts
     global_fields: Callable[[ModelConfig], list[Field]] = tensor_map.global_fields
     summary: str = ""  # what tells it apart, for `tierflow info`
+    layer_kind: Callable[[ModelConfig, int], str] | None = None  # where layers differ: what the metadata
+    # makes of one (named when its tensors are missing)
 
     def read_config(self, metadata: dict[str, Any], vocab_size: int, tied: bool) -> ModelConfig:
         return self.config(Metadata(metadata, self.name), vocab_size, tied)

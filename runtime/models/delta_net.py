@@ -26,17 +26,20 @@ import torch.nn.functional as F
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.runtime.config import Metadata, ModelConfig, RecurrentShape
+from tierflow.runtime.delta_rule import same_bits
 from tierflow.runtime.model import Activations, LayerPass, Weights, stack_rows
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.layers import FFN, attend
 
 PRE_FFN_NORM = "post_attention_norm"
+SUMMARY = "Gated DeltaNet linear attention with a recurrent state in 3 of 4 layers, gated full attention"
 
 
 def hybrid_config(meta: Metadata, base: ModelConfig) -> ModelConfig:
     """The recurrent layers and their state's shape, from the ssm.* keys and the interval."""
     shape = RecurrentShape(conv_kernel=meta.count("ssm.conv_kernel", minimum=2, maximum=64),
-                           key_heads=meta.count("ssm.group_count"), value_heads=meta.count("ssm.time_step_rank"),
+                           key_heads=meta.count("ssm.group_count"),
+                           value_heads=meta.count("ssm.time_step_rank"),
                            key_dim=meta.count("ssm.state_size"), value_dim=1)
     inner = meta.count("ssm.inner_size")
     if inner % shape.value_heads or inner // shape.value_heads != shape.key_dim:
@@ -57,16 +60,23 @@ def hybrid_config(meta: Metadata, base: ModelConfig) -> ModelConfig:
 
 
 def _check_rope_sections(meta: Metadata, rope_dim: int) -> None:
-    """Multi-section rotary rotates text as neox rotary when its fourth section is empty."""
+    """Interleaved multi-section rotary (llama.cpp's imrope) turns rotary pair i by the position's
+    component i % 3 (time, height, width: a text token's position in each) while i // 3 is below
+    that component's section, and by its fourth component (0 for text) otherwise: text rotates as
+    neox rotary only when the first three sections cover every pair."""
     key = f"{meta.arch}.rope.dimension_sections"
     sections = meta.metadata.get(key)
     if sections is None:
         return
     if len(sections) != 4 or any(not isinstance(s, (int, np.integer)) or s < 0 for s in sections):
         raise ModelFileError(f"metadata '{key}' must be 4 counts >= 0, got {list(sections)[:8]}")
-    if sections[3]:
-        raise UnsupportedModelError(f"metadata '{key}' gives {sections[3]} rotary pairs to a fourth "
-                                    f"section: tierflow rotates text positions only (rope dimension {rope_dim})")
+    period = int(sum(sections))
+    uncovered = [pair for pair in range(rope_dim // 2)
+                 if not period or pair % period // 3 >= sections[pair % period % 3]]
+    if uncovered:
+        raise UnsupportedModelError(f"metadata '{key}' is {[int(s) for s in sections]}: rotary pairs "
+                                    f"{uncovered} of {rope_dim // 2} would turn by a fourth position "
+                                    f"component, which tierflow does not compute for text")
 
 
 def layer_fields(config: ModelConfig, layer: int, ffn: Callable[[ModelConfig, int], list[tm.Field]]
@@ -81,7 +91,8 @@ def linear_attention_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
     e, s, p = config.hidden_size, config.recurrent, f"blk.{layer}."
     values = s.value_heads * s.value_dim
     return [tm.vector("attn_norm", p + "attn_norm.weight", (e,), "attention"),
-            tm.matmul("ssm_in", [(p + "attn_qkv.weight", (e, s.conv_channels)), (p + "attn_gate.weight", (e, values)),
+            tm.matmul("ssm_in", [(p + "attn_qkv.weight", (e, s.conv_channels)),
+                                 (p + "attn_gate.weight", (e, values)),
                                  (p + "ssm_beta.weight", (e, s.value_heads)),
                                  (p + "ssm_alpha.weight", (e, s.value_heads))], "attention"),
             tm.vector("ssm_conv1d", p + "ssm_conv1d.weight", (s.conv_kernel, s.conv_channels), "attention"),
@@ -101,6 +112,13 @@ def gated_attention_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
             tm.matmul("wo", [(p + "attn_output.weight", (q, e))], "attention")]
 
 
+def layer_kind(config: ModelConfig, layer: int) -> str:
+    """What the metadata makes of a layer, for a file whose tensors say otherwise."""
+    kind = "linear attention" if config.is_recurrent(layer) else "full attention"
+    interval = next((i + 1 for i, recurrent in enumerate(config.recurrent_layers) if not recurrent), None)
+    return f"layer {layer} is {kind}, every {interval}th layer being full attention by the metadata"
+
+
 def block(x: Activations, w: Weights, p: LayerPass, ffn: FFN) -> Activations:
     kernels, eps = p.kernels, p.config.rms_norm_eps
     h = kernels.rms_norm(x, w.attn_norm, eps)
@@ -116,12 +134,13 @@ def gated_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
     projected = torch.as_tensor(w.qkv(x))  # [T, 2 H D + 2 K D]: per head its query then its gate
     query_gate = projected[:, :2 * heads * d].reshape(tokens, heads, 2, d)
     gate = query_gate[:, :, 1].reshape(tokens, -1)
-    q = kernels.rms_norm(kernels.take(query_gate[:, :, 0].reshape(tokens * heads, d)), w.q_norm, eps)
+    queries = query_gate[:, :, 0].reshape(tokens * heads, d).contiguous()
+    q = kernels.rms_norm(kernels.take(queries), w.q_norm, eps)
     k, v = projected[:, 2 * heads * d:].chunk(2, dim=-1)  # [T, K D] each
-    k = kernels.rms_norm(kernels.take(k.reshape(tokens * cfg.num_kv_heads, d)), w.k_norm, eps)
+    k = kernels.rms_norm(kernels.take(k.reshape(tokens * cfg.num_kv_heads, d).contiguous()), w.k_norm, eps)
     qkv = torch.cat([torch.as_tensor(part).reshape(tokens, -1) for part in (q, k, v)], dim=-1)
     attended = torch.as_tensor(attend(p, w, kernels.take(qkv)))
-    return w.wo(kernels.take(attended * torch.sigmoid(gate)))
+    return w.wo(kernels.take(attended * same_bits(torch.sigmoid, gate)))
 
 
 def linear_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
@@ -129,15 +148,15 @@ def linear_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
     values = s.value_heads * s.value_dim
     projected = torch.as_tensor(w.ssm_in(x))  # [T, C + values + 2 H]
     conv_in, z, beta, alpha = projected.split([s.conv_channels, values, s.value_heads, s.value_heads], dim=-1)
-    beta = torch.sigmoid(beta)
-    g = F.softplus(alpha + torch.as_tensor(w.ssm_dt)) * torch.as_tensor(w.ssm_a)
+    beta = same_bits(torch.sigmoid, beta)
+    g = same_bits(F.softplus, alpha + torch.as_tensor(w.ssm_dt)) * torch.as_tensor(w.ssm_a)
     conv_weight = torch.as_tensor(w.ssm_conv1d).reshape(s.conv_channels, s.conv_kernel)
     split = _splitter(s, cfg.rms_norm_eps)
     outs = [seq.recurrent(conv_in[seq.rows], conv_weight, g[seq.rows], beta[seq.rows], split)
             for seq in p.sequences]
     o = torch.as_tensor(stack_rows(outs))  # [T, H, Dv]
     normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * torch.as_tensor(w.ssm_norm)
-    gated = normed.reshape(o.shape[0], -1) * F.silu(z)
+    gated = normed.reshape(o.shape[0], -1) * same_bits(F.silu, z)
     return w.ssm_out(p.kernels.take(gated.contiguous()))
 
 
@@ -147,11 +166,13 @@ def _splitter(s: RecurrentShape, eps: float):
         tokens, width = conv_out.shape[0], s.key_heads * s.key_dim
         q, k, v = conv_out.split([width, width, s.value_heads * s.value_dim], dim=-1)
         shared = s.value_heads // s.key_heads
-        q, k = (_l2_norm(x.reshape(tokens, s.key_heads, s.key_dim), eps).repeat(1, shared, 1) for x in (q, k))
+        # contiguous, so that each row's norm is summed alike whatever the pass's token count
+        q, k = (_l2_norm(x.reshape(tokens, s.key_heads, s.key_dim).contiguous(), eps).repeat(1, shared, 1)
+                for x in (q, k))
         return q, k, v.reshape(tokens, s.value_heads, s.value_dim)
     return split
 
 
 def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / max(|x|, eps) over the last dimension, as ggml_l2_norm."""
-    return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
+    """x / sqrt(|x|^2 + eps) over the last dimension, as llama.cpp's bundled ggml_l2_norm computes it."""
+    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)

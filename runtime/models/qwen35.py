@@ -19,7 +19,7 @@ def ffn_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
     return tm.dense_ffn_fields(config, layer, norm=delta_net.PRE_FFN_NORM)
 
 
-ARCHITECTURE = Architecture(name="qwen35", config=config, layer_fields=partial(delta_net.layer_fields, ffn=ffn_fields),
-                            block=partial(delta_net.block, ffn=dense_ffn),
-                            summary="Gated DeltaNet linear attention with a recurrent state in 3 of 4 layers; "
-                                    "gated full attention in the rest")
+ARCHITECTURE = Architecture(name="qwen35", config=config,
+                            layer_fields=partial(delta_net.layer_fields, ffn=ffn_fields),
+                            block=partial(delta_net.block, ffn=dense_ffn), layer_kind=delta_net.layer_kind,
+                            summary=f"{delta_net.SUMMARY}; a SwiGLU FFN")

@@ -15,8 +15,8 @@ from tierflow.runtime.models.layers import moe_ffn
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
-    base = transformer_config(meta, vocab_size, tied, rope_style="neox", experts="always", expert_ffn_key=True,
-                              shared_expert=True)
+    base = transformer_config(meta, vocab_size, tied, rope_style="neox", experts="always",
+                              expert_ffn_key=True, shared_expert=True)
     return delta_net.hybrid_config(meta, replace(base, expert_weights_norm=True))
 
 
@@ -28,6 +28,6 @@ def ffn_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
 ARCHITECTURE = Architecture(name="qwen35moe", config=config,
                             layer_fields=partial(delta_net.layer_fields, ffn=ffn_fields),
                             block=partial(delta_net.block, ffn=moe_ffn), expert_fields=tm.expert_fields,
-                            summary="Gated DeltaNet linear attention with a recurrent state in 3 of 4 layers; "
-                                    "gated full attention in the rest; softmax top-k experts, renormalised, "
-                                    "and a gated shared expert")
+                            layer_kind=delta_net.layer_kind,
+                            summary=f"{delta_net.SUMMARY}; softmax top-k experts, renormalised, and a "
+                                    f"gated shared expert")

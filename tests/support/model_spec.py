@@ -331,7 +331,8 @@ class ModelSpec:
     def _row_lengths(self) -> tuple[int, ...]:
         """Every weight_type row length: matrices' inputs, the FFN's and experts' down rows."""
         if ARCHS[self.arch].linear_attention:
-            lengths = (self.hidden_size, self.num_heads * self.head_dim, self.ssm_value_heads * self.ssm_state)
+            values = self.ssm_value_heads * self.ssm_state
+            lengths = (self.hidden_size, self.num_heads * self.head_dim, values)
             if self.num_experts:
                 lengths += (self.expert_ffn_width, self.shared_expert_ffn_width)
             return lengths + ((self.ffn_size,) if not self.num_experts else ())
@@ -632,9 +633,10 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
 
 def _linear_attention_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
     """qwen35's keys: the DeltaNet layers' sizes, the interval of full-attention layers and the
-    multi-section rotary's sections (text rotates the same in each: the last one empty)."""
+    interleaved multi-section rotary's sections, covering every pair as Qwen3.5's [11, 11, 10, 0]
+    do (text rotates the same in each; a pair left out would not turn)."""
     pairs = (spec.rope_dim or spec.head_dim) // 2
-    sections = [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0]
+    sections = [-(-(pairs - i) // 3) for i in range(3)] + [0]  # interleaved: pair i in section i % 3
     keys = {"ssm.conv_kernel": spec.ssm_conv_kernel, "ssm.state_size": spec.ssm_state,
             "ssm.group_count": spec.ssm_key_heads, "ssm.time_step_rank": spec.ssm_value_heads,
             "ssm.inner_size": spec.ssm_value_heads * spec.ssm_state,

@@ -1,0 +1,208 @@
+"""Hybrid linear-attention models (Qwen3.5's qwen35 and qwen35moe): Gated DeltaNet layers whose
+recurrent state lives in the cache, against llama.cpp, and everything that goes back in a cache
+(prefix reuse, rejected guesses, token trees) going back in that state too."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.support.budgets import ram_beside_weights
+from tests.support.gguf_bytes import UINT32, Typed
+from tests.support.gguf_writing import rewrite_metadata
+from tests.support.make_model import ModelSpec, write_model
+from tests.support.oracle import (
+    EXACT_TIE,
+    LONG_TEXT,
+    PROMPTS,
+    assert_greedy_agrees,
+    assert_logits_agree,
+    llama_cpp_logits,
+    llama_cpp_model,
+)
+from tierflow import Engine
+from tierflow.errors import InvalidArgumentError, ModelFileError
+from tierflow.kv_types import KV_TYPES
+from tierflow.offload.plan.budgets import layer_kv_bytes
+from tierflow.runtime.kv_cache import KVCache
+from tierflow.runtime.recurrent_state import STEPWISE_TOKENS, recurrent_state_bytes
+
+SHAPE = dict(num_layers=4, hidden_size=64, ffn_size=128, num_heads=4, num_kv_heads=2, head_size=32,
+             rope_dim=16, context_length=2048)
+MOE = dict(num_experts=4, experts_used=2, expert_ffn_size=64, shared_expert_ffn_size=96)
+SPECS = {"qwen35": ModelSpec(arch="qwen35", **SHAPE),
+         "qwen35moe": ModelSpec(arch="qwen35moe", **SHAPE, **MOE)}
+F32 = dict(weight_type="F32", embedding_type="F32")
+REPEATING = "red, green, blue, red, green, blue, red, green, blue,"
+
+
+def long_prompt(sentences: int) -> str:
+    return " ".join(f"Sentence {i}: the river bends past mill number {i * 7 % 13}." for i in range(sentences))
+
+
+@pytest.fixture(scope="module", params=SPECS)
+def f32_model(request, tmp_path_factory):
+    spec = dataclasses.replace(SPECS[request.param], **F32)
+    return write_model(tmp_path_factory.mktemp(request.param) / "model.gguf", spec)
+
+
+@pytest.fixture(scope="module")
+def quantized_model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("qwen35q") / "model.gguf", SPECS["qwen35"])
+
+
+def test_f32_logits_match_llama_cpp_exactly(f32_model):
+    llama = llama_cpp_model(f32_model, n_ctx=256, f32_kv=True)
+    with Engine.load(f32_model, threads=2, context_length=256, kv_cache_type="f32") as engine:
+        ids = engine.tokenize(LONG_TEXT)[:200]  # one pass: chunked but for its last token
+        assert_logits_agree(engine, llama, ids, max_mean_diff=0.01, near_tie=EXACT_TIE)
+        assert_greedy_agrees(engine, llama, PROMPTS[0], near_tie=EXACT_TIE, max_tokens=24)
+
+
+def test_a_prompt_longer_than_a_prefill_chunk_matches_llama_cpp(f32_model):
+    llama = llama_cpp_model(f32_model, n_ctx=1024, f32_kv=True)
+    with Engine.load(f32_model, threads=2, context_length=1024, kv_cache_type="f32") as engine:
+        ids = engine.tokenize(long_prompt(60))[:700]
+        assert len(ids) == 700  # two prefill chunks, the state carried from the first to the second
+        last = engine.generate(ids, max_tokens=1, temperature=0, logprobs=True)
+        theirs = llama_cpp_logits(llama, ids)[-1]
+        assert last.tokens[0] == int(theirs.argmax())
+    ours = engine_logits_of_last(f32_model, ids)
+    assert np.abs(ours - theirs).mean() < 0.01
+
+
+def engine_logits_of_last(path, ids) -> np.ndarray:
+    with Engine.load(path, threads=2, context_length=1024, kv_cache_type="f32") as engine:
+        return engine.logits(ids)[-1]
+
+
+def test_quantized_logits_match_llama_cpp_within_its_rounding(quantized_model):
+    llama = llama_cpp_model(quantized_model, n_ctx=256)
+    with Engine.load(quantized_model, threads=2, context_length=256, kv_cache_type="f32") as engine:
+        assert_logits_agree(engine, llama, engine.tokenize(LONG_TEXT)[:64], max_mean_diff=0.25, near_tie=1.0)
+
+
+def test_a_regenerated_prompt_reuses_all_but_its_last_token_and_gives_the_same_tokens(quantized_model):
+    with Engine.load(quantized_model, threads=2, context_length=1024) as engine:
+        for prompt in (PROMPTS[0], long_prompt(12)):  # prefilled token by token, and chunked
+            first = engine.generate(prompt, max_tokens=16, temperature=0)
+            again = engine.generate(prompt, max_tokens=16, temperature=0)
+            assert again.stats.cached_prompt_tokens == first.stats.prompt_tokens - 1
+            assert again.tokens == first.tokens
+
+
+def test_a_continued_conversation_gives_a_fresh_engines_tokens(quantized_model):
+    with Engine.load(quantized_model, threads=2, context_length=1024) as engine:
+        first = engine.generate(PROMPTS[0], max_tokens=16, temperature=0)
+        follow_up = PROMPTS[0] + first.text + " Then the"
+        continued = engine.generate(follow_up, max_tokens=16, temperature=0)
+        assert continued.stats.cached_prompt_tokens > 0
+    with Engine.load(quantized_model, threads=2, context_length=1024) as engine:
+        assert engine.generate(follow_up, max_tokens=16, temperature=0).tokens == continued.tokens
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_speculative_greedy_output_is_the_targets_own(quantized_model, draft):
+    with Engine.load(quantized_model, threads=2, context_length=1024) as engine:
+        plain = [engine.generate(p, max_tokens=48, temperature=0).tokens for p in (REPEATING, PROMPTS[1])]
+    with Engine.load(quantized_model, threads=2, context_length=1024,
+                     draft=quantized_model if draft == "model" else draft) as engine:
+        results = [engine.generate(p, max_tokens=48, temperature=0) for p in (REPEATING, PROMPTS[1])]
+    assert [r.tokens for r in results] == plain
+    # a random model's text seldom repeats itself: prompt lookup's few guesses are mostly rejected
+    counted = "accepted_tokens" if draft == "model" else "drafted_tokens"
+    assert sum(getattr(r.stats, counted) for r in results) > 0
+
+
+def test_streamed_layers_and_layers_on_the_stand_in_gpu_give_the_resident_tokens(quantized_model):
+    with Engine.load(quantized_model, threads=2, context_length=256) as engine:
+        resident = engine.generate(PROMPTS[0], max_tokens=24, temperature=0).tokens
+        packed = engine.weights.packed
+        weights = packed.globals.nbytes + sum(layer.nbytes for layer in packed.layers)
+        half_a_layer = max(layer.nbytes for layer in packed.layers) // 2
+    streaming = dict(cpu_memory=weights - half_a_layer + ram_beside_weights(quantized_model, 256))
+    on_gpu = dict(gpu_memory="4MiB", gpu_device="cpu")  # its states there too
+    for budgets in (streaming, on_gpu):
+        with Engine.load(quantized_model, threads=2, context_length=256, **budgets) as engine:
+            assert engine.generate(PROMPTS[0], max_tokens=24, temperature=0).tokens == resident
+            assert engine.weights.streamed_layers if budgets is streaming else engine.plan.gpu_layers
+
+
+def test_a_kept_tree_path_leaves_the_state_its_tokens_fed_one_by_one_leave(quantized_model):
+    with Engine.load(quantized_model, threads=2, context_length=256) as engine:
+        generator = engine._generator
+        ids = engine.tokenize(PROMPTS[2])
+        generator.prefill(ids, _never())
+        #       0 -> 1 -> 3
+        #        \-> 2
+        tree, parents = [11, 12, 13, 14], [-1, 0, 0, 1]
+        start = generator.cache.length
+        generator.verify_tree(tree, parents)
+        generator.keep_path(start, [0, 1, 3])
+        after_tree = generator.decode_step(99)
+        generator.prefill(ids, _never(), reuse_prefix=False)
+        for token in (11, 12, 14):
+            generator.decode_step(token)
+        assert np.array_equal(after_tree, generator.decode_step(99))
+
+
+def test_rejected_guesses_are_forgotten_by_the_state(quantized_model):
+    with Engine.load(quantized_model, threads=2, context_length=256) as engine:
+        generator = engine._generator
+        ids = engine.tokenize(PROMPTS[2])
+        generator.prefill(ids, _never())
+        start = generator.cache.length
+        generator.verify([5, 6, 7, 8])
+        generator.keep(start + 2)
+        kept = generator.decode_step(9)
+        generator.prefill(ids, _never(), reuse_prefix=False)
+        generator.decode_step(5)
+        generator.decode_step(6)
+        assert np.array_equal(kept, generator.decode_step(9))
+
+
+def test_the_state_goes_back_only_to_what_it_kept(quantized_model):
+    with Engine.load(quantized_model, threads=2, context_length=1024) as engine:
+        cache: KVCache = engine._generator.cache
+        ids = engine.tokenize(long_prompt(12))
+        assert len(ids) > STEPWISE_TOKENS + 10
+        engine._generator.prefill(ids, _never())
+        assert cache.reachable(len(ids) - 1) == len(ids) - 1  # the prompt's last token is recorded
+        assert cache.reachable(len(ids) - 5) == 0  # inside a chunked pass: from the start again
+        with pytest.raises(InvalidArgumentError, match="recurrent state cannot go back to 10"):
+            cache.truncate(10)
+        with pytest.raises(InvalidArgumentError, match="recurrent state"):
+            cache.shift(2, 4, [], neox=True)
+
+
+def test_the_state_is_counted_in_the_budget_whatever_the_context(quantized_model):
+    with Engine.load(quantized_model, threads=2, context_length=256) as engine:
+        config = engine.config
+    recurrent = [i for i in range(config.num_layers) if config.is_recurrent(i)]
+    assert recurrent == [0, 1, 2]
+    kv = KV_TYPES["f16"]
+    for context in (256, 1024):
+        assert layer_kv_bytes(config, 0, context, kv) == recurrent_state_bytes(config.recurrent)
+    assert layer_kv_bytes(config, 3, 1024, kv) > layer_kv_bytes(config, 3, 256, kv)  # full attention
+
+
+def test_a_convolution_the_metadata_does_not_explain_is_refused_naming_both_shapes(quantized_model, tmp_path):
+    broken = rewrite_metadata(quantized_model, tmp_path / "broken.gguf",
+                              {"qwen35.ssm.conv_kernel": Typed(UINT32, 3)})
+    with pytest.raises(ModelFileError, match=r"'blk.0.ssm_conv1d.weight' has shape \[4, 128\], "
+                                             r"the metadata implies \[3, 128\]"):
+        Engine.load(broken, threads=2, context_length=256)
+
+
+def test_a_layer_pattern_the_metadata_does_not_explain_is_refused_naming_both(quantized_model, tmp_path):
+    broken = rewrite_metadata(quantized_model, tmp_path / "broken.gguf",
+                              {"qwen35.full_attention_interval": Typed(UINT32, 2)})
+    with pytest.raises(ModelFileError, match=r"missing tensor 'blk.1.attn_q.weight'.*layer 1 is full "
+                                             r"attention, every 2th layer"):
+        Engine.load(broken, threads=2, context_length=256)
+
+
+def _never():
+    import threading
+
+    return threading.Event()
