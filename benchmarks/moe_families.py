@@ -11,7 +11,11 @@ vocabulary) into the cache directory, at the real model's per-layer shape:
   4 KV heads of size 128), every matrix Q4_K;
 - gpt-oss: gpt-oss-20b (24 layers, hidden 2880, 32 experts of width 2880, top-4, 64 query and 8 KV
   heads of size 64, every other layer a window of 128, YaRN), MXFP4 experts and Q8_0 elsewhere
-  (llama.cpp's MXFP4_MOE mix; the released file keeps some of those in BF16).
+  (llama.cpp's MXFP4_MOE mix; the released file keeps some of those in BF16);
+- qwen35moe: Qwen3.5-35B-A3B (40 layers, hidden 2048, 256 experts of width 512, top-8, a shared
+  expert of 512; every 4th layer full attention, 16 query and 2 KV heads of size 256 rotating 64
+  dimensions; the others Gated DeltaNet, 16 query/key heads and 32 value heads of 128, a 4-tap
+  convolution), every matrix Q4_K.
 
 `--layers N` keeps every per-layer shape and cuts the depth, for machines that cannot hold the
 whole model twice; `--cpu-memory` is then scaled by the same fraction of the layers (printed), so
@@ -22,8 +26,8 @@ up once and then timed `--repeats` times (medians):
 - tierflow with `cpu_memory` = the budget: the experts on disk, read with O_DIRECT into the expert
   cache; against the decode rate the disk allows for what it read, and for what a clairvoyant cache
   of the same size would read (benchmarks/moe_decode.py's two bounds).
-Goals (issue 17): resident at least 1.0x llama.cpp in decode and in prefill; streamed at least
-0.5x resident.
+Goals (issues 17 and 19): resident at least 1.0x llama.cpp in decode and in prefill; streamed at
+least 0.5x resident.
 """
 
 import argparse
@@ -57,6 +61,11 @@ FAMILIES = {
                          context_length=131072, rope_theta=150000.0, rope_scaling="yarn",
                          rope_scaling_factor=32.0, weight_type="Q8_0", embedding_type="Q8_0",
                          expert_type="MXFP4"),
+    "qwen35moe": ModelSpec(arch="qwen35moe", num_layers=40, hidden_size=2048, ffn_size=512, num_heads=16,
+                           num_kv_heads=2, head_size=256, rope_dim=64, num_experts=256, experts_used=8,
+                           expert_ffn_size=512, shared_expert_ffn_size=512, ssm_state=128, ssm_key_heads=16,
+                           ssm_value_heads=32, context_length=262144, rope_theta=1e7,
+                           weight_type="Q4_K", embedding_type="Q4_K"),
 }
 
 

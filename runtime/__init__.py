@@ -9,6 +9,8 @@
     streams.py        a generation as an object: Stream, AsyncStream
     embeddings.py     engine.embed: pooled hidden states, several inputs in one pass
     kv_cache.py       the KV cache and its context shift; rope.py the rotary tables
+    recurrent_state.py  a linear-attention layer's state in the cache: records, replays, checkpoints
+    delta_rule.py     the gated delta rule (Gated DeltaNet's recurrence): token by token and chunked
     context_shift.py  which turns a conversation that outgrows the context drops (chat and server)
     host_attention.py a device layer's attention over a cache in RAM (kv_on_cpu)
     sampler.py        sampling settings and the sampler (logit bias, penalties, filters, a constraint's mask)

@@ -23,9 +23,10 @@ from tierflow.runtime.model import Decoder
 
 
 def cache_config(num_layers: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
-    """What KVCache reads of a ModelConfig, for per-head keys and values and no windows."""
+    """What KVCache reads of a ModelConfig: per-head keys and values, no windows, no recurrent layers."""
     return SimpleNamespace(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           window=lambda layer: 0, cache_rows=CacheRows(num_kv_heads, head_dim, head_dim))
+                           window=lambda layer: 0, cache_rows=CacheRows(num_kv_heads, head_dim, head_dim),
+                           is_recurrent=lambda layer: False, recurrent_layers=())
 
 
 CONFIG = cache_config(num_layers=2, num_kv_heads=3, head_dim=64)
