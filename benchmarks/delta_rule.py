@@ -44,7 +44,8 @@ def seconds(run, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dim", type=int, default=128)
@@ -70,7 +71,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"{args.tokens} tokens x {args.heads} heads of {args.dim}, {args.threads} threads: chunked "
-          f"{chunked * 1e3:.0f} ms ({args.tokens / chunked:.0f} tok/s), token by token {reference * 1e3:.0f} ms "
+          f"{chunked * 1e3:.0f} ms ({args.tokens / chunked:.0f} tok/s), token by token "
+          f"{reference * 1e3:.0f} ms "
           f"(from {n} tokens): {result['speedup']:.2f}x; outputs differ by at most "
           f"{result['max_output_difference']:.1e}")
 
