@@ -66,30 +66,46 @@ def chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     of the state plus the causal, decayed q . k mix of U; the state decays by the chunk's total and
     takes every token's k U^T, each decayed from its position to the chunk's end."""
     tokens, heads, dk = k.shape
-    pad = -tokens % CHUNK
-    # [H, N, CHUNK, D]: padding has k = v = 0 and g = 0, so it neither reads nor writes nor decays
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)).reshape(heads, -1, CHUNK, x.shape[-1])
-               for x in (q * dk ** -0.5, k, v))
-    g, beta = (F.pad(x.transpose(0, 1), (0, pad)).reshape(heads, -1, CHUNK) for x in (g, beta))
-    decays = g.cumsum(-1)  # [H, N, CHUNK]: G, the decay from the chunk's start to each token
-    relative = (decays[..., :, None] - decays[..., None, :]).tril()  # G_i - G_j where j <= i
-    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).tril()
-    decay_mask = torch.exp(relative) * lower
-    k_beta = k * beta[..., None]
-    off_diagonal = ~torch.eye(CHUNK, dtype=torch.bool, device=k.device)
-    strict = (k_beta @ k.transpose(-1, -2)) * decay_mask * off_diagonal
-    identity = torch.eye(CHUNK, dtype=k.dtype, device=k.device).expand_as(strict)
-    solve = torch.linalg.solve_triangular(identity + strict, identity, upper=False)  # (I + A)^-1
-    values = solve @ (v * beta[..., None])  # [H, N, CHUNK, Dv]
-    key_decays = solve @ (k_beta * torch.exp(decays)[..., None])  # [H, N, CHUNK, Dk]
-    mixes = (q @ k.transpose(-1, -2)) * decay_mask  # [H, N, CHUNK, CHUNK]
-    outs = []
-    for i in range(q.shape[1]):
-        corrections = values[:, i] - key_decays[:, i] @ state  # U [H, CHUNK, Dv]
-        reads = (q[:, i] * torch.exp(decays[:, i])[..., None]) @ state
-        outs.append(reads + mixes[:, i] @ corrections)
-        last = decays[:, i, -1]  # [H]
-        to_end = torch.exp(last[:, None] - decays[:, i])[..., None]  # [H, CHUNK, 1]
-        state = state * torch.exp(last)[:, None, None] + (k[:, i] * to_end).transpose(-1, -2) @ corrections
-    out = torch.cat(outs, dim=1)[:, :tokens]  # [H, T, Dv]
-    return out.transpose(0, 1), state
+    dv, pad, chunk = v.shape[-1], -tokens % CHUNK, CHUNK
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:
+        """[T, H, ...] -> [N, H, CHUNK, ...], each chunk's block contiguous: padding has k = v = 0 and
+        g = 0, so it neither reads nor writes nor decays."""
+        if pad:
+            x = F.pad(x, (0, 0, 0, 0, 0, pad) if x.dim() == 3 else (0, 0, 0, pad))
+        x = x.reshape(-1, chunk, *x.shape[1:]).transpose(1, 2)
+        return x.contiguous()
+
+    q, k, v, g, beta = (blocks(x) for x in (q, k, v, g, beta))
+    chunks = q.shape[0]
+    decays = g.cumsum(-1)  # [N, H, CHUNK]: G, the decay from the chunk's start to each token
+    growth = torch.exp(decays)[..., None]
+    # exp(G_i - G_j) where j <= i, else 0 (tril_ drops the entries above, whatever exp made of them)
+    decay_mask = torch.exp(decays[..., :, None] - decays[..., None, :]).tril_()
+    # beta k and the scaled queries against the keys in one product: [N, H, 2 CHUNK, CHUNK]
+    left = torch.empty(chunks, heads, 2 * chunk, dk, dtype=k.dtype, device=k.device)
+    torch.mul(k, beta[..., None], out=left[..., :chunk, :])
+    torch.mul(q, dk ** -0.5, out=left[..., chunk:, :])
+    scores = left @ k.transpose(-1, -2)
+    strict = scores[..., :chunk, :].mul_(decay_mask).tril_(-1)  # A
+    mixes = scores[..., chunk:, :].mul_(decay_mask)  # the decayed q . k, causal
+    # (I + A) [U0 | W] = [beta v | beta k exp(G)]: one triangular solve for both right-hand sides
+    rhs = torch.empty(chunks, heads, chunk, dv + dk, dtype=k.dtype, device=k.device)
+    torch.mul(v, beta[..., None], out=rhs[..., :dv])
+    torch.mul(left[..., :chunk, :], growth, out=rhs[..., dv:])
+    identity = torch.eye(chunk, dtype=k.dtype, device=k.device).expand_as(strict)
+    solved = torch.linalg.solve_triangular(strict, identity, upper=False, unitriangular=True) @ rhs
+    values = solved[..., :dv]
+    # what reads the state, per chunk in one product: the corrections' and the outputs' readers
+    readers = torch.empty(chunks, heads, 2 * chunk, dk, dtype=k.dtype, device=k.device)
+    readers[..., :chunk, :] = solved[..., dv:]
+    torch.mul(left[..., chunk:, :], growth, out=readers[..., chunk:, :])
+    last = decays[..., -1]  # [N, H]: each chunk's total decay
+    to_end = (k * torch.exp(last[..., None] - decays)[..., None]).transpose(-1, -2)  # keys decayed to the end
+    out = torch.empty(chunks, heads, chunk, dv, dtype=v.dtype, device=v.device)
+    for i in range(chunks):
+        read = readers[i] @ state  # [H, 2 CHUNK, Dv]
+        corrections = values[i] - read[:, :chunk]  # U
+        torch.baddbmm(read[:, chunk:], mixes[i], corrections, out=out[i])
+        state = torch.baddbmm(state * torch.exp(last[i])[:, None, None], to_end[i], corrections)
+    return out.transpose(1, 2).reshape(-1, heads, dv)[:tokens], state
