@@ -40,22 +40,24 @@ def causal_conv(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
 def step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
          beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token: state [H, Dk, Dv], q, k [H, Dk], v [H, Dv], g, beta [H] -> (output [H, Dv], new state)."""
-    state = state * torch.exp(g)[:, None, None]
-    read = torch.einsum("hkv,hk->hv", state, k)
-    delta = (v - read) * beta[:, None]
-    state = state + k[:, :, None] * delta[:, None, :]
-    out = torch.einsum("hkv,hk->hv", state, q) * q.shape[-1] ** -0.5
+    # Both reads from the state before it decays, in one product: k^T S and q^T S, then
+    # S' = exp(g) S + k delta^T gives k^T S' = exp(g) k^T S + ... and q^T S' = exp(g) q^T S + (q . k) delta.
+    decay = torch.exp(g)
+    reads = torch.bmm(torch.stack([k, q], dim=1), state) * decay[:, None, None]  # [H, 2, Dv]
+    delta = (v - reads[:, 0]) * beta[:, None]
+    out = (reads[:, 1] + (q * k).sum(-1, keepdim=True) * delta) * q.shape[-1] ** -0.5
+    state = (state * decay[:, None, None]).baddbmm_(k[:, :, None], delta[:, None, :])
     return out, state
 
 
 def stepwise(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`step` over T tokens in order: q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H] -> ([T, H, Dv], state)."""
-    outs = []
+    outs = [v.new_empty((0, *v.shape[1:]))]  # none for no tokens
     for t in range(q.shape[0]):
         out, state = step(state, q[t], k[t], v[t], g[t], beta[t])
-        outs.append(out)
-    return torch.stack(outs), state
+        outs.append(out[None])
+    return torch.cat(outs), state
 
 
 def chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -297,7 +297,9 @@ class _Placed:
             positions = tree_start + tree_depths(item.parents)[start - tree_start:]
         cache.will_write(start if item.parents is None else tree_start, start + count)
         if cache.recurrent is not None:
-            cache.recurrent.begin_pass(start, count, item.parents, tree_start)
+            # a verification's rows must be what decoding gives: token by token, as decoding runs
+            cache.recurrent.begin_pass(start, count, item.parents, tree_start,
+                                       exact=item.all_logits or item.parents is not None)
         return cls(item, start, positions, tree_start)
 
     def layer(self, layer_idx: int, rows: slice) -> SequencePass:

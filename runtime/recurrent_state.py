@@ -30,7 +30,8 @@ from tierflow.errors import InvalidArgumentError
 from tierflow.runtime import delta_rule
 from tierflow.runtime.config import ModelConfig, RecurrentShape
 
-STEPWISE_TOKENS = 64  # a pass of at most this many tokens runs token by token and is recorded
+STEPWISE_TOKENS = 64  # the most tokens a pass can run token by token and record
+CHUNKED_FROM = 17  # a prefill pass of at least this many tokens runs chunked (faster from about here)
 CHECKPOINTS = 2  # states kept at earlier lengths besides the base
 
 # conv outputs [T, C] -> (q, k [T, H, Dk], v [T, H, Dv]): the layer's split, norms and head sharing
@@ -38,10 +39,21 @@ Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def recurrent_state_bytes(shape: RecurrentShape) -> int:
-    """What one sequence's state takes in one layer at most: the tip, the base, the checkpoints and
-    a record of STEPWISE_TOKENS tokens."""
+    """What one sequence's state takes in one layer at most: the tip, the base and the checkpoints,
+    while a long pass runs its new base and tip too (the old tip being one checkpoint), and a record
+    of STEPWISE_TOKENS tokens."""
     record = 4 * (2 * shape.conv_channels + 2 * shape.value_heads)
-    return (2 + CHECKPOINTS) * shape.state_bytes + STEPWISE_TOKENS * record
+    return (3 + CHECKPOINTS) * shape.state_bytes + STEPWISE_TOKENS * record
+
+
+def recurrent_pass_bytes(shape: RecurrentShape, tokens: int) -> int:
+    """The activations one linear-attention layer's pass of `tokens` tokens holds at most (an
+    estimate): the convolution's inputs and outputs, the queries and keys shared out to every value
+    head, and the chunked form's blocks: about ten copies of the values' width and a CHUNK-wide
+    score row per token and value head, on both sides of the triangular solve."""
+    width = shape.value_heads * max(shape.key_dim, shape.value_dim)
+    per_token = 2 * shape.conv_channels + 12 * width + 4 * shape.value_heads * delta_rule.CHUNK
+    return 4 * tokens * per_token
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ class LayerStates:
 
     base: State
     tip: State
+    penultimate: State | None = None  # the state before the tip's token, where a chain pass left it
     records: list[Record] = field(default_factory=list)
     checkpoints: dict[int, State] = field(default_factory=dict)
     split: Split | None = None
@@ -93,13 +106,17 @@ class RecurrentStates:
         self.base_length = 0
         self.parents: list[int] = []  # per record
         self.tip_slot = -1  # the slot whose state `tip` is
+        self.penultimate_slot = -2  # the slot whose state `penultimate` is (the tip's predecessor), if any
         self._pass: _Pass | None = None
 
     # -- a pass --------------------------------------------------------------------------------
 
-    def begin_pass(self, start: int, count: int, parents: np.ndarray | None, tree_start: int | None) -> None:
+    def begin_pass(self, start: int, count: int, parents: np.ndarray | None, tree_start: int | None,
+                   exact: bool) -> None:
         """Told before a pass feeds `count` tokens at slots start.. (a tree's with parents from
-        tree_start on, as Decoder.forward takes them). A pass that fails is dropped by `truncate`."""
+        tree_start on, as Decoder.forward takes them). An exact pass (verification) runs token by
+        token, as decoding does; a prefill pass from CHUNKED_FROM tokens on runs chunked. A pass
+        that fails is dropped by `truncate`."""
         self._pass = None
         if parents is None:
             preds = list(range(start - 1, start + count - 1))
@@ -108,7 +125,7 @@ class RecurrentStates:
             preds = [tree_start - 1 if p < 0 else tree_start + int(p) for p in parents[first:first + count]]
         if preds[0] == self.tip_slot == start - 1 and (parents is None or tree_start == start):
             self._rebase(start)  # nothing before the pass is branched from again
-        long = count > STEPWISE_TOKENS
+        long = count > STEPWISE_TOKENS or count >= CHUNKED_FROM and not exact
         if long and (parents is not None or preds[0] != self.tip_slot):
             raise InvalidArgumentError(f"a pass of {count} tokens must continue the recurrent state it "
                                        f"follows: only {STEPWISE_TOKENS} tokens can branch from an earlier "
@@ -124,21 +141,23 @@ class RecurrentStates:
 
     def end_pass(self) -> None:
         """The pass finished: each layer's last token's state is its tip, and its tokens are recorded
-        (of a long pass the last one, after the state before it, the new base)."""
+        (of a chunked pass the last one, after the state before it, the new base); a chain's state
+        before its last token is kept as `penultimate` (a prompt's checkpoint)."""
         run, self._pass = self._pass, None
         end = run.start + len(run.preds)
         recorded_from = end - 1 if run.long else run.start
-        for layer, (tip, records, base) in run.results.items():
+        for layer, result in run.results.items():
             states = self.layers[layer]
-            states.tip = tip
-            if base is not None:
-                states.base, states.records = base, []
-            del states.records[recorded_from - self.base_length if base is None else 0:]
-            states.records.extend(records)
+            states.tip, states.penultimate = result.tip, result.penultimate
+            if run.long:
+                states.base, states.records = result.penultimate, []
+            del states.records[recorded_from - self.base_length if not run.long else 0:]
+            states.records.extend(result.records)
         if run.long:
             self.base_length, self.parents = end - 1, []
         self.parents[recorded_from - self.base_length:] = run.preds[recorded_from - run.start:]
         self.tip_slot = end - 1
+        self.penultimate_slot = end - 2 if run.chain else -2
 
     # -- going back ----------------------------------------------------------------------------
 
@@ -161,21 +180,21 @@ class RecurrentStates:
             for layer, states in self.layers.items():
                 states.base = states.tip = self._empty[layer]
                 states.records, states.checkpoints = [], {}
-            self.base_length, self.parents, self.tip_slot = 0, [], -1
+            self.base_length, self.parents, self.tip_slot, self.penultimate_slot = 0, [], -1, -2
             return
         if length < self.base_length:
             for states in self.layers.values():
                 states.base = states.tip = states.checkpoints[length]
                 states.records = []
                 states.checkpoints = {n: s for n, s in states.checkpoints.items() if n < length}
-            self.base_length, self.parents, self.tip_slot = length, [], length - 1
+            self.base_length, self.parents, self.tip_slot, self.penultimate_slot = length, [], length - 1, -2
             return
         kept = length - self.base_length
         for states in self.layers.values():
             states.tip = self._replay(states, length - 1)
             del states.records[kept:]
         del self.parents[kept:]
-        self.tip_slot = length - 1
+        self.tip_slot, self.penultimate_slot = length - 1, -2
 
     def keep_path(self, start: int, offsets: list[int]) -> None:
         """Of the tokens fed from slot `start` on, keeps those at the offsets (a root-to-node path)
@@ -188,7 +207,7 @@ class RecurrentStates:
             states.tip = self._replay(states, start + offsets[-1] if offsets else start - 1)
             states.records[first:] = [states.records[first + i] for i in offsets]
         self.parents[first:] = list(range(start - 1, start - 1 + len(offsets)))
-        self.tip_slot = start + len(offsets) - 1
+        self.tip_slot, self.penultimate_slot = start + len(offsets) - 1, -2
 
     def checkpoint(self, length: int) -> None:
         """Keeps the state after `length` tokens (one the cache can reach) for a later turn."""
@@ -224,10 +243,12 @@ class RecurrentStates:
         return count
 
     def _replay(self, states: LayerStates, slot: int) -> State:
-        """The state after the token at `slot`: the tip's if it is, else the base's replayed along
-        the slot's ancestors."""
+        """The state after the token at `slot`: the tip's or the penultimate's if it is, else the
+        base's replayed along the slot's ancestors."""
         if slot == self.tip_slot:
             return states.tip
+        if slot == self.penultimate_slot:
+            return states.penultimate
         path = []
         while slot >= self.base_length:
             path.append(slot)
@@ -238,13 +259,26 @@ class RecurrentStates:
         return state
 
 
+@dataclass(frozen=True)
+class _Result:
+    """What one layer's pass leaves, kept till the pass ends."""
+
+    tip: State
+    records: list[Record]
+    penultimate: State | None  # a chain's state before its last token
+
+
 @dataclass
 class _Pass:
     start: int
     preds: list[int]  # each token's predecessor slot
-    long: bool  # run chunked and not recorded
-    # per layer till the pass ends: its tip, its records and (a long pass) the state before its last token
-    results: dict[int, tuple[State, list[Record], State | None]] = field(default_factory=dict)
+    long: bool  # run chunked (all but the last token) and not recorded
+    results: dict[int, _Result] = field(default_factory=dict)  # per layer
+
+    @property
+    def chain(self) -> bool:
+        """Whether each token follows the one before (not a tree)."""
+        return all(p == i + self.start - 1 for i, p in enumerate(self.preds))
 
 
 class RecurrentPass:
@@ -259,26 +293,22 @@ class RecurrentPass:
         convolution), conv_weight [C, K], g and beta [T, H]."""
         states, run = self.states, self.run
         states.split = split
-        if not run.long and any(p != i + run.start - 1 for i, p in enumerate(run.preds)):
+        if not run.chain:
             return self._tree(conv_in, conv_weight, g, beta, split)
         start = self.owner._replay(states, run.preds[0])
         conv_out = delta_rule.causal_conv(start.history, conv_in, conv_weight)
         q, k, v = split(conv_out)
-        base, stepped = None, 0  # a long pass: all but its last token chunked, that one recorded
-        matrices = start.matrices
-        outs = []
-        if run.long:
-            stepped = len(run.preds) - 1
-            out, matrices = delta_rule.chunked(matrices, q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1])
-            outs.append(out)
-            base = State(torch.cat([start.history, conv_in[:-1]])[-start.history.shape[0]:], matrices)
-        out, matrices = delta_rule.stepwise(matrices, q[stepped:], k[stepped:], v[stepped:], g[stepped:],
-                                            beta[stepped:])
-        outs.append(out)
-        history = torch.cat([start.history, conv_in])[-start.history.shape[0]:]
-        records = _records(conv_in[stepped:], conv_out[stepped:], g[stepped:], beta[stepped:])
-        run.results[self.layer] = (State(history, matrices), records, base)
-        return torch.cat(outs)
+        # all but the last token chunked (a long pass) or one by one, then the last one
+        most = delta_rule.chunked if run.long else delta_rule.stepwise
+        out, matrices = most(start.matrices, q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1])
+        taps = start.history.shape[0]
+        penultimate = State(torch.cat([start.history, conv_in[:-1]])[-taps:], matrices)
+        last, matrices = delta_rule.stepwise(matrices, q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:])
+        tip = State(torch.cat([start.history, conv_in])[-taps:], matrices)
+        recorded = -1 if run.long else 0
+        records = _records(conv_in[recorded:], conv_out[recorded:], g[recorded:], beta[recorded:])
+        run.results[self.layer] = _Result(tip, records, penultimate)
+        return torch.cat([out, last])
 
     def _tree(self, conv_in, conv_weight, g, beta, split) -> torch.Tensor:
         """Each token from its parent's state, one at a time."""
@@ -294,7 +324,7 @@ class RecurrentPass:
             outs.append(out)
             conv_outs.append(conv_out)
         tip = computed[run.start + len(run.preds) - 1]
-        run.results[self.layer] = (tip, _records(conv_in, torch.cat(conv_outs), g, beta), None)
+        run.results[self.layer] = _Result(tip, _records(conv_in, torch.cat(conv_outs), g, beta), None)
         return torch.stack(outs)
 
 

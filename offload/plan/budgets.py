@@ -16,7 +16,7 @@ from tierflow.kv_types import KVType, cache_positions
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import PREFILL_CHUNK
 from tierflow.runtime.models.latent_attention import QUERY_CHUNK
-from tierflow.runtime.recurrent_state import recurrent_state_bytes
+from tierflow.runtime.recurrent_state import recurrent_pass_bytes, recurrent_state_bytes
 from tierflow.units import format_size, round_up_as_printed
 
 CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # the default cpu_memory keeps this much RAM free
@@ -40,13 +40,15 @@ def kv_cache_bytes(config: ModelConfig, context_length: int, kv: KVType) -> int:
 def scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
     """Activations of a pass of `tokens` tokens attending to `keys` positions (an estimate). The
     attention kernel's scores are per thread, not per token: each thread scores one token's query
-    heads of one key/value head at a time (group x keys floats), and the cores bound the threads."""
+    heads of one key/value head at a time (group x keys floats), and the cores bound the threads.
+    A linear-attention layer's recurrence adds its own (recurrent_pass_bytes)."""
     c = config
     if c.kv_lora_rank:
         return latent_scratch_bytes(config, tokens, keys)
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     scores = (os.cpu_count() or 1) * (c.num_heads // c.num_kv_heads) * keys
-    return 4 * (tokens * (c.hidden_size + 2 * c.ffn_size + qkv) + scores + c.vocab_size)
+    recurrent = recurrent_pass_bytes(c.recurrent, tokens) if c.recurrent else 0
+    return 4 * (tokens * (c.hidden_size + 2 * c.ffn_size + qkv) + scores + c.vocab_size) + recurrent
 
 
 def latent_scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
