@@ -6,8 +6,9 @@ of 128, keys of 128).
                                     [--threads N] [--json]
 
 The reference runs `--reference-tokens` tokens (its cost per token is the same at any length) and is
-scaled to `--tokens`; the chunked form runs all of them; each the fastest of `--repeats` runs. Both start from a random state and give the
-same outputs up to float rounding (printed). Goal (issue 19): the chunked form at least 10x faster.
+scaled to `--tokens`; the chunked form runs all of them; each the fastest of `--repeats` runs. Both
+start from a random state and give the same outputs up to float rounding (printed). Goal (issue 19):
+the chunked form at least 10x faster.
 """
 
 import argparse

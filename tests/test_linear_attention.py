@@ -1,4 +1,4 @@
-"""Hybrid linear-attention models (Qwen3.5's qwen35 and qwen35moe): Gated DeltaNet layers whose
+"""Hybrid linear-attention models (qwen35, qwen35moe, qwen3next): Gated DeltaNet layers whose
 recurrent state lives in the cache, against llama.cpp, and everything that goes back in a cache
 (prefix reuse, rejected guesses, token trees) going back in that state too."""
 
@@ -32,7 +32,8 @@ SHAPE = dict(num_layers=4, hidden_size=64, ffn_size=128, num_heads=4, num_kv_hea
              rope_dim=16, context_length=2048)
 MOE = dict(num_experts=4, experts_used=2, expert_ffn_size=64, shared_expert_ffn_size=96)
 SPECS = {"qwen35": ModelSpec(arch="qwen35", **SHAPE),
-         "qwen35moe": ModelSpec(arch="qwen35moe", **SHAPE, **MOE)}
+         "qwen35moe": ModelSpec(arch="qwen35moe", **SHAPE, **MOE),
+         "qwen3next": ModelSpec(arch="qwen3next", **SHAPE, **MOE)}
 F32 = dict(weight_type="F32", embedding_type="F32")
 
 

@@ -30,6 +30,7 @@ FAMILIES = {
                            **SHAPE),
     # Qwen3.5's: Gated DeltaNet layers with a recurrent state, a gated shared expert
     "qwen35moe": ModelSpec(arch="qwen35moe", expert_ffn_size=64, head_size=32, rope_dim=16, **SHAPE),
+    "qwen3next": ModelSpec(arch="qwen3next", expert_ffn_size=64, head_size=32, rope_dim=16, **SHAPE),
 }
 
 

@@ -19,6 +19,7 @@ from tierflow.runtime.models import (
     qwen2moe,
     qwen3,
     qwen3moe,
+    qwen3next,
     qwen35,
     qwen35moe,
 )
@@ -27,7 +28,7 @@ from tierflow.runtime.models.architecture import Architecture
 ARCHITECTURES: dict[str, Architecture] = {
     family.ARCHITECTURE.name: family.ARCHITECTURE
     for family in (llama, qwen2, qwen2moe, olmoe, qwen3, qwen3moe, gemma2, gemma3, glm4moe, gptoss,
-                   deepseek2, qwen35, qwen35moe)
+                   deepseek2, qwen3next, qwen35, qwen35moe)
 }
 
 

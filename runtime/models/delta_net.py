@@ -1,5 +1,6 @@
-"""The hybrid linear-attention decoder of Qwen3.5 (llama.cpp's qwen35, qwen35moe): three of every
-`full_attention_interval` layers are Gated DeltaNet linear attention, the last one full attention.
+"""The hybrid linear-attention decoder of Qwen3-Next and Qwen3.5 (llama.cpp's qwen3next, qwen35,
+qwen35moe): three of every `full_attention_interval` layers are Gated DeltaNet linear attention, the
+last one full attention.
 
 A DeltaNet layer (llama.cpp's build_layer_attn_linear), on the normed input x:
     qkv = x @ attn_qkv, z = x @ attn_gate, beta = sigmoid(x @ ssm_beta),
@@ -9,7 +10,10 @@ A DeltaNet layer (llama.cpp's build_layer_attn_linear), on the normed input x:
     out = (rms_norm(o per head) * ssm_norm * silu(z)) @ ssm_out
 Queries and keys have `ssm.group_count` heads of `ssm.state_size`, values `ssm.time_step_rank`
 heads of `ssm.inner_size / ssm.time_step_rank`; value head h reads query/key head h % group_count
-(ggml_repeat's tiling). The state lives in the cache (runtime/recurrent_state.py), not in here.
+(ggml_repeat's tiling; Qwen3-Next's h // shared). The state lives in the cache
+(runtime/recurrent_state.py), not in here. How the input projections are laid out is the family's
+LinearLayout: Qwen3.5 has a tensor for each part, Qwen3-Next one for q, k, v and z and one for beta and
+alpha, each interleaved by key head.
 A full-attention layer projects queries and a gate jointly (`attn_q`, per head the query then
 the gate), norms each head's query and key, rotates the first `rope.dimension_count` dimensions
 (multi-section rotary: text positions are the same in every section, so it is neox rotary) and
@@ -18,7 +22,7 @@ x += mixer(attn_norm(x)); x += ffn(post_attention_norm(x)).
 """
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -79,22 +83,49 @@ def _check_rope_sections(meta: Metadata, rope_dim: int) -> None:
                                     f"component, which tierflow does not compute for text")
 
 
-def layer_fields(config: ModelConfig, layer: int, ffn: Callable[[ModelConfig, int], list[tm.Field]]
-                 ) -> list[tm.Field]:
+Unpacked = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # conv_in, z, beta, alpha
+
+
+@dataclass(frozen=True)
+class LinearLayout:
+    """How a family lays out a DeltaNet layer's input projections (the field `ssm_in`, one linear)
+    and shares its key heads among the value heads."""
+
+    tensors: Callable[[ModelConfig, int], list[tuple[str, tuple[int, ...]]]]  # ssm_in's tensors
+    unpack: Callable[[RecurrentShape, torch.Tensor], Unpacked]  # ssm_in's output [T, ...] -> its parts
+    interleaved_heads: bool  # value head h reads key head h // (value / key heads), else h % key heads
+
+
+def _separate_tensors(config: ModelConfig, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    e, s, p = config.hidden_size, config.recurrent, f"blk.{layer}."
+    values = s.value_heads * s.value_dim
+    return [(p + "attn_qkv.weight", (e, s.conv_channels)), (p + "attn_gate.weight", (e, values)),
+            (p + "ssm_beta.weight", (e, s.value_heads)), (p + "ssm_alpha.weight", (e, s.value_heads))]
+
+
+def _unpack_separate(s: RecurrentShape, projected: torch.Tensor) -> Unpacked:
+    values = s.value_heads * s.value_dim
+    return projected.split([s.conv_channels, values, s.value_heads, s.value_heads], dim=-1)
+
+
+# Qwen3.5's: the convolution's input, the gate, beta and alpha each a tensor of its own
+SEPARATE = LinearLayout(_separate_tensors, _unpack_separate, interleaved_heads=False)
+
+
+def layer_fields(config: ModelConfig, layer: int, ffn: Callable[[ModelConfig, int], list[tm.Field]],
+                 layout: LinearLayout = SEPARATE) -> list[tm.Field]:
     """A layer's mixer (linear or full attention) and its FFN's fields (`ffn`'s, whose norm is the
     file's post_attention_norm)."""
-    mixer = linear_attention_fields if config.is_recurrent(layer) else gated_attention_fields
-    return mixer(config, layer) + ffn(config, layer)
+    if config.is_recurrent(layer):
+        return linear_attention_fields(config, layer, layout) + ffn(config, layer)
+    return gated_attention_fields(config, layer) + ffn(config, layer)
 
 
-def linear_attention_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
+def linear_attention_fields(config: ModelConfig, layer: int, layout: LinearLayout) -> list[tm.Field]:
     e, s, p = config.hidden_size, config.recurrent, f"blk.{layer}."
     values = s.value_heads * s.value_dim
     return [tm.vector("attn_norm", p + "attn_norm.weight", (e,), "attention"),
-            tm.matmul("ssm_in", [(p + "attn_qkv.weight", (e, s.conv_channels)),
-                                 (p + "attn_gate.weight", (e, values)),
-                                 (p + "ssm_beta.weight", (e, s.value_heads)),
-                                 (p + "ssm_alpha.weight", (e, s.value_heads))], "attention"),
+            tm.matmul("ssm_in", layout.tensors(config, layer), "attention"),
             tm.vector("ssm_conv1d", p + "ssm_conv1d.weight", (s.conv_kernel, s.conv_channels), "attention"),
             tm.vector("ssm_dt", p + "ssm_dt.bias", (s.value_heads,), "attention"),
             tm.vector("ssm_a", p + "ssm_a", (s.value_heads,), "attention"),
@@ -119,10 +150,12 @@ def layer_kind(config: ModelConfig, layer: int) -> str:
     return f"layer {layer} is {kind}, every {interval}th layer being full attention by the metadata"
 
 
-def block(x: Activations, w: Weights, p: LayerPass, ffn: FFN) -> Activations:
+def block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, layout: LinearLayout = SEPARATE
+          ) -> Activations:
     kernels, eps = p.kernels, p.config.rms_norm_eps
     h = kernels.rms_norm(x, w.attn_norm, eps)
-    mixed = linear_attention(p, w, h) if p.config.is_recurrent(p.layer_idx) else gated_attention(p, w, h)
+    recurrent = p.config.is_recurrent(p.layer_idx)
+    mixed = linear_attention(p, w, h, layout) if recurrent else gated_attention(p, w, h)
     h = kernels.add_rms_norm(x, mixed, w.ffn_norm, eps)
     x += ffn(p, w, h, x)
     return x
@@ -143,15 +176,13 @@ def gated_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
     return w.wo(kernels.take(attended * same_bits(torch.sigmoid, gate)))
 
 
-def linear_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
+def linear_attention(p: LayerPass, w: Weights, x: Activations, layout: LinearLayout) -> Activations:
     cfg, s = p.config, p.config.recurrent
-    values = s.value_heads * s.value_dim
-    projected = torch.as_tensor(w.ssm_in(x))  # [T, C + values + 2 H]
-    conv_in, z, beta, alpha = projected.split([s.conv_channels, values, s.value_heads, s.value_heads], dim=-1)
+    conv_in, z, beta, alpha = layout.unpack(s, torch.as_tensor(w.ssm_in(x)))  # [T, C], [T, H Dv], [T, H] x 2
     beta = same_bits(torch.sigmoid, beta)
     g = same_bits(F.softplus, alpha + torch.as_tensor(w.ssm_dt)) * torch.as_tensor(w.ssm_a)
     conv_weight = torch.as_tensor(w.ssm_conv1d).reshape(s.conv_channels, s.conv_kernel)
-    split = _splitter(s, cfg.rms_norm_eps)
+    split = _splitter(s, cfg.rms_norm_eps, layout.interleaved_heads)
     outs = [seq.recurrent(conv_in[seq.rows], conv_weight, g[seq.rows], beta[seq.rows], split)
             for seq in p.sequences]
     o = torch.as_tensor(stack_rows(outs))  # [T, H, Dv]
@@ -160,15 +191,15 @@ def linear_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
     return w.ssm_out(p.kernels.take(gated.contiguous()))
 
 
-def _splitter(s: RecurrentShape, eps: float):
+def _splitter(s: RecurrentShape, eps: float, interleaved: bool):
     """conv outputs [T, C] -> L2-normed queries and keys, each value head's ([T, H, Dk]), and values."""
     def split(conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens, width = conv_out.shape[0], s.key_heads * s.key_dim
         q, k, v = conv_out.split([width, width, s.value_heads * s.value_dim], dim=-1)
         shared = s.value_heads // s.key_heads
         # contiguous, so that each row's norm is summed alike whatever the pass's token count
-        q, k = (_l2_norm(x.reshape(tokens, s.key_heads, s.key_dim).contiguous(), eps).repeat(1, shared, 1)
-                for x in (q, k))
+        q, k = (_l2_norm(x.reshape(tokens, s.key_heads, s.key_dim).contiguous(), eps) for x in (q, k))
+        q, k = (x.repeat_interleave(shared, dim=1) if interleaved else x.repeat(1, shared, 1) for x in (q, k))
         return q, k, v.reshape(tokens, s.value_heads, s.value_dim)
     return split
 

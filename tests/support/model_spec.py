@@ -110,8 +110,9 @@ class _ArchTraits:
                                     # written when the spec sets none (0: not required)
     latent_attention: bool = False  # deepseek2's MLA: kv_lora_rank, rope_dim, value_head_size,
                                     # q_lora_rank and the router's keys (see ModelSpec)
-    linear_attention: bool = False  # Gated DeltaNet layers (qwen35): the ssm.* keys, the full-attention
-                                    # interval and rope sections (see ModelSpec)
+    linear_attention: bool = False  # Gated DeltaNet layers (qwen3next, qwen35): the ssm.* keys and the
+                                    # full-attention interval (see ModelSpec)
+    rope_sections: bool = False     # interleaved multi-section rotary's rope.dimension_sections (qwen35)
 
 
 ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
@@ -129,9 +130,11 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
                                 required_window=128),
          "deepseek2": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True,
                                   latent_attention=True),
-         "qwen35": _ArchTraits(linear_attention=True),
+         "qwen3next": _ArchTraits(experts="always", expert_width_key=True, shared_expert=True,
+                                  linear_attention=True),
+         "qwen35": _ArchTraits(linear_attention=True, rope_sections=True),
          "qwen35moe": _ArchTraits(experts="always", expert_width_key=True, shared_expert=True,
-                                  linear_attention=True)}
+                                  linear_attention=True, rope_sections=True)}
 MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
 _MIX_BLOCK = 32  # every type a mix falls back to packs rows in blocks of 32
 
@@ -632,17 +635,19 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
 
 
 def _linear_attention_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
-    """qwen35's keys: the DeltaNet layers' sizes, the interval of full-attention layers and the
-    interleaved multi-section rotary's sections, covering every pair as Qwen3.5's [11, 11, 10, 0]
-    do (text rotates the same in each; a pair left out would not turn)."""
+    """qwen3next's and qwen35's keys: the DeltaNet layers' sizes, the interval of full-attention
+    layers and qwen35's interleaved multi-section rotary's sections, covering every pair as
+    Qwen3.5's [11, 11, 10, 0] do (text rotates the same in each; a pair left out would not turn)."""
     pairs = (spec.rope_dim or spec.head_dim) // 2
     sections = [-(-(pairs - i) // 3) for i in range(3)] + [0]  # interleaved: pair i in section i % 3
     keys = {"ssm.conv_kernel": spec.ssm_conv_kernel, "ssm.state_size": spec.ssm_state,
             "ssm.group_count": spec.ssm_key_heads, "ssm.time_step_rank": spec.ssm_value_heads,
             "ssm.inner_size": spec.ssm_value_heads * spec.ssm_state,
             "full_attention_interval": spec.full_attention_interval}
-    return ([(f"{spec.arch}.{key}", Typed(UINT32, value)) for key, value in keys.items()]
-            + [(f"{spec.arch}.rope.dimension_sections", Typed(ARRAY, sections, INT32))])
+    metadata = [(f"{spec.arch}.{key}", Typed(UINT32, value)) for key, value in keys.items()]
+    if ARCHS[spec.arch].rope_sections:
+        metadata.append((f"{spec.arch}.rope.dimension_sections", Typed(ARRAY, sections, INT32)))
+    return metadata
 
 
 def _latent_metadata(spec: ModelSpec, metadata: list[tuple[str, Typed]]) -> list[tuple[str, Typed]]:
