@@ -329,7 +329,9 @@ class RecurrentPass:
 
 
 def _records(conv_in, conv_out, g, beta) -> list[Record]:
-    return [Record(*row) for row in zip(conv_in, conv_out, g, beta)]
+    """Each token's record, copied out of the pass's activations (a row kept as a view would keep
+    all of them)."""
+    return [Record(*(x.clone() for x in row)) for row in zip(conv_in, conv_out, g, beta)]
 
 
 def _advance(state: State, record: Record, split: Split) -> State:
