@@ -207,8 +207,8 @@ def test_the_state_is_counted_in_the_budget_whatever_the_context(quantized_model
 @pytest.mark.parametrize("key, value, refusal", [
     ("ssm.conv_kernel", 3, r"'blk.0.ssm_conv1d.weight' has shape \[4, 128\], the metadata implies "
                            r"\[3, 128\]"),
-    ("full_attention_interval", 2, r"missing tensor 'blk.1.attn_q.weight'.*layer 1 is full attention, "
-                                   r"every 2th"),
+    ("full_attention_interval", 2, r"missing tensor 'blk.1.attn_q.weight'.*layer 1 is full attention by "
+                                   r"the metadata, whose full_attention_interval is 2"),
 ])
 def test_tensors_the_metadata_does_not_explain_are_refused_naming_both(quantized_model, tmp_path, key,
                                                                       value, refusal):

@@ -146,8 +146,9 @@ def gated_attention_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
 def layer_kind(config: ModelConfig, layer: int) -> str:
     """What the metadata makes of a layer, for a file whose tensors say otherwise."""
     kind = "linear attention" if config.is_recurrent(layer) else "full attention"
-    interval = next((i + 1 for i, recurrent in enumerate(config.recurrent_layers) if not recurrent), None)
-    return f"layer {layer} is {kind}, every {interval}th layer being full attention by the metadata"
+    interval = next((i + 1 for i, recurrent in enumerate(config.recurrent_layers) if not recurrent),
+                    f"above {config.num_layers}")
+    return f"layer {layer} is {kind} by the metadata, whose full_attention_interval is {interval}"
 
 
 def block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, layout: LinearLayout = SEPARATE
