@@ -27,6 +27,7 @@ SEED_SPECS = {
     "llama-moe": ModelSpec(num_experts=4, experts_used=2),
     "qwen2moe": ModelSpec(arch="qwen2moe", num_experts=4, experts_used=2),
     "olmoe": ModelSpec(arch="olmoe", num_experts=4, num_kv_heads=4),
+    "qwen35": ModelSpec(arch="qwen35", head_size=32, rope_dim=16),  # linear attention, a recurrent state
 }
 
 Value = Typed | Raw  # a metadata value as build_gguf writes it
