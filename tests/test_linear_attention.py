@@ -60,6 +60,16 @@ def test_f32_logits_match_llama_cpp_exactly(f32_model):
         assert_greedy_agrees(engine, llama, PROMPTS[0], near_tie=EXACT_TIE, max_tokens=24)
 
 
+def test_greedy_output_through_prefix_reuse_and_a_draft_is_llama_cpps(f32_model):
+    llama = llama_cpp_model(f32_model, n_ctx=256, f32_kv=True)
+    for draft in (None, "ngram"):
+        with Engine.load(f32_model, threads=2, context_length=256, kv_cache_type="f32",
+                         draft=draft) as engine:
+            first = engine.generate(PROMPTS[0], max_tokens=16, temperature=0)
+            follow_up = PROMPTS[0] + first.text + " " + PROMPTS[0]  # its prefix reused, then looked up
+            assert_greedy_agrees(engine, llama, follow_up, near_tie=EXACT_TIE, max_tokens=24)
+
+
 def test_a_prompt_longer_than_a_prefill_chunk_matches_llama_cpp(f32_model):
     llama = llama_cpp_model(f32_model, n_ctx=1024, f32_kv=True)
     with Engine.load(f32_model, threads=2, context_length=1024, kv_cache_type="f32") as engine:
