@@ -219,6 +219,7 @@ def test_the_state_is_counted_in_the_budget_whatever_the_context(quantized_model
                            r"\[3, 128\]"),
     ("full_attention_interval", 2, r"missing tensor 'blk.1.attn_q.weight'.*layer 1 is full attention by "
                                    r"the metadata, whose full_attention_interval is 2"),
+    ("rope.dimension_sections", 8, r"'qwen35.rope.dimension_sections' must be an array of 4 counts"),
 ])
 def test_tensors_the_metadata_does_not_explain_are_refused_naming_both(quantized_model, tmp_path, key,
                                                                       value, refusal):

@@ -72,8 +72,10 @@ def _check_rope_sections(meta: Metadata, rope_dim: int) -> None:
     sections = meta.metadata.get(key)
     if sections is None:
         return
-    if len(sections) != 4 or any(not isinstance(s, (int, np.integer)) or s < 0 for s in sections):
-        raise ModelFileError(f"metadata '{key}' must be 4 counts >= 0, got {list(sections)[:8]}")
+    if not isinstance(sections, (list, tuple, np.ndarray)) or len(sections) != 4 \
+            or any(not isinstance(s, (int, np.integer)) or s < 0 for s in sections):
+        shown = list(sections)[:8] if isinstance(sections, (list, tuple, np.ndarray)) else repr(sections)[:40]
+        raise ModelFileError(f"metadata '{key}' must be an array of 4 counts >= 0, got {shown}")
     period = int(sum(sections))
     uncovered = [pair for pair in range(rope_dim // 2)
                  if not period or pair % period // 3 >= sections[pair % period % 3]]
