@@ -85,7 +85,8 @@ class KVCache:
 
     @property
     def num_bytes(self) -> int:
-        return sum(array.nbytes for array in [*self.keys, *self.values])
+        recurrent = 0 if self.recurrent is None else self.recurrent.num_bytes
+        return sum(array.nbytes for array in [*self.keys, *self.values]) + recurrent
 
     def read(self, layer: int, positions: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Layer `layer`'s (keys, values) at the positions (ones it holds), each float32 [K, n, D],

@@ -109,6 +109,19 @@ class RecurrentStates:
         self.penultimate_slot = -2  # the slot whose state `penultimate` is (the tip's predecessor), if any
         self._pass: _Pass | None = None
 
+    @property
+    def num_bytes(self) -> int:
+        """What the states hold now: each state kept once, however many roles it has, and the records."""
+        seen, total = set(), 0
+        for states in self.layers.values():
+            for state in (states.base, states.tip, states.penultimate, *states.checkpoints.values()):
+                if state is not None and id(state) not in seen:
+                    seen.add(id(state))
+                    total += state.history.nbytes + state.matrices.nbytes
+            total += sum(x.nbytes for record in states.records
+                         for x in (record.conv_in, record.conv_out, record.g, record.beta))
+        return total
+
     # -- a pass --------------------------------------------------------------------------------
 
     def begin_pass(self, start: int, count: int, parents: np.ndarray | None, tree_start: int | None,

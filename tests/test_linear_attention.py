@@ -214,6 +214,17 @@ def test_the_state_is_counted_in_the_budget_whatever_the_context(quantized_model
     assert layer_kv_bytes(config, 3, 1024, kv) > layer_kv_bytes(config, 3, 256, kv)  # full attention
 
 
+def test_the_cache_counts_the_states_it_holds_within_the_budgets_promise(quantized_model):
+    with Engine.load(quantized_model, threads=2, context_length=256) as engine:
+        empty = engine.kv_cache_bytes
+        engine.generate(long_prompt(6), max_tokens=8, temperature=0)
+        held = engine.kv_cache_bytes - empty
+        config = engine.config
+    most = sum(layer_kv_bytes(config, i, 256, KV_TYPES["f16"]) for i in range(config.num_layers)
+               if config.is_recurrent(i))
+    assert 0 < held <= most
+
+
 @pytest.mark.parametrize("key, value, refusal", [
     ("ssm.conv_kernel", 3, r"'blk.0.ssm_conv1d.weight' has shape \[4, 128\], the metadata implies "
                            r"\[3, 128\]"),
