@@ -21,7 +21,6 @@ from tierflow.offload.gguf.model_file import ModelFile
 from tierflow.offload.pack.writer import PackSizes
 from tierflow.offload.plan.budgets import layer_kv_bytes
 from tierflow.offload.plan.planner import ProfileSource
-from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.host_attention import HostAttention
 from tierflow.runtime.kv_cache import KVCache
@@ -137,24 +136,19 @@ class PrefixWeights:
         return self._weights.rope_freq_factors()
 
 
-def prefix_config(config: ModelConfig, num_layers: int) -> ModelConfig:
-    """The config of a model made of the first num_layers layers."""
-    return config.first_layers(num_layers)
-
-
 def self_draft_generators(target: LoadedModel, depths: list[int]) -> dict[int, TokenGenerator]:
     """A token generator per depth, over one KV cache of the deepest's layers, each layer's where
     the target computes it (in RAM with kv_on_cpu): a shallower draft uses its first layers.
     Only one depth's history is in it at a time (SelfDraft starts it over on a switch)."""
     plan, deepest = target.plan, max(depths)
     allocate = None if plan.kv_on_cpu else target.weights.allocate_cache
-    cache = KVCache(prefix_config(target.config, deepest), target.context_length, allocate,
+    cache = KVCache(target.config.first_layers(deepest), target.context_length, allocate,
                     kv_type=KV_TYPES[plan.kv_type])
     generators = {}
     for depth in depths:
         source = PrefixWeights(target, depth)
         source = HostAttention.over(source) if plan.kv_on_cpu else source
-        config = prefix_config(target.config, depth)
+        config = target.config.first_layers(depth)
         generators[depth] = TokenGenerator(Decoder(config, target.arch.block, source, target.context_length),
                                            cache)
     return generators
