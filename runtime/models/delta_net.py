@@ -33,7 +33,7 @@ from tierflow.runtime.config import Metadata, ModelConfig, RecurrentShape
 from tierflow.runtime.delta_rule import same_bits
 from tierflow.runtime.model import Activations, LayerPass, Weights, stack_rows
 from tierflow.runtime.models import tensor_map as tm
-from tierflow.runtime.models.layers import FFN, attend
+from tierflow.runtime.models.layers import FFN, attend, norm_each_head
 
 PRE_FFN_NORM = "post_attention_norm"
 SUMMARY = "Gated DeltaNet linear attention with a recurrent state in 3 of 4 layers, gated full attention"
@@ -166,16 +166,12 @@ def block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, layout: LinearLayo
 
 def gated_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
     cfg, kernels = p.config, p.kernels
-    tokens, heads, d, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+    tokens, heads, d = x.shape[0], cfg.num_heads, cfg.head_dim
     projected = torch.as_tensor(w.qkv(x))  # [T, 2 H D + 2 K D]: per head its query then its gate
     query_gate = projected[:, :2 * heads * d].reshape(tokens, heads, 2, d)
+    qkv = torch.cat([query_gate[:, :, 0].reshape(tokens, -1), projected[:, 2 * heads * d:]], dim=-1)
+    attended = torch.as_tensor(attend(p, w, norm_each_head(p, w, kernels.take(qkv))))
     gate = query_gate[:, :, 1].reshape(tokens, -1)
-    queries = query_gate[:, :, 0].reshape(tokens * heads, d).contiguous()
-    q = kernels.rms_norm(kernels.take(queries), w.q_norm, eps)
-    k, v = projected[:, 2 * heads * d:].chunk(2, dim=-1)  # [T, K D] each
-    k = kernels.rms_norm(kernels.take(k.reshape(tokens * cfg.num_kv_heads, d).contiguous()), w.k_norm, eps)
-    qkv = torch.cat([torch.as_tensor(part).reshape(tokens, -1) for part in (q, k, v)], dim=-1)
-    attended = torch.as_tensor(attend(p, w, kernels.take(qkv)))
     return w.wo(kernels.take(attended * same_bits(torch.sigmoid, gate)))
 
 
@@ -189,9 +185,9 @@ def linear_attention(p: LayerPass, w: Weights, x: Activations, layout: LinearLay
     outs = [seq.recurrent(conv_in[seq.rows], conv_weight, g[seq.rows], beta[seq.rows], split)
             for seq in p.sequences]
     o = torch.as_tensor(stack_rows(outs))  # [T, H, Dv]
-    normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * torch.as_tensor(w.ssm_norm)
-    gated = normed.reshape(o.shape[0], -1) * same_bits(F.silu, z)
-    return w.ssm_out(p.kernels.take(gated.contiguous()))
+    normed = p.kernels.rms_norm(p.kernels.take(o.reshape(-1, s.value_dim)), w.ssm_norm, cfg.rms_norm_eps)
+    gated = torch.as_tensor(normed).reshape(o.shape[0], -1) * same_bits(F.silu, z)
+    return w.ssm_out(p.kernels.take(gated))
 
 
 def _splitter(s: RecurrentShape, eps: float, interleaved: bool):
