@@ -14,8 +14,8 @@ truncated, so this keeps what going back needs:
 A pass of at most STEPWISE_TOKENS tokens (decoding, draft verification, a token tree) runs token by
 token and is recorded; a longer one (a prefill chunk) runs chunked but for its last token, which
 is recorded, so the cache can go back into it to its start and to its last token. Tree tokens
-each start from their parent's state, so a row of a
-tree is bit for bit what decoding its path one token at a time gives.
+each start from their parent's state, so a row of a tree is bit for bit what decoding its path one
+token at a time gives.
 
 States are torch tensors replaced, never written in place, so keeping one is keeping a reference.
 """
@@ -268,7 +268,7 @@ class RecurrentStates:
             slot = self.parents[slot - self.base_length]
         state = states.base
         for node in reversed(path):
-            state = _advance(state, states.records[node - self.base_length], states.split)
+            _, state = _advance(state, states.records[node - self.base_length], states.split)
         return state
 
 
@@ -327,17 +327,15 @@ class RecurrentPass:
         """Each token from its parent's state, one at a time."""
         states, run = self.states, self.run
         computed: dict[int, State] = {}
-        outs, conv_outs = [], []
+        outs, records = [], []
         for i, pred in enumerate(run.preds):
             before = computed[pred] if pred in computed else self.owner._replay(states, pred)
             conv_out = delta_rule.causal_conv(before.history, conv_in[i:i + 1], conv_weight)
-            q, k, v = split(conv_out)
-            out, matrices = delta_rule.step(before.matrices, q[0], k[0], v[0], g[i], beta[i])
-            computed[run.start + i] = State(torch.cat([before.history[1:], conv_in[i:i + 1]]), matrices)
+            [record] = _records(conv_in[i:i + 1], conv_out, g[i:i + 1], beta[i:i + 1])
+            out, computed[run.start + i] = _advance(before, record, split)
             outs.append(out)
-            conv_outs.append(conv_out)
-        tip = computed[run.start + len(run.preds) - 1]
-        run.results[self.layer] = _Result(tip, _records(conv_in, torch.cat(conv_outs), g, beta), None)
+            records.append(record)
+        run.results[self.layer] = _Result(computed[run.start + len(run.preds) - 1], records, None)
         return torch.stack(outs)
 
 
@@ -347,8 +345,8 @@ def _records(conv_in, conv_out, g, beta) -> list[Record]:
     return [Record(*(x.clone() for x in row)) for row in zip(conv_in, conv_out, g, beta)]
 
 
-def _advance(state: State, record: Record, split: Split) -> State:
-    """The state after one more token, from its record."""
+def _advance(state: State, record: Record, split: Split) -> tuple[torch.Tensor, State]:
+    """One more token from its record: its output [H, Dv] and the state after it."""
     q, k, v = split(record.conv_out[None])
-    _, matrices = delta_rule.step(state.matrices, q[0], k[0], v[0], record.g, record.beta)
-    return State(torch.cat([state.history[1:], record.conv_in[None]]), matrices)
+    out, matrices = delta_rule.step(state.matrices, q[0], k[0], v[0], record.g, record.beta)
+    return out, State(torch.cat([state.history[1:], record.conv_in[None]]), matrices)
