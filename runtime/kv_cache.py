@@ -145,6 +145,10 @@ class KVCache:
         length = max(0, min(length, self.length))
         if self.recurrent is not None and self.recurrent.reachable(length) != length:
             return False
+        return self._rows_held(length)
+
+    def _rows_held(self, length: int) -> bool:
+        """Whether every layer with keys and values still holds what a token at `length` sees."""
         return length == 0 or all(self._holds_window(layer, length) for layer in range(len(self.keys))
                                   if self.capacities[layer])
 
@@ -154,7 +158,7 @@ class KVCache:
         length = max(0, min(length, self.length))
         if self.recurrent is not None:
             length = self.recurrent.reachable(length)
-        return length if self.can_truncate_to(length) else 0
+        return length if self._rows_held(length) else 0
 
     def checkpoint(self) -> None:
         """Keeps what going back to before the last token needs later (a recurrent state's; a KV
@@ -176,11 +180,11 @@ class KVCache:
         """Forgets positions >= length (the entries are overwritten by the next write); going back
         further than `can_truncate_to` allows is refused. At 0 the cache holds nothing, lost or not."""
         length = max(0, min(length, self.length))
-        if self.recurrent is not None:
-            self.recurrent.truncate(length)  # refuses a length it cannot go back to, naming what it holds
-        if not self.can_truncate_to(length):
+        if not self._rows_held(length):
             raise InvalidArgumentError(f"the KV cache cannot go back to {length} positions: a sliding-window "
                                        f"layer's ring no longer holds the window before it")
+        if self.recurrent is not None:
+            self.recurrent.truncate(length)  # refuses a length it cannot go back to, naming what it holds
         self.length = length
         if length == 0:
             self.held_from = [0] * len(self.held_from)
