@@ -438,8 +438,8 @@ def test_gil_is_released_during_a_product():
     # could fall inside it. The middle half of the call is clear of Python work on either side.
     w = PackedMatrix(1024, 1024, 4, 32, np.full((16, 128, 4, 64), 0x5A, np.uint8),
                      np.ones((16, 32, 64), np.float16), np.zeros((16, 32, 64), np.float16))
-    x = np.ones((2048, 1024), np.float32)
-    out = np.empty((2048, 1024), np.float32)
+    x = np.ones((8192, 1024), np.float32)  # ~80 ms on one core here: long enough to tell
+    out = np.empty((8192, 1024), np.float32)
     _kernels.set_threads(1)
     stamps, stop = [], threading.Event()
 
