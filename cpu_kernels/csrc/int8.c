@@ -273,8 +273,10 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
                 memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
                 x[c] = _mm512_set1_epi32(four);
             }
-            const char *ahead = (const char *)quad_block(data, q, kind != CODES_INT8) + PREFETCH_BYTES;
-            for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+            if (kind == CODES_INT8 || !(q & 1)) { /* once per 256-byte block: a pair of quads shares it */
+                const char *ahead = (const char *)quad_block(data, q, kind != CODES_INT8) + PREFETCH_BYTES;
+                for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+            }
             for (int v = 0; v < 4; v++) {
                 __m512i wv = avx512_quad(w, data, high, h, q, v, kind, table);
                 if (unsigned_codes) {

@@ -149,29 +149,36 @@ AVX512_PARAMS_TARGET static inline __m512 bytes_to_floats(__m512i bytes, int i) 
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, i)));
 }
 
+/* Two-level scales decode in registers, finish_mins' steps included, so each value is stored once. */
 AVX512_PARAMS_TARGET void group_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, float *scale,
                                              float *min) {
     if (w->sub_codes) {
         SUB_SETUP
         const __m512 offset = _mm512_set1_ps((float)w->sub_offset);
+        const __m512 centre = _mm512_set1_ps((float)params_centre(w));
+        const __m512 zero = _mm512_set1_ps(w->bits != 8 ? (float)-w->zero : 0.0f);
         const __m512i scale_codes = sub_bytes_64(w, codes, values, v_scale);
         const __m512i min_codes = w->sub_mins ? sub_bytes_64(w, codes, values, v_scale + 1) : scale_codes;
         for (int i = 0; i < TILE_ROWS / 16; i++) {
             __m512 d = _mm512_cvtph_ps(LOAD32(supers + 16 * i));
-            __m512 code = bytes_to_floats(scale_codes, i);
-            _mm512_storeu_ps(scale + 16 * i, _mm512_mul_ps(d, _mm512_sub_ps(code, offset)));
+            __m512 row_scale = _mm512_mul_ps(d, _mm512_sub_ps(bytes_to_floats(scale_codes, i), offset));
+            __m512 row_min;
             if (w->sub_mins) {
                 __m512 dmin = _mm512_cvtph_ps(LOAD32(supers + TILE_ROWS + 16 * i));
-                __m512 m = bytes_to_floats(min_codes, i);
-                _mm512_storeu_ps(min + 16 * i, _mm512_xor_ps(_mm512_mul_ps(dmin, m), _mm512_set1_ps(-0.0f)));
+                row_min = _mm512_xor_ps(_mm512_mul_ps(dmin, bytes_to_floats(min_codes, i)), _mm512_set1_ps(-0.0f));
+                row_min = _mm512_add_ps(row_min, _mm512_mul_ps(row_scale, centre)); /* finish_mins' centre */
+            } else {
+                row_min = w->bits != 8 && w->zero ? _mm512_mul_ps(row_scale, zero) : _mm512_setzero_ps();
             }
+            _mm512_storeu_ps(scale + 16 * i, row_scale);
+            _mm512_storeu_ps(min + 16 * i, row_min);
         }
-    } else {
-        const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
-        for (int i = 0; i < TILE_ROWS / 16; i++) _mm512_storeu_ps(scale + 16 * i, _mm512_cvtph_ps(LOAD32(w->scales + at + 16 * i)));
-        if (w->mins) {
-            for (int i = 0; i < TILE_ROWS / 16; i++) _mm512_storeu_ps(min + 16 * i, _mm512_cvtph_ps(LOAD32(w->mins + at + 16 * i)));
-        }
+        return;
+    }
+    const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
+    for (int i = 0; i < TILE_ROWS / 16; i++) _mm512_storeu_ps(scale + 16 * i, _mm512_cvtph_ps(LOAD32(w->scales + at + 16 * i)));
+    if (w->mins) {
+        for (int i = 0; i < TILE_ROWS / 16; i++) _mm512_storeu_ps(min + 16 * i, _mm512_cvtph_ps(LOAD32(w->mins + at + 16 * i)));
     }
     finish_mins(w, scale, min);
 }
