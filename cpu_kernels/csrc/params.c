@@ -36,11 +36,16 @@ static inline int explicit_mins(const packed_matrix *w) {
     return w->mins || (w->sub_codes && w->sub_mins);
 }
 
-/* The mins no form stored (the LUT zero code's, -zero * scale, or none), then the int8 kernel's
- * centre folded in: min + centre * scale. Inlined into each ISA's decoder, which vectorizes it. */
+/* Where no form stores mins, min = scale times this: the LUT zero code's -zero, or 0 (no mins). */
+static inline float zero_code_factor(const packed_matrix *w) {
+    return w->bits != 8 ? (float)-w->zero : 0.0f;
+}
+
+/* The mins no form stored (zero_code_factor), then the int8 kernel's centre folded in:
+ * min + centre * scale. Inlined into each ISA's decoder, which vectorizes it. */
 static inline void finish_mins(const packed_matrix *w, const float *scale, float *min) {
     if (!explicit_mins(w)) {
-        const float zero = w->bits != 8 ? (float)-w->zero : 0.0f;
+        const float zero = zero_code_factor(w);
         for (int r = 0; r < TILE_ROWS; r++) min[r] = zero != 0.0f ? scale[r] * zero : 0.0f;
     }
     const float centre = (float)params_centre(w);
@@ -156,7 +161,7 @@ AVX512_PARAMS_TARGET void group_params_avx512(const packed_matrix *w, int64_t ti
         SUB_SETUP
         const __m512 offset = _mm512_set1_ps((float)w->sub_offset);
         const __m512 centre = _mm512_set1_ps((float)params_centre(w));
-        const __m512 zero = _mm512_set1_ps(w->bits != 8 ? (float)-w->zero : 0.0f);
+        const float zero = zero_code_factor(w);
         const __m512i scale_codes = sub_bytes_64(w, codes, values, v_scale);
         const __m512i min_codes = w->sub_mins ? sub_bytes_64(w, codes, values, v_scale + 1) : scale_codes;
         for (int i = 0; i < TILE_ROWS / 16; i++) {
@@ -168,7 +173,7 @@ AVX512_PARAMS_TARGET void group_params_avx512(const packed_matrix *w, int64_t ti
                 row_min = _mm512_xor_ps(_mm512_mul_ps(dmin, bytes_to_floats(min_codes, i)), _mm512_set1_ps(-0.0f));
                 row_min = _mm512_add_ps(row_min, _mm512_mul_ps(row_scale, centre)); /* finish_mins' centre */
             } else {
-                row_min = w->bits != 8 && w->zero ? _mm512_mul_ps(row_scale, zero) : _mm512_setzero_ps();
+                row_min = zero != 0.0f ? _mm512_mul_ps(row_scale, _mm512_set1_ps(zero)) : _mm512_setzero_ps();
             }
             _mm512_storeu_ps(scale + 16 * i, row_scale);
             _mm512_storeu_ps(min + 16 * i, row_min);
