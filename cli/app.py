@@ -13,6 +13,7 @@ from tierflow.cli.cache_commands import cache_app
 from tierflow.cli.display import err, loading, model_name, out, pack_notices
 from tierflow.cli.model_commands import convert, info, list_command, plan, probe
 from tierflow.cli.options import (
+    CpuMoeOpt,
     CpuOpt,
     CtxOpt,
     DraftOpt,
@@ -26,6 +27,7 @@ from tierflow.cli.options import (
     MaxTokensOpt,
     MinPOpt,
     ModelOpt,
+    NCpuMoeOpt,
     ParallelOpt,
     PenaltyOpt,
     SeedOpt,
@@ -34,6 +36,7 @@ from tierflow.cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    expert_placement,
     option,
 )
 from tierflow.errors import TierflowError
@@ -96,7 +99,8 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it
         gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
         ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
         draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
-        allow_context_extension: ExtendOpt = False) -> None:
+        allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
+        n_cpu_moe: NCpuMoeOpt = None) -> None:
     """Complete PROMPT once and print the completion (with --chat: answer it)."""
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
@@ -105,6 +109,7 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it
         prompt = _stdin_text()
     engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
                    draft_shape=draft_shape, draft_tokens=draft_tokens,
+                   expert_placement=expert_placement(cpu_moe, n_cpu_moe),
                    **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
     stream = (engine.chat_stream([{"role": "user", "content": prompt}], **sampling) if as_chat
               else engine.stream(prompt, **sampling))
@@ -139,6 +144,7 @@ def chat(model: ModelOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None, draft: DraftOpt = None,
          draft_shape: DraftShapeOpt = "tree", draft_tokens: DraftTokensOpt = None,
          kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False, allow_context_extension: ExtendOpt = False,
+         cpu_moe: CpuMoeOpt = False, n_cpu_moe: NCpuMoeOpt = None,
          plain: Annotated[bool, option("--plain", help="print answers as plain text, not as "
                                                      "rendered markdown")] = False) -> None:
     """Chat interactively. /help lists the commands (/system, /set, /save, /load, /reset, /exit),
@@ -155,6 +161,7 @@ def chat(model: ModelOpt = None,
         sys.stdin.reconfigure(errors="surrogateescape")
     engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
                    draft_shape=draft_shape, draft_tokens=draft_tokens,
+                   expert_placement=expert_placement(cpu_moe, n_cpu_moe),
                    **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
     view = AnswerView(out, err, markdown=out.is_terminal and not plain)
     ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out,
@@ -181,7 +188,8 @@ def serve(model: ModelOpt = None,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
-          allow_context_extension: ExtendOpt = False) -> None:
+          allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
+        n_cpu_moe: NCpuMoeOpt = None) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models),
     /metrics and a chat page. The address is bound before the model loads, so one that is taken
     fails at once."""
@@ -195,6 +203,7 @@ def serve(model: ModelOpt = None,
     with listening(settings) as sockets:
         engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
                        draft_shape=draft_shape, draft_tokens=draft_tokens,
+                       expert_placement=expert_placement(cpu_moe, n_cpu_moe),
                        parallel="auto" if parallel is None else parallel,
                        **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
         if not settings.is_loopback and settings.api_key is None:
@@ -219,7 +228,8 @@ def bench(model: ModelOpt = None,
           gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
-          allow_context_extension: ExtendOpt = False) -> None:
+          allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
+        n_cpu_moe: NCpuMoeOpt = None) -> None:
     """Time prompt processing and generation (greedy by default): the median of the timed runs,
     after one untimed warm-up; with --draft, also guesses accepted and tokens per target pass."""
     if repetitions < 1 or max_tokens < 1:
@@ -227,6 +237,7 @@ def bench(model: ModelOpt = None,
     sampling = _sampling(temperature=temperature, seed=seed)
     engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
                    draft_shape=draft_shape, draft_tokens=draft_tokens,
+                   expert_placement=expert_placement(cpu_moe, n_cpu_moe),
                    **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
     with engine:
         engine.generate(prompt, max_tokens=max_tokens, **sampling)

@@ -10,6 +10,7 @@ from rich.table import Column, Table
 
 from tierflow.cli.display import err, model_name, out, progress_bar, status
 from tierflow.cli.options import (
+    CpuMoeOpt,
     CpuOpt,
     CtxOpt,
     ExtendOpt,
@@ -18,8 +19,10 @@ from tierflow.cli.options import (
     KvTypeOpt,
     ModelArg,
     ModelOpt,
+    NCpuMoeOpt,
     ParallelOpt,
     ThreadsOpt,
+    expert_placement,
     option,
 )
 from tierflow.units import format_size
@@ -64,7 +67,7 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
          cpu_memory: CpuOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None, kv_type: KvTypeOpt = None,
          kv_on_cpu: KvOnCpuOpt = False, allow_context_extension: ExtendOpt = False,
-         parallel: ParallelOpt = None,
+         parallel: ParallelOpt = None, cpu_moe: CpuMoeOpt = False, n_cpu_moe: NCpuMoeOpt = None,
          prompt_tokens: Annotated[Optional[int], option(
              "--prompt-tokens", help="prompt length of the prefill prediction (default: 512, at most the "
              "context); decode is predicted with the context full")] = None,
@@ -83,7 +86,8 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
     sequences = check_parallel(1 if parallel is None else parallel)
     cache = CacheOptions(ctx, kv_type, kv_on_cpu, allow_context_extension, sequences)
     result = plan_file(model or model_opt, threads=threads, gpu_memory=gpu_memory, cpu_memory=cpu_memory,
-                       cache=cache, prompt_tokens=prompt_tokens)
+                       cache=cache, prompt_tokens=prompt_tokens,
+                       expert_placement=expert_placement(cpu_moe, n_cpu_moe))
     if as_json:
         print(json.dumps(result.as_dict()))
         return

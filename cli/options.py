@@ -28,6 +28,12 @@ KvOnCpuOpt = Annotated[bool, option(
 ParallelOpt = Annotated[Optional[int], option(
     "--parallel", "-np", help="requests generated together, each with its own KV cache (serve's default: "
     "4, 2 or 1, the most the budgets hold with 4096 positions each)")]
+CpuMoeOpt = Annotated[bool, option(
+    "--cpu-moe", help="keep every expert of a MoE model off the GPU (llama.cpp's --cpu-moe); by default "
+    "the planner caches the hot ones in the GPU memory its layers leave")]
+NCpuMoeOpt = Annotated[Optional[int], option(
+    "--n-cpu-moe", help="keep the experts of a MoE model's layers 0..N-1 off the GPU and put every other "
+    "layer's on it, where they must fit (llama.cpp's --n-cpu-moe)")]
 ExtendOpt = Annotated[bool, option(
     "--allow-context-extension", help="allow a --ctx past the model's trained context")]
 DraftOpt = Annotated[Optional[str], option(
@@ -50,3 +56,10 @@ PenaltyOpt = Annotated[Optional[float], option("--repeat-penalty", help=f"1 disa
 SeedOpt = Annotated[Optional[int], option("--seed")]
 StopOpt = Annotated[Optional[list[str]], option("--stop", help="stop string (repeatable)")]
 LogLevelOpt = Annotated[str, option("--log-level", help="debug, info (a line per request), warning or error")]
+
+
+def expert_placement(cpu_moe: bool, n_cpu_moe: int | None) -> str | int:
+    """Engine.load's expert_placement from --cpu-moe and --n-cpu-moe."""
+    if cpu_moe and n_cpu_moe is not None:
+        raise typer.BadParameter("--cpu-moe and --n-cpu-moe both place the experts: give one of them")
+    return "cpu" if cpu_moe else "auto" if n_cpu_moe is None else n_cpu_moe

@@ -23,7 +23,7 @@ import torch
 from tierflow.cpu_kernels import matmul as kernels
 from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentError, TierflowError
 from tierflow.offload.experts.cache import CacheStats
-from tierflow.offload.experts.routing_trace import RoutingRecorder
+from tierflow.offload.experts.routing_trace import RoutingRecorder, keep_trace
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import LoadProgress, pack_sizes
@@ -34,6 +34,7 @@ from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.loader import (
     CacheOptions,
     LoadedModel,
+    expert_request,
     gpu_tier,
     load_model,
     load_tokenizer,
@@ -106,7 +107,7 @@ class Engine:
              gpu_device: str | None = None, draft: str | os.PathLike | None = None,
              draft_shape: str = "tree", draft_tokens: int | None = None, kv_cache_type: str | None = None,
              kv_on_cpu: bool = False, allow_context_extension: bool = False,
-             parallel: int | str = 1) -> "Engine":
+             parallel: int | str = 1, expert_placement: str | int = "auto") -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes held on each tier ("4GiB", "512MB" or an int):
@@ -128,7 +129,12 @@ class Engine:
         kernels, the rest on the CPU. Without a GPU, for testing: gpu_device="cpu" lets torch's
         CPU device stand in for the GPU tier, with the same budget, its layers computed by the
         CPU kernels; gpu_device="interpret" computes them with the GPU kernels in Triton's
-        interpreter (slow: small models only).
+        interpreter (slow: small models only). A mixture-of-experts model's layers (attention,
+        routers, shared experts) go to the GPU first, and its experts on three tiers: a cache of the
+        hot ones in the GPU memory left, the others in RAM, or on disk behind a cache in RAM when
+        cpu_memory cannot hold them all. expert_placement places them by hand instead, with
+        llama.cpp's meanings: "cpu" keeps every expert off the GPU (--cpu-moe), N the experts of
+        layers 0..N-1 (--n-cpu-moe N) and puts all the others on the GPU, where they must fit.
         draft turns on speculative decoding: "ngram" (prompt lookup: guesses from the context) or
         the path of a smaller GGUF with the same vocabulary (such as the target's own
         `tierflow convert --bits 3` version), which is placed first, within the budgets, and
@@ -154,8 +160,9 @@ class Engine:
                              check_parallel(parallel))
         with open_model_file(path) as target:  # validated before llama.cpp sees the file
             request = parse_draft(draft, target.config.num_layers)
+            experts = expert_request(expert_placement, target.config, target.path.name)
             profile, sizes = profile_source(target, threads, gpu, progress), pack_sizes(target)
-            budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile)
+            budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile, experts)
             tokenizer = load_tokenizer(target)
             drafted = loaded = None
             try:
@@ -444,7 +451,8 @@ class Engine:
     def record_routing(self) -> Iterator[RoutingRecorder]:
         """Records which experts every token computed the block's generations with, at every layer
         (a MoE model only): `recorder.trace()` is int32 [tokens, MoE layers, top_k], the routing-trace
-        format benchmarks/moe.py replays (offload/experts/routing_trace.py)."""
+        format benchmarks/moe.py replays (offload/experts/routing_trace.py). At the block's end the
+        recording is kept beside the model's pack, where later plans take their hit rates from."""
         self._check_open()
         if not self.config.is_moe:
             raise InvalidArgumentError(f"{self.path.name} is not a mixture-of-experts model: it has no "
@@ -458,6 +466,8 @@ class Engine:
         finally:
             with self._slots.every():
                 decoder.on_routing = None
+        if recorder.recorded:
+            keep_trace(self.path, recorder.trace())
 
     # -- lifetime --------------------------------------------------------------------------
 

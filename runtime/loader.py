@@ -21,7 +21,9 @@ measured once (`tierflow probe`, cached), and the per-layer overhead once per mo
 import functools
 import os
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 
+import numpy as np
 import psutil
 import torch
 
@@ -29,17 +31,20 @@ from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError
 from tierflow.gpu_kernels.launch import load_all_kernels
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
 from tierflow.kv_types import KV_TYPES, KVType, kv_type
+from tierflow.offload.experts.routing_trace import kept_trace
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.gguf.vocab_file import llama_vocab_file
 from tierflow.offload.pack.writer import LoadProgress, PackSizes, open_pack, pack_sizes
 from tierflow.offload.plan.budgets import available_ram_bytes
 from tierflow.offload.plan.context import check_context, plan_context
+from tierflow.offload.plan.expert_plan import ExpertRequest, trace_fits
 from tierflow.offload.plan.planner import Plan, ProfileSource, make_plan
 from tierflow.offload.plan.probe import load_profile, save_profile
 from tierflow.offload.plan.profile import GpuProfile, HardwareProfile
 from tierflow.offload.tiers.device import DeviceTier
 from tierflow.offload.tiers.tiered import TieredWeights
+from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import TokenGenerator
 from tierflow.runtime.host_attention import HostAttention
 from tierflow.runtime.kv_cache import KVCache
@@ -86,6 +91,8 @@ class Budgets:
     notices: tuple[str, ...] = field(default=(), compare=False)  # what choosing the context decided
     sequences: int = 1  # KV caches of context_length positions (CacheOptions.parallel)
     draft_layers: int = 0  # a self-draft's layers: held, never streamed, with a KV cache of their own
+    experts: ExpertRequest = ExpertRequest()  # where a MoE model's experts are asked to go
+    routing: np.ndarray | None = field(default=None, compare=False)  # its kept routing trace, if it fits
 
     def less(self, held: dict[str, int]) -> "Budgets":
         """What is left after `held` bytes per tier ("cpu", "gpu") were placed first."""
@@ -134,21 +141,27 @@ def thread_count(threads: int | None) -> int:
 
 
 def resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | None, gpu_budget: int,
-                    cache: CacheOptions, profile: ProfileSource) -> Budgets:
+                    cache: CacheOptions, profile: ProfileSource, experts: ExpertRequest = ExpertRequest()
+                    ) -> Budgets:
     """The budgets of a load: cpu_memory as given, or by default the available RAM less a margin;
     the KV cache's type; the context (offload/plan/context.py), which may need the machine's
     speeds (profile) to see whether a placement of the pack (sizes) fits; and with parallel
     "auto", the most of AUTO_PARALLEL sequences whose caches hold AUTO_MIN_CONTEXT positions each
-    (or the trained or requested context, if shorter) beside the weights."""
+    (or the trained or requested context, if shorter) beside the weights. A MoE model's experts go
+    where `experts` asks, with hit rates from the routing trace kept beside its pack, if any."""
+    routing = kept_trace(model.path) if model.config.is_moe else None
+    routing = routing if routing is not None and trace_fits(model.config, routing) else None
+    resolve = functools.partial(_resolve_budgets, model, sizes, cpu_memory, gpu_budget, profile=profile,
+                                experts=experts, routing=routing)
     if cache.parallel != "auto":
-        return _resolve_budgets(model, sizes, cpu_memory, gpu_budget, cache, profile)
+        return resolve(cache)
     wanted = min(AUTO_MIN_CONTEXT, cache.context_length or model.config.context_length)
     for sequences in AUTO_PARALLEL:
         options = replace(cache, parallel=sequences)
         if sequences == 1:
-            return _resolve_budgets(model, sizes, cpu_memory, gpu_budget, options, profile)
+            return resolve(options)
         try:
-            budgets = _resolve_budgets(model, sizes, cpu_memory, gpu_budget, options, profile)
+            budgets = resolve(options)
         except BudgetError:
             continue
         if budgets.context_length >= wanted:
@@ -157,7 +170,8 @@ def resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | 
 
 
 def _resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | None, gpu_budget: int,
-                     cache: CacheOptions, profile: ProfileSource) -> Budgets:
+                     cache: CacheOptions, profile: ProfileSource, experts: ExpertRequest,
+                     routing: np.ndarray | None) -> Budgets:
     kv = kv_type(cache.kv_cache_type)
     model.config.cache_rows.check(kv)
     check_context(cache.context_length, model.config, cache.allow_context_extension)
@@ -166,11 +180,30 @@ def _resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str |
     def plan_at(context_length: int) -> Plan:
         return make_plan(model, sizes, profile, gpu_budget=gpu_budget, cpu_budget=cpu,
                          context_length=context_length, kv=kv, kv_on_cpu=cache.kv_on_cpu,
-                         sequences=cache.parallel)
+                         sequences=cache.parallel, expert_request=experts, routing=routing)
 
     plan, notice = plan_context(plan_at, cache.context_length, model.config.context_length)
     notices = () if notice is None else (notice,)
-    return Budgets(cpu, gpu_budget, plan.context_length, kv, cache.kv_on_cpu, notices, cache.parallel)
+    return Budgets(cpu, gpu_budget, plan.context_length, kv, cache.kv_on_cpu, notices, cache.parallel,
+                   experts=experts, routing=routing)
+
+
+def expert_request(placement: object, config: ModelConfig, model: str) -> ExpertRequest:
+    """Engine.load's expert_placement: "auto" (the planner's caches), "cpu" (every expert off the
+    GPU: llama.cpp's --cpu-moe) or N (the experts of layers 0..N-1 off it: --n-cpu-moe N)."""
+    if placement == "auto":
+        return ExpertRequest()
+    if placement == "cpu":
+        cpu_layers = config.num_layers
+    elif isinstance(placement, Integral) and not isinstance(placement, bool) and placement >= 0:
+        cpu_layers = min(int(placement), config.num_layers)
+    else:
+        raise InvalidArgumentError(f"expert_placement must be \"auto\", \"cpu\" or a count of layers >= 0 "
+                                   f"(llama.cpp's --n-cpu-moe), got {placement!r}")
+    if not config.is_moe:
+        raise InvalidArgumentError(f"{model} is not a mixture-of-experts model: it has no experts to place "
+                                   f"(leave out expert_placement, --cpu-moe and --n-cpu-moe)")
+    return ExpertRequest(cpu_layers)
 
 
 def gpu_tier(gpu_memory: int | str | None, gpu_device: str | None) -> GpuTier:
@@ -226,7 +259,8 @@ def plan_load(model: ModelFile, sizes: PackSizes, budgets: Budgets, profile: Pro
     plan = make_plan(model, sizes, profile, gpu_budget=budgets.gpu_bytes, cpu_budget=budgets.cpu_bytes,
                      context_length=budgets.context_length, prompt_tokens=prompt_tokens, kv=budgets.kv,
                      kv_on_cpu=budgets.kv_on_cpu, sequences=budgets.sequences,
-                     draft_layers=budgets.draft_layers)
+                     draft_layers=budgets.draft_layers, expert_request=budgets.experts,
+                     routing=budgets.routing)
     return replace(plan, notes=(*plan.notes, *budgets.notices))
 
 
@@ -286,11 +320,12 @@ def load_tokenizer(model: ModelFile) -> Tokenizer:
 
 def plan_file(model: str | os.PathLike | None, *, threads: int, cpu_memory: int | str | None = None,
               gpu_memory: int | str | None = None, cache: CacheOptions = CacheOptions(),
-              prompt_tokens: int | None = None) -> Plan:
+              prompt_tokens: int | None = None, expert_placement: str | int = "auto") -> Plan:
     """The plan a load of this file under these budgets would follow, with its predictions (the
     machine is measured first if it never was); nothing is loaded."""
     gpu_budget = parse_size(gpu_memory) if gpu_memory is not None else 0
     with open_model_file(resolve_model_path(model)) as opened:
+        experts = expert_request(expert_placement, opened.config, opened.path.name)
         profile, sizes = model_profile(opened, threads), pack_sizes(opened)
-        budgets = resolve_budgets(opened, sizes, cpu_memory, gpu_budget, cache, profile)
+        budgets = resolve_budgets(opened, sizes, cpu_memory, gpu_budget, cache, profile, experts)
         return plan_load(opened, sizes, budgets, profile, prompt_tokens)

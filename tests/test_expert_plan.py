@@ -3,6 +3,7 @@ engine places experts as the plan says, and `tierflow plan` shows it."""
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -14,7 +15,7 @@ from tierflow.cli.app import app
 from tierflow.errors import PlanBudgetError
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.pack.writer import pack_sizes
-from tierflow.offload.plan.expert_plan import READ_AHEAD_SHARE
+from tierflow.offload.plan.expert_plan import READ_AHEAD_SHARE, ExpertRequest
 from tierflow.offload.plan.planner import make_plan
 
 CTX = 128
@@ -54,7 +55,8 @@ def plan_for(moe, weight_bytes, profile=PROFILE, gpu_budget=0):
 def test_a_moe_model_that_fits_keeps_every_expert_in_ram(moe):
     _, config, base, _, all_experts = moe
     plan = plan_for(moe, base + all_experts)
-    assert plan.experts.home == "cpu" and plan.experts.cache is None and plan.experts.hit_rate == 1.0
+    assert plan.experts.home == "cpu" and plan.experts.ram_cache_bytes == plan.experts.gpu_cache_bytes == 0
+    assert plan.experts.served == {"gpu": 0.0, "cpu": 1.0, "disk": 0.0}
     assert plan.used_bytes == {"gpu": 0, "cpu": base + all_experts + plan.kv_bytes, "disk": 0}
     assert plan.decode.io_s == 0
 
@@ -71,11 +73,11 @@ def test_every_expert_is_a_group_with_its_home(moe):
 def test_experts_over_budget_live_on_disk_behind_a_cache_of_the_ram_left(moe):
     _, _, base, one, all_experts = moe
     plan = plan_for(moe, base + 12 * one)
-    assert plan.experts.home == "disk" and plan.experts.cache == "cpu"
-    assert plan.experts.cache_bytes == 12 * one and plan.experts.cached_experts == 12
+    assert plan.experts.home == "disk" and plan.experts.gpu_cache_bytes == 0
+    assert plan.experts.ram_cache_bytes == 12 * one and plan.experts.ram_cached_experts == 12
     assert plan.used_bytes == {"gpu": 0, "cpu": base + 12 * one + plan.kv_bytes, "disk": all_experts}
-    assert plan.experts.hit_rate == pytest.approx(12 / 32)
-    assert plan.experts.miss_bytes_per_token == pytest.approx(4 * 2 * (1 - 12 / 32) * one)
+    assert plan.experts.served["cpu"] == pytest.approx(12 / 32)
+    assert plan.experts.bytes_per_token["disk"] == pytest.approx(4 * 2 * (1 - 12 / 32) * one)
 
 
 def test_a_bigger_expert_cache_predicts_faster_decode_and_fewer_reads(moe):
@@ -90,7 +92,7 @@ def test_a_bigger_expert_cache_predicts_faster_decode_and_fewer_reads(moe):
 def test_decode_reads_are_the_predicted_misses_over_the_disk_speed(moe):
     _, config, base, one, _ = moe
     plan = plan_for(moe, base + 12 * one)
-    predicted = READ_AHEAD_SHARE * plan.experts.miss_bytes_per_token / (PROFILE.disk_read_gbps * 1e9)
+    predicted = READ_AHEAD_SHARE * plan.experts.bytes_per_token["disk"] / (PROFILE.disk_read_gbps * 1e9)
     assert plan.decode.io_s == pytest.approx(predicted, rel=0.02)  # experts' extents vs the largest
 
 
@@ -99,25 +101,84 @@ def test_a_budget_without_room_for_one_layers_experts_names_the_least_that_works
     with pytest.raises(PlanBudgetError, match="the least that works is") as refused:
         plan_for(moe, base + 7 * one)
     least = refused.value.minimum_bytes - cpu_memory(moe, 0)
-    assert plan_for(moe, least).experts.cache_bytes >= 8 * one
+    assert plan_for(moe, least).experts.ram_cache_bytes >= 8 * one
 
 
-def test_a_gpu_budget_caches_experts_in_vram_scheduled_against_their_home_in_ram(moe):
-    _, _, base, one, all_experts = moe
+def test_a_gpu_budget_takes_the_layers_first_then_caches_experts_in_the_rest(moe):
+    (_, sizes, _), config, base, one, all_experts = moe
     profile = replace(PROFILE, gpu=replace(FAKE_GPU, kernel_gbps={4: 200.0}))
-    plan = plan_for(moe, base + all_experts, profile, gpu_budget=10 * one)
-    assert plan.experts.home == "cpu" and plan.experts.cache == "gpu" and plan.experts.cached_experts == 10
-    assert plan.used_bytes == {"gpu": 10 * one, "cpu": base + all_experts + plan.kv_bytes, "disk": 0}
+    layers = sum(x.nbytes for x in sizes.layers)
+    kv = plan_for(moe, base + all_experts).kv_bytes
+    globals_ = base - layers
+    plan = plan_for(moe, globals_ + all_experts, profile, gpu_budget=layers + kv + 10 * one)
+    assert plan.gpu_layers == (0, 1, 2, 3) and plan.kv_gpu_bytes == kv
+    assert plan.experts.home == "cpu" and plan.experts.gpu_cached_experts == 10
+    assert plan.used_bytes["gpu"] == layers + kv + 10 * one
     assert {g.compute for g in plan.groups if g.name == "expert"} == {"cpu or gpu"}
     assert plan.experts.scheduler.gpu_gbps == 200.0 and plan.experts.scheduler.copy_gbps == FAKE_GPU.h2d_gbps
-    assert plan.predicted_decode_tps > plan_for(moe, base + all_experts).predicted_decode_tps
+    assert plan.experts.served["gpu"] == pytest.approx(10 / 32)
 
 
-def test_a_gpu_budget_without_every_expert_in_ram_names_the_least_that_works(moe):
-    _, _, base, one, all_experts = moe
-    with pytest.raises(PlanBudgetError, match="cpu_memory must hold the whole model") as refused:
-        plan_for(moe, base + 16 * one, replace(PROFILE, gpu=FAKE_GPU), gpu_budget=10 * one)
-    assert refused.value.minimum_bytes >= cpu_memory(moe, base + all_experts)
+def test_three_tiers_serve_the_uses_in_order_gpu_ram_disk(moe):
+    (_, sizes, _), _, base, one, all_experts = moe
+    layers = sum(x.nbytes for x in sizes.layers)
+    kv = plan_for(moe, base + all_experts).kv_bytes
+    # cpu_memory's KV cache moves to the GPU with the layers: 12 experts' room is left in RAM
+    plan = plan_for(moe, base - layers - kv + 12 * one, replace(PROFILE, gpu=FAKE_GPU),
+                    gpu_budget=layers + kv + 6 * one)
+    experts = plan.experts
+    assert experts.home == "disk" and (experts.gpu_cached_experts, experts.ram_cached_experts) == (6, 12)
+    assert experts.served == pytest.approx({"gpu": 6 / 32, "cpu": 12 / 32, "disk": 14 / 32})
+    assert plan.used_bytes["disk"] == all_experts
+    summary = dict(plan.summary())
+    assert "a cache of 6" in summary["experts on GPU"] and "a cache of 12" in summary["experts in RAM"]
+    assert "44% of uses" in summary["experts on disk"]
+
+
+def test_more_gpu_memory_for_experts_predicts_faster_decode(moe):
+    (_, sizes, _), _, base, one, all_experts = moe
+    layers = sum(x.nbytes for x in sizes.layers)
+    kv = plan_for(moe, base + all_experts).kv_bytes
+    speeds = [plan_for(moe, base - layers + 12 * one, replace(PROFILE, gpu=FAKE_GPU),
+                       gpu_budget=layers + kv + held * one).predicted_decode_tps for held in (2, 8, 16)]
+    assert speeds == sorted(speeds) and speeds[0] < speeds[-1]
+
+
+def test_a_gpu_budget_too_small_for_the_layers_leaves_some_in_ram_and_says_so(moe):
+    (_, sizes, _), _, base, one, all_experts = moe
+    plan = plan_for(moe, base + all_experts, replace(PROFILE, gpu=FAKE_GPU),
+                    gpu_budget=sizes.layers[0].nbytes // 2)
+    assert plan.gpu_layers == ()
+    assert any("the other layers compute in RAM" in note for note in plan.notes)
+
+
+def test_a_routing_trace_credits_the_gpu_cache_with_the_most_used_experts(moe):
+    (model, sizes, _), config, base, one, all_experts = moe
+    trace = np.zeros((64, 4, 2), dtype=np.int32)
+    trace[..., 1] = 1 + np.arange(64)[:, None] % 7  # expert 0 in every token's top-2 at every layer
+    layers = sum(x.nbytes for x in sizes.layers)
+    kv = plan_for(moe, base + all_experts).kv_bytes
+    plan = make_plan(model, sizes, replace(PROFILE, gpu=FAKE_GPU), gpu_budget=layers + kv + 4 * one,
+                     cpu_budget=cpu_memory(moe, base + all_experts), context_length=CTX, routing=trace)
+    assert plan.experts.served["gpu"] == pytest.approx(0.5)  # each layer's expert 0: half of all uses
+    assert plan.experts.routing == "a routing trace of 64 tokens"
+    uniform = plan_for(moe, base - layers + all_experts, replace(PROFILE, gpu=FAKE_GPU),
+                       gpu_budget=layers + kv + 4 * one)
+    assert uniform.experts.served["gpu"] == pytest.approx(4 / 32)
+    assert uniform.experts.routing == "uniform routing"
+
+
+def test_experts_placed_by_hand_are_on_the_gpu_or_off_it_by_layer(moe):
+    (model, sizes, _), config, base, one, all_experts = moe
+    layers = sum(x.nbytes for x in sizes.layers)
+    kv = plan_for(moe, base + all_experts).kv_bytes
+    plan = make_plan(model, sizes, replace(PROFILE, gpu=FAKE_GPU), gpu_budget=layers + kv + 16 * one,
+                     cpu_budget=cpu_memory(moe, base - layers + 16 * one), context_length=CTX,
+                     expert_request=ExpertRequest(cpu_layers=2))
+    assert plan.experts.gpu_layers == (2, 3) and plan.experts.gpu_cache_bytes == 0
+    homes = {(g.layer, g.home, g.compute) for g in plan.groups if g.name == "expert"}
+    assert homes == {(0, "cpu", "cpu"), (1, "cpu", "cpu"), (2, "gpu", "gpu"), (3, "gpu", "gpu")}
+    assert plan.experts.served == pytest.approx({"gpu": 0.5, "cpu": 0.5, "disk": 0.0})
 
 
 def test_the_engine_places_experts_as_the_plan_says(moe, moe_path):
@@ -125,7 +186,7 @@ def test_the_engine_places_experts_as_the_plan_says(moe, moe_path):
     budget = base + 12 * one
     plan = plan_for(moe, budget)
     with Engine.load(moe_path, threads=2, context_length=CTX, cpu_memory=cpu_memory(moe, budget)) as engine:
-        assert engine.weights.experts.cache.budget_bytes == plan.experts.cache_bytes
+        assert engine.weights.experts.cache.budget_bytes == plan.experts.ram_cache_bytes
         assert engine.weights.bytes_by_tier()["disk"] == plan.used_bytes["disk"] == all_experts
 
 
@@ -136,5 +197,6 @@ def test_plan_command_shows_the_experts_and_their_cache(moe_path, moe, monkeypat
     done = CliRunner().invoke(app, ["plan", str(moe_path), "--cpu-memory", str(budget), "--threads", "2",
                                     "--ctx", str(CTX)])
     assert done.exit_code == 0, done.output
-    for text in ("experts 0-7", "attention+router", "home disk", "a cache of 12", "hit rate"):
+    for text in ("experts 0-7", "attention+router", "experts in RAM", "a cache of 12", "uniform routing",
+                 "experts on disk"):
         assert text in done.output

@@ -182,7 +182,7 @@ def test_plan_command_places_experts_in_the_moe_layers_only(glm_path, budgets, m
     done = CliRunner().invoke(app, ["plan", str(glm_path), "--cpu-memory", str(base + 10 * one),
                                     "--threads", "2", "--ctx", str(CONTEXT)])
     assert done.exit_code == 0, done.output
-    for text in ("layers 1-2 experts 0-7", "16 x", "home disk", "a cache of 10"):
+    for text in ("layers 1-2 experts 0-7", "16 x", "experts on disk", "a cache of 10"):
         assert text in done.output
 
 
@@ -192,10 +192,10 @@ def test_the_planned_expert_misses_per_token_count_the_moe_layers_only(glm_path,
         plan = make_plan(model, pack_sizes(model), PROFILE, gpu_budget=0, cpu_budget=base + 10 * one,
                          context_length=CONTEXT)
     experts = plan.experts
-    assert experts.total_experts == 16 and experts.cached_experts == 10
-    uses_per_token = 2 * 2  # 2 MoE layers, top-2 each: each use a miss at 1 - hit_rate
-    assert experts.miss_bytes_per_token == pytest.approx(uses_per_token * (1 - experts.hit_rate)
-                                                         * experts.expert_bytes)
+    assert experts.total_experts == 16 and experts.ram_cached_experts == 10
+    uses_per_token = 2 * 2  # 2 MoE layers, top-2 each: each use read from disk at the disk's share
+    assert experts.served["disk"] == pytest.approx(6 / 16)
+    assert experts.bytes_per_token["disk"] == pytest.approx(uses_per_token * 6 / 16 * experts.expert_bytes)
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
-"""Mixture-of-experts models through the engine: experts resident, or streamed from the pack
-through the expert cache when cpu_memory cannot hold them (llama.cpp as the oracle: test_oracle)."""
+"""Mixture-of-experts models through the engine: experts resident, streamed from the pack through
+the expert cache when cpu_memory cannot hold them, cached on the (stand-in) GPU beside the layers,
+on three tiers at once, or placed by hand (llama.cpp as the oracle: test_oracle)."""
 
 import numpy as np
 import pytest
 
-from tests.support.budgets import ram_beside_weights
+from tests.support.budgets import MoeBytes, moe_bytes, ram_beside_weights
 from tests.support.damage import flip_byte
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
@@ -129,45 +130,128 @@ def test_a_budget_without_room_for_one_layers_experts_names_the_least_that_works
         streamed(moe_path, budgets, experts_held=4)
 
 
-def test_experts_cached_on_the_stand_in_gpu_give_the_cpu_tokens_and_logits_bit_for_bit(moe_path, budgets,
+@pytest.fixture(scope="module")
+def size(moe_path) -> MoeBytes:
+    return moe_bytes(moe_path, CONTEXT)
+
+
+def on_stand_in_gpu(moe_path, gpu_memory: int, **kwargs) -> Engine:
+    return Engine.load(moe_path, threads=2, context_length=CONTEXT, gpu_memory=gpu_memory, gpu_device="cpu",
+                       **kwargs)
+
+
+def test_experts_cached_on_the_stand_in_gpu_give_the_cpu_tokens_and_logits_bit_for_bit(moe_path, size,
                                                                                          resident):
-    _, one, _ = budgets
-    stand_in = dict(gpu_memory=10 * one, gpu_device="cpu")
-    with Engine.load(moe_path, threads=2, context_length=CONTEXT, **stand_in) as engine:
+    with on_stand_in_gpu(moe_path, size.on_gpu(10)) as engine:
         result = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
         assert result.tokens == resident[0]
         assert np.array_equal(engine.logits(engine.tokenize(PROMPT) + resident[0]), resident[1])
         runs = engine.weights.experts.schedules
         assert runs.on_gpu > 0 and runs.on_cpu > 0 and runs.fetched > 0
-        assert 0 < engine.weights.bytes_by_tier()["gpu"] <= 10 * one
         assert engine.expert_stats.hits > 0
         assert engine.expert_stats.prefetched > 0  # the next layer's predicted experts, copied ahead
 
 
-def test_the_gpu_tier_counts_exactly_the_experts_cached_there_as_they_come_and_go(moe_path, budgets):
-    _, one, _ = budgets
-    stand_in = dict(gpu_memory=6 * one, gpu_device="cpu")
-    with Engine.load(moe_path, threads=2, context_length=CONTEXT, **stand_in) as engine:
+def test_the_layers_go_to_the_gpu_before_any_expert(moe_path, size):
+    with on_stand_in_gpu(moe_path, size.on_gpu(10)) as engine:
+        assert engine.plan.gpu_layers == (0, 1, 2, 3)
+        assert engine.weights.bytes_by_tier()["gpu"] == size.layers + size.gpu_beside  # no expert yet
+        assert engine.plan.experts.gpu_cache_bytes == 10 * size.expert
+
+
+def test_the_gpu_tier_counts_exactly_the_experts_cached_there_as_they_come_and_go(moe_path, size):
+    with on_stand_in_gpu(moe_path, size.on_gpu(6)) as engine:
         tier, cache = engine.weights.device, engine.weights.experts.cache
+        layers = tier.used
         for _ in engine.stream(PROMPT, max_tokens=TOKENS, temperature=0):
-            assert tier.used == cache.used_bytes <= 6 * one
+            assert tier.used - layers == cache.used_bytes <= 6 * size.expert
         assert engine.expert_stats.evictions > 0
 
 
-def test_peak_weight_bytes_is_the_gpu_tiers_high_water_mark_not_its_start(moe_path, budgets):
-    _, one, _ = budgets
-    stand_in = dict(gpu_memory=6 * one, gpu_device="cpu")
-    with Engine.load(moe_path, threads=2, context_length=CONTEXT, **stand_in) as engine:
-        assert engine.weights.bytes_by_tier()["gpu"] == 0  # no expert is cached before the first token
+def test_peak_weight_bytes_is_the_gpu_tiers_high_water_mark_not_its_start(moe_path, size):
+    with on_stand_in_gpu(moe_path, size.on_gpu(6)) as engine:
+        start = engine.weights.bytes_by_tier()["gpu"]
         stats = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).stats
-        assert stats.peak_weight_bytes["gpu"] == engine.weights.device.peak > 0
+        assert stats.peak_weight_bytes["gpu"] == engine.weights.device.peak > start
 
 
-def test_gpu_experts_need_every_expert_in_ram(moe_path, budgets):
-    base, one, all_experts = budgets
-    with pytest.raises(PlanBudgetError, match="cpu_memory must hold the whole model.*, at least") as refused:
-        Engine.load(moe_path, threads=2, cpu_memory=base + 10 * one, gpu_memory=10 * one, gpu_device="cpu")
-    assert refused.value.minimum_bytes >= base + all_experts
+def test_three_tiers_hold_their_budgets_at_every_step(moe_path, size, resident):
+    with on_stand_in_gpu(moe_path, size.on_gpu(4), cpu_memory=size.in_ram(10)) as engine:
+        gpu, ram = engine.weights.device, engine.weights._streamed
+        for _ in engine.stream(PROMPT, max_tokens=TOKENS, temperature=0):
+            assert gpu.used <= size.on_gpu(4)
+            assert ram.cache.used_bytes <= ram.nbytes == 10 * size.expert
+            assert ram.buffers.mapped_bytes <= ram.nbytes
+        assert engine.weights.bytes_by_tier()["disk"] == size.experts
+
+
+def test_with_experts_on_disk_the_gpu_budget_reads_ahead_into_ram(moe_path, size):
+    with on_stand_in_gpu(moe_path, size.on_gpu(4), cpu_memory=size.in_ram(10)) as engine:
+        engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+        assert engine.weights.experts.ram_stats.prefetched > 0
+        assert engine.expert_stats.prefetched == 0  # copies to the GPU are the schedule's alone
+
+
+def test_a_read_error_on_three_tiers_leaves_the_engine_usable(moe_path, size, resident, monkeypatch):
+    with on_stand_in_gpu(moe_path, size.on_gpu(4), cpu_memory=size.in_ram(10)) as engine:
+        disk = engine.weights.disk
+        read = disk.read_into
+        monkeypatch.setattr(disk, "read_into", lambda *args: (_ for _ in ()).throw(OSError(5, "I/O error")))
+        with pytest.raises(OSError):
+            engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+        monkeypatch.setattr(disk, "read_into", read)
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == resident[0]
+
+
+def test_a_full_gpu_on_three_tiers_leaves_the_engine_usable(moe_path, size, resident, monkeypatch):
+    with on_stand_in_gpu(moe_path, size.on_gpu(4), cpu_memory=size.in_ram(10)) as engine:
+        tier = engine.weights.device
+        upload = tier.upload
+        full = BudgetError("the GPU is full")
+        monkeypatch.setattr(tier, "upload", lambda *args: (_ for _ in ()).throw(full))
+        with pytest.raises(BudgetError, match="the GPU is full"):
+            engine.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+        monkeypatch.setattr(tier, "upload", upload)
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == resident[0]
+
+
+def test_experts_placed_by_hand_stay_where_they_were_put(moe_path, size, resident):
+    # llama.cpp's -ngl 99 --n-cpu-moe 3: layer 3's experts on the GPU, the others' in RAM
+    with on_stand_in_gpu(moe_path, size.on_gpu(8), expert_placement=3) as engine:
+        assert engine.plan.experts.gpu_layers == (3,) and engine.weights.experts is None
+        held = engine.weights.bytes_by_tier()["gpu"]
+        assert held == size.layers + size.gpu_beside + 8 * size.expert
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == resident[0]
+        assert engine.weights.bytes_by_tier()["gpu"] == held
+
+
+def test_cpu_moe_keeps_every_expert_off_the_gpu(moe_path, size, resident):
+    with on_stand_in_gpu(moe_path, size.on_gpu(8), expert_placement="cpu") as engine:
+        assert engine.plan.gpu_layers == (0, 1, 2, 3) and engine.plan.experts.gpu_cache_bytes == 0
+        assert engine.weights.bytes_by_tier()["gpu"] == size.layers + size.gpu_beside
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == resident[0]
+
+
+def test_experts_placed_by_hand_beyond_the_gpu_budget_are_refused_naming_it_and_the_overflow(moe_path, size):
+    with pytest.raises(PlanBudgetError, match=r"gpu_memory .* cannot hold .*--n-cpu-moe 2.* over") as refused:
+        on_stand_in_gpu(moe_path, size.on_gpu(8), expert_placement=2)
+    assert refused.value.minimum_bytes >= size.on_gpu(16)
+
+
+def test_experts_placed_on_the_gpu_by_hand_without_gpu_memory_are_refused(moe_path):
+    with pytest.raises(PlanBudgetError, match="there is no gpu_memory"):
+        Engine.load(moe_path, threads=2, context_length=CONTEXT, expert_placement=0)
+
+
+@pytest.mark.parametrize("placement", ["gpu", -1, 1.5, True])
+def test_a_wrong_expert_placement_is_refused(moe_path, placement):
+    with pytest.raises(InvalidArgumentError, match="expert_placement must be"):
+        Engine.load(moe_path, threads=2, context_length=CONTEXT, expert_placement=placement)
+
+
+def test_expert_placement_on_a_dense_model_is_refused(model_path):
+    with pytest.raises(InvalidArgumentError, match="not a mixture-of-experts model"):
+        Engine.load(model_path, threads=2, context_length=CONTEXT, expert_placement="cpu")
 
 
 def test_recorded_routing_is_every_computed_tokens_top_k_at_every_layer(moe_path, resident):

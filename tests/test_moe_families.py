@@ -1,12 +1,13 @@
 """Every mixture-of-experts family through every tier: its experts resident, streamed from the pack
-through the expert cache, cached on the (stand-in) GPU, and verifying speculative token trees, each
+through the expert cache, on three tiers at once (its layers and a cache of experts on the stand-in
+GPU, a cache in RAM, the rest on disk), placed by hand, and verifying speculative token trees, each
 giving the resident engine's greedy tokens. llama.cpp is the oracle for the resident engine
 (test_oracle.py and each family's own tests); here each tier must agree with it bit for bit.
 """
 
 import pytest
 
-from tests.support.budgets import ram_beside_weights
+from tests.support.budgets import moe_bytes
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 
@@ -36,15 +37,11 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    """(the model's path, the resident engine's greedy tokens, (room beside the experts, one
-    expert's bytes))."""
+    """(the model's path, the resident engine's greedy tokens, its bytes: MoeBytes)."""
     path = write_model(tmp_path_factory.mktemp(request.param) / "model.gguf", FAMILIES[request.param])
     with Engine.load(path, threads=2, context_length=CONTEXT) as engine:
         tokens = engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens
-        packed = engine.weights.packed
-        base = packed.globals.nbytes + sum(layer.nbytes for layer in packed.layers)
-        one = max(x.nbytes for layer in packed.experts for x in layer)
-    return path, tokens, (base + ram_beside_weights(path, CONTEXT), one)
+    return path, tokens, moe_bytes(path, CONTEXT)
 
 
 def greedy(engine: Engine) -> list[int]:
@@ -52,23 +49,38 @@ def greedy(engine: Engine) -> list[int]:
 
 
 def test_each_familys_streamed_experts_give_its_resident_tokens(family):
-    path, resident, (base, one) = family
-    with Engine.load(path, threads=2, context_length=CONTEXT, cpu_memory=base + 12 * one) as engine:
+    path, resident, size = family
+    with Engine.load(path, threads=2, context_length=CONTEXT,
+                     cpu_memory=size.in_ram(12, layers_on_gpu=False)) as engine:
         assert greedy(engine) == resident
         assert engine.expert_stats.misses > 0 and engine.expert_stats.hits > 0
 
 
-def test_each_familys_experts_cached_on_the_stand_in_gpu_give_its_resident_tokens(family):
-    path, resident, (_, one) = family
-    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory=8 * one, gpu_device="cpu") as engine:
+def test_each_familys_experts_on_three_tiers_give_its_resident_tokens(family):
+    # the layers on the (stand-in) GPU with a cache of 6 experts, 12 cached in RAM, the rest on disk
+    path, resident, size = family
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory=size.on_gpu(6),
+                     cpu_memory=size.in_ram(12), gpu_device="cpu") as engine:
+        assert engine.plan.gpu_layers == tuple(range(SHAPE["num_layers"]))
+        assert engine.plan.experts.home == "disk" and engine.plan.experts.gpu_cached_experts == 6
         assert greedy(engine) == resident
-        runs = engine.weights.experts.schedules
+        runs, ram = engine.weights.experts.schedules, engine.weights.experts.ram_stats
         assert runs.on_gpu > 0 and runs.on_cpu > 0
+        assert ram.hits > 0 and ram.misses > 0
+
+
+def test_each_familys_experts_placed_by_hand_give_its_resident_tokens(family):
+    # llama.cpp's --n-cpu-moe 2: the experts of layers 0 and 1 in RAM, the last layer's on the GPU
+    path, resident, size = family
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory=size.on_gpu(8),
+                     expert_placement=2, gpu_device="cpu") as engine:
+        assert engine.plan.experts.gpu_layers == (2,)
+        assert greedy(engine) == resident
 
 
 def test_each_familys_token_trees_over_streamed_experts_give_its_resident_tokens(family):
-    path, resident, (base, one) = family
-    with Engine.load(path, threads=2, context_length=CONTEXT, cpu_memory=base + 12 * one,
+    path, resident, size = family
+    with Engine.load(path, threads=2, context_length=CONTEXT, cpu_memory=size.in_ram(12, layers_on_gpu=False),
                      draft="ngram") as engine:
         assert greedy(engine) == resident
 
@@ -81,8 +93,9 @@ def test_each_familys_own_file_as_a_draft_model_gives_its_resident_tokens(family
 
 
 def test_the_plan_puts_each_familys_experts_on_disk_with_a_cache_in_ram(family):
-    path, _, (base, one) = family
-    with Engine.load(path, threads=2, context_length=CONTEXT, cpu_memory=base + 12 * one) as engine:
+    path, _, size = family
+    with Engine.load(path, threads=2, context_length=CONTEXT,
+                     cpu_memory=size.in_ram(12, layers_on_gpu=False)) as engine:
         experts = engine.plan.experts
-        assert experts.home == "disk" and experts.cached_experts >= 12
+        assert experts.home == "disk" and experts.ram_cached_experts >= 12
         assert "experts" in dict(engine.plan.summary())

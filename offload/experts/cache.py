@@ -191,6 +191,13 @@ class ExpertCache:
                 fetched.append(key)
         return fetched
 
+    def forget(self, key: ExpertKey, payload: Payload) -> None:
+        """Drops `key` if `payload` is what it holds: a fetch that failed (a read error) is not
+        kept as if it had the expert; the next use fetches it again."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.payload is payload:
+            self._drop(key)
+
     def next_token(self, count: int = 1) -> None:
         """The current step's last layer is done: the clock moves on by the tokens it computed
         (1 in decode; the chunk's length in prefill, or the accepted tokens of a verify pass)."""

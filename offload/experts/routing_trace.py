@@ -3,8 +3,9 @@
 The format is one integer array, `trace[t, l, j]` = the expert id in slot j of token t's top-k
 at MoE layer l: shape [T tokens, L layers, K top_k], distinct ids within a (t, l) row, saved
 with np.save (`.npy`). `Engine.record_routing()` records one with a RoutingRecorder, which stacks
-the router's top-k ids per layer as the decoder computes; the expert cache benchmark
-(benchmarks/moe.py) replays any such array.
+the router's top-k ids per layer as the decoder computes, and keeps it beside the model's pack
+(keep_trace: the newest KEPT_TOKENS tokens of every recording), where the planner finds it for its
+hit rates (kept_trace); the expert cache benchmark (benchmarks/moe.py) replays any such array.
 
 Synthetic traces stand in where no recorded one fits. Their generator states its assumptions as
 parameters (SyntheticTraceSpec): each layer has its own popularity ranking of the experts, Zipf
@@ -16,11 +17,16 @@ change of topic that a policy must adapt to. Real routing differs: fit the param
 recorded trace before trusting conclusions drawn from these.
 """
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from tierflow.offload.pack.cache import routing_path
+
+KEPT_TOKENS = 16384  # of routing kept per model: ~1.5 MB for 48 layers of top-8
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,34 @@ def load_trace(path: Path) -> np.ndarray:
     return check_trace(np.load(Path(path), allow_pickle=False))
 
 
+def keep_trace(source: Path, trace: np.ndarray) -> None:
+    """Adds a recording of model file `source`'s routing to the one kept beside its pack, keeping
+    the newest KEPT_TOKENS tokens; one of another shape (a changed file) is replaced. A cache folder
+    that cannot be written only loses the trace."""
+    trace = check_trace(trace)
+    kept = kept_trace(source)
+    if kept is not None and kept.shape[1:] == trace.shape[1:]:
+        trace = np.concatenate([kept, trace])
+    try:
+        path = routing_path(source)
+        partial = path.with_name(path.name + ".partial.npy")
+        try:
+            np.save(partial, trace[-KEPT_TOKENS:].astype(np.int32))
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def kept_trace(source: Path) -> np.ndarray | None:
+    """The routing trace kept beside model file `source`'s pack, if there is a readable one."""
+    try:
+        return load_trace(routing_path(source))
+    except (OSError, ValueError, EOFError):
+        return None
+
+
 class RoutingRecorder:
     """Collects a decoder's routing (runtime.model.Decoder.on_routing), pass by pass, as a trace:
     every token the model computes, in the order computed (prompt chunks, then each step's tokens;
@@ -112,6 +146,10 @@ class RoutingRecorder:
         if len(self._layers) == len(self.moe_layers):
             self._passes.append(np.stack([self._layers[i] for i in self.moe_layers], axis=1))
             self._layers = {}
+
+    @property
+    def recorded(self) -> bool:
+        return bool(self._passes)
 
     def trace(self) -> np.ndarray:
         """The routing so far, int32 [tokens, layers, top_k] (a pass cut short is left out)."""

@@ -2,8 +2,8 @@
 
 When a MoE model's experts do not all fit the cpu_memory budget, everything else stays resident
 (the globals, and every layer's attention, router and shared expert: a small part of the model)
-and the experts live on disk, each one extent of the pack. One ExpertCache (expert_cache.py), with
-the room the budget leaves, holds those the policy keeps. A layer step:
+and the experts live on disk, each one extent of the pack. One ExpertCache (cache.py), with
+the room the budget leaves, holds those the policy keeps (StreamedExperts). A layer step:
 
 1. predicts the next MoE layer's experts by applying its router, early, to this layer's residual
    stream (expert_prediction.route_top_k), adds those that cross-layer affinity, learnt as the
@@ -21,7 +21,7 @@ next read (mapping fresh memory for every read cost more than the reads themselv
 """
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from tierflow.offload.experts.cache import ExpertCache
@@ -36,27 +36,40 @@ from tierflow.runtime.model import Weights
 READERS = 2  # reads in flight: two kept this machine's disk busier than one (1.2 vs 1.0 GB/s)
 
 
-class _ExpertRead:
-    """An expert's read in flight or done (its future gives the weights and the buffer they view);
-    nbytes is what the cache counts."""
+class ExpertRead:
+    """An expert's read in flight or done (its future gives the weights, the buffer they view and
+    the expert's bytes in it); nbytes is what the cache counts. A read that failed leaves the
+    cache as its error is raised, so that the next use reads again."""
 
-    def __init__(self, future: Future, nbytes: int):
-        self.future, self.nbytes = future, nbytes
+    def __init__(self, future: Future, nbytes: int, failed: Callable[[], None]):
+        self.future, self.nbytes, self._failed = future, nbytes, failed
 
     def weights(self) -> Weights:
-        return self.future.result()[0]
+        return self._result()[0]
+
+    def data(self) -> memoryview:
+        return self._result()[2]
+
+    def _result(self) -> tuple[Weights, mmap.mmap, memoryview]:
+        try:
+            return self.future.result()
+        except BaseException:
+            self._failed()
+            raise
 
 
-class ExpertStore(ExpertTier):
-    """The experts of every MoE layer of a pack, through one cache of `budget_bytes` in RAM."""
+class StreamedExperts:
+    """The experts of a pack read from disk into one cache of `budget_bytes` in RAM: what ExpertStore
+    computes with, and what HybridExperts copies to the GPU from when their home is disk. The
+    cache's payloads are reads (`ExpertRead`), which the caller waits on."""
 
-    def __init__(self, packed: PackedFile, disk: DiskFile, config: ModelConfig, budget_bytes: int,
-                 policy: str = "score"):
-        self.packed, self.disk, self.config = packed, disk, config
+    def __init__(self, packed: PackedFile, disk: DiskFile, budget_bytes: int, policy: str = "score"):
+        self.packed, self.disk = packed, disk
         self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tierflow-experts")
         self.buffers = BufferPool(budget_bytes)
-        super().__init__(config, ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
-                                             self._fetch, policy, discard=self._discard))
+        self._reads: dict[ExpertKey, ExpertRead] = {}  # the cache's payloads
+        self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
+                                 self._fetch, policy, discard=self._discard)
 
     @property
     def nbytes(self) -> int:
@@ -66,37 +79,35 @@ class ExpertStore(ExpertTier):
         self.buffers.close()  # a read waiting for a buffer ends instead of holding the shutdown
         self._reader.shutdown(wait=True, cancel_futures=True)
 
-    def _route(self, layer_idx: int, expert_tokens: dict[int, int]
-               ) -> tuple[list[int], Iterator[tuple[int, Weights]]]:
-        """Every expert through the cache, those at hand first: the misses have longest to arrive."""
-        hits = [e for e in expert_tokens if (layer_idx, e) in self.cache]
-        return hits + [e for e in expert_tokens if (layer_idx, e) not in self.cache], iter(())
-
-    def _weights(self, read: _ExpertRead) -> Weights:
-        return read.weights()
-
-    def _arrived(self, read: _ExpertRead) -> bool:
-        return read.future.done()
-
-    def _fetch(self, key: ExpertKey) -> _ExpertRead:
+    def _fetch(self, key: ExpertKey) -> ExpertRead:
         extent = self.packed.experts[key[0]][key[1]]
-        return _ExpertRead(self._reader.submit(self._read, key), extent.nbytes)
+        read = self._reads[key] = ExpertRead(self._reader.submit(self._read, key), extent.nbytes,
+                                             self._forget_failed)
+        return read
 
-    def _read(self, key: ExpertKey) -> tuple[Weights, mmap.mmap]:
+    def _forget_failed(self) -> None:
+        """A read failed: it and every other failed read leave the cache (a bad disk fails many)."""
+        for key, read in list(self._reads.items()):
+            if read.future.done() and not read.future.cancelled() and read.future.exception() is not None:
+                self.cache.forget(key, read)
+
+    def _read(self, key: ExpertKey) -> tuple[Weights, mmap.mmap, memoryview]:
         layer_idx, expert_id = key
         extent = self.packed.experts[layer_idx][expert_id]
         buffer = self.buffers.take(extent.nbytes)
         try:
             data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
             self.packed.check(extent, data, self.disk.fd)  # every read: the file may change under us
-            return self.packed.expert_weights(layer_idx, expert_id, data), buffer
+            return self.packed.expert_weights(layer_idx, expert_id, data), buffer, data
         except BaseException:
             self.buffers.give(buffer)
             raise
 
-    def _discard(self, key: ExpertKey, read: _ExpertRead) -> bool:
+    def _discard(self, key: ExpertKey, read: ExpertRead) -> bool:
         """A read not started yet never happens (True: nothing was read); a done or running one
         gives its buffer back once done (the cache keeps no view of a dropped expert)."""
+        if self._reads.get(key) is read:
+            del self._reads[key]
         if read.future.cancel():
             return True
         read.future.add_done_callback(self._give_back)
@@ -105,3 +116,31 @@ class ExpertStore(ExpertTier):
     def _give_back(self, read: Future) -> None:
         if not read.cancelled() and read.exception() is None:
             self.buffers.give(read.result()[1])
+
+
+class ExpertStore(ExpertTier):
+    """The experts of the MoE layers `layers` (default: all) streamed through StreamedExperts and
+    computed on the CPU."""
+
+    def __init__(self, streamed: StreamedExperts, config: ModelConfig, layers: Sequence[int] | None = None):
+        self.streamed, self.buffers = streamed, streamed.buffers
+        super().__init__(config, streamed.cache, layers)
+
+    @property
+    def nbytes(self) -> int:
+        return self.streamed.nbytes
+
+    def close(self) -> None:
+        self.streamed.close()
+
+    def _route(self, layer_idx: int, expert_tokens: dict[int, int]
+               ) -> tuple[list[int], Iterator[tuple[int, Weights]]]:
+        """Every expert through the cache, those at hand first: the misses have longest to arrive."""
+        hits = [e for e in expert_tokens if (layer_idx, e) in self.cache]
+        return hits + [e for e in expert_tokens if (layer_idx, e) not in self.cache], iter(())
+
+    def _weights(self, read: ExpertRead) -> Weights:
+        return read.weights()
+
+    def _arrived(self, read: ExpertRead) -> bool:
+        return read.future.done()

@@ -13,14 +13,15 @@ NextLayerPredictor (prediction.py). A layer step, the same in both:
    wrong guesses cost;
 4. hands the experts to the decoder in groups it computes together: the cached ones at hand,
    then those whose reads arrived while the last group computed, then the others;
-5. releases them, and after the model's last layer moves the cache's clock on by the step's tokens.
+5. releases them, and after the last layer it serves moves the cache's clock on by the step's tokens.
 
 ExpertStore (store.py) streams experts from disk into a cache in RAM; HybridExperts (hybrid.py)
-keeps them in RAM with a cache on the GPU and schedules each between the devices.
+keeps a cache of them on the GPU over their home in RAM, or over a cache in RAM of their home on
+disk (three tiers), and schedules each between the devices.
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,8 +34,11 @@ from tierflow.runtime.model import Activations, Weights
 
 
 class ExpertTier:
-    def __init__(self, config: ModelConfig, cache: ExpertCache):
-        self.cache, self.num_layers = cache, config.num_layers
+    def __init__(self, config: ModelConfig, cache: ExpertCache, layers: Sequence[int] | None = None):
+        """layers: the MoE layers whose experts come through this tier (default: all); predictions
+        are made only for them (the caller adds their routers to the predictor)."""
+        self.cache = cache
+        self.last_layer = max(config.moe_layers if layers is None else layers)  # ends a step's token
         self.predictor = NextLayerPredictor(config.num_layers, config.num_experts, config.experts_used,
                                             config.rms_norm_eps, config.expert_gating)
         self.prefetch = True  # predict and fetch ahead (off: demand fetches only, for comparison)
@@ -57,11 +61,11 @@ class ExpertTier:
         residual = np.asarray(torch.as_tensor(residual).cpu())
         prediction = self.predictor.step(layer_idx, chosen, residual) if self.prefetch else None
         if prediction is not None:
-            self.cache.predict(layer_idx + 1, *prediction)
+            self._predict(layer_idx + 1, *prediction)
         cached, others = self._route(layer_idx, dict(zip(ids.tolist(), counts.tolist())))
         payloads = self.cache.get(layer_idx, cached) if cached else []
         if prediction is not None:
-            self.cache.prefetch(layer_idx + 1, self.gate.threshold)
+            self._prefetch(layer_idx + 1, self.gate.threshold)
         try:
             waiting = list(zip(cached, payloads))
             while waiting:
@@ -72,10 +76,24 @@ class ExpertTier:
             if rest:
                 yield rest
         finally:
-            self.cache.release()
-            if layer_idx == self.num_layers - 1:
-                self.cache.next_token(len(chosen))
+            self._release()
+            if layer_idx == self.last_layer:
+                self._next_token(len(chosen))
                 self._time_token(len(chosen))
+
+    def _predict(self, layer_idx: int, expert_ids: np.ndarray, confidences: np.ndarray) -> None:
+        """Records the prediction of layer `layer_idx`'s experts with the cache(s) it concerns."""
+        self.cache.predict(layer_idx, expert_ids, confidences)
+
+    def _prefetch(self, layer_idx: int, min_confidence: float) -> None:
+        """Starts fetching layer `layer_idx`'s predicted experts into the tier that gains most."""
+        self.cache.prefetch(layer_idx, min_confidence)
+
+    def _release(self) -> None:
+        self.cache.release()
+
+    def _next_token(self, tokens: int) -> None:
+        self.cache.next_token(tokens)
 
     def _time_token(self, tokens: int) -> None:
         """After a step's last layer: a decode token's seconds (from the end of the one before) go to

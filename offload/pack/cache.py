@@ -9,7 +9,8 @@ modification time, has its pack rebuilt under the same name, not a second one le
 
 Beside each pack a use record (NAME.used: the path it was last opened through; its mtime, when) is
 touched on every open; `tierflow cache list` shows it and eviction goes by it, least recently
-used first. Before a pack is built, `make_room` evicts packs over the cap (TIERFLOW_CACHE_MAX) and
+used first. A MoE model's routing trace, once recorded (NAME.routing.npy), is kept beside its pack
+too, and goes with it. Before a pack is built, `make_room` evicts packs over the cap (TIERFLOW_CACHE_MAX) and
 checks the disk has room, before any byte is written.
 """
 
@@ -32,6 +33,7 @@ from tierflow.units import format_size, parse_size
 
 SUFFIX = ".tfpack"
 USE_SUFFIX = ".used"
+ROUTING_SUFFIX = ".routing.npy"  # a MoE model's recorded routing, for the planner's hit rates
 SAMPLE_BYTES = 64 << 10
 SAMPLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the content samples start (the last ends the file)
 # Left free on the cache's disk after a pack: a disk filled to its last byte breaks other programs
@@ -190,16 +192,23 @@ def prune(max_bytes: int | None = None) -> list[CachedPack]:
     removed = gone + _evicted(kept, total_bytes(kept) - limit)
     for pack in removed:
         remove_pack(pack.path)
-    for record in folder.glob(f"*{USE_SUFFIX}"):  # of packs removed by hand
-        if not record.with_suffix(SUFFIX).exists():
-            record.unlink(missing_ok=True)
+    for suffix in (USE_SUFFIX, ROUTING_SUFFIX):  # records of packs removed by hand
+        for record in folder.glob(f"*{suffix}"):
+            if not record.with_name(record.name.removesuffix(suffix) + SUFFIX).exists():
+                record.unlink(missing_ok=True)
     return removed
+
+
+def routing_path(source: Path) -> Path:
+    """Where the routing trace recorded with model file `source` is kept: beside its pack."""
+    return pack_path(source).with_suffix(ROUTING_SUFFIX)
 
 
 def remove_pack(path: Path) -> None:
     try:
         path.unlink(missing_ok=True)
         _use_record(path).unlink(missing_ok=True)
+        path.with_suffix(ROUTING_SUFFIX).unlink(missing_ok=True)
     except OSError as error:
         raise TierflowError(f"cannot remove the pack {path} ({error.strerror or error})") from error
 

@@ -70,10 +70,11 @@ class PackedFile:
     def expert_weights(self, index: int, expert: int, data: memoryview) -> Weights:
         return Weights(_fields(self.experts[index][expert].weights, data))
 
-    def device_layer_weights(self, index: int, buffer: torch.Tensor, kernels: Kernels) -> Weights:
+    def device_layer_weights(self, index: int, buffer: torch.Tensor, kernels: Kernels,
+                             experts: Experts | None = None) -> Weights:
         """Layer `index`'s weights viewing its extent as uploaded to a device (uint8 [bytes]),
         computed there by `kernels` (gpu_kernels.layer_kernels.TritonKernels): no re-layout."""
-        return Weights(_device_fields(self.layers[index].weights, buffer), kernels)
+        return Weights(_device_fields(self.layers[index].weights, buffer), kernels, experts)
 
     def device_expert_weights(self, index: int, expert: int, buffer: torch.Tensor,
                               kernels: Kernels) -> Weights:

@@ -138,7 +138,7 @@ def pass_stages(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], 
         compute = costs.layer_s(i, x, "gpu" if i in layout.gpu else "cpu", tokens, start)
         read = costs.read_s(x) if i in layout.streamed else 0.0
         if experts is not None and experts.config.has_experts(i):
-            expert_compute, expert_read = experts.layer_s(tokens)
+            expert_compute, expert_read = experts.layer_s(i, tokens)
             compute, read = compute + expert_compute, read + expert_read
         return Stage(compute, read)
 

@@ -1,31 +1,39 @@
-"""Expert placement: where a MoE model's experts live, where their cache is, and what a pass costs.
+"""Expert placement: where a MoE model's experts live, which caches hold them, and what a pass costs.
 
-The expert is the unit of placement. Everything else of a MoE model (the globals and every layer's
-attention, router and shared expert: a small part of it) stays in RAM. The experts take one of
-three placements, chosen from the budgets alone:
+The expert is the unit of placement, on three tiers at once, in the order of value per byte:
+1. what every token uses (the globals, and each layer's attention, norms, router and shared expert:
+   a small part of the model) stays in RAM, except that with a GPU budget the layers go to the GPU
+   first, from the first on, each with its KV cache, as a dense model's do (planner.py); those that
+   do not fit stay in RAM, and the plan says so;
+2. the GPU budget those leave holds experts: automatically a cache of the hot ones, or, placed by
+   hand (`expert_placement`, llama.cpp's `--n-cpu-moe N`), every expert of the layers from N on;
+3. the other experts live in RAM when cpu_memory holds them all beside the rest, else on disk (the
+   pack) behind a cache in the RAM left, which must hold one layer's experts (what one prefill
+   step may use at once).
+Each layer step, an active expert not on the GPU runs on the CPU or is copied up (and cached),
+whichever lets both devices finish soonest (offload/experts/hybrid.py); one not in RAM is read from
+disk first (offload/experts/store.py). Experts placed by hand never move: those left on the CPU
+are never copied up.
 
-- all resident in RAM, when the model fits cpu_memory and there is no GPU budget;
-- home in RAM, with a cache of them in VRAM (gpu_memory), when there is a GPU budget: per layer
-  step each active expert runs on the GPU when cached, else on the CPU or copied and cached,
-  whichever lets both devices finish soonest (offload/experts/hybrid.py); cpu_memory must then
-  hold every expert;
-- home on disk (the pack), with a cache of them in the RAM the budget leaves, when the model does
-  not fit cpu_memory (offload/experts/store.py); that cache must hold one layer's experts, what one
-  prefill step may use at once.
+Hit rates. The share of expert uses each tier serves comes from how often each expert is used:
+from a routing trace when one is at hand (recorded by `Engine.record_routing()`), else assumed
+uniform (every expert as likely: a real model's skew only does better). The GPU cache is credited
+with the most used experts, the RAM cache with the next ones, as a frequency policy keeps them.
 
 Cost of a pass, per MoE layer, for `timings` (cost_model.py), k experts used of E per layer:
-- decode: k experts compute one token each. Their hit rate is the cache's share of all experts
-  (h = cached / (layers x E): routing assumed uniform and without locality, so a real model's
-  skew only does better). A miss is read from disk (or copied to the GPU); a share
-  READ_AHEAD_SHARE of misses is assumed predicted a layer early and read while the layer before
-  computes, the rest is read when the router asks. With a GPU cache the expected makespan of the
-  schedule is taken over the number of cached experts, binomial in k with h.
+- decode: k experts compute one token each. A use served by disk is read (a share READ_AHEAD_SHARE
+  of them predicted a layer early and read while the layer before computes, the rest when the
+  router asks). With a GPU cache, the schedule's expected makespan is taken over the number of
+  cached experts, binomial in k with the GPU's share; experts placed on the GPU by hand compute
+  there.
 - prefill over T tokens: u = E (1 - (1 - k/E)^T) distinct experts per layer, each computing
   T k / u tokens at the batched kernel rate, each fetched at most once per chunk.
 """
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from tierflow.errors import PlanBudgetError
 from tierflow.offload.experts.hybrid import ExpertCosts, schedule_experts
@@ -34,28 +42,48 @@ from tierflow.offload.plan.budgets import RamBudget
 from tierflow.offload.plan.cost_model import PLACEHOLDER_GPU_GBPS, Costs
 from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.config import ModelConfig
-from tierflow.units import format_size
+from tierflow.units import format_size, round_up_as_printed
 
 READ_AHEAD_SHARE = 0.5  # of the misses, those read a layer ahead (expert_stats' prediction precision)
 CACHE_POLICY = "score"  # offload/experts/policy.py: recency, frequency and the prediction
+TIERS = ("gpu", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class ExpertRequest:
+    """Where the user asks the experts to go: "auto" (the planner's caches), or by hand, llama.cpp's
+    way: `cpu_layers` N keeps the experts of layers 0..N-1 off the GPU and puts every other layer's
+    there (`--n-cpu-moe N`; every layer's off it: `--cpu-moe`)."""
+
+    cpu_layers: int | None = None  # None: auto
+
+    @property
+    def manual(self) -> bool:
+        return self.cpu_layers is not None
 
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    home: str  # "cpu": every expert in RAM; "disk": every expert read from the pack when not cached
-    cache: str | None  # "gpu": a cache of experts in VRAM; "cpu": in RAM (home on disk); None: no cache
-    cache_bytes: int  # the cache's budget
+    home: str  # where the experts not on the GPU live: "cpu" (all in RAM) or "disk" (the pack)
+    ram_cache_bytes: int  # home "disk": the cache of them in RAM; 0 with home "cpu"
+    gpu_cache_bytes: int  # a cache of hot experts in VRAM, scheduled every step; 0: none
+    gpu_layers: tuple[int, ...]  # placed by hand: the layers whose experts all live on the GPU
     expert_bytes: int  # one expert's extent in the pack (the largest)
     total_experts: int  # over all layers
-    hit_rate: float  # predicted share of expert uses found in the cache (1.0 with no cache: all at hand)
-    miss_bytes_per_token: float  # predicted decode bytes of used experts not in the cache: read from
-    # disk (home on disk), or computed on the CPU or copied (cache on the GPU)
+    served: dict[str, float]  # predicted share of decode expert uses each tier serves ("gpu", "cpu", "disk")
+    bytes_per_token: dict[str, float]  # predicted decode bytes of used experts each tier serves
+    routing: str  # what the shares come from: "uniform routing" or "a routing trace of N tokens"
+    manual: bool = False  # placed by hand (ExpertRequest): nothing moves between the tiers
     policy: str = CACHE_POLICY
-    scheduler: ExpertCosts | None = None  # the speeds the CPU-GPU schedule balances (GPU cache only)
+    scheduler: ExpertCosts | None = None  # the speeds the CPU-GPU schedule balances (a GPU cache only)
 
     @property
-    def cached_experts(self) -> int:
-        return min(self.total_experts, self.cache_bytes // self.expert_bytes) if self.cache else 0
+    def gpu_cached_experts(self) -> int:
+        return min(self.total_experts, self.gpu_cache_bytes // self.expert_bytes)
+
+    @property
+    def ram_cached_experts(self) -> int:
+        return min(self.total_experts, self.ram_cache_bytes // self.expert_bytes)
 
 
 def expert_costs(profile: HardwareProfile) -> ExpertCosts:
@@ -66,41 +94,96 @@ def expert_costs(profile: HardwareProfile) -> ExpertCosts:
     return ExpertCosts(cpu_gbps=cpu, gpu_gbps=gpu, copy_gbps=profile.gpu.h2d_gbps)
 
 
+def expert_uses(config: ModelConfig, trace: np.ndarray | None) -> np.ndarray:
+    """Each expert's share of all uses, [layer, expert] over every layer (zero for a dense one):
+    counted in a routing trace [T, MoE layers, k] that fits the model, else uniform."""
+    uses = np.zeros((config.num_layers, config.num_experts))
+    moe = list(config.moe_layers)
+    if trace is not None:
+        for j, layer in enumerate(moe):
+            uses[layer] = np.bincount(trace[:, j].reshape(-1), minlength=config.num_experts)
+    else:
+        uses[moe] = 1.0
+    return uses / uses.sum()
+
+
+def trace_fits(config: ModelConfig, trace: np.ndarray) -> bool:
+    """Whether a routing trace [T, L, k] is this model's: its MoE layers, top-k and expert ids."""
+    return (trace.ndim == 3 and trace.shape[1:] == (len(config.moe_layers), config.experts_used)
+            and 0 <= trace.min() and trace.max() < config.num_experts)
+
+
 def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: list[list[ExtentSize]],
-                  ram: RamBudget, gpu_budget: int, profile: HardwareProfile) -> ExpertPlacement:
-    """The placement of `experts` (per layer, each expert's extent) beside base_bytes (globals and
-    layers without their experts, all in RAM) in the RAM's room for weights; a budget that cannot
-    work raises PlanBudgetError."""
-    all_bytes = sum(x.nbytes for layer in experts for x in layer)
-    one_layer = max(sum(x.nbytes for x in layer) for layer in experts)
+                  ram: RamBudget, gpu: tuple[int, int], profile: HardwareProfile | None,
+                  request: ExpertRequest = ExpertRequest(), trace: np.ndarray | None = None
+                  ) -> ExpertPlacement:
+    """The placement of `experts` (per layer, each expert's extent) beside base_bytes (the globals
+    and the layers not on the GPU, in RAM) in the RAM's room for weights, and on the GPU beside what
+    it holds already: gpu = (gpu_memory, the bytes of the layers and KV cache placed there; 0, 0:
+    no GPU). A budget that cannot work raises PlanBudgetError. `trace` (a routing trace that fits
+    the model, trace_fits) gives the hit rates; without it they are uniform."""
+    gpu_room = gpu[0] - gpu[1]
     expert_bytes = max(x.nbytes for layer in experts for x in layer)
     total = sum(len(layer) for layer in experts)
-
-    def placement(home: str, cache: str | None, cache_bytes: int, scheduler: ExpertCosts | None = None):
-        cached = min(total, cache_bytes // expert_bytes)
-        hit_rate = cached / total if cache else 1.0
-        misses = len(config.moe_layers) * config.experts_used * (1 - hit_rate) * expert_bytes
-        return ExpertPlacement(home, cache, cache_bytes, expert_bytes, total, hit_rate, misses,
-                               scheduler=scheduler)
-
-    if gpu_budget:
-        if base_bytes + all_bytes > ram.room:
-            minimum = ram.minimum(base_bytes + all_bytes)
-            raise PlanBudgetError(f"cpu_memory {format_size(ram.budget)} is too small for {model} with "
-                                  f"gpu_memory: experts cached on the GPU are scheduled against their home "
-                                  f"in RAM, so cpu_memory must hold the whole model{ram.beside()}, at least "
-                                  f"{format_size(minimum)} (or leave out gpu_memory to stream the experts "
-                                  f"from disk)", minimum)
-        return placement("cpu", "gpu", gpu_budget, expert_costs(profile))
+    if request.manual:
+        gpu_layers = tuple(i for i in config.moe_layers if i >= request.cpu_layers)
+        on_gpu = sum(x.nbytes for i in gpu_layers for x in experts[i])
+        if on_gpu > gpu_room:
+            raise _refuse_manual(request, gpu_layers, on_gpu, gpu)
+        gpu_cache = 0
+    else:
+        gpu_layers, gpu_cache = (), gpu_room if gpu_room >= expert_bytes else 0
+    off_gpu = [layer if i not in gpu_layers else [] for i, layer in enumerate(experts)]
+    all_bytes = sum(x.nbytes for layer in off_gpu for x in layer)
+    one_layer = max(sum(x.nbytes for x in layer) for layer in off_gpu)
     if base_bytes + all_bytes <= ram.room:
-        return placement("cpu", None, 0)
-    if ram.room < base_bytes + one_layer:
+        home, ram_cache = "cpu", 0
+    elif ram.room < base_bytes + one_layer:
         minimum = ram.minimum(base_bytes + one_layer)
         raise PlanBudgetError(f"cpu_memory {format_size(ram.budget)} is too small for {model}: its globals, "
-                              f"attention and routers take {format_size(base_bytes)} and the expert cache "
-                              f"needs room for one layer's experts ({format_size(one_layer)}){ram.beside()}; "
-                              f"the least that works is {format_size(minimum)}", minimum)
-    return placement("disk", "cpu", ram.room - base_bytes)
+                              f"attention and routers in RAM take {format_size(base_bytes)} and the expert "
+                              f"cache needs room for one layer's experts ({format_size(one_layer)})"
+                              f"{ram.beside()}; the least that works is {format_size(minimum)}", minimum)
+    else:
+        home, ram_cache = "disk", ram.room - base_bytes
+    uses = expert_uses(config, trace)
+    served = _served(uses, gpu_layers, gpu_cache // expert_bytes,
+                     math.inf if home == "cpu" else ram_cache // expert_bytes)
+    per_token = len(config.moe_layers) * config.experts_used * expert_bytes
+    return ExpertPlacement(home, ram_cache, gpu_cache, gpu_layers, expert_bytes, total, served,
+                           {tier: share * per_token for tier, share in served.items()},
+                           "uniform routing" if trace is None else f"a routing trace of {len(trace)} tokens",
+                           manual=request.manual,
+                           scheduler=expert_costs(profile) if gpu_cache and profile is not None else None)
+
+
+def _served(uses: np.ndarray, gpu_layers: tuple[int, ...], gpu_cached: int, ram_cached: float
+            ) -> dict[str, float]:
+    """The share of uses each tier serves: the GPU's layers (by hand) or its cache of the most used
+    experts, then the RAM cache's of the next most used, the rest from disk."""
+    gpu = float(uses[list(gpu_layers)].sum()) if gpu_layers else 0.0
+    rest = np.sort(np.delete(uses, list(gpu_layers), axis=0).reshape(-1))[::-1]
+    gpu += float(rest[:gpu_cached].sum())
+    rest = rest[gpu_cached:]
+    cpu = float(rest.sum()) if ram_cached == math.inf else float(rest[:int(ram_cached)].sum())
+    return {"gpu": gpu, "cpu": cpu, "disk": max(0.0, 1.0 - gpu - cpu)}
+
+
+def _refuse_manual(request: ExpertRequest, gpu_layers: tuple[int, ...], on_gpu: int, gpu: tuple[int, int]
+                   ) -> PlanBudgetError:
+    """The error for experts placed on the GPU by hand that gpu_memory cannot hold."""
+    layers = f"layers {gpu_layers[0]}-{gpu_layers[-1]}" if len(gpu_layers) > 1 else f"layer {gpu_layers[0]}"
+    budget, held = gpu
+    minimum = round_up_as_printed(held + on_gpu)
+    asked = f"expert_placement {request.cpu_layers} (--n-cpu-moe {request.cpu_layers}) puts the experts of " \
+            f"{layers} on the GPU ({format_size(on_gpu)})"
+    if not budget:
+        return PlanBudgetError(f"{asked}, but there is no gpu_memory: give at least {format_size(minimum)}, "
+                               f"or place them with --cpu-moe", minimum)
+    return PlanBudgetError(f"gpu_memory {format_size(budget)} cannot hold what {asked}: beside the layers' "
+                           f"always-used weights and KV cache there ({format_size(held)}) they are "
+                           f"{format_size(held + on_gpu - budget)} over; at least {format_size(minimum)} is "
+                           f"needed, or a larger --n-cpu-moe", minimum)
 
 
 class ExpertStages:
@@ -112,30 +195,33 @@ class ExpertStages:
         self.placement, self.expert, self.costs, self.config = placement, expert, costs, config
         self.num_experts, self.used = config.num_experts, config.experts_used
 
-    def layer_s(self, tokens: int) -> tuple[float, float]:
-        """(compute seconds, seconds of reads that overlap the layer before) of one layer's experts
-        over `tokens` new tokens."""
+    def layer_s(self, layer_idx: int, tokens: int) -> tuple[float, float]:
+        """(compute seconds, seconds of reads that overlap the layer before) of layer `layer_idx`'s
+        experts over `tokens` new tokens."""
         if tokens == 1:
             active, per_expert = self.used, 1
         else:
             active = self.num_experts * (1 - (1 - self.used / self.num_experts) ** tokens)
             per_expert = tokens * self.used / active
         p = self.placement
-        if p.cache == "gpu":
-            return self._scheduled_s(round(active), max(1, round(per_expert))), 0.0
-        compute = active * self.costs.matmul_s(self.expert.linears, per_expert, "cpu", tokens > 1)
-        if p.cache is None:
-            return compute, 0.0
-        misses_s = active * (1 - p.hit_rate) * self.costs.read_s(self.expert)
+        if layer_idx in p.gpu_layers:
+            return active * self.costs.matmul_s(self.expert.linears, per_expert, "gpu", tokens > 1), 0.0
+        if p.gpu_cache_bytes:
+            compute = self._scheduled_s(round(active), max(1, round(per_expert)))
+        else:
+            compute = active * self.costs.matmul_s(self.expert.linears, per_expert, "cpu", tokens > 1)
+        off_gpu = 1.0 - p.served["gpu"] if p.manual else 1.0  # the share of uses in layers like this one
+        misses_s = active * p.served["disk"] / off_gpu * self.costs.read_s(self.expert) if off_gpu else 0.0
         return compute + (1 - READ_AHEAD_SHARE) * misses_s, READ_AHEAD_SHARE * misses_s
 
     def _scheduled_s(self, active: int, tokens: int) -> float:
         """The schedule's expected makespan when each of `active` experts is cached with
         probability hit_rate (the number cached binomial)."""
-        h, expected = self.placement.hit_rate, 0.0
+        h, expected = self.placement.served["gpu"], 0.0
         for cached in range(active + 1):
             chance = math.comb(active, cached) * h ** cached * (1 - h) ** (active - cached)
             plan = schedule_experts({e: tokens for e in range(active)}, set(range(cached)),
-                                    self.placement.expert_bytes, self.placement.scheduler)
+                                    self.placement.expert_bytes, self.placement.scheduler,
+                                    self.placement.gpu_cached_experts - cached)
             expected += chance * max(plan.cpu_seconds, plan.gpu_seconds)
         return expected

@@ -105,7 +105,7 @@ class Plan:
                      f"ring, expert cache and KV cache), disk {size(self.used_bytes['disk'])}"),
             ("layers", f"{len(self.gpu_layers)} on GPU, {len(self.resident_layers)} in RAM, "
                        f"{len(self.streamed_layers)} streamed from disk every token"),
-            *([("experts", _describe_experts(self.experts))] if self.experts else []),
+            *(_describe_experts(self.experts) if self.experts else []),
             ("prefetch ring", ring),
             ("context", f"{self.context_length} positions"
                         + (f" in each of {self.sequences} sequences" if self.sequences > 1 else "")),
@@ -143,15 +143,28 @@ class Plan:
 _GLOBAL_LABELS = {"embeddings": "embeddings", "output": "output head"}
 
 
-def _describe_experts(p: ExpertPlacement) -> str:
-    each = f"{p.total_experts} x {format_size(p.expert_bytes)}"
-    if p.cache is None:
-        return f"{each}, all in RAM"
-    tier, misses = (("GPU memory", "run on the CPU or copied") if p.cache == "gpu"
-                    else ("RAM", "read from disk"))
-    return (f"{each}, home {p.home}; a cache of {p.cached_experts} ({format_size(p.cache_bytes)}) in {tier}, "
-            f"policy {p.policy}; predicted hit rate {p.hit_rate:.0%} (uniform routing), "
-            f"{format_size(round(p.miss_bytes_per_token))} per token {misses}")
+def _describe_experts(p: ExpertPlacement) -> list[tuple[str, str]]:
+    """The summary's rows of the experts: each tier, its share of uses, and where the shares come from."""
+    size = format_size
+    served = {tier: f"serves {p.served[tier]:.0%} of uses, {size(round(p.bytes_per_token[tier]))} per token"
+              for tier in p.served}
+    if p.gpu_layers:
+        gpu = f"every expert of layers {_ranges(list(p.gpu_layers))}, placed by hand; {served['gpu']}"
+    elif p.gpu_cache_bytes:
+        gpu = (f"a cache of {p.gpu_cached_experts} ({size(p.gpu_cache_bytes)}), policy {p.policy}; "
+               f"{served['gpu']}")
+    else:
+        gpu = "none" + (", placed by hand" if p.manual else "")
+    if p.home == "cpu":
+        ram = f"every expert off the GPU; {served['cpu']}"
+    else:
+        ram = (f"a cache of {p.ram_cached_experts} ({size(p.ram_cache_bytes)}), policy {p.policy}; "
+               f"{served['cpu']}")
+    rows = [("experts", f"{p.total_experts} x {size(p.expert_bytes)}; shares predicted from {p.routing}"),
+            ("experts on GPU", gpu), ("experts in RAM", ram)]
+    if p.home == "disk":
+        rows.append(("experts on disk", f"the rest, read when used; {served['disk']}"))
+    return rows
 
 
 def _ranges(indices: list[int]) -> str:

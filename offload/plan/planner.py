@@ -24,9 +24,11 @@ layer. The hardware profile may be handed over as a function: it is called only 
 on the machine's speeds (something streams, or there is a GPU budget); otherwise the plan places
 everything in RAM and predicts nothing (`prefill` and `decode` are None).
 
-A mixture-of-experts model places its experts instead of its layers (offload/plan/expert_plan.py):
-every layer stays in RAM, and each expert gets a home, RAM or disk, with an expert cache in VRAM
-or RAM; the plan's `experts` says which, and its groups list every expert.
+A mixture-of-experts model streams no layer: with a GPU budget its layers (attention, router,
+shared expert: what every token uses) go to the GPU first as step 1 places a dense model's, the
+rest stay in RAM, and its experts are placed on three tiers (offload/plan/expert_plan.py): on the
+GPU (a cache of hot ones, or by hand every expert of the last layers), in RAM, and on disk behind
+a cache in RAM; the plan's `experts` says which, and its groups list every expert.
 
 Placement of a dense model, in order:
 1. GPU (only when the profile has a GPU and gpu_budget > 0): layers from 0 up while they fit, each
@@ -74,6 +76,8 @@ CPU-GPU activation copies, prefill attention on the GPU.
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
 from tierflow.errors import BudgetError, ContextLengthError
 from tierflow.kv_types import DEFAULT_KV_TYPE, KV_TYPES, KVType
 from tierflow.offload.gguf.model_file import ModelFile
@@ -81,7 +85,7 @@ from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.pack.writer import PackSizes
 from tierflow.offload.plan.budgets import CacheFootprint, RamBudget, scratch_bytes
 from tierflow.offload.plan.cost_model import Costs, Layout, Timing, timings
-from tierflow.offload.plan.expert_plan import ExpertPlacement, ExpertStages, place_experts
+from tierflow.offload.plan.expert_plan import ExpertPlacement, ExpertRequest, ExpertStages, place_experts
 from tierflow.offload.plan.plan_result import GroupPlacement, Plan
 from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.units import format_size
@@ -142,6 +146,14 @@ def _choose_layout(globals_: ExtentSize, layers: list[ExtentSize], gpu: tuple[in
     return best
 
 
+def _layers_left_in_ram(layers: list[ExtentSize], gpu: tuple[int, ...], gpu_kv: list[int]) -> str:
+    """The note of a MoE model whose always-used weights do not all fit gpu_memory."""
+    everything = sum(x.nbytes for x in layers) + sum(gpu_kv)
+    held = f"layers 0-{len(gpu) - 1}'s" if gpu else "none of its layers'"
+    return (f"gpu_memory holds {held} attention, routers and shared experts with their KV cache; the "
+            f"other layers compute in RAM: all of them need {format_size(everything)} on the GPU")
+
+
 def _gpu_layers(layers: list[ExtentSize], gpu_budget: int, gpu_kv: list[int]) -> tuple[int, ...]:
     """Layers from the first on while they and their KV caches on the GPU (gpu_kv) fit the budget."""
     chosen, used = [], 0
@@ -158,7 +170,8 @@ ProfileSource = HardwareProfile | Callable[[], HardwareProfile]
 
 def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu_budget: int, cpu_budget: int,
               context_length: int, prompt_tokens: int | None = None, kv: KVType = KV_TYPES[DEFAULT_KV_TYPE],
-              kv_on_cpu: bool = False, sequences: int = 1, draft_layers: int = 0) -> Plan:
+              kv_on_cpu: bool = False, sequences: int = 1, draft_layers: int = 0,
+              expert_request: ExpertRequest = ExpertRequest(), routing: np.ndarray | None = None) -> Plan:
     """The plan for a model file under budgets the caller resolved (runtime/loader.py), with a KV
     cache of type kv for context_length positions (the caller checked it against the model's) for
     each of `sequences` sequences decoded together. draft_layers > 0: a self-draft computes with
@@ -166,7 +179,9 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
     them (one sequence's) beside the target's, where they compute.
     A budget that cannot work raises PlanBudgetError (a BudgetError) naming the smallest that
     would. profile may be a function, called only when the placement needs the machine's speeds.
-    prompt_tokens (default 512, at most the context) is the prefill prediction's prompt."""
+    prompt_tokens (default 512, at most the context) is the prefill prediction's prompt. A MoE
+    model's experts go where expert_request asks (ExpertRequest: auto, or by hand), with hit rates
+    from `routing`, a routing trace of the model (expert_plan.trace_fits), when one is given."""
     config = model.config
     if context_length < 1:
         raise ContextLengthError(f"context_length must be at least 1, got {context_length}")
@@ -184,11 +199,16 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
         raise BudgetError("gpu_memory was given but the hardware profile has no GPU; omit it or use 0")
     costs = None if callable(profile) else Costs(profile, config, kv, kv_on_cpu)
     experts = stages = None
-    if config.is_moe:  # the experts are placed, the layers stay in RAM
-        gpu, layout = (), Layout((), (), 0)
-        base = globals_.nbytes + sum(x.nbytes for x in layers)
-        experts = place_experts(model.path.name, config, base, sizes.experts, cache.ram(cpu_budget, ()),
-                                gpu_budget, profile)
+    notes = list(costs.notes) if costs else []
+    if config.is_moe:  # the layers go to the GPU or RAM, the experts are placed
+        gpu = _gpu_layers(layers, gpu_budget, cache.on_gpu()) if gpu_budget else ()
+        layout = Layout(gpu, (), 0)
+        base = globals_.nbytes + sum(x.nbytes for i, x in enumerate(layers) if i not in gpu)
+        gpu_held = sum(layers[i].nbytes for i in gpu) + cache.gpu_bytes(gpu)
+        experts = place_experts(model.path.name, config, base, sizes.experts, cache.ram(cpu_budget, gpu),
+                                (gpu_budget, gpu_held), profile, expert_request, routing)
+        if gpu_budget and len(gpu) < len(layers):
+            notes.append(_layers_left_in_ram(layers, gpu, cache.on_gpu()))
         if costs is not None:
             stages = ExpertStages(experts, max((x for layer in sizes.experts for x in layer),
                                                key=lambda x: x.nbytes), costs, config)
@@ -201,7 +221,7 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
     prefill, decode = (None, None) if costs is None else timings(layout, globals_, layers, costs,
                                                                  prompt_tokens, context_length, stages)
     plan = _assemble(model, sizes, layout, experts, (prefill, decode), cache, gpu_budget, cpu_budget,
-                     context_length, prompt_tokens, costs.notes if costs else ())
+                     context_length, prompt_tokens, notes)
     return replace(plan, sequences=sequences, draft_layers=draft_layers)
 
 
@@ -216,8 +236,8 @@ def resident_plan(model: ModelFile, sizes: PackSizes, *, on_gpu: bool, gpu_budge
     experts = None
     if config.is_moe:
         base = sizes.globals.nbytes + sum(x.nbytes for x in sizes.layers)
-        experts = place_experts(model.path.name, config, base, sizes.experts, cache.ram(cpu_budget, ()), 0,
-                                None)
+        experts = place_experts(model.path.name, config, base, sizes.experts, cache.ram(cpu_budget, ()),
+                                (0, 0), None)
     return _assemble(model, sizes, Layout(gpu, (), 0), experts, (None, None), cache, gpu_budget, cpu_budget,
                      context_length, min(DEFAULT_PROMPT_TOKENS, context_length), ())
 
@@ -248,9 +268,10 @@ def _assemble(model: ModelFile, sizes: PackSizes, layout: Layout, experts: Exper
             "cpu": globals_.nbytes + sum(layers[i].nbytes for i in resident) + ring + kv_bytes - kv_gpu,
             "disk": sum(layers[i].nbytes for i in layout.streamed)}
     if experts is not None:
-        used[experts.home] += sum(x.nbytes for layer in sizes.experts for x in layer)
-        if experts.cache is not None:
-            used[experts.cache] += experts.cache_bytes
+        on_gpu = sum(x.nbytes for i in experts.gpu_layers for x in sizes.experts[i])
+        used[experts.home] += sum(x.nbytes for layer in sizes.experts for x in layer) - on_gpu
+        used["gpu"] += on_gpu + experts.gpu_cache_bytes
+        used["cpu"] += experts.ram_cache_bytes
     peak = {phase: {"gpu": used["gpu"] + (scratch[phase] if gpu else 0), "cpu": used["cpu"] + scratch[phase]}
             for phase in scratch}
     prefill, decode = predictions
@@ -264,6 +285,10 @@ def _assemble(model: ModelFile, sizes: PackSizes, layout: Layout, experts: Exper
 
 
 def _expert_groups(p: ExpertPlacement, extents: list[list[ExtentSize]]) -> list[GroupPlacement]:
-    compute = "cpu or gpu" if p.cache == "gpu" else "cpu"
-    return [GroupPlacement("expert", i, x.nbytes, p.home, compute, expert=e)
+    def placed(layer: int) -> tuple[str, str]:
+        if layer in p.gpu_layers:
+            return "gpu", "gpu"
+        return p.home, "cpu or gpu" if p.gpu_cache_bytes else "cpu"
+
+    return [GroupPlacement("expert", i, x.nbytes, *placed(i), expert=e)
             for i, layer in enumerate(extents) for e, x in enumerate(layer)]

@@ -19,15 +19,17 @@ from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import PackedMatrix
 from tierflow.errors import UnsupportedModelError
 from tierflow.offload.experts.hybrid import HybridExperts
-from tierflow.offload.experts.store import ExpertStore
+from tierflow.offload.experts.store import ExpertStore, StreamedExperts
+from tierflow.offload.experts.tier import LayerExperts
 from tierflow.offload.io.disk import DiskFile, aligned_buffer
 from tierflow.offload.io.streamer import LayerStreamer
 from tierflow.offload.pack.reader import Extent, PackedFile
 from tierflow.offload.pack.writer import LoadProgress
+from tierflow.offload.plan.expert_plan import ExpertPlacement
 from tierflow.offload.plan.planner import Plan
 from tierflow.offload.tiers.device import DeviceTier
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import ConcatLinear, DenseLinear, Kernels, Linear, Weights
+from tierflow.runtime.model import ConcatLinear, DenseLinear, Experts, Kernels, Linear, Weights
 
 
 class TieredWeights:
@@ -35,34 +37,33 @@ class TieredWeights:
                  device_kernels: Kernels | None = None, progress: LoadProgress | None = None):
         """Places the pack as `plan` says: its GPU layers on `device` (computed by device_kernels;
         None: the CPU kernels, for the CPU standing in for a GPU), its streamed layers read through
-        a ring of plan.prefetch_depth + 1 slots, the rest in RAM. A MoE model's experts are in RAM,
-        or streamed from disk through an expert cache in RAM (expert_store.py), or in RAM with a
-        cache of them on the device, scheduled between the two (expert_scheduler.py)."""
+        a ring of plan.prefetch_depth + 1 slots, the rest in RAM. A MoE model's experts are placed
+        as plan.experts says (offload/plan/expert_plan.py): those placed on the GPU by hand are
+        uploaded; the others are in RAM, or streamed from disk through an expert cache in RAM
+        (offload/experts/store.py), with a cache of them on the device scheduled against their
+        bytes in RAM (offload/experts/hybrid.py) when the plan has one."""
         streamed, on_device = set(plan.streamed_layers), set(plan.gpu_layers)
-        if any(packed.experts) and (streamed or on_device):
-            raise UnsupportedModelError("a MoE model's layers are neither streamed nor placed on the GPU "
-                                        "tier: its experts stream instead (offload/experts/store.py)")
+        if any(packed.experts) and streamed:
+            raise UnsupportedModelError("a MoE model's layers are not streamed: its experts stream instead "
+                                        "(offload/experts/store.py)")
         self.packed, self.device, self.device_kernels = packed, device, device_kernels
         self.disk = DiskFile(packed.path)
-        self.experts: ExpertStore | HybridExperts | None = None  # what the expert stats come from
-        cache = plan.experts.cache if plan.experts is not None else None
-        if cache == "cpu":  # home on disk, a cache in RAM
-            self.experts = ExpertStore(packed, self.disk, config, plan.experts.cache_bytes)
-        elif cache == "gpu":  # home in RAM, a cache in VRAM
-            self.experts = HybridExperts(packed, config, {}, device, device_kernels, plan.experts.cache_bytes,
-                                         plan.experts.scheduler)
         self._buffers = []  # the resident extents' memory, alive as long as the weights
+        placement = plan.experts
+        self._gpu_experts = set(placement.gpu_layers) if placement else set()  # placed there by hand
+        self._experts_in_ram = placement is not None and placement.home == "cpu"
+        self.experts, self._streamed = _expert_tier(packed, self.disk, config, placement, device,
+                                                    device_kernels)
         resident = [i for i in range(len(packed.layers)) if i not in streamed | on_device]
-        streams_experts = isinstance(self.experts, ExpertStore)
-        expert_bytes = [0 if streams_experts else _experts_bytes(packed, i)  # in RAM
-                        for i in range(len(packed.layers))]
-        total = packed.globals.nbytes + sum(packed.layers[i].nbytes + expert_bytes[i]
-                                            for i in [*resident, *on_device])
+        ram_experts = [_experts_bytes(packed, i) if self._experts_in_ram and i not in self._gpu_experts else 0
+                       for i in range(len(packed.layers))]
+        total = packed.globals.nbytes + sum(packed.layers[i].nbytes for i in [*resident, *on_device])
+        total += sum(_experts_bytes(packed, i) for i in self._gpu_experts) + sum(ram_experts)
         self._loaded, self._progress = 0, progress
         try:
             globals_ = packed.global_weights(self._read(packed.globals, total))
-            self._layers = {i: self._resident_layer(i, total) for i in resident}
-            self._layers |= {i: self._to_device(i, total) for i in sorted(on_device)}
+            self._layers = {i: self._layer(i, total, i in on_device) for i in range(len(packed.layers))
+                            if i not in streamed}
             self.streamer = (LayerStreamer(self.disk, packed, sorted(streamed), plan.prefetch_depth)
                              if streamed else None)
         except BaseException:
@@ -73,13 +74,15 @@ class TieredWeights:
         self._rope_freqs = globals_["rope_freqs"]
         self.streamed_layers, self.gpu_layers = sorted(streamed), sorted(on_device)
         ring = self.streamer.nbytes if self.streamer else 0
-        in_ram = packed.globals.nbytes + sum(packed.layers[i].nbytes + expert_bytes[i] for i in resident)
+        in_ram = packed.globals.nbytes + sum(packed.layers[i].nbytes + ram_experts[i] for i in resident)
+        in_ram += sum(ram_experts[i] for i in on_device)
         on_disk = sum(packed.layers[i].nbytes for i in self.streamed_layers)
-        if streams_experts:
-            in_ram += self.experts.nbytes
-            on_disk += sum(_experts_bytes(packed, i) for i in range(len(packed.layers)))
+        self._fixed_ram = in_ram + ring
+        if self._streamed is not None:
+            in_ram += self._streamed.nbytes
+            on_disk += sum(_experts_bytes(packed, i) for i in range(len(packed.layers))
+                           if i not in self._gpu_experts)
         self._bytes = {"cpu": in_ram + ring, "disk": on_disk}
-        self._fixed_ram = in_ram + ring - (self.experts.nbytes if streams_experts else 0)
         layer_specs = [spec for extent in packed.layers for spec in extent.weights.values()
                        if isinstance(spec, dict)]  # the linears (the norms are [offset, size])
         self.uses_kernels = _computed_by_kernels(self._output) or any(map(_packed_spec, layer_specs))
@@ -95,33 +98,50 @@ class TieredWeights:
             self._progress("load", self._loaded, total)
         return data
 
-    def _resident_layer(self, index: int, total: int) -> Weights:
-        data = self._read(self.packed.layers[index], total)
-        if not self.packed.experts[index]:
-            return self.packed.layer_weights(index, data)
-        if isinstance(self.experts, HybridExperts) or self.experts is None:  # the experts in RAM
+    def _layer(self, index: int, total: int, on_device: bool) -> Weights:
+        """Layer `index` in RAM, or copied to the device tier (its weights then view the copy), with
+        its experts placed."""
+        data = self._read(self.packed.layers[index], total, keep=not on_device)
+        experts = self._layer_experts(index, total) if self.packed.experts[index] else None
+        if isinstance(experts, LayerExperts):  # for predicting this layer's experts one layer early
+            self._add_router(index, self.packed.layer_weights(index, data))
+        if not on_device:
+            return self.packed.layer_weights(index, data, experts)
+        copy = self.device.upload(data)
+        self.device.ready(copy)
+        if self.device_kernels is not None:
+            return self.packed.device_layer_weights(index, copy, self.device_kernels, experts)
+        return self.packed.layer_weights(index, memoryview(copy.numpy()), experts)  # the CPU stand-in's
+
+    def _layer_experts(self, index: int, total: int) -> Experts:
+        """A MoE layer's experts: on the device (placed by hand), in RAM, or through the expert tier."""
+        if index in self._gpu_experts:
+            return ResidentExperts([self._expert_to_device(index, e, total)
+                                    for e in range(len(self.packed.experts[index]))])
+        if self._experts_in_ram:
             ram = []
             for e, extent in enumerate(self.packed.experts[index]):
                 expert_data = self._read(extent, total)
                 ram.append((self.packed.expert_weights(index, e, expert_data), expert_data))
             if self.experts is None:
-                return self.packed.layer_weights(index, data, ResidentExperts([w for w, _ in ram]))
+                return ResidentExperts([w for w, _ in ram])
             self.experts.ram[index] = ram
-        weights = self.packed.layer_weights(index, data, self.experts.layer_experts(index))
-        router = weights.router  # for predicting this layer's experts one layer early
+        return self.experts.layer_experts(index)
+
+    def _expert_to_device(self, index: int, expert: int, total: int) -> Weights:
+        data = self._read(self.packed.experts[index][expert], total, keep=False)
+        copy = self.device.upload(data, "an expert")
+        self.device.ready(copy)
+        if self.device_kernels is not None:
+            return self.packed.device_expert_weights(index, expert, copy, self.device_kernels)
+        return self.packed.expert_weights(index, expert, memoryview(copy.numpy()))
+
+    def _add_router(self, index: int, weights: Weights) -> None:
+        router = weights.router
         matrix = router.weight.numpy() if isinstance(router, DenseLinear) else router.matrix.dequantize()
         bias = weights.fields.get("exp_probs_b")
         self.experts.predictor.add_router(index, matrix, np.asarray(weights.ffn_norm),
                                           None if bias is None else np.asarray(bias))
-        return weights
-
-    def _to_device(self, index: int, total: int) -> Weights:
-        """Layer `index` copied to the device tier; its weights view the device copy."""
-        copy = self.device.upload(self._read(self.packed.layers[index], total, keep=False))
-        self.device.ready(copy)
-        if self.device_kernels is not None:
-            return self.packed.device_layer_weights(index, copy, self.device_kernels)
-        return self.packed.layer_weights(index, memoryview(copy.numpy()))  # the CPU stand-in's memory
 
     def allocate_cache(self, layer_idx: int, shape: tuple[int, ...],
                        dtype: torch.dtype = torch.float32) -> np.ndarray | torch.Tensor:
@@ -178,22 +198,22 @@ class TieredWeights:
         """Starts measuring peak_bytes_by_tier afresh (at a generation's start)."""
         if self.device is not None:
             self.device.reset_peak()
-        if isinstance(self.experts, ExpertStore):
-            self.experts.buffers.reset_peak()
+        if self._streamed is not None:
+            self._streamed.buffers.reset_peak()
 
     def peak_bytes_by_tier(self) -> dict[str, int]:
         """The most bytes held per tier since reset_peak(): what bytes_by_tier counts, with the
         GPU tier's and the streamed experts' buffers at their highest (the rest does not change)."""
         cpu = self._bytes["cpu"]
-        if isinstance(self.experts, ExpertStore):
-            cpu = self._fixed_ram + self.experts.buffers.peak_mapped_bytes
+        if self._streamed is not None:
+            cpu = self._fixed_ram + self._streamed.buffers.peak_mapped_bytes
         return {"gpu": self.device.peak if self.device else 0, "cpu": cpu, "disk": self._bytes["disk"]}
 
     def close(self) -> None:
         if getattr(self, "streamer", None) is not None:
             self.streamer.close()
-        if isinstance(self.experts, ExpertStore):
-            self.experts.close()
+        if getattr(self, "_streamed", None) is not None:
+            self._streamed.close()
         self.disk.close()
 
 
@@ -215,6 +235,21 @@ class ResidentExperts:
 
     def groups(self, chosen: np.ndarray, residual) -> Iterator[list[tuple[int, Weights]]]:
         yield [(e, self.experts[e]) for e in np.unique(chosen).tolist()]
+
+
+def _expert_tier(packed: PackedFile, disk: DiskFile, config: ModelConfig, placement: ExpertPlacement | None,
+                 device: DeviceTier | None, device_kernels: Kernels | None
+                 ) -> tuple[ExpertStore | HybridExperts | None, StreamedExperts | None]:
+    """(the tier the experts not placed on the GPU by hand come through, if any; the RAM cache of
+    those whose home is disk, if any)."""
+    if placement is None:
+        return None, None
+    layers = [i for i in config.moe_layers if i not in placement.gpu_layers]
+    streamed = StreamedExperts(packed, disk, placement.ram_cache_bytes) if placement.home == "disk" else None
+    if placement.gpu_cache_bytes:
+        return HybridExperts(packed, config, device, device_kernels, placement.gpu_cache_bytes,
+                             placement.scheduler, streamed, layers), streamed
+    return (ExpertStore(streamed, config, layers) if streamed is not None and layers else None), streamed
 
 
 def _experts_bytes(packed: PackedFile, layer_idx: int) -> int:
