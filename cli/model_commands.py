@@ -80,6 +80,7 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
     from tierflow.runtime.arguments import check_parallel
     from tierflow.runtime.loader import CacheOptions, plan_file, thread_count
 
+    placement = expert_placement(cpu_moe, n_cpu_moe)
     threads = thread_count(threads)
     if not profile_path(threads).exists():
         err.print("measuring this machine once for the planner (tierflow probe), about 20 s", soft_wrap=True)
@@ -87,7 +88,7 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
     cache = CacheOptions(ctx, kv_type, kv_on_cpu, allow_context_extension, sequences)
     result = plan_file(model or model_opt, threads=threads, gpu_memory=gpu_memory, cpu_memory=cpu_memory,
                        cache=cache, prompt_tokens=prompt_tokens,
-                       expert_placement=expert_placement(cpu_moe, n_cpu_moe))
+                       expert_placement=placement)
     if as_json:
         print(json.dumps(result.as_dict()))
         return

@@ -200,3 +200,17 @@ def test_plan_command_shows_the_experts_and_their_cache(moe_path, moe, monkeypat
     for text in ("experts 0-7", "attention+router", "experts in RAM", "a cache of 12", "uniform routing",
                  "experts on disk"):
         assert text in done.output
+
+
+def test_the_plan_says_which_experts_were_placed_by_hand(moe):
+    (model, sizes, _), _, base, one, all_experts = moe
+    gpu = sum(x.nbytes for x in sizes.layers) + plan_for(moe, base + all_experts).kv_bytes + 16 * one
+    plan = make_plan(model, sizes, replace(PROFILE, gpu=FAKE_GPU), gpu_budget=gpu,
+                     cpu_budget=cpu_memory(moe, base + all_experts), context_length=CTX,
+                     expert_request=ExpertRequest(cpu_layers=2))
+    assert dict(plan.summary())["experts on GPU"].startswith("every expert of layers 2-3, placed by hand")
+
+
+def test_cpu_moe_and_n_cpu_moe_together_are_refused(moe_path):
+    done = CliRunner().invoke(app, ["plan", str(moe_path), "--cpu-moe", "--n-cpu-moe", "2"])
+    assert done.exit_code != 0 and "give one of them" in " ".join(done.output.replace("│", " ").split())

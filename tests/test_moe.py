@@ -11,7 +11,8 @@ from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError, PlanBudgetError
 from tierflow.offload.experts.hybrid import ExpertCosts, schedule_experts
-from tierflow.offload.experts.routing_trace import check_trace
+from tierflow.offload.experts.routing_trace import check_trace, kept_trace
+from tierflow.offload.pack.cache import pack_path, remove_pack, routing_path
 
 PROMPT = "The history of the printing press begins in"
 CONTEXT = 128
@@ -321,3 +322,18 @@ def test_more_experts_used_than_exist_is_a_model_file_error(tmp_path):
     path.write_bytes(data[:at] + (9).to_bytes(4, "little") + data[at + 4:])
     with pytest.raises(ModelFileError, match="expert_used_count"):
         Engine.load(path)
+
+
+def test_recorded_routing_is_kept_beside_the_pack_and_later_plans_take_their_hit_rates_from_it(tmp_path):
+    spec = ModelSpec(num_layers=2, hidden_size=64, ffn_size=128, num_experts=4, experts_used=2,
+                     weight_type="Q8_0", seed=5)
+    path = write_model(tmp_path / "moe.gguf", spec)
+    with Engine.load(path, threads=2, context_length=CONTEXT) as engine:
+        assert engine.plan.experts.routing == "uniform routing"
+        with engine.record_routing() as recorder:
+            engine.generate(PROMPT, max_tokens=4, temperature=0)
+    assert np.array_equal(kept_trace(path), recorder.trace())
+    with Engine.load(path, threads=2, context_length=CONTEXT) as engine:
+        assert engine.plan.experts.routing == f"a routing trace of {len(recorder.trace())} tokens"
+    remove_pack(pack_path(path))
+    assert kept_trace(path) is None and not routing_path(path).exists()

@@ -5,8 +5,11 @@
                       prediction)
     prediction.py     the next layer's experts before it routes: its router applied early, affinity
     tier.py           ExpertTier: a layer step through the cache with prediction, shared by:
-    store.py            ExpertStore: experts streamed from the pack into a cache in RAM
-    hybrid.py           HybridExperts: experts in RAM, a cache on the GPU, each scheduled on the
+    store.py            StreamedExperts: experts read from the pack into a cache in RAM;
+                        ExpertStore: computing them on the CPU
+    hybrid.py           HybridExperts: a cache on the GPU over experts in RAM (or over a
+                        StreamedExperts: three tiers), each scheduled on the
                         device that finishes the layer soonest
-    routing_trace.py  recording which experts tokens used, for benchmarks/moe.py to replay
+    routing_trace.py  recording which experts tokens used, kept beside the pack for the planner's
+                      hit rates and for benchmarks/moe.py to replay
 """
