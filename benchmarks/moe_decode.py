@@ -1,6 +1,7 @@
 """MoE expert cache, part (b): decode tokens/s with experts streamed from disk, in one run.
 
     python -m benchmarks.moe_decode [--size 2GB] [--weight-type Q4_0] [--fraction 0.333]
+                                    [--tiers two|three] [--layers 4]
                                     [--prompt-tokens 64] [--decode-tokens 48] [--repeats 3]
                                     [--threads N] [--policy score|lru|lfu] [--prefetch gated|all|none]
                                     [--json]
@@ -28,6 +29,24 @@ run recorded): what no cache policy can beat on this model, disk and budget.
 admits (offload/experts/prefetch_gate.py: a confidence threshold kept where decode tokens come
 fastest; the default), every one, or none; run it with each to see the bytes read per step and
 the speed with and without the gate.
+
+--tiers three (issue 18) runs on the Qwen3-30B-A3B shape of benchmarks/moe_families.py cut to
+--layers layers instead of the --size model, and adds a fourth system, MoE on three tiers:
+
+- tierflow, three tiers: gpu_memory = 1/8 of the model's bytes: every layer (attention, norms,
+  routers, shared experts) with its KV cache, and a cache of hot experts in the rest; cpu_memory =
+  the globals and the activations beside a cache of --fraction of the expert bytes, the same RAM
+  for experts as the streamed run's; the rest on disk. Each step, an expert not cached on the GPU
+  runs on the CPU or is copied up, as the schedule says (offload/experts/hybrid.py).
+
+Beside its speed against resident and against the streamed run (the same two tiers without the
+GPU): the expert uses each tier served per decode step and their bytes (a use read ahead from disk
+is the disk's, whose bytes are all it read, unused read-ahead included), next to the plan's
+predicted shares and bytes (offload/plan/expert_plan.py); the schedule's runs per step (on the GPU
+from its cache, copied up, on the CPU); and two bounds: the rate the disk allows for what it read,
+and the copies up for their bytes at the host-to-device speed the schedule assumes. The GPU is a
+CUDA one where torch has one, else the CPU standing in for it (gpu_device="cpu"): both devices'
+shares then compute on the same cores, so the stand-in's figures check the schedule, not the speed.
 """
 
 import argparse
@@ -36,6 +55,7 @@ import queue
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,13 +66,15 @@ import torch
 
 from benchmarks.decode import Sample, build_prompt, run_llama_cpp, run_tierflow
 from benchmarks.moe import belady_hit_rate
-from tests.support.budgets import ram_beside_weights
+from tests.support.budgets import moe_bytes, ram_beside_weights
 from tests.support.make_model import spec_for_size, write_model
 from tierflow import Engine
+from tierflow.offload.experts.hybrid import HybridExperts
 from tierflow.offload.experts.policy import make_policy  # noqa: E402
 from tierflow.offload.experts.prefetch_gate import PrefetchGate  # noqa: E402
 from tierflow.offload.experts.store import READERS  # noqa: E402
 from tierflow.offload.io.disk import DiskFile, aligned_buffer  # noqa: E402
+from tierflow.offload.plan.expert_plan import TIERS
 from tierflow.offload.plan.profile import cache_dir  # noqa: E402
 from tierflow.units import format_size, parse_size  # noqa: E402
 
@@ -61,17 +83,26 @@ PREFETCH = {"gated": "prefetch gated by measured speed", "all": "every predictio
             "none": "demand reads only"}
 
 EXPERTS, USED = 8, 2
+GPU_SHARE = 8  # --tiers three: gpu_memory is 1/GPU_SHARE of the model's bytes
 
 
 def model_file(size: int, weight_type: str) -> Path:
-    name = f"moe-{EXPERTS}x{USED}-{format_size(size).replace(' ', '')}-{weight_type}.gguf"
+    name = f"moe-{EXPERTS}x{USED}-{format_size(size).replace(' ', '')}-{weight_type}-ctx{CONTEXT}.gguf"
     path = cache_dir() / "bench" / name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"writing {path} ...", file=sys.stderr)
-        spec = spec_for_size(size, weight_type=weight_type, num_experts=EXPERTS, experts_used=USED)
+        spec = spec_for_size(size, weight_type=weight_type, num_experts=EXPERTS, experts_used=USED,
+                             context_length=CONTEXT)  # trained on the context the engines load with
         write_model(path.with_suffix(".tmp"), spec).rename(path)
     return path
+
+
+def qwen3_file(layers: int) -> Path:
+    """benchmarks/moe_families.py's Qwen3-30B-A3B shape at `layers` layers, written once."""
+    from benchmarks.moe_families import model_file as family_file  # not above: it imports this module
+
+    return family_file("qwen3moe", layers)[0]
 
 
 def expert_budget(path: Path, threads: int, fraction: float) -> tuple[int, int]:
@@ -84,25 +115,67 @@ def expert_budget(path: Path, threads: int, fraction: float) -> tuple[int, int]:
     return base + ram_beside_weights(path, CONTEXT) + int(fraction * experts), experts
 
 
-def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int
-                 ) -> tuple[Sample, float, np.ndarray]:
-    """run_tierflow's sample, the expert bytes read from disk per decode step (counted from the
-    first token on: the prefill reads most of every layer's experts), and the decode steps'
-    routing [steps, layers, top_k]."""
-    stats = engine.expert_stats
-    engine.logits([1 if prompt_ids[0] == 0 else 0])  # nothing of the prompt stays cached
-    with engine.record_routing() as recorder:
-        stream = engine.stream(prompt_ids, max_tokens=decode_steps + 1, temperature=0)
-        after_prefill = None
-        for _ in stream:
-            if after_prefill is None:
-                after_prefill = stats.fetched_bytes, len(stream.tokens)
+def three_tier_budgets(path: Path, fraction: float) -> tuple[int, int]:
+    """(gpu_memory: every layer with its KV cache, and a cache of experts up to 1/GPU_SHARE of the
+    model's bytes in all; cpu_memory: the globals and the activations beside `fraction` of the expert
+    bytes, expert_budget's RAM for experts)."""
+    size = moe_bytes(path, CONTEXT)
+    share = (size.globals + size.layers + size.experts) // GPU_SHARE
+    return size.on_gpu((share - size.on_gpu(0)) // size.expert), size.in_ram(0) + int(fraction * size.experts)
+
+
+def set_expert_options(engine: Engine, args: argparse.Namespace) -> None:
+    """--policy for the engine's expert caches (before any expert is cached), --prefetch for its reads
+    ahead."""
+    experts = engine.weights.experts
+    for cache in {experts.cache, experts.streamed.cache}:  # one streamed, two on three tiers (GPU, RAM)
+        cache.policy = make_policy(args.policy)
+    experts.prefetch = args.prefetch != "none"
+    experts.gate = PrefetchGate(fixed=args.prefetch == "all")
+
+
+def run_counted(engine: Engine, prompt_ids: list[int], decode_steps: int,
+                counts: Callable[[], dict[str, int]]) -> tuple[Sample, dict[str, float]]:
+    """run_tierflow's sample, and how much each of `counts` grew per decode step, counted from the
+    first token on (the prefill uses most of every layer's experts). The caller leaves nothing of
+    the prompt in the KV cache."""
+    stream = engine.stream(prompt_ids, max_tokens=decode_steps + 1, temperature=0)
+    after_prefill = None
+    for _ in stream:
+        if after_prefill is None:
+            after_prefill = counts(), len(stream.tokens)
     result, timed = stream.result, stream.result.stats
     steps = timed.generated_tokens if result.finish_reason == "stop" else timed.generated_tokens - 1
     sample = Sample(timed.prefill_tokens_per_s, steps / timed.decode_seconds, steps, list(result.tokens))
-    counted = len(result.tokens) - after_prefill[1]
-    per_step = (stats.fetched_bytes - after_prefill[0]) / counted if counted else 0.0
-    return sample, per_step, recorder.trace()[len(prompt_ids):]
+    counted, end = len(result.tokens) - after_prefill[1], counts()
+    return sample, {key: (end[key] - after_prefill[0][key]) / counted if counted else 0.0 for key in end}
+
+
+def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int
+                 ) -> tuple[Sample, float, np.ndarray]:
+    """run_tierflow's sample, the expert bytes read from disk per decode step (run_counted), and
+    the decode steps' routing [steps, layers, top_k]."""
+    engine.logits([1 if prompt_ids[0] == 0 else 0])  # nothing of the prompt stays cached
+    with engine.record_routing() as recorder:
+        sample, grown = run_counted(engine, prompt_ids, decode_steps,
+                                    lambda: {"read": engine.expert_stats.fetched_bytes})
+    return sample, grown["read"], recorder.trace()[len(prompt_ids):]
+
+
+def tier_counts(experts: HybridExperts) -> dict[str, int]:
+    """Three tiers' counts so far: the expert uses each tier served (one read ahead from disk into
+    RAM is the disk's), the bytes read from disk and copied to the GPU, and the schedule's runs."""
+    gpu, ram, runs = experts.stats, experts.ram_stats, experts.schedules
+    return {"gpu": gpu.hits, "cpu": ram.hits - ram.prefetch_used, "disk": ram.misses + ram.prefetch_used,
+            "disk_bytes": ram.fetched_bytes, "copied_bytes": gpu.fetched_bytes, "on_gpu": runs.on_gpu,
+            "fetched": runs.fetched, "on_cpu": runs.on_cpu}
+
+
+def run_three_tiers(engine: Engine, prompt_ids: list[int], decode_steps: int
+                    ) -> tuple[Sample, dict[str, float]]:
+    """run_tierflow's sample and tier_counts per decode step (run_counted)."""
+    engine.logits([1 if prompt_ids[0] == 0 else 0])  # nothing of the prompt stays cached
+    return run_counted(engine, prompt_ids, decode_steps, lambda: tier_counts(engine.weights.experts))
 
 
 def disk_read_gbps(engine: Engine, count: int = 96) -> float:
@@ -130,11 +203,82 @@ def disk_read_gbps(engine: Engine, count: int = 96) -> float:
         disk.close()
 
 
+def load_three_tiers(path: Path, args: argparse.Namespace) -> Engine:
+    """The engine on three tiers (three_tier_budgets), on a CUDA GPU, else the CPU standing in."""
+    gpu_memory, cpu_memory = three_tier_budgets(path, args.fraction)
+    engine = Engine.load(path, threads=args.threads, context_length=CONTEXT, gpu_memory=gpu_memory,
+                         cpu_memory=cpu_memory, gpu_device=None if torch.cuda.is_available() else "cpu")
+    set_expert_options(engine, args)
+    return engine
+
+
+def three_tier_report(engine: Engine, steps: list[dict[str, float]], decode: dict[str, float],
+                      gbps: float, tokens_agree: bool) -> dict:
+    """The three-tier run's budgets, its speed against resident and two tiers, what each tier served
+    per decode step (means over the timed runs) beside the plan's predictions, the schedule's runs
+    per step, and the rates the disk's reads and the copies to the GPU allow (the copies at the
+    speed the schedule assumes)."""
+    plan, experts = engine.plan, engine.plan.experts
+    per_step = {key: statistics.fmean(step[key] for step in steps) for key in steps[0]}
+    uses = sum(per_step[tier] for tier in TIERS)
+    served_bytes = {tier: per_step[tier] * experts.expert_bytes for tier in ("gpu", "cpu")}
+    served_bytes["disk"] = per_step["disk_bytes"]  # all it read
+    rate = decode["tierflow three tiers"]
+    return {
+        "stand_in": not torch.cuda.is_available(),  # the CPU for the GPU: the figures check the schedule
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpu_memory": plan.budget_bytes["gpu"], "cpu_memory": plan.budget_bytes["cpu"],
+        "gpu_cache_bytes": experts.gpu_cache_bytes, "gpu_cached_experts": experts.gpu_cached_experts,
+        "ram_cache_bytes": experts.ram_cache_bytes, "decode_tokens_per_s": rate,
+        "predicted_decode_tokens_per_s": plan.predicted_decode_tps,
+        "vs_resident": rate / decode["tierflow resident"], "vs_two_tiers": rate / decode["tierflow streamed"],
+        "served": {tier: per_step[tier] / uses for tier in TIERS}, "predicted_served": experts.served,
+        "bytes_per_token": served_bytes, "predicted_bytes_per_token": experts.bytes_per_token,
+        "predicted_from": experts.routing,
+        "schedule_per_token": {run: per_step[run] for run in ("on_gpu", "fetched", "on_cpu")},
+        "disk_bound_tokens_per_s": gbps * 1e9 / served_bytes["disk"] if served_bytes["disk"] else None,
+        "copied_bytes_per_token": per_step["copied_bytes"], "copy_gbps": experts.scheduler.copy_gbps,
+        "copy_bound_tokens_per_s": (experts.scheduler.copy_gbps * 1e9 / per_step["copied_bytes"]
+                                    if per_step["copied_bytes"] else None),
+        "tokens_agree": tokens_agree,
+    }
+
+
+def print_three_tiers(report: dict) -> None:
+    r = report["three_tiers"]
+    gpu = ("the CPU standing in for a GPU, so these figures check the schedule, not the speed"
+           if r["stand_in"] else r["gpu"])
+    print(f"three tiers on {gpu}:")
+    print(f"  gpu_memory {format_size(r['gpu_memory'])} (1/{GPU_SHARE} of the model: every layer, its KV "
+          f"cache and a cache of {r['gpu_cached_experts']} experts, {format_size(r['gpu_cache_bytes'])}); "
+          f"cpu_memory {format_size(r['cpu_memory'])} (a cache of {format_size(r['ram_cache_bytes'])}, the "
+          f"streamed run's {format_size(report['expert_cache_bytes'])}); the rest on disk")
+    predicted = r["predicted_decode_tokens_per_s"] or 0
+    print(f"  {r['decode_tokens_per_s']:.2f} tok/s: {r['vs_resident']:.2f}x resident, "
+          f"{r['vs_two_tiers']:.2f}x the same two tiers without the GPU (the plan predicts {predicted:.2f} "
+          f"at a full context); tokens {'agree' if r['tokens_agree'] else 'DIFFER'} with resident")
+    print(f"  per decode step   share of uses (plan)   bytes served (plan, from {r['predicted_from']})")
+    for tier in TIERS:
+        print(f"    {tier:<4}            {r['served'][tier]:6.1%} ({r['predicted_served'][tier]:6.1%})"
+              f"    {format_size(int(r['bytes_per_token'][tier])):>10} "
+              f"({format_size(int(r['predicted_bytes_per_token'][tier]))})")
+    runs = r["schedule_per_token"]
+    print(f"  schedule per decode step: {runs['on_gpu']:.1f} experts on the GPU from its cache, "
+          f"{runs['fetched']:.1f} copied up, {runs['on_cpu']:.1f} on the CPU")
+    print(f"  bounds: the disk's reads (read-ahead included) at {report['disk_read_gbps']:.2f} GB/s allow "
+          f"{r['disk_bound_tokens_per_s'] or 0:.1f} tok/s; the copies up, "
+          f"{format_size(int(r['copied_bytes_per_token']))} per step at {r['copy_gbps']:.1f} GB/s (the "
+          f"schedule's speed), {r['copy_bound_tokens_per_s'] or 0:.1f} tok/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="2GB")
     parser.add_argument("--weight-type", default="Q4_0")
     parser.add_argument("--fraction", type=float, default=1 / 3, help="of the expert bytes, for the cache")
+    parser.add_argument("--tiers", default="two", choices=["two", "three"],
+                        help="three: the Qwen3-30B-A3B shape, with a run on three tiers (GPU, RAM, disk)")
+    parser.add_argument("--layers", type=int, default=4, help="with --tiers three: the shape's depth")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
@@ -147,18 +291,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    path = model_file(parse_size(args.size), args.weight_type)
+    three_tiers = args.tiers == "three"
+    path = qwen3_file(args.layers) if three_tiers else model_file(parse_size(args.size), args.weight_type)
     cpu_memory, expert_bytes = expert_budget(path, args.threads, args.fraction)
     streamed = Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=cpu_memory)
-    streamed.weights.experts.cache.policy = make_policy(args.policy)  # before any expert is cached
-    streamed.weights.experts.prefetch = args.prefetch != "none"
-    streamed.weights.experts.gate = PrefetchGate(fixed=args.prefetch == "all")
+    set_expert_options(streamed, args)
     resident = Engine.load(path, threads=args.threads, context_length=CONTEXT)
+    three = load_three_tiers(path, args) if three_tiers else None
     llama = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.decode_tokens + 8, n_batch=512,
                             n_threads=args.threads, verbose=False)
     prompt = build_prompt(resident, args.prompt_tokens)
     decode_bytes: list[float] = []
     routing: list[np.ndarray] = []
+    tier_steps: list[dict[str, float]] = []
 
     def streamed_run() -> Sample:
         sample, per_step, trace = run_streamed(streamed, prompt, args.decode_tokens)
@@ -166,9 +311,16 @@ def main() -> None:
         routing.append(trace)
         return sample
 
+    def three_tier_run() -> Sample:
+        sample, per_step = run_three_tiers(three, prompt, args.decode_tokens)
+        tier_steps.append(per_step)
+        return sample
+
     runners = {"tierflow streamed": streamed_run,
                "tierflow resident": lambda: run_tierflow(resident, prompt, args.decode_tokens),
                "llama.cpp resident": lambda: run_llama_cpp(llama, prompt, args.decode_tokens)}
+    if three is not None:
+        runners["tierflow three tiers"] = three_tier_run
     for run in runners.values():  # warm-up
         run()
     streamed.weights.experts.cache.reset_stats()
@@ -204,8 +356,13 @@ def main() -> None:
         "clairvoyant_bound_tokens_per_s": gbps * 1e9 / least_per_token if least_per_token else None,
         "tokens_agree": samples["tierflow streamed"][0].tokens == samples["tierflow resident"][0].tokens,
     }
-    for engine in (streamed, resident):
-        engine.close()
+    if three is not None:
+        agree = samples["tierflow three tiers"][0].tokens == samples["tierflow resident"][0].tokens
+        steps = tier_steps[1:]  # after the warm-up
+        report["three_tiers"] = three_tier_report(three, steps, decode, gbps, agree)
+    for engine in (streamed, resident, three):
+        if engine is not None:
+            engine.close()
     llama.close()
     if args.json:
         print(json.dumps(report, indent=2))
@@ -228,6 +385,8 @@ def main() -> None:
     print(f"a clairvoyant cache of this size (Belady, on this run's routing) would hit {optimum:.1%} and "
           f"read {format_size(int(least_per_token))} per step: at most {bound:.1f} tok/s from this disk, "
           f"{bound / decode['tierflow resident']:.2f}x resident")
+    if three is not None:
+        print_three_tiers(report)
 
 
 if __name__ == "__main__":
