@@ -191,11 +191,10 @@ class ExpertCache:
                 fetched.append(key)
         return fetched
 
-    def forget(self, key: ExpertKey, payload: Payload) -> None:
-        """Drops `key` if `payload` is what it holds: a fetch that failed (a read error) is not
-        kept as if it had the expert; the next use fetches it again."""
-        entry = self._entries.get(key)
-        if entry is not None and entry.payload is payload:
+    def forget(self, unusable: Callable[[Payload], bool]) -> None:
+        """Drops every expert whose payload `unusable` says never arrived (a read that failed), so
+        that none is kept as if it had the expert; the next use fetches it again."""
+        for key in [key for key, entry in self._entries.items() if unusable(entry.payload)]:
             self._drop(key)
 
     def next_token(self, count: int = 1) -> None:

@@ -50,6 +50,10 @@ class ExpertRead:
     def data(self) -> memoryview:
         return self._result()[2]
 
+    def failed(self) -> bool:
+        """Whether the read ended in an error."""
+        return self.future.done() and not self.future.cancelled() and self.future.exception() is not None
+
     def _result(self) -> tuple[Weights, mmap.mmap, memoryview]:
         try:
             return self.future.result()
@@ -67,7 +71,6 @@ class StreamedExperts:
         self.packed, self.disk = packed, disk
         self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="tierflow-experts")
         self.buffers = BufferPool(budget_bytes)
-        self._reads: dict[ExpertKey, ExpertRead] = {}  # the cache's payloads
         self.cache = ExpertCache(budget_bytes, lambda key: packed.experts[key[0]][key[1]].nbytes,
                                  self._fetch, policy, discard=self._discard)
 
@@ -81,15 +84,9 @@ class StreamedExperts:
 
     def _fetch(self, key: ExpertKey) -> ExpertRead:
         extent = self.packed.experts[key[0]][key[1]]
-        read = self._reads[key] = ExpertRead(self._reader.submit(self._read, key), extent.nbytes,
-                                             self._forget_failed)
-        return read
-
-    def _forget_failed(self) -> None:
-        """A read failed: it and every other failed read leave the cache (a bad disk fails many)."""
-        for key, read in list(self._reads.items()):
-            if read.future.done() and not read.future.cancelled() and read.future.exception() is not None:
-                self.cache.forget(key, read)
+        # a read that failed takes every failed read out of the cache with it (a bad disk fails many)
+        return ExpertRead(self._reader.submit(self._read, key), extent.nbytes,
+                          lambda: self.cache.forget(ExpertRead.failed))
 
     def _read(self, key: ExpertKey) -> tuple[Weights, mmap.mmap, memoryview]:
         layer_idx, expert_id = key
@@ -106,8 +103,6 @@ class StreamedExperts:
     def _discard(self, key: ExpertKey, read: ExpertRead) -> bool:
         """A read not started yet never happens (True: nothing was read); a done or running one
         gives its buffer back once done (the cache keeps no view of a dropped expert)."""
-        if self._reads.get(key) is read:
-            del self._reads[key]
         if read.future.cancel():
             return True
         read.future.add_done_callback(self._give_back)
