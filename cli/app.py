@@ -189,7 +189,7 @@ def serve(model: ModelOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
           allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
-        n_cpu_moe: NCpuMoeOpt = None) -> None:
+          n_cpu_moe: NCpuMoeOpt = None) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models),
     /metrics and a chat page. The address is bound before the model loads, so one that is taken
     fails at once."""
@@ -229,7 +229,7 @@ def bench(model: ModelOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
           allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
-        n_cpu_moe: NCpuMoeOpt = None) -> None:
+          n_cpu_moe: NCpuMoeOpt = None) -> None:
     """Time prompt processing and generation (greedy by default): the median of the timed runs,
     after one untimed warm-up; with --draft, also guesses accepted and tokens per target pass."""
     if repetitions < 1 or max_tokens < 1:

@@ -108,11 +108,11 @@ def keep_trace(source: Path, trace: np.ndarray) -> None:
     the newest KEPT_TOKENS tokens; one of another shape (a changed file) is replaced. A cache folder
     that cannot be written only loses the trace."""
     trace = check_trace(trace)
-    kept = kept_trace(source)
-    if kept is not None and kept.shape[1:] == trace.shape[1:]:
-        trace = np.concatenate([kept, trace])
     try:
         path = routing_path(source)
+        kept = _readable_trace(path)
+        if kept is not None and kept.shape[1:] == trace.shape[1:]:
+            trace = np.concatenate([kept, trace])
         partial = path.with_name(path.name + ".partial.npy")
         try:
             np.save(partial, trace[-KEPT_TOKENS:].astype(np.int32))
@@ -126,7 +126,14 @@ def keep_trace(source: Path, trace: np.ndarray) -> None:
 def kept_trace(source: Path) -> np.ndarray | None:
     """The routing trace kept beside model file `source`'s pack, if there is a readable one."""
     try:
-        return load_trace(routing_path(source))
+        return _readable_trace(routing_path(source))
+    except OSError:
+        return None
+
+
+def _readable_trace(path: Path) -> np.ndarray | None:
+    try:
+        return load_trace(path)
     except (OSError, ValueError, EOFError):
         return None
 

@@ -10,8 +10,8 @@ modification time, has its pack rebuilt under the same name, not a second one le
 Beside each pack a use record (NAME.used: the path it was last opened through; its mtime, when) is
 touched on every open; `tierflow cache list` shows it and eviction goes by it, least recently
 used first. A MoE model's routing trace, once recorded (NAME.routing.npy), is kept beside its pack
-too, and goes with it. Before a pack is built, `make_room` evicts packs over the cap (TIERFLOW_CACHE_MAX) and
-checks the disk has room, before any byte is written.
+too, and goes with it. Before a pack is built, `make_room` evicts packs over the cap
+(TIERFLOW_CACHE_MAX) and checks the disk has room, before any byte is written.
 """
 
 import hashlib

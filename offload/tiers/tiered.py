@@ -212,7 +212,7 @@ class TieredWeights:
     def close(self) -> None:
         if getattr(self, "streamer", None) is not None:
             self.streamer.close()
-        if getattr(self, "_streamed", None) is not None:
+        if self._streamed is not None:
             self._streamed.close()
         self.disk.close()
 
