@@ -337,3 +337,16 @@ def test_recorded_routing_is_kept_beside_the_pack_and_later_plans_take_their_hit
         assert engine.plan.experts.routing == f"a routing trace of {len(recorder.trace())} tokens"
     remove_pack(pack_path(path))
     assert kept_trace(path) is None and not routing_path(path).exists()
+
+
+@pytest.mark.parametrize("damage", [b"not a numpy file", None])
+def test_a_damaged_or_foreign_routing_trace_is_ignored_for_uniform_routing(tmp_path, damage):
+    spec = ModelSpec(num_layers=2, hidden_size=64, ffn_size=128, num_experts=4, experts_used=2,
+                     weight_type="Q8_0", seed=6)
+    path = write_model(tmp_path / "moe.gguf", spec)
+    if damage is None:  # a valid trace of another model: 3 layers, ids up to 7
+        np.save(routing_path(path), np.arange(48, dtype=np.int32).reshape(8, 3, 2) % 8)
+    else:
+        routing_path(path).write_bytes(damage)
+    with Engine.load(path, threads=2, context_length=CONTEXT) as engine:
+        assert engine.plan.experts.routing == "uniform routing"
