@@ -12,7 +12,13 @@ import pytest
 from openai import OpenAI
 from typer.testing import CliRunner
 
-from tests.support.live_server import assert_error, read_until_text, running_server
+from tests.support.live_server import (
+    LONG_COMPLETION,
+    assert_error,
+    read_until_text,
+    running_server,
+    slot_held,
+)
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.cli.app import app
@@ -21,6 +27,7 @@ from tierflow.offload.gguf.reader import read_gguf
 from tierflow.runtime.sampler import Sampler
 
 KEY = "test-key"
+MAX_TOKENS_LIMIT = LONG_COMPLETION["max_tokens"]
 ORIGIN = "http://app.example"
 HI = [{"role": "user", "content": "Hi, who are you?"}]
 GREEDY = {"temperature": 0, "max_tokens": 6}
@@ -31,7 +38,7 @@ JSON = {"Content-Type": "application/json"}
 def guarded_url(engine):
     """An API key, CORS for one origin, small body, max_tokens and prompt limits, and no queue."""
     with running_server(engine, api_key=KEY, cors_origins=(ORIGIN,), max_body_bytes=2000,
-                        max_tokens_limit=16, max_queued=0, max_prompt_chars=100) as base:
+                        max_tokens_limit=MAX_TOKENS_LIMIT, max_queued=0, max_prompt_chars=100) as base:
         yield base
 
 
@@ -222,7 +229,8 @@ def test_health_needs_no_api_key(guarded_url):
 
 
 def test_max_tokens_above_the_server_limit_is_400(guarded_url):
-    response = httpx.post(f"{guarded_url}/v1/chat/completions", json=chat_body(max_tokens=17),
+    body = chat_body(max_tokens=MAX_TOKENS_LIMIT + 1)
+    response = httpx.post(f"{guarded_url}/v1/chat/completions", json=body,
                           headers={"Authorization": f"Bearer {KEY}"})
     assert assert_error(response, 400)["param"] == "max_tokens"
 
@@ -344,17 +352,13 @@ def test_cors_headers_only_for_listed_origins(url, guarded_url):
 
 def test_request_beyond_the_queue_is_503(guarded_url):
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = chat_body(max_tokens=16, stream=True)
-    with httpx.stream("POST", f"{guarded_url}/v1/chat/completions", json=body, headers=headers) as running:
-        lines = running.iter_lines()
-        read_until_text(lines)
+    with slot_held(guarded_url, headers):
         busy = httpx.post(f"{guarded_url}/v1/chat/completions", json=chat_body(), headers=headers)
     assert_error(busy, 503, "server_busy")
 
 
 def test_health_answers_during_a_generation(url):
-    body = {"prompt": "1, 2, 3, 4,", "max_tokens": 500, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body) as running:
+    with httpx.stream("POST", f"{url}/v1/completions", json=LONG_COMPLETION) as running:
         lines = running.iter_lines()
         read_until_text(lines)
         assert httpx.get(f"{url}/health", timeout=2).status_code == 200
@@ -362,8 +366,7 @@ def test_health_answers_during_a_generation(url):
 
 
 def test_disconnect_mid_stream_cancels_the_generation(url):
-    body = {"prompt": "1, 2, 3, 4,", "max_tokens": 500, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body) as abandoned:
+    with httpx.stream("POST", f"{url}/v1/completions", json=LONG_COMPLETION) as abandoned:
         read_until_text(abandoned.iter_lines())
     start = time.perf_counter()  # 500 tokens take tens of seconds; a cancelled run frees the engine
     response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
@@ -371,7 +374,7 @@ def test_disconnect_mid_stream_cancels_the_generation(url):
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_cancels_it(url):
-    body = {"prompt": "1, 2, 3, 4,", "max_tokens": 500, "temperature": 0}
+    body = {**LONG_COMPLETION, "stream": False}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{url}/v1/completions", json=body, timeout=1)
     start = time.perf_counter()
@@ -380,7 +383,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_cancels_it(url):
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_logs_no_error(url, server_errors):
-    body = {"prompt": "1, 2, 3, 4,", "max_tokens": 500, "temperature": 0}
+    body = {**LONG_COMPLETION, "stream": False}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=body, timeout=1)
     # Answered once the abandoned generation has let go of the engine, so after its handler ended.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from openai import OpenAI
 
-from tests.support.live_server import assert_error, read_until_text, running_server
+from tests.support.live_server import assert_error, running_server, slot_held
 from tests.support.make_model import ModelSpec, write_model
 from tests.support.oracle import PROMPTS
 from tierflow import Engine
@@ -129,11 +129,7 @@ def test_embeddings_body_over_the_limit_is_413(limited_url):
 
 
 def test_embeddings_beyond_the_queue_are_503(limited_url):
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0,
-            "stream": True}
-    with httpx.stream("POST", f"{limited_url}/v1/chat/completions", json=body) as running:
-        lines = running.iter_lines()
-        read_until_text(lines)
+    with slot_held(limited_url):
         busy = embed(limited_url, input="Hello")
     assert_error(busy, 503, "server_busy")
 

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.support.live_server import assert_error, read_until_text, running_server, serve_command
+from tests.support.live_server import assert_error, running_server, serve_command, slot_held
 from tests.support.load_clients import Body, HealthPoller, send_at_once
 from tierflow.cli.server import CHARS_PER_POSITION
 
@@ -73,10 +73,7 @@ def test_prompt_over_the_character_limit_is_refused_before_tokenizing(url, engin
 
 
 def test_full_queue_refuses_before_tokenizing(no_queue_url, tokenizer_calls):
-    running_body = {**NORMAL_CHAT, "stream": True}
-    with httpx.stream("POST", f"{no_queue_url}/v1/chat/completions", json=running_body) as running:
-        lines = running.iter_lines()
-        read_until_text(lines)
+    with slot_held(no_queue_url):
         tokenizer_calls.clear()
         busy = httpx.post(f"{no_queue_url}/v1/chat/completions", json={"messages": ONE_CHAR_MESSAGES[:50]})
     assert_error(busy, 503, "server_busy")

@@ -12,14 +12,20 @@ import pytest
 
 from tests.support.budgets import ram_beside_weights
 from tests.support.cli import run_tierflow
-from tests.support.live_server import assert_error, read_until_text, running_server, serve_command
+from tests.support.live_server import (
+    LONG_COMPLETION,
+    assert_error,
+    read_until_text,
+    running_server,
+    serve_command,
+    slot_held,
+)
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 
 KEY = "test-key"
 CHAT = {"messages": [{"role": "user", "content": "Hi, who are you?"}], "temperature": 0, "max_tokens": 6}
 COMPLETION = {"prompt": "The token counters", "temperature": 0, "max_tokens": 6}
-LONG = {"prompt": "1, 2, 3, 4,", "max_tokens": 500, "temperature": 0, "stream": True}
 # Prometheus's text format, version 0.0.4: `name{label="value",...} number`
 SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_]\w*="(?:[^"\\]|\\.)*",?)*)\})? (\S+)')
 LABEL = re.compile(r'([a-zA-Z_]\w*)="((?:[^"\\]|\\.)*)"')
@@ -146,20 +152,18 @@ def test_a_dense_model_has_no_expert_cache_metrics(url):
 
 
 def test_metrics_answers_during_a_generation_and_counts_it_running(url):
-    with httpx.stream("POST", f"{url}/v1/completions", json=LONG) as running:
-        lines = running.iter_lines()
-        read_until_text(lines)
+    with slot_held(url):
         now = metrics(url)  # the engine is busy generating: /metrics must not wait for it
     assert now["tierflow_requests_running"] == 1 and now["tierflow_requests_queued"] == 0
 
 
 def test_a_request_waiting_for_the_engine_is_counted_queued(url):
     with httpx.Client(timeout=WAIT_S) as client, client.stream("POST", f"{url}/v1/completions",
-                                                                json=LONG) as running:
+                                                                json=LONG_COMPLETION) as running:
         lines = running.iter_lines()
         read_until_text(lines)
         # Its headers come once its handler has taken a slot; its text would wait for the first's end.
-        with client.stream("POST", f"{url}/v1/completions", json=LONG):
+        with client.stream("POST", f"{url}/v1/completions", json=LONG_COMPLETION):
             now = metrics(url)
     assert now["tierflow_requests_running"] == 1 and now["tierflow_requests_queued"] == 1
 
@@ -212,7 +216,7 @@ def test_a_generation_logs_one_line_with_its_timings(url, engine, request_lines)
 
 
 def test_a_streamed_generation_logs_its_line_when_it_ends(url, request_lines):
-    response = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 4})
+    response = httpx.post(f"{url}/v1/completions", json={**LONG_COMPLETION, "max_tokens": 4})
     assert response.text.endswith("data: [DONE]\n\n")
     logged = fields(request_lines.wait_for("POST /v1/completions 200"))
     assert logged["generated_tokens"] == "4" and logged["finish"] == "length"

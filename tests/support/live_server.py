@@ -77,6 +77,20 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None)
     return error
 
 
+# A streamed completion that counts on, long enough to outlast the requests a test makes beside it.
+LONG_COMPLETION = {"prompt": "1, 2, 3, 4,", "max_tokens": 500, "temperature": 0, "stream": True}
+
+
+@contextmanager
+def slot_held(url: str, headers: dict | None = None) -> Iterator[None]:
+    """Holds one of the server's slots with LONG_COMPLETION, generating text. A short generation
+    could end, and free its slot, before the test's next request arrives."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=LONG_COMPLETION, headers=headers) as running:
+        lines = running.iter_lines()
+        read_until_text(lines)
+        yield
+
+
 def read_until_text(lines) -> None:
     """Reads SSE lines until the first chunk with generated text. The caller keeps `lines`
     referenced: a dropped httpx line iterator closes the connection."""
