@@ -39,7 +39,7 @@ KERNEL_SOURCES = ("module", "lut", "int8", "params", "ops", "pool",
 KERNELS = Extension(
     "tierflow.cpu_kernels._kernels",
     sources=[f"cpu_kernels/csrc/{name}.c" for name in KERNEL_SOURCES],
-    depends=[f"cpu_kernels/csrc/{name}.h" for name in ("kernels", "ops", "vec16", "attend")],
+    depends=[f"cpu_kernels/csrc/{name}.h" for name in ("kernels", "ops", "vec16", "attend", "sub_codes")],
     extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wall", "-Wno-psabi"],
     extra_link_args=["-pthread"],
 )

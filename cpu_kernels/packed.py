@@ -216,6 +216,17 @@ class PackedMatrix:
         zero = self.zero if self.bits != 8 else 0
         return scales, (scales * np.float32(-zero) if zero else np.zeros_like(scales))
 
+    def sub_integers(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+        """Two-level scales as the int8 kernel multiplies them: each group's scale code less the
+        offset and min code, int64 [N, G] (None without mins), and each super block's d and dmin,
+        float32 [N, G / groups_per_super]."""
+        sub = self.sub
+        v = _sub_values(sub, self.sub.codes).astype(np.int64)  # [T, S', gps, 1|2, R]
+        merged = lambda a: _rows_first(a.reshape(a.shape[0], -1, TILE_ROWS))[: self.rows]  # noqa: E731
+        supers = lambda i: _rows_first(sub.supers[:, :, i, :].astype(np.float32))[: self.rows]  # noqa: E731
+        mins = merged(v[..., 1, :]) if sub.with_mins else None
+        return merged(v[..., 0, :] - sub.offset), mins, supers(0), supers(1) if sub.with_mins else None
+
     def dequantize(self) -> np.ndarray:
         """The float32 weights [N, K] the kernels compute with."""
         scales, mins = self.group_params()
@@ -268,10 +279,8 @@ def _high_bits(high: np.ndarray, h: int) -> np.ndarray:
     return bits.reshape(*high.shape[:-3], -1, *high.shape[-2:])
 
 
-def _sub_params(sub: "SubPacking", codes: np.ndarray, supers: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Scales and mins [..., G, R] float32 from sub codes [..., S', B, R] and supers [..., S', 1|2, R]:
-    d * (code - offset) and -(dmin * min code), ggml's float32 products."""
+def _sub_values(sub: "SubPacking", codes: np.ndarray) -> np.ndarray:
+    """Sub codes [..., S', B, R] -> each group's scale code (and min code) [..., S', gps, 1|2, R]."""
     values = sub.groups_per_super * (2 if sub.with_mins else 1)
     if sub.bits == 8:
         v = codes
@@ -282,7 +291,14 @@ def _sub_params(sub: "SubPacking", codes: np.ndarray, supers: np.ndarray
             top = codes[..., values // 2:, :][..., None, :]  # [..., S', V/4, 1, R]
             shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]
             v = v | (((top >> shifts) & 3) << 4).reshape(v.shape)
-    v = v.reshape(*v.shape[:-2], sub.groups_per_super, 2 if sub.with_mins else 1, v.shape[-1])
+    return v.reshape(*v.shape[:-2], sub.groups_per_super, 2 if sub.with_mins else 1, v.shape[-1])
+
+
+def _sub_params(sub: "SubPacking", codes: np.ndarray, supers: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scales and mins [..., G, R] float32 from sub codes [..., S', B, R] and supers [..., S', 1|2, R]:
+    d * (code - offset) and -(dmin * min code), ggml's float32 products."""
+    v = _sub_values(sub, codes)
     d = supers[..., :1, :].astype(np.float32)  # [..., S', 1, R]
     scale_codes = v[..., 0, :].astype(np.float32)
     scales = d * (scale_codes - np.float32(sub.offset)) if sub.offset else d * scale_codes

@@ -1,10 +1,11 @@
 """References of the C kernels: the quantized matmuls in numpy, the fused layer ops in torch.
 
 `matmul_reference` reproduces every step of a kernel (how activations become int8 tables or
-int8 codes, which integers are summed per group) from the packed bytes, in float64 for the final
-sums, so a kernel must match it to float32 rounding. `matmul_exact` is the product with the
-dequantized weights and unquantized activations: the gap between the two is the kernels' one
-approximation, the int8 quantization of activations (as in ggml's Q8 dot products).
+int8 codes, which integers are summed per group, or per super block on two-level scales) from the
+packed bytes, in float64 for the final sums, so a kernel must match it to float32 rounding.
+`matmul_exact` is the product with the dequantized weights and unquantized activations: the gap
+between the two is the kernels' one approximation, the int8 quantization of activations (as in
+ggml's Q8 and Q8_K dot products).
 """
 
 import numpy as np
@@ -40,13 +41,15 @@ def lut_tables(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return codes, steps, x.reshape(tokens, cols // group, group).sum(axis=-1, dtype=np.float64)
 
 
-def int8_codes(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x [M, K] -> int8 codes [M, K], steps [M, K/group], sums [M, K/group]."""
+def int8_codes(x: np.ndarray, group: int, block: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] -> int8 codes [M, K], steps [M, K/block], sums [M, K/group]; one step per block
+    columns (by default per group)."""
     tokens, cols = x.shape
-    groups = x.reshape(tokens, cols // group, group).astype(np.float32)
-    inverse, steps = _group_scales(np.abs(groups).max(axis=-1))
-    codes = np.rint(groups * inverse[..., None]).astype(np.int8).reshape(tokens, cols)
-    return codes, steps, groups.sum(axis=-1, dtype=np.float64)
+    blocks = x.reshape(tokens, cols // (block or group), -1).astype(np.float32)
+    inverse, steps = _group_scales(np.abs(blocks).max(axis=-1))
+    codes = np.rint(blocks * inverse[..., None]).astype(np.int8).reshape(tokens, cols)
+    return codes, steps, x.reshape(tokens, cols // group, group).sum(axis=-1, dtype=np.float64)
 
 
 def _integer_sums(w: PackedMatrix, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -67,8 +70,30 @@ def _integer_sums(w: PackedMatrix, x: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return acc.reshape(*acc.shape[:2], -1, w.group // 4).sum(-1), steps, sums
 
 
+def _two_level_reference(w: PackedMatrix, x: np.ndarray) -> np.ndarray:
+    """The int8 kernel on two-level scales, as ggml's K-quant dot products: one activation step per
+    super block; per super block, the integer sum over its groups of each group's dot product
+    times the group's sub-scale, less the min codes times the groups' code sums, then d and dmin
+    times the step in float32."""
+    tokens, cols = x.shape
+    gps = w.sub.groups_per_super
+    codes, steps, _ = int8_codes(x, w.group, w.group * gps)  # steps [M, S]
+    products = codes.astype(np.int64)[:, None, :] * w.codes().astype(np.int64)[None, :, :]  # [M, N, K]
+    dots = products.reshape(tokens, w.rows, -1, w.group).sum(-1)  # [M, N, G]
+    code_sums = codes.astype(np.int64).reshape(tokens, -1, w.group).sum(-1)  # [M, G]
+    scale_codes, min_codes, d, dmin = w.sub_integers()
+    per_super = lambda a: a.reshape(*a.shape[:-1], -1, gps).sum(-1)  # noqa: E731  [..., G] -> [..., S]
+    total = per_super(dots * scale_codes[None]) * (d[None] * steps[:, None, :]).astype(np.float64)
+    if min_codes is not None:
+        mins = per_super(min_codes[None] * code_sums[:, None, :])
+        total -= mins * (dmin[None] * steps[:, None, :]).astype(np.float64)
+    return total.sum(-1)
+
+
 def matmul_reference(w: PackedMatrix, x: np.ndarray) -> np.ndarray:
     """What the kernels compute for x [M, K] float32: [M, N] float64."""
+    if w.bits == 8 and w.sub is not None:
+        return _two_level_reference(w, x)
     acc, steps, sums = _integer_sums(w, x)
     scales, mins = w.group_params()
     if w.bits != 8:  # centred tables: each row's offset is its value at the centre code

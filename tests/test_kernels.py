@@ -14,7 +14,7 @@ from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.linear import PackedLinear, linear_each
 from tierflow.cpu_kernels.matmul import matmul, matmul_each
 from tierflow.cpu_kernels.packed import LUT_MAX_GROUP, PackedMatrix, pack
-from tierflow.cpu_kernels.quant_groups import CODEBOOKS, QuantGroups, to_quant_groups
+from tierflow.cpu_kernels.quant_groups import CODEBOOKS, QuantGroups, SubScales, to_quant_groups
 from tierflow.cpu_kernels.reference import matmul_exact, matmul_reference
 from tierflow.ggml_types import type_name
 
@@ -105,6 +105,23 @@ def test_kernel_matches_reference_on_each_weight_type(ggml_type, tokens):
     for isa in ISAS:
         _kernels.set_isa(isa)
         assert_matches_reference(matmul(w, x), w, x)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_two_level_integer_sums_at_their_largest_do_not_overflow(isa):
+    # Q6_K's extremes: 16 groups of 16 codes at -32 under sub-scales of -128, every activation code
+    # +127 or -127: a super block's integer sum reaches 16 * 16 * 32 * 128 * 127 = 127 * 2^20.
+    rows, cols, group = 64, 256, 16
+    sub = SubScales(np.zeros((rows, 16), np.uint8), None, np.ones((rows, 1), np.float32), None, bits=8,
+                    offset=128)
+    scale = np.full((rows, 16), -128.0, np.float32)
+    w = pack(QuantGroups(np.full((rows, cols), -32, np.int8), scale, np.full_like(scale, -0.0), group, 8,
+                         width=6, zero=32, sub=sub))
+    x = np.full((2, cols), 0.5, np.float32)
+    x[1] = -0.5
+    _kernels.set_isa(isa)
+    expected = np.repeat([[4096 * 0.5 * cols], [-4096 * 0.5 * cols]], rows, axis=1)  # every weight 4096
+    assert np.array_equal(matmul(w, x), expected)
 
 
 @pytest.mark.parametrize("bits", (1, 2, 3, 4))

@@ -1,5 +1,6 @@
 /* The int8 kernel: weights of up to 8 bits (Q8_0, Q5_x, Q6_K) times activations quantized to
- * int8 per group, as in ggml's Q8 dot products.
+ * int8 per group, as in ggml's Q8 dot products; on two-level scales (Q4_K, Q5_K, Q6_K, IQ4_XS)
+ * per super block, with integer sub-scales, as in ggml's K-quant dot products (int8_two_level).
  *
  * Packed layout (tile, quad q, row r, byte j) = weight (row, column 4q + j): every 4 columns of
  * the tile's 64 rows are 256 contiguous bytes, so a vector holds 4 columns of 16 (AVX-512) or
@@ -16,35 +17,39 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "sub_codes.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define HAVE_X86 1
 #endif
 
-/* Vectorizable (see lut_prepare_token): the group's peak |x| is kept per lane, then reduced. */
-TARGET_CLONES void int8_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *codes,
+/* Vectorizable (see lut_prepare_token): each block's peak |x| is kept per lane, then reduced. */
+TARGET_CLONES void int8_prepare_token(const float *x, int64_t cols, int64_t group, int64_t block, int8_t *codes,
                                       float *scales, float *sums, int32_t *code_sums) {
     float peak[16];
-    for (int64_t g = 0; g < cols / group; g++) {
-        const float *xg = x + g * group;
-        float sum = 0.0f, maxabs = 0.0f;
+    for (int64_t b = 0; b < cols / block; b++) {
+        const float *xb = x + b * block;
+        float maxabs = 0.0f;
         for (int i = 0; i < 16; i++) peak[i] = 0.0f;
-        for (int64_t i = 0; i < group; i++) {
-            float magnitude = xg[i] < 0.0f ? -xg[i] : xg[i];
+        for (int64_t i = 0; i < block; i++) {
+            float magnitude = xb[i] < 0.0f ? -xb[i] : xb[i];
             peak[i & 15] = magnitude > peak[i & 15] ? magnitude : peak[i & 15];
-            sum += xg[i];
         }
         for (int i = 0; i < 16; i++) maxabs = peak[i] > maxabs ? peak[i] : maxabs;
         float inv = maxabs > 0.0f ? 127.0f / maxabs : 0.0f;
+        for (int64_t i = 0; i < block; i++) codes[b * block + i] = (int8_t)round_even(xb[i] * inv);
+        scales[b] = maxabs / 127.0f;
+    }
+    for (int64_t g = 0; g < cols / group; g++) {
+        float sum = 0.0f;
         int32_t code_sum = 0;
         for (int64_t i = 0; i < group; i++) {
-            codes[g * group + i] = (int8_t)round_even(xg[i] * inv);
+            sum += x[g * group + i];
             code_sum += codes[g * group + i];
         }
-        code_sums[g] = code_sum;
-        scales[g] = maxabs / 127.0f;
         sums[g] = sum;
+        code_sums[g] = code_sum;
     }
 }
 
@@ -79,13 +84,17 @@ static inline const uint8_t *high_block(const uint8_t *high, int64_t q, int h, i
     return high + (q / per_byte) * 4 * TILE_ROWS;
 }
 
-#define TILE_SETUP                                                            \
+/* Where a tile's codes are, and the shape of its groups. */
+#define CODE_SETUP                                                            \
     const int64_t groups = w->cols / w->group, quads = w->group / 4;         \
     const int nibble_data = w->codebook || w->width < 8;                      \
     const int h = w->width < 8 ? w->width - 4 : 0;                            \
     const uint8_t *data = w->data + tile * w->cols * TILE_ROWS / (nibble_data ? 2 : 1); \
     const uint8_t *high = h ? w->high + tile * w->cols * h * 8 : NULL;       \
-    const int64_t code_stride = a->codes_per_token;                          \
+    const int64_t code_stride = a->codes_per_token;
+
+#define TILE_SETUP                                                            \
+    CODE_SETUP                                                               \
     float own_params[2 * TILE_ROWS];                                         \
     const float *scale = own_params, *min = own_params + TILE_ROWS;          \
     const int has_min = params_have_min(w);                                  \
@@ -134,6 +143,55 @@ static void int8_tile_scalar(const packed_matrix *w, const prepared_acts *a, int
             scalar_epilogue(acc, scale, min, has_min, a->scales[(token + c) * groups + g],
                             a->sums[(token + c) * groups + g], out + c * TILE_ROWS);
         }
+    }
+}
+
+/* Where super block s of a tile keeps d (and dmin after it). */
+static inline const uint16_t *super_values(const packed_matrix *w, int64_t tile, int64_t s) {
+    return w->supers + (tile * (w->cols / w->group / w->sub_gps) + s) * (w->sub_mins ? 2 : 1) * TILE_ROWS;
+}
+
+/* The two-level kernel (int8_two_level): scalar_code has subtracted the zero code already. */
+static void int8_two_level_scalar(const packed_matrix *w, const prepared_acts *a, int64_t tile,
+                                  int64_t token, int count, float *out) {
+    CODE_SETUP
+    const int64_t gps = w->sub_gps;
+    const int per_group = w->sub_mins ? 2 : 1;
+    for (int64_t s = 0; s < groups / gps; s++) {
+        int values;
+        const uint8_t *codes = super_codes(w, tile, s, &values);
+        const uint16_t *supers = super_values(w, tile, s);
+        for (int c = 0; c < count; c++) {
+            const int8_t *x = a->codes + (token + c) * code_stride;
+            int32_t isum[TILE_ROWS] = {0}, imin[TILE_ROWS] = {0};
+            for (int64_t gl = 0; gl < gps; gl++) {
+                const int64_t g = s * gps + gl;
+                for (int r = 0; r < TILE_ROWS; r++) {
+                    int32_t dot = 0;
+                    for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
+                        for (int j = 0; j < 4; j++) dot += scalar_code(w, data, high, h, q, r, j) * x[4 * q + j];
+                    }
+                    const int v = (int)gl * per_group;
+                    isum[r] += dot * (sub_value(w, codes, values, v, r) - w->sub_offset);
+                    if (w->sub_mins) imin[r] += sub_value(w, codes, values, v + 1, r) * a->code_sums[(token + c) * groups + g];
+                }
+            }
+            const float step = a->scales[(token + c) * groups + s];
+            for (int r = 0; r < TILE_ROWS; r++) {
+                float total = out[c * TILE_ROWS + r] + (float)isum[r] * (half_to_float(supers[r]) * step);
+                if (w->sub_mins) total -= (float)imin[r] * (half_to_float(supers[TILE_ROWS + r]) * step);
+                out[c * TILE_ROWS + r] = total;
+            }
+        }
+    }
+}
+
+static void int8_tile_scalar_any(const packed_matrix *w, const prepared_acts *a, int64_t tile,
+                                 int64_t token, int count, const float *params, float *out) {
+    if (int8_two_level(w)) {
+        int8_two_level_scalar(w, a, tile, token, count, out);
+    } else {
+        int8_tile_scalar(w, a, tile, token, count, params, out);
     }
 }
 
@@ -224,10 +282,86 @@ AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a
     }
 }
 
+AVX2_TARGET void int8_two_level_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
+                                       int64_t token, const int count, const int kind, const float *params,
+                                       float *out) {
+    CODE_SETUP
+    (void)params;
+    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    const int64_t gps = w->sub_gps;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i table = kind == CODES_CODEBOOK ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->codebook))
+                                                 : _mm256_setzero_si256();
+    const int per_group = w->sub_mins ? 2 : 1;
+    const __m256i offset = _mm256_set1_epi32(w->sub_offset);
+    for (int64_t s = 0; s < groups / gps; s++) {
+        int values;
+        const uint8_t *codes = super_codes(w, tile, s, &values);
+        __m256i isum[MAX_TOKEN_BLOCK][8], imin[MAX_TOKEN_BLOCK][8];
+        for (int c = 0; c < count; c++) {
+            for (int v = 0; v < 8; v++) isum[c][v] = imin[c][v] = _mm256_setzero_si256();
+        }
+        for (int64_t gl = 0; gl < gps; gl++) {
+            const int64_t g = s * gps + gl;
+            __m256i acc[MAX_TOKEN_BLOCK][8];
+            for (int c = 0; c < count; c++) {
+                for (int v = 0; v < 8; v++) acc[c][v] = _mm256_setzero_si256();
+            }
+            for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
+                __m256i x[MAX_TOKEN_BLOCK];
+                for (int c = 0; c < count; c++) {
+                    int32_t four;
+                    memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
+                    x[c] = _mm256_set1_epi32(four);
+                }
+                for (int v = 0; v < 8; v++) {
+                    __m256i wv = avx2_quad(w, data, high, h, q, v, kind, table);
+                    __m256i magnitude = unsigned_codes ? wv : _mm256_sign_epi8(wv, wv);
+                    for (int c = 0; c < count; c++) {
+                        __m256i pairs = _mm256_maddubs_epi16(magnitude, unsigned_codes ? x[c] : _mm256_sign_epi8(x[c], wv));
+                        acc[c][v] = _mm256_add_epi32(acc[c][v], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
+            for (int c = 0; c < count; c++) {
+                const int32_t code_sum = a->code_sums[(token + c) * groups + g];
+                const __m256i zero_sum = _mm256_set1_epi32(w->zero * code_sum), sums = _mm256_set1_epi32(code_sum);
+                for (int v = 0; v < 8; v++) {
+                    __m256i dot = unsigned_codes ? _mm256_sub_epi32(acc[c][v], zero_sum) : acc[c][v];
+                    __m256i scale = _mm256_sub_epi32(sub_lanes_8(w, codes, values, (int)gl * per_group, v), offset);
+                    isum[c][v] = _mm256_add_epi32(isum[c][v], _mm256_mullo_epi32(dot, scale));
+                    if (w->sub_mins) {
+                        __m256i m = sub_lanes_8(w, codes, values, (int)gl * per_group + 1, v);
+                        imin[c][v] = _mm256_add_epi32(imin[c][v], _mm256_mullo_epi32(m, sums));
+                    }
+                }
+            }
+        }
+        const uint16_t *supers = super_values(w, tile, s);
+        for (int c = 0; c < count; c++) {
+            const __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + s]);
+            for (int v = 0; v < 8; v++) {
+                float *dst = out + c * TILE_ROWS + 8 * v;
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(supers + 8 * v)));
+                __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c][v]), _mm256_mul_ps(d, step), _mm256_loadu_ps(dst));
+                if (w->sub_mins) {
+                    __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(supers + TILE_ROWS + 8 * v)));
+                    total = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[c][v]), _mm256_mul_ps(dmin, step), total);
+                }
+                _mm256_storeu_ps(dst, total);
+            }
+        }
+    }
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void int8_tile_avx2(
     const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token, int count,
     const float *params, float *out) {
-    DISPATCH_TOKEN_BLOCK(int8_tile_avx2_n)
+    if (int8_two_level(w)) {
+        DISPATCH_TOKEN_BLOCK(int8_two_level_avx2_n)
+    } else {
+        DISPATCH_TOKEN_BLOCK(int8_tile_avx2_n)
+    }
 }
 
 #define AVX512_TARGET \
@@ -311,10 +445,109 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
     }
 }
 
+AVX512_TARGET void int8_two_level_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
+                                           int64_t token, const int count, const int kind, const float *params,
+                                           float *out) {
+    CODE_SETUP
+    (void)params;
+    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    const int64_t gps = w->sub_gps;
+    const __m512i table = kind == CODES_CODEBOOK ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook))
+                                                 : _mm512_setzero_si512();
+    const int per_group = w->sub_mins ? 2 : 1;
+    const __m512i offset = _mm512_set1_epi32(w->sub_offset);
+    for (int64_t s = 0; s < groups / gps; s++) {
+        int values;
+        const uint8_t *codes = super_codes(w, tile, s, &values);
+        __m512i isum[MAX_TOKEN_BLOCK][4], imin[MAX_TOKEN_BLOCK][4];
+        for (int c = 0; c < count; c++) {
+            for (int v = 0; v < 4; v++) isum[c][v] = imin[c][v] = _mm512_setzero_si512();
+        }
+        for (int64_t gl = 0; gl < gps; gl++) {
+            const int64_t g = s * gps + gl;
+            __m512i acc[MAX_TOKEN_BLOCK][4];
+            for (int c = 0; c < count; c++) {
+                for (int v = 0; v < 4; v++) acc[c][v] = _mm512_setzero_si512();
+            }
+            for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
+                __m512i x[MAX_TOKEN_BLOCK];
+                for (int c = 0; c < count; c++) {
+                    int32_t four;
+                    memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
+                    x[c] = _mm512_set1_epi32(four);
+                }
+                if (kind == CODES_INT8 || !(q & 1)) {
+                    const char *ahead = (const char *)quad_block(data, q, kind != CODES_INT8) + PREFETCH_BYTES;
+                    for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+                }
+                for (int v = 0; v < 4; v++) {
+                    __m512i wv = avx512_quad(w, data, high, h, q, v, kind, table);
+                    if (unsigned_codes) {
+                        for (int c = 0; c < count; c++) acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], wv, x[c]);
+                        continue;
+                    }
+                    __m512i magnitude = _mm512_abs_epi8(wv);
+                    __mmask64 negative = _mm512_movepi8_mask(wv);
+                    for (int c = 0; c < count; c++) {
+                        __m512i signed_x = _mm512_mask_sub_epi8(x[c], negative, _mm512_setzero_si512(), x[c]);
+                        acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], magnitude, signed_x);
+                    }
+                }
+            }
+            /* The group's sub-scales, rows 16v .. 16v+15 as int32 lanes. */
+            const __m512i scale_bytes = sub_bytes_64(w, codes, values, (int)gl * per_group);
+            __m512i scale[4];
+            for (int v = 0; v < 4; v++)
+                scale[v] = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(scale_bytes, v)), offset);
+            for (int c = 0; c < count; c++) {
+                const __m512i zero_sum = _mm512_set1_epi32(w->zero * a->code_sums[(token + c) * groups + g]);
+                for (int v = 0; v < 4; v++) {
+                    __m512i dot = unsigned_codes ? _mm512_sub_epi32(acc[c][v], zero_sum) : acc[c][v];
+                    isum[c][v] = _mm512_add_epi32(isum[c][v], _mm512_mullo_epi32(dot, scale[v]));
+                }
+            }
+        }
+        /* The mins, two groups at a time: their min codes and code sums as int16 pairs, one
+         * vpdpwssd each (a code sum, at most group * 127, fits int16). */
+        for (int64_t gl = 0; w->sub_mins && gl < gps; gl += 2) {
+            const __m512i low = sub_bytes_64(w, codes, values, (int)gl * 2 + 1);
+            const __m512i next = sub_bytes_64(w, codes, values, (int)gl * 2 + 3);
+            __m512i pair[4];
+            for (int v = 0; v < 4; v++) {
+                pair[v] = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(low, v)),
+                                          _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(next, v)), 16));
+            }
+            for (int c = 0; c < count; c++) {
+                const int32_t *sums = a->code_sums + (token + c) * groups + s * gps + gl;
+                const __m512i sum_pair = _mm512_set1_epi32((int32_t)((uint32_t)(uint16_t)sums[0] | ((uint32_t)sums[1] << 16)));
+                for (int v = 0; v < 4; v++) imin[c][v] = _mm512_dpwssd_epi32(imin[c][v], pair[v], sum_pair);
+            }
+        }
+        const uint16_t *supers = super_values(w, tile, s);
+        for (int c = 0; c < count; c++) {
+            const __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + s]);
+            for (int v = 0; v < 4; v++) {
+                float *dst = out + c * TILE_ROWS + 16 * v;
+                __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(supers + 16 * v)));
+                __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c][v]), _mm512_mul_ps(d, step), _mm512_loadu_ps(dst));
+                if (w->sub_mins) {
+                    __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(supers + TILE_ROWS + 16 * v)));
+                    total = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[c][v]), _mm512_mul_ps(dmin, step), total);
+                }
+                _mm512_storeu_ps(dst, total);
+            }
+        }
+    }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))) static void
 int8_tile_avx512(const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token,
                  int count, const float *params, float *out) {
-    DISPATCH_TOKEN_BLOCK(int8_tile_avx512_n)
+    if (int8_two_level(w)) {
+        DISPATCH_TOKEN_BLOCK(int8_two_level_avx512_n)
+    } else {
+        DISPATCH_TOKEN_BLOCK(int8_tile_avx512_n)
+    }
 }
 
 #endif /* HAVE_X86 */
@@ -325,5 +558,5 @@ tile_kernel int8_tile_kernel(isa_t isa) {
     if (isa == ISA_AVX2) return int8_tile_avx2;
 #endif
     (void)isa;
-    return int8_tile_scalar;
+    return int8_tile_scalar_any;
 }

@@ -98,8 +98,23 @@ typedef void (*tile_kernel)(const packed_matrix *w, const prepared_acts *a, int6
 
 void lut_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *tables,
                        float *scales, float *sums);
-void int8_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *codes,
+/* int8 codes with one step per `block` columns (scales[K / block]) and, per group, the exact sum
+ * and the codes' sum (sums, code_sums [K / group]); block is a multiple of group. */
+void int8_prepare_token(const float *x, int64_t cols, int64_t group, int64_t block, int8_t *codes,
                         float *scales, float *sums, int32_t *code_sums);
+
+/* The int8 kernel on two-level scales works as ggml's K-quant dot products: activations with one
+ * step per super block, each group's integer sum times its integer sub-scale (and the mins' codes
+ * times the groups' code sums) added up as integers over the super block, then one float product
+ * by d and dmin per super block. */
+static inline int int8_two_level(const packed_matrix *w) {
+    return w->bits == 8 && w->sub_codes != 0;
+}
+/* Columns per activation step: a super block on two-level int8 matrices, else a group. */
+static inline int64_t act_block(const packed_matrix *w) {
+    return int8_two_level(w) ? w->group * w->sub_gps : w->group;
+}
+
 
 tile_kernel lut_tile_kernel(isa_t isa);
 tile_kernel int8_tile_kernel(isa_t isa);

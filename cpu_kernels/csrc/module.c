@@ -93,7 +93,8 @@ static void prepare_item(void *ctx, int64_t token) {
     int8_t *codes = job->acts.codes + token * job->acts.codes_per_token;
     float *scales = job->acts.scales + token * groups, *sums = job->acts.sums + token * groups;
     if (job->w.bits == 8) {
-        int8_prepare_token(x, job->w.cols, job->w.group, codes, scales, sums, job->acts.code_sums + token * groups);
+        int8_prepare_token(x, job->w.cols, job->w.group, act_block(&job->w), codes, scales, sums,
+                           job->acts.code_sums + token * groups);
     } else {
         lut_prepare_token(x, job->w.cols, job->w.group, codes, scales, sums);
     }
@@ -107,7 +108,7 @@ static void tile_item(void *ctx, int64_t item) {
     const int64_t valid = job->rows - row0 < TILE_ROWS ? job->rows - row0 : TILE_ROWS;
     float out[MAX_TOKEN_BLOCK * TILE_ROWS];
     /* Several blocks of tokens share the tile's scales, decoded once (a failed allocation: per block). */
-    float *params = last - first > MAX_TOKEN_BLOCK ? malloc(job->w.cols / job->w.group * 2 * TILE_ROWS * sizeof(float))
+    float *params = last - first > MAX_TOKEN_BLOCK && !int8_two_level(&job->w) ? malloc(job->w.cols / job->w.group * 2 * TILE_ROWS * sizeof(float))
                                                    : NULL;
     if (params) tile_params(&job->w, tile, job->isa, params);
     for (int64_t token = first; token < last; token += MAX_TOKEN_BLOCK) {

@@ -1,0 +1,69 @@
+/* Reading two-level scale codes (packed.py's sub_codes: [tiles][supers][bytes][TILE_ROWS], a
+ * row's values being each group's scale code, then its min code where the matrix has mins): the
+ * float decoders of params.c and the int8 kernel's integer sub-scales share these. */
+#ifndef TIERFLOW_SUB_CODES_H
+#define TIERFLOW_SUB_CODES_H
+
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+/* Where the sub codes' values of (tile, super block) start, and how many values a row has. */
+#define SUB_SETUP                                                                               \
+    const int64_t groups = w->cols / w->group, gps = w->sub_gps;                                \
+    const int64_t supers_per_tile = groups / gps, s = g / gps, gl = g % gps;                    \
+    const int values = (int)gps * (w->sub_mins ? 2 : 1);                                        \
+    const int64_t sub_bytes = w->sub_bits == 8 ? values : values / 2 + (w->sub_bits == 6 ? values / 4 : 0); \
+    const uint8_t *codes = w->sub_codes + (tile * supers_per_tile + s) * sub_bytes * TILE_ROWS;  \
+    const uint16_t *supers = w->supers + (tile * supers_per_tile + s) * (w->sub_mins ? 2 : 1) * TILE_ROWS; \
+    const int v_scale = (int)gl * (w->sub_mins ? 2 : 1);
+
+/* The sub codes of super block s of a tile; *values: how many a row has there. */
+static inline const uint8_t *super_codes(const packed_matrix *w, int64_t tile, int64_t s, int *values) {
+    const int64_t supers_per_tile = w->cols / w->group / w->sub_gps;
+    *values = (int)w->sub_gps * (w->sub_mins ? 2 : 1);
+    const int64_t bytes = w->sub_bits == 8 ? *values : *values / 2 + (w->sub_bits == 6 ? *values / 4 : 0);
+    return w->sub_codes + (tile * supers_per_tile + s) * bytes * TILE_ROWS;
+}
+
+/* Sub code value v of row r. */
+static inline int sub_value(const packed_matrix *w, const uint8_t *codes, int values, int v, int r) {
+    if (w->sub_bits == 8) return codes[v * TILE_ROWS + r];
+    int code = (codes[(v >> 1) * TILE_ROWS + r] >> (4 * (v & 1))) & 15;
+    if (w->sub_bits == 6) code |= ((codes[(values / 2 + (v >> 2)) * TILE_ROWS + r] >> (2 * (v & 3))) & 3) << 4;
+    return code;
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+
+#define LOAD8(p) _mm_loadl_epi64((const __m128i *)(p))
+#define SUB_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+#define SUB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"), always_inline)) static inline
+
+/* The sub codes of value v for rows 8i .. 8i+7 as int32 lanes. */
+SUB_AVX2 __m256i sub_lanes_8(const packed_matrix *w, const uint8_t *codes, int values, int v, int i) {
+    if (w->sub_bits == 8) return _mm256_cvtepu8_epi32(LOAD8(codes + v * TILE_ROWS + 8 * i));
+    __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(LOAD8(codes + (v >> 1) * TILE_ROWS + 8 * i)),
+                                                      _mm256_set1_epi32(4 * (v & 1))), _mm256_set1_epi32(15));
+    if (w->sub_bits != 6) return code;
+    __m256i top = _mm256_cvtepu8_epi32(LOAD8(codes + (values / 2 + (v >> 2)) * TILE_ROWS + 8 * i));
+    top = _mm256_and_si256(_mm256_srlv_epi32(top, _mm256_set1_epi32(2 * (v & 3))), _mm256_set1_epi32(3));
+    return _mm256_or_si256(code, _mm256_slli_epi32(top, 4));
+}
+
+/* Sub code value v of all 64 rows, one byte each: the nibble (and top two bits) picked in place. */
+SUB_AVX512 __m512i sub_bytes_64(const packed_matrix *w, const uint8_t *codes, int values, int v) {
+    if (w->sub_bits == 8) return _mm512_loadu_si512((const void *)(codes + v * TILE_ROWS));
+    __m512i low = _mm512_loadu_si512((const void *)(codes + (v >> 1) * TILE_ROWS));
+    low = _mm512_and_si512(_mm512_srl_epi16(low, _mm_cvtsi32_si128(4 * (v & 1))), _mm512_set1_epi8(0x0F));
+    if (w->sub_bits != 6) return low;
+    __m512i top = _mm512_loadu_si512((const void *)(codes + (values / 2 + (v >> 2)) * TILE_ROWS));
+    top = _mm512_and_si512(_mm512_srl_epi16(top, _mm_cvtsi32_si128(2 * (v & 3))), _mm512_set1_epi8(3));
+    return _mm512_or_si512(low, _mm512_slli_epi16(top, 4));
+}
+
+#endif /* x86 */
+
+#endif
