@@ -91,7 +91,8 @@ static inline const uint8_t *high_block(const uint8_t *high, int64_t q, int h, i
     const int h = w->width < 8 ? w->width - 4 : 0;                            \
     const uint8_t *data = w->data + tile * w->cols * TILE_ROWS / (nibble_data ? 2 : 1); \
     const uint8_t *high = h ? w->high + tile * w->cols * h * 8 : NULL;       \
-    const int64_t code_stride = a->codes_per_token;
+    const int64_t code_stride = a->codes_per_token;                          \
+    (void)quads, (void)code_stride;
 
 #define TILE_SETUP                                                            \
     CODE_SETUP                                                               \
@@ -384,6 +385,40 @@ AVX512_TARGET __m512i avx512_quad(const packed_matrix *w, const uint8_t *data, c
     return bytes; /* unsigned: the kernel subtracts zero times the activations' code sum */
 }
 
+/* acc[c][v] += rows 16v .. 16v+15 of group g times token c's codes: unsigned codes as they are,
+ * signed ones as |w| times x with w's sign. */
+AVX512_TARGET void avx512_group_dots(const packed_matrix *w, const prepared_acts *a, const uint8_t *data,
+                                     const uint8_t *high, int h, int64_t g, int64_t token, const int count,
+                                     const int kind, __m512i table, __m512i acc[MAX_TOKEN_BLOCK][4]) {
+    const int64_t quads = w->group / 4, code_stride = a->codes_per_token;
+    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
+        __m512i x[MAX_TOKEN_BLOCK];
+        for (int c = 0; c < count; c++) {
+            int32_t four;
+            memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
+            x[c] = _mm512_set1_epi32(four);
+        }
+        if (kind == CODES_INT8 || !(q & 1)) { /* once per 256-byte block: a pair of quads shares it */
+            const char *ahead = (const char *)quad_block(data, q, kind != CODES_INT8) + PREFETCH_BYTES;
+            for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+        }
+        for (int v = 0; v < 4; v++) {
+            __m512i wv = avx512_quad(w, data, high, h, q, v, kind, table);
+            if (unsigned_codes) {
+                for (int c = 0; c < count; c++) acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], wv, x[c]);
+                continue;
+            }
+            __m512i magnitude = _mm512_abs_epi8(wv);
+            __mmask64 negative = _mm512_movepi8_mask(wv);
+            for (int c = 0; c < count; c++) {
+                __m512i signed_x = _mm512_mask_sub_epi8(x[c], negative, _mm512_setzero_si512(), x[c]);
+                acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], magnitude, signed_x);
+            }
+        }
+    }
+}
+
 AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
                                       int64_t token, const int count, const int kind, const float *params,
                                   float *out) {
@@ -400,31 +435,7 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
         for (int c = 0; c < count; c++) {
             for (int v = 0; v < 4; v++) acc[c][v] = _mm512_setzero_si512();
         }
-        for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
-            __m512i x[MAX_TOKEN_BLOCK];
-            for (int c = 0; c < count; c++) {
-                int32_t four;
-                memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
-                x[c] = _mm512_set1_epi32(four);
-            }
-            if (kind == CODES_INT8 || !(q & 1)) { /* once per 256-byte block: a pair of quads shares it */
-                const char *ahead = (const char *)quad_block(data, q, kind != CODES_INT8) + PREFETCH_BYTES;
-                for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-            }
-            for (int v = 0; v < 4; v++) {
-                __m512i wv = avx512_quad(w, data, high, h, q, v, kind, table);
-                if (unsigned_codes) {
-                    for (int c = 0; c < count; c++) acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], wv, x[c]);
-                    continue;
-                }
-                __m512i magnitude = _mm512_abs_epi8(wv);
-                __mmask64 negative = _mm512_movepi8_mask(wv);
-                for (int c = 0; c < count; c++) {
-                    __m512i signed_x = _mm512_mask_sub_epi8(x[c], negative, _mm512_setzero_si512(), x[c]);
-                    acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], magnitude, signed_x);
-                }
-            }
-        }
+        avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
         GROUP_PARAMS(group_params_avx512)
         for (int c = 0; c < count; c++) {
             __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);
@@ -469,31 +480,7 @@ AVX512_TARGET void int8_two_level_avx512_n(const packed_matrix *w, const prepare
             for (int c = 0; c < count; c++) {
                 for (int v = 0; v < 4; v++) acc[c][v] = _mm512_setzero_si512();
             }
-            for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
-                __m512i x[MAX_TOKEN_BLOCK];
-                for (int c = 0; c < count; c++) {
-                    int32_t four;
-                    memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
-                    x[c] = _mm512_set1_epi32(four);
-                }
-                if (kind == CODES_INT8 || !(q & 1)) {
-                    const char *ahead = (const char *)quad_block(data, q, kind != CODES_INT8) + PREFETCH_BYTES;
-                    for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-                }
-                for (int v = 0; v < 4; v++) {
-                    __m512i wv = avx512_quad(w, data, high, h, q, v, kind, table);
-                    if (unsigned_codes) {
-                        for (int c = 0; c < count; c++) acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], wv, x[c]);
-                        continue;
-                    }
-                    __m512i magnitude = _mm512_abs_epi8(wv);
-                    __mmask64 negative = _mm512_movepi8_mask(wv);
-                    for (int c = 0; c < count; c++) {
-                        __m512i signed_x = _mm512_mask_sub_epi8(x[c], negative, _mm512_setzero_si512(), x[c]);
-                        acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], magnitude, signed_x);
-                    }
-                }
-            }
+            avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
             /* The group's sub-scales, rows 16v .. 16v+15 as int32 lanes. */
             const __m512i scale_bytes = sub_bytes_64(w, codes, values, (int)gl * per_group);
             __m512i scale[4];
