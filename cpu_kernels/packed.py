@@ -221,7 +221,7 @@ class PackedMatrix:
         offset and min code, int64 [N, G] (None without mins), and each super block's d and dmin,
         float32 [N, G / groups_per_super]."""
         sub = self.sub
-        v = _sub_values(sub, self.sub.codes).astype(np.int64)  # [T, S', gps, 1|2, R]
+        v = _sub_values(sub, sub.codes).astype(np.int64)  # [T, S', gps, 1|2, R]
         merged = lambda a: _rows_first(a.reshape(a.shape[0], -1, TILE_ROWS))[: self.rows]  # noqa: E731
         supers = lambda i: _rows_first(sub.supers[:, :, i, :].astype(np.float32))[: self.rows]  # noqa: E731
         mins = merged(v[..., 1, :]) if sub.with_mins else None

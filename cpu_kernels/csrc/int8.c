@@ -147,11 +147,6 @@ static void int8_tile_scalar(const packed_matrix *w, const prepared_acts *a, int
     }
 }
 
-/* Where super block s of a tile keeps d (and dmin after it). */
-static inline const uint16_t *super_values(const packed_matrix *w, int64_t tile, int64_t s) {
-    return w->supers + (tile * (w->cols / w->group / w->sub_gps) + s) * (w->sub_mins ? 2 : 1) * TILE_ROWS;
-}
-
 /* The two-level kernel (int8_two_level): scalar_code has subtracted the zero code already. */
 static void int8_two_level_scalar(const packed_matrix *w, const prepared_acts *a, int64_t tile,
                                   int64_t token, int count, float *out) {
@@ -234,36 +229,46 @@ AVX2_TARGET __m256i avx2_quad(const packed_matrix *w, const uint8_t *data, const
     return bytes; /* unsigned: the kernel subtracts zero times the activations' code sum */
 }
 
+/* acc[c][v] = rows 8v .. 8v+7 of group g times token c's codes: unsigned codes as they are,
+ * signed ones as |w| times x with w's sign. */
+AVX2_TARGET void avx2_group_dots(const packed_matrix *w, const prepared_acts *a, const uint8_t *data,
+                                 const uint8_t *high, int h, int64_t g, int64_t token, const int count,
+                                 const int kind, __m256i table, __m256i acc[MAX_TOKEN_BLOCK][8]) {
+    const int64_t quads = w->group / 4, code_stride = a->codes_per_token;
+    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < count; c++) {
+        for (int v = 0; v < 8; v++) acc[c][v] = _mm256_setzero_si256();
+    }
+    for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
+        __m256i x[MAX_TOKEN_BLOCK];
+        for (int c = 0; c < count; c++) {
+            int32_t four;
+            memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
+            x[c] = _mm256_set1_epi32(four);
+        }
+        for (int v = 0; v < 8; v++) {
+            __m256i wv = avx2_quad(w, data, high, h, q, v, kind, table);
+            /* unsigned codes below 64 times int8 activations: pairs stay within int16 */
+            __m256i magnitude = unsigned_codes ? wv : _mm256_sign_epi8(wv, wv);
+            for (int c = 0; c < count; c++) {
+                __m256i pairs = _mm256_maddubs_epi16(magnitude, unsigned_codes ? x[c] : _mm256_sign_epi8(x[c], wv));
+                acc[c][v] = _mm256_add_epi32(acc[c][v], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+    }
+}
+
 AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
                                   int64_t token, const int count, const int kind, const float *params,
                                   float *out) {
     TILE_SETUP
     const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i table = kind == CODES_CODEBOOK ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->codebook))
                                                  : _mm256_setzero_si256();
     for (int64_t g = 0; g < groups; g++) {
         __m256i acc[MAX_TOKEN_BLOCK][8]; /* acc[c][v]: rows 8v .. 8v+7 */
-        for (int c = 0; c < count; c++) {
-            for (int v = 0; v < 8; v++) acc[c][v] = _mm256_setzero_si256();
-        }
-        for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
-            __m256i x[MAX_TOKEN_BLOCK];
-            for (int c = 0; c < count; c++) {
-                int32_t four;
-                memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
-                x[c] = _mm256_set1_epi32(four);
-            }
-            for (int v = 0; v < 8; v++) {
-                __m256i wv = avx2_quad(w, data, high, h, q, v, kind, table);
-                /* unsigned codes below 64 times int8 activations: pairs stay within int16 */
-                __m256i magnitude = unsigned_codes ? wv : _mm256_sign_epi8(wv, wv);
-                for (int c = 0; c < count; c++) {
-                    __m256i pairs = _mm256_maddubs_epi16(magnitude, unsigned_codes ? x[c] : _mm256_sign_epi8(x[c], wv));
-                    acc[c][v] = _mm256_add_epi32(acc[c][v], _mm256_madd_epi16(pairs, ones));
-                }
-            }
-        }
+        avx2_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
         GROUP_PARAMS(group_params_avx2)
         for (int c = 0; c < count; c++) {
             __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + g]);
@@ -290,7 +295,6 @@ AVX2_TARGET void int8_two_level_avx2_n(const packed_matrix *w, const prepared_ac
     (void)params;
     const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
     const int64_t gps = w->sub_gps;
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i table = kind == CODES_CODEBOOK ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->codebook))
                                                  : _mm256_setzero_si256();
     const int per_group = w->sub_mins ? 2 : 1;
@@ -305,25 +309,7 @@ AVX2_TARGET void int8_two_level_avx2_n(const packed_matrix *w, const prepared_ac
         for (int64_t gl = 0; gl < gps; gl++) {
             const int64_t g = s * gps + gl;
             __m256i acc[MAX_TOKEN_BLOCK][8];
-            for (int c = 0; c < count; c++) {
-                for (int v = 0; v < 8; v++) acc[c][v] = _mm256_setzero_si256();
-            }
-            for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
-                __m256i x[MAX_TOKEN_BLOCK];
-                for (int c = 0; c < count; c++) {
-                    int32_t four;
-                    memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
-                    x[c] = _mm256_set1_epi32(four);
-                }
-                for (int v = 0; v < 8; v++) {
-                    __m256i wv = avx2_quad(w, data, high, h, q, v, kind, table);
-                    __m256i magnitude = unsigned_codes ? wv : _mm256_sign_epi8(wv, wv);
-                    for (int c = 0; c < count; c++) {
-                        __m256i pairs = _mm256_maddubs_epi16(magnitude, unsigned_codes ? x[c] : _mm256_sign_epi8(x[c], wv));
-                        acc[c][v] = _mm256_add_epi32(acc[c][v], _mm256_madd_epi16(pairs, ones));
-                    }
-                }
-            }
+            avx2_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
             for (int c = 0; c < count; c++) {
                 const int32_t code_sum = a->code_sums[(token + c) * groups + g];
                 const __m256i zero_sum = _mm256_set1_epi32(w->zero * code_sum), sums = _mm256_set1_epi32(code_sum);
@@ -385,13 +371,16 @@ AVX512_TARGET __m512i avx512_quad(const packed_matrix *w, const uint8_t *data, c
     return bytes; /* unsigned: the kernel subtracts zero times the activations' code sum */
 }
 
-/* acc[c][v] += rows 16v .. 16v+15 of group g times token c's codes: unsigned codes as they are,
+/* acc[c][v] = rows 16v .. 16v+15 of group g times token c's codes: unsigned codes as they are,
  * signed ones as |w| times x with w's sign. */
 AVX512_TARGET void avx512_group_dots(const packed_matrix *w, const prepared_acts *a, const uint8_t *data,
                                      const uint8_t *high, int h, int64_t g, int64_t token, const int count,
                                      const int kind, __m512i table, __m512i acc[MAX_TOKEN_BLOCK][4]) {
     const int64_t quads = w->group / 4, code_stride = a->codes_per_token;
     const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    for (int c = 0; c < count; c++) {
+        for (int v = 0; v < 4; v++) acc[c][v] = _mm512_setzero_si512();
+    }
     for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
         __m512i x[MAX_TOKEN_BLOCK];
         for (int c = 0; c < count; c++) {
@@ -432,9 +421,6 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
     }
     for (int64_t g = 0; g < groups; g++) {
         __m512i acc[MAX_TOKEN_BLOCK][4]; /* acc[c][v]: rows 16v .. 16v+15 */
-        for (int c = 0; c < count; c++) {
-            for (int v = 0; v < 4; v++) acc[c][v] = _mm512_setzero_si512();
-        }
         avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
         GROUP_PARAMS(group_params_avx512)
         for (int c = 0; c < count; c++) {
@@ -477,9 +463,6 @@ AVX512_TARGET void int8_two_level_avx512_n(const packed_matrix *w, const prepare
         for (int64_t gl = 0; gl < gps; gl++) {
             const int64_t g = s * gps + gl;
             __m512i acc[MAX_TOKEN_BLOCK][4];
-            for (int c = 0; c < count; c++) {
-                for (int v = 0; v < 4; v++) acc[c][v] = _mm512_setzero_si512();
-            }
             avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
             /* The group's sub-scales, rows 16v .. 16v+15 as int32 lanes. */
             const __m512i scale_bytes = sub_bytes_64(w, codes, values, (int)gl * per_group);

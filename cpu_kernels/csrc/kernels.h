@@ -115,7 +115,6 @@ static inline int64_t act_block(const packed_matrix *w) {
     return int8_two_level(w) ? w->group * w->sub_gps : w->group;
 }
 
-
 tile_kernel lut_tile_kernel(isa_t isa);
 tile_kernel int8_tile_kernel(isa_t isa);
 

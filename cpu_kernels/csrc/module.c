@@ -108,8 +108,9 @@ static void tile_item(void *ctx, int64_t item) {
     const int64_t valid = job->rows - row0 < TILE_ROWS ? job->rows - row0 : TILE_ROWS;
     float out[MAX_TOKEN_BLOCK * TILE_ROWS];
     /* Several blocks of tokens share the tile's scales, decoded once (a failed allocation: per block). */
-    float *params = last - first > MAX_TOKEN_BLOCK && !int8_two_level(&job->w) ? malloc(job->w.cols / job->w.group * 2 * TILE_ROWS * sizeof(float))
-                                                   : NULL;
+    /* The two-level int8 kernel reads its integer sub-scales, never these. */
+    const int shared = last - first > MAX_TOKEN_BLOCK && !int8_two_level(&job->w);
+    float *params = shared ? malloc(job->w.cols / job->w.group * 2 * TILE_ROWS * sizeof(float)) : NULL;
     if (params) tile_params(&job->w, tile, job->isa, params);
     for (int64_t token = first; token < last; token += MAX_TOKEN_BLOCK) {
         int count = last - token < MAX_TOKEN_BLOCK ? (int)(last - token) : MAX_TOKEN_BLOCK;

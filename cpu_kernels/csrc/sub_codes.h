@@ -10,16 +10,6 @@
 #include <immintrin.h>
 #endif
 
-/* Where the sub codes' values of (tile, super block) start, and how many values a row has. */
-#define SUB_SETUP                                                                               \
-    const int64_t groups = w->cols / w->group, gps = w->sub_gps;                                \
-    const int64_t supers_per_tile = groups / gps, s = g / gps, gl = g % gps;                    \
-    const int values = (int)gps * (w->sub_mins ? 2 : 1);                                        \
-    const int64_t sub_bytes = w->sub_bits == 8 ? values : values / 2 + (w->sub_bits == 6 ? values / 4 : 0); \
-    const uint8_t *codes = w->sub_codes + (tile * supers_per_tile + s) * sub_bytes * TILE_ROWS;  \
-    const uint16_t *supers = w->supers + (tile * supers_per_tile + s) * (w->sub_mins ? 2 : 1) * TILE_ROWS; \
-    const int v_scale = (int)gl * (w->sub_mins ? 2 : 1);
-
 /* The sub codes of super block s of a tile; *values: how many a row has there. */
 static inline const uint8_t *super_codes(const packed_matrix *w, int64_t tile, int64_t s, int *values) {
     const int64_t supers_per_tile = w->cols / w->group / w->sub_gps;
@@ -27,6 +17,19 @@ static inline const uint8_t *super_codes(const packed_matrix *w, int64_t tile, i
     const int64_t bytes = w->sub_bits == 8 ? *values : *values / 2 + (w->sub_bits == 6 ? *values / 4 : 0);
     return w->sub_codes + (tile * supers_per_tile + s) * bytes * TILE_ROWS;
 }
+
+/* Where super block s of a tile keeps d (and dmin after it). */
+static inline const uint16_t *super_values(const packed_matrix *w, int64_t tile, int64_t s) {
+    return w->supers + (tile * (w->cols / w->group / w->sub_gps) + s) * (w->sub_mins ? 2 : 1) * TILE_ROWS;
+}
+
+/* In a per-group decoder: group g's super block's codes and d (dmin), and g's scale code's index. */
+#define SUB_SETUP                                                             \
+    const int64_t s = g / w->sub_gps, gl = g % w->sub_gps;                   \
+    int values;                                                               \
+    const uint8_t *codes = super_codes(w, tile, s, &values);                  \
+    const uint16_t *supers = super_values(w, tile, s);                        \
+    const int v_scale = (int)gl * (w->sub_mins ? 2 : 1);
 
 /* Sub code value v of row r. */
 static inline int sub_value(const packed_matrix *w, const uint8_t *codes, int values, int v, int r) {
