@@ -426,6 +426,17 @@ def test_bad_compact_layout_argument_is_an_exception_naming_it(name, value, mess
         _kernels.matmul(**args)
 
 
+def test_two_level_mins_on_a_group_whose_code_sum_passes_int16_are_refused():
+    # The int8 kernel pairs each group's activation code sum (up to group * 127) with its min code as
+    # int16: a group of 512 columns would overflow it.
+    args = compact_args()
+    cols, group = 1024, 512
+    args.update(group=group, x=np.ones((3, cols), np.float32), width=4, high=None, sub_bits=8, sub_groups=2,
+                data=np.zeros(2 * 64 * cols // 2, np.uint8))
+    with pytest.raises(ValueError, match="group 512 is over 258 with two-level mins on 8-bit weights"):
+        _kernels.matmul(**args)
+
+
 def test_valid_arguments_work():
     args = valid_args()
     _kernels.matmul(*args.values())

@@ -185,6 +185,10 @@ static void matmul_problem(const packed_matrix *w, int codebook, int has_high, i
         snprintf(problem, size, "sub_bits must be 4, 6 or 8, not %d", w->sub_bits);
     } else if (w->sub_gps < 1 || groups % w->sub_gps || values % 4 || w->sub_offset < 0 || w->sub_offset > 255) {
         snprintf(problem, size, "sub_groups must divide the groups, with a multiple of 4 codes, and sub_offset be 0..255");
+    } else if (w->bits == 8 && w->sub_mins && group * 127 > INT16_MAX) {
+        /* the two-level kernel pairs each group's activation code sum with its min code as int16 */
+        snprintf(problem, size, "group %lld is over %d with two-level mins on 8-bit weights", (long long)group,
+                 INT16_MAX / 127);
     }
     const int64_t bytes = w->sub_bits == 8 ? values : values / 2 + (w->sub_bits == 6 ? values / 4 : 0);
     const int64_t supers = w->sub_gps > 0 ? groups / w->sub_gps : 0;
