@@ -302,6 +302,7 @@ AVX2_TARGET void int8_two_level_avx2_n(const packed_matrix *w, const prepared_ac
     for (int64_t s = 0; s < groups / gps; s++) {
         int values;
         const uint8_t *codes = super_codes(w, tile, s, &values);
+        prefetch_next_super(w, tile, s);
         __m256i isum[MAX_TOKEN_BLOCK][8], imin[MAX_TOKEN_BLOCK][8];
         for (int c = 0; c < count; c++) {
             for (int v = 0; v < 8; v++) isum[c][v] = imin[c][v] = _mm256_setzero_si256();
@@ -456,6 +457,7 @@ AVX512_TARGET void int8_two_level_avx512_n(const packed_matrix *w, const prepare
     for (int64_t s = 0; s < groups / gps; s++) {
         int values;
         const uint8_t *codes = super_codes(w, tile, s, &values);
+        prefetch_next_super(w, tile, s);
         __m512i isum[MAX_TOKEN_BLOCK][4], imin[MAX_TOKEN_BLOCK][4];
         for (int c = 0; c < count; c++) {
             for (int v = 0; v < 4; v++) isum[c][v] = imin[c][v] = _mm512_setzero_si512();

@@ -13,6 +13,7 @@
 
 #include "kernels.h"
 #include "ops.h"
+#include "sub_codes.h"
 
 #define TOKEN_CHUNK 32 /* tokens per work item in a many-token product */
 #define INLINE_PREPARES 16 /* token rows the caller quantizes itself rather than wait for the threads once more */
@@ -190,7 +191,7 @@ static void matmul_problem(const packed_matrix *w, int codebook, int has_high, i
         snprintf(problem, size, "group %lld is over %d with two-level mins on 8-bit weights", (long long)group,
                  INT16_MAX / 127);
     }
-    const int64_t bytes = w->sub_bits == 8 ? values : values / 2 + (w->sub_bits == 6 ? values / 4 : 0);
+    const int64_t bytes = sub_code_bytes(w->sub_bits, values);
     const int64_t supers = w->sub_gps > 0 ? groups / w->sub_gps : 0;
     sizes->sub_codes = tiles * supers * bytes * TILE_ROWS;
     sizes->supers = tiles * supers * (w->sub_mins ? 2 : 1) * TILE_ROWS;
