@@ -23,6 +23,15 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return out
 
 
+def weighted_rows(rows: np.ndarray, picks: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """out[t] = the sum over j of weights[t, j] * rows[picks[t, j]], j ascending, for rows [N, E]
+    float32, picks [T, k] int64 (each a row of rows, else ValueError) and weights [T, k] float32:
+    a MoE layer's output, each token's experts weighted in its router's order."""
+    out = np.empty((picks.shape[0], rows.shape[1]), np.float32)
+    _kernels.weighted_rows(rows, picks, weights, out)
+    return out
+
+
 def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.ndarray, sin: np.ndarray,
               heads: int, start: int, neox: bool, parents: np.ndarray | None = None,
               tree_start: int | None = None, window: int = 0, scale: float | None = None,

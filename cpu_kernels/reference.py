@@ -121,6 +121,10 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def weighted_rows_reference(rows: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (weights[..., None] * rows[picks]).sum(dim=1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """Rotates the first rope_dim features of every head.
 

@@ -48,6 +48,10 @@ class Kernels(Protocol):
     def swiglu_each(self, gate_ups: Sequence[Linear], xs: Sequence[Activations]
                     ) -> list[Activations]: ...  # [swiglu(gate_up, x) for each]
 
+    def combine_experts(self, outputs: Sequence[Activations], picks: np.ndarray, weights: Activations
+                        ) -> Activations: ...  # rows = the outputs' rows in turn (from any device);
+    # [T, E]: each token's sum over j of weights[t, j] * rows[picks[t, j]] (picks, weights [T, k])
+
     def attention(self, qkv: Activations, keys: Activations, values: Activations, cos: Activations,
                   sin: Activations, heads: int, start: int, neox: bool, parents: np.ndarray | None,
                   tree_start: int | None, window: int = 0, scale: float | None = None,
@@ -76,6 +80,11 @@ class CpuKernels:
 
     def swiglu_each(self, gate_ups: Sequence[Linear], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [ops.silu_mul(h) for h in linear_each(gate_ups, xs)]
+
+    def combine_experts(self, outputs: Sequence[Activations], picks: np.ndarray, weights: Activations
+                        ) -> np.ndarray:
+        rows = self.take(outputs[0]) if len(outputs) == 1 else np.concatenate([self.take(y) for y in outputs])
+        return ops.weighted_rows(rows, picks, np.ascontiguousarray(self.take(weights), np.float32))
 
     def attention(self, qkv, keys, values, cos, sin, heads, start, neox, parents, tree_start, window=0,
                   scale=None, softcap=0.0, held_from=0, sinks=None) -> np.ndarray:

@@ -7,8 +7,13 @@ import torch
 
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes
-from tierflow.cpu_kernels.ops import attention, rms_norm, silu_mul
-from tierflow.cpu_kernels.reference import attention_reference, rms_norm_reference, silu_mul_reference
+from tierflow.cpu_kernels.ops import attention, rms_norm, silu_mul, weighted_rows
+from tierflow.cpu_kernels.reference import (
+    attention_reference,
+    rms_norm_reference,
+    silu_mul_reference,
+    weighted_rows_reference,
+)
 from tierflow.kv_types import KV_TYPES
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
@@ -56,6 +61,28 @@ def test_rms_norm_matches_torch():
 def test_silu_mul_matches_torch():
     gate_up = torch.randn(3, 2 * 80) * 4
     torch.testing.assert_close(torch.from_numpy(silu_mul(gate_up.numpy())), silu_mul_reference(gate_up))
+
+
+def test_weighted_rows_match_torch():
+    rows, weights = torch.randn(7, 40), torch.rand(3, 4)
+    picks = torch.tensor([[6, 0, 2, 1], [3, 3, 5, 4], [0, 1, 2, 6]])
+    out = weighted_rows(rows.numpy(), picks.numpy(), weights.numpy())
+    torch.testing.assert_close(torch.from_numpy(out), weighted_rows_reference(rows, picks, weights))
+
+
+def test_weighted_rows_give_a_token_the_same_bits_alone_or_in_a_batch():
+    rows, weights = torch.randn(9, 48).numpy(), torch.rand(3, 3).numpy()
+    picks = np.array([[8, 1, 4], [0, 2, 7], [5, 6, 3]])
+    batch = weighted_rows(rows, picks, weights)
+    for t in range(3):
+        assert np.array_equal(weighted_rows(rows, picks[t:t + 1], weights[t:t + 1])[0], batch[t])
+
+
+@pytest.mark.parametrize("pick", [-1, 5])
+def test_weighted_rows_refuse_a_pick_outside_the_rows(pick):
+    rows, weights = np.ones((5, 16), np.float32), np.ones((1, 2), np.float32)
+    with pytest.raises(ValueError, match="not a row"):
+        weighted_rows(rows, np.array([[0, pick]]), weights)
 
 
 def check_attention(name: str, head_dim: int, neox: bool, rope_dim: int, tokens: int, start: int,

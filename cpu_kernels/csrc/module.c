@@ -473,6 +473,35 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_weighted_rows(PyObject *self, PyObject *args) {
+    PyObject *rows_obj, *picks_obj, *weights_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "OOOO:weighted_rows", &rows_obj, &picks_obj, &weights_obj, &out_obj)) return NULL;
+    buffer_arg buf[4] = {{.held = 0}};
+    if (get_floats(rows_obj, &buf[0], "rows", 2, 0) || get_buffer(picks_obj, &buf[1], "picks", 8, "lq", 0) ||
+        get_floats(weights_obj, &buf[2], "weights", 2, 0) || get_floats(out_obj, &buf[3], "out", 2, 1)) {
+        release(buf, 4);
+        return NULL;
+    }
+    const Py_ssize_t count = buf[0].view.shape[0], size = buf[0].view.shape[1];
+    const Py_ssize_t *picks_shape = buf[1].view.shape, *weights_shape = buf[2].view.shape, *out_shape = buf[3].view.shape;
+    const char *problem = NULL;
+    if (buf[1].view.ndim != 2 || weights_shape[0] != picks_shape[0] || weights_shape[1] != picks_shape[1] ||
+        out_shape[0] != picks_shape[0] || out_shape[1] != size) {
+        problem = "weighted_rows: rows [N, E], picks and weights [T, k] and out [T, E] disagree";
+    }
+    const int64_t *picks = buf[1].view.buf;
+    for (Py_ssize_t i = 0; !problem && i < picks_shape[0] * picks_shape[1]; i++) {
+        if (picks[i] < 0 || picks[i] >= count) problem = "weighted_rows: a pick is not a row of rows";
+    }
+    if (problem) {
+        release(buf, 4);
+        return PyErr_Format(PyExc_ValueError, "%s", problem);
+    }
+    weighted_rows(buf[0].view.buf, size, picks, buf[2].view.buf, picks_shape[0], picks_shape[1], buf[3].view.buf);
+    release(buf, 4);
+    Py_RETURN_NONE;
+}
+
 /* Whether the pass fits in the cache: the slots it scores, from the block of the first position its
  * first token sees to the last token rounded up to 16, are no more than the capacity (as
  * tierflow.kv_types.scored_slots counts them), so that no two of its positions share a slot of a
@@ -677,6 +706,8 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS, matmul_doc},
     {"matmul_many", py_matmul_many, METH_O, matmul_many_doc},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, weight, eps, out): out = x / rms(x) * weight, per row."},
+    {"weighted_rows", py_weighted_rows, METH_VARARGS,
+     "weighted_rows(rows, picks, weights, out): out[t] = sum over j of weights[t, j] * rows[picks[t, j]], j ascending."},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, out): out = silu(gate) * up, gate_up = [gate, up] per row."},
     {"attention", py_attention, METH_VARARGS, attention_doc},
     {"set_threads", py_set_threads, METH_O, "Threads the kernels use, the caller included."},

@@ -3,8 +3,9 @@
  * With the matmuls in the kernels, a decode step of a small model spent most of its time in
  * Python and in torch's per-operation overhead (about 40 tensor operations per layer). These
  * functions do the same arithmetic as runtime/model.py's torch code, in float32, in one call
- * each: RMSNorm, SiLU(gate) * up, and rotary embedding + KV-cache write + causal attention (the
- * attention of one item is in attend.h, compiled once per ISA).
+ * each: RMSNorm, SiLU(gate) * up, a MoE layer's weighted sum of its experts' outputs, and rotary
+ * embedding + KV-cache write + causal attention (the attention of one item is in attend.h,
+ * compiled once per ISA).
  *
  * Every result row depends only on its own inputs, computed in a fixed order: a token gets
  * bit-identical results whether it is decoded alone or computed in a prefill batch, so greedy
@@ -43,6 +44,21 @@ TARGET_CLONES void silu_mul_rows(const float *gate_up, int64_t rows, int64_t siz
             float g[16] = {gate[i]}, u[16] = {up[i]}, o[16];
             store16(o, load16(g) / (1.0f + exp16(-load16(g))) * load16(u));
             out[r * size + i] = o[0];
+        }
+    }
+}
+
+TARGET_CLONES void weighted_rows(const float *rows, int64_t size, const int64_t *picks, const float *weights,
+                                 int64_t tokens, int64_t k, float *out) {
+    for (int64_t t = 0; t < tokens; t++) {
+        float *o = out + t * size;
+        for (int64_t j = 0; j < k; j++) {
+            const float *row = rows + picks[t * k + j] * size, weight = weights[t * k + j];
+            if (j == 0) {
+                for (int64_t i = 0; i < size; i++) o[i] = weight * row[i];
+            } else {
+                for (int64_t i = 0; i < size; i++) o[i] += weight * row[i];
+            }
         }
     }
 }

@@ -10,6 +10,10 @@
 void rms_norm_rows(const float *x, const float *weight, int64_t rows, int64_t size, float eps,
                    float *out);
 void silu_mul_rows(const float *gate_up, int64_t rows, int64_t size, float *out);
+/* out[t] = the sum over j of weights[t][j] * rows[picks[t][j]], j ascending (k picks per token):
+ * a token's experts' outputs, weighted, in the order its router ranked them. */
+void weighted_rows(const float *rows, int64_t size, const int64_t *picks, const float *weights,
+                   int64_t tokens, int64_t k, float *out);
 
 /* The types a KV cache stores its rows in (tierflow.kv_types; layouts: cpu_kernels/kv_layout.py):
  * a head's key or value at one position is a row of `row` items, head_dim float32 or float16, or

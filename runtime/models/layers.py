@@ -197,51 +197,63 @@ def moe_ffn(p: LayerPass, w: Weights, h: Activations, residual: Activations,
     router = scored_top_k(p.config, w.fields.get("exp_probs_b"))
     out = routed_experts(p, w, h, residual, router, expert_ffn)
     if p.config.shared_expert_ffn_size:
-        shared = shared_expert_output(p, w, h).to(out.device)
+        shared = shared_expert_output(p, w, h)
         if "shared_gate" in w.fields:
-            shared *= torch.sigmoid(torch.as_tensor(w.shared_gate(h))).to(out.device)  # [T, 1]
-        out += shared
-    return p.kernels.take(out)
+            shared *= torch.sigmoid(torch.as_tensor(w.shared_gate(h)))  # [T, 1]
+        torch.as_tensor(out).add_(shared)  # in place, on the layer's device
+    return out
 
 
 def shared_expert_output(p: LayerPass, w: Weights, h: Activations) -> torch.Tensor:
     """The SwiGLU expert every token uses (shared_gate_up, shared_down): [T, E]."""
-    hidden = torch.as_tensor(h)
-    return torch.as_tensor(swiglu(p.kernels, w.shared_gate_up, w.shared_down, p.kernels.take(hidden)))
+    return torch.as_tensor(swiglu(p.kernels, w.shared_gate_up, w.shared_down, h))
 
 
 def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activations, router: Router,
-                   expert_ffn: ExpertFFN = swiglu_experts) -> torch.Tensor:
+                   expert_ffn: ExpertFFN = swiglu_experts) -> Activations:
     """Each expert computes all the tokens routed to it at once, and the experts of a group that
     `w.experts` hands over (wherever they live, in the order it picks) on one device compute
     together; each token sums its experts' outputs, weighted, in the order the router ranked them
-    (as llama.cpp does), so the result does not depend on the order they came in. residual [T, E]
-    (the stream entering the FFN) lets the experts' source predict the next layer's routing."""
-    hidden = torch.as_tensor(h)  # [T, E], shares memory
+    (as llama.cpp does: p.kernels.combine_experts), so the result does not depend on the order
+    they came in. residual [T, E] (the stream entering the FFN) lets the experts' source predict
+    the next layer's routing. The bookkeeping is numpy on small arrays: a decode step runs it once
+    per layer, where torch's per-operation cost was a tenth of the layer's time."""
     weights, chosen = router(torch.as_tensor(w.router(h)), p.config.experts_used)  # [T, k] each
     chosen_ids = chosen.cpu().numpy()
     if p.on_routing is not None:
         p.on_routing(p.layer_idx, chosen_ids)
-    tokens, k = chosen_ids.shape
-    order = np.argsort(chosen_ids, axis=None, kind="stable")  # the T * k choices by expert, tokens ascending
-    ids, starts = np.unique(chosen_ids.reshape(-1)[order], return_index=True)
-    ends = [*starts[1:].tolist(), order.size]
-    spans = {e: slice(a, b) for e, a, b in zip(ids.tolist(), starts.tolist(), ends)}  # each expert's choices
-    rows = torch.from_numpy(order // k)
-    outputs = {}  # expert id -> its output (on its device until all ran)
+    order, experts, tokens = _choices_by_expert(chosen_ids)
+    tokens_of = dict(zip(experts, tokens))
+    outputs = {}  # expert id -> its output rows (on its device)
     for group in w.experts.groups(chosen_ids, residual):
         for kernels, members in _by_kernels(group).items():
-            xs = [kernels.take(_expert_rows(hidden, rows[spans[e]])) for e, _ in members]
+            xs = [kernels.take(_expert_rows(h, tokens_of[e])) for e, _ in members]
             ys = expert_ffn(kernels, [expert for _, expert in members], xs)
             outputs.update(zip((e for e, _ in members), ys))
-    by_expert = torch.cat([torch.as_tensor(outputs[e]).to(hidden.device) for e in ids.tolist()])  # in `order`
-    chosen_out = by_expert[torch.from_numpy(np.argsort(order))].view(tokens, k, -1)  # [T, k, E]
-    return (weights.to(hidden.device)[..., None] * chosen_out).sum(dim=1)
+    picks = np.empty_like(order)
+    picks[order] = np.arange(order.size)  # choice i's row among the outputs taken in expert order
+    return p.kernels.combine_experts([outputs[e] for e in experts], picks.reshape(chosen_ids.shape), weights)
 
 
-def _expert_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _choices_by_expert(chosen_ids: np.ndarray) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
+    """chosen_ids [T, k] -> the order of the T * k choices by expert (tokens ascending), the
+    experts chosen (ascending) and each one's tokens (ascending)."""
+    choices = chosen_ids.reshape(-1)
+    order = np.argsort(choices, kind="stable")
+    ranked = choices[order]
+    first = np.empty(ranked.size, bool)  # where each expert's run of choices begins
+    first[0] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    bounds, token_rows = [*starts.tolist(), ranked.size], order // chosen_ids.shape[1]
+    return order, ranked[starts].tolist(), [token_rows[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _expert_rows(h: Activations, rows: np.ndarray) -> Activations:
     """The rows of the tokens that chose an expert (ascending): all of them as they are, when all did."""
-    return hidden if len(rows) == len(hidden) else hidden[rows]
+    if len(rows) == len(h):
+        return h
+    return h[rows] if isinstance(h, np.ndarray) else h[torch.from_numpy(rows).to(h.device)]
 
 
 def _by_kernels(group: list[tuple[int, Weights]]) -> dict[Kernels, list[tuple[int, Weights]]]:
