@@ -34,7 +34,7 @@ def mapped_packages() -> dict[str, str]:
 # The CPU kernels: one portable build, with the AVX2 and AVX-512 paths compiled per function
 # (target attributes) or per file (attend_*.c) and chosen at run time, so no -march flag ties the
 # build to this machine.
-KERNEL_SOURCES = ("module", "lut", "int8", "params", "ops", "pool",
+KERNEL_SOURCES = ("module", "lut", "int8", "params", "ops", "pool", "crc32",
                   "attend_avx512", "attend_avx2", "attend_portable")
 KERNELS = Extension(
     "tierflow.cpu_kernels._kernels",

@@ -148,4 +148,8 @@ static inline float half_to_float(uint16_t h) {
     return v.f;
 }
 
+/* zlib's crc32(crc, bytes): PCLMULQDQ folding where the CPU has it (crc32.c). */
+uint32_t crc32_zlib(uint32_t crc, const uint8_t *bytes, int64_t count);
+int crc32_folds(void); /* whether it folds (else the table alone: slower than zlib's own) */
+
 #endif

@@ -473,6 +473,20 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_crc32(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    unsigned int crc = 0;
+    if (!PyArg_ParseTuple(args, "y*|I:crc32", &data, &crc)) return NULL;
+    uint32_t result;
+    Py_BEGIN_ALLOW_THREADS
+    result = crc32_zlib(crc, data.buf, (int64_t)data.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLong(result);
+}
+
+static PyObject *py_crc32_folds(PyObject *self, PyObject *unused) { return PyBool_FromLong(crc32_folds()); }
+
 static PyObject *py_weighted_rows(PyObject *self, PyObject *args) {
     PyObject *rows_obj, *picks_obj, *weights_obj, *out_obj;
     if (!PyArg_ParseTuple(args, "OOOO:weighted_rows", &rows_obj, &picks_obj, &weights_obj, &out_obj)) return NULL;
@@ -706,6 +720,8 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS, matmul_doc},
     {"matmul_many", py_matmul_many, METH_O, matmul_many_doc},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, weight, eps, out): out = x / rms(x) * weight, per row."},
+    {"crc32", py_crc32, METH_VARARGS, "crc32(data, crc=0): zlib.crc32's value, at memory speed where the CPU has PCLMULQDQ."},
+    {"crc32_folds", py_crc32_folds, METH_NOARGS, "crc32_folds(): whether crc32 folds with PCLMULQDQ on this CPU."},
     {"weighted_rows", py_weighted_rows, METH_VARARGS,
      "weighted_rows(rows, picks, weights, out): out[t] = sum over j of weights[t, j] * rows[picks[t, j]], j ascending."},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, out): out = silu(gate) * up, gate_up = [gate, up] per row."},

@@ -29,11 +29,11 @@ disk against the pack's size, known from the header (pack_sizes).
 import json
 import logging
 import os
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierflow.cpu_kernels.checksum import crc32
 from tierflow.errors import ModelFileError, TierflowError
 from tierflow.offload.gguf.model_file import ModelFile
 from tierflow.offload.pack.cache import make_room, pack_path, record_use, source_identity
@@ -129,7 +129,7 @@ def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = Non
                         "experts": []}
             for layer, expert, layout in extents(model, decoder):
                 data = layout.bytes()
-                entry = {"offset": f.tell(), "nbytes": len(data), "crc32": zlib.crc32(data),
+                entry = {"offset": f.tell(), "nbytes": len(data), "crc32": crc32(data),
                          "weights": layout.spec}
                 f.write(data)
                 if layer is None:
@@ -142,7 +142,7 @@ def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = Non
             raw = json.dumps(manifest).encode()
             offset = f.tell()
             f.write(raw)
-            f.write(TRAILER.pack(MAGIC, offset, len(raw), zlib.crc32(raw)))
+            f.write(TRAILER.pack(MAGIC, offset, len(raw), crc32(raw)))
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
