@@ -1,4 +1,5 @@
-"""The gated delta rule, Gated DeltaNet's recurrence, in float32 torch: token by token and chunked.
+"""The gated delta rule, Gated DeltaNet's recurrence, in float32: token by token (one C call a token
+on the CPU) and chunked (torch).
 
 Per value head, with a state S [Dk, Dv], a token's query q and key k (L2-normed, [Dk]), value v
 [Dv], decay g (<= 0) and write strength beta in (0, 1):
@@ -17,7 +18,10 @@ Shapes: T tokens, H value heads, Dk key size, Dv value size, C channels, K kerne
 import torch
 import torch.nn.functional as F
 
+from tierflow.cpu_kernels import ops
+
 CHUNK = 32  # tokens per chunk of the chunked form (llama.cpp's 64 took 20% longer on the CPU)
+DELTA_MAX_VALUE_SIZE = 512  # the C step's largest Dv (csrc/ops.h DELTA_MAX_DV)
 
 
 def same_bits(function, x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +43,18 @@ def causal_conv(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
 
 def step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
          beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token: state [H, Dk, Dv], q, k [H, Dk], v [H, Dv], g, beta [H] -> (output [H, Dv], new state)."""
+    """One token: state [H, Dk, Dv], q, k [H, Dk], v [H, Dv], g, beta [H] -> (output [H, Dv], new state).
+    On the CPU one call of the C kernels (cpu_kernels.ops.delta_step: a third of step_in_torch's
+    time); elsewhere, and for value sizes the kernel does not take, step_in_torch."""
+    if state.device.type == "cpu" and v.shape[-1] % 16 == 0 and v.shape[-1] <= DELTA_MAX_VALUE_SIZE:
+        out, state = ops.delta_step(*(x.contiguous().numpy() for x in (state, q, k, v, g, beta)))
+        return torch.from_numpy(out), torch.from_numpy(state)
+    return step_in_torch(state, q, k, v, g, beta)
+
+
+def step_in_torch(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`step` as torch operations, on any device."""
     # Both reads from the state before it decays, in one product: k^T S and q^T S, then
     # S' = exp(g) S + k delta^T gives k^T S' = exp(g) k^T S + ... and q^T S' = exp(g) q^T S + (q . k) delta.
     decay = torch.exp(g)

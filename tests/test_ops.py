@@ -4,10 +4,11 @@ whether it is computed alone or in a batch, with the KV cache in every type."""
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes
-from tierflow.cpu_kernels.ops import attention, rms_norm, silu_mul, weighted_rows
+from tierflow.cpu_kernels.ops import attention, delta_step, rms_norm, silu_mul, weighted_rows
 from tierflow.cpu_kernels.reference import (
     attention_reference,
     rms_norm_reference,
@@ -15,6 +16,7 @@ from tierflow.cpu_kernels.reference import (
     weighted_rows_reference,
 )
 from tierflow.kv_types import KV_TYPES
+from tierflow.runtime.delta_rule import step_in_torch
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 
@@ -83,6 +85,34 @@ def test_weighted_rows_refuse_a_pick_outside_the_rows(pick):
     rows, weights = np.ones((5, 16), np.float32), np.ones((1, 2), np.float32)
     with pytest.raises(ValueError, match="not a row"):
         weighted_rows(rows, np.array([[0, pick]]), weights)
+
+
+def delta_inputs(heads: int = 4, dk: int = 32, dv: int = 48) -> tuple[torch.Tensor, ...]:
+    """A state and one token's L2-normed q, k, its v, decay g <= 0 and strength beta in (0, 1)."""
+    generator = torch.Generator().manual_seed(3)
+    q, k = (F.normalize(torch.randn(heads, dk, generator=generator), dim=-1) for _ in range(2))
+    state, v = torch.randn(heads, dk, dv, generator=generator), torch.randn(heads, dv, generator=generator)
+    return state, q, k, v, -torch.rand(heads, generator=generator), torch.rand(heads, generator=generator)
+
+
+def test_delta_step_matches_the_torch_formulation():
+    inputs = delta_inputs()
+    out, state = delta_step(*(x.numpy() for x in inputs))
+    expected_out, expected_state = step_in_torch(*inputs)
+    torch.testing.assert_close(torch.from_numpy(out), expected_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.from_numpy(state), expected_state, rtol=1e-5, atol=1e-6)
+
+
+def test_delta_step_leaves_the_state_it_was_given():
+    inputs = [x.numpy() for x in delta_inputs()]
+    before = inputs[0].copy()
+    delta_step(*inputs)
+    assert np.array_equal(inputs[0], before)
+
+
+def test_delta_step_refuses_a_value_size_that_is_not_a_multiple_of_16():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        delta_step(*(x.numpy() for x in delta_inputs(dv=40)))
 
 
 def check_attention(name: str, head_dim: int, neox: bool, rope_dim: int, tokens: int, start: int,
