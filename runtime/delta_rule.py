@@ -1,16 +1,18 @@
-"""The gated delta rule, Gated DeltaNet's recurrence, in float32: token by token (one C call a token
-on the CPU) and chunked (torch).
+"""The gated delta rule, Gated DeltaNet's recurrence, in float32: token by token and chunked.
 
 Per value head, with a state S [Dk, Dv], a token's query q and key k (L2-normed, [Dk]), value v
 [Dv], decay g (<= 0) and write strength beta in (0, 1):
     S <- S * exp(g)
     S <- S + k (beta (v - k^T S))^T      (the delta rule: move k's read-out towards v)
     o  = q^T S / sqrt(Dk)
-`step` runs it one token at a time; `chunked` runs a prompt in chunks of CHUNK tokens, each a few
-matrix products (the WY form llama.cpp and the reference implementation use), so a long prompt
-costs matrix products rather than a Python loop per token. Both give the same result up to float
-rounding; token trees and draft verification use `step`, so their rows are bit for bit what decoding
-the tokens one by one gives. `causal_conv` is the short causal convolution before it.
+`stepwise` runs it one token at a time: on the CPU in one call of the C kernels for all the tokens
+(each head's state stays in the core's cache), elsewhere as torch operations per token
+(`step_in_torch`). `chunked` runs a prompt in chunks of CHUNK tokens, each a few torch matrix
+products (the WY form llama.cpp and the reference implementation use), so that a long prompt on a
+GPU costs matrix products rather than a Python loop per token; `long_pass` picks the faster of the
+two for a prefill chunk. They give the same result up to float rounding; token trees and draft
+verification use `step`, so their rows are bit for bit what decoding the tokens one by one gives.
+`causal_conv` is the short causal convolution before it.
 
 Shapes: T tokens, H value heads, Dk key size, Dv value size, C channels, K kernel taps.
 """
@@ -41,15 +43,36 @@ def causal_conv(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
     return same_bits(F.silu, out)
 
 
+def on_kernels(state: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the C kernels run the recurrence (cpu_kernels.ops.delta_steps): on the CPU, for the
+    value sizes they take (a multiple of 16, at most DELTA_MAX_VALUE_SIZE)."""
+    size = v.shape[-1]
+    return state.device.type == "cpu" and size % 16 == 0 and size <= DELTA_MAX_VALUE_SIZE
+
+
 def step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
          beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token: state [H, Dk, Dv], q, k [H, Dk], v [H, Dv], g, beta [H] -> (output [H, Dv], new state).
-    On the CPU one call of the C kernels (cpu_kernels.ops.delta_step: a third of step_in_torch's
-    time); elsewhere, and for value sizes the kernel does not take, step_in_torch."""
-    if state.device.type == "cpu" and v.shape[-1] % 16 == 0 and v.shape[-1] <= DELTA_MAX_VALUE_SIZE:
-        out, state = ops.delta_step(*(x.contiguous().numpy() for x in (state, q, k, v, g, beta)))
+    """One token: state [H, Dk, Dv], q, k [H, Dk], v [H, Dv], g, beta [H] -> (output [H, Dv], new state)."""
+    out, state = stepwise(state, q[None], k[None], v[None], g[None], beta[None])
+    return out[0], state
+
+
+def stepwise(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`step` over T tokens in order: q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H] -> ([T, H, Dv], state).
+    On the kernels one C call, which gives each token the bits a pass of it alone gives (and took a
+    third of step_in_torch's time a token, and 60% of the chunked form's over a 4096-token prompt);
+    elsewhere step_in_torch, token by token."""
+    if not len(q):
+        return v.new_empty((0, *v.shape[1:])), state
+    if on_kernels(state, v):
+        out, state = ops.delta_steps(*(x.contiguous().numpy() for x in (state, q, k, v, g, beta)))
         return torch.from_numpy(out), torch.from_numpy(state)
-    return step_in_torch(state, q, k, v, g, beta)
+    outs = []
+    for t in range(q.shape[0]):
+        out, state = step_in_torch(state, q[t], k[t], v[t], g[t], beta[t])
+        outs.append(out[None])
+    return torch.cat(outs), state
 
 
 def step_in_torch(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -65,14 +88,11 @@ def step_in_torch(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return out, state
 
 
-def stepwise(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`step` over T tokens in order: q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H] -> ([T, H, Dv], state)."""
-    outs = [v.new_empty((0, *v.shape[1:]))]  # none for no tokens
-    for t in range(q.shape[0]):
-        out, state = step(state, q[t], k[t], v[t], g[t], beta[t])
-        outs.append(out[None])
-    return torch.cat(outs), state
+def long_pass(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's recurrence, as `stepwise`: the kernels' token loop where they run it (faster
+    there than the chunked form's small products), else the chunked form."""
+    return (stepwise if on_kernels(state, v) else chunked)(state, q, k, v, g, beta)
 
 
 def chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

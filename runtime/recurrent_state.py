@@ -311,8 +311,8 @@ class RecurrentPass:
         start = self.owner._replay(states, run.preds[0])
         conv_out = delta_rule.causal_conv(start.history, conv_in, conv_weight)
         q, k, v = split(conv_out)
-        # all but the last token chunked (a long pass) or one by one, then the last one
-        most = delta_rule.chunked if run.long else delta_rule.stepwise
+        # all but the last token as a long pass (a prefill chunk) or one by one, then the last one
+        most = delta_rule.long_pass if run.long else delta_rule.stepwise
         out, matrices = most(start.matrices, q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1])
         taps = start.history.shape[0]
         penultimate = State(torch.cat([start.history, conv_in[:-1]])[-taps:], matrices)

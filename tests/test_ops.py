@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes
-from tierflow.cpu_kernels.ops import attention, delta_step, rms_norm, silu_mul, weighted_rows
+from tierflow.cpu_kernels.ops import attention, delta_steps, rms_norm, silu_mul, weighted_rows
 from tierflow.cpu_kernels.reference import (
     attention_reference,
     rms_norm_reference,
@@ -87,32 +87,46 @@ def test_weighted_rows_refuse_a_pick_outside_the_rows(pick):
         weighted_rows(rows, np.array([[0, pick]]), weights)
 
 
-def delta_inputs(heads: int = 4, dk: int = 32, dv: int = 48) -> tuple[torch.Tensor, ...]:
-    """A state and one token's L2-normed q, k, its v, decay g <= 0 and strength beta in (0, 1)."""
+def delta_inputs(tokens: int = 3, heads: int = 4, dk: int = 32, dv: int = 48) -> tuple[torch.Tensor, ...]:
+    """A state and the tokens' L2-normed q, k [T, H, Dk], their v, decays g <= 0 and strengths beta."""
     generator = torch.Generator().manual_seed(3)
-    q, k = (F.normalize(torch.randn(heads, dk, generator=generator), dim=-1) for _ in range(2))
-    state, v = torch.randn(heads, dk, dv, generator=generator), torch.randn(heads, dv, generator=generator)
-    return state, q, k, v, -torch.rand(heads, generator=generator), torch.rand(heads, generator=generator)
+    q, k = (F.normalize(torch.randn(tokens, heads, dk, generator=generator), dim=-1) for _ in range(2))
+    state = torch.randn(heads, dk, dv, generator=generator)
+    v = torch.randn(tokens, heads, dv, generator=generator)
+    g, beta = -torch.rand(tokens, heads, generator=generator), torch.rand(tokens, heads, generator=generator)
+    return state, q, k, v, g, beta
 
 
-def test_delta_step_matches_the_torch_formulation():
-    inputs = delta_inputs()
-    out, state = delta_step(*(x.numpy() for x in inputs))
-    expected_out, expected_state = step_in_torch(*inputs)
-    torch.testing.assert_close(torch.from_numpy(out), expected_out, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.from_numpy(state), expected_state, rtol=1e-5, atol=1e-6)
+def test_delta_steps_match_the_torch_formulation_token_by_token():
+    state, *per_token = delta_inputs()
+    out, after = delta_steps(state.numpy(), *(x.numpy() for x in per_token))
+    expected = []
+    for t in range(3):
+        row, state = step_in_torch(state, *(x[t] for x in per_token))
+        expected.append(row)
+    torch.testing.assert_close(torch.from_numpy(out), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.from_numpy(after), state, rtol=1e-5, atol=1e-6)
 
 
-def test_delta_step_leaves_the_state_it_was_given():
+def test_delta_steps_give_each_token_the_bits_of_a_pass_of_its_own():
+    state, *per_token = (x.numpy() for x in delta_inputs())
+    out, after = delta_steps(state, *per_token)
+    for t in range(3):
+        row, state = delta_steps(state, *(x[t:t + 1] for x in per_token))
+        assert np.array_equal(row[0], out[t])
+    assert np.array_equal(state, after)
+
+
+def test_delta_steps_leave_the_state_they_were_given():
     inputs = [x.numpy() for x in delta_inputs()]
     before = inputs[0].copy()
-    delta_step(*inputs)
+    delta_steps(*inputs)
     assert np.array_equal(inputs[0], before)
 
 
-def test_delta_step_refuses_a_value_size_that_is_not_a_multiple_of_16():
+def test_delta_steps_refuse_a_value_size_that_is_not_a_multiple_of_16():
     with pytest.raises(ValueError, match="multiple of 16"):
-        delta_step(*(x.numpy() for x in delta_inputs(dv=40)))
+        delta_steps(*(x.numpy() for x in delta_inputs(dv=40)))
 
 
 def check_attention(name: str, head_dim: int, neox: bool, rope_dim: int, tokens: int, start: int,

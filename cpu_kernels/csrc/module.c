@@ -473,11 +473,11 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_delta_step(PyObject *self, PyObject *args) {
+static PyObject *py_delta_steps(PyObject *self, PyObject *args) {
     PyObject *objs[8];
     static const char *names[8] = {"state", "q", "k", "v", "g", "beta", "out", "next"};
-    static const int dims[8] = {3, 2, 2, 2, 1, 1, 2, 3};
-    if (!PyArg_ParseTuple(args, "OOOOOOOO:delta_step", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+    static const int dims[8] = {3, 3, 3, 3, 2, 2, 3, 3};
+    if (!PyArg_ParseTuple(args, "OOOOOOOO:delta_steps", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
                           &objs[6], &objs[7]))
         return NULL;
     buffer_arg buf[8] = {{.held = 0}};
@@ -487,25 +487,28 @@ static PyObject *py_delta_step(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    const Py_ssize_t *s = buf[0].view.shape, heads = s[0], dk = s[1], dv = s[2];
-    int agree = dv % 16 == 0 && dv <= DELTA_MAX_DV && buf[7].view.shape[0] == heads && buf[7].view.shape[1] == dk &&
-                buf[7].view.shape[2] == dv && buf[4].view.shape[0] == heads && buf[5].view.shape[0] == heads;
-    for (int i = 1; i <= 6; i++) {
-        if (i == 4 || i == 5) continue;
-        agree = agree && buf[i].view.shape[0] == heads && buf[i].view.shape[1] == (i == 1 || i == 2 ? dk : dv);
+    const Py_ssize_t heads = buf[0].view.shape[0], dk = buf[0].view.shape[1], dv = buf[0].view.shape[2];
+    const Py_ssize_t tokens = buf[1].view.shape[0];
+    /* each argument's expected shape: [H, dk, dv] for the states, [T, H, width] or [T, H] for the rest */
+    const Py_ssize_t widths[8] = {dv, dk, dk, dv, 0, 0, dv, dv};
+    int agree = dv % 16 == 0 && dv <= DELTA_MAX_DV;
+    for (int i = 0; i < 8; i++) {
+        const Py_ssize_t *shape = buf[i].view.shape;
+        if (i == 0 || i == 7) agree = agree && shape[0] == heads && shape[1] == dk && shape[2] == dv;
+        else agree = agree && shape[0] == tokens && shape[1] == heads && (dims[i] == 2 || shape[2] == widths[i]);
     }
     if (!agree) {
         release(buf, 8);
-        return PyErr_Format(PyExc_ValueError, "delta_step: state and next [H, Dk, Dv] (Dv a multiple of 16, at most "
-                            "%d), q, k [H, Dk], v, out [H, Dv] and g, beta [H] disagree", DELTA_MAX_DV);
+        return PyErr_Format(PyExc_ValueError, "delta_steps: state and next [H, Dk, Dv] (Dv a multiple of 16, at "
+                            "most %d), q, k [T, H, Dk], v, out [T, H, Dv] and g, beta [T, H] disagree", DELTA_MAX_DV);
     }
     delta_step_job job = {
         .state = buf[0].view.buf, .q = buf[1].view.buf, .k = buf[2].view.buf, .v = buf[3].view.buf,
         .g = buf[4].view.buf, .beta = buf[5].view.buf, .out = buf[6].view.buf, .next = buf[7].view.buf,
-        .dk = dk, .dv = dv,
+        .tokens = tokens, .heads = heads, .dk = dk, .dv = dv,
     };
     Py_BEGIN_ALLOW_THREADS
-    pool_run(delta_step_head, &job, heads);
+    pool_run(delta_steps_head, &job, heads);
     Py_END_ALLOW_THREADS
     release(buf, 8);
     Py_RETURN_NONE;
@@ -760,8 +763,8 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, weight, eps, out): out = x / rms(x) * weight, per row."},
     {"crc32", py_crc32, METH_VARARGS, "crc32(data, crc=0): zlib.crc32's value, at memory speed where the CPU has PCLMULQDQ."},
     {"crc32_folds", py_crc32_folds, METH_NOARGS, "crc32_folds(): whether crc32 folds with PCLMULQDQ on this CPU."},
-    {"delta_step", py_delta_step, METH_VARARGS,
-     "delta_step(state, q, k, v, g, beta, out, next): one token's gated delta rule for every value head."},
+    {"delta_steps", py_delta_steps, METH_VARARGS,
+     "delta_steps(state, q, k, v, g, beta, out, next): the gated delta rule through T tokens for every value head."},
     {"weighted_rows", py_weighted_rows, METH_VARARGS,
      "weighted_rows(rows, picks, weights, out): out[t] = sum over j of weights[t, j] * rows[picks[t, j]], j ascending."},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, out): out = silu(gate) * up, gate_up = [gate, up] per row."},

@@ -63,31 +63,39 @@ TARGET_CLONES void weighted_rows(const float *rows, int64_t size, const int64_t 
     }
 }
 
-TARGET_CLONES void delta_step_head(void *ctx, int64_t h) {
+/* One head's state through job->tokens tokens, in place in job->next (a copy of job->state): each
+ * token reads the state (k^T S, q^T S) before it updates it, so a pass of T tokens gives every token
+ * the bits T passes of one token give. */
+TARGET_CLONES void delta_steps_head(void *ctx, int64_t h) {
     const delta_step_job *job = ctx;
-    const int64_t dk = job->dk, dv = job->dv, vectors = dv / 16;
-    const float *state = job->state + h * dk * dv, *q = job->q + h * dk, *k = job->k + h * dk;
-    float *next = job->next + h * dk * dv;
-    const float decay = expf(job->g[h]), beta = job->beta[h];
-    v16f read_k[DELTA_MAX_DV / 16], read_q[DELTA_MAX_DV / 16], delta[DELTA_MAX_DV / 16];
-    for (int64_t j = 0; j < vectors; j++) read_k[j] = read_q[j] = (v16f){0};
-    for (int64_t i = 0; i < dk; i++) { /* k^T S and q^T S, rows in order */
-        for (int64_t j = 0; j < vectors; j++) {
-            const v16f row = load16(state + i * dv + 16 * j);
-            read_k[j] += k[i] * row;
-            read_q[j] += q[i] * row;
-        }
-    }
-    float qk = 0.0f;
-    for (int64_t i = 0; i < dk; i++) qk += q[i] * k[i];
+    const int64_t heads = job->heads, dk = job->dk, dv = job->dv, vectors = dv / 16;
+    float *state = job->next + h * dk * dv;
+    memcpy(state, job->state + h * dk * dv, (size_t)(dk * dv) * sizeof(float));
     const float scale = 1.0f / sqrtf((float)dk);
-    for (int64_t j = 0; j < vectors; j++) {
-        delta[j] = (load16(job->v + h * dv + 16 * j) - read_k[j] * decay) * beta;
-        store16(job->out + h * dv + 16 * j, (read_q[j] * decay + qk * delta[j]) * scale);
-    }
-    for (int64_t i = 0; i < dk; i++) {
+    for (int64_t t = 0; t < job->tokens; t++) {
+        const int64_t at = t * heads + h; /* token t's head h in the [T, H, ...] inputs */
+        const float *q = job->q + at * dk, *k = job->k + at * dk;
+        const float decay = expf(job->g[at]), beta = job->beta[at];
+        v16f read_k[DELTA_MAX_DV / 16], read_q[DELTA_MAX_DV / 16], delta[DELTA_MAX_DV / 16];
+        for (int64_t j = 0; j < vectors; j++) read_k[j] = read_q[j] = (v16f){0};
+        for (int64_t i = 0; i < dk; i++) { /* k^T S and q^T S, rows in order */
+            for (int64_t j = 0; j < vectors; j++) {
+                const v16f row = load16(state + i * dv + 16 * j);
+                read_k[j] += k[i] * row;
+                read_q[j] += q[i] * row;
+            }
+        }
+        float qk = 0.0f;
+        for (int64_t i = 0; i < dk; i++) qk += q[i] * k[i];
         for (int64_t j = 0; j < vectors; j++) {
-            store16(next + i * dv + 16 * j, load16(state + i * dv + 16 * j) * decay + k[i] * delta[j]);
+            delta[j] = (load16(job->v + at * dv + 16 * j) - read_k[j] * decay) * beta;
+            store16(job->out + at * dv + 16 * j, (read_q[j] * decay + qk * delta[j]) * scale);
+        }
+        for (int64_t i = 0; i < dk; i++) {
+            for (int64_t j = 0; j < vectors; j++) {
+                float *row = state + i * dv + 16 * j;
+                store16(row, load16(row) * decay + k[i] * delta[j]);
+            }
         }
     }
 }

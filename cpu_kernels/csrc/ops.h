@@ -15,15 +15,16 @@ void silu_mul_rows(const float *gate_up, int64_t rows, int64_t size, float *out)
 void weighted_rows(const float *rows, int64_t size, const int64_t *picks, const float *weights,
                    int64_t tokens, int64_t k, float *out);
 
-/* One token's gated delta rule (runtime/delta_rule.py's step) for every value head h: state and next
- * [H, dk, dv], q and k [H, dk], v and out [H, dv], g and beta [H]. A pool item is one head. */
+/* The gated delta rule (runtime/delta_rule.py's step) through `tokens` tokens for every value head h:
+ * state and next [H, dk, dv], q and k [T, H, dk], v and out [T, H, dv], g and beta [T, H]. A pool
+ * item is one head. */
 #define DELTA_MAX_DV 512
 typedef struct {
     const float *state, *q, *k, *v, *g, *beta;
     float *out, *next;
-    int64_t dk, dv;
+    int64_t tokens, heads, dk, dv;
 } delta_step_job;
-void delta_step_head(void *ctx, int64_t h);
+void delta_steps_head(void *ctx, int64_t h);
 
 /* The types a KV cache stores its rows in (tierflow.kv_types; layouts: cpu_kernels/kv_layout.py):
  * a head's key or value at one position is a row of `row` items, head_dim float32 or float16, or
