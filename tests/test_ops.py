@@ -65,6 +65,12 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(torch.from_numpy(silu_mul(gate_up.numpy())), silu_mul_reference(gate_up))
 
 
+def test_silu_mul_of_gates_far_below_zero_is_zero_not_the_gate():
+    gate = torch.tensor([[-1e30, -1000.0, -200.0, -100.0, -89.0, -88.5, -88.0, -60.0] * 2])
+    gate_up = torch.cat([gate, torch.full_like(gate, 3.0)], dim=1)
+    torch.testing.assert_close(torch.from_numpy(silu_mul(gate_up.numpy())), silu_mul_reference(gate_up))
+
+
 def test_weighted_rows_match_torch():
     rows, weights = torch.randn(7, 40), torch.rand(3, 4)
     picks = torch.tensor([[6, 0, 2, 1], [3, 3, 5, 4], [0, 1, 2, 6]])

@@ -27,11 +27,12 @@ static inline v16f select16(v16i mask, v16f a, v16f b) {
     return bits_as_floats((mask & ai) | (~mask & bi));
 }
 
-/* e^x for x <= 88 (below -87, 0), to about 2 ulp: x = n ln2 + r, e^r by a degree-6 polynomial
- * (Cephes' coefficients), times 2^n built in the exponent bits. */
+/* e^x to about 2 ulp: x = n ln2 + r, e^r by a degree-6 polynomial (Cephes' coefficients), times 2^n
+ * built in the exponent bits; 0 below -87 and infinity above 88.3 (where 2^n would no longer fit
+ * the exponent bits: silu of a gate below -88.3 must be -0, not the gate). */
 static inline v16f exp16(v16f x) {
-    const v16i underflow = x < -87.0f;
-    x = select16(underflow, (v16f){0} - 87.0f, x);
+    const v16i underflow = x < -87.0f, overflow = x > 88.3f;
+    x = select16(underflow, (v16f){0} - 87.0f, select16(overflow, (v16f){0}, x));
     v16f n = x * 1.44269504088896341f;
     n = (n + 12582912.0f) - 12582912.0f; /* round to nearest (see round_even) */
     v16f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
@@ -43,7 +44,7 @@ static inline v16f exp16(v16f x) {
     p = p * r + 5.0000001201e-1f;
     p = (p * r) * r + r + 1.0f;
     const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return select16(underflow, (v16f){0}, p * bits_as_floats(bits));
+    return select16(overflow, (v16f){0} + __builtin_inff(), select16(underflow, (v16f){0}, p * bits_as_floats(bits)));
 }
 
 static inline float sum16(v16f v) {
