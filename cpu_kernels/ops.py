@@ -23,6 +23,14 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return out
 
 
+def swiglu_oai(gate_up: np.ndarray) -> np.ndarray:
+    """gpt-oss's SwiGLU (ggml's swiglu_oai) for gate_up [T, 2F] = [gate, up] -> [T, F]:
+    g / (1 + exp(-1.702 g)) * (u + 1), g = min(gate, 7) and u = up clamped to [-7, 7]."""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    _kernels.swiglu_oai(gate_up, out)
+    return out
+
+
 def weighted_rows(rows: np.ndarray, picks: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """out[t] = the sum over j of weights[t, j] * rows[picks[t, j]], j ascending, for rows [N, E]
     float32, picks [T, k] int64 (each a row of rows, else ValueError) and weights [T, k] float32:

@@ -121,6 +121,12 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def swiglu_oai_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    return gate / (1.0 + torch.exp(1.702 * -gate)) * (up + 1.0)
+
+
 def weighted_rows_reference(rows: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (weights[..., None] * rows[picks]).sum(dim=1)
 

@@ -10,7 +10,7 @@ runs the same launchers in Triton's interpreter (how the engine's GPU path is te
 import numpy as np
 import torch
 
-from tierflow.cpu_kernels.reference import attention_reference, weighted_rows_reference
+from tierflow.cpu_kernels.reference import attention_reference, swiglu_oai_reference, weighted_rows_reference
 from tierflow.gpu_kernels import attention, matmul, ops
 from tierflow.gpu_kernels.matmul import DeviceLinear
 
@@ -41,6 +41,9 @@ class TritonKernels:
 
     def swiglu_each(self, gate_ups, xs) -> list[torch.Tensor]:
         return [self.swiglu(gate_up, x) for gate_up, x in zip(gate_ups, xs, strict=True)]
+
+    def swiglu_oai_each(self, gate_ups, xs) -> list[torch.Tensor]:
+        return [swiglu_oai_reference(gate_up(x)) for gate_up, x in zip(gate_ups, xs, strict=True)]
 
     def combine_experts(self, outputs, picks: np.ndarray, weights) -> torch.Tensor:
         rows = torch.cat([self.take(y) for y in outputs])

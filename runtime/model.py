@@ -48,6 +48,9 @@ class Kernels(Protocol):
     def swiglu_each(self, gate_ups: Sequence[Linear], xs: Sequence[Activations]
                     ) -> list[Activations]: ...  # [swiglu(gate_up, x) for each]
 
+    def swiglu_oai_each(self, gate_ups: Sequence[Linear], xs: Sequence[Activations]
+                        ) -> list[Activations]: ...  # the same with gpt-oss's clamped SwiGLU (ops.swiglu_oai)
+
     def combine_experts(self, outputs: Sequence[Activations], picks: np.ndarray, weights: Activations
                         ) -> Activations: ...  # rows = the outputs' rows in turn (from any device);
     # [T, E]: each token's sum over j of weights[t, j] * rows[picks[t, j]] (picks, weights [T, k])
@@ -80,6 +83,9 @@ class CpuKernels:
 
     def swiglu_each(self, gate_ups: Sequence[Linear], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [ops.silu_mul(h) for h in linear_each(gate_ups, xs)]
+
+    def swiglu_oai_each(self, gate_ups: Sequence[Linear], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [ops.swiglu_oai(h) for h in linear_each(gate_ups, xs)]
 
     def combine_experts(self, outputs: Sequence[Activations], picks: np.ndarray, weights: Activations
                         ) -> np.ndarray:

@@ -8,11 +8,12 @@ import torch.nn.functional as F
 
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes
-from tierflow.cpu_kernels.ops import attention, delta_steps, rms_norm, silu_mul, weighted_rows
+from tierflow.cpu_kernels.ops import attention, delta_steps, rms_norm, silu_mul, swiglu_oai, weighted_rows
 from tierflow.cpu_kernels.reference import (
     attention_reference,
     rms_norm_reference,
     silu_mul_reference,
+    swiglu_oai_reference,
     weighted_rows_reference,
 )
 from tierflow.kv_types import KV_TYPES
@@ -69,6 +70,12 @@ def test_silu_mul_of_gates_far_below_zero_is_zero_not_the_gate():
     gate = torch.tensor([[-1e30, -1000.0, -200.0, -100.0, -89.0, -88.5, -88.0, -60.0] * 2])
     gate_up = torch.cat([gate, torch.full_like(gate, 3.0)], dim=1)
     torch.testing.assert_close(torch.from_numpy(silu_mul(gate_up.numpy())), silu_mul_reference(gate_up))
+
+
+def test_swiglu_oai_matches_torch_across_its_clamps():
+    gate_up = torch.randn(3, 2 * 40) * 6  # gates and ups past +-7, a tail of 8 after two vectors
+    gate_up[0, :5] = torch.tensor([-1e30, -200.0, 7.0, 7.5, 1e30])
+    torch.testing.assert_close(torch.from_numpy(swiglu_oai(gate_up.numpy())), swiglu_oai_reference(gate_up))
 
 
 def test_weighted_rows_match_torch():

@@ -453,9 +453,11 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
+/* silu_mul(gate_up, out) and swiglu_oai(gate_up, out): an activation of [gate, up] rows into out. */
+static PyObject *gated_activation(PyObject *args, const char *format,
+                                  void (*rows_fn)(const float *, int64_t, int64_t, float *)) {
     PyObject *in_obj, *out_obj;
-    if (!PyArg_ParseTuple(args, "OO:silu_mul", &in_obj, &out_obj)) return NULL;
+    if (!PyArg_ParseTuple(args, format, &in_obj, &out_obj)) return NULL;
     buffer_arg buf[2] = {{.held = 0}};
     if (get_floats(in_obj, &buf[0], "gate_up", 2, 0) || get_floats(out_obj, &buf[1], "out", 2, 1)) {
         release(buf, 2);
@@ -464,13 +466,21 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
     Py_ssize_t rows = buf[0].view.shape[0], size = buf[1].view.shape[1];
     if (buf[1].view.shape[0] != rows || buf[0].view.shape[1] != 2 * size) {
         release(buf, 2);
-        return PyErr_Format(PyExc_ValueError, "silu_mul: gate_up [M, 2F] needs out [M, F]");
+        return PyErr_Format(PyExc_ValueError, "%s: gate_up [M, 2F] needs out [M, F]", format + 3);
     }
     Py_BEGIN_ALLOW_THREADS
-    silu_mul_rows(buf[0].view.buf, rows, size, buf[1].view.buf);
+    rows_fn(buf[0].view.buf, rows, size, buf[1].view.buf);
     Py_END_ALLOW_THREADS
     release(buf, 2);
     Py_RETURN_NONE;
+}
+
+static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
+    return gated_activation(args, "OO:silu_mul", silu_mul_rows);
+}
+
+static PyObject *py_swiglu_oai(PyObject *self, PyObject *args) {
+    return gated_activation(args, "OO:swiglu_oai", swiglu_oai_rows);
 }
 
 static PyObject *py_delta_steps(PyObject *self, PyObject *args) {
@@ -767,6 +777,8 @@ static PyMethodDef methods[] = {
      "delta_steps(state, q, k, v, g, beta, out, next): the gated delta rule through T tokens for every value head."},
     {"weighted_rows", py_weighted_rows, METH_VARARGS,
      "weighted_rows(rows, picks, weights, out): out[t] = sum over j of weights[t, j] * rows[picks[t, j]], j ascending."},
+    {"swiglu_oai", py_swiglu_oai, METH_VARARGS,
+     "swiglu_oai(gate_up, out): out = g / (1 + exp(-1.702 g)) * (u + 1), g = min(gate, 7), u = clamp(up, -7, 7)."},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, out): out = silu(gate) * up, gate_up = [gate, up] per row."},
     {"attention", py_attention, METH_VARARGS, attention_doc},
     {"set_threads", py_set_threads, METH_O, "Threads the kernels use, the caller included."},

@@ -48,6 +48,23 @@ TARGET_CLONES void silu_mul_rows(const float *gate_up, int64_t rows, int64_t siz
     }
 }
 
+TARGET_CLONES void swiglu_oai_rows(const float *gate_up, int64_t rows, int64_t size, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * size, *up = gate + size;
+        for (int64_t i = 0; i < size; i += 16) {
+            float g[16] = {0}, u[16] = {0}, o[16]; /* the tail through the same vector code */
+            const int64_t n = size - i < 16 ? size - i : 16;
+            memcpy(g, gate + i, (size_t)n * sizeof(float));
+            memcpy(u, up + i, (size_t)n * sizeof(float));
+            v16f gv = load16(g), uv = load16(u);
+            gv = select16(gv > 7.0f, (v16f){0} + 7.0f, gv);
+            uv = select16(uv > 7.0f, (v16f){0} + 7.0f, select16(uv < -7.0f, (v16f){0} - 7.0f, uv));
+            store16(o, gv / (1.0f + exp16(1.702f * -gv)) * (uv + 1.0f));
+            memcpy(out + r * size + i, o, (size_t)n * sizeof(float));
+        }
+    }
+}
+
 TARGET_CLONES void weighted_rows(const float *rows, int64_t size, const int64_t *picks, const float *weights,
                                  int64_t tokens, int64_t k, float *out) {
     for (int64_t t = 0; t < tokens; t++) {

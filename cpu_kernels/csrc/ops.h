@@ -10,6 +10,9 @@
 void rms_norm_rows(const float *x, const float *weight, int64_t rows, int64_t size, float eps,
                    float *out);
 void silu_mul_rows(const float *gate_up, int64_t rows, int64_t size, float *out);
+/* gpt-oss's SwiGLU (ggml's swiglu_oai): g / (1 + e^(-1.702 g)) * (u + 1), g = min(gate, 7) and
+ * u = up clamped to [-7, 7]. */
+void swiglu_oai_rows(const float *gate_up, int64_t rows, int64_t size, float *out);
 /* out[t] = the sum over j of weights[t][j] * rows[picks[t][j]], j ascending (k picks per token):
  * a token's experts' outputs, weighted, in the order its router ranked them. */
 void weighted_rows(const float *rows, int64_t size, const int64_t *picks, const float *weights,

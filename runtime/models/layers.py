@@ -106,11 +106,7 @@ def clamped_swiglu_experts(kernels: Kernels, experts: Sequence[Weights], hs: Seq
                            ) -> list[Activations]:
     """gpt-oss's experts: down(g * sigmoid(1.702 g) * (u + 1)) with g = min(gate h, 7) and u = up h
     clamped to [-7, 7], in ggml's float32 steps (swiglu_oai: g / (1 + exp(1.702 * -g)))."""
-    acts = []
-    for gate_up in kernels.linear_each([e.gate_up for e in experts], hs):
-        gate, up = torch.as_tensor(gate_up).chunk(2, dim=-1)  # [T, F] each
-        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
-        acts.append(kernels.take(gate / (1.0 + torch.exp(1.702 * -gate)) * (up + 1.0)))
+    acts = kernels.swiglu_oai_each([e.gate_up for e in experts], hs)
     return kernels.linear_each([e.down for e in experts], acts)
 
 
