@@ -512,7 +512,10 @@ class Engine:
             self.weights.close()
             if self.draft is not None:
                 self.draft.close()
+            for generator in self._slots.generators:
+                generator.release()
             self.weights = self._generator = self.draft = self._grammar_vocabulary = None
+            self._batcher = self.speculator = None
 
     def __enter__(self) -> "Engine":
         return self

@@ -97,6 +97,11 @@ class TokenGenerator:
         self.cached_tokens: list[int] = []  # the tokens whose keys/values are in the cache
         self.exact_length = 0  # of those, the leading ones a fresh prefill would write bit for bit
 
+    def release(self) -> None:
+        """Lets go of the decoder (and through it the weights; run_pass holds it too) and the KV
+        cache: a closed engine's generators hold no memory, however long the Engine object lives on."""
+        self.decoder = self.cache = self.run_pass = None
+
     def prefill(self, token_ids: list[int], cancel: threading.Event, all_logits: bool = False,
                 reuse_prefix: bool = True, progress: PrefillProgress | None = None,
                 shifted: bool = False) -> tuple[np.ndarray | None, int]:

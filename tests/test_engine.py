@@ -1,9 +1,11 @@
 """The Python API on the bundled SmolLM2-135M-Instruct model."""
 
+import gc
 import os
 import shutil
 import signal
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -271,6 +273,16 @@ def test_closing_an_engine_twice_is_harmless(model_path):
     engine.close()
     with pytest.raises(TierflowError, match="closed"):
         engine.tokenize("Hi")
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_closed_engine_frees_its_weights_while_the_object_lives_on(model_path, parallel):
+    engine = Engine.load(model_path, parallel=parallel)
+    engine.generate("Hi", max_tokens=2)
+    weights = weakref.ref(engine.weights)
+    engine.close()
+    gc.collect()
+    assert weights() is None
 
 
 # -- bad arguments -----------------------------------------------------------------------------
