@@ -515,7 +515,7 @@ class Engine:
             for generator in self._slots.generators:
                 generator.release()
             self.weights = self._generator = self.draft = self._grammar_vocabulary = None
-            self._batcher = self.speculator = None
+            self._batcher = None
 
     def __enter__(self) -> "Engine":
         return self
