@@ -1,12 +1,15 @@
 """The fused per-layer operations of the C extension, on float32 numpy arrays.
 
 Each is one C call doing what several tensor operations would (see csrc/ops.c for why); the
-torch formulation of each is in reference.py.
+torch formulation of each is in reference.py (the delta rule's is runtime/delta_rule.py's
+step_in_torch).
 """
 
 import numpy as np
 
 from tierflow.cpu_kernels import _kernels
+
+DELTA_MAX_DV = _kernels.DELTA_MAX_DV  # the largest value size delta_steps takes
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

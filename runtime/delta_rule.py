@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from tierflow.cpu_kernels import ops
 
 CHUNK = 32  # tokens per chunk of the chunked form (llama.cpp's 64 took 20% longer on the CPU)
-DELTA_MAX_VALUE_SIZE = 512  # the C step's largest Dv (csrc/ops.h DELTA_MAX_DV)
 
 
 def same_bits(function, x: torch.Tensor) -> torch.Tensor:
@@ -45,9 +44,9 @@ def causal_conv(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
 
 def on_kernels(state: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the C kernels run the recurrence (cpu_kernels.ops.delta_steps): on the CPU, for the
-    value sizes they take (a multiple of 16, at most DELTA_MAX_VALUE_SIZE)."""
+    value sizes they take (a multiple of 16, at most ops.DELTA_MAX_DV)."""
     size = v.shape[-1]
-    return state.device.type == "cpu" and size % 16 == 0 and size <= DELTA_MAX_VALUE_SIZE
+    return state.device.type == "cpu" and size % 16 == 0 and size <= ops.DELTA_MAX_DV
 
 
 def step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -793,5 +793,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "tierflow
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     best_isa = active_isa = detect_isa();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "DELTA_MAX_DV", DELTA_MAX_DV)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }
