@@ -78,6 +78,12 @@ def test_swiglu_oai_matches_torch_across_its_clamps():
     torch.testing.assert_close(torch.from_numpy(swiglu_oai(gate_up.numpy())), swiglu_oai_reference(gate_up))
 
 
+@pytest.mark.parametrize("activation", [silu_mul, swiglu_oai])
+def test_a_gated_activation_refuses_an_odd_width_naming_the_shapes(activation):
+    with pytest.raises(ValueError, match=r"gate_up \[M, 2F\] needs out \[M, F\]"):
+        activation(np.ones((2, 33), np.float32))
+
+
 def test_weighted_rows_match_torch():
     rows, weights = torch.randn(7, 40), torch.rand(3, 4)
     picks = torch.tensor([[6, 0, 2, 1], [3, 3, 5, 4], [0, 1, 2, 6]])
@@ -135,6 +141,12 @@ def test_delta_steps_leave_the_state_they_were_given():
     before = inputs[0].copy()
     delta_steps(*inputs)
     assert np.array_equal(inputs[0], before)
+
+
+def test_delta_steps_refuse_inputs_whose_heads_disagree_with_the_state():
+    state, *per_token = (x.numpy() for x in delta_inputs())
+    with pytest.raises(ValueError, match="disagree"):
+        delta_steps(state[:3], *per_token)
 
 
 def test_delta_steps_refuse_a_value_size_that_is_not_a_multiple_of_16():
