@@ -54,6 +54,42 @@ def delta_steps(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, 
     return out, next_state
 
 
+def conv_silu(history: np.ndarray, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """silu of each channel's causal convolution: history [K-1, C] (the inputs before x), x [T, C],
+    weight [C, K] (tap K-1 multiplies the newest input, the taps summed in order) -> [T, C]."""
+    out = np.empty_like(x)
+    _kernels.conv_silu(history, x, weight, out)
+    return out
+
+
+def delta_split(conv_out: np.ndarray, key_heads: int, value_heads: int, interleaved: bool, eps: float
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """A DeltaNet convolution's outputs [T, C] = [queries, keys, values] -> the queries and keys
+    [T, value_heads, Dk], each key head L2-normed (x / sqrt(|x|^2 + eps)) and copied to the value
+    heads that read it: value head h reads key head h // (value_heads / key_heads) when
+    interleaved, else h % key_heads."""
+    dk = conv_out.shape[1] // (2 * key_heads + value_heads)
+    q, k = (np.empty((conv_out.shape[0], value_heads, dk), np.float32) for _ in range(2))
+    _kernels.delta_split(conv_out, key_heads, interleaved, eps, q, k)
+    return q, k
+
+
+def delta_gates(alpha: np.ndarray, beta_in: np.ndarray, dt: np.ndarray, a: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """A DeltaNet layer's decay g = softplus(alpha + dt) * a and write strength beta = sigmoid(beta_in)
+    for alpha, beta_in [T, H], dt and a [H]; the functions in float64, rounded."""
+    g, beta = np.empty_like(alpha), np.empty_like(alpha)
+    _kernels.delta_gates(alpha, beta_in, dt, a, g, beta)
+    return g, beta
+
+
+def gated_rms_norm(x: np.ndarray, weight: np.ndarray, gate: np.ndarray, eps: float) -> np.ndarray:
+    """rms_norm(x) * weight * silu(gate) for x and gate [R, N], weight [N]."""
+    out = np.empty_like(x)
+    _kernels.gated_rms_norm(x, weight, gate, eps, out)
+    return out
+
+
 def attention(qkv: np.ndarray, keys: np.ndarray, values: np.ndarray, cos: np.ndarray, sin: np.ndarray,
               heads: int, start: int, neox: bool, parents: np.ndarray | None = None,
               tree_start: int | None = None, window: int = 0, scale: float | None = None,

@@ -29,6 +29,10 @@ class TritonKernels:
                      eps: float) -> torch.Tensor:
         return ops.add_rms_norm(residual, x, weight, eps)
 
+    def gated_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float
+                       ) -> torch.Tensor:
+        return ops.rms_norm(x, weight, eps) * torch.nn.functional.silu(gate)
+
     def swiglu(self, gate_up, x: torch.Tensor) -> torch.Tensor:
         """One pass over [gate; up] with the SwiGLU epilogue when it is one packed matrix."""
         if isinstance(gate_up, DeviceLinear) and gate_up.bias is None and not isinstance(gate_up.matrix,

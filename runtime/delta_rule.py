@@ -12,7 +12,11 @@ products (the WY form llama.cpp and the reference implementation use), so that a
 GPU costs matrix products rather than a Python loop per token; `long_pass` picks the faster of the
 two for a prefill chunk. They give the same result up to float rounding; token trees and draft
 verification use `step`, so their rows are bit for bit what decoding the tokens one by one gives.
-`causal_conv` is the short causal convolution before it.
+Before it, `gates` computes the tokens' decays and strengths, `causal_conv` the short causal
+convolution, `split_heads` the normed queries and keys of each value head. Each of these is one C
+call on the CPU (cpu_kernels.ops: a decode step's layer would otherwise be some forty small torch
+operations) and torch elsewhere (the `*_in_torch` forms, which the C kernels are tested against);
+every element's bits are the same in a pass of any length.
 
 Shapes: T tokens, H value heads, Dk key size, Dv value size, C channels, K kernel taps.
 """
@@ -35,11 +39,61 @@ def same_bits(function, x: torch.Tensor) -> torch.Tensor:
 
 def causal_conv(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu of each channel's causal convolution: history [K-1, C] (the inputs before x), x [T, C],
-    weight [C, K] (tap K-1 multiplies the newest input) -> [T, C]."""
+    weight [C, K] (tap K-1 multiplies the newest input) -> [T, C]. One C call on the CPU."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(ops.conv_silu(*(t.contiguous().numpy() for t in (history, x, weight))))
+    return causal_conv_in_torch(history, x, weight)
+
+
+def causal_conv_in_torch(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`causal_conv` as torch operations, on any device."""
     window = torch.cat([history, x])  # [K-1+T, C]
     taps = weight.shape[1]
     out = sum(window[j:j + x.shape[0]] * weight[:, j] for j in range(taps))
     return same_bits(F.silu, out)
+
+
+def gates(alpha: torch.Tensor, beta_in: torch.Tensor, dt: torch.Tensor, a: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay g = softplus(alpha + dt) * a and the write strength beta = sigmoid(beta_in), for
+    alpha, beta_in [T, H] and dt, a [H] (a < 0: g <= 0). One C call on the CPU."""
+    if alpha.device.type == "cpu":
+        g, beta = ops.delta_gates(*(t.contiguous().numpy() for t in (alpha, beta_in, dt, a)))
+        return torch.from_numpy(g), torch.from_numpy(beta)
+    return gates_in_torch(alpha, beta_in, dt, a)
+
+
+def gates_in_torch(alpha: torch.Tensor, beta_in: torch.Tensor, dt: torch.Tensor, a: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gates` as torch operations, on any device."""
+    return same_bits(F.softplus, alpha + dt) * a, same_bits(torch.sigmoid, beta_in)
+
+
+def split_heads(conv_out: torch.Tensor, key_heads: int, value_heads: int, interleaved: bool, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolution's outputs [T, C] = [queries, keys, values] -> each value head's query and key
+    ([T, H, Dk], L2-normed: x / sqrt(|x|^2 + eps), as llama.cpp's ggml_l2_norm) and its value
+    [T, H, Dv]. Value head h reads key head h // (H / key heads) when interleaved, else h % key heads
+    (ggml_repeat's tiling). One C call on the CPU."""
+    tokens, dk = conv_out.shape[0], conv_out.shape[1] // (2 * key_heads + value_heads)
+    v = conv_out[:, 2 * key_heads * dk:].reshape(tokens, value_heads, -1)
+    if conv_out.device.type == "cpu":
+        q, k = ops.delta_split(conv_out.contiguous().numpy(), key_heads, value_heads, interleaved, eps)
+        return torch.from_numpy(q), torch.from_numpy(k), v
+    return (*split_heads_in_torch(conv_out, key_heads, value_heads, interleaved, eps), v)
+
+
+def split_heads_in_torch(conv_out: torch.Tensor, key_heads: int, value_heads: int, interleaved: bool,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`split_heads`'s queries and keys as torch operations, on any device."""
+    tokens, dk = conv_out.shape[0], conv_out.shape[1] // (2 * key_heads + value_heads)
+    # contiguous, so that each row's norm is summed alike whatever the pass's token count
+    queries_keys = conv_out[:, :2 * key_heads * dk].reshape(tokens, 2, key_heads, dk)
+    q, k = (x.contiguous() for x in queries_keys.unbind(1))
+    q, k = (x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps) for x in (q, k))
+    shared = value_heads // key_heads
+    q, k = (x.repeat_interleave(shared, dim=1) if interleaved else x.repeat(1, shared, 1) for x in (q, k))
+    return q, k
 
 
 def on_kernels(state: torch.Tensor, v: torch.Tensor) -> bool:

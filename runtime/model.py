@@ -40,6 +40,9 @@ class Kernels(Protocol):
     def add_rms_norm(self, residual: Activations, x: Activations, weight: Activations,
                      eps: float) -> Activations: ...  # residual += x; rms_norm(residual)
 
+    def gated_rms_norm(self, x: Activations, weight: Activations, gate: Activations,
+                       eps: float) -> Activations: ...  # rms_norm(x) * silu(gate), gate of x's shape
+
     def swiglu(self, gate_up: Linear, x: Activations) -> Activations: ...  # silu(gate) * up
 
     def linear_each(self, linears: Sequence[Linear], xs: Sequence[Activations]
@@ -74,6 +77,9 @@ class CpuKernels:
     def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         residual += x
         return ops.rms_norm(residual, weight, eps)
+
+    def gated_rms_norm(self, x: np.ndarray, weight: np.ndarray, gate: np.ndarray, eps: float) -> np.ndarray:
+        return ops.gated_rms_norm(np.ascontiguousarray(x), weight, np.ascontiguousarray(gate), eps)
 
     def swiglu(self, gate_up: Linear, x: np.ndarray) -> np.ndarray:
         return ops.silu_mul(gate_up(x))

@@ -312,16 +312,19 @@ class RecurrentPass:
         conv_out = delta_rule.causal_conv(start.history, conv_in, conv_weight)
         q, k, v = split(conv_out)
         # all but the last token as a long pass (a prefill chunk) or one by one, then the last one
-        most = delta_rule.long_pass if run.long else delta_rule.stepwise
-        out, matrices = most(start.matrices, q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1])
-        taps = start.history.shape[0]
-        penultimate = State(torch.cat([start.history, conv_in[:-1]])[-taps:], matrices)
-        last, matrices = delta_rule.stepwise(matrices, q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:])
+        taps, most = start.history.shape[0], len(conv_in) - 1
+        penultimate, out = start, None
+        if most:
+            run_most = delta_rule.long_pass if run.long else delta_rule.stepwise
+            out, matrices = run_most(start.matrices, q[:most], k[:most], v[:most], g[:most], beta[:most])
+            penultimate = State(torch.cat([start.history, conv_in[:most]])[-taps:], matrices)
+        last, matrices = delta_rule.stepwise(penultimate.matrices, q[most:], k[most:], v[most:], g[most:],
+                                             beta[most:])
         tip = State(torch.cat([start.history, conv_in])[-taps:], matrices)
-        recorded = -1 if run.long else 0
+        recorded = most if run.long else 0
         records = _records(conv_in[recorded:], conv_out[recorded:], g[recorded:], beta[recorded:])
         run.results[self.layer] = _Result(tip, records, penultimate)
-        return torch.cat([out, last])
+        return last if out is None else torch.cat([out, last])
 
     def _tree(self, conv_in, conv_weight, g, beta, split) -> torch.Tensor:
         """Each token from its parent's state, one at a time."""

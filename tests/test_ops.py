@@ -4,11 +4,10 @@ whether it is computed alone or in a batch, with the KV cache in every type."""
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes
-from tierflow.cpu_kernels.ops import attention, delta_steps, rms_norm, silu_mul, swiglu_oai, weighted_rows
+from tierflow.cpu_kernels.ops import attention, rms_norm, silu_mul, swiglu_oai, weighted_rows
 from tierflow.cpu_kernels.reference import (
     attention_reference,
     rms_norm_reference,
@@ -17,7 +16,6 @@ from tierflow.cpu_kernels.reference import (
     weighted_rows_reference,
 )
 from tierflow.kv_types import KV_TYPES
-from tierflow.runtime.delta_rule import step_in_torch
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder
 
@@ -104,54 +102,6 @@ def test_weighted_rows_refuse_a_pick_outside_the_rows(pick):
     rows, weights = np.ones((5, 16), np.float32), np.ones((1, 2), np.float32)
     with pytest.raises(ValueError, match="not a row"):
         weighted_rows(rows, np.array([[0, pick]]), weights)
-
-
-def delta_inputs(tokens: int = 3, heads: int = 4, dk: int = 32, dv: int = 48) -> tuple[torch.Tensor, ...]:
-    """A state and the tokens' L2-normed q, k [T, H, Dk], their v, decays g <= 0 and strengths beta."""
-    generator = torch.Generator().manual_seed(3)
-    q, k = (F.normalize(torch.randn(tokens, heads, dk, generator=generator), dim=-1) for _ in range(2))
-    state = torch.randn(heads, dk, dv, generator=generator)
-    v = torch.randn(tokens, heads, dv, generator=generator)
-    g, beta = -torch.rand(tokens, heads, generator=generator), torch.rand(tokens, heads, generator=generator)
-    return state, q, k, v, g, beta
-
-
-def test_delta_steps_match_the_torch_formulation_token_by_token():
-    state, *per_token = delta_inputs()
-    out, after = delta_steps(state.numpy(), *(x.numpy() for x in per_token))
-    expected = []
-    for t in range(3):
-        row, state = step_in_torch(state, *(x[t] for x in per_token))
-        expected.append(row)
-    torch.testing.assert_close(torch.from_numpy(out), torch.stack(expected), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.from_numpy(after), state, rtol=1e-5, atol=1e-6)
-
-
-def test_delta_steps_give_each_token_the_bits_of_a_pass_of_its_own():
-    state, *per_token = (x.numpy() for x in delta_inputs())
-    out, after = delta_steps(state, *per_token)
-    for t in range(3):
-        row, state = delta_steps(state, *(x[t:t + 1] for x in per_token))
-        assert np.array_equal(row[0], out[t])
-    assert np.array_equal(state, after)
-
-
-def test_delta_steps_leave_the_state_they_were_given():
-    inputs = [x.numpy() for x in delta_inputs()]
-    before = inputs[0].copy()
-    delta_steps(*inputs)
-    assert np.array_equal(inputs[0], before)
-
-
-def test_delta_steps_refuse_inputs_whose_heads_disagree_with_the_state():
-    state, *per_token = (x.numpy() for x in delta_inputs())
-    with pytest.raises(ValueError, match="disagree"):
-        delta_steps(state[:3], *per_token)
-
-
-def test_delta_steps_refuse_a_value_size_that_is_not_a_multiple_of_16():
-    with pytest.raises(ValueError, match="multiple of 16"):
-        delta_steps(*(x.numpy() for x in delta_inputs(dv=40)))
 
 
 def check_attention(name: str, head_dim: int, neox: bool, rope_dim: int, tokens: int, start: int,

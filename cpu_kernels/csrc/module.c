@@ -483,20 +483,36 @@ static PyObject *py_swiglu_oai(PyObject *self, PyObject *args) {
     return gated_activation(args, "OO:swiglu_oai", swiglu_oai_rows);
 }
 
+/* Gets `count` float32 arrays of the given dimensions (the last `outputs` of them writable); on a
+ * failure releases what it got and returns -1 with the exception set. */
+static int get_all_floats(PyObject **objs, buffer_arg *buf, const char **names, const int *dims, int count,
+                          int outputs) {
+    for (int i = 0; i < count; i++) {
+        if (get_floats(objs[i], &buf[i], names[i], dims[i], i >= count - outputs)) {
+            release(buf, count);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *shape_error(buffer_arg *buf, int count, const char *message) {
+    release(buf, count);
+    return PyErr_Format(PyExc_ValueError, "%s", message);
+}
+
+#define TEXT(x) #x
+#define TEXT_OF(macro) TEXT(macro) /* a macro's value as a string literal */
+
 static PyObject *py_delta_steps(PyObject *self, PyObject *args) {
     PyObject *objs[8];
     static const char *names[8] = {"state", "q", "k", "v", "g", "beta", "out", "next"};
     static const int dims[8] = {3, 3, 3, 3, 2, 2, 3, 3};
-    if (!PyArg_ParseTuple(args, "OOOOOOOO:delta_steps", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
-                          &objs[6], &objs[7]))
-        return NULL;
     buffer_arg buf[8] = {{.held = 0}};
-    for (int i = 0; i < 8; i++) {
-        if (get_floats(objs[i], &buf[i], names[i], dims[i], i >= 6)) {
-            release(buf, 8);
-            return NULL;
-        }
-    }
+    if (!PyArg_ParseTuple(args, "OOOOOOOO:delta_steps", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &objs[6], &objs[7]) ||
+        get_all_floats(objs, buf, names, dims, 8, 2))
+        return NULL;
     const Py_ssize_t heads = buf[0].view.shape[0], dk = buf[0].view.shape[1], dv = buf[0].view.shape[2];
     const Py_ssize_t tokens = buf[1].view.shape[0];
     /* each argument's expected shape: [H, dk, dv] for the states, [T, H, width] or [T, H] for the rest */
@@ -507,11 +523,9 @@ static PyObject *py_delta_steps(PyObject *self, PyObject *args) {
         if (i == 0 || i == 7) agree = agree && shape[0] == heads && shape[1] == dk && shape[2] == dv;
         else agree = agree && shape[0] == tokens && shape[1] == heads && (dims[i] == 2 || shape[2] == widths[i]);
     }
-    if (!agree) {
-        release(buf, 8);
-        return PyErr_Format(PyExc_ValueError, "delta_steps: state and next [H, Dk, Dv] (Dv a multiple of 16, at "
-                            "most %d), q, k [T, H, Dk], v, out [T, H, Dv] and g, beta [T, H] disagree", DELTA_MAX_DV);
-    }
+    if (!agree)
+        return shape_error(buf, 8, "delta_steps: state and next [H, Dk, Dv] (Dv a multiple of 16, at most "
+                                   TEXT_OF(DELTA_MAX_DV) "), q, k [T, H, Dk], v, out [T, H, Dv] and g, beta [T, H] disagree");
     delta_step_job job = {
         .state = buf[0].view.buf, .q = buf[1].view.buf, .k = buf[2].view.buf, .v = buf[3].view.buf,
         .g = buf[4].view.buf, .beta = buf[5].view.buf, .out = buf[6].view.buf, .next = buf[7].view.buf,
@@ -521,6 +535,92 @@ static PyObject *py_delta_steps(PyObject *self, PyObject *args) {
     pool_run(delta_steps_head, &job, heads);
     Py_END_ALLOW_THREADS
     release(buf, 8);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_conv_silu(PyObject *self, PyObject *args) {
+    PyObject *objs[4];
+    static const char *names[4] = {"history", "x", "weight", "out"};
+    static const int dims[4] = {2, 2, 2, 2};
+    buffer_arg buf[4] = {{.held = 0}};
+    if (!PyArg_ParseTuple(args, "OOOO:conv_silu", &objs[0], &objs[1], &objs[2], &objs[3]) ||
+        get_all_floats(objs, buf, names, dims, 4, 1))
+        return NULL;
+    const Py_ssize_t *history = buf[0].view.shape, *x = buf[1].view.shape, *weight = buf[2].view.shape;
+    const Py_ssize_t channels = x[1], taps = weight[1];
+    if (taps < 1 || taps > CONV_MAX_TAPS || history[0] != taps - 1 || history[1] != channels ||
+        weight[0] != channels || buf[3].view.shape[0] != x[0] || buf[3].view.shape[1] != channels)
+        return shape_error(buf, 4, "conv_silu: history [K-1, C], x and out [T, C] and weight [C, K] (K at most "
+                                   "64) disagree");
+    Py_BEGIN_ALLOW_THREADS
+    conv_silu_rows(buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, x[0], channels, taps, buf[3].view.buf);
+    Py_END_ALLOW_THREADS
+    release(buf, 4);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_delta_split(PyObject *self, PyObject *args) {
+    PyObject *objs[3];
+    static const char *names[3] = {"conv_out", "q", "k"};
+    static const int dims[3] = {2, 3, 3};
+    Py_ssize_t key_heads;
+    int interleaved;
+    float eps;
+    buffer_arg buf[3] = {{.held = 0}};
+    if (!PyArg_ParseTuple(args, "OnpfOO:delta_split", &objs[0], &key_heads, &interleaved, &eps, &objs[1], &objs[2]) ||
+        get_all_floats(objs, buf, names, dims, 3, 2))
+        return NULL;
+    const Py_ssize_t *conv = buf[0].view.shape, *q = buf[1].view.shape, *k = buf[2].view.shape;
+    const Py_ssize_t tokens = conv[0], heads = q[1], dk = q[2];
+    if (key_heads < 1 || heads % key_heads || conv[1] != (2 * key_heads + heads) * dk || q[0] != tokens ||
+        k[0] != tokens || k[1] != heads || k[2] != dk)
+        return shape_error(buf, 3, "delta_split: conv_out [T, (2 key_heads + H) Dk] and q, k [T, H, Dk] disagree "
+                                   "(H a multiple of key_heads)");
+    Py_BEGIN_ALLOW_THREADS
+    delta_split_rows(buf[0].view.buf, tokens, key_heads, heads, dk, interleaved, eps, buf[1].view.buf, buf[2].view.buf);
+    Py_END_ALLOW_THREADS
+    release(buf, 3);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_delta_gates(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    static const char *names[6] = {"alpha", "beta_in", "dt", "a", "g", "beta"};
+    static const int dims[6] = {2, 2, 1, 1, 2, 2};
+    buffer_arg buf[6] = {{.held = 0}};
+    if (!PyArg_ParseTuple(args, "OOOOOO:delta_gates", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5]) ||
+        get_all_floats(objs, buf, names, dims, 6, 2))
+        return NULL;
+    const Py_ssize_t tokens = buf[0].view.shape[0], heads = buf[0].view.shape[1];
+    int agree = buf[2].view.shape[0] == heads && buf[3].view.shape[0] == heads;
+    for (int i = 1; i < 6; i++)
+        agree = agree && (dims[i] == 1 || (buf[i].view.shape[0] == tokens && buf[i].view.shape[1] == heads));
+    if (!agree) return shape_error(buf, 6, "delta_gates: alpha, beta_in, g and beta [T, H] and dt, a [H] disagree");
+    Py_BEGIN_ALLOW_THREADS
+    delta_gates_rows(buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, buf[3].view.buf, tokens, heads,
+                     buf[4].view.buf, buf[5].view.buf);
+    Py_END_ALLOW_THREADS
+    release(buf, 6);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gated_rms_norm(PyObject *self, PyObject *args) {
+    PyObject *objs[4];
+    static const char *names[4] = {"x", "weight", "gate", "out"};
+    static const int dims[4] = {2, 1, 2, 2};
+    float eps;
+    buffer_arg buf[4] = {{.held = 0}};
+    if (!PyArg_ParseTuple(args, "OOOfO:gated_rms_norm", &objs[0], &objs[1], &objs[2], &eps, &objs[3]) ||
+        get_all_floats(objs, buf, names, dims, 4, 1))
+        return NULL;
+    const Py_ssize_t rows = buf[0].view.shape[0], size = buf[0].view.shape[1];
+    if (buf[1].view.shape[0] != size || buf[2].view.shape[0] != rows || buf[2].view.shape[1] != size ||
+        buf[3].view.shape[0] != rows || buf[3].view.shape[1] != size)
+        return shape_error(buf, 4, "gated_rms_norm: x, gate and out [R, N] and weight [N] disagree");
+    Py_BEGIN_ALLOW_THREADS
+    gated_rms_norm_rows(buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, rows, size, eps, buf[3].view.buf);
+    Py_END_ALLOW_THREADS
+    release(buf, 4);
     Py_RETURN_NONE;
 }
 
@@ -775,6 +875,14 @@ static PyMethodDef methods[] = {
     {"crc32_folds", py_crc32_folds, METH_NOARGS, "crc32_folds(): whether crc32 folds with PCLMULQDQ on this CPU."},
     {"delta_steps", py_delta_steps, METH_VARARGS,
      "delta_steps(state, q, k, v, g, beta, out, next): the gated delta rule through T tokens for every value head."},
+    {"conv_silu", py_conv_silu, METH_VARARGS,
+     "conv_silu(history, x, weight, out): out = silu of each channel's causal convolution of [history, x]."},
+    {"delta_split", py_delta_split, METH_VARARGS,
+     "delta_split(conv_out, key_heads, interleaved, eps, q, k): L2-normed queries and keys per value head."},
+    {"delta_gates", py_delta_gates, METH_VARARGS,
+     "delta_gates(alpha, beta_in, dt, a, g, beta): g = softplus(alpha + dt) * a, beta = sigmoid(beta_in)."},
+    {"gated_rms_norm", py_gated_rms_norm, METH_VARARGS,
+     "gated_rms_norm(x, weight, gate, eps, out): out = x / rms(x) * weight * silu(gate), per row."},
     {"weighted_rows", py_weighted_rows, METH_VARARGS,
      "weighted_rows(rows, picks, weights, out): out[t] = sum over j of weights[t, j] * rows[picks[t, j]], j ascending."},
     {"swiglu_oai", py_swiglu_oai, METH_VARARGS,

@@ -80,6 +80,93 @@ TARGET_CLONES void weighted_rows(const float *rows, int64_t size, const int64_t 
     }
 }
 
+/* silu(g) of 16 lanes, the tail of a row padded into the same vector code, so that an element gets
+ * the same bits wherever it sits in a row. */
+static inline v16f silu16(v16f g) { return g / (1.0f + exp16(-g)); }
+
+static inline v16f load_part(const float *p, int64_t n) { /* n <= 16 items, the rest 0 */
+    float lanes[16] = {0};
+    memcpy(lanes, p, (size_t)n * sizeof(float));
+    return load16(lanes);
+}
+
+static inline void store_part(float *p, v16f v, int64_t n) {
+    float lanes[16];
+    store16(lanes, v);
+    memcpy(p, lanes, (size_t)n * sizeof(float));
+}
+
+/* silu of a row in place, 16 lanes at a time; the tail through the same vector code. */
+static inline void silu_row(float *x, int64_t size) {
+    int64_t i = 0;
+    for (; i + 16 <= size; i += 16) store16(x + i, silu16(load16(x + i)));
+    if (i < size) store_part(x + i, silu16(load_part(x + i, size - i)), size - i);
+}
+
+TARGET_CLONES void conv_silu_rows(const float *history, const float *x, const float *weight, int64_t tokens,
+                                  int64_t channels, int64_t taps, float *out) {
+    for (int64_t t = 0; t < tokens; t++) {
+        float *o = out + t * channels;
+        for (int64_t j = 0; j < taps; j++) { /* window row t + j: the history's K-1 rows, then x's */
+            const int64_t row = t + j - (taps - 1);
+            const float *in = row < 0 ? history + (row + taps - 1) * channels : x + row * channels;
+            if (j == 0) {
+                for (int64_t c = 0; c < channels; c++) o[c] = in[c] * weight[c * taps];
+            } else {
+                for (int64_t c = 0; c < channels; c++) o[c] += in[c] * weight[c * taps + j];
+            }
+        }
+        silu_row(o, channels);
+    }
+}
+
+void delta_split_rows(const float *conv_out, int64_t tokens, int64_t key_heads, int64_t value_heads, int64_t dk,
+                      int interleaved, float eps, float *q, float *k) {
+    const int64_t channels = 2 * key_heads * dk + value_heads * dk, shared = value_heads / key_heads;
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t part = 0; part < 2; part++) {
+            float *dst = (part ? k : q) + t * value_heads * dk;
+            for (int64_t kh = 0; kh < key_heads; kh++) {
+                const float *src = conv_out + t * channels + (part * key_heads + kh) * dk;
+                double squares = 0.0;
+                for (int64_t i = 0; i < dk; i++) squares += (double)(src[i] * src[i]);
+                const float inv = 1.0f / sqrtf((float)squares + eps);
+                for (int64_t s = 0; s < shared; s++) { /* the value heads that read key head kh */
+                    float *head = dst + (interleaved ? kh * shared + s : s * key_heads + kh) * dk;
+                    for (int64_t i = 0; i < dk; i++) head[i] = src[i] * inv;
+                }
+            }
+        }
+    }
+}
+
+void delta_gates_rows(const float *alpha, const float *beta_in, const float *dt, const float *a, int64_t tokens,
+                      int64_t heads, float *g, float *beta) {
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t at = t * heads + h;
+            const double b = beta_in[at], shifted = (float)(alpha[at] + dt[h]);
+            beta[at] = (float)(1.0 / (1.0 + exp(-b)));
+            g[at] = (float)(shifted > 20.0 ? shifted : log1p(exp(shifted))) * a[h];
+        }
+    }
+}
+
+TARGET_CLONES void gated_rms_norm_rows(const float *x, const float *weight, const float *gate, int64_t rows,
+                                       int64_t size, float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * size, *gr = gate + r * size;
+        double squares = 0.0;
+        for (int64_t i = 0; i < size; i++) squares += (double)xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf((float)(squares / size) + eps);
+        for (int64_t i = 0; i < size; i += 16) {
+            const int64_t n = size - i < 16 ? size - i : 16;
+            const v16f normed = load_part(xr + i, n) * inv * load_part(weight + i, n);
+            store_part(out + r * size + i, normed * silu16(load_part(gr + i, n)), n);
+        }
+    }
+}
+
 /* One head's state through job->tokens tokens, in place in job->next (a copy of job->state): each
  * token reads the state (k^T S, q^T S) before it updates it, so a pass of T tokens gives every token
  * the bits T passes of one token give. */

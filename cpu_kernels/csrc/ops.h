@@ -18,6 +18,26 @@ void swiglu_oai_rows(const float *gate_up, int64_t rows, int64_t size, float *ou
 void weighted_rows(const float *rows, int64_t size, const int64_t *picks, const float *weights,
                    int64_t tokens, int64_t k, float *out);
 
+/* Gated DeltaNet's small steps around the delta rule (runtime/delta_rule.py), each element computed
+ * alike in a pass of any length:
+ * conv_silu_rows: silu of each channel's causal convolution, history [K-1, C] (the inputs before
+ *   x [T, C]) and x through weight [C, K] (tap K-1 on the newest input), taps summed in order -> out [T, C];
+ * delta_split_rows: conv_out [T, C] = [queries, keys (each key_heads x dk), values] -> q and k
+ *   [T, value_heads, dk], each key head L2-normed (x / sqrt(|x|^2 + eps)) and copied to the value
+ *   heads that read it: h reads h / (value_heads / key_heads) when interleaved, else h % key_heads;
+ * delta_gates_rows: beta = sigmoid(beta_in), g = softplus(alpha + dt) * a, per token and head ([T, H],
+ *   dt and a [H]), the functions computed in double;
+ * gated_rms_norm_rows: out = rms_norm(x) * weight * silu(gate), rows of x, gate and out [R, size]. */
+#define CONV_MAX_TAPS 64
+void conv_silu_rows(const float *history, const float *x, const float *weight, int64_t tokens,
+                    int64_t channels, int64_t taps, float *out);
+void delta_split_rows(const float *conv_out, int64_t tokens, int64_t key_heads, int64_t value_heads, int64_t dk,
+                      int interleaved, float eps, float *q, float *k);
+void delta_gates_rows(const float *alpha, const float *beta_in, const float *dt, const float *a, int64_t tokens,
+                      int64_t heads, float *g, float *beta);
+void gated_rms_norm_rows(const float *x, const float *weight, const float *gate, int64_t rows, int64_t size,
+                         float eps, float *out);
+
 /* The gated delta rule (runtime/delta_rule.py's step) through `tokens` tokens for every value head h:
  * state and next [H, dk, dv], q and k [T, H, dk], v and out [T, H, dv], g and beta [T, H]. A pool
  * item is one head. */

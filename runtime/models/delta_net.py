@@ -23,12 +23,13 @@ x += mixer(attn_norm(x)); x += ffn(post_attention_norm(x)).
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
+from tierflow.runtime import delta_rule
 from tierflow.runtime.config import Metadata, ModelConfig, RecurrentShape
 from tierflow.runtime.delta_rule import same_bits
 from tierflow.runtime.model import Activations, LayerPass, Weights, stack_rows
@@ -178,31 +179,13 @@ def gated_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:
 def linear_attention(p: LayerPass, w: Weights, x: Activations, layout: LinearLayout) -> Activations:
     cfg, s = p.config, p.config.recurrent
     conv_in, z, beta, alpha = layout.unpack(s, torch.as_tensor(w.ssm_in(x)))  # [T, C], [T, H Dv], [T, H] x 2
-    beta = same_bits(torch.sigmoid, beta)
-    g = same_bits(F.softplus, alpha + torch.as_tensor(w.ssm_dt)) * torch.as_tensor(w.ssm_a)
+    g, beta = delta_rule.gates(alpha, beta, torch.as_tensor(w.ssm_dt), torch.as_tensor(w.ssm_a))
     conv_weight = torch.as_tensor(w.ssm_conv1d).reshape(s.conv_channels, s.conv_kernel)
-    split = _splitter(s, cfg.rms_norm_eps, layout.interleaved_heads)
+    split = partial(delta_rule.split_heads, key_heads=s.key_heads, value_heads=s.value_heads,
+                    interleaved=layout.interleaved_heads, eps=cfg.rms_norm_eps)
     outs = [seq.recurrent(conv_in[seq.rows], conv_weight, g[seq.rows], beta[seq.rows], split)
             for seq in p.sequences]
-    o = torch.as_tensor(stack_rows(outs))  # [T, H, Dv]
-    normed = p.kernels.rms_norm(p.kernels.take(o.reshape(-1, s.value_dim)), w.ssm_norm, cfg.rms_norm_eps)
-    gated = torch.as_tensor(normed).reshape(o.shape[0], -1) * same_bits(F.silu, z)
-    return w.ssm_out(p.kernels.take(gated))
-
-
-def _splitter(s: RecurrentShape, eps: float, interleaved: bool):
-    """conv outputs [T, C] -> L2-normed queries and keys, each value head's ([T, H, Dk]), and values."""
-    def split(conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tokens, width = conv_out.shape[0], s.key_heads * s.key_dim
-        q, k, v = conv_out.split([width, width, s.value_heads * s.value_dim], dim=-1)
-        shared = s.value_heads // s.key_heads
-        # contiguous, so that each row's norm is summed alike whatever the pass's token count
-        q, k = (_l2_norm(x.reshape(tokens, s.key_heads, s.key_dim).contiguous(), eps) for x in (q, k))
-        q, k = (x.repeat_interleave(shared, dim=1) if interleaved else x.repeat(1, shared, 1) for x in (q, k))
-        return q, k, v.reshape(tokens, s.value_heads, s.value_dim)
-    return split
-
-
-def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(|x|^2 + eps) over the last dimension, as llama.cpp's bundled ggml_l2_norm computes it."""
-    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)
+    o = p.kernels.take(stack_rows(outs))  # [T, H, Dv]
+    gate = p.kernels.take(z.reshape(-1, s.value_dim))
+    normed = p.kernels.gated_rms_norm(o.reshape(-1, s.value_dim), w.ssm_norm, gate, cfg.rms_norm_eps)
+    return w.ssm_out(normed.reshape(o.shape[0], -1))
