@@ -44,12 +44,14 @@ def weighted_rows(rows: np.ndarray, picks: np.ndarray, weights: np.ndarray) -> n
 
 
 def delta_steps(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
-                beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                beta: np.ndarray, next_state: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The gated delta rule through T tokens for every value head (runtime/delta_rule.py), the heads
     on the kernels' threads: state [H, Dk, Dv], q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H],
-    float32 and C-contiguous, Dv a multiple of 16 -> (outputs [T, H, Dv], the state after them).
-    `state` is left as it was; every token gets the bits a pass of it alone would give."""
-    out, next_state = np.empty(v.shape, np.float32), np.empty(state.shape, np.float32)
+    float32 and C-contiguous, Dv a multiple of 16 -> (outputs [T, H, Dv], the state after them,
+    written into next_state when given). `state` is left as it was; every token gets the bits a
+    pass of it alone would give."""
+    out = np.empty(v.shape, np.float32)
+    next_state = np.empty(state.shape, np.float32) if next_state is None else next_state
     _kernels.delta_steps(state, q, k, v, g, beta, out, next_state)
     return out, next_state
 

@@ -21,6 +21,9 @@ every element's bits are the same in a pass of any length.
 Shapes: T tokens, H value heads, Dk key size, Dv value size, C channels, K kernel taps.
 """
 
+import sys
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -103,23 +106,46 @@ def on_kernels(state: torch.Tensor, v: torch.Tensor) -> bool:
     return state.device.type == "cpu" and size % 16 == 0 and size <= ops.DELTA_MAX_DV
 
 
+class StateBuffers:
+    """Arrays for the states the C kernels write, recycled: a decode step makes each layer a new state
+    (2 MB at Qwen3.5's shape), and fresh arrays of that size came from pages the allocator had just
+    handed back to the system, about a thousand page faults a step and a tenth of its time
+    (diagnostic). An array is taken again once nothing but this holds it: no tensor views it any
+    more. At most `limit` arrays are kept (those beyond are allocated and let go as before)."""
+
+    def __init__(self, limit: int):
+        self._arrays: list[np.ndarray] = []
+        self._limit = limit
+
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:
+        for array in self._arrays:
+            # referred to by the list, this loop and getrefcount's argument only
+            if sys.getrefcount(array) == 3 and array.shape == shape:
+                return array
+        array = np.empty(shape, np.float32)
+        if len(self._arrays) < self._limit:
+            self._arrays.append(array)
+        return array
+
+
 def step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-         beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+         beta: torch.Tensor, buffers: StateBuffers | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token: state [H, Dk, Dv], q, k [H, Dk], v [H, Dv], g, beta [H] -> (output [H, Dv], new state)."""
-    out, state = stepwise(state, q[None], k[None], v[None], g[None], beta[None])
+    out, state = stepwise(state, q[None], k[None], v[None], g[None], beta[None], buffers)
     return out[0], state
 
 
 def stepwise(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             beta: torch.Tensor, buffers: StateBuffers | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`step` over T tokens in order: q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H] -> ([T, H, Dv], state).
     On the kernels one C call, which gives each token the bits a pass of it alone gives (and took a
-    third of step_in_torch's time a token, and 60% of the chunked form's over a 4096-token prompt);
-    elsewhere step_in_torch, token by token."""
+    third of step_in_torch's time a token, and 60% of the chunked form's over a 4096-token prompt),
+    the new state in an array of `buffers` when given; elsewhere step_in_torch, token by token."""
     if not len(q):
         return v.new_empty((0, *v.shape[1:])), state
     if on_kernels(state, v):
-        out, state = ops.delta_steps(*(x.contiguous().numpy() for x in (state, q, k, v, g, beta)))
+        next_state = buffers.take(tuple(state.shape)) if buffers is not None else None
+        out, state = ops.delta_steps(*(x.contiguous().numpy() for x in (state, q, k, v, g, beta)), next_state)
         return torch.from_numpy(out), torch.from_numpy(state)
     outs = []
     for t in range(q.shape[0]):
@@ -142,10 +168,12 @@ def step_in_torch(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def long_pass(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              beta: torch.Tensor, buffers: StateBuffers | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A prefill chunk's recurrence, as `stepwise`: the kernels' token loop where they run it (faster
     there than the chunked form's small products), else the chunked form."""
-    return (stepwise if on_kernels(state, v) else chunked)(state, q, k, v, g, beta)
+    if on_kernels(state, v):
+        return stepwise(state, q, k, v, g, beta, buffers)
+    return chunked(state, q, k, v, g, beta)
 
 
 def chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -33,17 +33,19 @@ from tierflow.runtime.config import ModelConfig, RecurrentShape
 STEPWISE_TOKENS = 64  # the most tokens a pass can run token by token and record
 CHUNKED_FROM = 17  # a prefill pass of at least this many tokens runs chunked (faster from about here)
 CHECKPOINTS = 2  # states kept at earlier lengths besides the base
+# the most states one layer of a sequence holds: the tip, the base and the checkpoints, and while a
+# long pass runs its new base and tip too (the old tip being one checkpoint)
+STATES_HELD = 3 + CHECKPOINTS
 
 # conv outputs [T, C] -> (q, k [T, H, Dk], v [T, H, Dv]): the layer's split, norms and head sharing
 Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def recurrent_state_bytes(shape: RecurrentShape) -> int:
-    """What one sequence's state takes in one layer at most: the tip, the base and the checkpoints,
-    while a long pass runs its new base and tip too (the old tip being one checkpoint), and a record
-    of STEPWISE_TOKENS tokens."""
+    """What one sequence's state takes in one layer at most: STATES_HELD states and a record of
+    STEPWISE_TOKENS tokens."""
     record = 4 * (2 * shape.conv_channels + 2 * shape.value_heads)
-    return (3 + CHECKPOINTS) * shape.state_bytes + STEPWISE_TOKENS * record
+    return STATES_HELD * shape.state_bytes + STEPWISE_TOKENS * record
 
 
 def recurrent_pass_bytes(shape: RecurrentShape, tokens: int) -> int:
@@ -86,6 +88,8 @@ class LayerStates:
     records: list[Record] = field(default_factory=list)
     checkpoints: dict[int, State] = field(default_factory=dict)
     split: Split | None = None
+    # the arrays new states are written into: kept, as many as the budget counts (recurrent_state_bytes)
+    buffers: delta_rule.StateBuffers = field(default_factory=lambda: delta_rule.StateBuffers(STATES_HELD))
 
 
 class RecurrentStates:
@@ -268,7 +272,7 @@ class RecurrentStates:
             slot = self.parents[slot - self.base_length]
         state = states.base
         for node in reversed(path):
-            _, state = _advance(state, states.records[node - self.base_length], states.split)
+            _, state = _advance(state, states.records[node - self.base_length], states)
         return state
 
 
@@ -307,7 +311,7 @@ class RecurrentPass:
         states, run = self.states, self.run
         states.split = split
         if not run.chain:
-            return self._tree(conv_in, conv_weight, g, beta, split)
+            return self._tree(conv_in, conv_weight, g, beta)
         start = self.owner._replay(states, run.preds[0])
         conv_out = delta_rule.causal_conv(start.history, conv_in, conv_weight)
         q, k, v = split(conv_out)
@@ -316,17 +320,18 @@ class RecurrentPass:
         penultimate, out = start, None
         if most:
             run_most = delta_rule.long_pass if run.long else delta_rule.stepwise
-            out, matrices = run_most(start.matrices, q[:most], k[:most], v[:most], g[:most], beta[:most])
+            out, matrices = run_most(start.matrices, q[:most], k[:most], v[:most], g[:most], beta[:most],
+                                     states.buffers)
             penultimate = State(torch.cat([start.history, conv_in[:most]])[-taps:], matrices)
         last, matrices = delta_rule.stepwise(penultimate.matrices, q[most:], k[most:], v[most:], g[most:],
-                                             beta[most:])
+                                             beta[most:], states.buffers)
         tip = State(torch.cat([start.history, conv_in])[-taps:], matrices)
         recorded = most if run.long else 0
         records = _records(conv_in[recorded:], conv_out[recorded:], g[recorded:], beta[recorded:])
         run.results[self.layer] = _Result(tip, records, penultimate)
         return last if out is None else torch.cat([out, last])
 
-    def _tree(self, conv_in, conv_weight, g, beta, split) -> torch.Tensor:
+    def _tree(self, conv_in, conv_weight, g, beta) -> torch.Tensor:
         """Each token from its parent's state, one at a time."""
         states, run = self.states, self.run
         computed: dict[int, State] = {}
@@ -335,7 +340,7 @@ class RecurrentPass:
             before = computed[pred] if pred in computed else self.owner._replay(states, pred)
             conv_out = delta_rule.causal_conv(before.history, conv_in[i:i + 1], conv_weight)
             [record] = _records(conv_in[i:i + 1], conv_out, g[i:i + 1], beta[i:i + 1])
-            out, computed[run.start + i] = _advance(before, record, split)
+            out, computed[run.start + i] = _advance(before, record, states)
             outs.append(out)
             records.append(record)
         run.results[self.layer] = _Result(computed[run.start + len(run.preds) - 1], records, None)
@@ -348,8 +353,8 @@ def _records(conv_in, conv_out, g, beta) -> list[Record]:
     return [Record(*(x.clone() for x in row)) for row in zip(conv_in, conv_out, g, beta)]
 
 
-def _advance(state: State, record: Record, split: Split) -> tuple[torch.Tensor, State]:
-    """One more token from its record: its output [H, Dv] and the state after it."""
-    q, k, v = split(record.conv_out[None])
-    out, matrices = delta_rule.step(state.matrices, q[0], k[0], v[0], record.g, record.beta)
+def _advance(state: State, record: Record, states: LayerStates) -> tuple[torch.Tensor, State]:
+    """One more token of the layer's from its record: its output [H, Dv] and the state after it."""
+    q, k, v = states.split(record.conv_out[None])
+    out, matrices = delta_rule.step(state.matrices, q[0], k[0], v[0], record.g, record.beta, states.buffers)
     return out, State(torch.cat([state.history[1:], record.conv_in[None]]), matrices)

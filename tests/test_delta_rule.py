@@ -3,6 +3,8 @@ steps around it (cpu_kernels.ops) against their torch formulations (the *_in_tor
 cpu_kernels.reference), and the chunked form against the token loop. Each kernel matches torch,
 gives a token the same bits alone or in a pass, and refuses shapes that disagree."""
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -12,11 +14,13 @@ from tierflow.cpu_kernels.ops import conv_silu, delta_gates, delta_split, delta_
 from tierflow.cpu_kernels.reference import gated_rms_norm_reference
 from tierflow.runtime.delta_rule import (
     CHUNK,
+    StateBuffers,
     causal_conv_in_torch,
     chunked,
     gates_in_torch,
     split_heads_in_torch,
     step_in_torch,
+    stepwise,
 )
 
 TAPS, CHANNELS = 4, 3 * 40 + 7  # a tail of 7 channels after whole vectors
@@ -166,3 +170,34 @@ def test_gated_rms_norm_refuses_a_gate_of_another_shape():
     x = np.ones((2, 16), np.float32)
     with pytest.raises(ValueError, match="gated_rms_norm"):
         gated_rms_norm(x, np.ones(16, np.float32), np.ones((2, 8), np.float32), 1e-6)
+
+
+def test_a_state_array_is_taken_again_once_no_tensor_views_it():
+    buffers = StateBuffers(limit=2)
+    array = buffers.take((2, 16, 16))
+    taken_before, tensor = weakref.ref(array), torch.from_numpy(array)
+    del array, tensor
+    assert buffers.take((2, 16, 16)) is taken_before()
+
+
+def test_an_array_a_view_still_reads_is_never_handed_out():
+    buffers = StateBuffers(limit=2)
+    view = torch.from_numpy(buffers.take((2, 16, 16)))[1]  # the tensor it came from is gone
+    assert buffers.take((2, 16, 16)).ctypes.data != view.data_ptr() - 16 * 16 * 4
+
+
+def test_state_buffers_keep_at_most_their_limit():
+    buffers = StateBuffers(limit=1)
+    taken = [buffers.take((4, 16)) for _ in range(3)]  # all held at once: three arrays
+    alive = [weakref.ref(array) for array in taken]
+    del taken
+    assert sum(ref() is not None for ref in alive) == 1
+
+
+def test_stepwise_writes_the_next_state_into_a_recycled_array_with_the_same_result():
+    state, *per_token = delta_inputs()
+    buffers = StateBuffers(limit=2)
+    out, after = stepwise(state, *per_token)
+    out_recycled, _ = stepwise(state, *per_token, buffers=buffers)
+    out_recycled, after_recycled = stepwise(state, *per_token, buffers=buffers)  # into the first's array
+    assert torch.equal(out_recycled, out) and torch.equal(after_recycled, after)
