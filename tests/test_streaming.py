@@ -433,3 +433,27 @@ def test_the_streamer_reads_ahead_in_the_decoders_layer_order_across_tokens(mode
     assert [layer for layer, _ in queued_after] == cycle[: len(queued_after)]
     for k, (layer, queued) in enumerate(queued_after):  # when layer k is handed over, k+1.. are queued
         assert queued == cycle[k + 1: k + 1 + depth], (layer, queued)
+
+
+# -- huge pages ------------------------------------------------------------------------------
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address` (Linux's /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split()[0] and ":" not in line.split()[0]:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+@pytest.mark.parametrize(("size", "huge"), [(ALIGNMENT, False), (4 << 20, True)])
+def test_a_buffer_of_a_huge_page_or_more_asks_for_huge_pages(size, huge):
+    buffer = aligned_buffer(size)
+    address = np.frombuffer(buffer, np.uint8).ctypes.data
+    assert ("hg" in _vm_flags(address)) == huge
+    assert "sh" not in _vm_flags(address)  # private: shared anonymous memory gets no huge pages

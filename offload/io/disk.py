@@ -15,6 +15,7 @@ from pathlib import Path
 from tierflow.errors import ModelFileError
 
 ALIGNMENT = 4096  # offsets, lengths and buffer addresses of O_DIRECT reads are multiples of this
+HUGE_PAGE = 2 << 20
 
 
 def aligned_size(nbytes: int) -> int:
@@ -24,7 +25,10 @@ def aligned_size(nbytes: int) -> int:
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
     """A zeroed, page-aligned buffer of aligned_size(nbytes) bytes (anonymous memory)."""
-    return mmap.mmap(-1, aligned_size(nbytes))
+    buffer = mmap.mmap(-1, aligned_size(nbytes), flags=mmap.MAP_PRIVATE)
+    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
 
 
 class DiskFile:

@@ -21,7 +21,7 @@ from tierflow.errors import UnsupportedModelError
 from tierflow.offload.experts.hybrid import HybridExperts
 from tierflow.offload.experts.store import ExpertStore, StreamedExperts
 from tierflow.offload.experts.tier import LayerExperts
-from tierflow.offload.io.disk import DiskFile, aligned_buffer
+from tierflow.offload.io.disk import DiskFile, aligned_buffer, aligned_size
 from tierflow.offload.io.streamer import LayerStreamer
 from tierflow.offload.pack.reader import Extent, PackedFile
 from tierflow.offload.pack.writer import LoadProgress
@@ -87,16 +87,30 @@ class TieredWeights:
                        if isinstance(spec, dict)]  # the linears (the norms are [offset, size])
         self.uses_kernels = _computed_by_kernels(self._output) or any(map(_packed_spec, layer_specs))
 
-    def _read(self, extent: Extent, total: int, keep: bool = True) -> memoryview:
-        buffer = aligned_buffer(extent.nbytes)
+    def _read(self, extent: Extent, total: int, keep: bool = True, into: memoryview | None = None
+              ) -> memoryview:
+        """The extent's bytes, checked, in a buffer of their own (kept while the weights live when
+        `keep`) or at the start of `into` (page-aligned, the caller's)."""
+        buffer = aligned_buffer(extent.nbytes) if into is None else into
         data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
         self.packed.check(extent, data)
-        if keep:
+        if keep and into is None:
             self._buffers.append(buffer)
         self._loaded += extent.nbytes
         if self._progress is not None:
             self._progress("load", self._loaded, total)
         return data
+
+    def _read_all(self, extents: list[Extent], total: int) -> list[memoryview]:
+        """The extents' bytes side by side in one buffer, kept while the weights live: a layer's
+        experts (each a MB or two) then share huge pages (offload/io/disk.aligned_buffer), where a
+        buffer each left every expert on 4 KB pages and every page of a decode step's reads a TLB miss."""
+        sizes = [aligned_size(extent.nbytes) for extent in extents]
+        arena = aligned_buffer(sum(sizes))
+        self._buffers.append(arena)
+        starts = np.cumsum([0, *sizes])
+        return [self._read(extent, total, into=memoryview(arena)[a:b])
+                for extent, a, b in zip(extents, starts, starts[1:])]
 
     def _layer(self, index: int, total: int, on_device: bool) -> Weights:
         """Layer `index` in RAM, or copied to the device tier (its weights then view the copy), with
@@ -119,10 +133,8 @@ class TieredWeights:
             return ResidentExperts([self._expert_to_device(index, e, total)
                                     for e in range(len(self.packed.experts[index]))])
         if self._experts_in_ram:
-            ram = []
-            for e, extent in enumerate(self.packed.experts[index]):
-                expert_data = self._read(extent, total)
-                ram.append((self.packed.expert_weights(index, e, expert_data), expert_data))
+            ram = [(self.packed.expert_weights(index, e, expert_data), expert_data)
+                   for e, expert_data in enumerate(self._read_all(self.packed.experts[index], total))]
             if self.experts is None:
                 return ResidentExperts([w for w, _ in ram])
             self.experts.ram[index] = ram
