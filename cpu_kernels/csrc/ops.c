@@ -21,29 +21,34 @@
 #include "ops.h"
 #include "vec16.h"
 
+/* 1 / rms(x), the squares summed in double. */
+static float rms_inverse(const float *x, int64_t size, float eps) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < size; i++) squares += (double)x[i] * x[i];
+    return 1.0f / sqrtf((float)(squares / size) + eps);
+}
+
 void rms_norm_rows(const float *x, const float *weight, int64_t rows, int64_t size, float eps,
                    float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * size;
-        double squares = 0.0;
-        for (int64_t i = 0; i < size; i++) squares += (double)xr[i] * xr[i];
-        float inv = 1.0f / sqrtf((float)(squares / size) + eps);
+        const float inv = rms_inverse(xr, size, eps);
         for (int64_t i = 0; i < size; i++) out[r * size + i] = xr[i] * inv * weight[i];
     }
 }
+
+/* Rows are computed 16 lanes at a time, a row's tail padded into the same vector code (load_part,
+ * store_part), so that an element gets the same bits wherever it sits in a row. */
+static inline v16f silu16(v16f g) { return g / (1.0f + exp16(-g)); }
 
 TARGET_CLONES void silu_mul_rows(const float *gate_up, int64_t rows, int64_t size, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * size, *up = gate + size;
         int64_t i = 0;
-        for (; i + 16 <= size; i += 16) {
-            v16f g = load16(gate + i);
-            store16(out + r * size + i, g / (1.0f + exp16(-g)) * load16(up + i));
-        }
-        for (; i < size; i++) { /* the tail, through the same vector code */
-            float g[16] = {gate[i]}, u[16] = {up[i]}, o[16];
-            store16(o, load16(g) / (1.0f + exp16(-load16(g))) * load16(u));
-            out[r * size + i] = o[0];
+        for (; i + 16 <= size; i += 16) store16(out + r * size + i, silu16(load16(gate + i)) * load16(up + i));
+        if (i < size) {
+            const int64_t n = size - i;
+            store_part(out + r * size + i, silu16(load_part(gate + i, n)) * load_part(up + i, n), n);
         }
     }
 }
@@ -52,15 +57,11 @@ TARGET_CLONES void swiglu_oai_rows(const float *gate_up, int64_t rows, int64_t s
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * size, *up = gate + size;
         for (int64_t i = 0; i < size; i += 16) {
-            float g[16] = {0}, u[16] = {0}, o[16]; /* the tail through the same vector code */
             const int64_t n = size - i < 16 ? size - i : 16;
-            memcpy(g, gate + i, (size_t)n * sizeof(float));
-            memcpy(u, up + i, (size_t)n * sizeof(float));
-            v16f gv = load16(g), uv = load16(u);
+            v16f gv = load_part(gate + i, n), uv = load_part(up + i, n);
             gv = select16(gv > 7.0f, (v16f){0} + 7.0f, gv);
             uv = select16(uv > 7.0f, (v16f){0} + 7.0f, select16(uv < -7.0f, (v16f){0} - 7.0f, uv));
-            store16(o, gv / (1.0f + exp16(1.702f * -gv)) * (uv + 1.0f));
-            memcpy(out + r * size + i, o, (size_t)n * sizeof(float));
+            store_part(out + r * size + i, gv / (1.0f + exp16(1.702f * -gv)) * (uv + 1.0f), n);
         }
     }
 }
@@ -78,22 +79,6 @@ TARGET_CLONES void weighted_rows(const float *rows, int64_t size, const int64_t 
             }
         }
     }
-}
-
-/* silu(g) of 16 lanes, the tail of a row padded into the same vector code, so that an element gets
- * the same bits wherever it sits in a row. */
-static inline v16f silu16(v16f g) { return g / (1.0f + exp16(-g)); }
-
-static inline v16f load_part(const float *p, int64_t n) { /* n <= 16 items, the rest 0 */
-    float lanes[16] = {0};
-    memcpy(lanes, p, (size_t)n * sizeof(float));
-    return load16(lanes);
-}
-
-static inline void store_part(float *p, v16f v, int64_t n) {
-    float lanes[16];
-    store16(lanes, v);
-    memcpy(p, lanes, (size_t)n * sizeof(float));
 }
 
 /* silu of a row in place, 16 lanes at a time; the tail through the same vector code. */
@@ -156,9 +141,7 @@ TARGET_CLONES void gated_rms_norm_rows(const float *x, const float *weight, cons
                                        int64_t size, float eps, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * size, *gr = gate + r * size;
-        double squares = 0.0;
-        for (int64_t i = 0; i < size; i++) squares += (double)xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf((float)(squares / size) + eps);
+        const float inv = rms_inverse(xr, size, eps);
         for (int64_t i = 0; i < size; i += 16) {
             const int64_t n = size - i < 16 ? size - i : 16;
             const v16f normed = load_part(xr + i, n) * inv * load_part(weight + i, n);

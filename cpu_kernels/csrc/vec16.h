@@ -13,6 +13,19 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 static inline v16f load16(const float *p) { return *(const v16f *)p; }
 static inline void store16(float *p, v16f v) { *(v16f *)p = v; }
 
+/* The first n <= 16 items of p in the lanes, the rest 0: a row's tail, for the same vector code. */
+static inline v16f load_part(const float *p, int64_t n) {
+    float lanes[16] = {0};
+    memcpy(lanes, p, (size_t)n * sizeof(float));
+    return load16(lanes);
+}
+
+static inline void store_part(float *p, v16f v, int64_t n) { /* the first n <= 16 lanes */
+    float lanes[16];
+    store16(lanes, v);
+    memcpy(p, lanes, (size_t)n * sizeof(float));
+}
+
 static inline v16f bits_as_floats(v16i bits) {
     v16f f;
     memcpy(&f, &bits, sizeof f);

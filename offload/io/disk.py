@@ -15,7 +15,7 @@ from pathlib import Path
 from tierflow.errors import ModelFileError
 
 ALIGNMENT = 4096  # offsets, lengths and buffer addresses of O_DIRECT reads are multiples of this
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64): buffers this large and larger ask for them
 
 
 def aligned_size(nbytes: int) -> int:
