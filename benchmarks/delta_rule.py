@@ -10,6 +10,12 @@ The reference runs `--reference-tokens` tokens (its cost per token is the same a
 scaled to `--tokens`; the others run all of them; each the fastest of `--repeats` runs. All start from
 a random state and give the same outputs up to float rounding (printed). Goal (issue 19): a long
 prompt's recurrence at least 10x faster than the token-by-token reference.
+
+The bound: every form does at least 6 Dk Dv floating-point operations per token and head (two reads
+of the state, k^T S and q^T S, and its rank-one update; the chunked form does more, its triangular
+solves and in-chunk products besides), so none can beat those operations at the machine's float32
+matrix-product rate, measured in the same run (torch's GEMM of two 2048 x 2048 matrices at
+`--threads`). Where that bound is under 10x the reference, the goal is out of this machine's reach.
 """
 
 import argparse
@@ -46,6 +52,12 @@ def seconds(run, repeats: int) -> float:
     return min(times)
 
 
+def gemm_flops_per_s(repeats: int, size: int = 2048) -> float:
+    """torch's float32 matrix-product rate: the fastest of `repeats` products of two size x size matrices."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    return 2 * size ** 3 / seconds(lambda: a @ b, repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,9 +88,12 @@ def main() -> None:
         expected, first = reference_loop(n), (state, q[:n], k[:n], v[:n], g[:n], beta[:n])
         differences = {name: float((run(*first)[0] - expected).abs().max())
                        for name, run in (("kernels", delta_rule.stepwise), ("chunked", delta_rule.chunked))}
+    peak = gemm_flops_per_s(args.repeats)
+    times["bound"] = 6 * args.dim * args.dim * args.heads * args.tokens / peak
     result = {"tokens": args.tokens, "heads": args.heads, "dim": args.dim, "threads": args.threads,
-              **{f"{name}_s": round(t, 4) for name, t in times.items()},
-              **{f"{name}_speedup": round(times["reference"] / times[name], 2) for name in differences},
+              "gemm_gflops": round(peak / 1e9, 1), **{f"{name}_s": round(t, 4) for name, t in times.items()},
+              **{f"{name}_speedup": round(times["reference"] / times[name], 2)
+                 for name in [*differences, "bound"]},
               **{f"{name}_max_output_difference": d for name, d in differences.items()}}
     if args.json:
         print(json.dumps(result))
@@ -90,6 +105,8 @@ def main() -> None:
         print(f"  {label:<38} {times[name] * 1e3:6.0f} ms ({args.tokens / times[name]:.0f} tok/s): "
               f"{result[name + '_speedup']:.2f}x the reference; outputs differ by at most "
               f"{differences[name]:.1e}")
+    print(f"  bound at {peak / 1e9:.0f} GFLOP/s (torch's float32 GEMM) {times['bound'] * 1e3:6.0f} ms: "
+          f"{result['bound_speedup']:.2f}x the reference; no form can do better on this machine")
 
 
 if __name__ == "__main__":

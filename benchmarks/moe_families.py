@@ -19,9 +19,10 @@ vocabulary) into the cache directory, at the real model's per-layer shape:
 
 `--layers N` keeps every per-layer shape and cuts the depth, for machines that cannot hold the
 whole model twice; `--cpu-memory` is then scaled by the same fraction of the layers (printed), so
-the streamed run keeps the real model's ratio of budget to experts. Three runs, one after the
-other (the resident engine and llama.cpp would not fit side by side at full depth), each warmed
-up once and then timed `--repeats` times (medians):
+the streamed run keeps the real model's ratio of budget to experts. Three runs, each warmed up once
+and then timed `--repeats` times (medians); the first two alternate repeat by repeat where the
+resident engine and llama.cpp fit in RAM side by side (a cut depth), as benchmarks/decode.py does,
+and run one after the other where they do not (the full depth; the report says which):
 - tierflow resident and llama.cpp resident (its own mmap): decode and prefill tok/s;
 - tierflow with `cpu_memory` = the budget: the experts on disk, read with O_DIRECT into the expert
   cache; against the decode rate the disk allows for what it read, and for what a clairvoyant cache
@@ -31,17 +32,18 @@ least 0.5x resident.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import llama_cpp
 import psutil
 import torch
 
-from benchmarks.decode import Sample, build_prompt, run_llama_cpp, run_tierflow
+from benchmarks.decode import Sample, build_prompt, measure, run_llama_cpp, run_tierflow
 from benchmarks.moe import belady_hit_rate
 from benchmarks.moe_decode import disk_read_gbps, run_streamed
 from tests.support.make_model import ModelSpec, write_model
@@ -106,18 +108,21 @@ def median(samples: list[Sample], field: str) -> float:
 def measure_family(family: str, args: argparse.Namespace) -> dict:
     path, depth_fraction = model_file(family, args.layers)
     cpu_memory = int(parse_size(args.cpu_memory) * depth_fraction)
+    side_by_side = fits_side_by_side(path)
     with Engine.load(path, threads=args.threads, context_length=CONTEXT) as resident:
         prompt = build_prompt(resident, args.prompt_tokens)
         packed = resident.weights.packed
         expert_bytes = sum(x.nbytes for layer in packed.experts for x in layer)
-        ours = timed(lambda: run_tierflow(resident, prompt, args.decode_tokens), args.repeats)
         config = resident.config
-    read_into_page_cache(path)
-    llama = llama_cpp.Llama(str(path), n_ctx=CONTEXT, n_batch=512, n_threads=args.threads, verbose=False)
-    try:
-        theirs = timed(lambda: run_llama_cpp(llama, prompt, args.decode_tokens), args.repeats)
-    finally:
-        llama.close()
+        if side_by_side:
+            with llama_cpp_model(path, args.threads) as llama:
+                samples = measure(resident, llama, prompt, args.decode_tokens, args.repeats)
+            ours, theirs = samples["tierflow"], samples["llama.cpp"]
+        else:
+            ours = timed(lambda: run_tierflow(resident, prompt, args.decode_tokens), args.repeats)
+    if not side_by_side:
+        with llama_cpp_model(path, args.threads) as llama:
+            theirs = timed(lambda: run_llama_cpp(llama, prompt, args.decode_tokens), args.repeats)
     streamed = measure_streamed(path, cpu_memory, prompt, expert_bytes, config, args)
     decode, prefill = median(ours, "decode_tokens_per_s"), median(ours, "prefill_tokens_per_s")
     llama_decode = median(theirs, "decode_tokens_per_s")
@@ -125,13 +130,30 @@ def measure_family(family: str, args: argparse.Namespace) -> dict:
     return {
         "family": family, "model": path.name, "file_bytes": path.stat().st_size, "layers": config.num_layers,
         "expert_bytes": expert_bytes, "threads": args.threads, "prompt_tokens": len(prompt),
-        "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+        "decode_tokens": args.decode_tokens, "repeats": args.repeats, "alternated": side_by_side,
         "resident": {"decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill},
         "llama_cpp": {"decode_tokens_per_s": llama_decode, "prefill_tokens_per_s": llama_prefill},
         "decode_vs_llama_cpp": decode / llama_decode, "prefill_vs_llama_cpp": prefill / llama_prefill,
         "streamed": streamed, "streamed_vs_resident": streamed["decode_tokens_per_s"] / decode,
         "tokens_agree": streamed["tokens"] == ours[0].tokens,
     }
+
+
+def fits_side_by_side(path: Path) -> bool:
+    """Whether the resident engine and llama.cpp's cached file fit in RAM together, with a quarter to
+    spare: then their repeats alternate (benchmarks/decode.py's `measure`), so that the phases of a
+    shared machine hit both alike; else they run one after the other."""
+    return 2 * path.stat().st_size < 0.75 * psutil.virtual_memory().available
+
+
+@contextlib.contextmanager
+def llama_cpp_model(path: Path, threads: int) -> Iterator[llama_cpp.Llama]:
+    read_into_page_cache(path)
+    llama = llama_cpp.Llama(str(path), n_ctx=CONTEXT, n_batch=512, n_threads=threads, verbose=False)
+    try:
+        yield llama
+    finally:
+        llama.close()
 
 
 def measure_streamed(path: Path, cpu_memory: int, prompt: list[int], expert_bytes: int, config,
@@ -164,7 +186,8 @@ def print_report(r: dict, scaled: bool) -> None:
     s = r["streamed"]
     print(f"{r['family']}: {r['model']}, {format_size(r['file_bytes'])} ({r['layers']} layers), experts "
           f"{format_size(r['expert_bytes'])}; {r['threads']} threads, prompt {r['prompt_tokens']}, "
-          f"{r['decode_tokens']} decode steps, median of {r['repeats']}")
+          f"{r['decode_tokens']} decode steps, median of {r['repeats']} "
+          f"({'alternating with' if r['alternated'] else 'one after the other from'} llama.cpp's)")
     for name in ("resident", "llama_cpp"):
         print(f"  {name:<10} decode {r[name]['decode_tokens_per_s']:7.2f} tok/s   "
               f"prefill {r[name]['prefill_tokens_per_s']:8.2f} tok/s")

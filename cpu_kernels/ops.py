@@ -43,6 +43,16 @@ def weighted_rows(rows: np.ndarray, picks: np.ndarray, weights: np.ndarray) -> n
     return out
 
 
+def dense_matmul(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [T, K] @ weight.T (+ bias) for a float32 weight [N, K] (bias [N]) -> [T, N], on the kernels'
+    threads. Each dot product is summed in one fixed order, so a token gets the same bits in a batch
+    of any size; meant for few tokens (a decode step, a verify pass), where it reads the weight once
+    for up to four tokens at a time."""
+    out = np.empty((x.shape[0], weight.shape[0]), np.float32)
+    _kernels.dense_matmul(x, weight, bias, out)
+    return out
+
+
 def delta_steps(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
                 beta: np.ndarray, next_state: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The gated delta rule through T tokens for every value head (runtime/delta_rule.py), the heads

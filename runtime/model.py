@@ -107,25 +107,24 @@ class CpuKernels:
 CPU_KERNELS = CpuKernels()
 
 
-SKINNY_ROWS = 8  # DenseLinear computes fewer rows than this (but more than one) as W @ x.T
+DENSE_KERNEL_TOKENS = 16  # DenseLinear computes up to this many rows in the C kernels, more in torch
 
 
 class DenseLinear:
-    """A float32 weight [out, in] (and bias) as a Linear, computed by torch."""
+    """A float32 weight [out, in] (and bias) as a Linear: a few tokens (decode steps, small verify
+    passes) by the C kernels' dense_matmul, on their threads and with the bits of one token at a time,
+    larger batches by torch's GEMM."""
 
     def __init__(self, weight: torch.Tensor, bias: np.ndarray | None = None):
         self.weight = weight
-        self.bias = None if bias is None else torch.from_numpy(bias)
+        self.bias = bias
         self.nbytes = 4 * (weight.numel() + (0 if bias is None else bias.size))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        x = torch.from_numpy(x)
-        if not 1 < x.shape[0] < SKINNY_ROWS:
-            return F.linear(x, self.weight, self.bias).numpy()
-        # A few rows (a batch of sequences' decode steps) as W @ x.T: torch's x @ W.T for 2 or 3
-        # rows took 3-4x the time of one row for a 49152 x 576 output head, W @ x.T under 1x.
-        out = (self.weight @ x.T).T.contiguous()
-        return (out if self.bias is None else out + self.bias).numpy()
+        if x.shape[0] <= DENSE_KERNEL_TOKENS:
+            return ops.dense_matmul(np.ascontiguousarray(x), self.weight.numpy(), self.bias)
+        bias = None if self.bias is None else torch.from_numpy(self.bias)
+        return F.linear(torch.from_numpy(x), self.weight, bias).numpy()
 
 
 class ConcatLinear:

@@ -63,6 +63,13 @@ def test_delta_steps_leave_the_state_they_were_given():
     assert np.array_equal(inputs[0], before)
 
 
+def test_delta_steps_through_no_tokens_hand_back_the_state_they_were_given():
+    state, *per_token = (x.numpy() for x in delta_inputs())
+    out, after = delta_steps(state, *(x[:0] for x in per_token))
+    assert out.shape == (0, 4, 48)
+    assert np.array_equal(after, state)
+
+
 def test_delta_steps_refuse_inputs_whose_heads_disagree_with_the_state():
     state, *per_token = (x.numpy() for x in delta_inputs())
     with pytest.raises(ValueError, match="disagree"):

@@ -7,7 +7,7 @@ import torch
 
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes
-from tierflow.cpu_kernels.ops import attention, rms_norm, silu_mul, swiglu_oai, weighted_rows
+from tierflow.cpu_kernels.ops import attention, dense_matmul, rms_norm, silu_mul, swiglu_oai, weighted_rows
 from tierflow.cpu_kernels.reference import (
     attention_reference,
     rms_norm_reference,
@@ -17,7 +17,7 @@ from tierflow.cpu_kernels.reference import (
 )
 from tierflow.kv_types import KV_TYPES
 from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder
+from tierflow.runtime.model import DENSE_KERNEL_TOKENS, Decoder, DenseLinear
 
 HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 32, 48
 TYPES = list(KV_TYPES)
@@ -102,6 +102,34 @@ def test_weighted_rows_refuse_a_pick_outside_the_rows(pick):
     rows, weights = np.ones((5, 16), np.float32), np.ones((1, 2), np.float32)
     with pytest.raises(ValueError, match="not a row"):
         weighted_rows(rows, np.array([[0, pick]]), weights)
+
+
+def test_dense_matmul_matches_float64_with_its_bias():
+    x, weight, bias = torch.randn(6, 37), torch.randn(7, 37), torch.randn(7)  # a tail of 5 columns and 3 rows
+    out = dense_matmul(x.numpy(), weight.numpy(), bias.numpy())
+    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float()
+    torch.testing.assert_close(torch.from_numpy(out), expected)
+
+
+def test_dense_matmul_gives_a_token_the_same_bits_alone_or_in_a_batch():
+    x, weight = torch.randn(11, 200).numpy(), torch.randn(130, 200).numpy()
+    batch = dense_matmul(x, weight)
+    for t in range(11):
+        assert np.array_equal(dense_matmul(x[t:t + 1], weight)[0], batch[t])
+
+
+@pytest.mark.parametrize("weight_shape, bias_shape", [((4, 9), None), ((4, 8), (3,))])
+def test_dense_matmul_refuses_shapes_that_disagree(weight_shape, bias_shape):
+    bias = None if bias_shape is None else np.ones(bias_shape, np.float32)
+    with pytest.raises(ValueError, match=r"dense_matmul: x \[T, K\], weight \[N, K\]"):
+        dense_matmul(np.ones((2, 8), np.float32), np.ones(weight_shape, np.float32), bias)
+
+
+@pytest.mark.parametrize("tokens", [1, DENSE_KERNEL_TOKENS, DENSE_KERNEL_TOKENS + 1])
+def test_a_dense_linear_matches_torch_below_and_above_the_kernels_bound(tokens):
+    x, weight, bias = torch.randn(tokens, 64), torch.randn(24, 64), torch.randn(24)
+    out = DenseLinear(weight, bias.numpy())(x.numpy())
+    torch.testing.assert_close(torch.from_numpy(out), torch.nn.functional.linear(x, weight, bias))
 
 
 def check_attention(name: str, head_dim: int, neox: bool, rope_dim: int, tokens: int, start: int,

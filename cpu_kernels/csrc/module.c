@@ -667,6 +667,31 @@ static PyObject *py_weighted_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_dense_matmul(PyObject *self, PyObject *args) {
+    PyObject *objs[3], *bias_obj;
+    static const char *names[3] = {"x", "weight", "out"};
+    static const int dims[3] = {2, 2, 2};
+    buffer_arg buf[4] = {{.held = 0}};
+    if (!PyArg_ParseTuple(args, "OOOO:dense_matmul", &objs[0], &objs[1], &bias_obj, &objs[2])) return NULL;
+    const int has_bias = bias_obj != Py_None;
+    if (get_all_floats(objs, buf, names, dims, 3, 1)) return NULL;
+    if (has_bias && get_floats(bias_obj, &buf[3], "bias", 1, 0)) {
+        release(buf, 4);
+        return NULL;
+    }
+    const Py_ssize_t tokens = buf[0].view.shape[0], cols = buf[0].view.shape[1], rows = buf[1].view.shape[0];
+    if (buf[1].view.shape[1] != cols || buf[2].view.shape[0] != tokens || buf[2].view.shape[1] != rows ||
+        (has_bias && buf[3].view.shape[0] != rows))
+        return shape_error(buf, 4, "dense_matmul: x [T, K], weight [N, K], bias [N] (or None) and out [T, N] disagree");
+    dense_job job = {.weight = buf[1].view.buf, .x = buf[0].view.buf, .bias = has_bias ? buf[3].view.buf : NULL,
+                     .out = buf[2].view.buf, .rows = rows, .cols = cols, .tokens = tokens};
+    Py_BEGIN_ALLOW_THREADS
+    if (tokens && rows) pool_run(dense_item, &job, (rows + DENSE_ROWS - 1) / DENSE_ROWS);
+    Py_END_ALLOW_THREADS
+    release(buf, 4);
+    Py_RETURN_NONE;
+}
+
 /* Whether the pass fits in the cache: the slots it scores, from the block of the first position its
  * first token sees to the last token rounded up to 16, are no more than the capacity (as
  * tierflow.kv_types.scored_slots counts them), so that no two of its positions share a slot of a
@@ -883,6 +908,8 @@ static PyMethodDef methods[] = {
      "delta_gates(alpha, beta_in, dt, a, g, beta): g = softplus(alpha + dt) * a, beta = sigmoid(beta_in)."},
     {"gated_rms_norm", py_gated_rms_norm, METH_VARARGS,
      "gated_rms_norm(x, weight, gate, eps, out): out = x / rms(x) * weight * silu(gate), per row."},
+    {"dense_matmul", py_dense_matmul, METH_VARARGS,
+     "dense_matmul(x, weight, bias, out): out = x @ weight.T (+ bias) in float32, each dot product summed alike."},
     {"weighted_rows", py_weighted_rows, METH_VARARGS,
      "weighted_rows(rows, picks, weights, out): out[t] = sum over j of weights[t, j] * rows[picks[t, j]], j ascending."},
     {"swiglu_oai", py_swiglu_oai, METH_VARARGS,

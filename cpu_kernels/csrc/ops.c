@@ -81,6 +81,51 @@ TARGET_CLONES void weighted_rows(const float *rows, int64_t size, const int64_t 
     }
 }
 
+#define DENSE_TOKENS 4 /* tokens that share a pass over a block's rows */
+
+/* rows x tokens dot products of one block; with constant rows and tokens (the callers' switch) the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void dense_block(const dense_job *job, int64_t row, int64_t token,
+                                                              const int rows, const int tokens) {
+    const int64_t cols = job->cols;
+    const float *w = job->weight + row * cols, *x = job->x + token * cols;
+    v16f acc[DENSE_ROWS][DENSE_TOKENS];
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < tokens; t++) acc[r][t] = (v16f){0};
+    for (int64_t k = 0; k < cols; k += 16) {
+        const int64_t n = cols - k < 16 ? cols - k : 16;
+        v16f xs[DENSE_TOKENS];
+        for (int t = 0; t < tokens; t++) xs[t] = n == 16 ? load16(x + t * cols + k) : load_part(x + t * cols + k, n);
+        for (int r = 0; r < rows; r++) {
+            const v16f wr = n == 16 ? load16(w + r * cols + k) : load_part(w + r * cols + k, n);
+            for (int t = 0; t < tokens; t++) acc[r][t] += wr * xs[t];
+        }
+    }
+    for (int t = 0; t < tokens; t++) {
+        float *out = job->out + (token + t) * job->rows + row;
+        for (int r = 0; r < rows; r++) out[r] = job->bias ? sum16(acc[r][t]) + job->bias[row + r] : sum16(acc[r][t]);
+    }
+}
+
+TARGET_CLONES void dense_item(void *ctx, int64_t item) {
+    const dense_job *job = ctx;
+    const int64_t row = item * DENSE_ROWS;
+    const int rows = job->rows - row < DENSE_ROWS ? (int)(job->rows - row) : DENSE_ROWS;
+    for (int64_t token = 0; token < job->tokens; token += DENSE_TOKENS) {
+        const int tokens = job->tokens - token < DENSE_TOKENS ? (int)(job->tokens - token) : DENSE_TOKENS;
+        if (rows < DENSE_ROWS) {
+            dense_block(job, row, token, rows, tokens); /* the last block's few rows */
+            continue;
+        }
+        switch (tokens) {
+        case 1: dense_block(job, row, token, DENSE_ROWS, 1); break;
+        case 2: dense_block(job, row, token, DENSE_ROWS, 2); break;
+        case 3: dense_block(job, row, token, DENSE_ROWS, 3); break;
+        default: dense_block(job, row, token, DENSE_ROWS, DENSE_TOKENS); break;
+        }
+    }
+}
+
 /* silu of a row in place, 16 lanes at a time; the tail through the same vector code. */
 static inline void silu_row(float *x, int64_t size) {
     int64_t i = 0;

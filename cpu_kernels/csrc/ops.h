@@ -18,6 +18,19 @@ void swiglu_oai_rows(const float *gate_up, int64_t rows, int64_t size, float *ou
 void weighted_rows(const float *rows, int64_t size, const int64_t *picks, const float *weights,
                    int64_t tokens, int64_t k, float *out);
 
+/* A float32 matrix times a few tokens: out[t][r] = weight[r] . x[t] (+ bias[r]), for weight [N, K],
+ * x [T, K], out [T, N]: the matmuls a model keeps in float32 (a MoE router, a shared expert's gate).
+ * Each dot product is summed 16 lanes at a time in column order, its tail padded into the same
+ * vectors, then across the lanes: the same bits whatever T is and wherever the token or the row sits
+ * in its block. A pool item is DENSE_ROWS rows for every token. */
+#define DENSE_ROWS 4
+typedef struct {
+    const float *weight, *x, *bias; /* bias: NULL, or [N] */
+    float *out;
+    int64_t rows, cols, tokens;
+} dense_job;
+void dense_item(void *ctx, int64_t item);
+
 /* Gated DeltaNet's small steps around the delta rule (runtime/delta_rule.py), each element computed
  * alike in a pass of any length:
  * conv_silu_rows: silu of each channel's causal convolution, history [K-1, C] (the inputs before
