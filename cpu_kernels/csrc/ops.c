@@ -195,40 +195,72 @@ TARGET_CLONES void gated_rms_norm_rows(const float *x, const float *weight, cons
     }
 }
 
-/* One head's state through job->tokens tokens, in place in job->next (a copy of job->state): each
- * token reads the state (k^T S, q^T S) before it updates it, so a pass of T tokens gives every token
- * the bits T passes of one token give. */
-TARGET_CLONES void delta_steps_head(void *ctx, int64_t h) {
-    const delta_step_job *job = ctx;
-    const int64_t heads = job->heads, dk = job->dk, dv = job->dv, vectors = dv / 16;
+/* k^T S and q^T S of one token: for each row i of S in order, read_k += k[i] * row, read_q += q[i] * row. */
+static inline __attribute__((always_inline)) void delta_reads(const float *state, const float *q, const float *k,
+                                                               int64_t dk, const int64_t vectors, v16f *read_k,
+                                                               v16f *read_q) {
+    for (int64_t j = 0; j < vectors; j++) read_k[j] = read_q[j] = (v16f){0};
+    for (int64_t i = 0; i < dk; i++) {
+        for (int64_t j = 0; j < vectors; j++) {
+            const v16f row = load16(state + i * 16 * vectors + 16 * j);
+            read_k[j] += k[i] * row;
+            read_q[j] += q[i] * row;
+        }
+    }
+}
+
+/* One head's state through job->tokens tokens, in place in job->next (a copy of job->state). Each token
+ * reads the state (k^T S, q^T S) before it updates it; the reads of token t + 1 are summed in the pass
+ * that writes token t's update, row by row in the same order as a pass of their own, so a pass of T
+ * tokens goes over the state T + 1 times, not 2T, and gives every token the bits T passes of one token
+ * give. `vectors` (Dv / 16) is a constant where the caller makes it one, so that the reads stay in
+ * registers. */
+static inline __attribute__((always_inline)) void delta_head(const delta_step_job *job, int64_t h,
+                                                              const int64_t vectors) {
+    const int64_t heads = job->heads, dk = job->dk, dv = 16 * vectors;
     float *state = job->next + h * dk * dv;
     memcpy(state, job->state + h * dk * dv, (size_t)(dk * dv) * sizeof(float));
     const float scale = 1.0f / sqrtf((float)dk);
+    v16f read_k[DELTA_MAX_DV / 16], read_q[DELTA_MAX_DV / 16], delta[DELTA_MAX_DV / 16];
+    if (job->tokens) delta_reads(state, job->q + h * dk, job->k + h * dk, dk, vectors, read_k, read_q);
     for (int64_t t = 0; t < job->tokens; t++) {
         const int64_t at = t * heads + h; /* token t's head h in the [T, H, ...] inputs */
         const float *q = job->q + at * dk, *k = job->k + at * dk;
         const float decay = expf(job->g[at]), beta = job->beta[at];
-        v16f read_k[DELTA_MAX_DV / 16], read_q[DELTA_MAX_DV / 16], delta[DELTA_MAX_DV / 16];
-        for (int64_t j = 0; j < vectors; j++) read_k[j] = read_q[j] = (v16f){0};
-        for (int64_t i = 0; i < dk; i++) { /* k^T S and q^T S, rows in order */
-            for (int64_t j = 0; j < vectors; j++) {
-                const v16f row = load16(state + i * dv + 16 * j);
-                read_k[j] += k[i] * row;
-                read_q[j] += q[i] * row;
-            }
-        }
         float qk = 0.0f;
         for (int64_t i = 0; i < dk; i++) qk += q[i] * k[i];
         for (int64_t j = 0; j < vectors; j++) {
             delta[j] = (load16(job->v + at * dv + 16 * j) - read_k[j] * decay) * beta;
             store16(job->out + at * dv + 16 * j, (read_q[j] * decay + qk * delta[j]) * scale);
         }
+        if (t + 1 == job->tokens) {
+            for (int64_t i = 0; i < dk; i++) {
+                for (int64_t j = 0; j < vectors; j++) {
+                    float *row = state + i * dv + 16 * j;
+                    store16(row, load16(row) * decay + k[i] * delta[j]);
+                }
+            }
+            break;
+        }
+        const float *next_q = q + heads * dk, *next_k = k + heads * dk; /* token t + 1's */
+        for (int64_t j = 0; j < vectors; j++) read_k[j] = read_q[j] = (v16f){0};
         for (int64_t i = 0; i < dk; i++) {
             for (int64_t j = 0; j < vectors; j++) {
                 float *row = state + i * dv + 16 * j;
-                store16(row, load16(row) * decay + k[i] * delta[j]);
+                const v16f updated = load16(row) * decay + k[i] * delta[j];
+                store16(row, updated);
+                read_k[j] += next_k[i] * updated;
+                read_q[j] += next_q[i] * updated;
             }
         }
+    }
+}
+
+TARGET_CLONES void delta_steps_head(void *ctx, int64_t h) {
+    const delta_step_job *job = ctx;
+    switch (job->dv) {
+    case 128: delta_head(job, h, 8); break; /* Qwen3.5's and Qwen3-Next's value heads */
+    default: delta_head(job, h, job->dv / 16); break;
     }
 }
 
