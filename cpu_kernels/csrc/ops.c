@@ -97,6 +97,7 @@ static inline __attribute__((always_inline)) void dense_block(const dense_job *j
         v16f xs[DENSE_TOKENS];
         for (int t = 0; t < tokens; t++) xs[t] = n == 16 ? load16(x + t * cols + k) : load_part(x + t * cols + k, n);
         for (int r = 0; r < rows; r++) {
+            __builtin_prefetch(w + r * cols + k + PREFETCH_BYTES / sizeof(float));
             const v16f wr = n == 16 ? load16(w + r * cols + k) : load_part(w + r * cols + k, n);
             for (int t = 0; t < tokens; t++) acc[r][t] += wr * xs[t];
         }
