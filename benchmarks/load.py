@@ -45,7 +45,6 @@ from pathlib import Path
 import llama_cpp
 
 from benchmarks.decode import build_prompt, positive_int, run_llama_cpp
-from benchmarks.moe_families import read_into_page_cache
 from tierflow import Engine
 from tierflow.offload.plan.profile import profile_path
 from tierflow.units import format_size
@@ -101,6 +100,14 @@ def load_tierflow(path: Path, args: argparse.Namespace, clock: PhaseClock | None
         first_token_s = time.perf_counter() - started
         return TierflowLoad(load_s, first_token_s, engine.weights.packed.path,
                             len(engine.weights.streamed_layers), engine.config.num_layers, prompt_ids)
+
+
+def read_into_page_cache(path: Path) -> None:
+    """Reads the whole file once, so that both loads read it from RAM, not from whatever of it the
+    disk's cache happens to hold."""
+    with open(path, "rb", buffering=0) as file:
+        while file.read(64 << 20):
+            pass
 
 
 def load_llama_cpp(path: Path, args: argparse.Namespace, prompt_ids: list[int]) -> LoadRun:

@@ -23,7 +23,7 @@ the streamed run keeps the real model's ratio of budget to experts. Three runs, 
 and then timed `--repeats` times (medians); the first two alternate repeat by repeat where the
 resident engine and llama.cpp fit in RAM side by side (a cut depth), as benchmarks/decode.py does,
 and run one after the other where they do not (the full depth; the report says which):
-- tierflow resident and llama.cpp resident (its own mmap): decode and prefill tok/s;
+- tierflow resident and llama.cpp resident (in its own buffers, `--no-mmap`): decode and prefill tok/s;
 - tierflow with `cpu_memory` = the budget: the experts on disk, read with O_DIRECT into the expert
   cache; against the decode rate the disk allows for what it read, and for what a clairvoyant cache
   of the same size would read (benchmarks/moe_decode.py's two bounds).
@@ -86,16 +86,6 @@ def model_file(family: str, layers: int | None) -> tuple[Path, float]:
     return path, depth / spec.num_layers
 
 
-def read_into_page_cache(path: Path) -> None:
-    """Reads the whole file once, so that llama.cpp's mmap finds every page in RAM as tierflow's
-    resident pack is (a file outside the page cache would have each token read its experts from
-    disk: 3-6 tok/s where llama.cpp decodes 60 with the file cached). The machine must have room
-    for it beside the rest; mlock would guarantee it but needs a limit few machines grant."""
-    with open(path, "rb", buffering=0) as file:
-        while file.read(64 << 20):
-            pass
-
-
 def timed(run: Callable[[], Sample], repeats: int) -> list[Sample]:
     run()  # warm-up
     return [run() for _ in range(repeats)]
@@ -140,16 +130,19 @@ def measure_family(family: str, args: argparse.Namespace) -> dict:
 
 
 def fits_side_by_side(path: Path) -> bool:
-    """Whether the resident engine and llama.cpp's cached file fit in RAM together, with a quarter to
-    spare: then their repeats alternate (benchmarks/decode.py's `measure`), so that the phases of a
+    """Whether the resident engine and llama.cpp's copy of the weights fit in RAM together, with a
+    quarter to spare: then their repeats alternate (benchmarks/decode.py's `measure`), so that the phases of a
     shared machine hit both alike; else they run one after the other."""
     return 2 * path.stat().st_size < 0.75 * psutil.virtual_memory().available
 
 
 @contextlib.contextmanager
 def llama_cpp_model(path: Path, threads: int) -> Iterator[llama_cpp.Llama]:
-    read_into_page_cache(path)
-    llama = llama_cpp.Llama(str(path), n_ctx=CONTEXT, n_batch=512, n_threads=threads, verbose=False)
+    """llama.cpp with the weights read into its own buffers (`--no-mmap`), resident as tierflow's are.
+    Its default maps the file instead, and at full depth its decode then depends on the page cache
+    (on the 48-layer Qwen3-30B-A3B shape here: 17 tok/s mapped, 20 in its own buffers)."""
+    llama = llama_cpp.Llama(str(path), n_ctx=CONTEXT, n_batch=512, n_threads=threads, verbose=False,
+                            use_mmap=False)
     try:
         yield llama
     finally:
