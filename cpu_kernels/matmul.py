@@ -16,19 +16,18 @@ supported_isas = _kernels.supported_isas
 
 def matmul_into(w: PackedMatrix, x: np.ndarray, out: np.ndarray) -> None:
     """out[M, N] = x [M, K] float32 @ W.T, every form of the packed layout passed to the C kernel."""
-    args, kwargs = _arguments(w, x, out)
-    _kernels.matmul(*args, **kwargs)
+    _kernels.matmul(*_arguments(w, x, out))
 
 
 def matmul_each(products: Sequence[tuple[PackedMatrix, np.ndarray, np.ndarray]]) -> None:
     """matmul_into(w, x, out) for each (w, x, out), in one pass of the kernels' threads: many small
     products (a MoE layer's experts) cost what their bytes do, not one wait for the threads each."""
-    _kernels.matmul_many([_arguments(*product) for product in products])
+    _kernels.matmul_many([(_arguments(*product), None) for product in products])
 
 
-def _arguments(w: PackedMatrix, x: np.ndarray, out: np.ndarray) -> tuple[tuple, dict]:
-    matrix, keywords = w.kernel_arguments
-    return (*matrix, x, out), keywords
+def _arguments(w: PackedMatrix, x: np.ndarray, out: np.ndarray) -> tuple:
+    before, after = w.kernel_arguments
+    return (*before, x, out, False, *after)
 
 
 def matmul(w: PackedMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -135,15 +135,15 @@ class PackedMatrix:
         return 0 if self.codebook is None else CODEBOOK_IDS[self.codebook]
 
     @cached_property
-    def kernel_arguments(self) -> tuple[tuple, dict]:
-        """The C matmul's arguments that name this matrix (those before x, and the keywords), made once:
-        a decode step passes hundreds of matrices."""
+    def kernel_arguments(self) -> tuple[tuple, tuple]:
+        """The C matmul's arguments that name this matrix, those before x and y and those after
+        `accumulate`, all positional (a call with keywords took twice as long to parse), made once: a
+        decode step passes hundreds of matrices."""
         sub = self.sub
-        return (self.bits, self.group, self.rows, self.data, self.scales, self.mins), dict(
-            codebook=self.codebook_id, width=self.width, zero=self.zero, high=self.high,
-            sub_codes=None if sub is None else sub.codes, supers=None if sub is None else sub.supers,
-            sub_bits=0 if sub is None else sub.bits, sub_offset=0 if sub is None else sub.offset,
-            sub_groups=0 if sub is None else sub.groups_per_super, sub_mins=sub is not None and sub.with_mins)
+        two_level = (None, None, 0, 0, 0, False) if sub is None else (
+            sub.codes, sub.supers, sub.bits, sub.offset, sub.groups_per_super, sub.with_mins)
+        return ((self.bits, self.group, self.rows, self.data, self.scales, self.mins),
+                (self.codebook_id, self.width, self.zero, self.high, *two_level))
 
     @property
     def nibbles(self) -> bool:
