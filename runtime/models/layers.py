@@ -166,7 +166,8 @@ def scored_top_k(config: ModelConfig, selection_bias: Activations | None = None)
             weights = torch.softmax(weights, dim=-1)
         if config.expert_weights_norm:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=2.0 ** -14)
-        return weights * config.expert_weights_scale, chosen
+        scale = config.expert_weights_scale
+        return (weights if scale == 1.0 else weights * scale), chosen  # a step's op less where it is 1
 
     return route
 
