@@ -234,24 +234,18 @@ static inline __attribute__((always_inline)) void delta_head(const delta_step_jo
             delta[j] = (load16(job->v + at * dv + 16 * j) - read_k[j] * decay) * beta;
             store16(job->out + at * dv + 16 * j, (read_q[j] * decay + qk * delta[j]) * scale);
         }
-        if (t + 1 == job->tokens) {
-            for (int64_t i = 0; i < dk; i++) {
-                for (int64_t j = 0; j < vectors; j++) {
-                    float *row = state + i * dv + 16 * j;
-                    store16(row, load16(row) * decay + k[i] * delta[j]);
-                }
-            }
-            break;
-        }
-        const float *next_q = q + heads * dk, *next_k = k + heads * dk; /* token t + 1's */
+        const int more = t + 1 < job->tokens; /* then this pass also sums token t + 1's reads */
+        const float *next_q = more ? q + heads * dk : NULL, *next_k = more ? k + heads * dk : NULL;
         for (int64_t j = 0; j < vectors; j++) read_k[j] = read_q[j] = (v16f){0};
         for (int64_t i = 0; i < dk; i++) {
             for (int64_t j = 0; j < vectors; j++) {
                 float *row = state + i * dv + 16 * j;
                 const v16f updated = load16(row) * decay + k[i] * delta[j];
                 store16(row, updated);
-                read_k[j] += next_k[i] * updated;
-                read_q[j] += next_q[i] * updated;
+                if (more) {
+                    read_k[j] += next_k[i] * updated;
+                    read_q[j] += next_q[i] * updated;
+                }
             }
         }
     }
