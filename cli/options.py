@@ -39,8 +39,9 @@ ExtendOpt = Annotated[bool, option(
 DraftOpt = Annotated[Optional[str], option(
     "--draft", help="speculative decoding: 'ngram' (prompt lookup), a smaller GGUF with the same "
     "vocabulary (e.g. this model converted to 3 bits), 'self:N' (the model's own first N layers and "
-    "head), 'self' (N chosen by measurement), or 'auto' / 'auto:FILE' (the fastest of ngram, self and "
-    "FILE, predicted by the planner, then measured); the output follows the model's own")]
+    "head), 'self' (N chosen by measurement), 'mtp' (the file's multi-token-prediction block: Qwen3.5, "
+    "Qwen3-Next), or 'auto' / 'auto:FILE' (the fastest of ngram, self and FILE, predicted by the "
+    "planner, then measured); the output follows the model's own")]
 DraftShapeOpt = Annotated[str, option("--draft-shape", help="a draft model's guesses: tree or chain")]
 DraftTokensOpt = Annotated[Optional[int], option(
     "--draft-tokens", help="guesses per pass (default: sized by measured speed)")]

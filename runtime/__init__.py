@@ -6,6 +6,7 @@
     models/           one file per model family: its config, tensor map and block
     model.py          the decoder loop, the Kernels protocol, Weights, the CPU kernels' bindings
     generation.py     the token loop: prefill, decode, verify passes, prefix reuse, shifted-cache reuse
+    hidden_trail.py   a sequence's final-normed hidden states by cache slot, for an MTP draft to read
     streams.py        a generation as an object: Stream, AsyncStream
     embeddings.py     engine.embed: pooled hidden states, several inputs in one pass
     kv_cache.py       the KV cache and its context shift; rope.py the rotary tables

@@ -121,6 +121,9 @@ class ModelConfig:
     # (`recurrent`'s shape) instead of a KV cache; () when none does.
     recurrent_layers: tuple[bool, ...] = ()
     recurrent: RecurrentShape | None = None
+    # Multi-token-prediction blocks in the file after the num_layers that run (`nextn_predict_layers`):
+    # what `--draft mtp` drafts with (speculative/mtp.py) where the family computes them.
+    nextn_layers: int = 0
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
@@ -208,6 +211,12 @@ class ModelConfig:
         return replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers],
                        recurrent_layers=self.recurrent_layers[:num_layers],
                        leading_dense_layers=min(self.leading_dense_layers, num_layers))
+
+    def mtp_config(self) -> "ModelConfig":
+        """The config of the multi-token-prediction block as a one-layer model: a full-attention
+        layer with the model's FFN (its experts too, in a MoE model)."""
+        return replace(self, num_layers=1, layer_windows=(0,) if self.layer_windows else (),
+                       recurrent_layers=(), recurrent=None, leading_dense_layers=0, nextn_layers=0)
 
     def window(self, layer: int) -> int:
         """The layer's sliding window in positions, 0 if it attends to the whole context."""

@@ -51,6 +51,7 @@ from tierflow.runtime.tokenizer import Tokenizer
 from tierflow.runtime.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls, tool_format
 from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
 from tierflow.speculative.choice import AutoSpeculator, draft_budgets, draft_speculator
+from tierflow.speculative.mtp import mtp_ram_bytes_within
 from tierflow.speculative.placement import load_draft
 from tierflow.speculative.prediction import SpeculationPrior, speculation_prior
 from tierflow.speculative.self_draft import parse_draft
@@ -164,22 +165,26 @@ class Engine:
             profile, sizes = profile_source(target, threads, gpu, progress), pack_sizes(target)
             budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile, experts)
             tokenizer = load_tokenizer(target)
-            drafted = loaded = None
+            drafted = loaded = held = None  # held: what a draft took of the budgets before the target
             try:
                 if request is not None and request.file is not None:
                     drafted = load_draft(request.file, target, budgets, gpu, progress)
-                    budgets = budgets.less(drafted.bytes_by_tier())
+                    held = ("the draft model", drafted.bytes_by_tier())
+                if request is not None and request.kind == "mtp":
+                    held = ("the MTP draft", {"cpu": mtp_ram_bytes_within(target, budgets), "gpu": 0})
+                if held is not None:
+                    budgets = budgets.less(held[1])
                 if request is not None:
                     budgets = draft_budgets(request, target, sizes, budgets, profile, drafted, draft_shape,
                                             draft_tokens)
                 try:
                     loaded = load_model(target, sizes, budgets, gpu, profile, progress)
                 except BudgetError as error:
-                    if drafted is None:
+                    if held is None:
                         raise
-                    held = drafted.bytes_by_tier()
-                    raise BudgetError(f"{error} (what is left after the draft model, placed first, took "
-                                      f"{format_size(held['cpu'])} of RAM and {format_size(held['gpu'])} "
+                    (what, taken) = held
+                    raise BudgetError(f"{error} (what is left after {what}, placed first, took "
+                                      f"{format_size(taken['cpu'])} of RAM and {format_size(taken['gpu'])} "
                                       f"of GPU memory)") from error
                 speculator, said = None, ()
                 if request is not None:

@@ -10,6 +10,7 @@ import torch
 
 from tierflow.errors import BudgetError
 from tierflow.kv_types import MAX_PASS_TOKENS
+from tierflow.runtime.hidden_trail import HiddenTrail
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder, SequenceInput
 from tierflow.runtime.sampler import Sampler
@@ -96,6 +97,7 @@ class TokenGenerator:
         self.run_pass: Callable[[SequenceInput], np.ndarray] = lambda item: decoder.forward_batch([item])[0]
         self.cached_tokens: list[int] = []  # the tokens whose keys/values are in the cache
         self.exact_length = 0  # of those, the leading ones a fresh prefill would write bit for bit
+        self.trail: HiddenTrail | None = None  # the final-normed hidden states, kept for an MTP draft
 
     def release(self) -> None:
         """Lets go of the decoder (and through it the weights; run_pass holds it too) and the KV
@@ -157,6 +159,8 @@ class TokenGenerator:
         root), forgetting the other branches."""
         kept = [self.cached_tokens[start + i] for i in offsets]
         self.cache.keep_path(start, offsets)
+        if self.trail is not None:
+            self.trail.keep_path(start, offsets)
         self.cached_tokens[start:] = kept
         self.exact_length = min(self.exact_length, self.cache.length)
 
@@ -166,15 +170,18 @@ class TokenGenerator:
         rotations = [(cos[num_dropped], sin[num_dropped]) for cos, sin in self.decoder.rotary]
         self.cache.shift(keep, num_dropped, rotations, self.decoder.config.rope_style == "neox")
         del self.cached_tokens[keep:keep + num_dropped]
+        if self.trail is not None:
+            self.trail.clear()  # the hidden states were computed at positions that moved
         # a ring that had overwritten kept positions no longer holds what a fresh prefill would
         self.exact_length = min(self.exact_length, keep) if not any(self.cache.held_from) else 0
 
     def _forward(self, token_ids: list[int], all_logits: bool, parents: np.ndarray | None = None,
                  tree_start: int | None = None) -> np.ndarray:
-        start = self.cache.length
+        start, trail = self.cache.length, self.trail
+        on_hidden = None if trail is None else (lambda rows: trail.record(start, rows))
         try:
             logits = self.run_pass(SequenceInput(np.array(token_ids, np.int64), self.cache, all_logits,
-                                                 parents, tree_start))
+                                                 parents, tree_start, on_hidden=on_hidden))
         except torch.OutOfMemoryError as error:
             self._truncate(start)
             if torch.cuda.is_available():
@@ -205,6 +212,8 @@ class TokenGenerator:
 
     def _truncate(self, length: int) -> None:
         self.cache.truncate(length)
+        if self.trail is not None:
+            self.trail.truncate(length)
         del self.cached_tokens[length:]
         self.exact_length = min(self.exact_length, length)
 

@@ -253,9 +253,7 @@ class Decoder:
         bounds = np.cumsum([0] + [len(item.input.token_ids) for item in placed])
         rows = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
         rotary = {}  # (kernels, cos table) -> the tokens' cos, sin rows on that device, moved once per pass
-        x = self.weights.embedding_rows(np.concatenate([item.token_ids for item in inputs]))  # [T, E]
-        if self.config.embedding_scale != 1.0:
-            x *= np.float32(self.config.embedding_scale)
+        x = stack_rows([self._first_rows(item) for item in inputs])  # [T, E]
         for layer_idx in range(self.config.num_layers):
             w = self.weights.layer(layer_idx)
             kernels, (cos, sin) = w.kernels, self.rotary[layer_idx]
@@ -267,6 +265,9 @@ class Decoder:
                              self.on_routing)
             x = self.block(x, w, step)
         x = CPU_KERNELS.take(x)
+        for item, span in zip(inputs, rows):
+            if item.on_hidden is not None:
+                item.on_hidden(ops.rms_norm(x[span], self.weights.output_norm(), self.config.rms_norm_eps))
         wanted = [span if item.all_logits or not item.head else slice(span.stop - 1, span.stop)
                   for item, span in zip(inputs, rows)]
         for item in placed:
@@ -285,6 +286,17 @@ class Decoder:
         return outputs
 
 
+    def _first_rows(self, item: "SequenceInput") -> np.ndarray:
+        """What the first layer reads for a sequence: its given rows, or its tokens' embeddings
+        (times the config's scale)."""
+        if item.embeddings is not None:
+            return item.embeddings
+        x = self.weights.embedding_rows(item.token_ids)
+        if self.config.embedding_scale != 1.0:
+            x *= np.float32(self.config.embedding_scale)
+        return x
+
+
 @dataclass(frozen=True)
 class SequenceInput:
     """One sequence's tokens for a pass and the KV cache they extend (see Decoder.forward)."""
@@ -295,6 +307,8 @@ class SequenceInput:
     parents: np.ndarray | None = None
     tree_start: int | None = None
     head: bool = True  # False: the final-normed hidden states of every token, not logits
+    embeddings: np.ndarray | None = None  # [T, E]: the rows the first layer reads, for the tokens' own
+    on_hidden: Callable[[np.ndarray], None] | None = None  # told the final-normed hidden states [T, E]
 
 
 @dataclass(frozen=True)

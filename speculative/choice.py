@@ -34,6 +34,7 @@ from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.generation import GenerationStats, TokenGenerator
 from tierflow.runtime.loader import Budgets, LoadedModel, plan_load
 from tierflow.runtime.sampler import Sampler
+from tierflow.speculative.mtp import mtp_draft
 from tierflow.speculative.prediction import SpeculationPrior
 from tierflow.speculative.self_draft import (
     DraftRequest,
@@ -224,6 +225,8 @@ def draft_speculator(request: DraftRequest, target: ModelFile, sizes: PackSizes,
     the first trees of prompt lookup (None) or of that draft model, and keeps what they learn), and
     what the load says about it."""
     vocab_size = target.config.vocab_size
+    if request.kind == "mtp":
+        return Speculator(mtp_draft(target, loaded, draft_width(shape)), model_budget(shape, tokens)), ()
     if request.kind in ("ngram", "file"):
         return make_speculator(drafted and drafted.generator, shape, tokens, vocab_size, prior(drafted)), ()
     selves = _self_speculators(request, loaded, shape, tokens)

@@ -42,7 +42,8 @@ class NgramDraft:
     def fresh(self) -> "NgramDraft":
         return NgramDraft(self.vocab_size, self.length.maximum)
 
-    def propose(self, history: Sequence[int], budget: int, sampler: Sampler) -> TokenTree:
+    def propose(self, history: Sequence[int], budget: int, sampler: Sampler,
+                target: TokenGenerator | None = None) -> TokenTree:
         """Greedy: a tree of the continuations of up to BRANCHES earlier occurrences, within
         the budget. Sampled: the latest one's chain, each guess a certain draft (q one point;
         a second candidate at a node would need a distribution to be drawn from)."""
@@ -90,7 +91,10 @@ class ModelDraft:
         counts of which candidates were taken started over, from the prior of its kind."""
         return ModelDraft(self.generator, self.max_width, self.min_reach, self.turn, self.rates)
 
-    def propose(self, history: Sequence[int], budget: int, sampler: Sampler) -> TokenTree:
+    def propose(self, history: Sequence[int], budget: int, sampler: Sampler,
+                target: TokenGenerator | None = None) -> TokenTree:
+        """The tree for the tokens after history (target: the sequence's generator, which only
+        the MTP draft reads)."""
         generator, tree = self.generator, TokenTree.root(history[-1])
         logits, _ = generator.prefill(list(history), NEVER)  # reuses what the cache holds
         self._root_slot, self._fed = len(history) - 1, 1

@@ -36,10 +36,11 @@ DEPTH_FRACTIONS = (0.5, 0.75, 1.0)  # "self": the depths tried, of the most laye
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """What Engine.load's draft asks for: "ngram", a draft model file, "self" or "self:N", or
-    "auto" (ngram, a self-draft, and with "auto:FILE" that draft file, chosen by prediction)."""
+    """What Engine.load's draft asks for: "ngram", a draft model file, "self" or "self:N", "mtp"
+    (the file's multi-token-prediction block), or "auto" (ngram, a self-draft, and with
+    "auto:FILE" that draft file, chosen by prediction)."""
 
-    kind: str  # "ngram", "file", "self" or "auto"
+    kind: str  # "ngram", "file", "self", "mtp" or "auto"
     file: str | os.PathLike | None = None  # "file", or "auto" with a draft file
     layers: int | None = None  # "self:N"; None: chosen by measurement
 
@@ -55,10 +56,10 @@ def parse_draft(draft: str | os.PathLike | None, num_layers: int) -> DraftReques
     if isinstance(draft, os.PathLike):
         return DraftRequest("file", draft)
     if not isinstance(draft, str) or not draft:
-        raise InvalidArgumentError(f"draft must be 'ngram', 'self', 'self:N', 'auto', 'auto:FILE' or a "
-                                   f"GGUF file, not {draft!r}")
+        raise InvalidArgumentError(f"draft must be 'ngram', 'self', 'self:N', 'mtp', 'auto', 'auto:FILE' or "
+                                   f"a GGUF file, not {draft!r}")
     kind, _, rest = draft.partition(":")
-    if draft in ("ngram", "self", "auto"):
+    if draft in ("ngram", "self", "mtp", "auto"):
         return DraftRequest(draft)
     if kind == "auto" and rest:
         return DraftRequest("auto", rest)
@@ -166,7 +167,8 @@ class SelfDraft(ModelDraft):
     def fresh(self) -> "SelfDraft":
         return SelfDraft(self.generator, self.owner, self.turn, self.max_width)
 
-    def propose(self, history: Sequence[int], budget: int, sampler: Sampler) -> TokenTree:
+    def propose(self, history: Sequence[int], budget: int, sampler: Sampler,
+                target: TokenGenerator | None = None) -> TokenTree:
         if self.owner[0] is not self.generator:
             self.generator.keep(0)
             self.owner[0] = self.generator

@@ -97,7 +97,7 @@ class Speculator:
         with self.draft.turn:
             started, read_before = time.perf_counter(), reading()
             draft_sampler = sampler.for_draft()  # the draft's distributions are no token's logprobs
-            tree = (self.draft.propose(history, budget, draft_sampler) if budget
+            tree = (self.draft.propose(history, budget, draft_sampler, target) if budget
                     else TokenTree.root(history[-1]))
             drafted = time.perf_counter()
             stats.draft_hidden_seconds += reading() - read_before

@@ -1,6 +1,6 @@
 """The tensors a model needs, from its family's tensor map, checked against the file's header."""
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES
 from tierflow.errors import ModelFileError, UnsupportedModelError
@@ -23,14 +23,25 @@ def needed_tensors(gguf: GGUFFile, arch: Architecture, config: ModelConfig) -> I
         yield from (tensor for field in layer for tensor in field_tensors(field, gguf.tensors))
 
 
-def check_tensors(gguf: GGUFFile, arch: Architecture, config: ModelConfig) -> None:
-    """Every needed tensor is present, of the shape the metadata implies and of a type tierflow
-    computes with."""
-    for tensor, _ in needed_tensors(gguf, arch, config):
+def mtp_tensors(gguf: GGUFFile, arch: Architecture, config: ModelConfig) -> Iterator[tuple[Tensor, bool]]:
+    """The tensors of the multi-token-prediction block after the last layer (arch.mtp_fields), as
+    needed_tensors gives a layer's."""
+    layer = config.num_layers
+    experts = arch.expert_fields(config, layer, 0) if config.is_moe else []
+    for field in arch.mtp_fields(config) + experts:
+        yield from field_tensors(field, gguf.tensors)
+
+
+def check_tensors(gguf: GGUFFile, arch: Architecture, config: ModelConfig,
+                  tensors: Iterable[tuple[Tensor, bool]] | None = None) -> None:
+    """Every needed tensor (of `tensors`, else of the model's layers) is present, of the shape the
+    metadata implies and of a type tierflow computes with."""
+    for tensor, _ in needed_tensors(gguf, arch, config) if tensors is None else tensors:
         info = gguf.tensors.get(tensor.name)
         if info is None:
             layer = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else None
-            kind = None if layer is None or arch.layer_kind is None else arch.layer_kind(config, int(layer))
+            kind = None if layer is None or arch.layer_kind is None or int(layer) >= config.num_layers \
+                else arch.layer_kind(config, int(layer))
             why = "" if kind is None else f": {kind}"
             raise ModelFileError(f"{gguf.path.name}: missing tensor '{tensor.name}' (a {config.arch} model "
                                  f"needs it{why})")

@@ -65,10 +65,10 @@ class PackedFile:
     def layer_weights(self, index: int, data: memoryview, experts: Experts | None = None) -> Weights:
         """Layer `index`'s weights viewing its extent's bytes (held by the caller); a MoE layer's
         experts come from `experts`, which the caller places."""
-        return Weights(_fields(self.layers[index].weights, data), experts=experts)
+        return Weights(extent_fields(self.layers[index].weights, data), experts=experts)
 
     def expert_weights(self, index: int, expert: int, data: memoryview) -> Weights:
-        return Weights(_fields(self.experts[index][expert].weights, data))
+        return Weights(extent_fields(self.experts[index][expert].weights, data))
 
     def device_layer_weights(self, index: int, buffer: torch.Tensor, kernels: Kernels,
                              experts: Experts | None = None) -> Weights:
@@ -125,7 +125,9 @@ def _read_manifest(path: Path) -> dict:
         raise ModelFileError(f"{path.name}: not a valid tierflow pack ({error})") from error
 
 
-def _fields(spec: dict, data: memoryview) -> dict:
+def extent_fields(spec: dict, data: memoryview) -> dict:
+    """An extent's fields (a Weights' dict) viewing its bytes, laid out as its spec (the manifest's
+    "weights") says."""
     return {name: _array(data, arrays, np.float32) if isinstance(arrays, list) else _linear(data, arrays)
             for name, arrays in spec.items()}
 

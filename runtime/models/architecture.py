@@ -32,6 +32,9 @@ class Architecture:
     summary: str = ""  # what tells it apart, for `tierflow info`
     layer_kind: Callable[[ModelConfig, int], str] | None = None  # where layers differ: what the metadata
     # makes of one (named when its tensors are missing)
+    # the fields of the multi-token-prediction block after the last layer (block_count counts it),
+    # computed by `block` as the one layer of config.mtp_config(); None: the family runs no such block
+    mtp_fields: Callable[[ModelConfig], list[Field]] | None = None
 
     def read_config(self, metadata: dict[str, Any], vocab_size: int, tied: bool) -> ModelConfig:
         return self.config(Metadata(metadata, self.name), vocab_size, tied)

@@ -55,13 +55,14 @@ def hybrid_config(meta: Metadata, base: ModelConfig) -> ModelConfig:
         raise ModelFileError(f"{meta.arch}.ssm.time_step_rank {shape.value_heads} (value heads) is not a "
                              f"multiple of ssm.group_count {shape.key_heads} (key heads)")
     interval = meta.count("full_attention_interval", 4)
-    layers = base.num_layers - meta.count("nextn_predict_layers", 0, minimum=0)
+    nextn = meta.count("nextn_predict_layers", 0, minimum=0)
+    layers = base.num_layers - nextn
     if layers < 1:
         raise ModelFileError(f"{meta.arch}.nextn_predict_layers must be below block_count "
                              f"{base.num_layers}: no layer would be left to run")
     _check_rope_sections(meta, base.rope_dim)
     return replace(base, num_layers=layers, recurrent=replace(shape, value_dim=shape.key_dim),
-                   recurrent_layers=tuple((i + 1) % interval != 0 for i in range(layers)))
+                   recurrent_layers=tuple((i + 1) % interval != 0 for i in range(layers)), nextn_layers=nextn)
 
 
 def _check_rope_sections(meta: Metadata, rope_dim: int) -> None:
@@ -122,6 +123,13 @@ def layer_fields(config: ModelConfig, layer: int, ffn: Callable[[ModelConfig, in
     if config.is_recurrent(layer):
         return linear_attention_fields(config, layer, layout) + ffn(config, layer)
     return gated_attention_fields(config, layer) + ffn(config, layer)
+
+
+def mtp_fields(config: ModelConfig, ffn: Callable[[ModelConfig, int], list[tm.Field]]) -> list[tm.Field]:
+    """The multi-token-prediction block after the last layer: a full-attention layer (llama.cpp's
+    graph_mtp) with the family's FFN, and its nextn fields."""
+    layer = config.num_layers
+    return gated_attention_fields(config, layer) + ffn(config, layer) + tm.nextn_fields(config, layer)
 
 
 def linear_attention_fields(config: ModelConfig, layer: int, layout: LinearLayout) -> list[tm.Field]:

@@ -1,6 +1,6 @@
 """Qwen3.5 / 3.6 dense (llama.cpp's qwen35): the hybrid linear-attention decoder of delta_net.py
 with a SwiGLU FFN in every layer. The trailing multi-token-prediction block (`nextn_predict_layers`,
-counted in `block_count`) is skipped: not checked, packed or run."""
+counted in `block_count`) is not part of the model: `draft="mtp"` runs it (delta_net.mtp_fields)."""
 
 from functools import partial
 
@@ -22,4 +22,5 @@ def ffn_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
 ARCHITECTURE = Architecture(name="qwen35", config=config,
                             layer_fields=partial(delta_net.layer_fields, ffn=ffn_fields),
                             block=partial(delta_net.block, ffn=dense_ffn), layer_kind=delta_net.layer_kind,
+                            mtp_fields=partial(delta_net.mtp_fields, ffn=ffn_fields),
                             summary=f"{delta_net.SUMMARY}; a SwiGLU FFN")

@@ -2,7 +2,8 @@
 of delta_net.py with a mixture of experts in every layer: the top `expert_used_count` of
 `expert_count` experts by softmax, their weights rescaled to sum to 1, each
 `expert_feed_forward_length` wide, plus a shared expert (`expert_shared_feed_forward_length`)
-scaled by sigmoid(x @ ffn_gate_inp_shexp). The trailing multi-token-prediction block is skipped."""
+scaled by sigmoid(x @ ffn_gate_inp_shexp). The trailing multi-token-prediction block is not part of
+the model: `draft="mtp"` runs it (delta_net.mtp_fields)."""
 
 from dataclasses import replace
 from functools import partial
@@ -29,5 +30,6 @@ ARCHITECTURE = Architecture(name="qwen35moe", config=config,
                             layer_fields=partial(delta_net.layer_fields, ffn=ffn_fields),
                             block=partial(delta_net.block, ffn=moe_ffn), expert_fields=tm.expert_fields,
                             layer_kind=delta_net.layer_kind,
+                            mtp_fields=partial(delta_net.mtp_fields, ffn=ffn_fields),
                             summary=f"{delta_net.SUMMARY}; softmax top-k experts, renormalised, and a "
                                     f"gated shared expert")

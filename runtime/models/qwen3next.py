@@ -53,5 +53,6 @@ def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
 ARCHITECTURE = Architecture(name="qwen3next", config=config, layer_fields=layer_fields,
                             block=partial(delta_net.block, ffn=moe_ffn, layout=JOINT),
                             expert_fields=tm.expert_fields, layer_kind=delta_net.layer_kind,
+                            mtp_fields=partial(delta_net.mtp_fields, ffn=ffn_fields),
                             summary=f"{delta_net.SUMMARY}; projections grouped by key head; softmax top-k "
                                     f"experts, renormalised, and a gated shared expert")

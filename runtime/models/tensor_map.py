@@ -155,6 +155,17 @@ def expert_fields(config: ModelConfig, layer: int, expert: int, bias: str = "non
             matmul("down", [(p + "ffn_down_exps.weight", (f, e, n))], "expert", bias, expert=expert)]
 
 
+def nextn_fields(config: ModelConfig, layer: int) -> list[Field]:
+    """A multi-token-prediction block's own fields beside its layer's: the projection of the
+    normed token embedding and normed hidden state side by side (eh_proj) and their norms, and
+    the norm before the shared output head (the model's output_norm where the file has none)."""
+    e, p = config.hidden_size, f"blk.{layer}.nextn."
+    return [matmul("eh_proj", [(p + "eh_proj.weight", (2 * e, e))], "attention"),
+            vector("enorm", p + "enorm.weight", (e,), "attention"),
+            vector("hnorm", p + "hnorm.weight", (e,), "attention"),
+            vector("head_norm", p + "shared_head_norm.weight", (e,), "attention", optional=True)]
+
+
 def field_tensors(field: Field, present: set[str] | dict) -> list[tuple[Tensor, bool]]:
     """The tensors a field reads, each with whether it is required; optional ones only when the
     file has them (`present`: the file's tensor names)."""

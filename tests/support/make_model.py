@@ -39,6 +39,7 @@ import argparse
 import functools
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -89,8 +90,10 @@ def file_bytes(spec: ModelSpec) -> int:
     return file_size(_kvs(spec), [tensor.entry for tensor in tensor_plan(spec, _tokenizer()[1])])
 
 
-def write_f32_copy(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
-    """Copy the GGUF file `source` to `dest` with every tensor dequantized to F32.
+def write_f32_copy(source: str | os.PathLike, dest: str | os.PathLike,
+                   change: Callable[[str, np.ndarray], np.ndarray] | None = None) -> Path:
+    """Copy the GGUF file `source` to `dest` with every tensor dequantized to F32 (and passed
+    through `change(name, values)` when given: values as numpy holds them, ne0 last).
 
     Metadata entries are copied byte for byte, types included, except general.file_type, which
     becomes ALL_F32 (added if missing); tensors keep their names, shapes, order and the source's
@@ -103,8 +106,9 @@ def write_f32_copy(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
                                            Typed(UINT32, LlamaFileType.ALL_F32))
         infos = list(model.tensors.values())
         entries = [TensorEntry(info.name, info.shape, GGMLQuantizationType.F32) for info in infos]
-        data = (dequantize(model.tensor_data(info.name), info.ggml_type, info.shape)
-                for info in infos)
+        data = (dequantize(model.tensor_data(info.name), info.ggml_type, info.shape) for info in infos)
+        if change is not None:
+            data = (change(info.name, values).astype(np.float32) for info, values in zip(infos, data))
         return write_gguf(dest, list(kvs.values()), entries, data, model.alignment)
 
 

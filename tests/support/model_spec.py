@@ -29,6 +29,9 @@ post_attention_norm; optional q/k/v biases and per-head q/k norms; neox rope ove
 rope.dimension_count dimensions of each head. The trailing nextn_predict_layers blocks (counted
 in block_count) hold every tensor of a MoE layer plus nextn.eh_proj, enorm and hnorm, which
 llama.cpp requires and skips.
+qwen35, qwen35moe and qwen3next with nextn_layers=1 (llama.cpp's single MTP block) write the
+block as their family's mtp_fields name it: a full-attention layer with the family's FFN and the
+nextn tensors; llama.cpp runs it as graph_mtp in an MTP context (load_mtp).
 
 gemma2 and gemma3 (src/models/gemma2*.cpp, gemma3*.cpp): x = token_embd[ids] * sqrtf(hidden);
 per layer h = attn_post_norm(attention(attn_norm(x))) + x, then x = ffn_post_norm(ffn(ffn_norm(h)))
@@ -66,6 +69,7 @@ from tests.support.gguf_bytes import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32
 from tests.support.gguf_writing import TensorEntry
 from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.models import architecture
+from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.tensor_map import Field, Tensor, Vector
 
 Q = GGMLQuantizationType
@@ -131,10 +135,10 @@ ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
          "deepseek2": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True,
                                   latent_attention=True),
          "qwen3next": _ArchTraits(experts="always", expert_width_key=True, shared_expert=True,
-                                  linear_attention=True),
-         "qwen35": _ArchTraits(linear_attention=True, rope_sections=True),
+                                  linear_attention=True, nextn=True),
+         "qwen35": _ArchTraits(linear_attention=True, rope_sections=True, nextn=True),
          "qwen35moe": _ArchTraits(experts="always", expert_width_key=True, shared_expert=True,
-                                  linear_attention=True, rope_sections=True)}
+                                  linear_attention=True, rope_sections=True, nextn=True)}
 MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
 _MIX_BLOCK = 32  # every type a mix falls back to packs rows in blocks of 32
 
@@ -558,10 +562,14 @@ def tensor_plan(spec: ModelSpec, vocab_size: int) -> list[PlannedTensor]:
     plan = [t for f in fields if f.group == "embeddings" for t in _field_plan(f, spec)]
     for i in range(spec.num_layers + spec.nextn_layers):
         experts = arch.expert_fields(config, i, 0) if config.has_experts(i) else []
-        layer = arch.layer_fields(config, i) + experts
-        plan += [t for f in layer if _written(f, spec) for t in _field_plan(f, spec)]
-        if i >= spec.num_layers:
-            plan += _nextn_plan(i, spec)
+        if i < spec.num_layers:
+            layer = arch.layer_fields(config, i)
+        elif arch.mtp_fields is not None:
+            layer = arch.mtp_fields(config)
+        else:  # a block llama.cpp requires and skips: a layer's tensors and the nextn ones it requires
+            nextn = [f for f in tm.nextn_fields(config, i) if f.name != "head_norm"]
+            layer = arch.layer_fields(config, i) + nextn
+        plan += [t for f in layer + experts if _written(f, spec) for t in _field_plan(f, spec)]
     for field in (f for f in fields if f.group != "embeddings"):
         if field.name == "rope_freqs":
             factors = _llama3_rope_factors(spec)
@@ -578,14 +586,6 @@ def _written(field: Field, spec: ModelSpec) -> bool:
     if optional and field.name == "exp_probs_b":
         return spec.expert_gating == "sigmoid"
     return not (optional and field.name in ("q_norm", "k_norm") and not spec.qk_norm)
-
-
-def _nextn_plan(layer: int, spec: ModelSpec) -> list[PlannedTensor]:
-    """A next-token-prediction block's own tensors (llama.cpp requires, and skips, them)."""
-    e, p = spec.hidden_size, f"blk.{layer}.nextn."
-    return [_planned(Tensor(p + "eh_proj.weight", (2 * e, e)), spec),
-            _planned(Tensor(p + "enorm.weight", (e,)), spec),
-            _planned(Tensor(p + "hnorm.weight", (e,)), spec)]
 
 
 def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, Typed]]:
@@ -627,6 +627,8 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         metadata.append((f"{arch}.rope.scaling.original_context_length", u32(original)))
     if spec.pooling_type is not None:
         metadata.append((f"{arch}.pooling_type", u32(spec.pooling_type)))
+    if ARCHS[arch].nextn:
+        metadata.append((f"{arch}.nextn_predict_layers", u32(spec.nextn_layers)))
     if ARCHS[arch].latent_attention:
         return _latent_metadata(spec, metadata)
     if ARCHS[arch].linear_attention:
@@ -706,6 +708,4 @@ def _expert_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
                      (f"{arch}.expert_weights_scale", Typed(FLOAT32, _EXPERT_WEIGHTS_SCALE))]
     if traits.leading_dense:
         metadata.append((f"{arch}.leading_dense_block_count", Typed(UINT32, spec.leading_dense_layers)))
-    if traits.nextn:
-        metadata.append((f"{arch}.nextn_predict_layers", Typed(UINT32, spec.nextn_layers)))
     return metadata

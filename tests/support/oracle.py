@@ -37,6 +37,61 @@ NEAR_TIE = 0.8
 EXACT_TIE = 1e-3  # float32 summation order
 
 
+def llama_cpp_mtp_logits(path: Path, ids: list[int], hidden: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The logits of llama.cpp's multi-token-prediction graph (graph_mtp, in a context of type MTP)
+    over ids at positions 0, 1, ..., each beside its row of hidden [T, E], and whether llama.cpp
+    took those rows. This build's llama_batch_ext_set_embd_state stores nothing and returns false:
+    the graph reads its state input as its buffer was allocated, zeros in a process's first
+    buffer, whatever an earlier context left in one whose memory malloc hands out again; so each
+    call runs in a process of its own. One thread, float32 KV cache, no flash attention."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_mtp_logits_here, (str(path), ids, np.asarray(hidden, np.float32)))
+
+
+def _mtp_logits_here(path: str, ids: list[int], hidden: np.ndarray) -> tuple[np.ndarray, bool]:
+    import ctypes
+
+    import llama_cpp as L
+
+    params = L.llama_model_default_params()
+    params.load_mtp = True
+    quiet = L.llama_log_callback(lambda level, text, data: None)
+    L.llama_log_set(quiet, None)
+    model = L.llama_model_load_from_file(path.encode(), params)
+    context = batch = None
+    try:
+        settings = L.llama_context_default_params()
+        settings.n_ctx = settings.n_batch = settings.n_ubatch = max(64, len(ids))
+        settings.n_threads = settings.n_threads_batch = 1
+        settings.type_k = settings.type_v = L.GGML_TYPE_F32
+        settings.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        settings.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
+        context = L.llama_init_from_model(model, settings)
+        batch = L.llama_batch_ext_init(context)
+        rows = np.ascontiguousarray(hidden, np.float32)
+        took = []
+        for position, token in enumerate(ids):
+            index = L.llama_batch_ext_add_token(batch, 0, token)
+            L.llama_batch_ext_set_pos(batch, index, ctypes.byref(L.llama_pos(position)))
+            row = rows[position].ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            took.append(L.llama_batch_ext_set_embd_state(batch, index, L.llama_embd(row, 1, rows.shape[1])))
+            L.llama_batch_ext_set_output_logits(batch, index, True)
+        if L.llama_process(context, L.LLAMA_PROCESS_TYPE_DECODE, batch) != 0:
+            raise RuntimeError("llama.cpp's MTP pass failed")
+        vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+        logits = np.array([np.ctypeslib.as_array(L.llama_get_logits_ith(context, i), shape=(vocab,))
+                           for i in range(len(ids))])
+        return logits, all(took)
+    finally:
+        if batch is not None:
+            L.llama_batch_ext_free(batch)
+        if context is not None:
+            L.llama_free(context)
+        L.llama_model_free(model)
+
+
 def llama_cpp_logits(llama, ids: list[int]) -> np.ndarray:
     llama.reset()
     llama.eval(ids)
