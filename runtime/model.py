@@ -285,7 +285,6 @@ class Decoder:
                 outputs[i] = logits[a:b]
         return outputs
 
-
     def _first_rows(self, item: "SequenceInput") -> np.ndarray:
         """What the first layer reads for a sequence: its given rows, or its tokens' embeddings
         (times the config's scale)."""

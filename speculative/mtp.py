@@ -150,7 +150,7 @@ class MtpGenerator:
         nodes = range(len(parents) - len(token_ids), len(parents))
         hidden = np.stack([self._hidden[parents[node]] for node in nodes])
         logits, out = self.forward(token_ids, hidden, parents=np.asarray(parents, np.int32),
-                                 tree_start=tree_start - self._offset)
+                                   tree_start=tree_start - self._offset)
         self._hidden.update(zip(nodes, out))
         return logits
 
@@ -184,8 +184,8 @@ class MtpGenerator:
         del self._tokens[length:]
 
     def forward(self, token_ids: Sequence[int], hidden: np.ndarray, all_logits: bool = True,
-              parents: np.ndarray | None = None, tree_start: int | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:
+                parents: np.ndarray | None = None, tree_start: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
         """The block over tokens at the cache's next slots (or a tree's), each beside the hidden
         state before it [T, E]: (logits of every token, or of the last unless all_logits; h' [T, E])."""
         ids, w = np.asarray(token_ids, np.int64), self.block.layer(0)
