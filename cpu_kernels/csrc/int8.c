@@ -84,6 +84,29 @@ static inline const uint8_t *high_block(const uint8_t *high, int64_t q, int h, i
     return high + (q / per_byte) * 4 * TILE_ROWS;
 }
 
+/* Prefetches, once per 256-byte block of codes (at quad q, the first of the block), what the kernel
+ * reads PREFETCH_BYTES of codes later: those codes and the high bits of the same columns, a stream of
+ * their own (32 h bytes a quad) that the hardware prefetcher alone keeps too few lines of in flight. */
+static inline void prefetch_codes(const uint8_t *data, const uint8_t *high, int h, int64_t q, int kind) {
+    const uint8_t *codes = quad_block(data, q, kind != CODES_INT8) + PREFETCH_BYTES;
+    for (int line = 0; line < 4; line++) __builtin_prefetch(codes + 64 * line);
+    if (kind != CODES_NIBBLE_HIGH) return;
+    /* A block of nibble codes is two quads, 64 h bytes of high bits, PREFETCH_BYTES / 128 quads on. */
+    const uint8_t *ahead = high + 32 * h * q + PREFETCH_BYTES / 4 * h;
+    for (int line = 0; line < h; line++) __builtin_prefetch(ahead + 64 * line);
+}
+
+/* Prefetches the float16 scales (and mins) of the group a one-level tile reads PREFETCH_BYTES of codes
+ * after group g: a stream of 1/8 (Q4_0) to 1/16 (Q8_0) of the codes' bytes beside them. */
+static inline void prefetch_group_params(const packed_matrix *w, int64_t tile, int64_t g, int nibble_data) {
+    const int64_t ahead = PREFETCH_BYTES / (w->group * TILE_ROWS / (nibble_data ? 2 : 1));
+    const int64_t at = (tile * (w->cols / w->group) + g + ahead) * TILE_ROWS;
+    for (int line = 0; line < 2; line++) {
+        __builtin_prefetch(w->scales + at + 32 * line);
+        if (w->mins) __builtin_prefetch(w->mins + at + 32 * line);
+    }
+}
+
 /* Where a tile's codes are, and the shape of its groups. */
 #define CODE_SETUP                                                            \
     const int64_t groups = w->cols / w->group, quads = w->group / 4;         \
@@ -247,6 +270,7 @@ AVX2_TARGET void avx2_group_dots(const packed_matrix *w, const prepared_acts *a,
             memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
             x[c] = _mm256_set1_epi32(four);
         }
+        if (kind == CODES_INT8 || !(q & 1)) prefetch_codes(data, high, h, q, kind);
         for (int v = 0; v < 8; v++) {
             __m256i wv = avx2_quad(w, data, high, h, q, v, kind, table);
             /* unsigned codes below 64 times int8 activations: pairs stay within int16 */
@@ -269,6 +293,7 @@ AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a
     for (int64_t g = 0; g < groups; g++) {
         __m256i acc[MAX_TOKEN_BLOCK][8]; /* acc[c][v]: rows 8v .. 8v+7 */
         avx2_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
+        if (!params) prefetch_group_params(w, tile, g, nibble_data);
         GROUP_PARAMS(group_params_avx2)
         for (int c = 0; c < count; c++) {
             __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + g]);
@@ -389,10 +414,7 @@ AVX512_TARGET void avx512_group_dots(const packed_matrix *w, const prepared_acts
             memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
             x[c] = _mm512_set1_epi32(four);
         }
-        if (kind == CODES_INT8 || !(q & 1)) { /* once per 256-byte block: a pair of quads shares it */
-            const char *ahead = (const char *)quad_block(data, q, kind != CODES_INT8) + PREFETCH_BYTES;
-            for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-        }
+        if (kind == CODES_INT8 || !(q & 1)) prefetch_codes(data, high, h, q, kind); /* a pair of nibble quads shares a block */
         for (int v = 0; v < 4; v++) {
             __m512i wv = avx512_quad(w, data, high, h, q, v, kind, table);
             if (unsigned_codes) {
@@ -423,6 +445,7 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
     for (int64_t g = 0; g < groups; g++) {
         __m512i acc[MAX_TOKEN_BLOCK][4]; /* acc[c][v]: rows 16v .. 16v+15 */
         avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
+        if (!params) prefetch_group_params(w, tile, g, nibble_data);
         GROUP_PARAMS(group_params_avx512)
         for (int c = 0; c < count; c++) {
             __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);

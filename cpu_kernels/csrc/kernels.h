@@ -32,7 +32,10 @@ static inline float round_even(float v) {
     return (v + magic) - magic;
 }
 #define MAX_TOKEN_BLOCK 4 /* tokens that share one pass over a weight tile */
-#define PREFETCH_BYTES 2048 /* how far ahead of the weight stream the kernels prefetch */
+/* How far ahead of a packed matrix's code stream the kernels prefetch, measured rather than derived:
+ * one core read a cold Q4_K, Q6_K or Q8_0 matrix from DRAM at 3/4 of the rate numpy sums memory with
+ * 2 KiB, at about that rate with 8 KiB, and slower again with 16 KiB (benchmarks/kernels.py's cases). */
+#define PREFETCH_BYTES 8192
 
 typedef enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } isa_t;
 

@@ -82,6 +82,7 @@ TARGET_CLONES void weighted_rows(const float *rows, int64_t size, const int64_t 
 }
 
 #define DENSE_TOKENS 4 /* tokens that share a pass over a block's rows */
+#define ROW_PREFETCH_BYTES 2048 /* per row: a block streams DENSE_ROWS rows at once */
 
 /* rows x tokens dot products of one block; with constant rows and tokens (the callers' switch) the
  * accumulators stay in registers. */
@@ -97,7 +98,7 @@ static inline __attribute__((always_inline)) void dense_block(const dense_job *j
         v16f xs[DENSE_TOKENS];
         for (int t = 0; t < tokens; t++) xs[t] = n == 16 ? load16(x + t * cols + k) : load_part(x + t * cols + k, n);
         for (int r = 0; r < rows; r++) {
-            __builtin_prefetch(w + r * cols + k + PREFETCH_BYTES / sizeof(float));
+            __builtin_prefetch(w + r * cols + k + ROW_PREFETCH_BYTES / sizeof(float));
             const v16f wr = n == 16 ? load16(w + r * cols + k) : load_part(w + r * cols + k, n);
             for (int t = 0; t < tokens; t++) acc[r][t] += wr * xs[t];
         }
