@@ -24,8 +24,8 @@ Q8_0): no DRAM traffic. Its N is large because preparing the activations, once p
 of the work: a 1024 x 1024 matrix, inside the L2, runs a fifth slower.
 It is taken on Q8_0 (signed int8 codes) and on Q4_0 (unsigned nibble codes), and the faster is the
 peak: signed codes cost the kernel a sign flip per token, so Q8_0 alone is beaten by the 4-bit types.
-Q2_K, Q3_K and TQ2_0 run on the LUT kernel at every M (the `kernel` column): their fraction compares
-that kernel with the int8 one's peak, and can pass 100%.
+TQ2_0 runs on the LUT kernel at every M (the `kernel` column): its fraction compares that kernel with
+the int8 one's peak, and can pass 100%.
 
 Read bandwidth: numpy reductions over a buffer 16x the L3 cache, one slice per thread
 (offload/plan/measure.py's ReadBandwidth, as `tierflow probe` measures it).

@@ -18,15 +18,16 @@ bits 1..4, the LUT kernel (codes unsigned, 0 .. 2**bits - 1), uint8 [T, K / 8, b
 bits 8, width 8, the int8 kernel (codes signed), int8 [T, K / 4, 64, 4]:
     byte (t, c, r, j) is the code of row 64t + r, column 4c + j. Requires group % 4 == 0.
 
-bits 8, width 4..6 (Q4_x, Q5_x, Q6_K), the int8 kernel on unsigned codes u = q + zero of `width`
-bits, uint8 [T, K / 8, 64, 4] holding their low nibbles, and for width 5 and 6 `high`, uint8
-[T, K * h / 32, 64, 4] (h = width - 4) holding the rest:
-    nibble byte (t, o, r, j) holds in its low nibble column 8o + j of row 64t + r, in its high
-    nibble column 8o + 4 + j: the low nibbles of a 256-byte block are the int8 layout's quad 2o,
-    the high nibbles its quad 2o + 1. High byte (t, b, r, j) holds at bits h*i .. h*i + h - 1 the
-    high bits of quad (8 / h) * b + i. The kernel assembles u in registers and subtracts zero:
-    exactly the int8 layout's arithmetic on the same codes, from width / 8 of its bytes.
-    Requires group % 8 == 0 (group % 32 == 0 with width 5).
+bits 8, width 2..6 (Q2_K, Q3_K, Q4_x, Q5_x, Q6_K), the int8 kernel on unsigned codes u = q + zero of
+`width` bits, their low f bits (f = 4 from width 4 on, else 2) in fields of data, uint8
+[T, K * f / 32, 64, 4], and for h = width - f > 0 (widths 3, 5, 6) the rest in `high`, uint8
+[T, K * h / 32, 64, 4]:
+    data byte (t, o, r, j) holds at bits f*i .. f*i + f - 1 column 4 (8 / f * o + i) + j of row 64t + r:
+    a 256-byte block of data holds the int8 layout's quads 8/f * o .. 8/f * o + 8/f - 1 (nibbles: quad
+    2o in the low nibbles, 2o + 1 in the high ones). High byte (t, b, r, j) holds at bits h*i ..
+    h*i + h - 1 the high bits of quad (8 / h) * b + i. The kernel assembles u in registers and subtracts
+    zero: exactly the int8 layout's arithmetic on the same codes, from width / 8 of its bytes.
+    Requires group % (32 / f) == 0 and K % (32 / h) == 0.
 
 bits 8 with a codebook (IQ4_NL, IQ4_XS: "iq4nl"; MXFP4: "mxfp4"), the int8 kernel on 4-bit
 indices into the codebook's 16 int8 codes (quant_groups.CODEBOOKS): the nibble layout above,
@@ -56,8 +57,8 @@ How GGUF types land here (quant_groups.py does the decoding), bytes per 256 weig
     Q8_0                width 8; float16 scales                               272
     Q4_K, Q5_K          width 4, 5; sub: 6-bit scale and min per 32, d, dmin  144, 176
     Q6_K                width 6, zero 32; sub: 8-bit scale (int8 + 128) per 16, d     210
-    Q2_K                2 bits (LUT); sub: 4-bit scale and min per 16, d, dmin        84
-    Q3_K                3 bits (LUT), zero 4; sub: 6-bit scale (s, offset 32) per 16, d   110
+    Q2_K                width 2; sub: 4-bit scale and min per 16, d, dmin            84
+    Q3_K                width 3, zero 4; sub: 6-bit scale (s, offset 32) per 16, d   110
     TQ2_0, TQ1_0        2 bits (LUT), group 256, zero 1; float16 scales       66 (TQ1_0's file: 54)
     IQ4_NL              codebook iq4nl; float16 scales                        144
     IQ4_XS              codebook iq4nl; sub: 6-bit scale (ls, offset 32) per 32, d    136
@@ -82,7 +83,7 @@ TILE_ROWS = 64
 # The C kernels' codebook ids (kernels.h's codebook_t): 0 is none, the int8 layout.
 CODEBOOK_IDS = {name: index + 1 for index, name in enumerate(CODEBOOKS)}
 LUT_BITS = (1, 2, 3, 4)
-NIBBLE_WIDTHS = (4, 5, 6)
+NARROW_WIDTHS = (2, 3, 4, 5, 6)  # unsigned codes in fields (+ high), see field_bits
 SUB_BITS = (4, 6, 8)
 # Per group, a row's int16 accumulator sums group/8 look-up pairs of up to 2*127, times 2^bits - 1.
 LUT_MAX_GROUP = {bits: 8 * (32767 // (254 * ((1 << bits) - 1))) for bits in LUT_BITS}
@@ -120,9 +121,9 @@ class PackedMatrix:
     scales: np.ndarray | None  # float16 [T, G, 64]; None with sub
     mins: np.ndarray | None  # float16 [T, G, 64]
     codebook: str | None = None  # bits 8: data holds 4-bit indices into CODEBOOKS[codebook]
-    width: int = 8  # bits 8: 4..6 for unsigned codes in nibbles (+ high), 8 for int8 codes
+    width: int = 8  # bits 8: 2..6 for unsigned codes in fields (+ high), 8 for int8 codes
     zero: int = 0  # the code of a zero weight (LUT: min = -zero * scale without mins)
-    high: np.ndarray | None = None  # width 5, 6: the codes' high bits
+    high: np.ndarray | None = None  # widths 3, 5, 6: the codes' high bits
     sub: SubPacking | None = None  # two-level scales instead of scales and mins
 
     @property
@@ -146,9 +147,9 @@ class PackedMatrix:
                 (self.codebook_id, self.width, self.zero, self.high, *two_level))
 
     @property
-    def nibbles(self) -> bool:
-        """Whether data holds 4-bit nibbles the int8 kernel expands (a codebook's, or width 4..6)."""
-        return self.bits == 8 and (self.codebook is not None or self.width < 8)
+    def field(self) -> int:
+        """The bits of each code's field in data (int8 layout): field_bits of the codebook or width."""
+        return 4 if self.codebook is not None else field_bits(self.width)
 
     @property
     def centre(self) -> int:
@@ -187,14 +188,15 @@ class PackedMatrix:
 
     def _int8_quads(self, data: np.ndarray, high: np.ndarray | None) -> np.ndarray:
         """[..., K/4 or K/8, R, 4] bytes of the data (and high) layout -> int8 quads [..., K/4, R, 4]."""
-        if not self.nibbles:
+        field = self.field
+        if self.bits != 8 or field == 8:
             return data
-        quads = np.moveaxis(_split_nibbles(data), -2, -3)  # [..., K/8, 2, R, 4]
+        quads = np.moveaxis(_split_fields(data, field), -2, -3)  # [..., K*f/32, 8/f, R, 4]
         quads = quads.reshape(*quads.shape[:-4], self.cols // 4, *quads.shape[-2:])
         if self.codebook is not None:
             return CODEBOOKS[self.codebook][quads]
         if high is not None:
-            quads = quads | (_high_bits(high, self.width - 4) << 4)
+            quads = quads | (_high_bits(high, self.width - field) << field)
         return (quads.astype(np.int16) - self.zero).astype(np.int8)
 
     def group_params(self) -> tuple[np.ndarray, np.ndarray]:
@@ -309,9 +311,15 @@ def _sub_params(sub: "SubPacking", codes: np.ndarray, supers: np.ndarray
     return merge(scales), merge(mins)
 
 
-def _split_nibbles(data: np.ndarray) -> np.ndarray:
-    """Nibble bytes [..., 4] -> indices [..., 2, 4]: the low nibbles, then the high ones."""
-    return np.stack([data & 0x0F, data >> 4], axis=-2)
+def field_bits(width: int) -> int:
+    """The bits of each field of data for int8-kernel codes `width` bits wide: 8, 4 (4..6) or 2 (2..3)."""
+    return 8 if width == 8 else 4 if width >= 4 else 2
+
+
+def _split_fields(data: np.ndarray, field: int) -> np.ndarray:
+    """Bytes of `field`-bit fields [..., 4] -> the fields [..., 8 / field, 4], lowest bits first."""
+    shifts = (field * np.arange(8 // field, dtype=np.uint8))[:, None]
+    return (data[..., None, :] >> shifts) & ((1 << field) - 1)
 
 
 def _to_half(values: np.ndarray, what: str) -> np.ndarray:
@@ -343,14 +351,14 @@ def pack(groups: QuantGroups, with_mins: bool | None = None) -> PackedMatrix:
     if groups.bits == 8:
         if groups.codebook is not None:
             data = _nibble_data(groups.q, groups.group, tiles)
-        elif groups.width in NIBBLE_WIDTHS:
-            data, high = _nibbles_and_high(groups, tiles)
+        elif groups.width in NARROW_WIDTHS:
+            data, high = _fields_and_high(groups, tiles)
         elif groups.width == 8:
             if groups.group % 4:
                 raise ValueError(f"int8 codes need a group that is a multiple of 4, not {groups.group}")
             data = _tile_rows(groups.q, tiles).reshape(tiles, TILE_ROWS, cols // 4, 4).transpose(0, 2, 1, 3)
         else:
-            raise ValueError(f"int8 codes are 4, 5, 6 or 8 bits wide, not {groups.width}")
+            raise ValueError(f"int8 codes are 2..6 or 8 bits wide, not {groups.width}")
     elif groups.bits in LUT_BITS:
         if groups.group % 8 or groups.group > LUT_MAX_GROUP[groups.bits]:
             raise ValueError(f"{groups.bits}-bit codes need a group that is a multiple of 8 and at most "
@@ -396,17 +404,20 @@ def _nibble_data(nibbles: np.ndarray, group: int, tiles: int) -> np.ndarray:
     return pairs[..., 0, :] | (pairs[..., 1, :] << 4)
 
 
-def _nibbles_and_high(groups: QuantGroups, tiles: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Unsigned codes q + zero of `width` bits -> their nibbles and, above 4 bits, the high plane
-    (in C: numpy's strided shuffles made packing most of a first load)."""
+def _fields_and_high(groups: QuantGroups, tiles: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Unsigned codes q + zero of `width` bits -> their low bits in fields and, above the field, the
+    high plane (in C: numpy's strided shuffles made packing most of a first load)."""
     rows, cols = groups.q.shape
-    h = groups.width - 4
-    if groups.group % 8 or (h and cols % (32 // h)):
-        raise ValueError(f"{groups.width}-bit codes need a group that is a multiple of 8 and a multiple of "
-                         f"{32 // h if h else 8} columns, not group {groups.group} of {cols}")
-    data = np.empty((tiles, cols // 8, TILE_ROWS, 4), np.uint8)
+    field = field_bits(groups.width)
+    h = groups.width - field
+    blocks = 32 // field  # columns of a 256-byte block of fields
+    if groups.group % blocks or (h and cols % (32 // h)):
+        columns = 32 // h if h else blocks
+        raise ValueError(f"{groups.width}-bit codes need a group that is a multiple of {blocks} and a "
+                         f"multiple of {columns} columns, not group {groups.group} of {cols}")
+    data = np.empty((tiles, cols * field // 32, TILE_ROWS, 4), np.uint8)
     high = np.empty((tiles, cols * h // 32, TILE_ROWS, 4), np.uint8) if h else None
-    if not _kernels.pack_nibbles(np.ascontiguousarray(groups.q), groups.zero, groups.width, data, high):
+    if not _kernels.pack_fields(np.ascontiguousarray(groups.q), groups.zero, groups.width, data, high):
         raise ValueError(f"codes plus zero {groups.zero} do not fit {groups.width} unsigned bits")
     return data, high
 

@@ -2,12 +2,13 @@
 
 The fast CPU kernels read every quant format the same way: per row n and per group of `group`
 consecutive columns, `w[n, k] = scale[n, k // group] * q[n, k] + min[n, k // group]` in float32.
-Formats whose codes fit in 4 bits keep them as uint8 in [0, 16) (for the LUT kernels); the others
-become int8 codes (for the int8 kernel), or, for codebook formats, uint8 indices into 16 int8
-codes (the int8 kernel too, which looks the codes up).
+The ternary formats keep unsigned codes as uint8 in [0, 4) (for the LUT kernel); the others become
+int8 codes (for the int8 kernel, which reads the narrow ones from fields of 2 or 4 bits plus a zero
+code), or, for codebook formats, uint8 indices into 16 int8 codes (the int8 kernel too, which looks
+the codes up).
 
 Every mapping below is lossless: `QuantGroups.dequantize` reproduces `dequant.dequantize` bit for
-bit, save the sign of zeros in Q4_0, Q3_K, TQ1_0 and TQ2_0. These facts make that hold:
+bit, save the sign of zeros in Q4_0, TQ1_0 and TQ2_0. These facts make that hold:
 - ggml computes Q4_0 as `(q - 8) * d`; here it is `d * q + (-8 * d)`. `-8 * d` is exact (a
   power-of-two multiple of a float16), `d * q` is exact (11 + 4 significant bits), and so is
   their sum, `d * (q - 8)`, which is the very value ggml rounds to: no rounding anywhere. Only
@@ -17,9 +18,10 @@ bit, save the sign of zeros in Q4_0, Q3_K, TQ1_0 and TQ2_0. These facts make tha
   product of finite activations.
 - K-quants keep ggml's float32 products as they are: scale = `d * sc` and min = `-(dmin * m)`, so
   `scale * q + min` is ggml's `(d * sc) * q - dmin * m` (negation is exact, `a + -b` is `a - b`).
-- Q3_K (`(d * (s - 32)) * (c - 4)` in ggml) and the ternary types (`(q - 1) * d`) are Q4_0's case:
-  scale = dl and min = -4 * dl (or -d) are exact, dl * c is exact (dl has at most 11 + 6
-  significant bits, c 3), and so is the sum, the very value ggml rounds to; the same zeros differ.
+- The ternary types (`(q - 1) * d`) are Q4_0's case: scale = d and min = -d are exact, d * q is
+  exact, and so is the sum, the very value ggml rounds to; the same zeros differ.
+- Q3_K is `(d * (s - 32)) * (c - 4)` in ggml: here scale = d * (s - 32), ggml's float32 product,
+  and q = c - 4, so `scale * q` is ggml's very product, zeros' signs included.
 - Q2_K and IQ4_XS keep ggml's float32 products (`d * (sc & 15)`, `dmin * (sc >> 4)`,
   `d * (ls - 32)`) as scale and min, as the other K-quants do.
 - The codebook types (IQ4_NL, IQ4_XS, MXFP4) keep their 4-bit indices with a named codebook
@@ -80,7 +82,7 @@ class QuantGroups:
     group: int  # consecutive columns sharing one scale and min
     bits: int  # 1..4: unsigned codes for the LUT kernels; 8: signed codes for the int8 kernel
     codebook: str | None = None  # bits 8 only: q holds uint8 indices, the codes are CODEBOOKS[name][q]
-    width: int = 8  # bits 8: q + zero fits in `width` unsigned bits (4..6: the file's packing)
+    width: int = 8  # bits 8: q + zero fits in `width` unsigned bits (2..6: the file's packing)
     zero: int = 0  # the code of a zero weight: LUT min = -zero * scale; int8 stored codes q + zero
     sub: "SubScales | None" = None  # the file's two-level scales, from which scale and min came
 
@@ -306,22 +308,23 @@ def _split_q6_k(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.n
 
 
 # Lossless: q = 2-bit code, scale = d * (sc & 15), min = -(dmin * (sc >> 4)), ggml's products.
-@_register(T.Q2_K, group=16, bits=2, sub=SubSpec(bits=4, offset=0, groups_per_super=16, with_mins=True))
+@_register(T.Q2_K, group=16, bits=8, width=2,
+           sub=SubSpec(bits=4, offset=0, groups_per_super=16, with_mins=True))
 def _split_q2_k(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray,
                 sub: BlockSub | None) -> None:
     q[:] = q2_k_codes(blocks)
     _sub_scales(blocks, sub, blocks["scales"] & 0x0F, scale, min_codes=blocks["scales"] >> 4, min_=min_)
 
 
-# Lossless but for the sign of zero weights (as Q4_0 was): q = c in [0, 8), scale = d * (s - 32),
-# min = -4 * scale, the zero code's.
-@_register(T.Q3_K, group=16, bits=3, has_min=False, zero=4,
+# Lossless: q = c - 4 in [-4, 4), scale = d * (s - 32), no offset (ggml's (d * (s - 32)) * (c - 4)).
+@_register(T.Q3_K, group=16, bits=8, has_min=False, width=3, zero=4,
            sub=SubSpec(bits=6, offset=32, groups_per_super=16, with_mins=False))
 def _split_q3_k(blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min_: np.ndarray,
                 sub: BlockSub | None) -> None:
     q[:] = q3_k_codes(blocks)
+    q -= 4
     _sub_scales(blocks, sub, q3_k_scale_codes(blocks), scale, offset=32)
-    np.multiply(scale, -4, out=min_)
+    min_[:] = -0.0
 
 
 # Lossless but for the sign of zero weights: q = ternary code in {0, 1, 2}, scale = d, min = -d,

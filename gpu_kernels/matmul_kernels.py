@@ -12,9 +12,9 @@ layout, so a warp's loads coalesce.
   loads each byte of a [BO, BN] block once per bit plane, packs the planes of a byte column into
   one uint32 (plane p in byte p), and gets the codes of its 8 columns with two shifts, a mask and
   a multiply each (`gather_bits`); an int8 program loads [BC, BN, 4], four codes per load (or
-  four nibbles: with CODEBOOK, 4-bit indices into the 16 codes at `codebook`, looked up there;
-  with WIDTH 4..6, the low bits of unsigned codes, joined in registers to their WIDTH - 4 high
-  bits from `high`, less ZERO). The partial sums of a group are added first, then its scale and
+  four fields: with CODEBOOK, 4-bit indices into the 16 codes at `codebook`, looked up there;
+  with WIDTH 2..6, the low 4 (2 below WIDTH 4) bits of unsigned codes, joined in registers to
+  their high bits from `high`, less ZERO). The partial sums of a group are added first, then its scale and
   min apply once: `s * sum(q x) + m * sum(x)` (groups are powers of two, so a block of BK columns
   holds whole groups or lies in one).
 - Scales and mins (`_block_params`) come as float16 per group, or as the file's two-level scales
@@ -56,10 +56,10 @@ def fitting_configs(configs: list, named_args: dict, **kwargs) -> list:
     """Matrix-vector configs that do not spill registers (ptxas, sm_90): at most 64 weights per
     thread, or 128 for a LUT matrix without the SiLU epilogue (one uint32 per 8 weights); nibbles
     with the SiLU epilogue (gate and up codes looked up, or joined to their high bits) also
-    BLOCK_K <= 128, and at most 32 weights per thread with high bits (Q5_K, Q6_K)."""
+    BLOCK_K <= 128, and at most 32 weights per thread with high bits (Q3_K, Q5_K, Q6_K)."""
     args = {**named_args, **kwargs}
     silu, width = args.get("SILU_MUL"), args.get("WIDTH", 8)
-    limit = 128 if args.get("BITS") != 8 and not silu else 32 if silu and 4 < width < 8 else 64
+    limit = 128 if args.get("BITS") != 8 and not silu else 32 if silu and width in (3, 5, 6) else 64
     max_k = 128 if silu and (args.get("CODEBOOK") or width < 8) else None
     fitting = [c for c in configs if c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= limit * 32 * c.num_warps
                and (max_k is None or c.kwargs["BLOCK_K"] <= max_k)]
@@ -166,30 +166,40 @@ def _lut_dot(data, scales, mins, sub_codes, sub_supers, x_row, rows, k0, N, K, G
 
 
 @triton.jit
+def _field_codes(data, high, c, tile, lane, mask, K, WIDTH: tl.constexpr, FIELD: tl.constexpr):
+    """The unsigned codes of WIDTH bits of column quads c [BC, 1] of rows (tile, lane) [1, BN]:
+    [BC, BN, 4]. Their low FIELD bits are fields of data, uint8 [T, K*FIELD/32, 64, 4] (quad c at bits
+    FIELD * (c % (8 / FIELD)) of byte column c // (8 / FIELD)); the WIDTH - FIELD above them are in
+    `high`, uint8 [T, K*h/32, 64, 4] (bits h*i.. of byte column b: quad (8 / h) * b + i)."""
+    quad = tl.arange(0, 4)
+    PER_BLOCK: tl.constexpr = 8 // FIELD
+    byte_at = (tile * (K * FIELD // 32) + c // PER_BLOCK) * 256 + lane * 4  # [BC, BN]
+    fields = tl.load(data + byte_at[:, :, None] + quad, mask=mask[:, :, None], other=0).to(tl.int32)
+    u = (fields >> (FIELD * (c % PER_BLOCK))[:, :, None]) & ((1 << FIELD) - 1)
+    if WIDTH > FIELD:
+        H: tl.constexpr = WIDTH - FIELD
+        PER_BYTE: tl.constexpr = 8 // H  # quads per high byte
+        high_at = (tile * (K * H // 32) + c // PER_BYTE) * 256 + lane * 4  # [BC, BN]
+        top = tl.load(high + high_at[:, :, None] + quad, mask=mask[:, :, None], other=0).to(tl.int32)
+        u |= ((top >> (H * (c % PER_BYTE))[:, :, None]) & ((1 << H) - 1)) << FIELD
+    return u
+
+
+@triton.jit
 def _int8_quads(data, high, codebook, c, tile, lane, mask, K, WIDTH: tl.constexpr, ZERO: tl.constexpr,
                 CODEBOOK: tl.constexpr):
     """The codes of column quads c [BC, 1] of rows (tile, lane) [1, BN]: [BC, BN, 4]. int8
-    [T, K/4, 64, 4]; or nibbles, uint8 [T, K/8, 64, 4], quad c in the low nibbles (c even) or the
-    high nibbles (c odd) of byte column c // 2: with CODEBOOK each an index into the 16 codes at
-    `codebook`, else the low 4 bits of an unsigned code of WIDTH bits, whose WIDTH - 4 high bits
-    are in `high`, uint8 [T, K*h/32, 64, 4] (bits h*i.. of byte column b: quad (8 / h) * b + i),
-    less ZERO."""
-    quad = tl.arange(0, 4)
-    if CODEBOOK or WIDTH < 8:
-        byte_at = (tile * (K // 8) + c // 2) * 256 + lane * 4  # [BC, BN]
-        nibbles = tl.load(data + byte_at[:, :, None] + quad, mask=mask[:, :, None], other=0).to(tl.int32)
-        u = (nibbles >> (4 * (c % 2))[:, :, None]) & 0x0F
-        if CODEBOOK:
-            q = tl.load(codebook + u)
-        else:
-            if WIDTH > 4:
-                H: tl.constexpr = WIDTH - 4
-                PER_BYTE: tl.constexpr = 8 // H  # quads per high byte
-                high_at = (tile * (K * H // 32) + c // PER_BYTE) * 256 + lane * 4  # [BC, BN]
-                top = tl.load(high + high_at[:, :, None] + quad, mask=mask[:, :, None], other=0).to(tl.int32)
-                u |= ((top >> (H * (c % PER_BYTE))[:, :, None]) & ((1 << H) - 1)) << 4
-            q = u - ZERO
+    [T, K/4, 64, 4]; with CODEBOOK nibbles, each an index into the 16 codes at `codebook`; else
+    unsigned codes of WIDTH bits in fields (_field_codes: nibbles from 4 bits on, else 2-bit
+    fields), less ZERO."""
+    if CODEBOOK:
+        q = tl.load(codebook + _field_codes(data, high, c, tile, lane, mask, K, 4, 4))
+    elif WIDTH < 4:
+        q = _field_codes(data, high, c, tile, lane, mask, K, WIDTH, 2) - ZERO
+    elif WIDTH < 8:
+        q = _field_codes(data, high, c, tile, lane, mask, K, WIDTH, 4) - ZERO
     else:
+        quad = tl.arange(0, 4)
         quad_at = (tile * (K // 4) + c) * 256 + lane * 4  # [BC, BN]
         q = tl.load(data + quad_at[:, :, None] + quad, mask=mask[:, :, None], other=0)
     return q
@@ -200,7 +210,7 @@ def _int8_dot(data, high, scales, mins, codebook, sub_codes, sub_supers, x_row, 
               GROUP: tl.constexpr, WIDTH: tl.constexpr, ZERO: tl.constexpr, CODEBOOK: tl.constexpr,
               MINS: tl.constexpr, SUB_BITS: tl.constexpr, SUB_OFFSET: tl.constexpr, SUB_GPS: tl.constexpr,
               BLOCK_K: tl.constexpr):
-    """sum over k in k0 .. k0 + BK of W[rows, k] x[k], as [BG, BN] partial sums (int8 layout, or nibbles)."""
+    """sum over k in k0 .. k0 + BK of W[rows, k] x[k], as [BG, BN] partial sums (int8 layout, or fields)."""
     c = k0 // 4 + tl.arange(0, BLOCK_K // 4)[:, None]  # [BC, 1] column quads
     tile, lane = rows[None, :] // 64, rows[None, :] % 64  # [1, BN]
     quad = tl.arange(0, 4)
@@ -281,7 +291,7 @@ def _dequantize(data, high, scales, mins, codebook, sub_codes, sub_supers, rows,
     tile, lane = rows[None, :] // 64, rows[None, :] % 64  # [1, BN]
     mask = (c < K // PACK) & (rows[None, :] < N)
     j = tl.arange(0, PACK)[None, :, None]
-    if BITS == 8:  # int8 [T, K/4, 64, 4], or nibbles
+    if BITS == 8:  # int8 [T, K/4, 64, 4], or fields
         q = _int8_quads(data, high, codebook, c, tile, lane, mask, K, WIDTH, ZERO, CODEBOOK)
         q = tl.permute(q, (0, 2, 1)).to(tl.float32)  # [BC, 4, BN]
     else:  # uint8 [T, K/8, BITS, 64]

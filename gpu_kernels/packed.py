@@ -3,13 +3,14 @@
 The GPU kernels read exactly the layout the CPU kernels read (cpu_kernels/packed.py's docstring
 defines every array), so a layer moves between tiers as bytes, never re-laid out or expanded: a
 device holds the pack's bytes and no more. Legend: N rows, K columns, T = ceil(N / 64) tiles of
-64 rows, G = K / group groups, b bits, h = width - 4 high bits, S' super blocks, B sub-code bytes.
+64 rows, G = K / group groups, b bits, f = field_bits(width) (4 for a codebook), h = width - f high
+bits, S' super blocks, B sub-code bytes.
 
     data    uint8 [T, K/8, b, 64]  bits 1..4: LUT bit planes of unsigned codes
             int8  [T, K/4, 64, 4]  bits 8, width 8: signed codes
-            uint8 [T, K/8, 64, 4]  bits 8, width 4..6 or a codebook (int8 [16] on the device):
-                                   nibbles, two column quads per byte
-    high    uint8 [T, K*h/32, 64, 4]  width 5, 6: the codes' high bits
+            uint8 [T, K*f/32, 64, 4]  bits 8, width 2..6 or a codebook (int8 [16] on the device):
+                                   f-bit fields, 8 / f column quads per byte
+    high    uint8 [T, K*h/32, 64, 4]  widths 3, 5, 6: the codes' high bits
     scales  float16 [T, G, 64]     w = scale * q + min per (tile, group, row); None with sub
     mins    float16 [T, G, 64]     or None: the min is the zero code's (LUT), or zero
     sub     codes uint8 [T, S', B, 64] and supers float16 [T, S', 1 or 2, 64]: two-level scales
@@ -23,10 +24,11 @@ import torch
 
 from tierflow.cpu_kernels.packed import (
     LUT_BITS,
-    NIBBLE_WIDTHS,
+    NARROW_WIDTHS,
     SUB_BITS,
     TILE_ROWS,
     PackedMatrix,
+    field_bits,
     sub_code_bytes,
 )
 from tierflow.cpu_kernels.quant_groups import CODEBOOKS
@@ -58,13 +60,13 @@ class DeviceSubScales:
 class DeviceMatrix:
     rows: int  # N, before padding
     cols: int  # K
-    bits: int  # 1..4 (LUT layout) or 8 (int8 layout, or nibbles)
+    bits: int  # 1..4 (LUT layout) or 8 (int8 layout, or fields)
     group: int
     data: torch.Tensor
     scales: torch.Tensor | None  # None with sub
     mins: torch.Tensor | None
     codebook: torch.Tensor | None = None  # int8 [16]: data holds 4-bit indices into it (bits 8)
-    width: int = 8  # bits 8: 4..6 for unsigned codes in nibbles (+ high), 8 for int8 codes
+    width: int = 8  # bits 8: 2..6 for unsigned codes in fields (+ high), 8 for int8 codes
     zero: int = 0  # the code of a zero weight: int8 codes subtract it; LUT codes' min without mins
     high: torch.Tensor | None = None  # width 5, 6: the codes' high bits
     sub: DeviceSubScales | None = None  # two-level scales instead of scales and mins
@@ -116,7 +118,7 @@ class DeviceMatrix:
 
 def form_name(bits: int, width: int) -> str:
     """The codes' form, as errors name it."""
-    return f"{bits}-bit" if width == 8 else f"{width}-bit nibble"
+    return f"{bits}-bit" if width == 8 else f"{width}-bit unsigned"
 
 
 def check_form(cols: int, bits: int, group: int, codebook: bool, width: int, zero: int,
@@ -124,21 +126,23 @@ def check_form(cols: int, bits: int, group: int, codebook: bool, width: int, zer
     """A ValueError unless the kernels can read a matrix of this form (its arrays aside)."""
     if bits not in (*LUT_BITS, 8) or (codebook and bits != 8):
         raise ValueError(f"packed matrices have 1..4 or 8 bits (8 with a codebook), not {bits}")
-    if width not in (*NIBBLE_WIDTHS, 8):
-        raise ValueError(f"codes are 4, 5, 6 or 8 bits wide, not {width}")
+    if width not in (*NARROW_WIDTHS, 8):
+        raise ValueError(f"codes are 2..6 or 8 bits wide, not {width}")
     if width != 8 and (bits != 8 or codebook):
         raise ValueError(f"{width}-bit wide codes are 8-bit codes without a codebook")
     # int8 codes and a codebook's are signed as they are; narrower ones and LUT codes are unsigned
     max_zero = (1 << min(bits, width)) - 1 if width < 8 or bits < 8 else 0
     if not 0 <= zero <= max_zero:
         raise ValueError(f"the zero code of {form_name(bits, width)} codes is 0..{max_zero}, not {zero}")
-    divisor = 4 if bits == 8 and width == 8 and not codebook else 8
+    field = 4 if codebook else field_bits(width)
+    divisor = 8 if bits != 8 else 32 // field  # a LUT byte column's columns, or a block of fields'
     # a power of two: a block of columns holds whole groups, or lies in one (matmul_kernels._by_group)
     if group < divisor or group & (group - 1) or cols % group:
         raise ValueError(f"{form_name(bits, width)} codes need a group that is a power of two, a multiple of "
                          f"{divisor} that divides the {cols} columns, not {group}")
-    if width in (5, 6) and cols % (32 // (width - 4)):
-        raise ValueError(f"{width}-bit codes need a multiple of {32 // (width - 4)} columns, not {cols}")
+    h = width - field if width < 8 else 0
+    if h and cols % (32 // h):
+        raise ValueError(f"{width}-bit codes need a multiple of {32 // h} columns, not {cols}")
     if sub_form is not None:
         _check_sub_form(*sub_form, cols, group)
 
@@ -163,11 +167,12 @@ def array_layout(rows: int, cols: int, bits: int, group: int, codebook: bool, wi
     if bits != 8:
         layout = {"data": (torch.uint8, (tiles, cols // 8, bits, TILE_ROWS))}
     elif codebook or width < 8:
-        layout = {"data": (torch.uint8, (tiles, cols // 8, TILE_ROWS, 4))}
+        field = 4 if codebook else field_bits(width)
+        layout = {"data": (torch.uint8, (tiles, cols * field // 32, TILE_ROWS, 4))}
+        if not codebook and width > field:
+            layout["high"] = (torch.uint8, (tiles, cols * (width - field) // 32, TILE_ROWS, 4))
     else:
         layout = {"data": (torch.int8, (tiles, cols // 4, TILE_ROWS, 4))}
-    if width in (5, 6):
-        layout["high"] = (torch.uint8, (tiles, cols * (width - 4) // 32, TILE_ROWS, 4))
     if sub_form is None:
         params = (torch.float16, (tiles, cols // group, TILE_ROWS))
         return layout | {"scales": params} | ({"mins": params} if mins else {})

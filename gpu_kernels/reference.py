@@ -11,6 +11,7 @@ H query heads, KvH key/value heads, D head size, C cache capacity, R rotary size
 import torch
 import torch.nn.functional as F
 
+from tierflow.cpu_kernels.packed import field_bits
 from tierflow.cpu_kernels.reference import attention_reference  # noqa: F401 (the CPU op's, on any device)
 from tierflow.gpu_kernels.packed import DeviceMatrix, DeviceSubScales
 
@@ -24,22 +25,23 @@ def codes(w: DeviceMatrix) -> torch.Tensor:
         planes = torch.arange(w.bits, device=w.device, dtype=torch.int32)[:, None, None]
         q = (bits << planes).sum(dim=2)  # [T, K/8, 64, 8]
     elif w.codebook is not None:
-        q = w.codebook[_nibble_quads(w.data).long()]  # [T, K/4, 64, 4]
+        q = w.codebook[_field_quads(w.data, 4).long()]  # [T, K/4, 64, 4]
     elif w.width < 8:
-        q = _nibble_quads(w.data)
+        field = field_bits(w.width)
+        q = _field_quads(w.data, field)
         if w.high is not None:
-            q |= _high_bits(w.high, w.width - 4) << 4
+            q |= _high_bits(w.high, w.width - field) << field
         q -= w.zero
     else:
         q = w.data  # [T, K/4, 64, 4]
     return q.permute(0, 2, 1, 3).reshape(-1, w.cols)[: w.rows].to(torch.int32)
 
 
-def _nibble_quads(data: torch.Tensor) -> torch.Tensor:
-    """Nibble bytes [T, K/8, 64, 4] -> int32 quads [T, K/4, 64, 4]: byte column o holds quad 2o in its
-    low nibbles, quad 2o + 1 in its high ones."""
-    nibbles = data.to(torch.int32)
-    quads = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2)  # [T, K/8, 2, 64, 4]
+def _field_quads(data: torch.Tensor, field: int) -> torch.Tensor:
+    """Bytes of `field`-bit fields [T, K*f/32, 64, 4] -> int32 quads [T, K/4, 64, 4]: byte column o
+    holds quad (8 / f) * o + i at bits f*i .. f*i + f - 1."""
+    shifts = field * torch.arange(8 // field, device=data.device, dtype=torch.int32)[:, None, None]
+    quads = (data.to(torch.int32)[:, :, None] >> shifts) & ((1 << field) - 1)  # [T, K*f/32, 8/f, 64, 4]
     return quads.reshape(data.shape[0], -1, *data.shape[2:])
 
 

@@ -223,10 +223,10 @@ def test_a_codebook_matrix_computes_on_the_device_as_its_int8_layout(codebook, t
 
 # --- the GGUF types' packed forms, read as they are -----------------------------------------------
 
-# One type of each form the packed layout gives GGUF blocks (cpu_kernels/packed.py): nibble codes of
-# width 4, 5 and 6 with a zero code (Q4_0, Q5_0, Q6_K) or float16 mins (Q4_1); LUT codes whose min
-# is their zero code's (Q3_K, TQ2_0); two-level scales of 4, 6 and 8 bits, with mins (Q2_K, Q4_K,
-# Q5_K) and without (Q3_K, IQ4_XS, Q6_K).
+# One type of each form the packed layout gives GGUF blocks (cpu_kernels/packed.py): unsigned codes in
+# nibbles of width 4, 5 and 6 with a zero code (Q4_0, Q5_0, Q6_K) or float16 mins (Q4_1), and in 2-bit
+# fields of width 2 and 3 (Q2_K, Q3_K); LUT codes whose min is their zero code's (TQ2_0); two-level
+# scales of 4, 6 and 8 bits, with mins (Q2_K, Q4_K, Q5_K) and without (Q3_K, IQ4_XS, Q6_K).
 GGUF_FORMS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_K, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.TQ2_0, T.IQ4_XS]
 
 
@@ -491,9 +491,9 @@ def sub_codes_of(w: DeviceMatrix, codes: torch.Tensor) -> dict:
 
 
 @pytest.mark.parametrize("change,problem", [
-    (lambda w: dict(high=None), "high of a 65 x 256 5-bit nibble matrix must be torch.uint8"),
-    (lambda w: dict(width=7), "4, 5, 6 or 8 bits wide"),
-    (lambda w: dict(zero=32), "zero code of 5-bit nibble codes is 0..31, not 32"),
+    (lambda w: dict(high=None), "high of a 65 x 256 5-bit unsigned matrix must be torch.uint8"),
+    (lambda w: dict(width=7), "2..6 or 8 bits wide"),
+    (lambda w: dict(zero=32), "zero code of 5-bit unsigned codes is 0..31, not 32"),
     (lambda w: dict(scales=torch.zeros(2, 8, 64, dtype=torch.float16)), "has no scales"),
     (lambda w: dict(sub=None), "scales of a .* got NoneType"),
     (lambda w: sub_codes_of(w, w.sub.codes[:, :, 1:].contiguous()), "sub codes of a"),

@@ -402,10 +402,10 @@ def compact_args() -> dict:
 
 # (argument changed, its bad value, what the error message says)
 BAD_COMPACT_ARGUMENTS = [
-    ("width", 7, "width 7 is not 8, or 4..6 with 8-bit weights"),
-    ("width", 4, "high must be given for widths 5 and 6 only"),
+    ("width", 7, "width 7 is not 8, or 2..6 with 8-bit weights"),
+    ("width", 4, "high must be given for widths 3, 5 and 6 only"),
     ("zero", 128, "zero 128 is not in 0..127"),
-    ("high", None, "high must be given for widths 5 and 6 only"),
+    ("high", None, "high must be given for widths 3, 5 and 6 only"),
     ("high", np.zeros(100, np.uint8), "high holds 100 items"),
     ("scales", np.zeros(4 * 64 * 8, np.float16), "give either scales or sub_codes and supers"),
     ("mins", np.zeros(2 * 64 * 8, np.float16), "two-level scales code their mins: mins must be None"),
@@ -604,8 +604,12 @@ def test_packed_linear_adds_bias(linear_and_matrix):
     assert PackedLinear(w, bias).nbytes == w.nbytes + 65 * 4
 
 
-@pytest.mark.parametrize("width, high", [(7, None), (5, None), (4, np.zeros(64, np.uint8))], ids=str)
-def test_pack_nibbles_refuses_a_width_and_high_plane_that_disagree(width, high):
+A_HIGH_PLANE = np.zeros(64, np.uint8)
+
+
+@pytest.mark.parametrize("width, high", [(7, None), (1, None), (5, None), (3, None), (4, A_HIGH_PLANE),
+                                         (2, A_HIGH_PLANE)], ids=str)
+def test_pack_fields_refuses_a_width_and_high_plane_that_disagree(width, high):
     data = np.zeros((1, 4, 64, 4), np.uint8)
-    with pytest.raises(ValueError, match="pack_nibbles: q must be 2-D .* width 4..6"):
-        _kernels.pack_nibbles(np.zeros((3, 32), np.int8), 0, width, data, high)
+    with pytest.raises(ValueError, match="pack_fields: q must be 2-D .* width 2..6"):
+        _kernels.pack_fields(np.zeros((3, 32), np.int8), 0, width, data, high)

@@ -108,6 +108,19 @@ def test_nibble_layout_holds_quads_2o_and_2o_plus_1_in_one_byte():
     assert data[2, 5, 1, 3] >> 4 == groups.q[129, 47]
 
 
+def test_two_bit_layout_holds_quads_4o_to_4o_plus_3_in_one_byte_and_the_third_bit_in_high():
+    # Q3_K: byte (t, o, r, j) holds at bits 2i, 2i + 1 the low bits of column 16o + 4i + j of row 64t + r;
+    # high byte (t, b, r, j) at bit i the third bit of column 32b + 4i + j.
+    shape = (256, 130)  # GGUF order
+    groups = to_quant_groups(random_tensor(T.Q3_K, shape, seed=2), T.Q3_K, shape)
+    packed = pack(groups)
+    assert packed.data.shape == (3, 256 // 16, TILE_ROWS, 4) and packed.high.shape == (3, 256 // 32, TILE_ROWS, 4)
+    u = groups.q[129].astype(np.int16) + 4  # the unsigned codes of row 129: tile 2, row 1
+    assert all((packed.data[2, 5, 1, 3] >> (2 * i)) & 3 == u[80 + 4 * i + 3] & 3 for i in range(4))
+    assert all((packed.high[2, 6, 1, 3] >> i) & 1 == u[192 + 4 * i + 3] >> 2 for i in range(8))
+    assert np.array_equal(packed.codes(), groups.q)
+
+
 @pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
 def test_codebook_matrix_reads_back_as_its_int8_layout(codebook):
     groups = codebook_groups(130, 96, 32, codebook, seed=3)

@@ -19,15 +19,16 @@ GROUP_AND_BITS = {
     T.Q4_0: (32, 8), T.Q4_1: (32, 8), T.Q8_0: (32, 8), T.Q5_0: (32, 8), T.Q5_1: (32, 8),
     T.Q4_K: (32, 8), T.Q5_K: (32, 8), T.Q6_K: (16, 8),
     TierflowType.TQ2_1: (32, 2), TierflowType.TQ3_1: (32, 3),
-    T.Q2_K: (16, 2), T.Q3_K: (16, 3), T.TQ1_0: (256, 2), T.TQ2_0: (256, 2),
+    T.Q2_K: (16, 8), T.Q3_K: (16, 8), T.TQ1_0: (256, 2), T.TQ2_0: (256, 2),
     T.IQ4_NL: (32, 8), T.IQ4_XS: (32, 8), T.MXFP4: (32, 8),
 }
 # Range of the int8 codes for the 8-bit mappings: [low, high). MXFP4's +-12 reach +-96 where a
 # scale above 2^15 folds three doublings into them.
 INT8_RANGES = {T.Q8_0: (-128, 128), T.Q5_0: (-16, 16), T.Q5_1: (0, 32), T.Q5_K: (0, 32),
-               T.Q6_K: (-32, 32), T.IQ4_NL: (-127, 114), T.IQ4_XS: (-127, 114), T.MXFP4: (-96, 97)}
+               T.Q6_K: (-32, 32), T.Q2_K: (0, 4), T.Q3_K: (-4, 4), T.IQ4_NL: (-127, 114),
+               T.IQ4_XS: (-127, 114), T.MXFP4: (-96, 97)}
 # Types whose offset turns ggml's -0.0 weights into +0.0 (see quant_groups' docstring).
-ZERO_SIGN_TYPES = {T.Q4_0, T.Q3_K, T.TQ1_0, T.TQ2_0}
+ZERO_SIGN_TYPES = {T.Q4_0, T.TQ1_0, T.TQ2_0}
 SHAPES = [(256, 1), (512, 3), (256, 7)]  # GGUF order: K columns, N rows
 QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1}  # those gguf-py can quantize
 type_id = type_name
@@ -73,7 +74,7 @@ def test_gguf_quantized_weights_reconstruct_bit_exactly(ggml_type):
     assert_reconstructs(quantized_tensor(ggml_type, shape), ggml_type, shape)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_0], ids=type_id)
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_0, T.Q6_K, T.Q3_K, T.Q4_0], ids=type_id)
 def test_negative_zero_weights_keep_their_sign_without_offset(ggml_type):
     # Negative scales times zero codes give -0.0 in ggml; the offset must not make it +0.0.
     shape = (256, 2)
@@ -161,9 +162,10 @@ def test_two_level_scales_keep_the_files_codes_and_ggmls_products(ggml_type):
         assert np.array_equal(groups.min, -(dmin * sub.min_codes))
 
 
-def test_q3_k_offset_is_minus_four_scales():
+def test_q3_k_codes_are_three_bits_less_four_with_no_offset():
     groups = to_quant_groups(random_tensor(T.Q3_K, (256, 3)), T.Q3_K, (256, 3))
-    assert np.array_equal(groups.min, -4 * groups.scale)
+    assert (groups.width, groups.zero) == (3, 4)
+    assert np.all(groups.min == 0) and np.signbit(groups.min).all()
 
 
 @pytest.mark.parametrize("ggml_type", [T.TQ1_0, T.TQ2_0], ids=type_id)

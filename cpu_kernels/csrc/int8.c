@@ -62,19 +62,34 @@ const int8_t *int8_codebook(codebook_t id) {
     return id > CODEBOOK_NONE && id < CODEBOOK_COUNT ? CODEBOOKS[id] : NULL;
 }
 
-/* How a tile's codes are stored (packed.py): int8 bytes, codebook indices, or unsigned nibble codes
- * of 4 bits, or of 5-6 bits with a high plane. */
-enum { CODES_INT8 = 0, CODES_CODEBOOK = 1, CODES_NIBBLE = 2, CODES_NIBBLE_HIGH = 3 };
+/* How a tile's codes are stored (packed.py): int8 bytes, codebook indices, or unsigned codes in
+ * nibbles (4 bits, or 5-6 with a high plane) or in 2-bit fields (2 bits, or 3 with a high plane). */
+enum { CODES_INT8, CODES_CODEBOOK, CODES_NIBBLE, CODES_NIBBLE_HIGH, CODES_TWO_BIT, CODES_TWO_BIT_HIGH };
 
 static inline int code_kind(const packed_matrix *w) {
     if (w->codebook) return CODES_CODEBOOK;
     if (w->width == 8) return CODES_INT8;
+    if (w->width < 4) return w->high ? CODES_TWO_BIT_HIGH : CODES_TWO_BIT;
     return w->high ? CODES_NIBBLE_HIGH : CODES_NIBBLE;
 }
 
-/* Where quad q's 256-byte block starts: its own block, or the one it shares with its pair. */
-static inline const uint8_t *quad_block(const uint8_t *data, int64_t q, int nibbles) {
-    return data + (nibbles ? q >> 1 : q) * 4 * TILE_ROWS;
+/* The bits of a kind's code fields (code_field_bits), and the quads a 256-byte block of them holds. */
+static inline int kind_field_bits(int kind) {
+    return kind == CODES_INT8 ? 8 : kind == CODES_TWO_BIT || kind == CODES_TWO_BIT_HIGH ? 2 : 4;
+}
+static inline int kind_unsigned(int kind) {
+    return kind != CODES_INT8 && kind != CODES_CODEBOOK;
+}
+static inline int kind_has_high(int kind) {
+    return kind == CODES_NIBBLE_HIGH || kind == CODES_TWO_BIT_HIGH;
+}
+
+/* Where quad q's 256-byte block starts, and the shift of its field within the block's bytes. */
+static inline const uint8_t *quad_block(const uint8_t *data, int64_t q, int field) {
+    return data + q / (8 / field) * 4 * TILE_ROWS;
+}
+static inline int quad_shift(int64_t q, int field) {
+    return field * (int)(q % (8 / field));
 }
 
 /* The high bits of quad q: their 256-byte block, and their shift within its bytes. */
@@ -88,18 +103,19 @@ static inline const uint8_t *high_block(const uint8_t *high, int64_t q, int h, i
  * reads PREFETCH_BYTES of codes later: those codes and the high bits of the same columns, a stream of
  * their own (32 h bytes a quad) that the hardware prefetcher alone keeps too few lines of in flight. */
 static inline void prefetch_codes(const uint8_t *data, const uint8_t *high, int h, int64_t q, int kind) {
-    const uint8_t *codes = quad_block(data, q, kind != CODES_INT8) + PREFETCH_BYTES;
+    const int field = kind_field_bits(kind), per_block = 8 / field;
+    const uint8_t *codes = quad_block(data, q, field) + PREFETCH_BYTES;
     for (int line = 0; line < 4; line++) __builtin_prefetch(codes + 64 * line);
-    if (kind != CODES_NIBBLE_HIGH) return;
-    /* A block of nibble codes is two quads, 64 h bytes of high bits, PREFETCH_BYTES / 128 quads on. */
-    const uint8_t *ahead = high + 32 * h * q + PREFETCH_BYTES / 4 * h;
-    for (int line = 0; line < h; line++) __builtin_prefetch(ahead + 64 * line);
+    if (!kind_has_high(kind)) return;
+    /* A block is per_block quads, 32 h per_block bytes of high bits, PREFETCH_BYTES / 256 blocks on. */
+    const uint8_t *ahead = high + 32 * h * (q + PREFETCH_BYTES / 256 * per_block);
+    for (int line = 0; line < h * per_block / 2; line++) __builtin_prefetch(ahead + 64 * line);
 }
 
 /* Prefetches the float16 scales (and mins) of the group a one-level tile reads PREFETCH_BYTES of codes
  * after group g: a stream of 1/8 (Q4_0) to 1/16 (Q8_0) of the codes' bytes beside them. */
-static inline void prefetch_group_params(const packed_matrix *w, int64_t tile, int64_t g, int nibble_data) {
-    const int64_t ahead = PREFETCH_BYTES / (w->group * TILE_ROWS / (nibble_data ? 2 : 1));
+static inline void prefetch_group_params(const packed_matrix *w, int64_t tile, int64_t g, int field) {
+    const int64_t ahead = PREFETCH_BYTES / (w->group * TILE_ROWS * field / 8);
     const int64_t at = (tile * (w->cols / w->group) + g + ahead) * TILE_ROWS;
     for (int line = 0; line < 2; line++) {
         __builtin_prefetch(w->scales + at + 32 * line);
@@ -110,9 +126,9 @@ static inline void prefetch_group_params(const packed_matrix *w, int64_t tile, i
 /* Where a tile's codes are, and the shape of its groups. */
 #define CODE_SETUP                                                            \
     const int64_t groups = w->cols / w->group, quads = w->group / 4;         \
-    const int nibble_data = w->codebook || w->width < 8;                      \
-    const int h = w->width < 8 ? w->width - 4 : 0;                            \
-    const uint8_t *data = w->data + tile * w->cols * TILE_ROWS / (nibble_data ? 2 : 1); \
+    const int field = code_field_bits(w);                                    \
+    const int h = w->width < 8 ? w->width - field : 0;                        \
+    const uint8_t *data = w->data + tile * w->cols * TILE_ROWS * field / 8;   \
     const uint8_t *high = h ? w->high + tile * w->cols * h * 8 : NULL;       \
     const int64_t code_stride = a->codes_per_token;                          \
     (void)quads, (void)code_stride;
@@ -141,11 +157,12 @@ static void scalar_epilogue(const int32_t *acc, const float *scale, const float 
 /* The code of row r, column 4q + j. */
 static inline int scalar_code(const packed_matrix *w, const uint8_t *data, const uint8_t *high, int h, int64_t q,
                               int r, int j) {
-    if (!w->codebook && w->width == 8) return (int8_t)quad_block(data, q, 0)[4 * r + j];
-    const int index = (quad_block(data, q, 1)[4 * r + j] >> (4 * (q & 1))) & 15;
+    const int field = code_field_bits(w);
+    if (field == 8) return (int8_t)quad_block(data, q, 8)[4 * r + j];
+    const int index = (quad_block(data, q, field)[4 * r + j] >> quad_shift(q, field)) & ((1 << field) - 1);
     if (w->codebook) return w->codebook[index];
     int shift = 0, code = index;
-    if (h) code |= ((high_block(high, q, h, &shift)[4 * r + j] >> shift) & ((1 << h) - 1)) << 4;
+    if (h) code |= ((high_block(high, q, h, &shift)[4 * r + j] >> shift) & ((1 << h) - 1)) << field;
     return code - w->zero;
 }
 
@@ -222,7 +239,9 @@ static void int8_tile_scalar_any(const packed_matrix *w, const prepared_acts *a,
     case CODES_INT8: fn(w, a, tile, token, n, CODES_INT8, params, out); break;                    \
     case CODES_CODEBOOK: fn(w, a, tile, token, n, CODES_CODEBOOK, params, out); break;            \
     case CODES_NIBBLE: fn(w, a, tile, token, n, CODES_NIBBLE, params, out); break;                \
-    default: fn(w, a, tile, token, n, CODES_NIBBLE_HIGH, params, out); break;                     \
+    case CODES_NIBBLE_HIGH: fn(w, a, tile, token, n, CODES_NIBBLE_HIGH, params, out); break;      \
+    case CODES_TWO_BIT: fn(w, a, tile, token, n, CODES_TWO_BIT, params, out); break;              \
+    default: fn(w, a, tile, token, n, CODES_TWO_BIT_HIGH, params, out); break;                    \
     }
 #define DISPATCH_TOKEN_BLOCK(fn)                                                          \
     switch (count) {                                                                      \
@@ -237,17 +256,16 @@ static void int8_tile_scalar_any(const packed_matrix *w, const prepared_acts *a,
 /* Rows 8v .. 8v+7 of quad q as int8 codes: loaded, looked up from their nibbles, or assembled. */
 AVX2_TARGET __m256i avx2_quad(const packed_matrix *w, const uint8_t *data, const uint8_t *high, int h, int64_t q,
                               int v, const int kind, __m256i table) {
-    __m256i bytes = _mm256_loadu_si256((const __m256i *)(quad_block(data, q, kind != CODES_INT8) + 32 * v));
+    const int field = kind_field_bits(kind);
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)(quad_block(data, q, field) + 32 * v));
     if (kind == CODES_INT8) return bytes;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if (q & 1) bytes = _mm256_srli_epi16(bytes, 4);
-    bytes = _mm256_and_si256(bytes, low4);
+    bytes = _mm256_and_si256(_mm256_srli_epi16(bytes, quad_shift(q, field)), _mm256_set1_epi8((char)((1 << field) - 1)));
     if (kind == CODES_CODEBOOK) return _mm256_shuffle_epi8(table, bytes);
-    if (kind == CODES_NIBBLE_HIGH) {
+    if (kind_has_high(kind)) {
         int shift;
         __m256i top = _mm256_loadu_si256((const __m256i *)(high_block(high, q, h, &shift) + 32 * v));
         top = _mm256_and_si256(_mm256_srl_epi16(top, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)((1 << h) - 1)));
-        bytes = _mm256_or_si256(bytes, _mm256_slli_epi16(top, 4));
+        bytes = _mm256_or_si256(bytes, _mm256_slli_epi16(top, field));
     }
     return bytes; /* unsigned: the kernel subtracts zero times the activations' code sum */
 }
@@ -258,7 +276,7 @@ AVX2_TARGET void avx2_group_dots(const packed_matrix *w, const prepared_acts *a,
                                  const uint8_t *high, int h, int64_t g, int64_t token, const int count,
                                  const int kind, __m256i table, __m256i acc[MAX_TOKEN_BLOCK][8]) {
     const int64_t quads = w->group / 4, code_stride = a->codes_per_token;
-    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    const int unsigned_codes = kind_unsigned(kind);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int c = 0; c < count; c++) {
         for (int v = 0; v < 8; v++) acc[c][v] = _mm256_setzero_si256();
@@ -270,7 +288,7 @@ AVX2_TARGET void avx2_group_dots(const packed_matrix *w, const prepared_acts *a,
             memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
             x[c] = _mm256_set1_epi32(four);
         }
-        if (kind == CODES_INT8 || !(q & 1)) prefetch_codes(data, high, h, q, kind);
+        if (quad_shift(q, kind_field_bits(kind)) == 0) prefetch_codes(data, high, h, q, kind); /* once per block */
         for (int v = 0; v < 8; v++) {
             __m256i wv = avx2_quad(w, data, high, h, q, v, kind, table);
             /* unsigned codes below 64 times int8 activations: pairs stay within int16 */
@@ -287,13 +305,13 @@ AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a
                                   int64_t token, const int count, const int kind, const float *params,
                                   float *out) {
     TILE_SETUP
-    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    const int unsigned_codes = kind_unsigned(kind);
     const __m256i table = kind == CODES_CODEBOOK ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->codebook))
                                                  : _mm256_setzero_si256();
     for (int64_t g = 0; g < groups; g++) {
         __m256i acc[MAX_TOKEN_BLOCK][8]; /* acc[c][v]: rows 8v .. 8v+7 */
         avx2_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
-        if (!params) prefetch_group_params(w, tile, g, nibble_data);
+        if (!params) prefetch_group_params(w, tile, g, field);
         GROUP_PARAMS(group_params_avx2)
         for (int c = 0; c < count; c++) {
             __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + g]);
@@ -318,7 +336,7 @@ AVX2_TARGET void int8_two_level_avx2_n(const packed_matrix *w, const prepared_ac
                                        float *out) {
     CODE_SETUP
     (void)params;
-    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    const int unsigned_codes = kind_unsigned(kind);
     const int64_t gps = w->sub_gps;
     const __m256i table = kind == CODES_CODEBOOK ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->codebook))
                                                  : _mm256_setzero_si256();
@@ -383,16 +401,16 @@ __attribute__((target("avx2,fma,f16c"))) static void int8_tile_avx2(
 /* Rows 16v .. 16v+15 of quad q as int8 codes: loaded, looked up from their nibbles, or assembled. */
 AVX512_TARGET __m512i avx512_quad(const packed_matrix *w, const uint8_t *data, const uint8_t *high, int h,
                                   int64_t q, int v, const int kind, __m512i table) {
-    __m512i bytes = _mm512_loadu_si512((const void *)(quad_block(data, q, kind != CODES_INT8) + 64 * v));
+    const int field = kind_field_bits(kind);
+    __m512i bytes = _mm512_loadu_si512((const void *)(quad_block(data, q, field) + 64 * v));
     if (kind == CODES_INT8) return bytes;
-    if (q & 1) bytes = _mm512_srli_epi16(bytes, 4);
-    bytes = _mm512_and_si512(bytes, _mm512_set1_epi8(0x0F));
+    bytes = _mm512_and_si512(_mm512_srli_epi16(bytes, quad_shift(q, field)), _mm512_set1_epi8((char)((1 << field) - 1)));
     if (kind == CODES_CODEBOOK) return _mm512_shuffle_epi8(table, bytes);
-    if (kind == CODES_NIBBLE_HIGH) {
+    if (kind_has_high(kind)) {
         int shift;
         __m512i top = _mm512_loadu_si512((const void *)(high_block(high, q, h, &shift) + 64 * v));
         top = _mm512_and_si512(_mm512_srl_epi16(top, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8((char)((1 << h) - 1)));
-        bytes = _mm512_or_si512(bytes, _mm512_slli_epi16(top, 4));
+        bytes = _mm512_or_si512(bytes, _mm512_slli_epi16(top, field));
     }
     return bytes; /* unsigned: the kernel subtracts zero times the activations' code sum */
 }
@@ -403,7 +421,7 @@ AVX512_TARGET void avx512_group_dots(const packed_matrix *w, const prepared_acts
                                      const uint8_t *high, int h, int64_t g, int64_t token, const int count,
                                      const int kind, __m512i table, __m512i acc[MAX_TOKEN_BLOCK][4]) {
     const int64_t quads = w->group / 4, code_stride = a->codes_per_token;
-    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    const int unsigned_codes = kind_unsigned(kind);
     for (int c = 0; c < count; c++) {
         for (int v = 0; v < 4; v++) acc[c][v] = _mm512_setzero_si512();
     }
@@ -414,7 +432,7 @@ AVX512_TARGET void avx512_group_dots(const packed_matrix *w, const prepared_acts
             memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
             x[c] = _mm512_set1_epi32(four);
         }
-        if (kind == CODES_INT8 || !(q & 1)) prefetch_codes(data, high, h, q, kind); /* a pair of nibble quads shares a block */
+        if (quad_shift(q, kind_field_bits(kind)) == 0) prefetch_codes(data, high, h, q, kind); /* once per block */
         for (int v = 0; v < 4; v++) {
             __m512i wv = avx512_quad(w, data, high, h, q, v, kind, table);
             if (unsigned_codes) {
@@ -435,7 +453,7 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
                                       int64_t token, const int count, const int kind, const float *params,
                                   float *out) {
     TILE_SETUP
-    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    const int unsigned_codes = kind_unsigned(kind);
     const __m512i table = kind == CODES_CODEBOOK ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook))
                                                  : _mm512_setzero_si512();
     __m512 total[MAX_TOKEN_BLOCK][4]; /* the rows' sums over the groups so far, kept in registers */
@@ -445,7 +463,7 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
     for (int64_t g = 0; g < groups; g++) {
         __m512i acc[MAX_TOKEN_BLOCK][4]; /* acc[c][v]: rows 16v .. 16v+15 */
         avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
-        if (!params) prefetch_group_params(w, tile, g, nibble_data);
+        if (!params) prefetch_group_params(w, tile, g, field);
         GROUP_PARAMS(group_params_avx512)
         for (int c = 0; c < count; c++) {
             __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);
@@ -471,7 +489,7 @@ AVX512_TARGET void int8_two_level_avx512_n(const packed_matrix *w, const prepare
                                            float *out) {
     CODE_SETUP
     (void)params;
-    const int unsigned_codes = kind == CODES_NIBBLE || kind == CODES_NIBBLE_HIGH;
+    const int unsigned_codes = kind_unsigned(kind);
     const int64_t gps = w->sub_gps;
     const __m512i table = kind == CODES_CODEBOOK ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook))
                                                  : _mm512_setzero_si512();

@@ -135,8 +135,8 @@ PyDoc_STRVAR(matmul_doc,
 "y[M, rows] = x[M, K] @ W.T for a packed W (see tierflow.cpu_kernels.packed); y += with accumulate.\n"
 "bits 1..4 uses the LUT kernel, 8 the int8 kernel. codebook (bits 8 only): 0 for int8 codes, else the\n"
 "id of the codebook that data's 4-bit indices select (1 iq4nl, 2 mxfp4), K / 2 bytes per row. width\n"
-"(bits 8): 8 for int8 codes, 4..6 for unsigned codes as nibbles (and `high` bits) less zero. zero\n"
-"(LUT): min = -zero * scale where mins is None. sub_codes and supers replace scales (None) with\n"
+"(bits 8): 8 for int8 codes, 2..6 for unsigned codes in 2- or 4-bit fields (and `high` bits) less zero.\n"
+"zero (LUT): min = -zero * scale where mins is None. sub_codes and supers replace scales (None) with\n"
 "two-level scales: sub_bits-bit codes less sub_offset times d, per super block of sub_groups groups,\n"
 "and with sub_mins their mins, -(dmin * code).");
 
@@ -150,15 +150,15 @@ static void matmul_problem(const packed_matrix *w, int codebook, int has_high, i
                            int has_sub, matmul_sizes *sizes, char *problem, size_t size) {
     const int64_t cols = w->cols, group = w->group, tiles = w->tiles;
     const int lut = w->bits >= 1 && w->bits <= 4;
-    const int nibbles = w->bits == 8 && (codebook || w->width < 8), h = w->width < 8 ? w->width - 4 : 0;
-    const int64_t divisor = lut || nibbles ? 8 : 4; /* a nibble block holds two quads */
+    const int field = lut ? 8 : code_field_bits(w), h = !lut && w->width < 8 ? w->width - field : 0;
+    const int64_t divisor = lut ? 8 : 32 / field; /* a 256-byte block of fields holds 8 / field quads */
     problem[0] = 0;
     if (!lut && w->bits != 8) {
         snprintf(problem, size, "bits must be 1, 2, 3, 4 or 8, not %d", w->bits);
     } else if (codebook < CODEBOOK_NONE || codebook >= CODEBOOK_COUNT || (codebook && (w->bits != 8 || w->width != 8))) {
         snprintf(problem, size, "codebook %d is not one of 0..%d for 8-bit weights", codebook, CODEBOOK_COUNT - 1);
-    } else if (w->width != 8 && (w->bits != 8 || w->width < 4 || w->width > 6)) {
-        snprintf(problem, size, "width %d is not 8, or 4..6 with 8-bit weights", w->width);
+    } else if (w->width != 8 && (w->bits != 8 || w->width < 2 || w->width > 6)) {
+        snprintf(problem, size, "width %d is not 8, or 2..6 with 8-bit weights", w->width);
     } else if (w->zero < 0 || w->zero > 127) {
         snprintf(problem, size, "zero %d is not in 0..127", w->zero);
     } else if (group < divisor || group % divisor || (lut && group > lut_max_group(w->bits))) {
@@ -169,7 +169,7 @@ static void matmul_problem(const packed_matrix *w, int codebook, int has_high, i
     } else if (h && cols % (32 / h)) {
         snprintf(problem, size, "%d-bit codes need a multiple of %d columns", w->width, 32 / h);
     } else if (has_high != (h > 0)) {
-        snprintf(problem, size, "high must be given for widths 5 and 6 only");
+        snprintf(problem, size, "high must be given for widths 3, 5 and 6 only");
     } else if (has_sub == has_scales) {
         snprintf(problem, size, "give either scales or sub_codes and supers");
     } else if (has_sub && has_mins) {
@@ -177,7 +177,7 @@ static void matmul_problem(const packed_matrix *w, int codebook, int has_high, i
     } else if (lut && !has_mins && !has_sub && !w->zero) {
         snprintf(problem, size, "%d-bit weights need mins, a zero code or two-level scales", w->bits);
     }
-    sizes->data = tiles * TILE_ROWS * cols / 8 * (lut ? w->bits : nibbles ? 4 : 8);
+    sizes->data = tiles * TILE_ROWS * cols / 8 * (lut ? w->bits : field);
     sizes->high = tiles * cols * h * 8;
     sizes->params = tiles * (cols / (group > 0 ? group : 1)) * TILE_ROWS;
     if (problem[0] || !has_sub) return;
@@ -830,32 +830,32 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
                         ISA_NAMES[best_isa]);
 }
 
-PyDoc_STRVAR(pack_nibbles_doc,
-"pack_nibbles(q, zero, width, data, high)\n--\n\n"
-"Lays out int8 codes q [N, K] as unsigned codes q + zero of `width` (4..6) bits in packed.py's nibble\n"
-"layout: their low nibbles into data (uint8 [T, K / 8, 64, 4]), their high bits into high (uint8\n"
-"[T, K * (width - 4) / 32, 64, 4], or None for width 4); rows past N are zeros. Returns False, having\n"
-"written part of the arrays, when a code plus zero does not fit the width.");
+PyDoc_STRVAR(pack_fields_doc,
+"pack_fields(q, zero, width, data, high)\n--\n\n"
+"Lays out int8 codes q [N, K] as unsigned codes q + zero of `width` (2..6) bits in packed.py's layout of\n"
+"fields: their low `field` bits (4 from width 4 on, else 2) into data (uint8 [T, K * field / 32, 64, 4]),\n"
+"their h = width - field high bits into high (uint8 [T, K * h / 32, 64, 4], or None when h is 0); rows\n"
+"past N are zeros. Returns False, having written part of the arrays, when a code plus zero does not fit.");
 
-/* One row's codes into the nibble bytes (and high bits) of its tile row; 0 when a code does not fit. */
+/* One row's codes into the field bytes (and high bits) of its tile row; 0 when a code does not fit. */
 static int pack_row(const int8_t *q, int64_t cols, int zero, int width, uint8_t *data, uint8_t *high) {
-    const int h = width - 4, per_byte = h ? 8 / h : 1;
+    const int field = width >= 4 ? 4 : 2, h = width - field, per_block = 8 / field, per_byte = h ? 8 / h : 1;
     for (int64_t quad = 0; quad < cols / 4; quad++) {
         for (int j = 0; j < 4; j++) {
             const int code = q[4 * quad + j] + zero;
             if (code < 0 || code >= 1 << width) return 0;
-            /* nibble byte (o, r, j): quad 2o in the low nibble, 2o + 1 in the high one */
-            data[(quad >> 1) * TILE_ROWS * 4 + j] |= (uint8_t)((code & 15) << (4 * (quad & 1)));
-            if (h) high[(quad / per_byte) * TILE_ROWS * 4 + j] |= (uint8_t)((code >> 4) << (h * (quad % per_byte)));
+            /* field byte (o, r, j): quad per_block * o + i at bits field * i */
+            data[(quad / per_block) * TILE_ROWS * 4 + j] |= (uint8_t)((code & ((1 << field) - 1)) << (field * (quad % per_block)));
+            if (h) high[(quad / per_byte) * TILE_ROWS * 4 + j] |= (uint8_t)((code >> field) << (h * (quad % per_byte)));
         }
     }
     return 1;
 }
 
-static PyObject *py_pack_nibbles(PyObject *self, PyObject *args) {
+static PyObject *py_pack_fields(PyObject *self, PyObject *args) {
     PyObject *q_obj, *data_obj, *high_obj;
     int zero, width;
-    if (!PyArg_ParseTuple(args, "OiiOO:pack_nibbles", &q_obj, &zero, &width, &data_obj, &high_obj)) return NULL;
+    if (!PyArg_ParseTuple(args, "OiiOO:pack_fields", &q_obj, &zero, &width, &data_obj, &high_obj)) return NULL;
     buffer_arg buf[3] = {{.held = 0}};
     if (get_buffer(q_obj, &buf[0], "q", 1, "b", 0) || get_buffer(data_obj, &buf[1], "data", 1, "B", 1) ||
         (high_obj != Py_None && get_buffer(high_obj, &buf[2], "high", 1, "B", 1))) {
@@ -863,15 +863,15 @@ static PyObject *py_pack_nibbles(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_buffer *q = &buf[0].view;
-    const int h = width - 4;
-    if (q->ndim != 2 || width < 4 || width > 6 || zero < 0 || zero > 127 || (h > 0) != buf[2].held ||
-        q->shape[1] % (h ? 32 / h : 8)) {
+    const int field = width >= 4 ? 4 : 2, h = width - field;
+    if (q->ndim != 2 || width < 2 || width > 6 || zero < 0 || zero > 127 || (h > 0) != buf[2].held ||
+        q->shape[1] % (h ? 32 / h : 32 / field)) {
         release(buf, 3);
-        return PyErr_Format(PyExc_ValueError, "pack_nibbles: q must be 2-D with whole blocks of columns, width 4..6 "
-                            "(high given for 5 and 6), zero 0..127");
+        return PyErr_Format(PyExc_ValueError, "pack_fields: q must be 2-D with whole blocks of columns, width 2..6 "
+                            "(high given for 3, 5 and 6), zero 0..127");
     }
     const int64_t rows = q->shape[0], cols = q->shape[1], tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-    if (check_length(&buf[1], "data", tiles * TILE_ROWS * cols / 2) ||
+    if (check_length(&buf[1], "data", tiles * TILE_ROWS * cols * field / 8) ||
         (buf[2].held && check_length(&buf[2], "high", tiles * cols * h * 8))) {
         release(buf, 3);
         return NULL;
@@ -882,7 +882,7 @@ static PyObject *py_pack_nibbles(PyObject *self, PyObject *args) {
     if (buf[2].held) memset(buf[2].view.buf, 0, buf[2].view.len);
     for (int64_t row = 0; fits && row < rows; row++) {
         const int64_t tile = row / TILE_ROWS, r = row % TILE_ROWS;
-        uint8_t *data = (uint8_t *)buf[1].view.buf + tile * cols * TILE_ROWS / 2 + 4 * r;
+        uint8_t *data = (uint8_t *)buf[1].view.buf + tile * cols * TILE_ROWS * field / 8 + 4 * r;
         uint8_t *high = buf[2].held ? (uint8_t *)buf[2].view.buf + tile * cols * h * 8 + 4 * r : NULL;
         fits = pack_row((const int8_t *)q->buf + row * cols, cols, zero, width, data, high);
     }
@@ -892,7 +892,7 @@ static PyObject *py_pack_nibbles(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"pack_nibbles", py_pack_nibbles, METH_VARARGS, pack_nibbles_doc},
+    {"pack_fields", py_pack_fields, METH_VARARGS, pack_fields_doc},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS, matmul_doc},
     {"matmul_many", py_matmul_many, METH_O, matmul_many_doc},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, weight, eps, out): out = x / rms(x) * weight, per row."},

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierflow.cpu_kernels.dequant import dequantize
-from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, pack, sub_code_bytes
+from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, field_bits, pack, sub_code_bytes
 from tierflow.cpu_kernels.quant_groups import (
     GROUPED_TYPES,
     GroupLayout,
@@ -57,10 +57,9 @@ def packed_sizes(fmt: GroupLayout, rows: int, cols: int) -> dict[str, int]:
     header alone: data, high, params (the float16 scales, and as many again for mins), sub_codes and
     supers (two-level scales)."""
     padded = -(-rows // TILE_ROWS) * TILE_ROWS
-    nibbles = fmt.bits == 8 and (fmt.codebook is not None or fmt.width < 8)
-    data = padded * cols * (fmt.bits if fmt.bits != 8 else 4 if nibbles else 8) // 8
-    wide = fmt.bits == 8 and fmt.codebook is None and fmt.width > 4
-    high = padded * cols * (fmt.width - 4) // 8 if wide and fmt.width < 8 else 0
+    field = fmt.bits if fmt.bits != 8 else 4 if fmt.codebook is not None else field_bits(fmt.width)
+    data = padded * cols * field // 8
+    high = padded * cols * (fmt.width - field) // 8 if fmt.bits == 8 and fmt.codebook is None else 0
     params = padded * (cols // fmt.group) * 2
     if fmt.sub is None:
         return {"data": data, "high": high, "params": params, "sub_codes": 0, "supers": 0}

@@ -17,14 +17,15 @@ import torch
 
 from tierflow.cpu_kernels.checksum import crc32
 from tierflow.cpu_kernels.linear import PackedLinear
-from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, SubPacking
+from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, SubPacking, field_bits
 from tierflow.errors import ModelFileError
 from tierflow.gpu_kernels.matmul import DeviceLinear
 from tierflow.gpu_kernels.packed import view_matrix
 from tierflow.runtime.model import ConcatLinear, DenseLinear, Experts, Kernels, Linear, Weights
 
-PACK_VERSION = 6  # 4: the source identified by device, inode and sampled content; 5: codebook nibbles;
-# 6: every type in the GGUF's own bytes (nibble codes with high planes, zero codes, two-level scales)
+PACK_VERSION = 7  # 4: the source identified by device, inode and sampled content; 5: codebook nibbles;
+# 6: every type in the GGUF's own bytes (nibble codes with high planes, zero codes, two-level scales);
+# 7: Q2_K and Q3_K as the int8 kernel's 2-bit fields (and high plane), not LUT bit planes
 MAGIC = b"TFPACK01"
 TRAILER = struct.Struct("<8sQQI")  # magic, manifest offset, manifest size, manifest CRC-32
 
@@ -151,7 +152,8 @@ def _matrix(data: memoryview, spec: dict) -> PackedMatrix | torch.Tensor:
     if bits != 8:
         codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols // 8, bits, TILE_ROWS)
     elif codebook is not None or width < 8:
-        codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols // 8, TILE_ROWS, 4)
+        field = 4 if codebook is not None else field_bits(width)
+        codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols * field // 32, TILE_ROWS, 4)
     else:
         codes = _array(data, spec["data"], np.int8).reshape(tiles, cols // 4, TILE_ROWS, 4)
     high = spec["high"] and _array(data, spec["high"], np.uint8).reshape(tiles, -1, TILE_ROWS, 4)
