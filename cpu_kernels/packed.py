@@ -148,8 +148,8 @@ class PackedMatrix:
 
     @property
     def field(self) -> int:
-        """The bits of each code's field in data (int8 layout): field_bits of the codebook or width."""
-        return 4 if self.codebook is not None else field_bits(self.width)
+        """The bits of each code's field in data (int8 layout)."""
+        return field_bits(self.width, self.codebook is not None)
 
     @property
     def centre(self) -> int:
@@ -311,9 +311,10 @@ def _sub_params(sub: "SubPacking", codes: np.ndarray, supers: np.ndarray
     return merge(scales), merge(mins)
 
 
-def field_bits(width: int) -> int:
-    """The bits of each field of data for int8-kernel codes `width` bits wide: 8, 4 (4..6) or 2 (2..3)."""
-    return 8 if width == 8 else 4 if width >= 4 else 2
+def field_bits(width: int, codebook: bool = False) -> int:
+    """The bits of each field of data for int8-kernel codes `width` bits wide: 8, 4 (4..6, or a
+    codebook's indices) or 2 (2..3)."""
+    return 4 if codebook else 8 if width == 8 else 4 if width >= 4 else 2
 
 
 def _split_fields(data: np.ndarray, field: int) -> np.ndarray:

@@ -3,7 +3,7 @@
 The GPU kernels read exactly the layout the CPU kernels read (cpu_kernels/packed.py's docstring
 defines every array), so a layer moves between tiers as bytes, never re-laid out or expanded: a
 device holds the pack's bytes and no more. Legend: N rows, K columns, T = ceil(N / 64) tiles of
-64 rows, G = K / group groups, b bits, f = field_bits(width) (4 for a codebook), h = width - f high
+64 rows, G = K / group groups, b bits, f = field_bits(width, codebook), h = width - f high
 bits, S' super blocks, B sub-code bytes.
 
     data    uint8 [T, K/8, b, 64]  bits 1..4: LUT bit planes of unsigned codes
@@ -68,7 +68,7 @@ class DeviceMatrix:
     codebook: torch.Tensor | None = None  # int8 [16]: data holds 4-bit indices into it (bits 8)
     width: int = 8  # bits 8: 2..6 for unsigned codes in fields (+ high), 8 for int8 codes
     zero: int = 0  # the code of a zero weight: int8 codes subtract it; LUT codes' min without mins
-    high: torch.Tensor | None = None  # width 5, 6: the codes' high bits
+    high: torch.Tensor | None = None  # widths 3, 5, 6: the codes' high bits
     sub: DeviceSubScales | None = None  # two-level scales instead of scales and mins
 
     def __post_init__(self) -> None:
@@ -134,7 +134,7 @@ def check_form(cols: int, bits: int, group: int, codebook: bool, width: int, zer
     max_zero = (1 << min(bits, width)) - 1 if width < 8 or bits < 8 else 0
     if not 0 <= zero <= max_zero:
         raise ValueError(f"the zero code of {form_name(bits, width)} codes is 0..{max_zero}, not {zero}")
-    field = 4 if codebook else field_bits(width)
+    field = field_bits(width, codebook)
     divisor = 8 if bits != 8 else 32 // field  # a LUT byte column's columns, or a block of fields'
     # a power of two: a block of columns holds whole groups, or lies in one (matmul_kernels._by_group)
     if group < divisor or group & (group - 1) or cols % group:
@@ -167,7 +167,7 @@ def array_layout(rows: int, cols: int, bits: int, group: int, codebook: bool, wi
     if bits != 8:
         layout = {"data": (torch.uint8, (tiles, cols // 8, bits, TILE_ROWS))}
     elif codebook or width < 8:
-        field = 4 if codebook else field_bits(width)
+        field = field_bits(width, codebook)
         layout = {"data": (torch.uint8, (tiles, cols * field // 32, TILE_ROWS, 4))}
         if not codebook and width > field:
             layout["high"] = (torch.uint8, (tiles, cols * (width - field) // 32, TILE_ROWS, 4))

@@ -25,7 +25,7 @@ def codes(w: DeviceMatrix) -> torch.Tensor:
         planes = torch.arange(w.bits, device=w.device, dtype=torch.int32)[:, None, None]
         q = (bits << planes).sum(dim=2)  # [T, K/8, 64, 8]
     elif w.codebook is not None:
-        q = w.codebook[_field_quads(w.data, 4).long()]  # [T, K/4, 64, 4]
+        q = w.codebook[_field_quads(w.data, field_bits(w.width, codebook=True)).long()]  # [T, K/4, 64, 4]
     elif w.width < 8:
         field = field_bits(w.width)
         q = _field_quads(w.data, field)

@@ -114,7 +114,8 @@ def test_two_bit_layout_holds_quads_4o_to_4o_plus_3_in_one_byte_and_the_third_bi
     shape = (256, 130)  # GGUF order
     groups = to_quant_groups(random_tensor(T.Q3_K, shape, seed=2), T.Q3_K, shape)
     packed = pack(groups)
-    assert packed.data.shape == (3, 256 // 16, TILE_ROWS, 4) and packed.high.shape == (3, 256 // 32, TILE_ROWS, 4)
+    assert packed.data.shape == (3, 256 // 16, TILE_ROWS, 4)
+    assert packed.high.shape == (3, 256 // 32, TILE_ROWS, 4)
     u = groups.q[129].astype(np.int16) + 4  # the unsigned codes of row 129: tile 2, row 1
     assert all((packed.data[2, 5, 1, 3] >> (2 * i)) & 3 == u[80 + 4 * i + 3] & 3 for i in range(4))
     assert all((packed.high[2, 6, 1, 3] >> i) & 1 == u[192 + 4 * i + 3] >> 2 for i in range(8))

@@ -50,7 +50,7 @@ typedef struct {
     const int8_t *codebook; /* int8 kernel: NULL, or the 16 codes that data's 4-bit indices select */
     int width;              /* int8 kernel: 8 int8 codes, 2..6 unsigned codes in fields (and high bits) */
     int zero;               /* LUT: min = -zero * scale without mins; nibble codes: subtracted */
-    const uint8_t *high;    /* width 3, 5, 6: [tiles][K * h / 32][TILE_ROWS][4] high bits (code_fields) */
+    const uint8_t *high;    /* width 3, 5, 6: [tiles][K * h / 32][TILE_ROWS][4] high bits (code_field_bits) */
     /* Two-level scales (scales NULL): [tiles][supers][bytes][TILE_ROWS] codes, [..][1 or 2][..] d, dmin. */
     const uint8_t *sub_codes;
     const uint16_t *supers;
@@ -58,10 +58,13 @@ typedef struct {
     int64_t sub_gps; /* groups per super block */
 } packed_matrix;
 
-/* The bits of each code's field in data: int8 codes whole, codebook indices and codes of 4..6 bits as
+/* The bits of each code's field in data: int8 codes whole, codes of 4..6 bits and codebook indices as
  * nibbles, codes of 2..3 bits in 2-bit fields; h = width - field high bits live in `high`. */
+static inline int width_field_bits(int width) {
+    return width == 8 ? 8 : width >= 4 ? 4 : 2;
+}
 static inline int code_field_bits(const packed_matrix *w) {
-    return w->codebook ? 4 : w->width == 8 ? 8 : w->width >= 4 ? 4 : 2;
+    return w->codebook ? 4 : width_field_bits(w->width);
 }
 
 /* Each row's float scale and min [TILE_ROWS] of group g of a tile (params.c); min is zero-filled

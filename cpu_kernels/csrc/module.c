@@ -839,7 +839,7 @@ PyDoc_STRVAR(pack_fields_doc,
 
 /* One row's codes into the field bytes (and high bits) of its tile row; 0 when a code does not fit. */
 static int pack_row(const int8_t *q, int64_t cols, int zero, int width, uint8_t *data, uint8_t *high) {
-    const int field = width >= 4 ? 4 : 2, h = width - field, per_block = 8 / field, per_byte = h ? 8 / h : 1;
+    const int field = width_field_bits(width), h = width - field, per_block = 8 / field, per_byte = h ? 8 / h : 1;
     for (int64_t quad = 0; quad < cols / 4; quad++) {
         for (int j = 0; j < 4; j++) {
             const int code = q[4 * quad + j] + zero;
@@ -863,7 +863,7 @@ static PyObject *py_pack_fields(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_buffer *q = &buf[0].view;
-    const int field = width >= 4 ? 4 : 2, h = width - field;
+    const int field = width_field_bits(width), h = width - field;
     if (q->ndim != 2 || width < 2 || width > 6 || zero < 0 || zero > 127 || (h > 0) != buf[2].held ||
         q->shape[1] % (h ? 32 / h : 32 / field)) {
         release(buf, 3);

@@ -57,7 +57,7 @@ def packed_sizes(fmt: GroupLayout, rows: int, cols: int) -> dict[str, int]:
     header alone: data, high, params (the float16 scales, and as many again for mins), sub_codes and
     supers (two-level scales)."""
     padded = -(-rows // TILE_ROWS) * TILE_ROWS
-    field = fmt.bits if fmt.bits != 8 else 4 if fmt.codebook is not None else field_bits(fmt.width)
+    field = fmt.bits if fmt.bits != 8 else field_bits(fmt.width, fmt.codebook is not None)
     data = padded * cols * field // 8
     high = padded * cols * (fmt.width - field) // 8 if fmt.bits == 8 and fmt.codebook is None else 0
     params = padded * (cols // fmt.group) * 2

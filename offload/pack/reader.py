@@ -152,7 +152,7 @@ def _matrix(data: memoryview, spec: dict) -> PackedMatrix | torch.Tensor:
     if bits != 8:
         codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols // 8, bits, TILE_ROWS)
     elif codebook is not None or width < 8:
-        field = 4 if codebook is not None else field_bits(width)
+        field = field_bits(width, codebook is not None)
         codes = _array(data, spec["data"], np.uint8).reshape(tiles, cols * field // 32, TILE_ROWS, 4)
     else:
         codes = _array(data, spec["data"], np.int8).reshape(tiles, cols // 4, TILE_ROWS, 4)
