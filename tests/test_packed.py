@@ -323,3 +323,14 @@ def test_codes_that_do_not_fit_their_width_are_refused():
     scale = np.ones((3, 2), np.float32)
     with pytest.raises(ValueError, match="do not fit 4 unsigned bits"):
         pack(QuantGroups(q, scale, np.full_like(scale, -0.0), 32, 8, width=4, zero=8))
+
+
+@pytest.mark.parametrize("width, group, cols, problem", [
+    (2, 8, 64, "2-bit codes need a group that is a multiple of 16 and a multiple of 16 columns"),
+    (3, 16, 48, "3-bit codes need a group that is a multiple of 16 and a multiple of 32 columns"),
+], ids=["two-bit-group", "three-bit-columns"])
+def test_two_bit_fields_refuse_a_group_or_width_their_blocks_do_not_hold(width, group, cols, problem):
+    q = np.zeros((3, cols), np.int8)
+    scale = np.ones((3, cols // group), np.float32)
+    with pytest.raises(ValueError, match=problem):
+        pack(QuantGroups(q, scale, np.full_like(scale, -0.0), group, 8, width=width, zero=2))
