@@ -124,6 +124,37 @@ def test_two_level_integer_sums_at_their_largest_do_not_overflow(isa):
     assert np.array_equal(matmul(w, x), expected)
 
 
+# Q3_K's and Q2_K's forms: (width, zero, sub bits, sub offset, with mins). Their kernel keeps two
+# groups' dots in one register as int16 pairs.
+TWO_BIT_FORMS = {"Q3_K": (3, 4, 6, 32, False), "Q2_K": (2, 0, 4, 0, True)}
+
+
+@pytest.mark.parametrize("form", TWO_BIT_FORMS.values(), ids=TWO_BIT_FORMS.keys())
+@pytest.mark.parametrize("isa", ISAS)
+def test_two_bit_group_dots_at_their_largest_fit_their_int16_pairs(isa, form):
+    # Half the rows at the largest code (7 or 3), half at code 0, under the extreme sub codes (0 and
+    # 63 or 15), every activation code +127 or -127: a group's dot reaches 7 * 16 * 127 = 14224 and
+    # Q3_K's zero share 4 * 16 * 127 = 8128.
+    width, zero, sub_bits, offset, with_mins = form
+    rows, cols, group = 64, 256, 16
+    largest, sub_largest = (1 << width) - 1, (1 << sub_bits) - 1
+    code = np.where(np.arange(rows)[:, None] < rows // 2, largest, 0).repeat(cols, axis=1)
+    sub_codes = np.where(np.arange(rows)[:, None] % 2 == 0, 0, sub_largest).repeat(cols // group, axis=1)
+    sub_codes = sub_codes.astype(np.uint8)
+    scale = sub_codes.astype(np.float32) - offset
+    min_ = -sub_codes.astype(np.float32) if with_mins else np.full_like(scale, -0.0)
+    ones = np.ones((rows, 1), np.float32)
+    sub = SubScales(sub_codes, sub_codes if with_mins else None, ones, ones if with_mins else None,
+                    bits=sub_bits, offset=offset)
+    q = (code - zero).astype(np.int8)
+    w = pack(QuantGroups(q, scale, min_, group, 8, width=width, zero=zero, sub=sub))
+    x = np.full((2, cols), 0.5, np.float32)
+    x[1] = -0.5
+    _kernels.set_isa(isa)
+    weight = scale[:, 0] * (code[:, 0] - zero) + min_[:, 0]  # every weight of a row
+    assert np.array_equal(matmul(w, x), np.outer(x[:, 0] * cols, weight))
+
+
 @pytest.mark.parametrize("bits", (1, 2, 3, 4))
 @pytest.mark.parametrize("isa", ISAS)
 def test_largest_lut_group_does_not_overflow(isa, bits):

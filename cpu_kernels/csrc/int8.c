@@ -1,6 +1,7 @@
-/* The int8 kernel: weights of up to 8 bits (Q8_0, Q5_x, Q6_K) times activations quantized to
+/* The int8 kernel: weights of up to 8 bits (Q8_0, Q2_K .. Q6_K) times activations quantized to
  * int8 per group, as in ggml's Q8 dot products; on two-level scales (Q4_K, Q5_K, Q6_K, IQ4_XS)
- * per super block, with integer sub-scales, as in ggml's K-quant dot products (int8_two_level).
+ * per super block, with integer sub-scales, as in ggml's K-quant dot products (int8_two_level);
+ * on AVX-512, Q2_K's and Q3_K's groups of 16 two at a time, their dots as int16 pairs (two_level_pairs).
  *
  * Packed layout (tile, quad q, row r, byte j) = weight (row, column 4q + j): every 4 columns of
  * the tile's 64 rows are 256 contiguous bytes, so a vector holds 4 columns of 16 (AVX-512) or
@@ -84,19 +85,20 @@ static inline int kind_has_high(int kind) {
     return kind == CODES_NIBBLE_HIGH || kind == CODES_TWO_BIT_HIGH;
 }
 
-/* Where quad q's 256-byte block starts, and the shift of its field within the block's bytes. */
+/* Where quad q's 256-byte block starts, and the shift of its field within the block's bytes: a block
+ * holds 8 / field quads, so the bit offset q * field splits into the block (its eighth) and the shift.
+ * Shifts, not divisions: these run once per quad in the kernels' inner loops. */
 static inline const uint8_t *quad_block(const uint8_t *data, int64_t q, int field) {
-    return data + q / (8 / field) * 4 * TILE_ROWS;
+    return data + ((uint64_t)q * field >> 3) * 4 * TILE_ROWS;
 }
 static inline int quad_shift(int64_t q, int field) {
-    return field * (int)(q % (8 / field));
+    return (int)((uint64_t)q * field & 7);
 }
 
-/* The high bits of quad q: their 256-byte block, and their shift within its bytes. */
+/* The high bits of quad q (h of them, 1 or 2): their 256-byte block, and their shift within its bytes. */
 static inline const uint8_t *high_block(const uint8_t *high, int64_t q, int h, int *shift) {
-    const int per_byte = 8 / h;
-    *shift = h * (int)(q % per_byte);
-    return high + (q / per_byte) * 4 * TILE_ROWS;
+    *shift = (int)((uint64_t)q * h & 7);
+    return high + ((uint64_t)q * h >> 3) * 4 * TILE_ROWS;
 }
 
 /* Prefetches, once per 256-byte block of codes (at quad q, the first of the block), what the kernel
@@ -233,7 +235,8 @@ static void int8_tile_scalar_any(const packed_matrix *w, const prepared_acts *a,
 
 #ifdef HAVE_X86
 
-/* One specialisation per token count and code kind, so both are constants in the inner loops. */
+/* One specialisation per token count and code kind, so both are constants in the inner loops; the
+ * two-bit kernels see only the two kinds of 2-bit fields. */
 #define DISPATCH_KIND(fn, n)                                                              \
     switch (code_kind(w)) {                                                               \
     case CODES_INT8: fn(w, a, tile, token, n, CODES_INT8, params, out); break;                    \
@@ -243,12 +246,15 @@ static void int8_tile_scalar_any(const packed_matrix *w, const prepared_acts *a,
     case CODES_TWO_BIT: fn(w, a, tile, token, n, CODES_TWO_BIT, params, out); break;              \
     default: fn(w, a, tile, token, n, CODES_TWO_BIT_HIGH, params, out); break;                    \
     }
-#define DISPATCH_TOKEN_BLOCK(fn)                                                          \
+#define DISPATCH_TWO_BIT_KIND(fn, n)                                                      \
+    if (code_kind(w) == CODES_TWO_BIT) fn(w, a, tile, token, n, CODES_TWO_BIT, params, out);      \
+    else fn(w, a, tile, token, n, CODES_TWO_BIT_HIGH, params, out);
+#define DISPATCH_TOKEN_BLOCK(dispatch, fn)                                                \
     switch (count) {                                                                      \
-    case 1: DISPATCH_KIND(fn, 1) break;                                                   \
-    case 2: DISPATCH_KIND(fn, 2) break;                                                   \
-    case 3: DISPATCH_KIND(fn, 3) break;                                                   \
-    default: DISPATCH_KIND(fn, 4) break;                                                  \
+    case 1: dispatch(fn, 1) break;                                                        \
+    case 2: dispatch(fn, 2) break;                                                        \
+    case 3: dispatch(fn, 3) break;                                                        \
+    default: dispatch(fn, 4) break;                                                       \
     }
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
@@ -389,9 +395,9 @@ __attribute__((target("avx2,fma,f16c"))) static void int8_tile_avx2(
     const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token, int count,
     const float *params, float *out) {
     if (int8_two_level(w)) {
-        DISPATCH_TOKEN_BLOCK(int8_two_level_avx2_n)
+        DISPATCH_TOKEN_BLOCK(DISPATCH_KIND, int8_two_level_avx2_n)
     } else {
-        DISPATCH_TOKEN_BLOCK(int8_tile_avx2_n)
+        DISPATCH_TOKEN_BLOCK(DISPATCH_KIND, int8_tile_avx2_n)
     }
 }
 
@@ -484,6 +490,46 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
     }
 }
 
+/* A 32-bit lane of two int16 halves: vpdpwssd's operand for two groups at once. */
+static inline int32_t int16_pair(int32_t low, int32_t high) {
+    return (int32_t)((uint32_t)(uint16_t)low | (uint32_t)high << 16);
+}
+
+/* imin[c][v] += each row's min codes of groups gl and gl + 1 times token c's code sums of the two. */
+AVX512_TARGET void two_level_mins_avx512(const packed_matrix *w, const prepared_acts *a, const uint8_t *codes,
+                                         int values, int64_t g, int64_t gl, int64_t token, const int count,
+                                         __m512i imin[MAX_TOKEN_BLOCK][4]) {
+    const int64_t groups = w->cols / w->group;
+    __m512i mins[4];
+    sub_pairs_64(w, codes, values, (int)gl * 2 + 1, 2, 0, mins);
+    for (int c = 0; c < count; c++) {
+        const int32_t *sums = a->code_sums + (token + c) * groups + g; /* a code sum, at most group * 127, fits int16 */
+        const __m512i sum_pair = _mm512_set1_epi32(int16_pair(sums[0], sums[1]));
+        for (int v = 0; v < 4; v++) imin[c][v] = _mm512_dpwssd_epi32(imin[c][v], mins[v], sum_pair);
+    }
+}
+
+/* out += super block s's integer sums times d (less the mins' times dmin) and the activations' steps. */
+AVX512_TARGET void two_level_store_avx512(const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t s,
+                                          int64_t token, const int count, __m512i isum[MAX_TOKEN_BLOCK][4],
+                                          __m512i imin[MAX_TOKEN_BLOCK][4], float *out) {
+    const int64_t groups = w->cols / w->group;
+    const uint16_t *supers = super_values(w, tile, s);
+    for (int c = 0; c < count; c++) {
+        const __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + s]);
+        for (int v = 0; v < 4; v++) {
+            float *dst = out + c * TILE_ROWS + 16 * v;
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(supers + 16 * v)));
+            __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c][v]), _mm512_mul_ps(d, step), _mm512_loadu_ps(dst));
+            if (w->sub_mins) {
+                __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(supers + TILE_ROWS + 16 * v)));
+                total = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[c][v]), _mm512_mul_ps(dmin, step), total);
+            }
+            _mm512_storeu_ps(dst, total);
+        }
+    }
+}
+
 AVX512_TARGET void int8_two_level_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
                                            int64_t token, const int count, const int kind, const float *params,
                                            float *out) {
@@ -520,46 +566,103 @@ AVX512_TARGET void int8_two_level_avx512_n(const packed_matrix *w, const prepare
                 }
             }
         }
-        /* The mins, two groups at a time: their min codes and code sums as int16 pairs, one
-         * vpdpwssd each (a code sum, at most group * 127, fits int16). */
-        for (int64_t gl = 0; w->sub_mins && gl < gps; gl += 2) {
-            const __m512i low = sub_bytes_64(w, codes, values, (int)gl * 2 + 1);
-            const __m512i next = sub_bytes_64(w, codes, values, (int)gl * 2 + 3);
-            __m512i pair[4];
-            for (int v = 0; v < 4; v++) {
-                pair[v] = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(low, v)),
-                                          _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(next, v)), 16));
-            }
-            for (int c = 0; c < count; c++) {
-                const int32_t *sums = a->code_sums + (token + c) * groups + s * gps + gl;
-                const __m512i sum_pair = _mm512_set1_epi32((int32_t)((uint32_t)(uint16_t)sums[0] | ((uint32_t)sums[1] << 16)));
-                for (int v = 0; v < 4; v++) imin[c][v] = _mm512_dpwssd_epi32(imin[c][v], pair[v], sum_pair);
+        for (int64_t gl = 0; w->sub_mins && gl < gps; gl += 2)
+            two_level_mins_avx512(w, a, codes, values, s * gps + gl, gl, token, count, imin);
+        two_level_store_avx512(w, a, tile, s, token, count, isum, imin, out);
+    }
+}
+
+/* Whether int8_two_level_pairs_avx512_n runs a matrix: unsigned 2-bit codes (with or without Q3_K's
+ * third bit) in groups of 16, one 256-byte block each, whose dots with int8 activations and zero
+ * times their code sums fit int16 (at most 7 * 16 * 127), and sub codes that fit sub_pairs_64. */
+static inline int two_level_pairs(const packed_matrix *w) {
+    return int8_two_level(w) && !w->codebook && w->width <= 3 && w->group == 16 && w->sub_bits <= 6 &&
+           w->sub_offset <= 64 && w->sub_gps % 2 == 0;
+}
+
+/* acc[i][c][v] = rows 16v .. 16v+15 of group g + i (even g) times token c's codes. A group is one
+ * 256-byte block of 2-bit fields, its quad k at shift 2k; the two groups' third bits (Q3_K) share a
+ * block of high bits, quad k's bit k in group g and bit 4 + k in group g + 1, added by a bit test and
+ * a masked add. Every loop bound and shift is a constant, so the compiler unrolls the lot. */
+AVX512_TARGET void two_bit_pair_dots(const prepared_acts *a, const uint8_t *data,
+                                     const uint8_t *high, int64_t g, int64_t token, const int count,
+                                     const int kind, __m512i acc[2][MAX_TOKEN_BLOCK][4]) {
+    const uint8_t *codes = data + g * 4 * TILE_ROWS, *top = high ? high + g / 2 * 4 * TILE_ROWS : NULL;
+    __m512i x[MAX_TOKEN_BLOCK][8];
+    for (int c = 0; c < count; c++) {
+        for (int k = 0; k < 8; k++) {
+            int32_t four;
+            memcpy(&four, a->codes + (token + c) * a->codes_per_token + 4 * (4 * g + k), 4);
+            x[c][k] = _mm512_set1_epi32(four);
+        }
+    }
+    prefetch_codes(data, high, 1, 4 * g, kind);
+    prefetch_codes(data, high, 1, 4 * g + 4, kind);
+    for (int v = 0; v < 4; v++) {
+        const __m512i third = kind_has_high(kind) ? _mm512_loadu_si512((const void *)(top + 64 * v)) : _mm512_setzero_si512();
+        for (int half = 0; half < 2; half++) {
+            const __m512i bytes = _mm512_loadu_si512((const void *)(codes + half * 4 * TILE_ROWS + 64 * v));
+            for (int c = 0; c < count; c++) acc[half][c][v] = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                __m512i code = _mm512_and_si512(_mm512_srli_epi16(bytes, 2 * k), _mm512_set1_epi8(3));
+                if (kind_has_high(kind))
+                    code = _mm512_mask_add_epi8(code, _mm512_test_epi8_mask(third, _mm512_set1_epi8((char)(1 << (4 * half + k)))),
+                                                code, _mm512_set1_epi8(4));
+                for (int c = 0; c < count; c++) acc[half][c][v] = _mm512_dpbusd_epi32(acc[half][c][v], code, x[c][4 * half + k]);
             }
         }
-        const uint16_t *supers = super_values(w, tile, s);
+    }
+}
+
+/* The two-level kernel for 2- and 3-bit codes in groups of 16 (Q2_K, Q3_K), where the general one is
+ * compute-bound on its per-group work: two groups' dots go into one register as int16 pairs, and one
+ * vpdpwssd multiplies both by their sub-scales and adds them to the row sums (the general kernel's
+ * mullo and add per group); the zero codes' share comes off the same way, the scales times zero times
+ * the code sums. */
+AVX512_TARGET void int8_two_level_pairs_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
+                                                 int64_t token, const int count, const int kind, const float *params,
+                                                 float *out) {
+    CODE_SETUP
+    (void)params;
+    const int64_t gps = w->sub_gps;
+    const int per_group = w->sub_mins ? 2 : 1;
+    for (int64_t s = 0; s < groups / gps; s++) {
+        int values;
+        const uint8_t *codes = super_codes(w, tile, s, &values);
+        prefetch_next_super(w, tile, s);
+        __m512i isum[MAX_TOKEN_BLOCK][4], imin[MAX_TOKEN_BLOCK][4];
         for (int c = 0; c < count; c++) {
-            const __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + s]);
-            for (int v = 0; v < 4; v++) {
-                float *dst = out + c * TILE_ROWS + 16 * v;
-                __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(supers + 16 * v)));
-                __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c][v]), _mm512_mul_ps(d, step), _mm512_loadu_ps(dst));
-                if (w->sub_mins) {
-                    __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(supers + TILE_ROWS + 16 * v)));
-                    total = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[c][v]), _mm512_mul_ps(dmin, step), total);
-                }
-                _mm512_storeu_ps(dst, total);
-            }
+            for (int v = 0; v < 4; v++) isum[c][v] = imin[c][v] = _mm512_setzero_si512();
         }
+        for (int64_t gl = 0; gl < gps; gl += 2) {
+            const int64_t g = s * gps + gl;
+            __m512i dots[2][MAX_TOKEN_BLOCK][4], scale[4];
+            two_bit_pair_dots(a, data, high, g, token, count, kind, dots);
+            sub_pairs_64(w, codes, values, (int)gl * per_group, per_group, w->sub_offset, scale);
+            for (int c = 0; c < count; c++) {
+                const int32_t *sums = a->code_sums + (token + c) * groups + g;
+                const __m512i zero_pair = _mm512_set1_epi32(int16_pair(-w->zero * sums[0], -w->zero * sums[1]));
+                for (int v = 0; v < 4; v++) {
+                    const __m512i both = _mm512_mask_mov_epi16(dots[0][c][v], 0xAAAAAAAA, _mm512_slli_epi32(dots[1][c][v], 16));
+                    isum[c][v] = _mm512_dpwssd_epi32(isum[c][v], both, scale[v]);
+                    if (w->zero) isum[c][v] = _mm512_dpwssd_epi32(isum[c][v], zero_pair, scale[v]);
+                }
+            }
+            if (w->sub_mins) two_level_mins_avx512(w, a, codes, values, g, gl, token, count, imin);
+        }
+        two_level_store_avx512(w, a, tile, s, token, count, isum, imin, out);
     }
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))) static void
 int8_tile_avx512(const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token,
                  int count, const float *params, float *out) {
-    if (int8_two_level(w)) {
-        DISPATCH_TOKEN_BLOCK(int8_two_level_avx512_n)
+    if (two_level_pairs(w)) {
+        DISPATCH_TOKEN_BLOCK(DISPATCH_TWO_BIT_KIND, int8_two_level_pairs_avx512_n)
+    } else if (int8_two_level(w)) {
+        DISPATCH_TOKEN_BLOCK(DISPATCH_KIND, int8_two_level_avx512_n)
     } else {
-        DISPATCH_TOKEN_BLOCK(int8_tile_avx512_n)
+        DISPATCH_TOKEN_BLOCK(DISPATCH_KIND, int8_tile_avx512_n)
     }
 }
 

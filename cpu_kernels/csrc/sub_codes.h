@@ -72,6 +72,26 @@ SUB_AVX512 __m512i sub_bytes_64(const packed_matrix *w, const uint8_t *codes, in
     return _mm512_or_si512(low, _mm512_slli_epi16(top, 4));
 }
 
+/* Sub code values `first` and `first + stride` of all 64 rows, less `offset`, as int16 pairs (the first
+ * in the low half of a 32-bit lane, the second in the high half), rows 16v .. 16v+15 in pair[v]: two
+ * groups' scales (or mins) side by side, the operand vpdpwssd multiplies two groups' values by.
+ * The codes less offset must fit int8 (sub_bits at most 6 and offset at most 64). */
+SUB_AVX512 void sub_pairs_64(const packed_matrix *w, const uint8_t *codes, int values, int first, int stride,
+                             int offset, __m512i pair[4]) {
+    const __m512i low_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                               39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high_index = _mm512_add_epi16(low_index, _mm512_set1_epi16(16));
+    const __m512i bias = _mm512_set1_epi8((char)offset);
+    const __m512i a = _mm512_sub_epi8(sub_bytes_64(w, codes, values, first), bias);
+    const __m512i b = _mm512_sub_epi8(sub_bytes_64(w, codes, values, first + stride), bias);
+    const __m512i a_words[2] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(a)), _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(a, 1))};
+    const __m512i b_words[2] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(b)), _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b, 1))};
+    for (int half = 0; half < 2; half++) { /* rows 32 half .. 32 half + 31 */
+        pair[2 * half] = _mm512_permutex2var_epi16(a_words[half], low_index, b_words[half]);
+        pair[2 * half + 1] = _mm512_permutex2var_epi16(a_words[half], high_index, b_words[half]);
+    }
+}
+
 /* Fetches the sub codes and d (dmin) of the super block after super block s of a tile (the next
  * tile's first at the tile's end; nothing after the last tile) towards the cache. They are streams of
  * their own beside the codes' (1/10 of their bytes for Q4_K) that the hardware prefetcher follows
