@@ -1,7 +1,7 @@
 /* The int8 kernel: weights of up to 8 bits (Q8_0, Q2_K .. Q6_K) times activations quantized to
  * int8 per group, as in ggml's Q8 dot products; on two-level scales (Q4_K, Q5_K, Q6_K, IQ4_XS)
  * per super block, with integer sub-scales, as in ggml's K-quant dot products (int8_two_level);
- * on AVX-512, Q2_K's and Q3_K's groups of 16 two at a time, their dots as int16 pairs (two_level_pairs).
+ * Q2_K's and Q3_K's groups of 16 with their dots as int16 pairs (two_level_pairs).
  *
  * Packed layout (tile, quad q, row r, byte j) = weight (row, column 4q + j): every 4 columns of
  * the tile's 64 rows are 256 contiguous bytes, so a vector holds 4 columns of 16 (AVX-512) or
@@ -235,6 +235,20 @@ static void int8_tile_scalar_any(const packed_matrix *w, const prepared_acts *a,
 
 #ifdef HAVE_X86
 
+/* Whether the pairs kernels (int8_two_level_pairs_avx2_n and _avx512_n) run a matrix: unsigned 2-bit
+ * codes (with or without Q3_K's third bit) in groups of 16, one 256-byte block each, whose dots with
+ * int8 activations and zero times their code sums fit int16 (at most 7 * 16 * 127), and sub codes
+ * that fit sub_pairs_64 (and, less offset, int16). */
+static inline int two_level_pairs(const packed_matrix *w) {
+    return int8_two_level(w) && !w->codebook && w->width <= 3 && w->group == 16 && w->sub_bits <= 6 &&
+           w->sub_offset <= 64 && w->sub_gps % 2 == 0;
+}
+
+/* A 32-bit lane of two int16 halves: the pairs kernels' operand for two groups (or values) at once. */
+static inline int32_t int16_pair(int32_t low, int32_t high) {
+    return (int32_t)((uint32_t)(uint16_t)low | (uint32_t)high << 16);
+}
+
 /* One specialisation per token count and code kind, so both are constants in the inner loops; the
  * two-bit kernels see only the two kinds of 2-bit fields. */
 #define DISPATCH_KIND(fn, n)                                                              \
@@ -391,10 +405,89 @@ AVX2_TARGET void int8_two_level_avx2_n(const packed_matrix *w, const prepared_ac
     }
 }
 
+/* The pairs kernel (two_level_pairs) on AVX2: maddubs's int16 pair sums of a group's four quads add
+ * up in int16 (at most 4 * 2 * 7 * 127), so one vpmaddwd by the row's sub-scale in both halves makes
+ * the group's scaled dot; Q3_K's zero share comes off the low halves first. Rows 8v .. 8v+7 go
+ * through the whole super block at a time, so the sums of one v are all the registers hold. */
+AVX2_TARGET void int8_two_level_pairs_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
+                                             int64_t token, const int count, const int kind, const float *params,
+                                             float *out) {
+    CODE_SETUP
+    (void)params;
+    const int64_t gps = w->sub_gps;
+    const int per_group = w->sub_mins ? 2 : 1;
+    const __m256i offset = _mm256_set1_epi32(w->sub_offset);
+    for (int64_t s = 0; s < groups / gps; s++) {
+        int values;
+        const uint8_t *codes = super_codes(w, tile, s, &values);
+        prefetch_next_super(w, tile, s);
+        const uint16_t *supers = super_values(w, tile, s);
+        for (int v = 0; v < 8; v++) {
+            __m256i isum[MAX_TOKEN_BLOCK], imin[MAX_TOKEN_BLOCK];
+            for (int c = 0; c < count; c++) isum[c] = imin[c] = _mm256_setzero_si256();
+            for (int64_t gl = 0; gl < gps; gl += 2) {
+                const int64_t g = s * gps + gl;
+                if (v == 0) {
+                    prefetch_codes(data, high, 1, 4 * g, kind);
+                    prefetch_codes(data, high, 1, 4 * g + 4, kind);
+                }
+                const __m256i third = kind_has_high(kind)
+                    ? _mm256_loadu_si256((const __m256i *)(high + g / 2 * 4 * TILE_ROWS + 32 * v)) : _mm256_setzero_si256();
+                for (int half = 0; half < 2; half++) {
+                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(data + (g + half) * 4 * TILE_ROWS + 32 * v));
+                    __m256i pairs[MAX_TOKEN_BLOCK];
+                    for (int c = 0; c < count; c++) pairs[c] = _mm256_setzero_si256();
+                    for (int k = 0; k < 4; k++) {
+                        __m256i code = _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * k), _mm256_set1_epi8(3));
+                        if (kind_has_high(kind)) {
+                            const int bit = 4 * half + k; /* to bit 2 of each byte */
+                            __m256i top = bit >= 2 ? _mm256_srli_epi16(third, bit - 2) : _mm256_slli_epi16(third, 2 - bit);
+                            code = _mm256_or_si256(code, _mm256_and_si256(top, _mm256_set1_epi8(4)));
+                        }
+                        for (int c = 0; c < count; c++) {
+                            int32_t four;
+                            memcpy(&four, a->codes + (token + c) * code_stride + 4 * (4 * (g + half) + k), 4);
+                            pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(code, _mm256_set1_epi32(four)));
+                        }
+                    }
+                    const __m256i scale = _mm256_sub_epi32(sub_lanes_8(w, codes, values, (int)(gl + half) * per_group, v), offset);
+                    const __m256i both = _mm256_blend_epi16(scale, _mm256_slli_epi32(scale, 16), 0xAA);
+                    for (int c = 0; c < count; c++) {
+                        const int32_t zero_share = w->zero * a->code_sums[(token + c) * groups + g + half];
+                        const __m256i dot = _mm256_sub_epi16(pairs[c], _mm256_set1_epi32(int16_pair(zero_share, 0)));
+                        isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(dot, both));
+                    }
+                }
+                if (w->sub_mins) {
+                    const __m256i mins = _mm256_or_si256(sub_lanes_8(w, codes, values, (int)gl * 2 + 1, v),
+                                                         _mm256_slli_epi32(sub_lanes_8(w, codes, values, (int)gl * 2 + 3, v), 16));
+                    for (int c = 0; c < count; c++) {
+                        const int32_t *sums = a->code_sums + (token + c) * groups + g;
+                        imin[c] = _mm256_add_epi32(imin[c], _mm256_madd_epi16(mins, _mm256_set1_epi32(int16_pair(sums[0], sums[1]))));
+                    }
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(supers + 8 * v)));
+            for (int c = 0; c < count; c++) {
+                const __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + s]);
+                float *dst = out + c * TILE_ROWS + 8 * v;
+                __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), _mm256_mul_ps(d, step), _mm256_loadu_ps(dst));
+                if (w->sub_mins) {
+                    __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(supers + TILE_ROWS + 8 * v)));
+                    total = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[c]), _mm256_mul_ps(dmin, step), total);
+                }
+                _mm256_storeu_ps(dst, total);
+            }
+        }
+    }
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void int8_tile_avx2(
     const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token, int count,
     const float *params, float *out) {
-    if (int8_two_level(w)) {
+    if (two_level_pairs(w)) {
+        DISPATCH_TOKEN_BLOCK(DISPATCH_TWO_BIT_KIND, int8_two_level_pairs_avx2_n)
+    } else if (int8_two_level(w)) {
         DISPATCH_TOKEN_BLOCK(DISPATCH_KIND, int8_two_level_avx2_n)
     } else {
         DISPATCH_TOKEN_BLOCK(DISPATCH_KIND, int8_tile_avx2_n)
@@ -490,11 +583,6 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
     }
 }
 
-/* A 32-bit lane of two int16 halves: vpdpwssd's operand for two groups at once. */
-static inline int32_t int16_pair(int32_t low, int32_t high) {
-    return (int32_t)((uint32_t)(uint16_t)low | (uint32_t)high << 16);
-}
-
 /* imin[c][v] += each row's min codes of groups gl and gl + 1 times token c's code sums of the two. */
 AVX512_TARGET void two_level_mins_avx512(const packed_matrix *w, const prepared_acts *a, const uint8_t *codes,
                                          int values, int64_t g, int64_t gl, int64_t token, const int count,
@@ -570,14 +658,6 @@ AVX512_TARGET void int8_two_level_avx512_n(const packed_matrix *w, const prepare
             two_level_mins_avx512(w, a, codes, values, s * gps + gl, gl, token, count, imin);
         two_level_store_avx512(w, a, tile, s, token, count, isum, imin, out);
     }
-}
-
-/* Whether int8_two_level_pairs_avx512_n runs a matrix: unsigned 2-bit codes (with or without Q3_K's
- * third bit) in groups of 16, one 256-byte block each, whose dots with int8 activations and zero
- * times their code sums fit int16 (at most 7 * 16 * 127), and sub codes that fit sub_pairs_64. */
-static inline int two_level_pairs(const packed_matrix *w) {
-    return int8_two_level(w) && !w->codebook && w->width <= 3 && w->group == 16 && w->sub_bits <= 6 &&
-           w->sub_offset <= 64 && w->sub_gps % 2 == 0;
 }
 
 /* acc[i][c][v] = rows 16v .. 16v+15 of group g + i (even g) times token c's codes. A group is one
