@@ -71,6 +71,7 @@ Every mapping is exact: the kernels compute with the file's own codes and ggml's
 Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -165,13 +166,17 @@ class PackedMatrix:
         return sum(0 if a is None else a.nbytes for a in (self.data, self.scales, self.mins, self.high)) + (
             0 if self.sub is None else self.sub.nbytes)
 
-    def copy(self) -> "PackedMatrix":
-        """The matrix in arrays of its own."""
+    def copy(self, empty: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.empty) -> "PackedMatrix":
+        """The matrix in arrays of its own, each made by `empty(shape, dtype)` and filled."""
         def copied(a: np.ndarray | None) -> np.ndarray | None:
-            return None if a is None else a.copy()
+            if a is None:
+                return None
+            out = empty(a.shape, a.dtype)
+            out[...] = a
+            return out
 
-        sub = self.sub and replace(self.sub, codes=self.sub.codes.copy(), supers=self.sub.supers.copy())
-        return replace(self, data=self.data.copy(), scales=copied(self.scales), mins=copied(self.mins),
+        sub = self.sub and replace(self.sub, codes=copied(self.sub.codes), supers=copied(self.sub.supers))
+        return replace(self, data=copied(self.data), scales=copied(self.scales), mins=copied(self.mins),
                        high=copied(self.high), sub=sub)
 
     def codes(self) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 from tierflow.cpu_kernels import matmul as kernels
 from tierflow.cpu_kernels.packed import PackedMatrix, pack
 from tierflow.cpu_kernels.quant_groups import QuantGroups
+from tierflow.offload.io.disk import aligned_buffer
 
 GROUP = 32
 FALLBACK_L3_BYTES = 64 * 2**20
@@ -78,11 +79,29 @@ def random_packed(rng: np.random.Generator, bits: int, rows: int, cols: int,
     return pack(QuantGroups(q, scale, min_, group, bits))
 
 
+class _Arena:
+    """Arrays carved from one page-aligned buffer (on transparent huge pages from 2 MiB up), each
+    64-byte aligned."""
+
+    def __init__(self, nbytes: int):
+        self.buffer, self.used = aligned_buffer(nbytes), 0
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        array = np.frombuffer(self.buffer, np.uint8, nbytes, self.used).view(dtype).reshape(shape)
+        self.used += -(-nbytes // 64) * 64
+        return array
+
+
 def cold_ring(first: PackedMatrix, cold_bytes: int) -> list[PackedMatrix]:
-    """`first` and distinct copies of it, together more than cold_bytes: cycling through them, no
-    call finds its matrix in the cache when cold_bytes is a few times the L3 size."""
+    """Distinct copies of `first`, together more than cold_bytes: cycling through them, no call finds
+    its matrix in the cache when cold_bytes is a few times the L3 size. They share one buffer, as a
+    layer's matrices share the huge-page buffer the engine reads its resident weights into
+    (offload/tiers/tiered.py): in numpy arrays of their own, matrices of a few MiB sit on 4 KiB
+    pages, whose TLB misses cost a cold 1-thread read up to a fifth of its speed here."""
     copies = cold_bytes // first.nbytes + 1
-    return [first] + [first.copy() for _ in range(copies - 1)]
+    arena = _Arena(copies * (first.nbytes + 64 * 6))
+    return [first.copy(arena.empty) for _ in range(copies)]
 
 
 def seconds_per_call(ring: list[PackedMatrix], batch: int, passes: int) -> float:
