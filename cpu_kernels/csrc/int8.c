@@ -497,12 +497,29 @@ __attribute__((target("avx2,fma,f16c"))) static void int8_tile_avx2(
 #define AVX512_TARGET \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"), always_inline)) static inline
 
-/* Rows 16v .. 16v+15 of quad q as int8 codes: loaded, looked up from their nibbles, or assembled. */
+/* On AVX-512 every kind's codes are unsigned in registers: int8 codes and codebook entries get 128
+ * added (their sign bit flipped), which vpdpbusd multiplies by the int8 activations without the
+ * saturation AVX2's maddubs would hit, and the kernels subtract 128 times the activations' code
+ * sum as they subtract a nibble type's zero code. The same integer dot, with one instruction where
+ * |w| times x with w's sign took three. This is the code each kind's kernels subtract. */
+static inline int32_t avx512_zero(const packed_matrix *w, int kind) {
+    return kind_unsigned(kind) ? w->zero : 128;
+}
+
+/* Codebook kinds' 16 entries plus 128 in each 128-bit lane (avx512_zero), for avx512_quad's lookup. */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i avx512_table(const packed_matrix *w,
+                                                                                            int kind) {
+    if (kind != CODES_CODEBOOK) return _mm512_setzero_si512();
+    return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook)), _mm512_set1_epi8((char)0x80));
+}
+
+/* Rows 16v .. 16v+15 of quad q as unsigned codes (avx512_zero): loaded, looked up from their nibbles,
+ * or assembled. */
 AVX512_TARGET __m512i avx512_quad(const packed_matrix *w, const uint8_t *data, const uint8_t *high, int h,
                                   int64_t q, int v, const int kind, __m512i table) {
     const int field = kind_field_bits(kind);
     __m512i bytes = _mm512_loadu_si512((const void *)(quad_block(data, q, field) + 64 * v));
-    if (kind == CODES_INT8) return bytes;
+    if (kind == CODES_INT8) return _mm512_xor_si512(bytes, _mm512_set1_epi8((char)0x80));
     bytes = _mm512_and_si512(_mm512_srli_epi16(bytes, quad_shift(q, field)), _mm512_set1_epi8((char)((1 << field) - 1)));
     if (kind == CODES_CODEBOOK) return _mm512_shuffle_epi8(table, bytes);
     if (kind_has_high(kind)) {
@@ -511,18 +528,17 @@ AVX512_TARGET __m512i avx512_quad(const packed_matrix *w, const uint8_t *data, c
         top = _mm512_and_si512(_mm512_srl_epi16(top, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8((char)((1 << h) - 1)));
         bytes = _mm512_or_si512(bytes, _mm512_slli_epi16(top, field));
     }
-    return bytes; /* unsigned: the kernel subtracts zero times the activations' code sum */
+    return bytes;
 }
 
-/* acc[c][v] = rows 16v .. 16v+15 of group g times token c's codes: unsigned codes as they are,
- * signed ones as |w| times x with w's sign. */
+/* acc[c][v] = rows 16v .. 16v+15 of group g, as unsigned codes (avx512_quad) less `zero`, times token c's
+ * codes: the sums start at -zero times the token's code sum, which costs no instruction of its own. */
 AVX512_TARGET void avx512_group_dots(const packed_matrix *w, const prepared_acts *a, const uint8_t *data,
                                      const uint8_t *high, int h, int64_t g, int64_t token, const int count,
-                                     const int kind, __m512i table, __m512i acc[MAX_TOKEN_BLOCK][4]) {
-    const int64_t quads = w->group / 4, code_stride = a->codes_per_token;
-    const int unsigned_codes = kind_unsigned(kind);
+                                     const int kind, __m512i table, int32_t zero, __m512i acc[MAX_TOKEN_BLOCK][4]) {
+    const int64_t quads = w->group / 4, code_stride = a->codes_per_token, groups = w->cols / w->group;
     for (int c = 0; c < count; c++) {
-        for (int v = 0; v < 4; v++) acc[c][v] = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++) acc[c][v] = _mm512_set1_epi32(-zero * a->code_sums[(token + c) * groups + g]);
     }
     for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
         __m512i x[MAX_TOKEN_BLOCK];
@@ -534,16 +550,7 @@ AVX512_TARGET void avx512_group_dots(const packed_matrix *w, const prepared_acts
         if (quad_shift(q, kind_field_bits(kind)) == 0) prefetch_codes(data, high, h, q, kind); /* once per block */
         for (int v = 0; v < 4; v++) {
             __m512i wv = avx512_quad(w, data, high, h, q, v, kind, table);
-            if (unsigned_codes) {
-                for (int c = 0; c < count; c++) acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], wv, x[c]);
-                continue;
-            }
-            __m512i magnitude = _mm512_abs_epi8(wv);
-            __mmask64 negative = _mm512_movepi8_mask(wv);
-            for (int c = 0; c < count; c++) {
-                __m512i signed_x = _mm512_mask_sub_epi8(x[c], negative, _mm512_setzero_si512(), x[c]);
-                acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], magnitude, signed_x);
-            }
+            for (int c = 0; c < count; c++) acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], wv, x[c]);
         }
     }
 }
@@ -552,25 +559,20 @@ AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_act
                                       int64_t token, const int count, const int kind, const float *params,
                                   float *out) {
     TILE_SETUP
-    const int unsigned_codes = kind_unsigned(kind);
-    const __m512i table = kind == CODES_CODEBOOK ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook))
-                                                 : _mm512_setzero_si512();
+    const int32_t code_zero = avx512_zero(w, kind) + centre;
+    const __m512i table = avx512_table(w, kind);
     __m512 total[MAX_TOKEN_BLOCK][4]; /* the rows' sums over the groups so far, kept in registers */
     for (int c = 0; c < count; c++) {
         for (int v = 0; v < 4; v++) total[c][v] = _mm512_loadu_ps(out + c * TILE_ROWS + 16 * v);
     }
     for (int64_t g = 0; g < groups; g++) {
         __m512i acc[MAX_TOKEN_BLOCK][4]; /* acc[c][v]: rows 16v .. 16v+15 */
-        avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
+        avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, code_zero, acc);
         if (!params) prefetch_group_params(w, tile, g, field);
         GROUP_PARAMS(group_params_avx512)
         for (int c = 0; c < count; c++) {
             __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);
             __m512 sum = _mm512_set1_ps(a->sums[(token + c) * groups + g]);
-            if (unsigned_codes && zero) {
-                __m512i zero_sum = _mm512_set1_epi32(zero * a->code_sums[(token + c) * groups + g]);
-                for (int v = 0; v < 4; v++) acc[c][v] = _mm512_sub_epi32(acc[c][v], zero_sum);
-            }
             for (int v = 0; v < 4; v++) {
                 total[c][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c][v]),
                                               _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * v), step), total[c][v]);
@@ -623,10 +625,9 @@ AVX512_TARGET void int8_two_level_avx512_n(const packed_matrix *w, const prepare
                                            float *out) {
     CODE_SETUP
     (void)params;
-    const int unsigned_codes = kind_unsigned(kind);
+    const int32_t code_zero = avx512_zero(w, kind);
     const int64_t gps = w->sub_gps;
-    const __m512i table = kind == CODES_CODEBOOK ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook))
-                                                 : _mm512_setzero_si512();
+    const __m512i table = avx512_table(w, kind);
     const int per_group = w->sub_mins ? 2 : 1;
     const __m512i offset = _mm512_set1_epi32(w->sub_offset);
     for (int64_t s = 0; s < groups / gps; s++) {
@@ -640,18 +641,14 @@ AVX512_TARGET void int8_two_level_avx512_n(const packed_matrix *w, const prepare
         for (int64_t gl = 0; gl < gps; gl++) {
             const int64_t g = s * gps + gl;
             __m512i acc[MAX_TOKEN_BLOCK][4];
-            avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
+            avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, code_zero, acc);
             /* The group's sub-scales, rows 16v .. 16v+15 as int32 lanes. */
             const __m512i scale_bytes = sub_bytes_64(w, codes, values, (int)gl * per_group);
             __m512i scale[4];
             for (int v = 0; v < 4; v++)
                 scale[v] = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(scale_bytes, v)), offset);
             for (int c = 0; c < count; c++) {
-                const __m512i zero_sum = _mm512_set1_epi32(w->zero * a->code_sums[(token + c) * groups + g]);
-                for (int v = 0; v < 4; v++) {
-                    __m512i dot = unsigned_codes ? _mm512_sub_epi32(acc[c][v], zero_sum) : acc[c][v];
-                    isum[c][v] = _mm512_add_epi32(isum[c][v], _mm512_mullo_epi32(dot, scale[v]));
-                }
+                for (int v = 0; v < 4; v++) isum[c][v] = _mm512_add_epi32(isum[c][v], _mm512_mullo_epi32(acc[c][v], scale[v]));
             }
         }
         for (int64_t gl = 0; w->sub_mins && gl < gps; gl += 2)
