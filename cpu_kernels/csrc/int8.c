@@ -351,6 +351,22 @@ AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a
     }
 }
 
+/* out[c] rows 8v .. 8v+7 += super block s's integer sums times d (less the mins' times dmin) and token
+ * c's step. */
+AVX2_TARGET void two_level_store_avx2(const packed_matrix *w, const prepared_acts *a, const uint16_t *supers,
+                                      int64_t s, int64_t token, int c, int v, __m256i isum, __m256i imin,
+                                      float *out) {
+    const __m256 step = _mm256_set1_ps(a->scales[(token + c) * (w->cols / w->group) + s]);
+    float *dst = out + c * TILE_ROWS + 8 * v;
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(supers + 8 * v)));
+    __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, step), _mm256_loadu_ps(dst));
+    if (w->sub_mins) {
+        __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(supers + TILE_ROWS + 8 * v)));
+        total = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmin, step), total);
+    }
+    _mm256_storeu_ps(dst, total);
+}
+
 AVX2_TARGET void int8_two_level_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
                                        int64_t token, const int count, const int kind, const float *params,
                                        float *out) {
@@ -390,17 +406,7 @@ AVX2_TARGET void int8_two_level_avx2_n(const packed_matrix *w, const prepared_ac
         }
         const uint16_t *supers = super_values(w, tile, s);
         for (int c = 0; c < count; c++) {
-            const __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + s]);
-            for (int v = 0; v < 8; v++) {
-                float *dst = out + c * TILE_ROWS + 8 * v;
-                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(supers + 8 * v)));
-                __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c][v]), _mm256_mul_ps(d, step), _mm256_loadu_ps(dst));
-                if (w->sub_mins) {
-                    __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(supers + TILE_ROWS + 8 * v)));
-                    total = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[c][v]), _mm256_mul_ps(dmin, step), total);
-                }
-                _mm256_storeu_ps(dst, total);
-            }
+            for (int v = 0; v < 8; v++) two_level_store_avx2(w, a, supers, s, token, c, v, isum[c][v], imin[c][v], out);
         }
     }
 }
@@ -467,17 +473,7 @@ AVX2_TARGET void int8_two_level_pairs_avx2_n(const packed_matrix *w, const prepa
                     }
                 }
             }
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(supers + 8 * v)));
-            for (int c = 0; c < count; c++) {
-                const __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + s]);
-                float *dst = out + c * TILE_ROWS + 8 * v;
-                __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), _mm256_mul_ps(d, step), _mm256_loadu_ps(dst));
-                if (w->sub_mins) {
-                    __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(supers + TILE_ROWS + 8 * v)));
-                    total = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[c]), _mm256_mul_ps(dmin, step), total);
-                }
-                _mm256_storeu_ps(dst, total);
-            }
+            for (int c = 0; c < count; c++) two_level_store_avx2(w, a, supers, s, token, c, v, isum[c], imin[c], out);
         }
     }
 }
@@ -507,8 +503,7 @@ static inline int32_t avx512_zero(const packed_matrix *w, int kind) {
 }
 
 /* Codebook kinds' 16 entries plus 128 in each 128-bit lane (avx512_zero), for avx512_quad's lookup. */
-__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i avx512_table(const packed_matrix *w,
-                                                                                            int kind) {
+AVX512_TARGET __m512i avx512_table(const packed_matrix *w, int kind) {
     if (kind != CODES_CODEBOOK) return _mm512_setzero_si512();
     return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook)), _mm512_set1_epi8((char)0x80));
 }
