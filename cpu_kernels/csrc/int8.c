@@ -502,82 +502,114 @@ static inline int32_t avx512_zero(const packed_matrix *w, int kind) {
     return kind_unsigned(kind) ? w->zero : 128;
 }
 
-/* Codebook kinds' 16 entries plus 128 in each 128-bit lane (avx512_zero), for avx512_quad's lookup. */
+/* Codebook kinds' 16 entries plus 128 in each 128-bit lane (avx512_zero), for avx512_field's lookup. */
 AVX512_TARGET __m512i avx512_table(const packed_matrix *w, int kind) {
     if (kind != CODES_CODEBOOK) return _mm512_setzero_si512();
     return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w->codebook)), _mm512_set1_epi8((char)0x80));
 }
 
-/* Rows 16v .. 16v+15 of quad q as unsigned codes (avx512_zero): loaded, looked up from their nibbles,
- * or assembled. */
-AVX512_TARGET __m512i avx512_quad(const packed_matrix *w, const uint8_t *data, const uint8_t *high, int h,
-                                  int64_t q, int v, const int kind, __m512i table) {
+/* Field k of a 256-byte block's bytes (its quad k, rows 16v .. 16v+15) as unsigned codes (avx512_zero):
+ * as they are, masked into place and looked up, or with their high bits (quad q's) added. */
+AVX512_TARGET __m512i avx512_field(__m512i bytes, const int k, const uint8_t *high, int h, int64_t q, int v,
+                                   const int kind, __m512i table) {
     const int field = kind_field_bits(kind);
-    __m512i bytes = _mm512_loadu_si512((const void *)(quad_block(data, q, field) + 64 * v));
     if (kind == CODES_INT8) return _mm512_xor_si512(bytes, _mm512_set1_epi8((char)0x80));
-    bytes = _mm512_and_si512(_mm512_srli_epi16(bytes, quad_shift(q, field)), _mm512_set1_epi8((char)((1 << field) - 1)));
-    if (kind == CODES_CODEBOOK) return _mm512_shuffle_epi8(table, bytes);
+    __m512i code = _mm512_and_si512(_mm512_srli_epi16(bytes, field * k), _mm512_set1_epi8((char)((1 << field) - 1)));
+    if (kind == CODES_CODEBOOK) return _mm512_shuffle_epi8(table, code);
     if (kind_has_high(kind)) {
         int shift;
         __m512i top = _mm512_loadu_si512((const void *)(high_block(high, q, h, &shift) + 64 * v));
         top = _mm512_and_si512(_mm512_srl_epi16(top, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8((char)((1 << h) - 1)));
-        bytes = _mm512_or_si512(bytes, _mm512_slli_epi16(top, field));
+        code = _mm512_or_si512(code, _mm512_slli_epi16(top, field));
     }
-    return bytes;
+    return code;
 }
 
-/* acc[c][v] = rows 16v .. 16v+15 of group g, as unsigned codes (avx512_quad) less `zero`, times token c's
- * codes: the sums start at -zero times the token's code sum, which costs no instruction of its own. */
+/* acc[c][v] = rows 16v .. 16v+15 of group g, as unsigned codes (avx512_field) less `zero`, times token c's
+ * codes: the sums start at -zero times the token's code sum, which costs no instruction of its own. A
+ * group is whole 256-byte blocks of 8 / field quads (matmul_problem), each block loaded once and its
+ * quads' fields taken apart by constant shifts. */
 AVX512_TARGET void avx512_group_dots(const packed_matrix *w, const prepared_acts *a, const uint8_t *data,
                                      const uint8_t *high, int h, int64_t g, int64_t token, const int count,
                                      const int kind, __m512i table, int32_t zero, __m512i acc[MAX_TOKEN_BLOCK][4]) {
+    const int field = kind_field_bits(kind), per_block = 8 / field;
     const int64_t quads = w->group / 4, code_stride = a->codes_per_token, groups = w->cols / w->group;
     for (int c = 0; c < count; c++) {
         for (int v = 0; v < 4; v++) acc[c][v] = _mm512_set1_epi32(-zero * a->code_sums[(token + c) * groups + g]);
     }
-    for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
-        __m512i x[MAX_TOKEN_BLOCK];
+    for (int64_t q = g * quads; q < (g + 1) * quads; q += per_block) {
+        __m512i x[MAX_TOKEN_BLOCK][4];
         for (int c = 0; c < count; c++) {
-            int32_t four;
-            memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
-            x[c] = _mm512_set1_epi32(four);
+            for (int k = 0; k < per_block; k++) {
+                int32_t four;
+                memcpy(&four, a->codes + (token + c) * code_stride + 4 * (q + k), 4);
+                x[c][k] = _mm512_set1_epi32(four);
+            }
         }
-        if (quad_shift(q, kind_field_bits(kind)) == 0) prefetch_codes(data, high, h, q, kind); /* once per block */
+        prefetch_codes(data, high, h, q, kind);
+        const uint8_t *block = quad_block(data, q, field);
         for (int v = 0; v < 4; v++) {
-            __m512i wv = avx512_quad(w, data, high, h, q, v, kind, table);
-            for (int c = 0; c < count; c++) acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], wv, x[c]);
+            const __m512i bytes = _mm512_loadu_si512((const void *)(block + 64 * v));
+            for (int k = 0; k < per_block; k++) {
+                const __m512i wv = avx512_field(bytes, k, high, h, q + k, v, kind, table);
+                for (int c = 0; c < count; c++) acc[c][v] = _mm512_dpbusd_epi32(acc[c][v], wv, x[c][k]);
+            }
         }
     }
 }
 
+/* One-level group g's scales, then its mins (finish_mins' centre included, params.c): the tile's decoded
+ * params when given, else the float16 ones decoded into `own` as group_params_avx512 would, without its
+ * call, which cost a fifth of a 4-bit type's decode. */
+AVX512_TARGET const float *one_level_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, const float *params,
+                                                   int has_min, int centre, float own[2 * TILE_ROWS]) {
+    if (params) return params + g * 2 * TILE_ROWS;
+    const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
+    for (int v = 0; v < 4; v++) {
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at + 16 * v)));
+        _mm512_storeu_ps(own + 16 * v, scale);
+        if (!has_min) continue;
+        __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at + 16 * v)));
+        if (centre) min = _mm512_add_ps(min, _mm512_mul_ps(scale, _mm512_set1_ps((float)centre)));
+        _mm512_storeu_ps(own + TILE_ROWS + 16 * v, min);
+    }
+    return own;
+}
+
+/* Token blocks up to this many keep the rows' sums over groups in registers; larger ones keep them in
+ * memory, since 4 tokens' sums and dots together need more than the 32 vector registers. */
+#define SUMS_IN_REGISTERS 2
+
 AVX512_TARGET void int8_tile_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
                                       int64_t token, const int count, const int kind, const float *params,
-                                  float *out) {
-    TILE_SETUP
+                                      float *out) {
+    CODE_SETUP
+    const int has_min = params_have_min(w), centre = params_centre(w);
     const int32_t code_zero = avx512_zero(w, kind) + centre;
     const __m512i table = avx512_table(w, kind);
-    __m512 total[MAX_TOKEN_BLOCK][4]; /* the rows' sums over the groups so far, kept in registers */
-    for (int c = 0; c < count; c++) {
-        for (int v = 0; v < 4; v++) total[c][v] = _mm512_loadu_ps(out + c * TILE_ROWS + 16 * v);
-    }
+    float own_params[2 * TILE_ROWS];
+    float total[MAX_TOKEN_BLOCK][TILE_ROWS]; /* the rows' sums over the groups so far */
+    memcpy(total, out, sizeof(float) * TILE_ROWS * count);
     for (int64_t g = 0; g < groups; g++) {
         __m512i acc[MAX_TOKEN_BLOCK][4]; /* acc[c][v]: rows 16v .. 16v+15 */
         avx512_group_dots(w, a, data, high, h, g, token, count, kind, table, code_zero, acc);
         if (!params) prefetch_group_params(w, tile, g, field);
-        GROUP_PARAMS(group_params_avx512)
+        const float *scale = one_level_params_avx512(w, tile, g, params, has_min, centre, own_params);
+        const float *min = scale + TILE_ROWS;
         for (int c = 0; c < count; c++) {
             __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);
             __m512 sum = _mm512_set1_ps(a->sums[(token + c) * groups + g]);
             for (int v = 0; v < 4; v++) {
-                total[c][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c][v]),
-                                              _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * v), step), total[c][v]);
-                if (has_min) total[c][v] = _mm512_fmadd_ps(_mm512_loadu_ps(min + 16 * v), sum, total[c][v]);
+                __m512 row = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c][v]),
+                                             _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * v), step), _mm512_loadu_ps(total[c] + 16 * v));
+                if (has_min) row = _mm512_fmadd_ps(_mm512_loadu_ps(min + 16 * v), sum, row);
+                _mm512_storeu_ps(total[c] + 16 * v, row);
             }
         }
+        /* Left to itself, the compiler holds the sums in registers and spills the dots' sums instead. */
+        if (count > SUMS_IN_REGISTERS) __asm__ volatile("" : "+m"(total));
     }
-    for (int c = 0; c < count; c++) {
-        for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + c * TILE_ROWS + 16 * v, total[c][v]);
-    }
+    memcpy(out, total, sizeof(float) * TILE_ROWS * count);
 }
 
 /* imin[c][v] += each row's min codes of groups gl and gl + 1 times token c's code sums of the two. */
