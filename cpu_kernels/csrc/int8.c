@@ -273,66 +273,104 @@ static inline int32_t int16_pair(int32_t low, int32_t high) {
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
-/* Rows 8v .. 8v+7 of quad q as int8 codes: loaded, looked up from their nibbles, or assembled. */
-AVX2_TARGET __m256i avx2_quad(const packed_matrix *w, const uint8_t *data, const uint8_t *high, int h, int64_t q,
-                              int v, const int kind, __m256i table) {
+/* Field k of a 256-byte block's bytes (its quad k, rows 8v .. 8v+7) as int8 codes: as they are, masked into
+ * place and looked up, or with their high bits (quad q's) added. */
+AVX2_TARGET __m256i avx2_field(__m256i bytes, const int k, const uint8_t *high, int h, int64_t q, int v, const int kind,
+                               __m256i table) {
     const int field = kind_field_bits(kind);
-    __m256i bytes = _mm256_loadu_si256((const __m256i *)(quad_block(data, q, field) + 32 * v));
     if (kind == CODES_INT8) return bytes;
-    bytes = _mm256_and_si256(_mm256_srli_epi16(bytes, quad_shift(q, field)), _mm256_set1_epi8((char)((1 << field) - 1)));
-    if (kind == CODES_CODEBOOK) return _mm256_shuffle_epi8(table, bytes);
+    __m256i code = _mm256_and_si256(_mm256_srli_epi16(bytes, field * k), _mm256_set1_epi8((char)((1 << field) - 1)));
+    if (kind == CODES_CODEBOOK) return _mm256_shuffle_epi8(table, code);
     if (kind_has_high(kind)) {
         int shift;
         __m256i top = _mm256_loadu_si256((const __m256i *)(high_block(high, q, h, &shift) + 32 * v));
         top = _mm256_and_si256(_mm256_srl_epi16(top, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)((1 << h) - 1)));
-        bytes = _mm256_or_si256(bytes, _mm256_slli_epi16(top, field));
+        code = _mm256_or_si256(code, _mm256_slli_epi16(top, field));
     }
-    return bytes; /* unsigned: the kernel subtracts zero times the activations' code sum */
+    return code; /* unsigned: the kernel subtracts zero times the activations' code sum */
 }
 
-/* acc[c][v] = rows 8v .. 8v+7 of group g times token c's codes: unsigned codes as they are,
- * signed ones as |w| times x with w's sign. */
+/* acc[c][v] = rows 8v .. 8v+7 of group g times token c's codes: unsigned codes as they are, signed ones
+ * as |w| times x with w's sign. A group is whole 256-byte blocks (matmul_problem), each loaded once and
+ * split by constant shifts. Unsigned codes (below 64) times int8 activations make maddubs pairs of at
+ * most 2 * 63 * 127, so a 4-bit block's two quads add up in int16 before the one vpmaddwd; a signed
+ * pair can reach 2 * 127 * 127 and takes its own. */
 AVX2_TARGET void avx2_group_dots(const packed_matrix *w, const prepared_acts *a, const uint8_t *data,
                                  const uint8_t *high, int h, int64_t g, int64_t token, const int count,
                                  const int kind, __m256i table, __m256i acc[MAX_TOKEN_BLOCK][8]) {
+    const int field = kind_field_bits(kind), per_block = 8 / field;
     const int64_t quads = w->group / 4, code_stride = a->codes_per_token;
-    const int unsigned_codes = kind_unsigned(kind);
+    const int unsigned_codes = kind_unsigned(kind), paired = unsigned_codes && per_block == 2;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int c = 0; c < count; c++) {
         for (int v = 0; v < 8; v++) acc[c][v] = _mm256_setzero_si256();
     }
-    for (int64_t q = g * quads; q < (g + 1) * quads; q++) {
-        __m256i x[MAX_TOKEN_BLOCK];
+    for (int64_t q = g * quads; q < (g + 1) * quads; q += per_block) {
+        __m256i x[MAX_TOKEN_BLOCK][4];
         for (int c = 0; c < count; c++) {
-            int32_t four;
-            memcpy(&four, a->codes + (token + c) * code_stride + 4 * q, 4);
-            x[c] = _mm256_set1_epi32(four);
+            for (int k = 0; k < per_block; k++) {
+                int32_t four;
+                memcpy(&four, a->codes + (token + c) * code_stride + 4 * (q + k), 4);
+                x[c][k] = _mm256_set1_epi32(four);
+            }
         }
-        if (quad_shift(q, kind_field_bits(kind)) == 0) prefetch_codes(data, high, h, q, kind); /* once per block */
+        prefetch_codes(data, high, h, q, kind);
+        const uint8_t *block = quad_block(data, q, field);
         for (int v = 0; v < 8; v++) {
-            __m256i wv = avx2_quad(w, data, high, h, q, v, kind, table);
-            /* unsigned codes below 64 times int8 activations: pairs stay within int16 */
-            __m256i magnitude = unsigned_codes ? wv : _mm256_sign_epi8(wv, wv);
-            for (int c = 0; c < count; c++) {
-                __m256i pairs = _mm256_maddubs_epi16(magnitude, unsigned_codes ? x[c] : _mm256_sign_epi8(x[c], wv));
-                acc[c][v] = _mm256_add_epi32(acc[c][v], _mm256_madd_epi16(pairs, ones));
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * v));
+            if (paired) {
+                const __m256i low = avx2_field(bytes, 0, high, h, q, v, kind, table);
+                const __m256i top = avx2_field(bytes, 1, high, h, q + 1, v, kind, table);
+                for (int c = 0; c < count; c++) {
+                    __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x[c][0]), _mm256_maddubs_epi16(top, x[c][1]));
+                    acc[c][v] = _mm256_add_epi32(acc[c][v], _mm256_madd_epi16(pairs, ones));
+                }
+                continue;
+            }
+            for (int k = 0; k < per_block; k++) {
+                const __m256i wv = avx2_field(bytes, k, high, h, q + k, v, kind, table);
+                const __m256i magnitude = unsigned_codes ? wv : _mm256_sign_epi8(wv, wv);
+                for (int c = 0; c < count; c++) {
+                    __m256i pairs = _mm256_maddubs_epi16(magnitude, unsigned_codes ? x[c][k] : _mm256_sign_epi8(x[c][k], wv));
+                    acc[c][v] = _mm256_add_epi32(acc[c][v], _mm256_madd_epi16(pairs, ones));
+                }
             }
         }
     }
 }
 
+/* One-level group g's scales, then its mins: as one_level_params_avx512, 8 rows to a register. */
+AVX2_TARGET const float *one_level_params_avx2(const packed_matrix *w, int64_t tile, int64_t g, const float *params,
+                                               int has_min, int centre, float own[2 * TILE_ROWS]) {
+    if (params) return params + g * 2 * TILE_ROWS;
+    const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
+    for (int v = 0; v < 8; v++) {
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->scales + at + 8 * v)));
+        _mm256_storeu_ps(own + 8 * v, scale);
+        if (!has_min) continue;
+        __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mins + at + 8 * v)));
+        if (centre) min = _mm256_add_ps(min, _mm256_mul_ps(scale, _mm256_set1_ps((float)centre)));
+        _mm256_storeu_ps(own + TILE_ROWS + 8 * v, min);
+    }
+    return own;
+}
+
 AVX2_TARGET void int8_tile_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
                                   int64_t token, const int count, const int kind, const float *params,
                                   float *out) {
-    TILE_SETUP
+    CODE_SETUP
+    const int has_min = params_have_min(w), centre = params_centre(w);
+    const int32_t zero = w->zero + centre;
     const int unsigned_codes = kind_unsigned(kind);
     const __m256i table = kind == CODES_CODEBOOK ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->codebook))
                                                  : _mm256_setzero_si256();
+    float own_params[2 * TILE_ROWS];
     for (int64_t g = 0; g < groups; g++) {
         __m256i acc[MAX_TOKEN_BLOCK][8]; /* acc[c][v]: rows 8v .. 8v+7 */
         avx2_group_dots(w, a, data, high, h, g, token, count, kind, table, acc);
         if (!params) prefetch_group_params(w, tile, g, field);
-        GROUP_PARAMS(group_params_avx2)
+        const float *scale = one_level_params_avx2(w, tile, g, params, has_min, centre, own_params);
+        const float *min = scale + TILE_ROWS;
         for (int c = 0; c < count; c++) {
             __m256 step = _mm256_set1_ps(a->scales[(token + c) * groups + g]);
             __m256 sum = _mm256_set1_ps(a->sums[(token + c) * groups + g]);
