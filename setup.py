@@ -34,12 +34,13 @@ def mapped_packages() -> dict[str, str]:
 # The CPU kernels: one portable build, with the AVX2 and AVX-512 paths compiled per function
 # (target attributes) or per file (attend_*.c) and chosen at run time, so no -march flag ties the
 # build to this machine.
-KERNEL_SOURCES = ("module", "lut", "int8", "params", "ops", "pool", "crc32",
+KERNEL_SOURCES = ("module", "lut", "int8", "params", "ops", "pool", "crc32", "transcode",
                   "attend_avx512", "attend_avx2", "attend_portable")
 KERNELS = Extension(
     "tierflow.cpu_kernels._kernels",
     sources=[f"cpu_kernels/csrc/{name}.c" for name in KERNEL_SOURCES],
-    depends=[f"cpu_kernels/csrc/{name}.h" for name in ("kernels", "ops", "vec16", "attend", "sub_codes")],
+    depends=[f"cpu_kernels/csrc/{name}.h"
+             for name in ("kernels", "ops", "vec16", "attend", "sub_codes", "transcode")],
     extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wall", "-Wno-psabi"],
     extra_link_args=["-pthread"],
 )

@@ -68,7 +68,9 @@ How GGUF types land here (quant_groups.py does the decoding), bytes per 256 weig
                         here, never rounded to 0 or inf                       144 (the file's: 136)
 Every mapping is exact: the kernels compute with the file's own codes and ggml's own scales.
 
-Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second.
+Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second. Q4_K and Q6_K, the
+K-quant mixes' bulk, go straight from their GGUF blocks to this layout in C (pack_blocks), bit for bit
+what packing their quant groups gives.
 """
 
 from collections.abc import Callable
@@ -76,9 +78,10 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 from tierflow.cpu_kernels import _kernels
-from tierflow.cpu_kernels.quant_groups import CODEBOOKS, QuantGroups, SubScales
+from tierflow.cpu_kernels.quant_groups import CODEBOOKS, QuantGroups, SubScales, group_layout
 
 TILE_ROWS = 64
 # The C kernels' codebook ids (kernels.h's codebook_t): 0 is none, the int8 layout.
@@ -383,6 +386,44 @@ def pack(groups: QuantGroups, with_mins: bool | None = None) -> PackedMatrix:
     mins = _tiled_params(_to_half(groups.min, "min"), tiles) if _keeps_mins(groups, with_mins) else None
     return PackedMatrix(rows, cols, groups.bits, groups.group, np.ascontiguousarray(data), scales, mins,
                         **fields)
+
+
+# The GGUF types pack_blocks lays out from their blocks (transcode.c).
+BLOCK_PACKED_TYPES = frozenset({T.Q4_K, T.Q6_K})
+
+
+class NonFiniteBlocks(ValueError):
+    """A tensor given to pack_blocks has a super-block scale that is not a finite number."""
+
+    def __init__(self, part: int):
+        super().__init__(f"part {part} has a super-block scale that is not a finite number")
+        self.part = part
+
+
+def pack_blocks(parts: list[tuple[np.ndarray, tuple[int, int]]], ggml_type: int) -> PackedMatrix:
+    """GGUF tensors of one BLOCK_PACKED_TYPES type (raw bytes, GGUF-order shape [K, N]), their rows
+    stacked in order, laid out for the kernels: pack(stack_rows([to_quant_groups(...)])) to the bit,
+    without the byte per weight in between. NonFiniteBlocks names the part with a scale that is not
+    a number."""
+    layout = group_layout(ggml_type)
+    cols = parts[0][1][0]
+    rows = sum(shape[1] for _, shape in parts)
+    tiles, supers = -(-rows // TILE_ROWS), cols // 256
+    spec = layout.sub
+    data = np.zeros((tiles, cols * 4 // 32, TILE_ROWS, 4), np.uint8)
+    high = np.zeros((tiles, cols * 2 // 32, TILE_ROWS, 4), np.uint8) if layout.width == 6 else None
+    code_bytes = sub_code_bytes(spec.bits, spec.groups_per_super, spec.with_mins)
+    codes = np.zeros((tiles, supers, code_bytes, TILE_ROWS), np.uint8)
+    halves = np.zeros((tiles, supers, 2 if spec.with_mins else 1, TILE_ROWS), np.float16)
+    row0 = 0
+    for index, (raw, shape) in enumerate(parts):
+        raw = np.ascontiguousarray(raw)
+        if _kernels.transcode(ggml_type, raw, cols, row0, data, high, codes, halves) >= 0:
+            raise NonFiniteBlocks(index)
+        row0 += shape[1]
+    sub = SubPacking(codes, halves, spec.bits, spec.offset, spec.groups_per_super, spec.with_mins)
+    return PackedMatrix(rows, cols, layout.bits, layout.group, data, None, None, width=layout.width,
+                        zero=layout.zero, high=high, sub=sub)
 
 
 def _keeps_mins(groups: QuantGroups, with_mins: bool | None) -> bool:

@@ -6,9 +6,17 @@ from gguf import GGMLQuantizationType as T
 
 from tests.support.random_weights import random_tensor_bytes
 from tests.test_dequant import random_tensor
+from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.matmul import matmul
-from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, pack
+from tierflow.cpu_kernels.packed import (
+    BLOCK_PACKED_TYPES,
+    TILE_ROWS,
+    NonFiniteBlocks,
+    PackedMatrix,
+    pack,
+    pack_blocks,
+)
 from tierflow.cpu_kernels.quant_groups import (
     CODEBOOKS,
     GROUPED_TYPES,
@@ -16,7 +24,7 @@ from tierflow.cpu_kernels.quant_groups import (
     stack_rows,
     to_quant_groups,
 )
-from tierflow.ggml_types import TierflowType, type_name
+from tierflow.ggml_types import QUANT_SIZES, TierflowType, type_name
 
 ALL_BITS = (1, 2, 3, 4, 8)
 ROW_COUNTS = (1, 63, 65, 130)  # within one tile, one short of it, just past it, past two
@@ -301,6 +309,35 @@ def test_packed_matrix_computes_the_files_weights(ggml_type):
     assert np.array_equal(np.abs(packed.row_slice(ids)), expected[ids])
 
 
+def same_arrays(a: PackedMatrix, b: PackedMatrix) -> bool:
+    """Whether two packed matrices hold the same bytes in every array, and the same form."""
+    def bits(array: np.ndarray | None):
+        return None if array is None else array.view(np.uint8).tobytes()
+
+    arrays = lambda m: [m.data, m.high, m.scales, m.mins, m.sub and m.sub.codes, m.sub and m.sub.supers]  # noqa: E731
+    form = lambda m: (m.rows, m.cols, m.bits, m.group, m.codebook, m.width, m.zero,  # noqa: E731
+                      m.sub and (m.sub.bits, m.sub.offset, m.sub.groups_per_super, m.sub.with_mins))
+    return form(a) == form(b) and [bits(x) for x in arrays(a)] == [bits(x) for x in arrays(b)]
+
+
+@pytest.mark.parametrize("ggml_type", sorted(BLOCK_PACKED_TYPES), ids=lambda t: T(t).name)
+def test_blocks_packed_in_c_are_the_bytes_their_quant_groups_pack_to(ggml_type):
+    # Two stacked tensors whose rows end mid-tile, as a fused projection's parts do.
+    parts = [(random_tensor(ggml_type, (768, rows), seed=rows), (768, rows)) for rows in (70, 33)]
+    expected = pack(stack_rows([to_quant_groups(raw, ggml_type, shape) for raw, shape in parts]))
+    assert same_arrays(pack_blocks(parts, ggml_type), expected)
+
+
+@pytest.mark.parametrize("ggml_type, offset", [(T.Q4_K, 0), (T.Q4_K, 2), (T.Q6_K, 208)], ids=str)
+def test_a_block_packed_part_whose_super_block_scale_is_not_a_number_is_named(ggml_type, offset):
+    parts = [(random_tensor(ggml_type, (256, 3), seed=seed).copy(), (256, 3)) for seed in (1, 2)]
+    last_block = parts[1][0][-QUANT_SIZES[ggml_type][1]:]
+    last_block[offset:offset + 2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+    with pytest.raises(NonFiniteBlocks) as refused:
+        pack_blocks(parts, ggml_type)
+    assert refused.value.part == 1
+
+
 def gguf_matrix(ggml_type: int, rows: int, cols: int, seed: int = 0) -> PackedMatrix:
     """Real blocks of the type (random weights that gguf-py quantizes), packed as the kernels read them."""
     raw = random_tensor_bytes(np.random.default_rng(seed), ggml_type, (rows, cols), 0.02).reshape(-1)
@@ -334,3 +371,14 @@ def test_two_bit_fields_refuse_a_group_or_width_their_blocks_do_not_hold(width, 
     scale = np.ones((3, cols // group), np.float32)
     with pytest.raises(ValueError, match=problem):
         pack(QuantGroups(q, scale, np.full_like(scale, -0.0), group, 8, width=width, zero=2))
+
+
+@pytest.mark.parametrize("ggml_type, nbytes, problem", [
+    (T.Q5_K, 176, "is not Q4_K"),
+    (T.Q4_K, 143, "whole rows of 256-column super blocks"),
+], ids=["other type", "partial block"])
+def test_transcode_refuses_what_it_cannot_lay_out_naming_it(ggml_type, nbytes, problem):
+    data, codes = np.zeros((1, 32, TILE_ROWS, 4), np.uint8), np.zeros((1, 1, 12, TILE_ROWS), np.uint8)
+    supers = np.zeros((1, 1, 2, TILE_ROWS), np.float16)
+    with pytest.raises(ValueError, match=problem):
+        _kernels.transcode(ggml_type, np.zeros(nbytes, np.uint8), 256, 0, data, None, codes, supers)

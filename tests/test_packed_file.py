@@ -343,7 +343,8 @@ def set_block_bytes(model: Path, tensor: str, block: int, offset: int, value: by
 
 
 # (weight type, byte offset of its float16 d in a block, the value written there)
-BAD_SCALES = [("Q8_0", 0, np.nan), ("Q2_K", 80, np.inf), ("TQ1_0", 52, -np.inf)]
+BAD_SCALES = [("Q8_0", 0, np.nan), ("Q2_K", 80, np.inf), ("TQ1_0", 52, -np.inf), ("Q4_K", 2, np.inf),
+              ("Q6_K", 208, np.nan)]
 
 
 @pytest.mark.parametrize("weight_type, offset, value", BAD_SCALES, ids=lambda v: str(v))

@@ -14,6 +14,7 @@
 #include "kernels.h"
 #include "ops.h"
 #include "sub_codes.h"
+#include "transcode.h"
 
 #define TOKEN_CHUNK 32 /* tokens per work item in a many-token product */
 #define INLINE_PREPARES 16 /* token rows the caller quantizes itself rather than wait for the threads once more */
@@ -891,7 +892,57 @@ static PyObject *py_pack_fields(PyObject *self, PyObject *args) {
     return PyBool_FromLong(fits);
 }
 
+PyDoc_STRVAR(transcode_doc,
+"transcode(ggml_type, src, cols, row0, data, high, sub_codes, supers)\n--\n\n"
+"Writes a Q4_K or Q6_K tensor's rows (src: its GGUF bytes, whole rows of `cols` columns) into rows\n"
+"row0 .. of a packed matrix's arrays (packed.py's layout, whose padding rows the caller zeroes; high is None for\n"
+"Q4_K), as pack(to_quant_groups(...)) would. Returns -1, or the first row whose super-block scale is\n"
+"not a finite number (the rows before it are written).");
+
+static PyObject *py_transcode(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *data_obj, *high_obj, *codes_obj, *supers_obj;
+    int ggml_type;
+    Py_ssize_t cols, row0;
+    if (!PyArg_ParseTuple(args, "iOnnOOOO:transcode", &ggml_type, &src_obj, &cols, &row0, &data_obj, &high_obj,
+                          &codes_obj, &supers_obj))
+        return NULL;
+    if (ggml_type != GGML_Q4_K && ggml_type != GGML_Q6_K)
+        return PyErr_Format(PyExc_ValueError, "transcode: ggml type %d is not Q4_K (12) or Q6_K (14)", ggml_type);
+    buffer_arg buf[5] = {{.held = 0}};
+    if (get_buffer(src_obj, &buf[0], "src", 1, "B", 0) || get_buffer(data_obj, &buf[1], "data", 1, "B", 1) ||
+        (high_obj != Py_None && get_buffer(high_obj, &buf[2], "high", 1, "B", 1)) ||
+        get_buffer(codes_obj, &buf[3], "sub_codes", 1, "B", 1) || get_buffer(supers_obj, &buf[4], "supers", 2, "e", 1)) {
+        release(buf, 5);
+        return NULL;
+    }
+    const int q6 = ggml_type == GGML_Q6_K;
+    const int64_t block_bytes = q6 ? 210 : 144, supers_per_row = cols / 256;
+    const int64_t rows = cols > 0 && cols % 256 == 0 ? buf[0].view.len / (supers_per_row * block_bytes) : 0;
+    const int64_t tiles = (row0 + rows + TILE_ROWS - 1) / TILE_ROWS;
+    const char *problem = NULL;
+    if (rows < 1 || buf[0].view.len != rows * supers_per_row * block_bytes || row0 < 0)
+        problem = "src must be whole rows of 256-column super blocks, and row0 at least 0";
+    else if (buf[2].held != q6)
+        problem = "high must be given for Q6_K only";
+    else if (buf[1].view.len < tiles * TILE_ROWS * cols / 2 || (q6 && buf[2].view.len < tiles * TILE_ROWS * cols / 4) ||
+             buf[3].view.len < tiles * supers_per_row * (q6 ? 16 : 12) * TILE_ROWS ||
+             buf[4].view.len < tiles * supers_per_row * (q6 ? 1 : 2) * TILE_ROWS * 2)
+        problem = "the packed arrays are too small for rows row0 .. of these blocks";
+    if (problem) {
+        release(buf, 5);
+        return PyErr_Format(PyExc_ValueError, "transcode: %s", problem);
+    }
+    int64_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = transcode_rows(ggml_type, buf[0].view.buf, rows, cols, row0, buf[1].view.buf,
+                         buf[2].held ? buf[2].view.buf : NULL, buf[3].view.buf, buf[4].view.buf);
+    Py_END_ALLOW_THREADS
+    release(buf, 5);
+    return PyLong_FromLongLong(bad);
+}
+
 static PyMethodDef methods[] = {
+    {"transcode", py_transcode, METH_VARARGS, transcode_doc},
     {"pack_fields", py_pack_fields, METH_VARARGS, pack_fields_doc},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS, matmul_doc},
     {"matmul_many", py_matmul_many, METH_O, matmul_many_doc},

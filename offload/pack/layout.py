@@ -29,7 +29,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierflow.cpu_kernels.dequant import dequantize
-from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, field_bits, pack, sub_code_bytes
+from tierflow.cpu_kernels.packed import (
+    BLOCK_PACKED_TYPES,
+    TILE_ROWS,
+    NonFiniteBlocks,
+    PackedMatrix,
+    field_bits,
+    pack,
+    pack_blocks,
+    sub_code_bytes,
+)
 from tierflow.cpu_kernels.quant_groups import (
     GROUPED_TYPES,
     GroupLayout,
@@ -91,6 +100,10 @@ class TensorDecoder:
         rows, cols = tensor.matrix_shape
         return dequantize(data, info.ggml_type, info.shape[:2] if tensor.expert is not None else info.shape
                           ).reshape(rows, cols)
+
+    def blocks(self, tensor: Tensor) -> tuple[np.ndarray, tuple[int, int]]:
+        """The tensor's (or its expert slice's) GGUF bytes and GGUF-order shape [cols, rows]."""
+        return self._data(tensor), self.gguf.tensors[tensor.name].shape[:2]
 
     def vector(self, tensor: Tensor) -> np.ndarray:
         """The tensor's values (an expert's: its slice of a stacked [rows, experts] bias)."""
@@ -226,12 +239,17 @@ class ExtentLayout:
         file; one too large for the packed layout's float16 (a Q4_0 block of scale 65504 has an
         offset of -8 x 65504), or an MXFP4 scale without a codebook form, is a file tierflow cannot
         hold."""
+        types = {self.gguf.tensors[w.name].ggml_type for w in weights}
+        if len(types) == 1 and types <= BLOCK_PACKED_TYPES:
+            try:
+                return pack_blocks([self.decoder.blocks(w) for w in weights], types.pop())
+            except NonFiniteBlocks as error:
+                raise self._damaged(weights[error.part]) from None
         groups = [self.decoder.matrix(w, True) for w in weights]
         names = ", ".join(f"'{w.name}'" for w in weights)
         for weight, group in zip(weights, groups):
             if not (np.isfinite(group.scale).all() and np.isfinite(group.min).all()):
-                raise ModelFileError(f"{self.gguf.path.name}: tensor '{weight.name}' has block scales "
-                                     f"that are not finite numbers (the file is damaged)")
+                raise self._damaged(weight)
         if any(group.codebook != codebook for group in groups):
             raise UnsupportedModelError(f"{self.gguf.path.name}: tensor {names}: MXFP4 block scales above "
                                         f"2^15 are not supported (tierflow packs MXFP4 as 4-bit codes with "
@@ -241,6 +259,10 @@ class ExtentLayout:
         except ValueError as error:
             raise UnsupportedModelError(f"{self.gguf.path.name}: tensor {names}: {error} (tierflow's packed "
                                         f"layout keeps block scales and offsets in float16)") from None
+
+    def _damaged(self, weight: Tensor) -> ModelFileError:
+        return ModelFileError(f"{self.gguf.path.name}: tensor '{weight.name}' has block scales that are not "
+                              f"finite numbers (the file is damaged)")
 
     def _biases(self, parts: list[tuple[Tensor, Tensor | None]]) -> np.ndarray:
         return np.concatenate([np.zeros(weight.matrix_shape[0], np.float32) if bias is None

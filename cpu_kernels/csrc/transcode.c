@@ -1,0 +1,118 @@
+/* GGUF super blocks straight into packed.py's layout: what pack(to_quant_groups(...)) makes of a Q4_K or
+ * Q6_K matrix, without the byte per weight and float scales per group that the numpy path builds on the
+ * way. The codes move four bytes at a time and the sub-scale codes and super-block halves as they are,
+ * so the result is the numpy path's to the bit (tests/test_packed.py checks it).
+ *
+ * Each call writes rows [row0, row0 + rows) of a matrix: a projection stacked from several tensors is
+ * several calls, and the caller zeroes the arrays for the padding rows past the last. */
+#include <string.h>
+
+#include "kernels.h"
+#include "transcode.h"
+
+enum { Q4_K_BYTES = 144, Q6_K_BYTES = 210, SUPER = 256 };
+
+/* A float16's bits are finite unless its exponent is all ones. */
+static inline int half_finite(uint16_t bits) { return (bits & 0x7C00) != 0x7C00; }
+
+static inline uint16_t half_at(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+static inline uint32_t word_at(const uint8_t *p) {
+    uint32_t word;
+    memcpy(&word, p, 4);
+    return word;
+}
+
+/* Where row r of a tile keeps its 4 bytes of 256-byte block `block` in packed.py's field layouts
+ * [T, K * field / 32, 64, 4]: a block holds 32 / field columns (8 of nibbles, 16 of 2-bit fields). */
+static inline uint8_t *block_row(uint8_t *tile_base, int64_t block, int r) {
+    return tile_base + block * TILE_ROWS * 4 + 4 * r;
+}
+
+/* The 4 bytes of a nibble block from 8 columns' nibbles: columns 0-3 in the low nibbles, 4-7 in the high
+ * ones, the columns' nibbles being the low (top = 0) or high (top = 1) ones of the bytes at p. */
+static inline uint32_t nibble_block(const uint8_t *p, int top) {
+    const uint32_t first = word_at(p), second = word_at(p + 4);
+    return top ? ((first >> 4) & 0x0F0F0F0F) | (second & 0xF0F0F0F0)
+               : (first & 0x0F0F0F0F) | ((second & 0x0F0F0F0F) << 4);
+}
+
+/* Q4_K: codes are the file's nibbles (width 4, zero 0); per super block 8 groups of 32, each with a
+ * 6-bit scale code and min code (packed.py's sub codes: low nibbles paired, then top bits four to a
+ * byte), and d, dmin per row. Weight 64c + l takes the low nibble of qs[32c + l] (l < 32), weight
+ * 64c + 32 + l its high nibble. */
+static int q4_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, uint8_t *data, uint8_t *sub_codes,
+                    uint16_t *supers) {
+    const int64_t supers_per_row = cols / SUPER, data_base = tile * cols * TILE_ROWS / 2;
+    for (int64_t s = 0; s < supers_per_row; s++) {
+        const uint8_t *block = blocks + s * Q4_K_BYTES, *scales = block + 4, *qs = block + 16;
+        const uint16_t d = half_at(block), dmin = half_at(block + 2);
+        if (!half_finite(d) || !half_finite(dmin)) return 0;
+        const int64_t at = tile * supers_per_row + s;
+        supers[(at * 2 + 0) * TILE_ROWS + r] = d;
+        supers[(at * 2 + 1) * TILE_ROWS + r] = dmin;
+        uint8_t values[16]; /* group g's scale code at 2g, its min code at 2g + 1 (ggml's get_scale_min_k4) */
+        for (int g = 0; g < 8; g++) {
+            values[2 * g] = g < 4 ? scales[g] & 63 : (scales[g + 4] & 0xF) | (scales[g - 4] >> 6) << 4;
+            values[2 * g + 1] = g < 4 ? scales[g + 4] & 63 : (scales[g + 4] >> 4) | (scales[g] >> 6) << 4;
+        }
+        uint8_t *codes = sub_codes + at * 12 * TILE_ROWS + r;
+        for (int i = 0; i < 8; i++) codes[i * TILE_ROWS] = (uint8_t)((values[2 * i] & 0xF) | (values[2 * i + 1] & 0xF) << 4);
+        for (int i = 0; i < 4; i++) {
+            uint8_t top = 0;
+            for (int k = 0; k < 4; k++) top |= (uint8_t)((values[4 * i + k] >> 4) << (2 * k));
+            codes[(8 + i) * TILE_ROWS] = top;
+        }
+        for (int o = 0; o < SUPER / 8; o++) { /* columns 8o .. 8o + 7: chunk o / 8, its half (o / 4) & 1 */
+            const uint32_t block = nibble_block(qs + 32 * (o / 8) + 8 * (o % 4), (o / 4) & 1);
+            memcpy(block_row(data + data_base, s * SUPER / 8 + o, r), &block, 4);
+        }
+    }
+    return 1;
+}
+
+/* Q6_K: the unsigned 6-bit code q6 (width 6, zero 32: the weight is q6 - 32) as a nibble in data and its
+ * top 2 bits in high; per super block 16 groups of 16 with an int8 scale each, kept as its code
+ * scale + 128 (sub bits 8, offset 128), and d per row. Within each half n of 128 weights, weight
+ * 128n + 32k + l (k < 4, l < 32) takes the low (k < 2) or high nibble of ql[64n + l + 32 (k & 1)] and
+ * bits 2k, 2k + 1 of qh[32n + l]. */
+static int q6_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, uint8_t *data, uint8_t *high,
+                    uint8_t *sub_codes, uint16_t *supers) {
+    const int64_t supers_per_row = cols / SUPER, data_base = tile * cols * TILE_ROWS / 2;
+    const int64_t high_base = tile * cols * TILE_ROWS / 4;
+    for (int64_t s = 0; s < supers_per_row; s++) {
+        const uint8_t *block = blocks + s * Q6_K_BYTES, *ql = block, *qh = block + 128, *scales = block + 192;
+        const uint16_t d = half_at(block + 208);
+        if (!half_finite(d)) return 0;
+        const int64_t at = tile * supers_per_row + s;
+        supers[at * TILE_ROWS + r] = d;
+        for (int g = 0; g < 16; g++) sub_codes[(at * 16 + g) * TILE_ROWS + r] = (uint8_t)(scales[g] ^ 0x80);
+        for (int o = 0; o < SUPER / 8; o++) { /* columns 8o .. 8o + 7: half n = o / 16, k = o / 4 % 4 */
+            const int n = o / 16, k = o / 4 % 4;
+            const uint32_t block = nibble_block(ql + 64 * n + 32 * (k & 1) + 8 * (o % 4), k >= 2);
+            memcpy(block_row(data + data_base, s * SUPER / 8 + o, r), &block, 4);
+        }
+        for (int b = 0; b < SUPER / 16; b++) { /* columns 16b .. 16b + 15, quad i's top bits at bits 2i */
+            const int n = b / 8, k = b / 2 % 4;
+            const uint8_t *bits = qh + 32 * n + 16 * (b % 2);
+            uint32_t block = 0;
+            for (int i = 0; i < 4; i++) block |= ((word_at(bits + 4 * i) >> (2 * k)) & 0x03030303) << (2 * i);
+            memcpy(block_row(high + high_base, s * SUPER / 16 + b, r), &block, 4);
+        }
+    }
+    return 1;
+}
+
+int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0, uint8_t *data,
+                       uint8_t *high, uint8_t *sub_codes, uint16_t *supers) {
+    const int64_t row_bytes = cols / SUPER * (ggml_type == GGML_Q4_K ? Q4_K_BYTES : Q6_K_BYTES);
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t tile = (row0 + row) / TILE_ROWS;
+        const int r = (int)((row0 + row) % TILE_ROWS);
+        const uint8_t *blocks = src + row * row_bytes;
+        const int finite = ggml_type == GGML_Q4_K ? q4_k_row(blocks, cols, tile, r, data, sub_codes, supers)
+                                                  : q6_k_row(blocks, cols, tile, r, data, high, sub_codes, supers);
+        if (!finite) return row;
+    }
+    return -1;
+}
