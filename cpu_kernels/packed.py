@@ -68,9 +68,9 @@ How GGUF types land here (quant_groups.py does the decoding), bytes per 256 weig
                         here, never rounded to 0 or inf                       144 (the file's: 136)
 Every mapping is exact: the kernels compute with the file's own codes and ggml's own scales.
 
-Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second. Q4_K and Q6_K, the
-K-quant mixes' bulk, go straight from their GGUF blocks to this layout in C (pack_blocks), bit for bit
-what packing their quant groups gives.
+Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second. Q4_0, Q8_0, Q4_K, Q5_K
+and Q6_K, most files' bulk, go straight from their GGUF blocks to this layout in C (pack_blocks), bit
+for bit what packing their quant groups gives.
 """
 
 from collections.abc import Callable
@@ -389,14 +389,14 @@ def pack(groups: QuantGroups, with_mins: bool | None = None) -> PackedMatrix:
 
 
 # The GGUF types pack_blocks lays out from their blocks (transcode.c).
-BLOCK_PACKED_TYPES = frozenset({T.Q4_K, T.Q6_K})
+BLOCK_PACKED_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 
 
 class NonFiniteBlocks(ValueError):
-    """A tensor given to pack_blocks has a super-block scale that is not a finite number."""
+    """A tensor given to pack_blocks has a block scale that is not a finite number."""
 
     def __init__(self, part: int):
-        super().__init__(f"part {part} has a super-block scale that is not a finite number")
+        super().__init__(f"part {part} has a block scale that is not a finite number")
         self.part = part
 
 
@@ -405,24 +405,29 @@ def pack_blocks(parts: list[tuple[np.ndarray, tuple[int, int]]], ggml_type: int)
     stacked in order, laid out for the kernels: pack(stack_rows([to_quant_groups(...)])) to the bit,
     without the byte per weight in between. NonFiniteBlocks names the part with a scale that is not
     a number."""
-    layout = group_layout(ggml_type)
-    cols = parts[0][1][0]
-    rows = sum(shape[1] for _, shape in parts)
-    tiles, supers = -(-rows // TILE_ROWS), cols // 256
-    spec = layout.sub
-    data = np.zeros((tiles, cols * 4 // 32, TILE_ROWS, 4), np.uint8)
-    high = np.zeros((tiles, cols * 2 // 32, TILE_ROWS, 4), np.uint8) if layout.width == 6 else None
-    code_bytes = sub_code_bytes(spec.bits, spec.groups_per_super, spec.with_mins)
-    codes = np.zeros((tiles, supers, code_bytes, TILE_ROWS), np.uint8)
-    halves = np.zeros((tiles, supers, 2 if spec.with_mins else 1, TILE_ROWS), np.float16)
+    layout, spec = group_layout(ggml_type), group_layout(ggml_type).sub
+    cols, rows = parts[0][1][0], sum(shape[1] for _, shape in parts)
+    tiles, field = -(-rows // TILE_ROWS), field_bits(layout.width)
+    h = layout.width - field if layout.width < 8 else 0
+    data = np.zeros((tiles, cols * field // 32, TILE_ROWS, 4), np.int8 if field == 8 else np.uint8)
+    high = np.zeros((tiles, cols * h // 32, TILE_ROWS, 4), np.uint8) if h else None
+    codes = halves = scales = None
+    if spec is None:
+        scales = np.zeros((tiles, cols // layout.group, TILE_ROWS), np.float16)
+    else:
+        supers = cols // layout.group // spec.groups_per_super
+        code_bytes = sub_code_bytes(spec.bits, spec.groups_per_super, spec.with_mins)
+        codes = np.zeros((tiles, supers, code_bytes, TILE_ROWS), np.uint8)
+        halves = np.zeros((tiles, supers, 2 if spec.with_mins else 1, TILE_ROWS), np.float16)
     row0 = 0
     for index, (raw, shape) in enumerate(parts):
         raw = np.ascontiguousarray(raw)
-        if _kernels.transcode(ggml_type, raw, cols, row0, data, high, codes, halves) >= 0:
+        if _kernels.transcode(ggml_type, raw, cols, row0, data, high, codes, halves, scales) >= 0:
             raise NonFiniteBlocks(index)
         row0 += shape[1]
-    sub = SubPacking(codes, halves, spec.bits, spec.offset, spec.groups_per_super, spec.with_mins)
-    return PackedMatrix(rows, cols, layout.bits, layout.group, data, None, None, width=layout.width,
+    sub = None if spec is None else SubPacking(codes, halves, spec.bits, spec.offset, spec.groups_per_super,
+                                               spec.with_mins)
+    return PackedMatrix(rows, cols, layout.bits, layout.group, data, scales, None, width=layout.width,
                         zero=layout.zero, high=high, sub=sub)
 
 

@@ -328,8 +328,12 @@ def test_blocks_packed_in_c_are_the_bytes_their_quant_groups_pack_to(ggml_type):
     assert same_arrays(pack_blocks(parts, ggml_type), expected)
 
 
-@pytest.mark.parametrize("ggml_type, offset", [(T.Q4_K, 0), (T.Q4_K, 2), (T.Q6_K, 208)], ids=str)
-def test_a_block_packed_part_whose_super_block_scale_is_not_a_number_is_named(ggml_type, offset):
+# (type, byte offset in a block of a float16 scale: d, or dmin at 2 in Q4_K and Q5_K)
+SCALE_OFFSETS = [(T.Q4_0, 0), (T.Q8_0, 0), (T.Q4_K, 0), (T.Q4_K, 2), (T.Q5_K, 2), (T.Q6_K, 208)]
+
+
+@pytest.mark.parametrize("ggml_type, offset", SCALE_OFFSETS, ids=str)
+def test_a_block_packed_part_whose_block_scale_is_not_a_number_is_named(ggml_type, offset):
     parts = [(random_tensor(ggml_type, (256, 3), seed=seed).copy(), (256, 3)) for seed in (1, 2)]
     last_block = parts[1][0][-QUANT_SIZES[ggml_type][1]:]
     last_block[offset:offset + 2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
@@ -374,11 +378,17 @@ def test_two_bit_fields_refuse_a_group_or_width_their_blocks_do_not_hold(width, 
 
 
 @pytest.mark.parametrize("ggml_type, nbytes, problem", [
-    (T.Q5_K, 176, "is not Q4_K"),
-    (T.Q4_K, 143, "whole rows of 256-column super blocks"),
+    (T.Q3_K, 144, "is not Q4_0, Q8_0, Q4_K, Q5_K or Q6_K"),
+    (T.Q4_K, 143, "whole rows of the type's blocks"),
 ], ids=["other type", "partial block"])
 def test_transcode_refuses_what_it_cannot_lay_out_naming_it(ggml_type, nbytes, problem):
     data, codes = np.zeros((1, 32, TILE_ROWS, 4), np.uint8), np.zeros((1, 1, 12, TILE_ROWS), np.uint8)
     supers = np.zeros((1, 1, 2, TILE_ROWS), np.float16)
     with pytest.raises(ValueError, match=problem):
-        _kernels.transcode(ggml_type, np.zeros(nbytes, np.uint8), 256, 0, data, None, codes, supers)
+        _kernels.transcode(ggml_type, np.zeros(nbytes, np.uint8), 256, 0, data, None, codes, supers, None)
+
+
+def test_transcode_refuses_an_array_the_types_form_lacks():
+    data, scales = np.zeros((1, 32, TILE_ROWS, 4), np.uint8), np.zeros((1, 8, TILE_ROWS), np.float16)
+    with pytest.raises(ValueError, match="high must be None"):
+        _kernels.transcode(T.Q4_0, np.zeros(8 * 18, np.uint8), 256, 0, data, data, None, None, scales)

@@ -893,51 +893,65 @@ static PyObject *py_pack_fields(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(transcode_doc,
-"transcode(ggml_type, src, cols, row0, data, high, sub_codes, supers)\n--\n\n"
-"Writes a Q4_K or Q6_K tensor's rows (src: its GGUF bytes, whole rows of `cols` columns) into rows\n"
-"row0 .. of a packed matrix's arrays (packed.py's layout, whose padding rows the caller zeroes; high is None for\n"
-"Q4_K), as pack(to_quant_groups(...)) would. Returns -1, or the first row whose super-block scale is\n"
-"not a finite number (the rows before it are written).");
+"transcode(ggml_type, src, cols, row0, data, high, sub_codes, supers, scales)\n--\n\n"
+"Writes a Q4_0, Q8_0, Q4_K, Q5_K or Q6_K tensor's rows (src: its GGUF bytes, whole rows of `cols`\n"
+"columns) into rows row0 .. of a packed matrix's arrays (packed.py's layout, whose padding rows the\n"
+"caller zeroes; the arrays the type's form lacks are None), as pack(to_quant_groups(...)) would.\n"
+"Returns -1, or the first row whose block scale is not a finite number (the rows before it are written).");
 
 static PyObject *py_transcode(PyObject *self, PyObject *args) {
-    PyObject *src_obj, *data_obj, *high_obj, *codes_obj, *supers_obj;
+    PyObject *src_obj, *objs[5];
     int ggml_type;
     Py_ssize_t cols, row0;
-    if (!PyArg_ParseTuple(args, "iOnnOOOO:transcode", &ggml_type, &src_obj, &cols, &row0, &data_obj, &high_obj,
-                          &codes_obj, &supers_obj))
+    if (!PyArg_ParseTuple(args, "iOnnOOOOO:transcode", &ggml_type, &src_obj, &cols, &row0, &objs[0], &objs[1],
+                          &objs[2], &objs[3], &objs[4]))
         return NULL;
-    if (ggml_type != GGML_Q4_K && ggml_type != GGML_Q6_K)
-        return PyErr_Format(PyExc_ValueError, "transcode: ggml type %d is not Q4_K (12) or Q6_K (14)", ggml_type);
-    buffer_arg buf[5] = {{.held = 0}};
-    if (get_buffer(src_obj, &buf[0], "src", 1, "B", 0) || get_buffer(data_obj, &buf[1], "data", 1, "B", 1) ||
-        (high_obj != Py_None && get_buffer(high_obj, &buf[2], "high", 1, "B", 1)) ||
-        get_buffer(codes_obj, &buf[3], "sub_codes", 1, "B", 1) || get_buffer(supers_obj, &buf[4], "supers", 2, "e", 1)) {
-        release(buf, 5);
+    const int64_t block_bytes = transcode_block_bytes(ggml_type);
+    if (!block_bytes)
+        return PyErr_Format(PyExc_ValueError, "transcode: ggml type %d is not Q4_0, Q8_0, Q4_K, Q5_K or Q6_K",
+                            ggml_type);
+    const int super = ggml_type != GGML_Q4_0 && ggml_type != GGML_Q8_0, block_values = super ? 256 : 32;
+    const int field = ggml_type == GGML_Q8_0 ? 8 : 4, h = ggml_type == GGML_Q5_K ? 1 : ggml_type == GGML_Q6_K ? 2 : 0;
+    const int wanted[5] = {1, h > 0, super, super, !super}; /* data, high, sub_codes, supers, scales */
+    static const char *names[5] = {"data", "high", "sub_codes", "supers", "scales"};
+    static const char *formats[5] = {"bB", "B", "B", "He", "He"};
+    buffer_arg buf[6] = {{.held = 0}};
+    int failed = get_buffer(src_obj, &buf[5], "src", 1, "B", 0);
+    for (int i = 0; i < 5 && !failed; i++) {
+        if (wanted[i] != (objs[i] != Py_None)) {
+            release(buf, 6);
+            return PyErr_Format(PyExc_ValueError, "transcode: %s must %s for this type", names[i],
+                                wanted[i] ? "be given" : "be None");
+        }
+        if (wanted[i]) failed = get_buffer(objs[i], &buf[i], names[i], i >= 3 ? 2 : 1, formats[i], 1);
+    }
+    if (failed) {
+        release(buf, 6);
         return NULL;
     }
-    const int q6 = ggml_type == GGML_Q6_K;
-    const int64_t block_bytes = q6 ? 210 : 144, supers_per_row = cols / 256;
-    const int64_t rows = cols > 0 && cols % 256 == 0 ? buf[0].view.len / (supers_per_row * block_bytes) : 0;
-    const int64_t tiles = (row0 + rows + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t blocks_per_row = cols > 0 && cols % block_values == 0 ? cols / block_values : 0;
+    const int64_t rows = blocks_per_row ? buf[5].view.len / (blocks_per_row * block_bytes) : 0;
+    const int64_t tiles = (row0 + rows + TILE_ROWS - 1) / TILE_ROWS, blocks = tiles * blocks_per_row;
+    const int64_t sub_bytes = ggml_type == GGML_Q6_K ? 16 : 12, halves = ggml_type == GGML_Q6_K ? 1 : 2;
+    const int64_t needed[5] = {tiles * TILE_ROWS * cols * field / 8, tiles * TILE_ROWS * cols * h / 8,
+                               blocks * sub_bytes * TILE_ROWS, blocks * halves * TILE_ROWS * 2, blocks * TILE_ROWS * 2};
     const char *problem = NULL;
-    if (rows < 1 || buf[0].view.len != rows * supers_per_row * block_bytes || row0 < 0)
-        problem = "src must be whole rows of 256-column super blocks, and row0 at least 0";
-    else if (buf[2].held != q6)
-        problem = "high must be given for Q6_K only";
-    else if (buf[1].view.len < tiles * TILE_ROWS * cols / 2 || (q6 && buf[2].view.len < tiles * TILE_ROWS * cols / 4) ||
-             buf[3].view.len < tiles * supers_per_row * (q6 ? 16 : 12) * TILE_ROWS ||
-             buf[4].view.len < tiles * supers_per_row * (q6 ? 1 : 2) * TILE_ROWS * 2)
-        problem = "the packed arrays are too small for rows row0 .. of these blocks";
+    if (rows < 1 || buf[5].view.len != rows * blocks_per_row * block_bytes || row0 < 0)
+        problem = "src must be whole rows of the type's blocks, and row0 at least 0";
+    for (int i = 0; i < 5 && !problem; i++) {
+        if (wanted[i] && buf[i].view.len < needed[i]) problem = "the packed arrays are too small for rows row0 .. of these blocks";
+    }
     if (problem) {
-        release(buf, 5);
+        release(buf, 6);
         return PyErr_Format(PyExc_ValueError, "transcode: %s", problem);
     }
+    const packed_out out = {buf[0].view.buf, buf[1].held ? buf[1].view.buf : NULL, buf[2].held ? buf[2].view.buf : NULL,
+                            buf[3].held ? buf[3].view.buf : NULL, buf[4].held ? buf[4].view.buf : NULL};
     int64_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = transcode_rows(ggml_type, buf[0].view.buf, rows, cols, row0, buf[1].view.buf,
-                         buf[2].held ? buf[2].view.buf : NULL, buf[3].view.buf, buf[4].view.buf);
+    bad = transcode_rows(ggml_type, buf[5].view.buf, rows, cols, row0, &out);
     Py_END_ALLOW_THREADS
-    release(buf, 5);
+    release(buf, 6);
     return PyLong_FromLongLong(bad);
 }
 

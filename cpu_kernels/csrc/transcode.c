@@ -1,6 +1,6 @@
-/* GGUF super blocks straight into packed.py's layout: what pack(to_quant_groups(...)) makes of a Q4_K or
- * Q6_K matrix, without the byte per weight and float scales per group that the numpy path builds on the
- * way. The codes move four bytes at a time and the sub-scale codes and super-block halves as they are,
+/* GGUF blocks straight into packed.py's layout: what pack(to_quant_groups(...)) makes of a Q4_0, Q8_0,
+ * Q4_K, Q5_K or Q6_K matrix, without the byte per weight and float scales per group that the numpy path
+ * builds on the way. The codes move four bytes at a time and the sub-scale codes and super-block halves as they are,
  * so the result is the numpy path's to the bit (tests/test_packed.py checks it).
  *
  * Each call writes rows [row0, row0 + rows) of a matrix: a projection stacked from several tensors is
@@ -10,7 +10,7 @@
 #include "kernels.h"
 #include "transcode.h"
 
-enum { Q4_K_BYTES = 144, Q6_K_BYTES = 210, SUPER = 256 };
+enum { Q4_0_BYTES = 18, Q8_0_BYTES = 34, Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210, SUPER = 256 };
 
 /* A float16's bits are finite unless its exponent is all ones. */
 static inline int half_finite(uint16_t bits) { return (bits & 0x7C00) != 0x7C00; }
@@ -41,31 +41,92 @@ static inline uint32_t nibble_block(const uint8_t *p, int top) {
  * 6-bit scale code and min code (packed.py's sub codes: low nibbles paired, then top bits four to a
  * byte), and d, dmin per row. Weight 64c + l takes the low nibble of qs[32c + l] (l < 32), weight
  * 64c + 32 + l its high nibble. */
-static int q4_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, uint8_t *data, uint8_t *sub_codes,
-                    uint16_t *supers) {
+/* Q4_0: codes are the file's nibbles (width 4, zero 8), weight l (l < 16) the low nibble of qs[l] and
+ * weight 16 + l its high one; the float16 d is the group's scale. */
+static int q4_0_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    const int64_t groups = cols / 32, data_base = tile * cols * TILE_ROWS / 2;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *block = blocks + g * Q4_0_BYTES, *qs = block + 2;
+        const uint16_t d = half_at(block);
+        if (!half_finite(d)) return 0;
+        out->scales[(tile * groups + g) * TILE_ROWS + r] = d;
+        for (int o = 0; o < 4; o++) { /* columns 8o .. 8o + 7 */
+            const uint32_t nibbles = nibble_block(qs + 8 * (o % 2), o / 2);
+            memcpy(block_row(out->data + data_base, 4 * g + o, r), &nibbles, 4);
+        }
+    }
+    return 1;
+}
+
+/* Q8_0: the int8 codes as they are, a quad of 4 columns to a row's 4 bytes; d is the group's scale. */
+static int q8_0_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    const int64_t groups = cols / 32, data_base = tile * cols * TILE_ROWS;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *block = blocks + g * Q8_0_BYTES;
+        const uint16_t d = half_at(block);
+        if (!half_finite(d)) return 0;
+        out->scales[(tile * groups + g) * TILE_ROWS + r] = d;
+        for (int q = 0; q < 8; q++) memcpy(block_row(out->data + data_base, 8 * g + q, r), block + 2 + 4 * q, 4);
+    }
+    return 1;
+}
+
+/* Q4_K's and Q5_K's super block s of one row: d, dmin, and the 8 groups' 6-bit scale and min codes
+ * (packed.py's sub codes: low nibbles paired, then top bits four to a byte). */
+static int k_sub_scales(const uint8_t *block, int64_t supers_per_row, int64_t tile, int64_t s, int r,
+                        const packed_out *out) {
+    const uint8_t *scales = block + 4;
+    const uint16_t d = half_at(block), dmin = half_at(block + 2);
+    if (!half_finite(d) || !half_finite(dmin)) return 0;
+    const int64_t at = tile * supers_per_row + s;
+    out->supers[(at * 2 + 0) * TILE_ROWS + r] = d;
+    out->supers[(at * 2 + 1) * TILE_ROWS + r] = dmin;
+    uint8_t values[16]; /* group g's scale code at 2g, its min code at 2g + 1 (ggml's get_scale_min_k4) */
+    for (int g = 0; g < 8; g++) {
+        values[2 * g] = g < 4 ? scales[g] & 63 : (scales[g + 4] & 0xF) | (scales[g - 4] >> 6) << 4;
+        values[2 * g + 1] = g < 4 ? scales[g + 4] & 63 : (scales[g + 4] >> 4) | (scales[g] >> 6) << 4;
+    }
+    uint8_t *codes = out->sub_codes + at * 12 * TILE_ROWS + r;
+    for (int i = 0; i < 8; i++) codes[i * TILE_ROWS] = (uint8_t)((values[2 * i] & 0xF) | (values[2 * i + 1] & 0xF) << 4);
+    for (int i = 0; i < 4; i++) {
+        uint8_t top = 0;
+        for (int k = 0; k < 4; k++) top |= (uint8_t)((values[4 * i + k] >> 4) << (2 * k));
+        codes[(8 + i) * TILE_ROWS] = top;
+    }
+    return 1;
+}
+
+/* Q4_K: codes are the file's nibbles (width 4, zero 0), per super block 8 groups of 32 (k_sub_scales).
+ * Weight 64c + l takes the low nibble of qs[32c + l] (l < 32), weight 64c + 32 + l its high nibble. */
+static int q4_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
     const int64_t supers_per_row = cols / SUPER, data_base = tile * cols * TILE_ROWS / 2;
     for (int64_t s = 0; s < supers_per_row; s++) {
-        const uint8_t *block = blocks + s * Q4_K_BYTES, *scales = block + 4, *qs = block + 16;
-        const uint16_t d = half_at(block), dmin = half_at(block + 2);
-        if (!half_finite(d) || !half_finite(dmin)) return 0;
-        const int64_t at = tile * supers_per_row + s;
-        supers[(at * 2 + 0) * TILE_ROWS + r] = d;
-        supers[(at * 2 + 1) * TILE_ROWS + r] = dmin;
-        uint8_t values[16]; /* group g's scale code at 2g, its min code at 2g + 1 (ggml's get_scale_min_k4) */
-        for (int g = 0; g < 8; g++) {
-            values[2 * g] = g < 4 ? scales[g] & 63 : (scales[g + 4] & 0xF) | (scales[g - 4] >> 6) << 4;
-            values[2 * g + 1] = g < 4 ? scales[g + 4] & 63 : (scales[g + 4] >> 4) | (scales[g] >> 6) << 4;
-        }
-        uint8_t *codes = sub_codes + at * 12 * TILE_ROWS + r;
-        for (int i = 0; i < 8; i++) codes[i * TILE_ROWS] = (uint8_t)((values[2 * i] & 0xF) | (values[2 * i + 1] & 0xF) << 4);
-        for (int i = 0; i < 4; i++) {
-            uint8_t top = 0;
-            for (int k = 0; k < 4; k++) top |= (uint8_t)((values[4 * i + k] >> 4) << (2 * k));
-            codes[(8 + i) * TILE_ROWS] = top;
-        }
+        const uint8_t *block = blocks + s * Q4_K_BYTES, *qs = block + 16;
+        if (!k_sub_scales(block, supers_per_row, tile, s, r, out)) return 0;
         for (int o = 0; o < SUPER / 8; o++) { /* columns 8o .. 8o + 7: chunk o / 8, its half (o / 4) & 1 */
-            const uint32_t block = nibble_block(qs + 32 * (o / 8) + 8 * (o % 4), (o / 4) & 1);
-            memcpy(block_row(data + data_base, s * SUPER / 8 + o, r), &block, 4);
+            const uint32_t nibbles = nibble_block(qs + 32 * (o / 8) + 8 * (o % 4), (o / 4) & 1);
+            memcpy(block_row(out->data + data_base, s * SUPER / 8 + o, r), &nibbles, 4);
+        }
+    }
+    return 1;
+}
+
+/* Q5_K: Q4_K's nibbles and scales, with a fifth bit (width 5, zero 0) in high: weight 64c + 32h + l
+ * takes bit 2c + h of qh[l], and a high byte holds one bit of each of 8 quads (32 columns). */
+static int q5_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    const int64_t supers_per_row = cols / SUPER, data_base = tile * cols * TILE_ROWS / 2;
+    const int64_t high_base = tile * cols * TILE_ROWS / 8;
+    for (int64_t s = 0; s < supers_per_row; s++) {
+        const uint8_t *block = blocks + s * Q5_K_BYTES, *qh = block + 16, *qs = block + 48;
+        if (!k_sub_scales(block, supers_per_row, tile, s, r, out)) return 0;
+        for (int o = 0; o < SUPER / 8; o++) {
+            const uint32_t nibbles = nibble_block(qs + 32 * (o / 8) + 8 * (o % 4), (o / 4) & 1);
+            memcpy(block_row(out->data + data_base, s * SUPER / 8 + o, r), &nibbles, 4);
+        }
+        for (int b = 0; b < SUPER / 32; b++) { /* columns 32b .. 32b + 31: bit b of qh[0 .. 31] */
+            uint32_t bits = 0;
+            for (int i = 0; i < 8; i++) bits |= ((word_at(qh + 4 * i) >> b) & 0x01010101) << i;
+            memcpy(block_row(out->high + high_base, s * SUPER / 32 + b, r), &bits, 4);
         }
     }
     return 1;
@@ -76,8 +137,7 @@ static int q4_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, ui
  * scale + 128 (sub bits 8, offset 128), and d per row. Within each half n of 128 weights, weight
  * 128n + 32k + l (k < 4, l < 32) takes the low (k < 2) or high nibble of ql[64n + l + 32 (k & 1)] and
  * bits 2k, 2k + 1 of qh[32n + l]. */
-static int q6_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, uint8_t *data, uint8_t *high,
-                    uint8_t *sub_codes, uint16_t *supers) {
+static int q6_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
     const int64_t supers_per_row = cols / SUPER, data_base = tile * cols * TILE_ROWS / 2;
     const int64_t high_base = tile * cols * TILE_ROWS / 4;
     for (int64_t s = 0; s < supers_per_row; s++) {
@@ -85,34 +145,45 @@ static int q6_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, ui
         const uint16_t d = half_at(block + 208);
         if (!half_finite(d)) return 0;
         const int64_t at = tile * supers_per_row + s;
-        supers[at * TILE_ROWS + r] = d;
-        for (int g = 0; g < 16; g++) sub_codes[(at * 16 + g) * TILE_ROWS + r] = (uint8_t)(scales[g] ^ 0x80);
+        out->supers[at * TILE_ROWS + r] = d;
+        for (int g = 0; g < 16; g++) out->sub_codes[(at * 16 + g) * TILE_ROWS + r] = (uint8_t)(scales[g] ^ 0x80);
         for (int o = 0; o < SUPER / 8; o++) { /* columns 8o .. 8o + 7: half n = o / 16, k = o / 4 % 4 */
             const int n = o / 16, k = o / 4 % 4;
-            const uint32_t block = nibble_block(ql + 64 * n + 32 * (k & 1) + 8 * (o % 4), k >= 2);
-            memcpy(block_row(data + data_base, s * SUPER / 8 + o, r), &block, 4);
+            const uint32_t nibbles = nibble_block(ql + 64 * n + 32 * (k & 1) + 8 * (o % 4), k >= 2);
+            memcpy(block_row(out->data + data_base, s * SUPER / 8 + o, r), &nibbles, 4);
         }
         for (int b = 0; b < SUPER / 16; b++) { /* columns 16b .. 16b + 15, quad i's top bits at bits 2i */
             const int n = b / 8, k = b / 2 % 4;
             const uint8_t *bits = qh + 32 * n + 16 * (b % 2);
-            uint32_t block = 0;
-            for (int i = 0; i < 4; i++) block |= ((word_at(bits + 4 * i) >> (2 * k)) & 0x03030303) << (2 * i);
-            memcpy(block_row(high + high_base, s * SUPER / 16 + b, r), &block, 4);
+            uint32_t tops = 0;
+            for (int i = 0; i < 4; i++) tops |= ((word_at(bits + 4 * i) >> (2 * k)) & 0x03030303) << (2 * i);
+            memcpy(block_row(out->high + high_base, s * SUPER / 16 + b, r), &tops, 4);
         }
     }
     return 1;
 }
 
-int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0, uint8_t *data,
-                       uint8_t *high, uint8_t *sub_codes, uint16_t *supers) {
-    const int64_t row_bytes = cols / SUPER * (ggml_type == GGML_Q4_K ? Q4_K_BYTES : Q6_K_BYTES);
+int64_t transcode_block_bytes(int ggml_type) {
+    switch (ggml_type) {
+    case GGML_Q4_0: return Q4_0_BYTES;
+    case GGML_Q8_0: return Q8_0_BYTES;
+    case GGML_Q4_K: return Q4_K_BYTES;
+    case GGML_Q5_K: return Q5_K_BYTES;
+    case GGML_Q6_K: return Q6_K_BYTES;
+    default: return 0;
+    }
+}
+
+int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0,
+                       const packed_out *out) {
+    int (*row_of)(const uint8_t *, int64_t, int64_t, int, const packed_out *) =
+        ggml_type == GGML_Q4_0 ? q4_0_row : ggml_type == GGML_Q8_0 ? q8_0_row : ggml_type == GGML_Q4_K ? q4_k_row
+        : ggml_type == GGML_Q5_K ? q5_k_row : q6_k_row;
+    const int64_t block_values = ggml_type == GGML_Q4_0 || ggml_type == GGML_Q8_0 ? 32 : SUPER;
+    const int64_t row_bytes = cols / block_values * transcode_block_bytes(ggml_type);
     for (int64_t row = 0; row < rows; row++) {
         const int64_t tile = (row0 + row) / TILE_ROWS;
-        const int r = (int)((row0 + row) % TILE_ROWS);
-        const uint8_t *blocks = src + row * row_bytes;
-        const int finite = ggml_type == GGML_Q4_K ? q4_k_row(blocks, cols, tile, r, data, sub_codes, supers)
-                                                  : q6_k_row(blocks, cols, tile, r, data, high, sub_codes, supers);
-        if (!finite) return row;
+        if (!row_of(src + row * row_bytes, cols, tile, (int)((row0 + row) % TILE_ROWS), out)) return row;
     }
     return -1;
 }

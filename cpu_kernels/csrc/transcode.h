@@ -1,16 +1,25 @@
-/* GGUF super blocks straight into the packed layout (transcode.c). */
+/* GGUF blocks straight into the packed layout (transcode.c). */
 #ifndef TIERFLOW_TRANSCODE_H
 #define TIERFLOW_TRANSCODE_H
 
 #include <stdint.h>
 
 /* The GGUF types transcode_rows reads (ggml's type ids). */
-enum { GGML_Q4_K = 12, GGML_Q6_K = 14 };
+enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+/* A packed matrix's arrays (packed.py's layout); those its form lacks are NULL. */
+typedef struct {
+    uint8_t *data, *high, *sub_codes;
+    uint16_t *supers, *scales; /* float16 bits */
+} packed_out;
+
+/* The bytes of one block of a type transcode_rows reads; 0 for any other type. */
+int64_t transcode_block_bytes(int ggml_type);
 
 /* Rows [row0, row0 + rows) of a packed matrix from `rows` rows of GGUF blocks of `cols` columns (a
- * multiple of 256) (high: Q6_K's only; padding rows are the caller's to zero). Returns -1, or the first
- * row (counted from 0 in src) whose super-block scale is not a finite number. */
-int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0, uint8_t *data,
-                       uint8_t *high, uint8_t *sub_codes, uint16_t *supers);
+ * multiple of the type's block) (padding rows are the caller's to zero). Returns -1, or the first row
+ * (counted from 0 in src) whose block scale is not a finite number. */
+int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0,
+                       const packed_out *out);
 
 #endif
