@@ -96,40 +96,36 @@ static int k_sub_scales(const uint8_t *block, int64_t supers_per_row, int64_t ti
     return 1;
 }
 
-/* Q4_K: codes are the file's nibbles (width 4, zero 0), per super block 8 groups of 32 (k_sub_scales).
- * Weight 64c + l takes the low nibble of qs[32c + l] (l < 32), weight 64c + 32 + l its high nibble. */
-static int q4_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+/* Q4_K and Q5_K: codes are the file's nibbles (width 4 or 5, zero 0), per super block 8 groups of 32
+ * (k_sub_scales). Weight 64c + l takes the low nibble of qs[32c + l] (l < 32), weight 64c + 32 + l its
+ * high nibble; in Q5_K, weight 64c + 32h + l takes its fifth bit from bit 2c + h of qh[l], and a high
+ * byte holds one bit of each of 8 quads (32 columns). */
+static int k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out, const int five) {
     const int64_t supers_per_row = cols / SUPER, data_base = tile * cols * TILE_ROWS / 2;
+    const int64_t high_base = tile * cols * TILE_ROWS / 8;
     for (int64_t s = 0; s < supers_per_row; s++) {
-        const uint8_t *block = blocks + s * Q4_K_BYTES, *qs = block + 16;
+        const uint8_t *block = blocks + s * (five ? Q5_K_BYTES : Q4_K_BYTES), *qh = block + 16;
+        const uint8_t *qs = block + (five ? 48 : 16);
         if (!k_sub_scales(block, supers_per_row, tile, s, r, out)) return 0;
         for (int o = 0; o < SUPER / 8; o++) { /* columns 8o .. 8o + 7: chunk o / 8, its half (o / 4) & 1 */
             const uint32_t nibbles = nibble_block(qs + 32 * (o / 8) + 8 * (o % 4), (o / 4) & 1);
             memcpy(block_row(out->data + data_base, s * SUPER / 8 + o, r), &nibbles, 4);
         }
-    }
-    return 1;
-}
-
-/* Q5_K: Q4_K's nibbles and scales, with a fifth bit (width 5, zero 0) in high: weight 64c + 32h + l
- * takes bit 2c + h of qh[l], and a high byte holds one bit of each of 8 quads (32 columns). */
-static int q5_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
-    const int64_t supers_per_row = cols / SUPER, data_base = tile * cols * TILE_ROWS / 2;
-    const int64_t high_base = tile * cols * TILE_ROWS / 8;
-    for (int64_t s = 0; s < supers_per_row; s++) {
-        const uint8_t *block = blocks + s * Q5_K_BYTES, *qh = block + 16, *qs = block + 48;
-        if (!k_sub_scales(block, supers_per_row, tile, s, r, out)) return 0;
-        for (int o = 0; o < SUPER / 8; o++) {
-            const uint32_t nibbles = nibble_block(qs + 32 * (o / 8) + 8 * (o % 4), (o / 4) & 1);
-            memcpy(block_row(out->data + data_base, s * SUPER / 8 + o, r), &nibbles, 4);
-        }
-        for (int b = 0; b < SUPER / 32; b++) { /* columns 32b .. 32b + 31: bit b of qh[0 .. 31] */
+        for (int b = 0; five && b < SUPER / 32; b++) { /* columns 32b .. 32b + 31: bit b of qh[0 .. 31] */
             uint32_t bits = 0;
             for (int i = 0; i < 8; i++) bits |= ((word_at(qh + 4 * i) >> b) & 0x01010101) << i;
             memcpy(block_row(out->high + high_base, s * SUPER / 32 + b, r), &bits, 4);
         }
     }
     return 1;
+}
+
+static int q4_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    return k_row(blocks, cols, tile, r, out, 0);
+}
+
+static int q5_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    return k_row(blocks, cols, tile, r, out, 1);
 }
 
 /* Q6_K: the unsigned 6-bit code q6 (width 6, zero 32: the weight is q6 - 32) as a nibble in data and its
