@@ -151,13 +151,14 @@ class ExtentLayout:
                        for i, ((name, start), end) in enumerate(zip(self._groups, starts)))
         return ExtentSize(padded, groups, tuple(self.linears))
 
-    def bytes(self) -> bytes:
-        """The extent's bytes (padded), with every array filled in: the writer's."""
-        out = bytearray(self.extent_size().nbytes)
+    def bytes(self) -> np.ndarray:
+        """The extent's bytes (uint8, padded), with every array filled in: the writer's. Each array is
+        copied once, into place."""
+        out = np.zeros(self.extent_size().nbytes, np.uint8)
         for at, fill in self.chunks:
-            raw = np.ascontiguousarray(fill()).tobytes()
-            out[at: at + len(raw)] = raw
-        return bytes(out)
+            raw = np.ascontiguousarray(fill()).reshape(-1).view(np.uint8)
+            out[at: at + raw.size] = raw
+        return out
 
     # -- the walk -----------------------------------------------------------------------------
 
