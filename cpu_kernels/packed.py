@@ -405,7 +405,8 @@ def pack_blocks(parts: list[tuple[np.ndarray, tuple[int, int]]], ggml_type: int)
     stacked in order, laid out for the kernels: pack(stack_rows([to_quant_groups(...)])) to the bit,
     without the byte per weight in between. NonFiniteBlocks names the part with a scale that is not
     a number."""
-    layout, spec = group_layout(ggml_type), group_layout(ggml_type).sub
+    layout = group_layout(ggml_type)
+    spec = layout.sub
     cols, rows = parts[0][1][0], sum(shape[1] for _, shape in parts)
     tiles, field = -(-rows // TILE_ROWS), field_bits(layout.width)
     h = layout.width - field if layout.width < 8 else 0

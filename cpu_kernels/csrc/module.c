@@ -910,7 +910,8 @@ static PyObject *py_transcode(PyObject *self, PyObject *args) {
     if (!block_bytes)
         return PyErr_Format(PyExc_ValueError, "transcode: ggml type %d is not Q4_0, Q8_0, Q4_K, Q5_K or Q6_K",
                             ggml_type);
-    const int super = ggml_type != GGML_Q4_0 && ggml_type != GGML_Q8_0, block_values = super ? 256 : 32;
+    const int64_t block_values = transcode_block_values(ggml_type);
+    const int super = block_values == 256;
     const int field = ggml_type == GGML_Q8_0 ? 8 : 4, h = ggml_type == GGML_Q5_K ? 1 : ggml_type == GGML_Q6_K ? 2 : 0;
     const int wanted[5] = {1, h > 0, super, super, !super}; /* data, high, sub_codes, supers, scales */
     static const char *names[5] = {"data", "high", "sub_codes", "supers", "scales"};

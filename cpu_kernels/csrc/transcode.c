@@ -170,13 +170,16 @@ int64_t transcode_block_bytes(int ggml_type) {
     }
 }
 
+int64_t transcode_block_values(int ggml_type) {
+    return ggml_type == GGML_Q4_0 || ggml_type == GGML_Q8_0 ? 32 : SUPER;
+}
+
 int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0,
                        const packed_out *out) {
     int (*row_of)(const uint8_t *, int64_t, int64_t, int, const packed_out *) =
         ggml_type == GGML_Q4_0 ? q4_0_row : ggml_type == GGML_Q8_0 ? q8_0_row : ggml_type == GGML_Q4_K ? q4_k_row
         : ggml_type == GGML_Q5_K ? q5_k_row : q6_k_row;
-    const int64_t block_values = ggml_type == GGML_Q4_0 || ggml_type == GGML_Q8_0 ? 32 : SUPER;
-    const int64_t row_bytes = cols / block_values * transcode_block_bytes(ggml_type);
+    const int64_t row_bytes = cols / transcode_block_values(ggml_type) * transcode_block_bytes(ggml_type);
     for (int64_t row = 0; row < rows; row++) {
         const int64_t tile = (row0 + row) / TILE_ROWS;
         if (!row_of(src + row * row_bytes, cols, tile, (int)((row0 + row) % TILE_ROWS), out)) return row;

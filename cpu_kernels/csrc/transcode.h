@@ -15,6 +15,8 @@ typedef struct {
 
 /* The bytes of one block of a type transcode_rows reads; 0 for any other type. */
 int64_t transcode_block_bytes(int ggml_type);
+/* The weights of one such block: 32, or a 256-weight super block. */
+int64_t transcode_block_values(int ggml_type);
 
 /* Rows [row0, row0 + rows) of a packed matrix from `rows` rows of GGUF blocks of `cols` columns (a
  * multiple of the type's block) (padding rows are the caller's to zero). Returns -1, or the first row
