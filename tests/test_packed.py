@@ -392,3 +392,10 @@ def test_transcode_refuses_an_array_the_types_form_lacks():
     data, scales = np.zeros((1, 32, TILE_ROWS, 4), np.uint8), np.zeros((1, 8, TILE_ROWS), np.float16)
     with pytest.raises(ValueError, match="high must be None"):
         _kernels.transcode(T.Q4_0, np.zeros(8 * 18, np.uint8), 256, 0, data, data, None, None, scales)
+
+
+def test_transcode_refuses_arrays_too_small_for_the_rows_it_writes():
+    data, codes = np.zeros((1, 32, TILE_ROWS, 4), np.uint8), np.zeros((1, 1, 12, TILE_ROWS), np.uint8)
+    supers = np.zeros((1, 1, 2, TILE_ROWS), np.float16)
+    with pytest.raises(ValueError, match="too small for rows row0"):  # row 64 is a second tile
+        _kernels.transcode(T.Q4_K, np.zeros(144, np.uint8), 256, 64, data, None, codes, supers, None)
