@@ -3,12 +3,14 @@
     python -m benchmarks.load --model PATH [--cpu-memory 6GiB] [--threads 2] [--context 512]
                               [--prompt-tokens 16] [--repeats 3] [--profile FILE] [--json]
 
-The pack (offload/pack/) is built into a fresh temporary cache folder (TIERFLOW_CACHE points there,
-and it is deleted at the end), so the first load really builds it. The hardware profile cached for
+The pack (offload/pack/), where the load writes one (a plan that streams, or a type packed by
+numpy; else the extents are built in RAM at every load and no pack is written), is built into a
+fresh temporary cache folder (TIERFLOW_CACHE points there, and it is deleted at the end), so the
+first load really builds it. The hardware profile cached for
 this thread count is copied in first, so that a load whose plan needs the machine's speeds (a budget
 that streams) does not time a probe of the machine as well. Measured:
-- disk: the GGUF file's size, the pack's, and the bytes added: every byte the first load left in the
-  cache folder (the pack, its use record);
+- disk: the GGUF file's size, the pack's (0 when none is written), and the bytes added: every byte
+  the first load left in the cache folder (the pack, its use record);
 - tierflow's first load (the pack absent: `Engine.load` builds it), once, and its later load (the
   pack present), the median of --repeats: each the wall time of `Engine.load` until the engine is
   ready to generate, then the time to the first token of a --prompt-tokens prompt (its prefill);
@@ -75,7 +77,7 @@ class LoadRun:
 
 @dataclass
 class TierflowLoad(LoadRun):
-    pack: Path | None = None  # where the loaded pack lives
+    pack: Path | None = None  # where the loaded pack lives; None: built in RAM, none written
     streamed_layers: int = 0
     num_layers: int = 0
     prompt_ids: list[int] = field(default_factory=list)
@@ -139,9 +141,10 @@ def first_load(path: Path, cache: Path, args: argparse.Namespace) -> dict:
     run = load_tierflow(path, args, clock, profiler)
     if profiler is not None:
         profiler.dump_stats(args.profile)
-    if not run.pack.exists():
+    if run.pack is not None and not run.pack.exists():
         raise RuntimeError(f"the first load left no pack in {cache}")
-    return {"run": run, "phases_s": clock.seconds(), "pack_bytes": run.pack.stat().st_size,
+    return {"run": run, "phases_s": clock.seconds(),
+            "pack_bytes": 0 if run.pack is None else run.pack.stat().st_size,
             "added_bytes": folder_bytes(cache) - before}
 
 

@@ -68,8 +68,8 @@ How GGUF types land here (quant_groups.py does the decoding), bytes per 256 weig
                         here, never rounded to 0 or inf                       144 (the file's: 136)
 Every mapping is exact: the kernels compute with the file's own codes and ggml's own scales.
 
-Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second. Q4_0, Q8_0, Q4_K, Q5_K
-and Q6_K, most files' bulk, go straight from their GGUF blocks to this layout in C (pack_blocks), bit
+Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second. Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K and Q6_K, most files' bulk, go straight from their GGUF blocks to this layout in C (pack_blocks), bit
 for bit what packing their quant groups gives.
 """
 
@@ -389,7 +389,7 @@ def pack(groups: QuantGroups, with_mins: bool | None = None) -> PackedMatrix:
 
 
 # The GGUF types pack_blocks lays out from their blocks (transcode.c).
-BLOCK_PACKED_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+BLOCK_PACKED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 
 
 class NonFiniteBlocks(ValueError):
@@ -400,36 +400,74 @@ class NonFiniteBlocks(ValueError):
         self.part = part
 
 
+# The arrays transcode fills, in its argument order.
+BLOCK_ARRAYS = ("data", "high", "sub_codes", "supers", "scales", "mins")
+
+
+def block_array_shapes(ggml_type: int, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], type]]:
+    """The arrays a BLOCK_PACKED_TYPES matrix [rows, cols] packs into, by name (BLOCK_ARRAYS' order),
+    each's shape and dtype; the arrays the type's form lacks are left out."""
+    layout = group_layout(ggml_type)
+    spec = layout.sub
+    tiles, field = -(-rows // TILE_ROWS), field_bits(layout.width)
+    h = layout.width - field if layout.width < 8 else 0
+    shapes = {"data": ((tiles, cols * field // 32, TILE_ROWS, 4), np.int8 if field == 8 else np.uint8)}
+    if h:
+        shapes["high"] = ((tiles, cols * h // 32, TILE_ROWS, 4), np.uint8)
+    if spec is None:
+        shapes["scales"] = ((tiles, cols // layout.group, TILE_ROWS), np.float16)
+        if layout.has_min:
+            shapes["mins"] = shapes["scales"]
+    else:
+        supers = cols // layout.group // spec.groups_per_super
+        code_bytes = sub_code_bytes(spec.bits, spec.groups_per_super, spec.with_mins)
+        shapes["sub_codes"] = ((tiles, supers, code_bytes, TILE_ROWS), np.uint8)
+        shapes["supers"] = ((tiles, supers, 2 if spec.with_mins else 1, TILE_ROWS), np.float16)
+    return shapes
+
+
+def transcode_blocks(parts: list[tuple[np.ndarray, tuple[int, int]]], ggml_type: int,
+                     arrays: dict[str, np.ndarray], first: int = 0, end: int | None = None) -> None:
+    """Writes rows first .. end (default: all) of the parts' stacked rows (GGUF bytes, GGUF-order
+    shape [K, N]) into `arrays` (block_array_shapes'), from their GGUF blocks (transcode.c). `first`
+    starts a tile; a range that ends at the last row zeroes the last tile's padding rows first, so
+    the arrays need not start zeroed, and ranges that share no tile may be written by concurrent
+    threads. NonFiniteBlocks names the part with a scale that is not a number."""
+    if first % TILE_ROWS:
+        raise ValueError(f"a range of rows starts a tile of {TILE_ROWS} rows, not at row {first}")
+    rows = sum(shape[1] for _, shape in parts)
+    end = rows if end is None else end
+    if end == rows and rows % TILE_ROWS:
+        for array in arrays.values():
+            array[-1] = 0
+    cols, start = parts[0][1][0], 0
+    for index, (raw, shape) in enumerate(parts):
+        low, stop = max(first, start), min(end, start + shape[1])
+        if low < stop:
+            row_bytes = raw.nbytes // shape[1]
+            src = np.ascontiguousarray(raw[(low - start) * row_bytes: (stop - start) * row_bytes])
+            outputs = (arrays.get(name) for name in BLOCK_ARRAYS)
+            if _kernels.transcode(ggml_type, src, cols, low, *outputs) >= 0:
+                raise NonFiniteBlocks(index)
+        start += shape[1]
+
+
 def pack_blocks(parts: list[tuple[np.ndarray, tuple[int, int]]], ggml_type: int) -> PackedMatrix:
     """GGUF tensors of one BLOCK_PACKED_TYPES type (raw bytes, GGUF-order shape [K, N]), their rows
     stacked in order, laid out for the kernels: pack(stack_rows([to_quant_groups(...)])) to the bit,
     without the byte per weight in between. NonFiniteBlocks names the part with a scale that is not
     a number."""
     layout = group_layout(ggml_type)
-    spec = layout.sub
     cols, rows = parts[0][1][0], sum(shape[1] for _, shape in parts)
-    tiles, field = -(-rows // TILE_ROWS), field_bits(layout.width)
-    h = layout.width - field if layout.width < 8 else 0
-    data = np.zeros((tiles, cols * field // 32, TILE_ROWS, 4), np.int8 if field == 8 else np.uint8)
-    high = np.zeros((tiles, cols * h // 32, TILE_ROWS, 4), np.uint8) if h else None
-    codes = halves = scales = None
-    if spec is None:
-        scales = np.zeros((tiles, cols // layout.group, TILE_ROWS), np.float16)
-    else:
-        supers = cols // layout.group // spec.groups_per_super
-        code_bytes = sub_code_bytes(spec.bits, spec.groups_per_super, spec.with_mins)
-        codes = np.zeros((tiles, supers, code_bytes, TILE_ROWS), np.uint8)
-        halves = np.zeros((tiles, supers, 2 if spec.with_mins else 1, TILE_ROWS), np.float16)
-    row0 = 0
-    for index, (raw, shape) in enumerate(parts):
-        raw = np.ascontiguousarray(raw)
-        if _kernels.transcode(ggml_type, raw, cols, row0, data, high, codes, halves, scales) >= 0:
-            raise NonFiniteBlocks(index)
-        row0 += shape[1]
-    sub = None if spec is None else SubPacking(codes, halves, spec.bits, spec.offset, spec.groups_per_super,
-                                               spec.with_mins)
-    return PackedMatrix(rows, cols, layout.bits, layout.group, data, scales, None, width=layout.width,
-                        zero=layout.zero, high=high, sub=sub)
+    shapes = block_array_shapes(ggml_type, rows, cols)
+    arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
+    transcode_blocks(parts, ggml_type, arrays)
+    spec = layout.sub
+    sub = None if spec is None else SubPacking(arrays["sub_codes"], arrays["supers"], spec.bits, spec.offset,
+                                               spec.groups_per_super, spec.with_mins)
+    return PackedMatrix(rows, cols, layout.bits, layout.group, arrays["data"], arrays.get("scales"),
+                        arrays.get("mins"), width=layout.width, zero=layout.zero, high=arrays.get("high"),
+                        sub=sub)
 
 
 def _keeps_mins(groups: QuantGroups, with_mins: bool | None) -> bool:

@@ -35,6 +35,7 @@ from tierflow.offload.experts.routing_trace import kept_trace
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.gguf.vocab_file import llama_vocab_file
+from tierflow.offload.pack.built import BuiltPack, builds_in_ram
 from tierflow.offload.pack.writer import LoadProgress, PackSizes, open_pack, pack_sizes
 from tierflow.offload.plan.budgets import available_ram_bytes
 from tierflow.offload.plan.context import check_context, plan_context
@@ -273,11 +274,15 @@ def profile_source(model: ModelFile, threads: int, gpu: GpuTier | None = None,
 def place_weights(model: ModelFile, plan: Plan, gpu: GpuTier, progress: LoadProgress | None = None
                   ) -> TieredWeights:
     """The model's pack (built on first use) placed as the plan says. A pack found damaged while
-    loading is rebuilt once."""
+    loading is rebuilt once. A plan that reads nothing from disk while it runs, of a model whose
+    types a load lays out as fast as it reads them, writes no pack: its extents are built in RAM."""
     def place(packed) -> TieredWeights:
         device = DeviceTier(gpu.device, gpu.budget) if gpu.budget else None
         return TieredWeights(packed, model.config, plan, device, gpu.kernels, progress)
 
+    experts_on_disk = plan.experts is not None and plan.experts.home == "disk"
+    if not plan.streamed_layers and not experts_on_disk and builds_in_ram(model):
+        return place(BuiltPack(model))
     packed = open_pack(model, progress)
     try:
         return place(packed)

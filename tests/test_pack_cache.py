@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.support.budgets import streaming_budget
 from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
 from tests.support.test_cache import TEST_PROFILE
@@ -244,8 +245,11 @@ def terminal_stderr(*args: str) -> str:
     return shown.decode(errors="replace")
 
 
-def test_loading_on_a_terminal_names_the_new_pack_its_size_and_place(model):
-    shown = terminal_stderr("run", "Hello", "-m", str(model), "-n", "1", "--threads", "1", "--ctx", "64")
+def test_loading_on_a_terminal_names_the_new_pack_its_size_and_place(tmp_path):
+    model = write_model(tmp_path / "model.gguf", ModelSpec(**{**SPEC.__dict__, "num_layers": 4}))
+    streams = streaming_budget(model, 64, num_streamed=3, ring_slots=2)  # a resident load writes none
+    shown = terminal_stderr("run", "Hello", "-m", str(model), "-n", "1", "--threads", "1", "--ctx", "64",
+                            "--cpu-memory", str(streams))
     pack = pack_path(model)
     assert f"{format_size(pack_bytes(model))} into {pack}" in shown  # before the build
     assert f"packed model.gguf: {pack}, {format_size(pack.stat().st_size)}" in shown  # after it

@@ -14,8 +14,10 @@ from tierflow.cpu_kernels.packed import (
     TILE_ROWS,
     NonFiniteBlocks,
     PackedMatrix,
+    block_array_shapes,
     pack,
     pack_blocks,
+    transcode_blocks,
 )
 from tierflow.cpu_kernels.quant_groups import (
     CODEBOOKS,
@@ -328,8 +330,33 @@ def test_blocks_packed_in_c_are_the_bytes_their_quant_groups_pack_to(ggml_type):
     assert same_arrays(pack_blocks(parts, ggml_type), expected)
 
 
-# (type, byte offset in a block of a float16 scale: d, or dmin at 2 in Q4_K and Q5_K)
-SCALE_OFFSETS = [(T.Q4_0, 0), (T.Q8_0, 0), (T.Q4_K, 0), (T.Q4_K, 2), (T.Q5_K, 2), (T.Q6_K, 208)]
+@pytest.mark.parametrize("ggml_type", sorted(BLOCK_PACKED_TYPES), ids=lambda t: T(t).name)
+def test_blocks_transcoded_a_tile_range_at_a_time_into_dirty_arrays_pack_the_same(ggml_type):
+    parts = [(random_tensor(ggml_type, (256, rows), seed=rows), (256, rows)) for rows in (100, 90)]
+    shapes = block_array_shapes(ggml_type, 190, 256)
+    arrays = {name: np.full(shape, 0x5A, np.uint8).view(dtype) if dtype != np.float16
+              else np.full(shape, 7, dtype) for name, (shape, dtype) in shapes.items()}
+    for first, end in [(128, 190), (0, 64), (64, 128)]:  # the last range first: it zeroes the padding
+        transcode_blocks(parts, ggml_type, arrays, first, end)
+    expected = pack_blocks(parts, ggml_type)
+    assert all(np.array_equal(arrays[name].view(np.uint8), getattr(expected, name).view(np.uint8))
+               for name in ("data", "high", "scales", "mins") if name in arrays)
+    if expected.sub is not None:
+        assert np.array_equal(arrays["sub_codes"], expected.sub.codes)
+        assert np.array_equal(arrays["supers"].view(np.uint8), expected.sub.supers.view(np.uint8))
+
+
+def test_a_transcoded_range_of_rows_starts_a_tile():
+    parts = [(random_tensor(T.Q8_0, (64, 100), seed=1), (64, 100))]
+    shapes = block_array_shapes(T.Q8_0, 100, 64)
+    arrays = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
+    with pytest.raises(ValueError, match="starts a tile"):
+        transcode_blocks(parts, T.Q8_0, arrays, 32, 100)
+
+
+# (type, byte offset in a block of a float16 scale: d, or the min m or dmin at 2 in Q4_1, Q4_K and Q5_K)
+SCALE_OFFSETS = [(T.Q4_0, 0), (T.Q4_1, 0), (T.Q4_1, 2), (T.Q8_0, 0), (T.Q4_K, 0), (T.Q4_K, 2), (T.Q5_K, 2),
+                 (T.Q6_K, 208)]
 
 
 @pytest.mark.parametrize("ggml_type, offset", SCALE_OFFSETS, ids=str)
@@ -378,24 +405,31 @@ def test_two_bit_fields_refuse_a_group_or_width_their_blocks_do_not_hold(width, 
 
 
 @pytest.mark.parametrize("ggml_type, nbytes, problem", [
-    (T.Q3_K, 144, "is not Q4_0, Q8_0, Q4_K, Q5_K or Q6_K"),
+    (T.Q3_K, 144, "is not Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K"),
     (T.Q4_K, 143, "whole rows of the type's blocks"),
 ], ids=["other type", "partial block"])
 def test_transcode_refuses_what_it_cannot_lay_out_naming_it(ggml_type, nbytes, problem):
     data, codes = np.zeros((1, 32, TILE_ROWS, 4), np.uint8), np.zeros((1, 1, 12, TILE_ROWS), np.uint8)
     supers = np.zeros((1, 1, 2, TILE_ROWS), np.float16)
     with pytest.raises(ValueError, match=problem):
-        _kernels.transcode(ggml_type, np.zeros(nbytes, np.uint8), 256, 0, data, None, codes, supers, None)
+        _kernels.transcode(ggml_type, np.zeros(nbytes, np.uint8), 256, 0, data, None, codes, supers, None,
+                           None)
 
 
 def test_transcode_refuses_an_array_the_types_form_lacks():
     data, scales = np.zeros((1, 32, TILE_ROWS, 4), np.uint8), np.zeros((1, 8, TILE_ROWS), np.float16)
     with pytest.raises(ValueError, match="high must be None"):
-        _kernels.transcode(T.Q4_0, np.zeros(8 * 18, np.uint8), 256, 0, data, data, None, None, scales)
+        _kernels.transcode(T.Q4_0, np.zeros(8 * 18, np.uint8), 256, 0, data, data, None, None, scales, None)
+
+
+def test_transcode_refuses_a_q4_1_tensor_without_its_mins():
+    data, scales = np.zeros((1, 32, TILE_ROWS, 4), np.uint8), np.zeros((1, 8, TILE_ROWS), np.float16)
+    with pytest.raises(ValueError, match="mins must be given"):
+        _kernels.transcode(T.Q4_1, np.zeros(8 * 20, np.uint8), 256, 0, data, None, None, None, scales, None)
 
 
 def test_transcode_refuses_arrays_too_small_for_the_rows_it_writes():
     data, codes = np.zeros((1, 32, TILE_ROWS, 4), np.uint8), np.zeros((1, 1, 12, TILE_ROWS), np.uint8)
     supers = np.zeros((1, 1, 2, TILE_ROWS), np.float16)
     with pytest.raises(ValueError, match="too small for rows row0"):  # row 64 is a second tile
-        _kernels.transcode(T.Q4_K, np.zeros(144, np.uint8), 256, 64, data, None, codes, supers, None)
+        _kernels.transcode(T.Q4_K, np.zeros(144, np.uint8), 256, 64, data, None, codes, supers, None, None)

@@ -1,7 +1,10 @@
-"""The packed model file: built once, reused, rebuilt when stale or damaged, 4 KiB-aligned, atomic.
+"""The packed model file: written only where a load reads from disk, built once, reused, rebuilt when
+stale or damaged, 4 KiB-aligned, atomic.
 
 Models are small random GGUFs made in tmp_path (tests/support/make_model.py); packs go to the test run's
-own cache folder (conftest.py sets TIERFLOW_CACHE), keyed by the model file's identity.
+own cache folder (conftest.py sets TIERFLOW_CACHE), keyed by the model file's identity. A load that
+holds every layer in RAM builds them there (offload/pack/built.py) and writes no pack, so the tests of
+the file load with a budget that streams a layer, or open the pack themselves (open_pack).
 """
 
 import errno
@@ -15,9 +18,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.budgets import streaming_budget
 from tests.support.damage import flip_byte
 from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
+from tests.support.test_cache import TEST_PROFILE
 from tierflow import Engine
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.linear import PackedLinear
@@ -29,9 +34,11 @@ from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.reader import read_gguf
 from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
 from tierflow.offload.pack import writer
+from tierflow.offload.pack.built import BuiltPack
 from tierflow.offload.pack.cache import pack_path, source_identity
 from tierflow.offload.pack.reader import TRAILER, PackedFile
 from tierflow.offload.pack.writer import open_pack
+from tierflow.offload.plan.profile import HardwareProfile, profile_path
 from tierflow.runtime.kv_cache import KVCache
 from tierflow.runtime.model import Decoder, DenseLinear, Weights
 from tierflow.runtime.models import architecture
@@ -42,6 +49,7 @@ LAYER_LINEARS = {"qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
 SPEC = ModelSpec(num_layers=4, hidden_size=128, ffn_size=256, num_heads=4, num_kv_heads=2)
 PROMPT = [1, 502, 7051, 33, 919]  # token ids: the tests need no tokenizer round trip
 GREEDY = dict(temperature=0)
+CONTEXT = 128
 
 
 @pytest.fixture
@@ -50,12 +58,26 @@ def model(tmp_path) -> Path:
 
 
 def load(model: Path, **kwargs) -> Engine:
-    return Engine.load(model, threads=1, context_length=128, **kwargs)
+    return Engine.load(model, threads=1, context_length=CONTEXT, **kwargs)
 
 
-def greedy_tokens(model: Path, **kwargs) -> list[int]:
-    with load(model, **kwargs) as engine:
+def streaming_load(model: Path) -> Engine:
+    """A load that streams all but the first layer through a ring of two slots, and so reads the
+    model's pack (building it first)."""
+    engine = load(model, cpu_memory=streaming_budget(model, CONTEXT, SPEC.num_layers - 1, ring_slots=2))
+    assert engine.weights.streamed_layers
+    return engine
+
+
+def greedy_tokens(model: Path, load=streaming_load) -> list[int]:
+    with load(model) as engine:
         return engine.generate(PROMPT, max_tokens=16, **GREEDY).tokens
+
+
+def written_pack(model: Path) -> PackedFile:
+    """The model's pack, written first if it is missing (what a streaming load opens)."""
+    with open_model_file(model) as opened:
+        return open_pack(opened)
 
 
 def assert_whole_pack(path: Path) -> None:
@@ -67,10 +89,44 @@ def assert_whole_pack(path: Path) -> None:
             assert zlib.crc32(f.read(extent.nbytes)) == extent.crc32
 
 
+# -- none where none is needed ----------------------------------------------------------------
+
+
+def test_a_load_that_holds_every_layer_in_ram_writes_no_pack(model, builds):
+    with load(model) as engine:
+        assert not engine.weights.streamed_layers
+        engine.generate(PROMPT, max_tokens=4, **GREEDY)
+    assert builds == [] and not pack_path(model).exists()
+
+
+def test_layers_built_in_ram_hold_the_packs_bytes_and_compute_its_tokens(model):
+    with open_model_file(model) as opened:
+        built = BuiltPack(opened)
+        packed = open_pack(opened)
+        assert [e.nbytes for e in built.layers] == [e.nbytes for e in packed.layers]
+        with open(packed.path, "rb") as f:
+            for built_extent, extent in zip([built.globals, *built.layers], [packed.globals, *packed.layers]):
+                assert built_extent.weights == extent.weights
+                f.seek(extent.offset)
+                buffer = aligned_buffer(extent.nbytes)
+                assert bytes(built.build_into(built_extent, buffer)) == f.read(extent.nbytes)
+    assert greedy_tokens(model, load) == greedy_tokens(model, streaming_load)
+
+
+@pytest.mark.parametrize("weight_type", ["IQ4_NL", "Q2_K"])
+def test_a_model_whose_types_are_packed_in_numpy_gets_its_pack_though_it_is_resident(tmp_path, builds,
+                                                                                     weight_type):
+    model = write_model(tmp_path / "model.gguf", ModelSpec(**{**SPEC.__dict__, "hidden_size": 256,
+                                                              "weight_type": weight_type}))
+    with load(model) as engine:
+        assert not engine.weights.streamed_layers
+    assert builds == [pack_path(model)]
+
+
 # -- built once, reused -----------------------------------------------------------------------
 
 
-def test_first_load_writes_the_pack_and_the_second_reuses_it(model, builds):
+def test_the_first_streaming_load_writes_the_pack_and_the_second_reuses_it(model, builds):
     path = pack_path(model)
     assert not path.exists()
     first = greedy_tokens(model)
@@ -129,12 +185,12 @@ def _garbage_trailer(path: Path, packed: PackedFile) -> None:
         f.write(np.random.default_rng(0).bytes(TRAILER.size))
 
 
-def _flip_a_layer_byte(path: Path, packed: PackedFile) -> None:
-    flip_byte(path, packed.layers[1].offset + 100)
+def _flip_a_globals_byte(path: Path, packed: PackedFile) -> None:
+    flip_byte(path, packed.globals.offset + 100)  # read at load (a streamed layer's: tests/test_streaming.py)
 
 
-@pytest.mark.parametrize("damage", [_truncate, _garbage_trailer, _flip_a_layer_byte],
-                         ids=["truncated", "garbage-trailer", "flipped-layer-byte"])
+@pytest.mark.parametrize("damage", [_truncate, _garbage_trailer, _flip_a_globals_byte],
+                         ids=["truncated", "garbage-trailer", "flipped-globals-byte"])
 def test_a_damaged_pack_is_rebuilt_never_used(model, builds, damage):
     expected = greedy_tokens(model)  # from the fresh pack
     path = pack_path(model)
@@ -172,9 +228,8 @@ def test_a_crafted_manifest_with_a_valid_checksum_is_rebuilt_not_read(model, bui
 
 
 def test_extents_are_4k_aligned_and_layer_major(model):
-    load(model).close()
-    path = pack_path(model)
-    packed = PackedFile(path)
+    packed = written_pack(model)
+    path = packed.path
     extents = [packed.globals, *packed.layers]
     assert len(packed.layers) == SPEC.num_layers and packed.globals.offset == 0
     for extent in extents:
@@ -200,8 +255,7 @@ def _reference_linear(gguf, names: list[str]):
 @pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1", "IQ4_NL", "MXFP4"])
 def test_a_layer_extent_computes_what_the_gguf_tensors_packed_compute(tmp_path, weight_type):
     model = write_model(tmp_path / "model.gguf", ModelSpec(**{**SPEC.__dict__, "weight_type": weight_type}))
-    load(model).close()
-    packed = PackedFile(pack_path(model))
+    packed = written_pack(model)
     disk, buffer = DiskFile(packed.path), aligned_buffer(packed.largest_layer_bytes)
     rng = np.random.default_rng(0)
     try:
@@ -232,7 +286,7 @@ def _temporaries(model: Path) -> list[Path]:
 
 
 def test_a_build_leaves_no_temporary_file(model):
-    load(model).close()
+    written_pack(model)
     assert pack_path(model).exists() and _temporaries(model) == []
 
 
@@ -249,7 +303,7 @@ def test_a_build_failing_midway_leaves_neither_pack_nor_temporary(model, monkeyp
 
     monkeypatch.setattr(writer, "extents", fail_after_the_first_layer)
     with pytest.raises(RuntimeError, match="disk full"):
-        load(model)
+        streaming_load(model)
     assert len(extents) == 1 and len(extents[0]) == 1  # it failed while the temporary existed
     assert not pack_path(model).exists() and _temporaries(model) == []
 
@@ -298,7 +352,7 @@ def test_a_float_model_packs_dense_float32_and_computes_the_same_logits(tmp_path
     with load(model, kv_cache_type="f32") as engine:  # the cache type of the reference decoder below
         logits = engine.logits(PROMPT)
         assert not engine.weights.uses_kernels
-    packed = PackedFile(pack_path(model))
+        packed = engine.weights.packed
     assert packed.globals.weights["token_embd"]["kind"] == "dense"
     layer_specs = [extent.weights[field] for extent in packed.layers for field in LAYER_LINEARS]
     assert all(spec["kind"] == "dense" for spec in layer_specs)
@@ -309,24 +363,39 @@ def test_a_float_model_packs_dense_float32_and_computes_the_same_logits(tmp_path
     np.testing.assert_array_equal(logits, expected)
 
 
-def test_an_unwritable_cache_folder_is_a_clear_error(tmp_path, monkeypatch, model_path):
+def _unwritable_cache(tmp_path: Path, monkeypatch) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setenv("TIERFLOW_CACHE", str(blocker / "cache"))
+
+
+def test_an_unwritable_cache_folder_is_a_clear_error(tmp_path, monkeypatch, model):
+    budget = streaming_budget(model, CONTEXT, SPEC.num_layers - 1, ring_slots=2)
+    _unwritable_cache(tmp_path, monkeypatch)
     with pytest.raises(TierflowError, match="TIERFLOW_CACHE"):
-        Engine.load(model_path, threads=1, context_length=64)
+        load(model, cpu_memory=budget)
 
 
-def test_a_failed_pack_write_is_a_clear_error_and_leaves_no_file(tmp_path, monkeypatch, model_path):
-    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path))
+def test_a_load_built_in_ram_needs_no_cache_folder(tmp_path, monkeypatch, model):
+    _unwritable_cache(tmp_path, monkeypatch)
+    with load(model) as engine:
+        assert len(engine.generate(PROMPT, max_tokens=2, **GREEDY).tokens) == 2
+
+
+def test_a_failed_pack_write_is_a_clear_error_and_leaves_no_file(tmp_path, monkeypatch, model):
+    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    profile_path(1).write_text(HardwareProfile(threads=1, **TEST_PROFILE).to_json())  # no probe
+    streaming_load(model).close()  # keeps the layer overhead it measures for this model's shape
+    pack_path(model).unlink()
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(writer.os, "fsync", disk_full)
     with pytest.raises(TierflowError, match="cannot write the packed weights"):
-        Engine.load(model_path, threads=1, context_length=64)
-    assert not [p for p in (tmp_path / "packed").iterdir()]
+        streaming_load(model)
+    assert not pack_path(model).exists() and _temporaries(model) == []
 
 
 # -- blocks the packed layout cannot hold ----------------------------------------------------------
@@ -348,22 +417,22 @@ BAD_SCALES = [("Q8_0", 0, np.nan), ("Q2_K", 80, np.inf), ("TQ1_0", 52, -np.inf),
 
 
 @pytest.mark.parametrize("weight_type, offset, value", BAD_SCALES, ids=lambda v: str(v))
-def test_a_block_scale_that_is_not_a_number_is_refused_at_pack_time_naming_the_tensor(
-        tmp_path, weight_type, offset, value):
+@pytest.mark.parametrize("loaded_by", [load, streaming_load], ids=["resident", "streaming"])
+def test_a_block_scale_that_is_not_a_number_is_refused_at_load_naming_the_tensor(
+        tmp_path, weight_type, offset, value, loaded_by):
     spec = ModelSpec(**{**SPEC.__dict__, "hidden_size": 256, "weight_type": weight_type})
     model = write_model(tmp_path / "model.gguf", spec)
     set_block_bytes(model, "blk.1.ffn_down.weight", 3, offset, np.float16(value).tobytes())
     with pytest.raises(ModelFileError, match="tensor 'blk.1.ffn_down.weight' has block scales that are not "
                                              "finite numbers"):
-        load(model)
+        loaded_by(model)
     assert not pack_path(model).exists() and _temporaries(model) == []
 
 
 def _layer_extent_bytes(tmp_path: Path, weight_type: str) -> int:
     spec = ModelSpec(**{**SPEC.__dict__, "hidden_size": 256, "ffn_size": 512, "weight_type": weight_type})
     model = write_model(tmp_path / f"{weight_type}.gguf", spec)
-    load(model).close()
-    return PackedFile(pack_path(model)).layers[0].nbytes
+    return written_pack(model).layers[0].nbytes
 
 
 @pytest.mark.parametrize("weight_type", ["IQ4_NL", "IQ4_XS", "MXFP4"])

@@ -27,11 +27,13 @@ from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
 from tierflow import Engine
 from tierflow.errors import BudgetError, ModelFileError, TierflowError
+from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.io import disk as disk_module
 from tierflow.offload.io import streamer as streamer_module
 from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
 from tierflow.offload.pack.cache import pack_path
 from tierflow.offload.pack.reader import PackedFile
+from tierflow.offload.pack.writer import open_pack
 from tierflow.offload.plan.profile import HardwareProfile, profile_path
 from tierflow.units import parse_size
 
@@ -104,7 +106,7 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def resident(model) -> dict:
-    """Fully resident results (this load builds the pack): 40 greedy tokens and their logits."""
+    """Fully resident results (built in RAM from the GGUF: no pack): 40 greedy tokens and their logits."""
     with load(model) as engine:
         assert engine.weights.bytes_by_tier()["disk"] == 0
         tokens = generate(engine, 40)
@@ -113,7 +115,13 @@ def resident(model) -> dict:
 
 @pytest.fixture(scope="module")
 def packed(model, resident) -> PackedFile:
-    return PackedFile(pack_path(model))
+    return written_pack(model)
+
+
+def written_pack(model: Path) -> PackedFile:
+    """The model's pack, written first if it is missing (what a streaming load opens)."""
+    with open_model_file(model) as opened:
+        return open_pack(opened)
 
 
 @pytest.fixture
@@ -188,8 +196,7 @@ def _rss_growth(model: Path, **kwargs) -> tuple[int, dict, int]:
 
 def test_rss_growth_stays_within_the_budget_and_streaming_saves_the_streamed_bytes(tmp_path):
     model = write_model(tmp_path / "big.gguf", BIG_SPEC)
-    load(model).close()  # builds the pack; the first load's one-off costs are not measured
-    packed = PackedFile(pack_path(model))
+    packed = written_pack(model)  # the first load's one-off costs are not measured
     f32 = dict(kv_cache_type="f32")  # the type the cache stores so far: planned bytes are held bytes
     cpu_memory = budget(model, packed, BIG_SPEC.num_layers - 2, **f32)
     _rss_growth(model, cpu_memory=cpu_memory, **f32)  # warm-up: the allocator's pools, the tokenizer

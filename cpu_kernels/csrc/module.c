@@ -893,66 +893,72 @@ static PyObject *py_pack_fields(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(transcode_doc,
-"transcode(ggml_type, src, cols, row0, data, high, sub_codes, supers, scales)\n--\n\n"
-"Writes a Q4_0, Q8_0, Q4_K, Q5_K or Q6_K tensor's rows (src: its GGUF bytes, whole rows of `cols`\n"
+"transcode(ggml_type, src, cols, row0, data, high, sub_codes, supers, scales, mins)\n--\n\n"
+"Writes a Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K tensor's rows (src: its GGUF bytes, whole rows of `cols`\n"
 "columns) into rows row0 .. of a packed matrix's arrays (packed.py's layout, whose padding rows the\n"
 "caller zeroes; the arrays the type's form lacks are None), as pack(to_quant_groups(...)) would.\n"
 "Returns -1, or the first row whose block scale is not a finite number (the rows before it are written).");
 
+enum { TRANSCODE_ARRAYS = 6 };
+
 static PyObject *py_transcode(PyObject *self, PyObject *args) {
-    PyObject *src_obj, *objs[5];
+    PyObject *src_obj, *objs[TRANSCODE_ARRAYS];
     int ggml_type;
     Py_ssize_t cols, row0;
-    if (!PyArg_ParseTuple(args, "iOnnOOOOO:transcode", &ggml_type, &src_obj, &cols, &row0, &objs[0], &objs[1],
-                          &objs[2], &objs[3], &objs[4]))
+    if (!PyArg_ParseTuple(args, "iOnnOOOOOO:transcode", &ggml_type, &src_obj, &cols, &row0, &objs[0], &objs[1],
+                          &objs[2], &objs[3], &objs[4], &objs[5]))
         return NULL;
     const int64_t block_bytes = transcode_block_bytes(ggml_type);
     if (!block_bytes)
-        return PyErr_Format(PyExc_ValueError, "transcode: ggml type %d is not Q4_0, Q8_0, Q4_K, Q5_K or Q6_K",
-                            ggml_type);
+        return PyErr_Format(PyExc_ValueError,
+                            "transcode: ggml type %d is not Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K", ggml_type);
     const int64_t block_values = transcode_block_values(ggml_type);
     const int super = block_values == 256;
     const int field = ggml_type == GGML_Q8_0 ? 8 : 4, h = ggml_type == GGML_Q5_K ? 1 : ggml_type == GGML_Q6_K ? 2 : 0;
-    const int wanted[5] = {1, h > 0, super, super, !super}; /* data, high, sub_codes, supers, scales */
-    static const char *names[5] = {"data", "high", "sub_codes", "supers", "scales"};
-    static const char *formats[5] = {"bB", "B", "B", "He", "He"};
-    buffer_arg buf[6] = {{.held = 0}};
-    int failed = get_buffer(src_obj, &buf[5], "src", 1, "B", 0);
-    for (int i = 0; i < 5 && !failed; i++) {
+    /* data, high, sub_codes, supers, scales, mins */
+    const int wanted[TRANSCODE_ARRAYS] = {1, h > 0, super, super, !super, ggml_type == GGML_Q4_1};
+    static const char *names[TRANSCODE_ARRAYS] = {"data", "high", "sub_codes", "supers", "scales", "mins"};
+    static const char *formats[TRANSCODE_ARRAYS] = {"bB", "B", "B", "He", "He", "He"};
+    buffer_arg buf[TRANSCODE_ARRAYS + 1] = {{.held = 0}}; /* the arrays, then src */
+    buffer_arg *src = &buf[TRANSCODE_ARRAYS];
+    int failed = get_buffer(src_obj, src, "src", 1, "B", 0);
+    for (int i = 0; i < TRANSCODE_ARRAYS && !failed; i++) {
         if (wanted[i] != (objs[i] != Py_None)) {
-            release(buf, 6);
+            release(buf, TRANSCODE_ARRAYS + 1);
             return PyErr_Format(PyExc_ValueError, "transcode: %s must %s for this type", names[i],
                                 wanted[i] ? "be given" : "be None");
         }
         if (wanted[i]) failed = get_buffer(objs[i], &buf[i], names[i], i >= 3 ? 2 : 1, formats[i], 1);
     }
     if (failed) {
-        release(buf, 6);
+        release(buf, TRANSCODE_ARRAYS + 1);
         return NULL;
     }
     const int64_t blocks_per_row = cols > 0 && cols % block_values == 0 ? cols / block_values : 0;
-    const int64_t rows = blocks_per_row ? buf[5].view.len / (blocks_per_row * block_bytes) : 0;
+    const int64_t rows = blocks_per_row ? src->view.len / (blocks_per_row * block_bytes) : 0;
     const int64_t tiles = (row0 + rows + TILE_ROWS - 1) / TILE_ROWS, blocks = tiles * blocks_per_row;
     const int64_t sub_bytes = ggml_type == GGML_Q6_K ? 16 : 12, halves = ggml_type == GGML_Q6_K ? 1 : 2;
-    const int64_t needed[5] = {tiles * TILE_ROWS * cols * field / 8, tiles * TILE_ROWS * cols * h / 8,
-                               blocks * sub_bytes * TILE_ROWS, blocks * halves * TILE_ROWS * 2, blocks * TILE_ROWS * 2};
+    const int64_t needed[TRANSCODE_ARRAYS] = {
+        tiles * TILE_ROWS * cols * field / 8, tiles * TILE_ROWS * cols * h / 8, blocks * sub_bytes * TILE_ROWS,
+        blocks * halves * TILE_ROWS * 2, blocks * TILE_ROWS * 2, blocks * TILE_ROWS * 2};
     const char *problem = NULL;
-    if (rows < 1 || buf[5].view.len != rows * blocks_per_row * block_bytes || row0 < 0)
+    if (rows < 1 || src->view.len != rows * blocks_per_row * block_bytes || row0 < 0)
         problem = "src must be whole rows of the type's blocks, and row0 at least 0";
-    for (int i = 0; i < 5 && !problem; i++) {
+    for (int i = 0; i < TRANSCODE_ARRAYS && !problem; i++) {
         if (wanted[i] && buf[i].view.len < needed[i]) problem = "the packed arrays are too small for rows row0 .. of these blocks";
     }
     if (problem) {
-        release(buf, 6);
+        release(buf, TRANSCODE_ARRAYS + 1);
         return PyErr_Format(PyExc_ValueError, "transcode: %s", problem);
     }
-    const packed_out out = {buf[0].view.buf, buf[1].held ? buf[1].view.buf : NULL, buf[2].held ? buf[2].view.buf : NULL,
-                            buf[3].held ? buf[3].view.buf : NULL, buf[4].held ? buf[4].view.buf : NULL};
+    void *arrays[TRANSCODE_ARRAYS];
+    for (int i = 0; i < TRANSCODE_ARRAYS; i++) arrays[i] = buf[i].held ? buf[i].view.buf : NULL;
+    const packed_out out = {arrays[0], arrays[1], arrays[2], arrays[3], arrays[4], arrays[5]};
     int64_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = transcode_rows(ggml_type, buf[5].view.buf, rows, cols, row0, &out);
+    bad = transcode_rows(ggml_type, src->view.buf, rows, cols, row0, &out);
     Py_END_ALLOW_THREADS
-    release(buf, 6);
+    release(buf, TRANSCODE_ARRAYS + 1);
     return PyLong_FromLongLong(bad);
 }
 

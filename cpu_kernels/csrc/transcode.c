@@ -1,5 +1,5 @@
-/* GGUF blocks straight into packed.py's layout: what pack(to_quant_groups(...)) makes of a Q4_0, Q8_0,
- * Q4_K, Q5_K or Q6_K matrix, without the byte per weight and float scales per group that the numpy path
+/* GGUF blocks straight into packed.py's layout: what pack(to_quant_groups(...)) makes of a Q4_0, Q4_1,
+ * Q8_0, Q4_K, Q5_K or Q6_K matrix, without the byte per weight and float scales per group that the numpy path
  * builds on the way. The codes move four bytes at a time and the sub-scale codes and super-block halves as they are,
  * so the result is the numpy path's to the bit (tests/test_packed.py checks it).
  *
@@ -10,7 +10,7 @@
 #include "kernels.h"
 #include "transcode.h"
 
-enum { Q4_0_BYTES = 18, Q8_0_BYTES = 34, Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210, SUPER = 256 };
+enum { Q4_0_BYTES = 18, Q4_1_BYTES = 20, Q8_0_BYTES = 34, Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210, SUPER = 256 };
 
 /* A float16's bits are finite unless its exponent is all ones. */
 static inline int half_finite(uint16_t bits) { return (bits & 0x7C00) != 0x7C00; }
@@ -37,25 +37,31 @@ static inline uint32_t nibble_block(const uint8_t *p, int top) {
                : (first & 0x0F0F0F0F) | ((second & 0x0F0F0F0F) << 4);
 }
 
-/* Q4_K: codes are the file's nibbles (width 4, zero 0); per super block 8 groups of 32, each with a
- * 6-bit scale code and min code (packed.py's sub codes: low nibbles paired, then top bits four to a
- * byte), and d, dmin per row. Weight 64c + l takes the low nibble of qs[32c + l] (l < 32), weight
- * 64c + 32 + l its high nibble. */
-/* Q4_0: codes are the file's nibbles (width 4, zero 8), weight l (l < 16) the low nibble of qs[l] and
- * weight 16 + l its high one; the float16 d is the group's scale. */
-static int q4_0_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+/* Q4_0 and Q4_1: codes are the file's nibbles (width 4; zero 8, or 0 under Q4_1's min), weight l (l < 16)
+ * the low nibble of qs[l] and weight 16 + l its high one; the float16 d is the group's scale, and Q4_1's
+ * float16 m its min. */
+static int q4_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out, const int with_min) {
     const int64_t groups = cols / 32, data_base = tile * cols * TILE_ROWS / 2;
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *block = blocks + g * Q4_0_BYTES, *qs = block + 2;
-        const uint16_t d = half_at(block);
-        if (!half_finite(d)) return 0;
+        const uint8_t *block = blocks + g * (with_min ? Q4_1_BYTES : Q4_0_BYTES), *qs = block + (with_min ? 4 : 2);
+        const uint16_t d = half_at(block), m = with_min ? half_at(block + 2) : 0;
+        if (!half_finite(d) || !half_finite(m)) return 0;
         out->scales[(tile * groups + g) * TILE_ROWS + r] = d;
+        if (with_min) out->mins[(tile * groups + g) * TILE_ROWS + r] = m;
         for (int o = 0; o < 4; o++) { /* columns 8o .. 8o + 7 */
             const uint32_t nibbles = nibble_block(qs + 8 * (o % 2), o / 2);
             memcpy(block_row(out->data + data_base, 4 * g + o, r), &nibbles, 4);
         }
     }
     return 1;
+}
+
+static int q4_0_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    return q4_row(blocks, cols, tile, r, out, 0);
+}
+
+static int q4_1_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    return q4_row(blocks, cols, tile, r, out, 1);
 }
 
 /* Q8_0: the int8 codes as they are, a quad of 4 columns to a row's 4 bytes; d is the group's scale. */
@@ -162,6 +168,7 @@ static int q6_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, co
 int64_t transcode_block_bytes(int ggml_type) {
     switch (ggml_type) {
     case GGML_Q4_0: return Q4_0_BYTES;
+    case GGML_Q4_1: return Q4_1_BYTES;
     case GGML_Q8_0: return Q8_0_BYTES;
     case GGML_Q4_K: return Q4_K_BYTES;
     case GGML_Q5_K: return Q5_K_BYTES;
@@ -171,14 +178,14 @@ int64_t transcode_block_bytes(int ggml_type) {
 }
 
 int64_t transcode_block_values(int ggml_type) {
-    return ggml_type == GGML_Q4_0 || ggml_type == GGML_Q8_0 ? 32 : SUPER;
+    return ggml_type == GGML_Q4_0 || ggml_type == GGML_Q4_1 || ggml_type == GGML_Q8_0 ? 32 : SUPER;
 }
 
 int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0,
                        const packed_out *out) {
     int (*row_of)(const uint8_t *, int64_t, int64_t, int, const packed_out *) =
-        ggml_type == GGML_Q4_0 ? q4_0_row : ggml_type == GGML_Q8_0 ? q8_0_row : ggml_type == GGML_Q4_K ? q4_k_row
-        : ggml_type == GGML_Q5_K ? q5_k_row : q6_k_row;
+        ggml_type == GGML_Q4_0 ? q4_0_row : ggml_type == GGML_Q4_1 ? q4_1_row : ggml_type == GGML_Q8_0 ? q8_0_row
+        : ggml_type == GGML_Q4_K ? q4_k_row : ggml_type == GGML_Q5_K ? q5_k_row : q6_k_row;
     const int64_t row_bytes = cols / transcode_block_values(ggml_type) * transcode_block_bytes(ggml_type);
     for (int64_t row = 0; row < rows; row++) {
         const int64_t tile = (row0 + row) / TILE_ROWS;

@@ -5,12 +5,12 @@
 #include <stdint.h>
 
 /* The GGUF types transcode_rows reads (ggml's type ids). */
-enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
 /* A packed matrix's arrays (packed.py's layout); those its form lacks are NULL. */
 typedef struct {
     uint8_t *data, *high, *sub_codes;
-    uint16_t *supers, *scales; /* float16 bits */
+    uint16_t *supers, *scales, *mins; /* float16 bits */
 } packed_out;
 
 /* The bytes of one block of a type transcode_rows reads; 0 for any other type. */

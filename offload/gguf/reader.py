@@ -321,6 +321,15 @@ class GGUFFile:
             return self.parts[info.part - 1].tensor_data(name)
         return np.frombuffer(self._buf, np.uint8, count=info.nbytes, offset=info.offset)
 
+    def release_pages(self) -> None:
+        """Drops the map's pages from this process's memory (its RSS), not from the page cache: a
+        later read maps them again. A load calls it once it has built what it needs from the
+        tensors read so far, so that the file does not count twice in its memory."""
+        for part in self.parts:
+            part.release_pages()
+        if self._buf is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._buf.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         """Release the map now, or when the last view from `tensor_data` is dropped."""
         for part in self.parts:

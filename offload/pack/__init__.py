@@ -4,6 +4,8 @@
                 header alone (the planner's bytes) or, with a decoder, also writes them
     writer.py   build_pack / open_pack: the file (extents, manifest, trailer), atomic, rebuilt when
                 stale or damaged; pack_sizes for the planner
+    built.py    BuiltPack: the same extents built in RAM at load, for a plan that reads nothing
+                from disk (no pack written)
     cache.py    the packs folder: a pack per source file (by device, inode and sampled content),
                 use records, the size cap (TIERFLOW_CACHE_MAX) with LRU eviction, the disk check
                 before a build; listing, removal and pruning for `tierflow cache`

@@ -23,7 +23,11 @@ MXFP4 matrix with a block scale above 2^15 (a weight of magnitude 2^16 or more) 
 form (quant_groups.py); the pack refuses it.
 """
 
+import functools
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,10 +38,11 @@ from tierflow.cpu_kernels.packed import (
     TILE_ROWS,
     NonFiniteBlocks,
     PackedMatrix,
+    block_array_shapes,
     field_bits,
     pack,
-    pack_blocks,
     sub_code_bytes,
+    transcode_blocks,
 )
 from tierflow.cpu_kernels.quant_groups import (
     GROUPED_TYPES,
@@ -53,6 +58,7 @@ from tierflow.offload.io.disk import ALIGNMENT
 from tierflow.runtime.models.tensor_map import Field, Matmul, Tensor, Vector, field_tensors
 
 ARRAY_ALIGNMENT = 64
+TRANSCODED_ROWS = 16 * TILE_ROWS  # rows per job of a matrix written from its GGUF blocks
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class TensorDecoder:
 
     def __init__(self, gguf: GGUFFile, progress: Callable[[int], None] | None = None):
         self.gguf, self.progress = gguf, progress
+        self._counting = threading.Lock()  # extents are filled by several threads
 
     def matrix(self, tensor: Tensor, grouped: bool) -> QuantGroups | np.ndarray:
         """The tensor (or its expert slice) as a matrix [rows, cols]."""
@@ -102,8 +109,15 @@ class TensorDecoder:
                           ).reshape(rows, cols)
 
     def blocks(self, tensor: Tensor) -> tuple[np.ndarray, tuple[int, int]]:
-        """The tensor's (or its expert slice's) GGUF bytes and GGUF-order shape [cols, rows]."""
-        return self._data(tensor), self.gguf.tensors[tensor.name].shape[:2]
+        """The tensor's (or its expert slice's) GGUF bytes and GGUF-order shape [cols, rows], not yet
+        counted as decoded: the caller counts what it decodes of them."""
+        return self._data(tensor, counted=False), self.gguf.tensors[tensor.name].shape[:2]
+
+    def count(self, nbytes: int) -> None:
+        """Reports `nbytes` more of the source decoded (from any thread)."""
+        if self.progress is not None:
+            with self._counting:
+                self.progress(nbytes)
 
     def vector(self, tensor: Tensor) -> np.ndarray:
         """The tensor's values (an expert's: its slice of a stacked [rows, experts] bias)."""
@@ -111,13 +125,13 @@ class TensorDecoder:
         shape = info.shape[:-1] if tensor.expert is not None else info.shape
         return dequantize(self._data(tensor), info.ggml_type, shape).reshape(-1)
 
-    def _data(self, tensor: Tensor) -> np.ndarray:
+    def _data(self, tensor: Tensor, counted: bool = True) -> np.ndarray:
         info, data = self.gguf.tensors[tensor.name], self.gguf.tensor_data(tensor.name)
         if tensor.expert is not None:  # the experts are the outermost dimension: each a run of bytes
             per_expert = info.nbytes // info.shape[-1]
             data = data[tensor.expert * per_expert: (tensor.expert + 1) * per_expert]
-        if self.progress is not None:
-            self.progress(len(data))
+        if counted:
+            self.count(len(data))
         return data
 
 
@@ -128,7 +142,7 @@ class ExtentLayout:
         self.gguf, self.decoder = gguf, decoder
         self.size = 0
         self.spec: dict = {}  # field name -> its arrays (the manifest's "weights")
-        self.chunks: list[tuple[int, Callable[[], np.ndarray]]] = []  # (offset, what fills it)
+        self.jobs: list[Callable[[np.ndarray], None]] = []  # each writes some arrays into the extent
         self.linears: list[LinearSize] = []
         self._groups: list[tuple[str, int]] = []  # (group, offset where it starts)
 
@@ -152,12 +166,16 @@ class ExtentLayout:
         return ExtentSize(padded, groups, tuple(self.linears))
 
     def bytes(self) -> np.ndarray:
-        """The extent's bytes (uint8, padded), with every array filled in: the writer's. Each array is
-        copied once, into place."""
-        out = np.zeros(self.extent_size().nbytes, np.uint8)
-        for at, fill in self.chunks:
-            raw = np.ascontiguousarray(fill()).reshape(-1).view(np.uint8)
-            out[at: at + raw.size] = raw
+        """The extent's bytes (uint8, padded), with every array filled in: the writer's."""
+        return self.fill(np.zeros(self.extent_size().nbytes, np.uint8))
+
+    def fill(self, out: np.ndarray) -> np.ndarray:
+        """Writes every array into `out` (uint8, at least the extent's size), in place, on a thread per
+        core (the C transcoder and numpy's copies let go of the GIL); the padding between arrays is
+        left as it is."""
+        with ThreadPoolExecutor(min(len(self.jobs), os.cpu_count() or 1) or 1) as pool:
+            for _ in pool.map(lambda job: job(out), self.jobs):
+                pass  # each job's exception, if any, is raised here
         return out
 
     # -- the walk -----------------------------------------------------------------------------
@@ -165,19 +183,15 @@ class ExtentLayout:
     def _aligned(self) -> int:
         return -(-self.size // ARRAY_ALIGNMENT) * ARRAY_ALIGNMENT
 
-    def _array(self, nbytes: int, fill: Callable[[], np.ndarray]) -> list[int]:
+    def _reserve(self, nbytes: int) -> list[int]:
         at = self._aligned()
         self.size = at + nbytes
-
-        def checked() -> np.ndarray:
-            array = fill()
-            if array.nbytes != nbytes:
-                raise AssertionError(f"the pack's layout expected {nbytes} bytes, the writer made "
-                                     f"{array.nbytes}")
-            return array
-
-        self.chunks.append((at, checked))
         return [at, nbytes]
+
+    def _array(self, nbytes: int, fill: Callable[[], np.ndarray]) -> list[int]:
+        place = self._reserve(nbytes)
+        self.jobs.append(lambda out: _put(out, place, fill()))
+        return place
 
     def _vector(self, tensor: Tensor) -> list[int]:
         count = int(np.prod(tensor.shape))
@@ -218,34 +232,67 @@ class ExtentLayout:
                 4 * rows * cols, lambda: np.concatenate([self.decoder.matrix(w, False) for w in weights]))}
         sizes = packed_sizes(fmt, rows, cols)
         with_mins = fmt.sub is None and fmt.has_min
-        packed = _Once(lambda: self._packed(weights, with_mins, fmt.codebook))
+        places = {"data": self._reserve(sizes["data"])}  # in the pack's order of arrays
+        if sizes["high"]:
+            places["high"] = self._reserve(sizes["high"])
+        if fmt.sub is None:
+            places["scales"] = self._reserve(sizes["params"])
+        if with_mins:
+            places["mins"] = self._reserve(sizes["params"])
+        if fmt.sub is not None:
+            places["sub_codes"] = self._reserve(sizes["sub_codes"])
+            places["supers"] = self._reserve(sizes["supers"])
         spec |= {"kind": "packed", "bits": fmt.bits, "group": fmt.group, "codebook": fmt.codebook,
-                 "width": fmt.width if fmt.bits == 8 else 8, "zero": fmt.zero,
-                 "data": self._array(sizes["data"], lambda: packed().data),
-                 "high": self._array(sizes["high"], lambda: packed().high) if sizes["high"] else None,
-                 "scales": None if fmt.sub else self._array(sizes["params"], lambda: packed().scales),
-                 "mins": self._array(sizes["params"], lambda: packed().mins) if with_mins else None,
+                 "width": fmt.width if fmt.bits == 8 else 8, "zero": fmt.zero, "data": places["data"],
+                 "high": places.get("high"), "scales": places.get("scales"), "mins": places.get("mins"),
                  "sub": None if fmt.sub is None else {
                      "bits": fmt.sub.bits, "offset": fmt.sub.offset,
                      "groups_per_super": fmt.sub.groups_per_super, "with_mins": fmt.sub.with_mins,
-                     "codes": self._array(sizes["sub_codes"], lambda: packed().sub.codes),
-                     "supers": self._array(sizes["supers"], lambda: packed().sub.supers)}}
-        params = (0 if fmt.sub else sizes["params"]) + (sizes["params"] if with_mins else 0)
-        self.linears.append(LinearSize(sizes["data"] + sizes["high"] + params + sizes["sub_codes"]
-                                       + sizes["supers"], fmt.bits))
+                     "codes": places["sub_codes"], "supers": places["supers"]}}
+        self._packing_jobs(weights, rows, cols, with_mins, fmt.codebook, places)
+        self.linears.append(LinearSize(sum(nbytes for _, nbytes in places.values()), fmt.bits))
         return spec
+
+    def _packing_jobs(self, weights: list[Tensor], rows: int, cols: int, with_mins: bool,
+                      codebook: str | None, places: dict[str, list[int]]) -> None:
+        """The jobs that write a packed matrix's arrays: ranges of TRANSCODED_ROWS rows written
+        straight from the GGUF's blocks where every part is of one BLOCK_PACKED_TYPES type, else one
+        job that packs the whole matrix (quant groups, numpy) and copies its arrays into place."""
+        types = {self.gguf.tensors[w.name].ggml_type for w in weights}
+        if len(types) == 1 and types <= BLOCK_PACKED_TYPES:
+            ggml_type = types.pop()
+            shapes = block_array_shapes(ggml_type, rows, cols)
+            for first in range(0, rows, TRANSCODED_ROWS):
+                self.jobs.append(functools.partial(self._transcode, weights, ggml_type, places, shapes,
+                                                   first, min(first + TRANSCODED_ROWS, rows)))
+            return
+
+        def pack_and_copy(out: np.ndarray) -> None:
+            packed = self._packed(weights, with_mins, codebook)
+            sub = packed.sub
+            arrays = {"data": packed.data, "high": packed.high, "scales": packed.scales, "mins": packed.mins,
+                      "sub_codes": sub and sub.codes, "supers": sub and sub.supers}
+            for name, place in places.items():
+                _put(out, place, arrays[name])
+        self.jobs.append(pack_and_copy)
+
+    def _transcode(self, weights: list[Tensor], ggml_type: int, places: dict[str, list[int]],
+                   shapes: dict[str, tuple[tuple[int, ...], type]], first: int, end: int,
+                   out: np.ndarray) -> None:
+        arrays = {name: _view(out, places[name], shape, dtype) for name, (shape, dtype) in shapes.items()}
+        parts = [self.decoder.blocks(w) for w in weights]
+        try:
+            transcode_blocks(parts, ggml_type, arrays, first, end)
+        except NonFiniteBlocks as error:
+            raise self._damaged(weights[error.part]) from None
+        raw, (_, part_rows) = parts[0]
+        self.decoder.count((end - first) * (raw.nbytes // part_rows))
 
     def _packed(self, weights: list[Tensor], with_mins: bool, codebook: str | None) -> PackedMatrix:
         """The tensors packed as one matrix. A scale or offset that is not a number means a damaged
         file; one too large for the packed layout's float16 (a Q4_0 block of scale 65504 has an
         offset of -8 x 65504), or an MXFP4 scale without a codebook form, is a file tierflow cannot
         hold."""
-        types = {self.gguf.tensors[w.name].ggml_type for w in weights}
-        if len(types) == 1 and types <= BLOCK_PACKED_TYPES:
-            try:
-                return pack_blocks([self.decoder.blocks(w) for w in weights], types.pop())
-            except NonFiniteBlocks as error:
-                raise self._damaged(weights[error.part]) from None
         groups = [self.decoder.matrix(w, True) for w in weights]
         names = ", ".join(f"'{w.name}'" for w in weights)
         for weight, group in zip(weights, groups):
@@ -275,13 +322,19 @@ def _same_form(a: GroupLayout | None, b: GroupLayout | None) -> bool:
     return a is None and b is None or a is not None and b is not None and a.form == b.form
 
 
-class _Once:
-    """A value computed on first use (a packed matrix's three arrays come from one packing)."""
+def _put(out: np.ndarray, place: list[int], array: np.ndarray) -> None:
+    """Copies an array to its place [offset, nbytes] in the extent's bytes."""
+    at, nbytes = place
+    if array.nbytes != nbytes:
+        raise AssertionError(f"the pack's layout expected {nbytes} bytes, the writer made {array.nbytes}")
+    out[at: at + nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
-    def __init__(self, make: Callable[[], object]):
-        self.make, self.value = make, None
 
-    def __call__(self):
-        if self.value is None:
-            self.value = self.make()
-        return self.value
+def _view(out: np.ndarray, place: list[int], shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """The array of this shape and dtype at its place in the extent's bytes."""
+    at, nbytes = place
+    view = out[at: at + nbytes].view(dtype)
+    if view.size != int(np.prod(shape)):
+        raise AssertionError(f"the pack's layout expected {nbytes} bytes, the transcoder writes "
+                             f"{int(np.prod(shape)) * view.itemsize}")
+    return view.reshape(shape)

@@ -39,11 +39,12 @@ class Extent:
 
 
 class PackedFile:
-    """A pack's manifest; the extents' bytes are read by the caller (see offload/io/disk.py)."""
+    """A pack's manifest; the extents' bytes are read by the caller (see offload/io/disk.py), or, for
+    a pack built in RAM (writer.BuiltPack: path None), built by it."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        manifest = _read_manifest(self.path)
+    def __init__(self, path: Path | None, manifest: dict | None = None):
+        self.path = None if path is None else Path(path)
+        manifest = _read_manifest(self.path) if manifest is None else manifest
         self.source = manifest["source"]
         self.globals = Extent(**manifest["globals"])
         self.layers = [Extent(**extent) for extent in manifest["layers"]]

@@ -1,9 +1,10 @@
 """Writing a pack: a GGUF's weights in the kernels' layout, layer-major, built once per model.
 
-Loading a GGUF means decoding every tensor into the kernels' packed layout (cpu_kernels/packed.py),
-which takes seconds; streaming a layer from disk must be one sequential read of exactly the bytes
-the kernels use. So the first load of a model writes those bytes to a file in the user's cache
-directory, and every later load (and every streamed read) uses it.
+Streaming a layer from disk must be one sequential read of exactly the bytes the kernels use, and
+some types take seconds to lay out (those packed by numpy: cpu_kernels/packed.py). So a load that
+streams layers or experts from disk, or of a model of such types, writes those bytes to a file in
+the user's cache directory once, and every later load (and every streamed read) uses it. A load
+that holds everything in RAM, of a model whose types transcode in C, writes none (built.py).
 
 File (every extent 4 KiB-aligned and padded to 4 KiB, so O_DIRECT can read it; each extent's
 arrays as layout.py lays them out, its family's fields in order):
@@ -112,6 +113,17 @@ def _laid_out_as_the_header_says(packed: PackedFile, model: ModelFile) -> bool:
     return True
 
 
+def add_extent(manifest: dict, layer: int | None, expert: int | None, entry: dict) -> None:
+    """Files an extent's entry (extents() order) under the globals, its layer, or its layer's experts."""
+    if layer is None:
+        manifest["globals"] = entry
+    elif expert is None:
+        manifest["layers"].append(entry)
+        manifest["experts"].append([])
+    else:
+        manifest["experts"][layer].append(entry)
+
+
 def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = None) -> None:
     """Writes the pack of `model` (whose tensors passed check_tensors) to path, atomically."""
     total, done = sum(info.nbytes for info in model.gguf.tensors.values()), 0
@@ -129,16 +141,9 @@ def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = Non
                         "experts": []}
             for layer, expert, layout in extents(model, decoder):
                 data = layout.bytes()
-                entry = {"offset": f.tell(), "nbytes": len(data), "crc32": crc32(data),
-                         "weights": layout.spec}
+                add_extent(manifest, layer, expert, {"offset": f.tell(), "nbytes": len(data),
+                                                      "crc32": crc32(data), "weights": layout.spec})
                 f.write(data)
-                if layer is None:
-                    manifest["globals"] = entry
-                elif expert is None:
-                    manifest["layers"].append(entry)
-                    manifest["experts"].append([])
-                else:
-                    manifest["experts"][layer].append(entry)
             raw = json.dumps(manifest).encode()
             offset = f.tell()
             f.write(raw)

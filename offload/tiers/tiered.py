@@ -1,9 +1,10 @@
 """TieredWeights: the WeightSource of a plan: layers on the GPU tier, in RAM, or streamed.
 
 Everything comes from the model's pack (offload/pack/): the globals (embeddings, output head,
-norms) and the resident layers are read once into RAM at load; GPU layers are read once and
-copied to the device tier (device.py), where they are computed by the device's kernels (or, for
-the CPU standing in for a GPU with no kernels given, by the CPU kernels), with their KV cache
+norms) and the resident layers are read once into RAM at load (or, for a plan that reads nothing
+from disk while it runs, built there from the GGUF: offload/pack/built.py); GPU layers are read
+once and copied to the device tier (device.py), where they are computed by the device's kernels
+(or, for the CPU standing in for a GPU with no kernels given, by the CPU kernels), with their KV cache
 beside them; the streamed layers are read from disk every step by the
 LayerStreamer into its ring of buffers. RAM held for weights is the globals, the resident layers
 and the ring, which is what the cpu_memory budget bounds; the device tier counts its own bytes
@@ -47,7 +48,7 @@ class TieredWeights:
             raise UnsupportedModelError("a MoE model's layers are not streamed: its experts stream instead "
                                         "(offload/experts/store.py)")
         self.packed, self.device, self.device_kernels = packed, device, device_kernels
-        self.disk = DiskFile(packed.path)
+        self.disk = DiskFile(packed.path) if packed.path is not None else None  # None: a BuiltPack
         self._buffers = []  # the resident extents' memory, alive as long as the weights
         placement = plan.experts
         self._gpu_experts = set(placement.gpu_layers) if placement else set()  # placed there by hand
@@ -92,8 +93,11 @@ class TieredWeights:
         """The extent's bytes, checked, in a buffer of their own (kept while the weights live when
         `keep`) or at the start of `into` (page-aligned, the caller's)."""
         buffer = aligned_buffer(extent.nbytes) if into is None else into
-        data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
-        self.packed.check(extent, data)
+        if self.disk is None:
+            data = self.packed.build_into(extent, buffer)
+        else:
+            data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
+            self.packed.check(extent, data)
         if keep and into is None:
             self._buffers.append(buffer)
         self._loaded += extent.nbytes
@@ -226,7 +230,8 @@ class TieredWeights:
             self.streamer.close()
         if self._streamed is not None:
             self._streamed.close()
-        self.disk.close()
+        if self.disk is not None:
+            self.disk.close()
 
 
 def _packed_spec(spec: dict) -> bool:
@@ -249,8 +254,8 @@ class ResidentExperts:
         yield [(e, self.experts[e]) for e in np.unique(chosen).tolist()]
 
 
-def _expert_tier(packed: PackedFile, disk: DiskFile, config: ModelConfig, placement: ExpertPlacement | None,
-                 device: DeviceTier | None, device_kernels: Kernels | None
+def _expert_tier(packed: PackedFile, disk: DiskFile | None, config: ModelConfig,
+                 placement: ExpertPlacement | None, device: DeviceTier | None, device_kernels: Kernels | None
                  ) -> tuple[ExpertStore | HybridExperts | None, StreamedExperts | None]:
     """(the tier the experts not placed on the GPU by hand come through, if any; the RAM cache of
     those whose home is disk, if any)."""

@@ -20,6 +20,19 @@ def ram_beside_weights(model: Path, context_length: int, kv_cache_type: str | No
     return footprint.ram_bytes(gpu_layers)
 
 
+def streaming_budget(model: Path, context_length: int, num_streamed: int = 1, ring_slots: int = 3,
+                     kv_cache_type: str | None = None) -> int:
+    """cpu_memory for the globals, all but the last num_streamed layers and a ring of ring_slots
+    of the largest layer, beside the KV cache and activations: a load that streams about
+    num_streamed layers (the planner picks the ring's depth), and so reads them from the pack."""
+    with open_model_file(model) as opened:
+        sizes = pack_sizes(opened)
+    layers = [x.nbytes for x in sizes.layers]
+    resident = sum(layers[: len(layers) - num_streamed])
+    return (sizes.globals.nbytes + resident + ring_slots * max(layers)
+            + ram_beside_weights(model, context_length, kv_cache_type))
+
+
 @dataclass(frozen=True)
 class MoeBytes:
     """A MoE model's bytes as its pack lays them out, for budgets stated in experts."""
