@@ -894,7 +894,7 @@ static PyObject *py_pack_fields(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(transcode_doc,
 "transcode(ggml_type, src, cols, row0, data, high, sub_codes, supers, scales, mins)\n--\n\n"
-"Writes a Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K tensor's rows (src: its GGUF bytes, whole rows of `cols`\n"
+"Writes a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K tensor's rows (src: its GGUF bytes, whole rows of `cols`\n"
 "columns) into rows row0 .. of a packed matrix's arrays (packed.py's layout, whose padding rows the\n"
 "caller zeroes; the arrays the type's form lacks are None), as pack(to_quant_groups(...)) would.\n"
 "Returns -1, or the first row whose block scale is not a finite number (the rows before it are written).");
@@ -911,12 +911,15 @@ static PyObject *py_transcode(PyObject *self, PyObject *args) {
     const int64_t block_bytes = transcode_block_bytes(ggml_type);
     if (!block_bytes)
         return PyErr_Format(PyExc_ValueError,
-                            "transcode: ggml type %d is not Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K", ggml_type);
+                            "transcode: ggml type %d is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K",
+                            ggml_type);
     const int64_t block_values = transcode_block_values(ggml_type);
     const int super = block_values == 256;
-    const int field = ggml_type == GGML_Q8_0 ? 8 : 4, h = ggml_type == GGML_Q5_K ? 1 : ggml_type == GGML_Q6_K ? 2 : 0;
+    const int five = ggml_type == GGML_Q5_0 || ggml_type == GGML_Q5_1 || ggml_type == GGML_Q5_K;
+    const int field = ggml_type == GGML_Q8_0 ? 8 : 4, h = five ? 1 : ggml_type == GGML_Q6_K ? 2 : 0;
+    const int with_min = ggml_type == GGML_Q4_1 || ggml_type == GGML_Q5_1;
     /* data, high, sub_codes, supers, scales, mins */
-    const int wanted[TRANSCODE_ARRAYS] = {1, h > 0, super, super, !super, ggml_type == GGML_Q4_1};
+    const int wanted[TRANSCODE_ARRAYS] = {1, h > 0, super, super, !super, with_min};
     static const char *names[TRANSCODE_ARRAYS] = {"data", "high", "sub_codes", "supers", "scales", "mins"};
     static const char *formats[TRANSCODE_ARRAYS] = {"bB", "B", "B", "He", "He", "He"};
     buffer_arg buf[TRANSCODE_ARRAYS + 1] = {{.held = 0}}; /* the arrays, then src */

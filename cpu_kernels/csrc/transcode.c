@@ -1,5 +1,5 @@
 /* GGUF blocks straight into packed.py's layout: what pack(to_quant_groups(...)) makes of a Q4_0, Q4_1,
- * Q8_0, Q4_K, Q5_K or Q6_K matrix, without the byte per weight and float scales per group that the numpy path
+ * Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K matrix, without the byte per weight and float scales per group that the numpy path
  * builds on the way. The codes move four bytes at a time and the sub-scale codes and super-block halves as they are,
  * so the result is the numpy path's to the bit (tests/test_packed.py checks it).
  *
@@ -10,7 +10,7 @@
 #include "kernels.h"
 #include "transcode.h"
 
-enum { Q4_0_BYTES = 18, Q4_1_BYTES = 20, Q8_0_BYTES = 34, Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210, SUPER = 256 };
+enum { Q4_0_BYTES = 18, Q4_1_BYTES = 20, Q5_0_BYTES = 22, Q5_1_BYTES = 24, Q8_0_BYTES = 34, Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210, SUPER = 256 };
 
 /* A float16's bits are finite unless its exponent is all ones. */
 static inline int half_finite(uint16_t bits) { return (bits & 0x7C00) != 0x7C00; }
@@ -37,13 +37,27 @@ static inline uint32_t nibble_block(const uint8_t *p, int top) {
                : (first & 0x0F0F0F0F) | ((second & 0x0F0F0F0F) << 4);
 }
 
-/* Q4_0 and Q4_1: codes are the file's nibbles (width 4; zero 8, or 0 under Q4_1's min), weight l (l < 16)
- * the low nibble of qs[l] and weight 16 + l its high one; the float16 d is the group's scale, and Q4_1's
- * float16 m its min. */
-static int q4_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out, const int with_min) {
-    const int64_t groups = cols / 32, data_base = tile * cols * TILE_ROWS / 2;
+/* The 4 bytes of a high plane's 32 columns from their fifth bits (bit c of `bits` is column c's): byte j
+ * of the word holds column 4i + j's bit at bit i, as Q5_K's planes are laid out (k_row). */
+static inline uint32_t high_block(uint32_t bits) {
+    uint32_t word = 0;
+    for (int i = 0; i < 8; i++) {
+        const uint32_t quad = (bits >> (4 * i)) & 0xF; /* columns 4i .. 4i + 3 */
+        word |= ((quad & 1) | (quad >> 1 & 1) << 8 | (quad >> 2 & 1) << 16 | (quad >> 3 & 1) << 24) << i;
+    }
+    return word;
+}
+
+/* Q4_0, Q4_1, Q5_0 and Q5_1: codes are the file's nibbles (width 4, zero 8, or 0 under a min), weight l
+ * (l < 16) the low nibble of qs[l] and weight 16 + l its high one; the five-bit types' fifth bits are
+ * the 32-bit qh (weight c's at bit c), which becomes the high plane (width 5, zero 16, or 0 under a
+ * min). The float16 d is the group's scale, and the float16 m of Q4_1 and Q5_1 its min. */
+static int legacy_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out,
+                      const int with_min, const int five) {
+    const int64_t groups = cols / 32, data_base = tile * cols * TILE_ROWS / 2, high_base = tile * cols * TILE_ROWS / 8;
+    const int64_t block_bytes = 18 + 2 * with_min + 4 * five, qs_at = 2 + 2 * with_min + 4 * five;
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *block = blocks + g * (with_min ? Q4_1_BYTES : Q4_0_BYTES), *qs = block + (with_min ? 4 : 2);
+        const uint8_t *block = blocks + g * block_bytes, *qs = block + qs_at;
         const uint16_t d = half_at(block), m = with_min ? half_at(block + 2) : 0;
         if (!half_finite(d) || !half_finite(m)) return 0;
         out->scales[(tile * groups + g) * TILE_ROWS + r] = d;
@@ -52,16 +66,28 @@ static int q4_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, cons
             const uint32_t nibbles = nibble_block(qs + 8 * (o % 2), o / 2);
             memcpy(block_row(out->data + data_base, 4 * g + o, r), &nibbles, 4);
         }
+        if (five) {
+            const uint32_t high = high_block(word_at(block + 2 + 2 * with_min));
+            memcpy(block_row(out->high + high_base, g, r), &high, 4);
+        }
     }
     return 1;
 }
 
 static int q4_0_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
-    return q4_row(blocks, cols, tile, r, out, 0);
+    return legacy_row(blocks, cols, tile, r, out, 0, 0);
 }
 
 static int q4_1_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
-    return q4_row(blocks, cols, tile, r, out, 1);
+    return legacy_row(blocks, cols, tile, r, out, 1, 0);
+}
+
+static int q5_0_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    return legacy_row(blocks, cols, tile, r, out, 0, 1);
+}
+
+static int q5_1_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    return legacy_row(blocks, cols, tile, r, out, 1, 1);
 }
 
 /* Q8_0: the int8 codes as they are, a quad of 4 columns to a row's 4 bytes; d is the group's scale. */
@@ -169,6 +195,8 @@ int64_t transcode_block_bytes(int ggml_type) {
     switch (ggml_type) {
     case GGML_Q4_0: return Q4_0_BYTES;
     case GGML_Q4_1: return Q4_1_BYTES;
+    case GGML_Q5_0: return Q5_0_BYTES;
+    case GGML_Q5_1: return Q5_1_BYTES;
     case GGML_Q8_0: return Q8_0_BYTES;
     case GGML_Q4_K: return Q4_K_BYTES;
     case GGML_Q5_K: return Q5_K_BYTES;
@@ -178,14 +206,15 @@ int64_t transcode_block_bytes(int ggml_type) {
 }
 
 int64_t transcode_block_values(int ggml_type) {
-    return ggml_type == GGML_Q4_0 || ggml_type == GGML_Q4_1 || ggml_type == GGML_Q8_0 ? 32 : SUPER;
+    return ggml_type == GGML_Q4_K || ggml_type == GGML_Q5_K || ggml_type == GGML_Q6_K ? SUPER : 32;
 }
 
 int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0,
                        const packed_out *out) {
     int (*row_of)(const uint8_t *, int64_t, int64_t, int, const packed_out *) =
-        ggml_type == GGML_Q4_0 ? q4_0_row : ggml_type == GGML_Q4_1 ? q4_1_row : ggml_type == GGML_Q8_0 ? q8_0_row
-        : ggml_type == GGML_Q4_K ? q4_k_row : ggml_type == GGML_Q5_K ? q5_k_row : q6_k_row;
+        ggml_type == GGML_Q4_0 ? q4_0_row : ggml_type == GGML_Q4_1 ? q4_1_row : ggml_type == GGML_Q5_0 ? q5_0_row
+        : ggml_type == GGML_Q5_1 ? q5_1_row : ggml_type == GGML_Q8_0 ? q8_0_row : ggml_type == GGML_Q4_K ? q4_k_row
+        : ggml_type == GGML_Q5_K ? q5_k_row : q6_k_row;
     const int64_t row_bytes = cols / transcode_block_values(ggml_type) * transcode_block_bytes(ggml_type);
     for (int64_t row = 0; row < rows; row++) {
         const int64_t tile = (row0 + row) / TILE_ROWS;

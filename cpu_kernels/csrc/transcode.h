@@ -5,7 +5,7 @@
 #include <stdint.h>
 
 /* The GGUF types transcode_rows reads (ggml's type ids). */
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
 /* A packed matrix's arrays (packed.py's layout); those its form lacks are NULL. */
 typedef struct {
