@@ -25,31 +25,20 @@
 #define HAVE_X86 1
 #endif
 
-/* Vectorizable (see lut_prepare_token): each block's peak |x| is kept per lane, then reduced. */
+/* Vectorizable (see lut_prepare_token): each block's peak and each group's sums in 16 lanes. */
 TARGET_CLONES void int8_prepare_token(const float *x, int64_t cols, int64_t group, int64_t block, int8_t *codes,
                                       float *scales, float *sums, int32_t *code_sums) {
-    float peak[16];
     for (int64_t b = 0; b < cols / block; b++) {
         const float *xb = x + b * block;
-        float maxabs = 0.0f;
-        for (int i = 0; i < 16; i++) peak[i] = 0.0f;
-        for (int64_t i = 0; i < block; i++) {
-            float magnitude = xb[i] < 0.0f ? -xb[i] : xb[i];
-            peak[i & 15] = magnitude > peak[i & 15] ? magnitude : peak[i & 15];
-        }
-        for (int i = 0; i < 16; i++) maxabs = peak[i] > maxabs ? peak[i] : maxabs;
-        float inv = maxabs > 0.0f ? 127.0f / maxabs : 0.0f;
+        const float maxabs = lane_peak(xb, block);
+        const float inv = maxabs > 0.0f ? 127.0f / maxabs : 0.0f;
         for (int64_t i = 0; i < block; i++) codes[b * block + i] = (int8_t)round_even(xb[i] * inv);
         scales[b] = maxabs / 127.0f;
     }
     for (int64_t g = 0; g < cols / group; g++) {
-        float sum = 0.0f;
         int32_t code_sum = 0;
-        for (int64_t i = 0; i < group; i++) {
-            sum += x[g * group + i];
-            code_sum += codes[g * group + i];
-        }
-        sums[g] = sum;
+        for (int64_t i = 0; i < group; i++) code_sum += codes[g * group + i];
+        sums[g] = lane_sum(x + g * group, group);
         code_sums[g] = code_sum;
     }
 }

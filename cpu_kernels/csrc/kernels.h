@@ -31,6 +31,41 @@ static inline float round_even(float v) {
     const float magic = 12582912.0f;
     return (v + magic) - magic;
 }
+
+/* x[0 .. n) summed in 16 lanes (lane j: x[j], x[16 + j], ...), then the lanes in order: an order the
+ * compiler vectorizes, where one running sum is a chain of n dependent adds (most of preparing a
+ * token's activations), and the same in every clone. */
+static inline float lane_sum(const float *x, int64_t n) {
+    float lanes[16] = {0.0f};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        for (int j = 0; j < 16; j++) lanes[j] += x[i + j];
+    }
+    for (int j = 0; i + j < n; j++) lanes[j] += x[i + j];
+    float sum = 0.0f;
+    for (int j = 0; j < 16; j++) sum += lanes[j];
+    return sum;
+}
+
+/* The largest |x| of x[0 .. n), 16 lanes at a time (max is exact: any order gives the same). */
+static inline float lane_peak(const float *x, int64_t n) {
+    float peak[16] = {0.0f};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        for (int j = 0; j < 16; j++) {
+            const float magnitude = x[i + j] < 0.0f ? -x[i + j] : x[i + j];
+            peak[j] = magnitude > peak[j] ? magnitude : peak[j];
+        }
+    }
+    for (int j = 0; i + j < n; j++) {
+        const float magnitude = x[i + j] < 0.0f ? -x[i + j] : x[i + j];
+        peak[j] = magnitude > peak[j] ? magnitude : peak[j];
+    }
+    float maxabs = 0.0f;
+    for (int j = 0; j < 16; j++) maxabs = peak[j] > maxabs ? peak[j] : maxabs;
+    return maxabs;
+}
+
 #define MAX_TOKEN_BLOCK 4 /* tokens that share one pass over a weight tile */
 /* How far ahead of a packed matrix's code stream the kernels prefetch, measured rather than derived:
  * one core read a cold Q4_K, Q6_K or Q8_0 matrix from DRAM at 3/4 of the rate numpy sums memory with

@@ -48,8 +48,7 @@ TARGET_CLONES void lut_prepare_token(const float *x, int64_t cols, int64_t group
     for (int64_t g = 0; g < cols / group; g++) {
         const float *xg = x + g * group;
         const int64_t count = group / 4;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < group; i++) sum += xg[i];
+        const float sum = lane_sum(xg, group);
         for (int i = 0; i < 16; i++) peak[i] = 0.0f;
         for (int64_t t = 0; t < count; t++) {
             const float *x4 = xg + 4 * t;
@@ -72,19 +71,22 @@ TARGET_CLONES void lut_prepare_token(const float *x, int64_t cols, int64_t group
     }
 }
 
-/* Pointers into a packed matrix and the prepared activations for one tile. */
+/* Pointers into a packed matrix of `bits` planes and the prepared activations for one tile. */
 #define TILE_SETUP                                                                 \
-    const int bits = w->bits;                                                     \
     const int64_t groups = w->cols / w->group, octets = w->group / 8;             \
     const uint8_t *planes = w->data + tile * (w->cols / 8) * bits * TILE_ROWS;    \
     float own_params[2 * TILE_ROWS];                                              \
-    const float *scale = own_params, *min = own_params + TILE_ROWS;              \
     const int64_t table_stride = a->codes_per_token;                              \
     const float half_range = 0.5f * (float)((1 << bits) - 1); /* centre of the codes */
 
+/* The row scales and mins GROUP_PARAMS points at. */
+#define PARAM_POINTERS const float *scale = own_params, *min = own_params + TILE_ROWS;
+
 static void lut_tile_scalar(const packed_matrix *w, const prepared_acts *a, int64_t tile,
                             int64_t token, int count, const float *params, float *out) {
+    const int bits = w->bits;
     TILE_SETUP
+    PARAM_POINTERS
     for (int64_t g = 0; g < groups; g++) {
         GROUP_PARAMS(group_params_scalar)
         for (int c = 0; c < count; c++) {
@@ -112,7 +114,9 @@ static void lut_tile_scalar(const packed_matrix *w, const prepared_acts *a, int6
 
 AVX2_TARGET void lut_tile_avx2_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
                                  int64_t token, const int count, const float *params, float *out) {
+    const int bits = w->bits;
     TILE_SETUP
+    PARAM_POINTERS
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int64_t g = 0; g < groups; g++) {
         /* acc[c][h][u]: token c, rows 32h .. 32h+31, u = unpacklo / unpackhi rows. */
@@ -184,8 +188,35 @@ __attribute__((target("avx2,fma,f16c"))) static void lut_tile_avx2(
 #define AVX512_TARGET \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"), always_inline)) static inline
 
+/* Group g's scales and mids, 16 rows to a register: the tile's decoded params when given, two-level
+ * scales through group_params_avx512, and float16 ones decoded here, as it would (min = -zero * scale
+ * where no mins are stored), without its call and stores: a tenth of a 2-bit type's decode in cache. */
+AVX512_TARGET void lut_params_avx512(const packed_matrix *w, int64_t tile, int64_t g, const float *params,
+                                     float half_range, float own[2 * TILE_ROWS], __m512 row_scale[4],
+                                     __m512 mid[4]) {
+    const __m512 half = _mm512_set1_ps(half_range);
+    if (!params && !w->sub_codes) {
+        const int64_t at = (tile * (w->cols / w->group) + g) * TILE_ROWS;
+        const __m512 zero = _mm512_set1_ps(-(float)w->zero);
+        for (int i = 0; i < 4; i++) {
+            row_scale[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at + 16 * i)));
+            const __m512 min = w->mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at + 16 * i)))
+                               : w->zero ? _mm512_mul_ps(row_scale[i], zero) : _mm512_setzero_ps();
+            mid[i] = _mm512_fmadd_ps(row_scale[i], half, min);
+        }
+        return;
+    }
+    const float *scale = params ? params + g * 2 * TILE_ROWS : own;
+    if (!params) group_params_avx512(w, tile, g, own, own + TILE_ROWS);
+    for (int i = 0; i < 4; i++) {
+        row_scale[i] = _mm512_loadu_ps(scale + 16 * i);
+        mid[i] = _mm512_fmadd_ps(row_scale[i], half, _mm512_loadu_ps(scale + TILE_ROWS + 16 * i));
+    }
+}
+
 AVX512_TARGET void lut_tile_avx512_n(const packed_matrix *w, const prepared_acts *a, int64_t tile,
-                                     int64_t token, const int count, const float *params, float *out) {
+                                     int64_t token, const int count, const int bits, const float *params,
+                                     float *out) {
     TILE_SETUP
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     /* Lane l of unpacklo holds rows 16l .. 16l+7, of unpackhi rows 16l+8 .. 16l+15: these
@@ -219,11 +250,7 @@ AVX512_TARGET void lut_tile_avx512_n(const packed_matrix *w, const prepared_acts
             }
         }
         __m512 row_scale[4], mid[4]; /* mid: the row's value at the centre code, min + scale * half_range */
-        GROUP_PARAMS(group_params_avx512)
-        for (int i = 0; i < 4; i++) {
-            row_scale[i] = _mm512_loadu_ps(scale + 16 * i);
-            mid[i] = _mm512_fmadd_ps(row_scale[i], _mm512_set1_ps(half_range), _mm512_loadu_ps(min + 16 * i));
-        }
+        lut_params_avx512(w, tile, g, params, half_range, own_params, row_scale, mid);
         for (int c = 0; c < count; c++) {
             __m512 step = _mm512_set1_ps(a->scales[(token + c) * groups + g]);
             __m512 sum = _mm512_set1_ps(a->sums[(token + c) * groups + g]);
@@ -244,11 +271,19 @@ AVX512_TARGET void lut_tile_avx512_n(const packed_matrix *w, const prepared_acts
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))) static void
 lut_tile_avx512(const packed_matrix *w, const prepared_acts *a, int64_t tile, int64_t token,
                 int count, const float *params, float *out) {
+    /* Decode (one token) gets a loop per bit count, unrolled over the planes. */
+    if (count == 1) {
+        switch (w->bits) {
+        case 1: lut_tile_avx512_n(w, a, tile, token, 1, 1, params, out); return;
+        case 2: lut_tile_avx512_n(w, a, tile, token, 1, 2, params, out); return;
+        case 3: lut_tile_avx512_n(w, a, tile, token, 1, 3, params, out); return;
+        default: lut_tile_avx512_n(w, a, tile, token, 1, w->bits, params, out); return;
+        }
+    }
     switch (count) {
-    case 1: lut_tile_avx512_n(w, a, tile, token, 1, params, out); break;
-    case 2: lut_tile_avx512_n(w, a, tile, token, 2, params, out); break;
-    case 3: lut_tile_avx512_n(w, a, tile, token, 3, params, out); break;
-    default: lut_tile_avx512_n(w, a, tile, token, 4, params, out); break;
+    case 2: lut_tile_avx512_n(w, a, tile, token, 2, w->bits, params, out); break;
+    case 3: lut_tile_avx512_n(w, a, tile, token, 3, w->bits, params, out); break;
+    default: lut_tile_avx512_n(w, a, tile, token, 4, w->bits, params, out); break;
     }
 }
 
