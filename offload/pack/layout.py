@@ -173,9 +173,8 @@ class ExtentLayout:
         """Writes every array into `out` (uint8, at least the extent's size), in place, on a thread per
         core (the C transcoder and numpy's copies let go of the GIL); the padding between arrays is
         left as it is."""
-        with ThreadPoolExecutor(min(len(self.jobs), os.cpu_count() or 1) or 1) as pool:
-            for _ in pool.map(lambda job: job(out), self.jobs):
-                pass  # each job's exception, if any, is raised here
+        for _ in _fill_threads().map(lambda job: job(out), self.jobs):
+            pass  # each job's exception, if any, is raised here
         return out
 
     # -- the walk -----------------------------------------------------------------------------
@@ -320,6 +319,13 @@ class ExtentLayout:
 def _same_form(a: GroupLayout | None, b: GroupLayout | None) -> bool:
     """Whether two tensors' layouts stack into one packed matrix (or are both float32)."""
     return a is None and b is None or a is not None and b is not None and a.form == b.form
+
+
+@functools.cache
+def _fill_threads() -> ThreadPoolExecutor:
+    """The threads extents are filled on, a thread per core, started once: a MoE model has thousands of
+    small extents (its experts), and a pool of their own would cost each one its threads' start."""
+    return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tierflow-pack")
 
 
 def _put(out: np.ndarray, place: list[int], array: np.ndarray) -> None:
