@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from tests.support.budgets import streaming_budget
 from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
+from tests.support.packs import written_pack
 from tests.support.test_cache import TEST_PROFILE
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError, InvalidArgumentError
@@ -52,8 +53,7 @@ def model(tmp_path) -> Path:
 
 def pack_of(model: Path) -> Path:
     """Opens the model's pack (building it if needed) and lets go of it."""
-    with open_model_file(model) as opened:
-        return open_pack(opened).path
+    return written_pack(model).path
 
 
 def pack_bytes(model: Path) -> int:

@@ -22,6 +22,7 @@ from tests.support.budgets import streaming_budget
 from tests.support.damage import flip_byte
 from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
+from tests.support.packs import written_pack
 from tests.support.test_cache import TEST_PROFILE
 from tierflow import Engine
 from tierflow.cpu_kernels.dequant import dequantize
@@ -72,12 +73,6 @@ def streaming_load(model: Path) -> Engine:
 def greedy_tokens(model: Path, load=streaming_load) -> list[int]:
     with load(model) as engine:
         return engine.generate(PROMPT, max_tokens=16, **GREEDY).tokens
-
-
-def written_pack(model: Path) -> PackedFile:
-    """The model's pack, written first if it is missing (what a streaming load opens)."""
-    with open_model_file(model) as opened:
-        return open_pack(opened)
 
 
 def assert_whole_pack(path: Path) -> None:

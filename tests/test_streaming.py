@@ -21,19 +21,18 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.support.budgets import ram_beside_weights
+from tests.support.budgets import ram_beside_weights, streaming_budget
 from tests.support.damage import flip_byte
 from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
+from tests.support.packs import written_pack
 from tierflow import Engine
 from tierflow.errors import BudgetError, ModelFileError, TierflowError
-from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.io import disk as disk_module
 from tierflow.offload.io import streamer as streamer_module
 from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
 from tierflow.offload.pack.cache import pack_path
 from tierflow.offload.pack.reader import PackedFile
-from tierflow.offload.pack.writer import open_pack
 from tierflow.offload.plan.profile import HardwareProfile, profile_path
 from tierflow.units import parse_size
 
@@ -51,13 +50,10 @@ def load(model: Path, **kwargs) -> Engine:
     return Engine.load(model, threads=1, context_length=CONTEXT, **kwargs)
 
 
-def budget(model: Path, packed: PackedFile, num_streamed: int, kv_cache_type: str | None = None) -> int:
+def budget(model: Path, num_streamed: int, kv_cache_type: str | None = None) -> int:
     """cpu_memory for the globals, all but the last num_streamed layers and the ring, beside the
     KV cache and activations."""
-    resident = packed.layers[: len(packed.layers) - num_streamed]
-    ring = RING_SLOTS * packed.largest_layer_bytes
-    return packed.globals.nbytes + sum(e.nbytes for e in resident) + ring + ram_beside_weights(
-        model, CONTEXT, kv_cache_type)
+    return streaming_budget(model, CONTEXT, num_streamed, RING_SLOTS, kv_cache_type)
 
 
 def generate(engine: Engine, max_tokens: int = 16) -> list[int]:
@@ -118,12 +114,6 @@ def packed(model, resident) -> PackedFile:
     return written_pack(model)
 
 
-def written_pack(model: Path) -> PackedFile:
-    """The model's pack, written first if it is missing (what a streaming load opens)."""
-    with open_model_file(model) as opened:
-        return open_pack(opened)
-
-
 @pytest.fixture
 def own_model(tmp_path, resident) -> Path:
     """The same model (same bytes) at a path of its own: its pack may be damaged freely."""
@@ -131,9 +121,9 @@ def own_model(tmp_path, resident) -> Path:
 
 
 @pytest.fixture(scope="module")
-def half(model, packed) -> int:
+def half(model) -> int:
     """cpu_memory that streams half the layers (of any copy of the model: the packs are alike)."""
-    return budget(model, packed, SPEC.num_layers // 2)
+    return budget(model, SPEC.num_layers // 2)
 
 
 # -- exact results ------------------------------------------------------------------------------
@@ -142,7 +132,7 @@ def half(model, packed) -> int:
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.9])
 def test_streamed_generation_matches_resident_exactly(model, resident, packed, fraction):
     num_streamed = round(fraction * SPEC.num_layers)
-    with load(model, cpu_memory=budget(model, packed, num_streamed)) as engine:
+    with load(model, cpu_memory=budget(model, num_streamed)) as engine:
         assert abs(len(engine.weights.streamed_layers) - num_streamed) <= 2
         tokens = generate(engine, 40)
         assert tokens == resident["tokens"]
@@ -196,9 +186,9 @@ def _rss_growth(model: Path, **kwargs) -> tuple[int, dict, int]:
 
 def test_rss_growth_stays_within_the_budget_and_streaming_saves_the_streamed_bytes(tmp_path):
     model = write_model(tmp_path / "big.gguf", BIG_SPEC)
-    packed = written_pack(model)  # the first load's one-off costs are not measured
+    written_pack(model)  # the first load's one-off costs are not measured
     f32 = dict(kv_cache_type="f32")  # the type the cache stores so far: planned bytes are held bytes
-    cpu_memory = budget(model, packed, BIG_SPEC.num_layers - 2, **f32)
+    cpu_memory = budget(model, BIG_SPEC.num_layers - 2, **f32)
     _rss_growth(model, cpu_memory=cpu_memory, **f32)  # warm-up: the allocator's pools, the tokenizer
     streamed_growth, streamed_held, kv_bytes = _rss_growth(model, cpu_memory=cpu_memory, **f32)
     resident_growth, resident_held, _ = _rss_growth(model, **f32)

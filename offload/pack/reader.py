@@ -40,7 +40,7 @@ class Extent:
 
 class PackedFile:
     """A pack's manifest; the extents' bytes are read by the caller (see offload/io/disk.py), or, for
-    a pack built in RAM (writer.BuiltPack: path None), built by it."""
+    a pack built in RAM (built.BuiltPack: path None), built by it."""
 
     def __init__(self, path: Path | None, manifest: dict | None = None):
         self.path = None if path is None else Path(path)
