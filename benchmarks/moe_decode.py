@@ -167,8 +167,9 @@ def tier_counts(experts: HybridExperts) -> dict[str, int]:
     RAM is the disk's), the bytes read from disk and copied to the GPU, and the schedule's runs."""
     gpu, ram, runs = experts.stats, experts.ram_stats, experts.schedules
     return {"gpu": gpu.hits, "cpu": ram.hits - ram.prefetch_used, "disk": ram.misses + ram.prefetch_used,
-            "disk_bytes": ram.fetched_bytes, "copied_bytes": gpu.fetched_bytes, "on_gpu": runs.on_gpu,
-            "fetched": runs.fetched, "on_cpu": runs.on_cpu}
+            "read_ahead": ram.prefetch_used, "disk_bytes": ram.fetched_bytes,
+            "copied_bytes": gpu.fetched_bytes, "on_gpu": runs.on_gpu, "fetched": runs.fetched,
+            "on_cpu": runs.on_cpu}
 
 
 def run_three_tiers(engine: Engine, prompt_ids: list[int], decode_steps: int
@@ -235,6 +236,9 @@ def three_tier_report(engine: Engine, steps: list[dict[str, float]], decode: dic
         "served": {tier: per_step[tier] / uses for tier in TIERS}, "predicted_served": experts.served,
         "bytes_per_token": served_bytes, "predicted_bytes_per_token": experts.bytes_per_token,
         "predicted_from": experts.routing,
+        "read_ahead": per_step["read_ahead"] / per_step["disk"] if per_step["disk"] else 0.0,
+        "predicted_read_ahead": experts.read_ahead,
+        "read_ahead_source": "the recorded predictions" if experts.read_ahead_measured else "assumed",
         "schedule_per_token": {run: per_step[run] for run in ("on_gpu", "fetched", "on_cpu")},
         "disk_bound_tokens_per_s": gbps * 1e9 / served_bytes["disk"] if served_bytes["disk"] else None,
         "copied_bytes_per_token": per_step["copied_bytes"], "copy_gbps": experts.scheduler.copy_gbps,
@@ -262,6 +266,8 @@ def print_three_tiers(report: dict) -> None:
         print(f"    {tier:<4}            {r['served'][tier]:6.1%} ({r['predicted_served'][tier]:6.1%})"
               f"    {format_size(int(r['bytes_per_token'][tier])):>10} "
               f"({format_size(int(r['predicted_bytes_per_token'][tier]))})")
+    print(f"  uses served by disk that were read a layer early: {r['read_ahead']:.1%} (plan: "
+          f"{r['predicted_read_ahead']:.1%}, {r['read_ahead_source']})")
     runs = r["schedule_per_token"]
     print(f"  schedule per decode step: {runs['on_gpu']:.1f} experts on the GPU from its cache, "
           f"{runs['fetched']:.1f} copied up, {runs['on_cpu']:.1f} on the CPU")

@@ -23,7 +23,7 @@ import torch
 from tierflow.cpu_kernels import matmul as kernels
 from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentError, TierflowError
 from tierflow.offload.experts.cache import CacheStats
-from tierflow.offload.experts.routing_trace import RoutingRecorder, keep_trace
+from tierflow.offload.experts.routing_trace import RoutingRecorder, keep_routing
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import LoadProgress, pack_sizes
@@ -456,13 +456,14 @@ class Engine:
     def record_routing(self) -> Iterator[RoutingRecorder]:
         """Records which experts every token computed the block's generations with, at every layer
         (a MoE model only): `recorder.trace()` is int32 [tokens, MoE layers, top_k], the routing-trace
-        format benchmarks/moe.py replays (offload/experts/routing_trace.py). At the block's end the
-        recording is kept beside the model's pack, where later plans take their hit rates from."""
+        format benchmarks/moe.py replays (offload/experts/routing_trace.py), and `recorder.routing()`
+        adds what the experts' early prediction picked for each. At the block's end the recording is
+        kept beside the model's pack, where later plans take their hit rates and read-ahead from."""
         self._check_open()
         if not self.config.is_moe:
             raise InvalidArgumentError(f"{self.path.name} is not a mixture-of-experts model: it has no "
                                        f"routing to record")
-        recorder = RoutingRecorder(self.config.moe_layers)
+        recorder = RoutingRecorder(self.config)
         decoder = self._generator.decoder
         with self._slots.every():  # not while a generation runs
             decoder.on_routing = recorder
@@ -472,7 +473,7 @@ class Engine:
             with self._slots.every():
                 decoder.on_routing = None
         if recorder.recorded:
-            keep_trace(self.path, recorder.trace())
+            keep_routing(self.path, recorder.routing())
 
     # -- lifetime --------------------------------------------------------------------------
 

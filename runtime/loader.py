@@ -23,7 +23,6 @@ import os
 from dataclasses import dataclass, field, replace
 from numbers import Integral
 
-import numpy as np
 import psutil
 import torch
 
@@ -31,7 +30,7 @@ from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError
 from tierflow.gpu_kernels.launch import load_all_kernels
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
 from tierflow.kv_types import KV_TYPES, KVType, kv_type
-from tierflow.offload.experts.routing_trace import kept_trace
+from tierflow.offload.experts.routing_trace import Routing, kept_routing
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.gguf.vocab_file import llama_vocab_file
@@ -93,7 +92,7 @@ class Budgets:
     sequences: int = 1  # KV caches of context_length positions (CacheOptions.parallel)
     draft_layers: int = 0  # a self-draft's layers: held, never streamed, with a KV cache of their own
     experts: ExpertRequest = ExpertRequest()  # where a MoE model's experts are asked to go
-    routing: np.ndarray | None = field(default=None, compare=False)  # its kept routing trace, if it fits
+    routing: Routing | None = field(default=None, compare=False)  # its kept recorded routing, if it fits
 
     def less(self, held: dict[str, int]) -> "Budgets":
         """What is left after `held` bytes per tier ("cpu", "gpu") were placed first."""
@@ -149,9 +148,9 @@ def resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | 
     speeds (profile) to see whether a placement of the pack (sizes) fits; and with parallel
     "auto", the most of AUTO_PARALLEL sequences whose caches hold AUTO_MIN_CONTEXT positions each
     (or the trained or requested context, if shorter) beside the weights. A MoE model's experts go
-    where `experts` asks, with hit rates from the routing trace kept beside its pack, if any."""
-    routing = kept_trace(model.path) if model.config.is_moe else None
-    routing = routing if routing is not None and trace_fits(model.config, routing) else None
+    where `experts` asks, with hit rates from the routing recorded and kept beside its pack, if any."""
+    routing = kept_routing(model.path) if model.config.is_moe else None
+    routing = routing if routing is not None and trace_fits(model.config, routing.trace) else None
     resolve = functools.partial(_resolve_budgets, model, sizes, cpu_memory, gpu_budget, profile=profile,
                                 experts=experts, routing=routing)
     if cache.parallel != "auto":
@@ -172,7 +171,7 @@ def resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | 
 
 def _resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str | None, gpu_budget: int,
                      cache: CacheOptions, profile: ProfileSource, experts: ExpertRequest,
-                     routing: np.ndarray | None) -> Budgets:
+                     routing: Routing | None) -> Budgets:
     kv = kv_type(cache.kv_cache_type)
     model.config.cache_rows.check(kv)
     check_context(cache.context_length, model.config, cache.allow_context_extension)

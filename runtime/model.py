@@ -180,7 +180,8 @@ class WeightSource(Protocol):
     def rope_freq_factors(self) -> torch.Tensor | None: ...  # [rope_dim / 2]
 
 
-RoutingHook = Callable[[int, np.ndarray], None]  # (layer_idx, chosen experts int64 [T, k])
+# (layer_idx, chosen experts int64 [T, k], the stream entering the FFN [T, E], the layer's weights)
+RoutingHook = Callable[[int, np.ndarray, Activations, Weights], None]
 
 
 @dataclass(frozen=True)

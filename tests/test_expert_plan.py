@@ -13,6 +13,7 @@ from tests.test_planner import FAKE_GPU, PROFILE
 from tierflow import Engine
 from tierflow.cli.app import app
 from tierflow.errors import PlanBudgetError
+from tierflow.offload.experts.routing_trace import NOT_PREDICTED, Routing
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.expert_plan import READ_AHEAD_SHARE, ExpertRequest
@@ -96,6 +97,52 @@ def test_decode_reads_are_the_predicted_misses_over_the_disk_speed(moe):
     assert plan.decode.io_s == pytest.approx(predicted, rel=0.02)  # experts' extents vs the largest
 
 
+def skewed_routing(predicted_right: float) -> Routing:
+    """64 tokens of routing: expert 0 and one of 1-7 at every layer, each layer's choice predicted
+    right (bar the first layer's, predicted never) for the first `predicted_right` of the tokens,
+    and wrong (experts 0 and 1 of 2-7 guessed for expert 1) for the others."""
+    trace = np.zeros((64, 4, 2), dtype=np.int32)
+    trace[..., 1] = 1 + np.arange(64)[:, None] % 7
+    predicted = trace.copy()
+    wrong = np.arange(64) >= predicted_right * 64
+    predicted[wrong, :, 1] = np.where(trace[wrong, :, 1] == 1, 2, 1)
+    predicted[:, 0] = NOT_PREDICTED
+    return Routing(trace, predicted)
+
+
+def plan_with_routing(moe, weight_bytes: int, routing: Routing):
+    (model, sizes, _), *_ = moe
+    return make_plan(model, sizes, PROFILE, gpu_budget=0, cpu_budget=cpu_memory(moe, weight_bytes),
+                     context_length=CTX, routing=routing)
+
+
+def test_the_read_ahead_is_the_recorded_predictions_share_of_the_uses_served_by_disk(moe):
+    _, _, base, one, _ = moe
+    plan = plan_with_routing(moe, base + 8 * one, skewed_routing(predicted_right=0.5))
+    # the cache holds each layer's experts 0 and 1 (the most used, 1 by a token); the disk serves
+    # 2-7, whose uses are predicted for the first half of the tokens (27 of their 54 uses) at
+    # layers 1-3 and never at layer 0
+    assert plan.experts.read_ahead == pytest.approx(0.5 * 3 / 4)
+    assert plan.experts.read_ahead_measured
+    assert "38% a layer early, as the recorded predictions say" in plan.table()
+
+
+def test_a_better_recorded_prediction_predicts_fewer_reads_waited_for(moe):
+    _, _, base, one, _ = moe
+    plans = [plan_with_routing(moe, base + 8 * one, skewed_routing(right)) for right in (0.0, 0.5, 1.0)]
+    assert [p.experts.read_ahead for p in plans] == pytest.approx([0.0, 0.375, 0.75])
+    decode = [p.decode for p in plans]
+    assert decode[0].io_s < decode[1].io_s < decode[2].io_s  # more reads overlap the layer before
+    assert plans[0].predicted_decode_tps <= plans[1].predicted_decode_tps <= plans[2].predicted_decode_tps
+
+
+def test_a_trace_without_recorded_predictions_assumes_the_read_ahead(moe):
+    _, _, base, one, _ = moe
+    plan = plan_with_routing(moe, base + 8 * one, Routing(skewed_routing(1.0).trace))
+    assert plan.experts.read_ahead == READ_AHEAD_SHARE and not plan.experts.read_ahead_measured
+    assert "a layer early, assumed" in plan.table()
+
+
 def test_a_budget_without_room_for_one_layers_experts_names_the_least_that_works(moe):
     _, _, base, one, _ = moe
     with pytest.raises(PlanBudgetError, match="the least that works is") as refused:
@@ -154,12 +201,11 @@ def test_a_gpu_budget_too_small_for_the_layers_leaves_some_in_ram_and_says_so(mo
 
 def test_a_routing_trace_credits_the_gpu_cache_with_the_most_used_experts(moe):
     (model, sizes, _), config, base, one, all_experts = moe
-    trace = np.zeros((64, 4, 2), dtype=np.int32)
-    trace[..., 1] = 1 + np.arange(64)[:, None] % 7  # expert 0 in every token's top-2 at every layer
+    routing = skewed_routing(predicted_right=1.0)  # expert 0 in every token's top-2 at every layer
     layers = sum(x.nbytes for x in sizes.layers)
     kv = plan_for(moe, base + all_experts).kv_bytes
     plan = make_plan(model, sizes, replace(PROFILE, gpu=FAKE_GPU), gpu_budget=layers + kv + 4 * one,
-                     cpu_budget=cpu_memory(moe, base + all_experts), context_length=CTX, routing=trace)
+                     cpu_budget=cpu_memory(moe, base + all_experts), context_length=CTX, routing=routing)
     assert plan.experts.served["gpu"] == pytest.approx(0.5)  # each layer's expert 0: half of all uses
     assert plan.experts.routing == "a routing trace of 64 tokens"
     uniform = plan_for(moe, base - layers + all_experts, replace(PROFILE, gpu=FAKE_GPU),

@@ -11,7 +11,13 @@ from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError, PlanBudgetError
 from tierflow.offload.experts.hybrid import ExpertCosts, schedule_experts
-from tierflow.offload.experts.routing_trace import check_trace, kept_trace
+from tierflow.offload.experts.routing_trace import (
+    NOT_PREDICTED,
+    Routing,
+    check_trace,
+    keep_routing,
+    kept_routing,
+)
 from tierflow.offload.pack.cache import pack_path, remove_pack, routing_path
 
 PROMPT = "The history of the printing press begins in"
@@ -332,11 +338,42 @@ def test_recorded_routing_is_kept_beside_the_pack_and_later_plans_take_their_hit
         assert engine.plan.experts.routing == "uniform routing"
         with engine.record_routing() as recorder:
             engine.generate(PROMPT, max_tokens=4, temperature=0)
-    assert np.array_equal(kept_trace(path), recorder.trace())
+    kept = kept_routing(path)
+    assert np.array_equal(kept.trace, recorder.trace())
+    assert np.array_equal(kept.predicted, recorder.routing().predicted)
     with Engine.load(path, threads=2, context_length=CONTEXT) as engine:
         assert engine.plan.experts.routing == f"a routing trace of {len(recorder.trace())} tokens"
     remove_pack(pack_path(path))
-    assert kept_trace(path) is None and not routing_path(path).exists()
+    assert kept_routing(path) is None and not routing_path(path).exists()
+
+
+def test_recorded_routing_holds_the_early_routers_prediction_of_each_layer_after_the_first(tmp_path):
+    spec = ModelSpec(num_layers=3, hidden_size=64, ffn_size=128, num_experts=8, experts_used=2,
+                     weight_type="Q8_0", seed=7)
+    path = write_model(tmp_path / "moe.gguf", spec)
+    with Engine.load(path, threads=2, context_length=CONTEXT) as engine:
+        with engine.record_routing() as recorder:
+            engine.generate(PROMPT, max_tokens=4, temperature=0)
+    routing = recorder.routing()
+    assert (routing.predicted[:, 0] == NOT_PREDICTED).all()
+    later = routing.predicted[:, 1:]
+    assert ((0 <= later) & (later < 8)).all()
+    assert (np.sort(later, axis=-1)[..., 0] != np.sort(later, axis=-1)[..., 1]).all()
+    # in a random model the stream changes little across one layer: the guess is better than chance
+    right = (routing.trace[:, 1:, :, None] == later[..., None, :]).any(-1).mean()
+    assert right > 2 / 8
+
+
+def test_kept_routing_keeps_the_newest_tokens_of_every_recording(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a model")
+    first = Routing(np.zeros((3, 2, 2), np.int32) + [0, 1], np.full((3, 2, 2), NOT_PREDICTED, np.int32))
+    second = Routing(np.zeros((2, 2, 2), np.int32) + [2, 3], np.zeros((2, 2, 2), np.int32) + [3, 2])
+    keep_routing(path, first)
+    keep_routing(path, second)
+    kept = kept_routing(path)
+    assert np.array_equal(kept.trace, np.concatenate([first.trace, second.trace]))
+    assert np.array_equal(kept.predicted, np.concatenate([first.predicted, second.predicted]))
 
 
 @pytest.mark.parametrize("damage", [b"not a numpy file", None])
@@ -344,8 +381,8 @@ def test_a_damaged_or_foreign_routing_trace_is_ignored_for_uniform_routing(tmp_p
     spec = ModelSpec(num_layers=2, hidden_size=64, ffn_size=128, num_experts=4, experts_used=2,
                      weight_type="Q8_0", seed=6)
     path = write_model(tmp_path / "moe.gguf", spec)
-    if damage is None:  # a valid trace of another model: 3 layers, ids up to 7
-        np.save(routing_path(path), np.arange(48, dtype=np.int32).reshape(8, 3, 2) % 8)
+    if damage is None:  # a valid recording of another model: 3 layers, ids up to 7
+        keep_routing(path, Routing(np.arange(48, dtype=np.int32).reshape(8, 3, 2) % 8))
     else:
         routing_path(path).write_bytes(damage)
     with Engine.load(path, threads=2, context_length=CONTEXT) as engine:

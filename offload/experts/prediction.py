@@ -14,6 +14,11 @@ Two predictors, both giving (expert ids, confidences) that ExpertCache.predict t
 
 import numpy as np
 
+from tierflow.runtime.model import DenseLinear, Weights
+
+# a layer's router [E, H], its FFN norm [H] and its selection bias [E] (or None)
+EarlyRouter = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+
 
 def route_top_k(router_weight: np.ndarray, hidden: np.ndarray, top_k: int,
                 norm_weight: np.ndarray | None = None, eps: float = 1e-6, gating: str = "softmax",
@@ -43,6 +48,15 @@ def route_top_k(router_weight: np.ndarray, hidden: np.ndarray, top_k: int,
     ranked = scores if selection_bias is None else scores + selection_bias
     ids = np.argsort(-ranked, axis=-1, kind="stable")[:, :top_k]  # [T, K]
     return ids, np.take_along_axis(scores, ids, axis=-1)
+
+
+def early_router(weights: Weights) -> EarlyRouter:
+    """What a MoE layer's routing needs to be predicted one layer early (route_top_k): its router's
+    matrix in float32, its FFN norm and its selection bias, if it has one."""
+    router = weights.router
+    matrix = router.weight.numpy() if isinstance(router, DenseLinear) else router.matrix.dequantize()
+    bias = weights.fields.get("exp_probs_b")
+    return matrix, np.asarray(weights.ffn_norm), None if bias is None else np.asarray(bias)
 
 
 def merge_token_predictions(ids: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -112,8 +126,7 @@ class NextLayerPredictor:
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, eps: float, gating: str = "softmax"):
         self.top_k, self.eps, self.gating = top_k, eps, gating  # gating: the model's (route_top_k)
-        # layer -> (router [E, H], ffn_norm [H], selection bias [E] or None)
-        self.routers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+        self.routers: dict[int, EarlyRouter] = {}
         self.affinity = AffinityPredictor(num_layers, num_experts, AFFINITY_DECAY)
         self._chosen: dict[int, np.ndarray] = {}  # layer -> its tokens' experts, until the next layer's
 

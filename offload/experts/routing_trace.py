@@ -3,9 +3,12 @@
 The format is one integer array, `trace[t, l, j]` = the expert id in slot j of token t's top-k
 at MoE layer l: shape [T tokens, L layers, K top_k], distinct ids within a (t, l) row, saved
 with np.save (`.npy`). `Engine.record_routing()` records one with a RoutingRecorder, which stacks
-the router's top-k ids per layer as the decoder computes, and keeps it beside the model's pack
-(keep_trace: the newest KEPT_TOKENS tokens of every recording), where the planner finds it for its
-hit rates (kept_trace); the expert cache benchmark (benchmarks/moe.py) replays any such array.
+the router's top-k ids per layer as the decoder computes, and beside it what the engine's early
+router (prediction.py: layer l's router applied to layer l-1's residual stream) would have
+predicted for each token at each layer: a `Routing`. It is kept beside the model's pack
+(keep_routing: the newest KEPT_TOKENS tokens of every recording), where the planner finds it
+(kept_routing) for its hit rates and for the share of reads from disk the prediction starts a
+layer early; the expert cache benchmark (benchmarks/moe.py) replays any trace array.
 
 Synthetic traces stand in where no recorded one fits. Their generator states its assumptions as
 parameters (SyntheticTraceSpec): each layer has its own popularity ranking of the experts, Zipf
@@ -18,15 +21,34 @@ recorded trace before trusting conclusions drawn from these.
 """
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from tierflow.offload.experts.prediction import EarlyRouter, early_router, route_top_k
 from tierflow.offload.pack.cache import routing_path
+from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.model import Activations, Weights
 
-KEPT_TOKENS = 16384  # of routing kept per model: ~1.5 MB for 48 layers of top-8
+KEPT_TOKENS = 16384  # of routing kept per model: ~3 MB for 48 layers of top-8, with the predictions
+NOT_PREDICTED = -1  # in Routing.predicted: no prediction was made (a pass's first MoE layer)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A model's recorded routing: `trace` [T, L, K] (the format above) and `predicted` [T, L, K],
+    the experts the early router picked for the same token and layer one layer before (NOT_PREDICTED
+    where it made none), or None where only the trace is known."""
+
+    trace: np.ndarray
+    predicted: np.ndarray | None = None
+
+    def __post_init__(self):
+        check_trace(self.trace)
+        if self.predicted is not None and self.predicted.shape != self.trace.shape:
+            raise ValueError(f"predictions {self.predicted.shape} do not match the trace {self.trace.shape}")
 
 
 @dataclass(frozen=True)
@@ -103,19 +125,20 @@ def load_trace(path: Path) -> np.ndarray:
     return check_trace(np.load(Path(path), allow_pickle=False))
 
 
-def keep_trace(source: Path, trace: np.ndarray) -> None:
+def keep_routing(source: Path, routing: Routing) -> None:
     """Adds a recording of model file `source`'s routing to the one kept beside its pack, keeping
     the newest KEPT_TOKENS tokens; one of another shape (a changed file) is replaced. A cache folder
-    that cannot be written only loses the trace."""
-    trace = check_trace(trace)
+    that cannot be written only loses the recording."""
     try:
         path = routing_path(source)
-        kept = _readable_trace(path)
-        if kept is not None and kept.shape[1:] == trace.shape[1:]:
-            trace = np.concatenate([kept, trace])
-        partial = path.with_name(path.name + ".partial.npy")
+        kept = _readable_routing(path)
+        if kept is not None and kept.trace.shape[1:] == routing.trace.shape[1:]:
+            routing = Routing(np.concatenate([kept.trace, routing.trace]),
+                              np.concatenate([_predictions(kept), _predictions(routing)]))
+        partial = path.with_name(path.name + ".partial.npz")
         try:
-            np.save(partial, trace[-KEPT_TOKENS:].astype(np.int32))
+            np.savez(partial, trace=routing.trace[-KEPT_TOKENS:].astype(np.int32),
+                     predicted=_predictions(routing)[-KEPT_TOKENS:].astype(np.int32))
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
@@ -123,36 +146,62 @@ def keep_trace(source: Path, trace: np.ndarray) -> None:
         pass
 
 
-def kept_trace(source: Path) -> np.ndarray | None:
-    """The routing trace kept beside model file `source`'s pack, if there is a readable one."""
+def kept_routing(source: Path) -> Routing | None:
+    """The routing recorded with model file `source` kept beside its pack, if there is a readable one."""
     try:
-        return _readable_trace(routing_path(source))
+        return _readable_routing(routing_path(source))
     except OSError:
         return None
 
 
-def _readable_trace(path: Path) -> np.ndarray | None:
+def _predictions(routing: Routing) -> np.ndarray:
+    return routing.predicted if routing.predicted is not None else np.full_like(routing.trace, NOT_PREDICTED)
+
+
+def _readable_routing(path: Path) -> Routing | None:
     try:
-        return load_trace(path)
-    except (OSError, ValueError, EOFError):
+        with np.load(path, allow_pickle=False) as saved:
+            return Routing(saved["trace"], saved["predicted"])
+    except (OSError, ValueError, EOFError, KeyError, AttributeError):
         return None
 
 
 class RoutingRecorder:
-    """Collects a decoder's routing (runtime.model.Decoder.on_routing), pass by pass, as a trace:
-    every token the model computes, in the order computed (prompt chunks, then each step's tokens;
-    a speculative pass's rejected guesses included)."""
+    """Collects a decoder's routing (runtime.model.Decoder.on_routing), pass by pass: every token
+    the model computes, in the order computed (prompt chunks, then each step's tokens; a
+    speculative pass's rejected guesses included), with the early router's prediction of each MoE
+    layer's experts from the stream entering the layer before, as the expert tiers predict it."""
 
-    def __init__(self, moe_layers: Sequence[int]):
-        self.moe_layers = moe_layers  # the layers that route (a model's leading dense ones do not)
-        self._passes: list[np.ndarray] = []  # [T, L, K] each
-        self._layers: dict[int, np.ndarray] = {}  # the pass in progress: layer -> [T, K]
+    def __init__(self, config: ModelConfig):
+        self.moe_layers = list(config.moe_layers)  # the layers that route (not a model's leading dense ones)
+        self._before = dict(zip(self.moe_layers[1:], self.moe_layers))  # MoE layer -> the one before
+        self._top_k, self._eps, self._gating = config.experts_used, config.rms_norm_eps, config.expert_gating
+        self._routers: dict[int, EarlyRouter] = {}  # from each layer's weights, the first time it routes
+        self._passes: list[tuple[np.ndarray, np.ndarray]] = []  # ([T, L, K] chosen, predicted) each
+        self._layers: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # this pass: layer -> both, [T, K]
+        self._stream: tuple[int, np.ndarray] | None = None  # (layer, its residual stream [T, H])
 
-    def __call__(self, layer_idx: int, chosen: np.ndarray) -> None:
-        self._layers[layer_idx] = np.array(chosen, dtype=np.int32)
+    def __call__(self, layer_idx: int, chosen: np.ndarray, residual: Activations, weights: Weights) -> None:
+        chosen = np.array(chosen, dtype=np.int32)
+        self._layers[layer_idx] = chosen, self._predicted(layer_idx, weights, len(chosen))
+        # a copy: the layer adds its output to the stream in place
+        self._stream = layer_idx, np.array(torch.as_tensor(residual).cpu().numpy(), dtype=np.float32)
         if len(self._layers) == len(self.moe_layers):
-            self._passes.append(np.stack([self._layers[i] for i in self.moe_layers], axis=1))
-            self._layers = {}
+            self._passes.append(tuple(np.stack([self._layers[i][part] for i in self.moe_layers], axis=1)
+                                      for part in (0, 1)))
+            self._layers, self._stream = {}, None
+
+    def _predicted(self, layer_idx: int, weights: Weights, tokens: int) -> np.ndarray:
+        """[T, K]: layer_idx's router applied to the stream that entered the MoE layer before it,
+        as the expert tiers predict (NOT_PREDICTED for a pass's first MoE layer)."""
+        stream = self._stream
+        if stream is None or stream[0] != self._before.get(layer_idx) or len(stream[1]) != tokens:
+            return np.full((tokens, self._top_k), NOT_PREDICTED, np.int32)
+        if layer_idx not in self._routers:
+            self._routers[layer_idx] = early_router(weights)
+        router, ffn_norm, bias = self._routers[layer_idx]
+        ids, _ = route_top_k(router, stream[1], self._top_k, ffn_norm, self._eps, self._gating, bias)
+        return ids.astype(np.int32)
 
     @property
     def recorded(self) -> bool:
@@ -160,6 +209,10 @@ class RoutingRecorder:
 
     def trace(self) -> np.ndarray:
         """The routing so far, int32 [tokens, layers, top_k] (a pass cut short is left out)."""
+        return self.routing().trace
+
+    def routing(self) -> Routing:
+        """The routing so far with its predictions (a pass cut short is left out)."""
         if not self._passes:
             raise ValueError("no routing was recorded: nothing ran through the model while recording")
-        return np.concatenate(self._passes)
+        return Routing(*(np.concatenate([recorded[part] for recorded in self._passes]) for part in (0, 1)))

@@ -9,7 +9,7 @@ modification time, has its pack rebuilt under the same name, not a second one le
 
 Beside each pack a use record (NAME.used: the path it was last opened through; its mtime, when) is
 touched on every open; `tierflow cache list` shows it and eviction goes by it, least recently
-used first. A MoE model's routing trace, once recorded (NAME.routing.npy), is kept beside its pack
+used first. A MoE model's routing, once recorded (NAME.routing.npz), is kept beside its pack
 too, and goes with it. Before a pack is built, `make_room` evicts packs over the cap
 (TIERFLOW_CACHE_MAX) and checks the disk has room, before any byte is written.
 """
@@ -33,7 +33,7 @@ from tierflow.units import format_size, parse_size
 
 SUFFIX = ".tfpack"
 USE_SUFFIX = ".used"
-ROUTING_SUFFIX = ".routing.npy"  # a MoE model's recorded routing, for the planner's hit rates
+ROUTING_SUFFIX = ".routing.npz"  # a MoE model's recorded routing, for the planner's hit rates and read-ahead
 SAMPLE_BYTES = 64 << 10
 SAMPLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the content samples start (the last ends the file)
 # Left free on the cache's disk after a pack: a disk filled to its last byte breaks other programs
@@ -200,7 +200,7 @@ def prune(max_bytes: int | None = None) -> list[CachedPack]:
 
 
 def routing_path(source: Path) -> Path:
-    """Where the routing trace recorded with model file `source` is kept: beside its pack."""
+    """Where the routing recorded with model file `source` is kept: beside its pack."""
     return pack_path(source).with_suffix(ROUTING_SUFFIX)
 
 

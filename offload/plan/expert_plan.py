@@ -19,9 +19,12 @@ Hit rates. The share of expert uses each tier serves comes from how often each e
 from a routing trace when one is at hand (recorded by `Engine.record_routing()`), else assumed
 uniform (every expert as likely: a real model's skew only does better). The GPU cache is credited
 with the most used experts, the RAM cache with the next ones, as a frequency policy keeps them.
+The share of the disk's reads that start a layer early is the share of the trace's uses served by
+disk that the recorded early-router prediction had picked (cross-layer affinity, which only adds
+to it, left out); without recorded predictions it is READ_AHEAD_SHARE.
 
 Cost of a pass, per MoE layer, for `timings` (cost_model.py), k experts used of E per layer:
-- decode: k experts compute one token each. A use served by disk is read (a share READ_AHEAD_SHARE
+- decode: k experts compute one token each. A use served by disk is read (the read-ahead share
   of them predicted a layer early and read while the layer before computes, the rest when the
   router asks). With a GPU cache, the schedule's expected makespan is taken over the number of
   cached experts, binomial in k with the GPU's share; experts placed on the GPU by hand compute
@@ -31,12 +34,14 @@ Cost of a pass, per MoE layer, for `timings` (cost_model.py), k experts used of 
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from tierflow.errors import PlanBudgetError
 from tierflow.offload.experts.hybrid import ExpertCosts, schedule_experts
+from tierflow.offload.experts.routing_trace import Routing
 from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.plan.budgets import RamBudget
 from tierflow.offload.plan.cost_model import PLACEHOLDER_GPU_GBPS, Costs
@@ -44,7 +49,7 @@ from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.config import ModelConfig
 from tierflow.units import format_size, round_up_as_printed
 
-READ_AHEAD_SHARE = 0.5  # of the misses, those read a layer ahead (expert_stats' prediction precision)
+READ_AHEAD_SHARE = 0.5  # of the reads from disk, those started a layer early, without a recorded routing
 CACHE_POLICY = "score"  # offload/experts/policy.py: recency, frequency and the prediction
 TIERS = ("gpu", "cpu", "disk")
 
@@ -73,6 +78,8 @@ class ExpertPlacement:
     served: dict[str, float]  # predicted share of decode expert uses each tier serves ("gpu", "cpu", "disk")
     bytes_per_token: dict[str, float]  # predicted decode bytes of used experts each tier serves
     routing: str  # what the shares come from: "uniform routing" or "a routing trace of N tokens"
+    read_ahead: float  # of the uses served by disk, the share read a layer early (predicted)
+    read_ahead_measured: bool  # read_ahead from a recorded routing's predictions, not READ_AHEAD_SHARE
     manual: bool = False  # placed by hand (ExpertRequest): nothing moves between the tiers
     policy: str = CACHE_POLICY
     scheduler: ExpertCosts | None = None  # the speeds the CPU-GPU schedule balances (a GPU cache only)
@@ -115,13 +122,13 @@ def trace_fits(config: ModelConfig, trace: np.ndarray) -> bool:
 
 def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: list[list[ExtentSize]],
                   ram: RamBudget, gpu: tuple[int, int], profile: HardwareProfile | None,
-                  request: ExpertRequest = ExpertRequest(), trace: np.ndarray | None = None
+                  request: ExpertRequest = ExpertRequest(), routing: Routing | None = None
                   ) -> ExpertPlacement:
     """The placement of `experts` (per layer, each expert's extent) beside base_bytes (the globals
     and the layers not on the GPU, in RAM) in the RAM's room for weights, and on the GPU beside what
     it holds already: gpu = (gpu_memory, the bytes of the layers and KV cache placed there; 0, 0:
-    no GPU). A budget that cannot work raises PlanBudgetError. `trace` (a routing trace that fits
-    the model, trace_fits) gives the hit rates; without it they are uniform."""
+    no GPU). A budget that cannot work raises PlanBudgetError. `routing` (recorded, its trace fitting
+    the model: trace_fits) gives the hit rates and the read-ahead; without it they are assumed."""
     gpu_room = gpu[0] - gpu[1]
     expert_bytes = max(x.nbytes for layer in experts for x in layer)
     total = sum(len(layer) for layer in experts)
@@ -146,27 +153,49 @@ def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: lis
                               f"{ram.beside()}; the least that works is {format_size(minimum)}", minimum)
     else:
         home, ram_cache = "disk", ram.room - base_bytes
+    trace = None if routing is None else routing.trace
     uses = expert_uses(config, trace)
-    served = _served(uses, gpu_layers, gpu_cache // expert_bytes,
-                     math.inf if home == "cpu" else ram_cache // expert_bytes)
+    tier_of = _tier_of(uses, config.moe_layers, gpu_layers, gpu_cache // expert_bytes,
+                       math.inf if home == "cpu" else ram_cache // expert_bytes)
+    served = {tier: float(uses[tier_of == i].sum()) for i, tier in enumerate(TIERS)}
+    read_ahead = None if routing is None else read_ahead_share(config, routing, tier_of)
     per_token = len(config.moe_layers) * config.experts_used * expert_bytes
     return ExpertPlacement(home, ram_cache, gpu_cache, gpu_layers, expert_bytes, total, served,
                            {tier: share * per_token for tier, share in served.items()},
                            "uniform routing" if trace is None else f"a routing trace of {len(trace)} tokens",
+                           READ_AHEAD_SHARE if read_ahead is None else read_ahead, read_ahead is not None,
                            manual=request.manual,
                            scheduler=expert_costs(profile) if gpu_cache and profile is not None else None)
 
 
-def _served(uses: np.ndarray, gpu_layers: tuple[int, ...], gpu_cached: int, ram_cached: float
-            ) -> dict[str, float]:
-    """The share of uses each tier serves: the GPU's layers (by hand) or its cache of the most used
-    experts, then the RAM cache's of the next most used, the rest from disk."""
-    gpu = float(uses[list(gpu_layers)].sum()) if gpu_layers else 0.0
-    rest = np.sort(np.delete(uses, list(gpu_layers), axis=0).reshape(-1))[::-1]
-    gpu += float(rest[:gpu_cached].sum())
-    rest = rest[gpu_cached:]
-    cpu = float(rest.sum()) if ram_cached == math.inf else float(rest[:int(ram_cached)].sum())
-    return {"gpu": gpu, "cpu": cpu, "disk": max(0.0, 1.0 - gpu - cpu)}
+def _tier_of(uses: np.ndarray, moe_layers: Sequence[int], gpu_layers: tuple[int, ...], gpu_cached: int,
+             ram_cached: float) -> np.ndarray:
+    """Each expert's tier [layer, expert], as an index into TIERS: the GPU's layers (by hand) or its
+    cache of the most used experts, then the RAM cache's of the next most used, the rest on disk
+    (the layers without experts: "gpu", serving nothing)."""
+    tier_of = np.zeros(uses.shape, np.int8)
+    off_gpu = [layer for layer in moe_layers if layer not in gpu_layers]
+    rows, experts = np.divmod(np.argsort(-uses[off_gpu].reshape(-1), kind="stable"), uses.shape[1])
+    layers = np.asarray(off_gpu, dtype=np.int64)[rows]
+    ranked_tier = np.full(len(rows), TIERS.index("disk"), np.int8)
+    ranked_tier[:gpu_cached] = TIERS.index("gpu")
+    ranked_tier[gpu_cached:gpu_cached + min(len(rows), ram_cached)] = TIERS.index("cpu")
+    tier_of[layers, experts] = ranked_tier
+    return tier_of
+
+
+def read_ahead_share(config: ModelConfig, routing: Routing, tier_of: np.ndarray) -> float | None:
+    """Of the recorded uses that the placement `tier_of` serves from disk, the share that the
+    recorded early-router prediction picked, so that the read starts a layer early; None without
+    recorded predictions, or with no use served by disk."""
+    if routing.predicted is None:
+        return None
+    layers = np.asarray(list(config.moe_layers))
+    on_disk = tier_of[layers[None, :, None], routing.trace] == TIERS.index("disk")  # [T, L, K]
+    if not on_disk.any():
+        return None
+    predicted = (routing.trace[..., :, None] == routing.predicted[..., None, :]).any(axis=-1)
+    return float(predicted[on_disk].mean())
 
 
 def _refuse_manual(request: ExpertRequest, gpu_layers: tuple[int, ...], on_gpu: int, gpu: tuple[int, int]
@@ -212,7 +241,7 @@ class ExpertStages:
             compute = active * self.costs.matmul_s(self.expert.linears, per_expert, "cpu", tokens > 1)
         off_gpu = 1.0 - p.served["gpu"] if p.manual else 1.0  # the share of uses in layers like this one
         misses_s = active * p.served["disk"] / off_gpu * self.costs.read_s(self.expert) if off_gpu else 0.0
-        return compute + (1 - READ_AHEAD_SHARE) * misses_s, READ_AHEAD_SHARE * misses_s
+        return compute + (1 - p.read_ahead) * misses_s, p.read_ahead * misses_s
 
     def _scheduled_s(self, active: int, tokens: int) -> float:
         """The schedule's expected makespan when each of `active` experts is cached with

@@ -163,7 +163,9 @@ def _describe_experts(p: ExpertPlacement) -> list[tuple[str, str]]:
     rows = [("experts", f"{p.total_experts} x {size(p.expert_bytes)}; shares predicted from {p.routing}"),
             ("experts on GPU", gpu), ("experts in RAM", ram)]
     if p.home == "disk":
-        rows.append(("experts on disk", f"the rest, read when used; {served['disk']}"))
+        source = "as the recorded predictions say" if p.read_ahead_measured else "assumed"
+        rows.append(("experts on disk", f"the rest, read when used ({p.read_ahead:.0%} a layer early, "
+                                        f"{source}); {served['disk']}"))
     return rows
 
 

@@ -76,10 +76,9 @@ CPU-GPU activation copies, prefill attention on the GPU.
 from collections.abc import Callable
 from dataclasses import replace
 
-import numpy as np
-
 from tierflow.errors import BudgetError, ContextLengthError
 from tierflow.kv_types import DEFAULT_KV_TYPE, KV_TYPES, KVType
+from tierflow.offload.experts.routing_trace import Routing
 from tierflow.offload.gguf.model_file import ModelFile
 from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.pack.writer import PackSizes
@@ -171,7 +170,7 @@ ProfileSource = HardwareProfile | Callable[[], HardwareProfile]
 def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu_budget: int, cpu_budget: int,
               context_length: int, prompt_tokens: int | None = None, kv: KVType = KV_TYPES[DEFAULT_KV_TYPE],
               kv_on_cpu: bool = False, sequences: int = 1, draft_layers: int = 0,
-              expert_request: ExpertRequest = ExpertRequest(), routing: np.ndarray | None = None) -> Plan:
+              expert_request: ExpertRequest = ExpertRequest(), routing: Routing | None = None) -> Plan:
     """The plan for a model file under budgets the caller resolved (runtime/loader.py), with a KV
     cache of type kv for context_length positions (the caller checked it against the model's) for
     each of `sequences` sequences decoded together. draft_layers > 0: a self-draft computes with
@@ -181,7 +180,8 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
     would. profile may be a function, called only when the placement needs the machine's speeds.
     prompt_tokens (default 512, at most the context) is the prefill prediction's prompt. A MoE
     model's experts go where expert_request asks (ExpertRequest: auto, or by hand), with hit rates
-    from `routing`, a routing trace of the model (expert_plan.trace_fits), when one is given."""
+    and read-ahead from `routing`, the model's recorded routing (its trace expert_plan.trace_fits),
+    when one is given."""
     config = model.config
     if context_length < 1:
         raise ContextLengthError(f"context_length must be at least 1, got {context_length}")

@@ -20,6 +20,7 @@ from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import PackedMatrix
 from tierflow.errors import UnsupportedModelError
 from tierflow.offload.experts.hybrid import HybridExperts
+from tierflow.offload.experts.prediction import early_router
 from tierflow.offload.experts.store import ExpertStore, StreamedExperts
 from tierflow.offload.experts.tier import LayerExperts
 from tierflow.offload.io.disk import DiskFile, aligned_buffer, aligned_size
@@ -30,7 +31,7 @@ from tierflow.offload.plan.expert_plan import ExpertPlacement
 from tierflow.offload.plan.planner import Plan
 from tierflow.offload.tiers.device import DeviceTier
 from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import ConcatLinear, DenseLinear, Experts, Kernels, Linear, Weights
+from tierflow.runtime.model import ConcatLinear, Experts, Kernels, Linear, Weights
 
 
 class TieredWeights:
@@ -153,11 +154,7 @@ class TieredWeights:
         return self.packed.expert_weights(index, expert, memoryview(copy.numpy()))
 
     def _add_router(self, index: int, weights: Weights) -> None:
-        router = weights.router
-        matrix = router.weight.numpy() if isinstance(router, DenseLinear) else router.matrix.dequantize()
-        bias = weights.fields.get("exp_probs_b")
-        self.experts.predictor.add_router(index, matrix, np.asarray(weights.ffn_norm),
-                                          None if bias is None else np.asarray(bias))
+        self.experts.predictor.add_router(index, *early_router(weights))
 
     def allocate_cache(self, layer_idx: int, shape: tuple[int, ...],
                        dtype: torch.dtype = torch.float32) -> np.ndarray | torch.Tensor:

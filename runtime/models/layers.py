@@ -218,7 +218,7 @@ def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activatio
     weights, chosen = router(torch.as_tensor(w.router(h)), p.config.experts_used)  # [T, k] each
     chosen_ids = chosen.cpu().numpy()
     if p.on_routing is not None:
-        p.on_routing(p.layer_idx, chosen_ids)
+        p.on_routing(p.layer_idx, chosen_ids, residual, w)
     order, experts, tokens = _choices_by_expert(chosen_ids)
     tokens_of = dict(zip(experts, tokens))
     outputs = {}  # expert id -> its output rows (on its device)
