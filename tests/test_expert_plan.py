@@ -1,6 +1,7 @@
 """The planner on mixture-of-experts models: every expert gets a home, the cache its budget, the
 engine places experts as the plan says, and `tierflow plan` shows it."""
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -18,6 +19,7 @@ from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.expert_plan import READ_AHEAD_SHARE, ExpertRequest
 from tierflow.offload.plan.planner import make_plan
+from tierflow.units import parse_size
 
 CTX = 128
 SPEC = ModelSpec(num_layers=4, hidden_size=128, ffn_size=256, num_experts=8, experts_used=2,
@@ -149,6 +151,17 @@ def test_a_budget_without_room_for_one_layers_experts_names_the_least_that_works
         plan_for(moe, base + 7 * one)
     least = refused.value.minimum_bytes - cpu_memory(moe, 0)
     assert plan_for(moe, least).experts.ram_cache_bytes >= 8 * one
+    assert "gpu_memory" not in str(refused.value)  # the profile has no GPU
+
+
+def test_a_ram_too_small_for_the_experts_names_the_gpu_memory_that_takes_layers_off_it(moe):
+    (model, sizes, _), _, base, one, _ = moe
+    profile, budget = replace(PROFILE, gpu=FAKE_GPU), cpu_memory(moe, base + 7 * one)
+    with pytest.raises(PlanBudgetError, match="or with gpu_memory") as refused:
+        make_plan(model, sizes, profile, gpu_budget=0, cpu_budget=budget, context_length=CTX)
+    least_gpu = parse_size(re.search(r"or with gpu_memory ([\d.]+ \w+)", str(refused.value)).group(1))
+    plan = make_plan(model, sizes, profile, gpu_budget=least_gpu, cpu_budget=budget, context_length=CTX)
+    assert plan.gpu_layers and plan.experts.ram_cache_bytes >= 8 * one
 
 
 def test_a_gpu_budget_takes_the_layers_first_then_caches_experts_in_the_rest(moe):

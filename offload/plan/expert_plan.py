@@ -122,13 +122,14 @@ def trace_fits(config: ModelConfig, trace: np.ndarray) -> bool:
 
 def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: list[list[ExtentSize]],
                   ram: RamBudget, gpu: tuple[int, int], profile: HardwareProfile | None,
-                  request: ExpertRequest = ExpertRequest(), routing: Routing | None = None
-                  ) -> ExpertPlacement:
+                  request: ExpertRequest = ExpertRequest(), routing: Routing | None = None,
+                  least_gpu: int | None = None) -> ExpertPlacement:
     """The placement of `experts` (per layer, each expert's extent) beside base_bytes (the globals
     and the layers not on the GPU, in RAM) in the RAM's room for weights, and on the GPU beside what
     it holds already: gpu = (gpu_memory, the bytes of the layers and KV cache placed there; 0, 0:
-    no GPU). A budget that cannot work raises PlanBudgetError. `routing` (recorded, its trace fitting
-    the model: trace_fits) gives the hit rates and the read-ahead; without it they are assumed."""
+    no GPU). A budget that cannot work raises PlanBudgetError; a RAM too small names least_gpu too,
+    where given: the gpu_memory that takes enough layers off the RAM. `routing` (recorded, its trace
+    fitting the model: trace_fits) gives the hit rates and the read-ahead; without it they are assumed."""
     gpu_room = gpu[0] - gpu[1]
     expert_bytes = max(x.nbytes for layer in experts for x in layer)
     total = sum(len(layer) for layer in experts)
@@ -147,10 +148,13 @@ def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: lis
         home, ram_cache = "cpu", 0
     elif ram.room < base_bytes + one_layer:
         minimum = ram.minimum(base_bytes + one_layer)
+        on_gpu = "" if least_gpu is None else (f", or with gpu_memory {format_size(least_gpu)}, which "
+                                                f"takes enough layers' attention and routers to the GPU")
         raise PlanBudgetError(f"cpu_memory {format_size(ram.budget)} is too small for {model}: its globals, "
                               f"attention and routers in RAM take {format_size(base_bytes)} and the expert "
                               f"cache needs room for one layer's experts ({format_size(one_layer)})"
-                              f"{ram.beside()}; the least that works is {format_size(minimum)}", minimum)
+                              f"{ram.beside()}; the least that works is {format_size(minimum)}{on_gpu}",
+                              minimum)
     else:
         home, ram_cache = "disk", ram.room - base_bytes
     trace = None if routing is None else routing.trace

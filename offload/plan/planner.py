@@ -87,7 +87,7 @@ from tierflow.offload.plan.cost_model import Costs, Layout, Timing, timings
 from tierflow.offload.plan.expert_plan import ExpertPlacement, ExpertRequest, ExpertStages, place_experts
 from tierflow.offload.plan.plan_result import GroupPlacement, Plan
 from tierflow.offload.plan.profile import HardwareProfile
-from tierflow.units import format_size
+from tierflow.units import format_size, round_up_as_printed
 
 MAX_PREFETCH_DEPTH = 4
 DEFAULT_PROMPT_TOKENS = 512
@@ -164,6 +164,21 @@ def _gpu_layers(layers: list[ExtentSize], gpu_budget: int, gpu_kv: list[int]) ->
     return tuple(chosen)
 
 
+def _least_gpu_beside_experts(globals_: ExtentSize, layers: list[ExtentSize],
+                              experts: list[list[ExtentSize]], cache: CacheFootprint, cpu_budget: int
+                              ) -> int | None:
+    """The least gpu_memory whose layers (from the first on, with their KV cache) leave cpu_memory
+    room for the others beside one layer's experts, what an expert cache needs at least; None when
+    even every layer on the GPU leaves too little."""
+    one_layer = max(sum(x.nbytes for x in layer) for layer in experts)
+    for count in range(1, len(layers) + 1):
+        gpu = tuple(range(count))
+        in_ram = globals_.nbytes + sum(x.nbytes for x in layers[count:]) + one_layer
+        if in_ram <= cache.ram(cpu_budget, gpu).room:
+            return round_up_as_printed(sum(x.nbytes for x in layers[:count]) + cache.gpu_bytes(gpu))
+    return None
+
+
 ProfileSource = HardwareProfile | Callable[[], HardwareProfile]
 
 
@@ -205,8 +220,10 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
         layout = Layout(gpu, (), 0)
         base = globals_.nbytes + sum(x.nbytes for i, x in enumerate(layers) if i not in gpu)
         gpu_held = sum(layers[i].nbytes for i in gpu) + cache.gpu_bytes(gpu)
+        least_gpu = (_least_gpu_beside_experts(globals_, layers, sizes.experts, cache, cpu_budget)
+                     if costs is not None and profile.gpu is not None and not expert_request.manual else None)
         experts = place_experts(model.path.name, config, base, sizes.experts, cache.ram(cpu_budget, gpu),
-                                (gpu_budget, gpu_held), profile, expert_request, routing)
+                                (gpu_budget, gpu_held), profile, expert_request, routing, least_gpu)
         if gpu_budget and len(gpu) < len(layers):
             notes.append(_layers_left_in_ram(layers, gpu, cache.on_gpu()))
         if costs is not None:
