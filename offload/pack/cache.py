@@ -97,7 +97,9 @@ def _sample_hash(f: BinaryIO, size: int) -> str:
 def pack_path(source: Path, identity: dict | None = None) -> Path:
     """Where the pack of `source` lives: named after its device and inode (the pack already there
     under another name of the same file, else one named after this one)."""
-    identity = identity or source_identity(source)
+    if identity is None:  # the name needs no content hash: a stat, not source_identity's reads
+        stat = os.stat(source)
+        identity = {"device": stat.st_dev, "inode": stat.st_ino}
     digest = hashlib.sha256(f"{identity['device']}:{identity['inode']}".encode()).hexdigest()[:16]
     folder = packs_folder()
     existing = sorted(folder.glob(f"*.{digest}{SUFFIX}"))
