@@ -21,7 +21,9 @@ uniform (every expert as likely: a real model's skew only does better). The GPU 
 with the most used experts, the RAM cache with the next ones, as a frequency policy keeps them.
 The share of the disk's reads that start a layer early is the share of the trace's uses served by
 disk that the recorded early-router prediction had picked (cross-layer affinity, which only adds
-to it, left out); without recorded predictions it is READ_AHEAD_SHARE.
+to it, left out); without recorded predictions it is READ_AHEAD_SHARE. It is what prediction
+offers: the RAM cache's policy admits a prefetch only over an expert it ranks lower, and the
+prefetch gate (offload/experts/prefetch_gate.py) may ask for more confidence, so fewer may be read.
 
 Cost of a pass, per MoE layer, for `timings` (cost_model.py), k experts used of E per layer:
 - decode: k experts compute one token each. A use served by disk is read (the read-ahead share
