@@ -287,6 +287,32 @@ def test_the_next_layer_predictor_chooses_as_a_sigmoid_router_with_a_selection_b
     assert ids.tolist() == [3] and confidences.tolist() == [0.5]  # expert 3's score: sigmoid(0)
 
 
+def confidence_after(rounds: int, used_at_layer_1: int) -> float:
+    """The early router's confidence in expert 2 at layer 1 (a weak pick: softmax score 0.31 of 4)
+    after `rounds` tokens that then used expert `used_at_layer_1` there."""
+    predictor = NextLayerPredictor(num_layers=2, num_experts=4, top_k=1, eps=1e-6)
+    predictor.add_router(1, np.eye(4, 8, dtype=np.float32) * 0.1, np.ones(8, np.float32))
+    residual = np.zeros((1, 8), np.float32)
+    residual[0, 2] = 1.0
+    for _ in range(rounds):
+        predictor.step(0, np.array([[0]]), residual)
+        predictor.step(1, np.array([[used_at_layer_1]]), residual)
+    ids, confidences = predictor.step(0, np.array([[0]]), residual)
+    return float(confidences[ids.tolist().index(2)])
+
+
+def test_an_early_pick_is_first_as_confident_as_the_routers_score():
+    assert confidence_after(0, used_at_layer_1=2) == pytest.approx(0.31, abs=0.01)
+
+
+def test_an_early_pick_that_proves_right_grows_confident_beyond_its_score():
+    assert confidence_after(50, used_at_layer_1=2) > 0.95
+
+
+def test_an_early_pick_that_proves_wrong_loses_its_confidence():
+    assert confidence_after(50, used_at_layer_1=1) < 0.05
+
+
 def test_the_next_layer_predictor_adds_experts_that_affinity_makes_likely():
     predictor = NextLayerPredictor(num_layers=2, num_experts=4, top_k=1, eps=1e-6)
     predictor.add_router(1, np.eye(4, 8, dtype=np.float32) * 10, np.ones(8, np.float32))

@@ -116,19 +116,46 @@ class AffinityPredictor:
 
 AFFINITY_MIN = 0.5  # affinity adds to the early router's prediction an expert this likely
 AFFINITY_DECAY = 0.99  # per observation: the affinity table follows what the text is about
+PRECISION_PRIOR = 2.0  # observations the router's own score counts for in a pick's confidence
+PRECISION_DECAY = 0.99  # per layer step: the measured precision follows the text too
+
+
+class PickPrecision:
+    """How often the early router's j-th pick (j < top_k, best first) is among the experts the
+    layer then uses, measured online: the confidence a prediction carries. The router's softmax
+    score is a poor one: among 128 experts a pick that is used half the time scores a few
+    hundredths, so a cache or a gate that trusted it would read almost nothing ahead. Before any
+    observation a pick's confidence is its score, which counts for PRECISION_PRIOR observations."""
+
+    def __init__(self, top_k: int):
+        self.right = np.zeros(top_k)  # decayed counts of picks that were used, per rank
+        self.seen = np.zeros(top_k)  # ... and of all picks
+
+    def observe(self, picks: np.ndarray, used: np.ndarray) -> None:
+        """The early router's picks [T, K] for a layer step, and the experts it used [T, k]."""
+        hits = (picks[:, :, None] == used[:, None, :]).any(axis=-1)  # [T, K]
+        self.right = self.right * PRECISION_DECAY + hits.sum(axis=0)
+        self.seen = self.seen * PRECISION_DECAY + len(picks)
+
+    def confidences(self, scores: np.ndarray) -> np.ndarray:
+        """[T, K] confidences of picks whose router scores are `scores` [T, K]."""
+        return (self.right + PRECISION_PRIOR * scores) / (self.seen + PRECISION_PRIOR)
 
 
 class NextLayerPredictor:
     """The engine's prediction of the next MoE layer's experts, from each layer step as it runs:
-    the next layer's router applied early to this layer's residual stream, plus the experts that
-    cross-layer affinity (learnt from the tokens' routing, layer to layer) makes likelier than
-    AFFINITY_MIN, each at its best confidence."""
+    the next layer's router applied early to this layer's residual stream (each pick as confident
+    as such picks have proved: PickPrecision), plus the experts that cross-layer affinity (learnt
+    from the tokens' routing, layer to layer) makes likelier than AFFINITY_MIN, each at its best
+    confidence."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, eps: float, gating: str = "softmax"):
         self.top_k, self.eps, self.gating = top_k, eps, gating  # gating: the model's (route_top_k)
         self.routers: dict[int, EarlyRouter] = {}
         self.affinity = AffinityPredictor(num_layers, num_experts, AFFINITY_DECAY)
         self._chosen: dict[int, np.ndarray] = {}  # layer -> its tokens' experts, until the next layer's
+        self.precision = PickPrecision(top_k)
+        self._picks: dict[int, np.ndarray] = {}  # layer -> the early router's picks [T, K], until it routes
 
     def add_router(self, layer_idx: int, router: np.ndarray, ffn_norm: np.ndarray,
                    selection_bias: np.ndarray | None = None) -> None:
@@ -142,12 +169,16 @@ class NextLayerPredictor:
             for before, now in zip(self._chosen.pop(layer_idx - 1), chosen):
                 self.affinity.observe(layer_idx - 1, before, now)
         self._chosen[layer_idx] = chosen
+        picks = self._picks.pop(layer_idx, None)
+        if picks is not None and len(picks) == len(chosen):
+            self.precision.observe(picks, chosen)
         following = self.routers.get(layer_idx + 1)
         if following is None:
             return None
         router, ffn_norm, bias = following
-        ids, probs = route_top_k(router, residual, self.top_k, ffn_norm, self.eps, self.gating, bias)
-        ids, probs = [ids.ravel()], [probs.ravel()]
+        picks, scores = route_top_k(router, residual, self.top_k, ffn_norm, self.eps, self.gating, bias)
+        self._picks[layer_idx + 1] = picks
+        ids, probs = [picks.ravel()], [self.precision.confidences(scores).ravel()]
         for token_experts in chosen:
             likely, likelihood = self.affinity.predict(layer_idx, token_experts, self.top_k)
             ids.append(likely[likelihood >= AFFINITY_MIN])
