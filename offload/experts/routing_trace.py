@@ -131,14 +131,15 @@ def keep_routing(source: Path, routing: Routing) -> None:
     that cannot be written only loses the recording."""
     try:
         path = routing_path(source)
+        trace, predicted = routing.trace, _predictions(routing)
         kept = _readable_routing(path)
-        if kept is not None and kept.trace.shape[1:] == routing.trace.shape[1:]:
-            routing = Routing(np.concatenate([kept.trace, routing.trace]),
-                              np.concatenate([_predictions(kept), _predictions(routing)]))
+        if kept is not None and kept.trace.shape[1:] == trace.shape[1:]:  # both checked already
+            trace = np.concatenate([kept.trace, trace])
+            predicted = np.concatenate([_predictions(kept), predicted])
         partial = path.with_name(path.name + ".partial.npz")
         try:
-            np.savez(partial, trace=routing.trace[-KEPT_TOKENS:].astype(np.int32),
-                     predicted=_predictions(routing)[-KEPT_TOKENS:].astype(np.int32))
+            np.savez(partial, trace=trace[-KEPT_TOKENS:].astype(np.int32),
+                     predicted=predicted[-KEPT_TOKENS:].astype(np.int32))
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
