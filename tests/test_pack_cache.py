@@ -208,6 +208,24 @@ def test_cache_prune_removes_the_packs_whose_model_file_is_gone(tmp_path):
     assert kept_pack.exists() and not gone_pack.exists()
 
 
+def test_cache_prune_removes_the_records_of_packs_removed_by_hand(model):
+    pack = pack_of(model)
+    records = [pack.with_suffix(cache.USE_SUFFIX), pack.with_suffix(cache.ROUTING_SUFFIX)]
+    for record in records:
+        record.write_bytes(b"a record")
+    pack.unlink()
+    cli("cache", "prune")
+    assert not any(record.exists() for record in records)
+
+
+def test_cache_prune_removes_the_routings_an_older_tierflow_kept(model):
+    pack = pack_of(model)
+    retired = pack.with_suffix(".routing.npy")
+    retired.write_bytes(b"a routing no tierflow reads now")
+    cli("cache", "prune")
+    assert pack.exists() and not retired.exists()
+
+
 def test_cache_prune_max_size_keeps_the_most_recently_used_packs(tmp_path):
     models = [seeded(tmp_path, f"{name}.gguf", seed) for seed, name in enumerate("abc")]
     packs = [pack_of(model) for model in models]

@@ -34,6 +34,7 @@ from tierflow.units import format_size, parse_size
 SUFFIX = ".tfpack"
 USE_SUFFIX = ".used"
 ROUTING_SUFFIX = ".routing.npz"  # a MoE model's recorded routing, for the planner's hit rates and read-ahead
+RETIRED_SUFFIXES = (".routing.npy",)  # kept beside packs by an older tierflow, read by none now
 SAMPLE_BYTES = 64 << 10
 SAMPLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the content samples start (the last ends the file)
 # Left free on the cache's disk after a pack: a disk filled to its last byte breaks other programs
@@ -198,6 +199,9 @@ def prune(max_bytes: int | None = None) -> list[CachedPack]:
         for record in folder.glob(f"*{suffix}"):
             if not record.with_name(record.name.removesuffix(suffix) + SUFFIX).exists():
                 record.unlink(missing_ok=True)
+    for suffix in RETIRED_SUFFIXES:
+        for record in folder.glob(f"*{suffix}"):
+            record.unlink(missing_ok=True)
     return removed
 
 
