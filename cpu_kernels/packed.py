@@ -69,9 +69,9 @@ How GGUF types land here (quant_groups.py does the decoding), bytes per 256 weig
 Every mapping is exact: the kernels compute with the file's own codes and ggml's own scales.
 
 Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second. The legacy types
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and Q4_K, Q5_K and Q6_K, most files' bulk, go straight from their
-GGUF blocks to this layout in C (pack_blocks, transcode_blocks), bit for bit what packing their
-quant groups gives.
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), Q4_K, Q5_K and Q6_K, most files' bulk, and IQ4_NL and MXFP4
+(gpt-oss's experts) go straight from their GGUF blocks to this layout in C (pack_blocks,
+transcode_blocks), bit for bit what packing their quant groups gives.
 """
 
 from collections.abc import Callable
@@ -390,14 +390,17 @@ def pack(groups: QuantGroups, with_mins: bool | None = None) -> PackedMatrix:
 
 
 # The GGUF types pack_blocks lays out from their blocks (transcode.c).
-BLOCK_PACKED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+BLOCK_PACKED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL,
+                                T.MXFP4})
 
 
-class NonFiniteBlocks(ValueError):
-    """A tensor given to pack_blocks has a block scale that is not a finite number."""
+class UnpackableBlocks(ValueError):
+    """A tensor given to pack_blocks has a block scale the layout cannot hold: one that is not a
+    finite number, or an MXFP4 scale float16 does not hold exactly (packing its quant groups says
+    which, and why)."""
 
     def __init__(self, part: int):
-        super().__init__(f"part {part} has a block scale that is not a finite number")
+        super().__init__(f"part {part} has a block scale the packed layout cannot hold")
         self.part = part
 
 
@@ -410,7 +413,7 @@ def block_array_shapes(ggml_type: int, rows: int, cols: int) -> dict[str, tuple[
     each's shape and dtype; the arrays the type's form lacks are left out."""
     layout = group_layout(ggml_type)
     spec = layout.sub
-    tiles, field = -(-rows // TILE_ROWS), field_bits(layout.width)
+    tiles, field = -(-rows // TILE_ROWS), field_bits(layout.width, layout.codebook is not None)
     h = layout.width - field if layout.width < 8 else 0
     shapes = {"data": ((tiles, cols * field // 32, TILE_ROWS, 4), np.int8 if field == 8 else np.uint8)}
     if h:
@@ -433,7 +436,7 @@ def transcode_blocks(parts: list[tuple[np.ndarray, tuple[int, int]]], ggml_type:
     shape [K, N]) into `arrays` (block_array_shapes'), from their GGUF blocks (transcode.c). `first`
     starts a tile; a range that ends at the last row zeroes the last tile's padding rows first, so
     the arrays need not start zeroed, and ranges that share no tile may be written by concurrent
-    threads. NonFiniteBlocks names the part with a scale that is not a number."""
+    threads. UnpackableBlocks names the part with a scale the layout cannot hold."""
     if first % TILE_ROWS:
         raise ValueError(f"a range of rows starts a tile of {TILE_ROWS} rows, not at row {first}")
     rows = sum(shape[1] for _, shape in parts)
@@ -449,15 +452,15 @@ def transcode_blocks(parts: list[tuple[np.ndarray, tuple[int, int]]], ggml_type:
             src = np.ascontiguousarray(raw[(low - start) * row_bytes: (stop - start) * row_bytes])
             outputs = (arrays.get(name) for name in BLOCK_ARRAYS)
             if _kernels.transcode(ggml_type, src, cols, low, *outputs) >= 0:
-                raise NonFiniteBlocks(index)
+                raise UnpackableBlocks(index)
         start += shape[1]
 
 
 def pack_blocks(parts: list[tuple[np.ndarray, tuple[int, int]]], ggml_type: int) -> PackedMatrix:
     """GGUF tensors of one BLOCK_PACKED_TYPES type (raw bytes, GGUF-order shape [K, N]), their rows
     stacked in order, laid out for the kernels: pack(stack_rows([to_quant_groups(...)])) to the bit,
-    without the byte per weight in between. NonFiniteBlocks names the part with a scale that is not
-    a number."""
+    without the byte per weight in between. UnpackableBlocks names the part with a scale the layout
+    cannot hold."""
     layout = group_layout(ggml_type)
     cols, rows = parts[0][1][0], sum(shape[1] for _, shape in parts)
     shapes = block_array_shapes(ggml_type, rows, cols)
@@ -467,8 +470,8 @@ def pack_blocks(parts: list[tuple[np.ndarray, tuple[int, int]]], ggml_type: int)
     sub = None if spec is None else SubPacking(arrays["sub_codes"], arrays["supers"], spec.bits, spec.offset,
                                                spec.groups_per_super, spec.with_mins)
     return PackedMatrix(rows, cols, layout.bits, layout.group, arrays["data"], arrays.get("scales"),
-                        arrays.get("mins"), width=layout.width, zero=layout.zero, high=arrays.get("high"),
-                        sub=sub)
+                        arrays.get("mins"), codebook=layout.codebook, width=layout.width, zero=layout.zero,
+                        high=arrays.get("high"), sub=sub)
 
 
 def _keeps_mins(groups: QuantGroups, with_mins: bool | None) -> bool:

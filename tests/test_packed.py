@@ -12,8 +12,8 @@ from tierflow.cpu_kernels.matmul import matmul
 from tierflow.cpu_kernels.packed import (
     BLOCK_PACKED_TYPES,
     TILE_ROWS,
-    NonFiniteBlocks,
     PackedMatrix,
+    UnpackableBlocks,
     block_array_shapes,
     pack,
     pack_blocks,
@@ -322,17 +322,28 @@ def same_arrays(a: PackedMatrix, b: PackedMatrix) -> bool:
     return form(a) == form(b) and [bits(x) for x in arrays(a)] == [bits(x) for x in arrays(b)]
 
 
+def block_tensor(ggml_type: int, shape: tuple[int, int], seed: int) -> np.ndarray:
+    """random_tensor's bytes, with an MXFP4 tensor's scales in its codebook form's range (at most 2^15:
+    quant_groups folds a larger one into int8 codes)."""
+    raw = random_tensor(ggml_type, shape, seed)
+    if ggml_type != T.MXFP4:
+        return raw
+    blocks = raw.reshape(-1, QUANT_SIZES[T.MXFP4][1]).copy()
+    blocks[:, 0] = np.minimum(blocks[:, 0], 128 + 15)
+    return blocks.reshape(-1)
+
+
 @pytest.mark.parametrize("ggml_type", sorted(BLOCK_PACKED_TYPES), ids=lambda t: T(t).name)
 def test_blocks_packed_in_c_are_the_bytes_their_quant_groups_pack_to(ggml_type):
     # Two stacked tensors whose rows end mid-tile, as a fused projection's parts do.
-    parts = [(random_tensor(ggml_type, (768, rows), seed=rows), (768, rows)) for rows in (70, 33)]
+    parts = [(block_tensor(ggml_type, (768, rows), seed=rows), (768, rows)) for rows in (70, 33)]
     expected = pack(stack_rows([to_quant_groups(raw, ggml_type, shape) for raw, shape in parts]))
     assert same_arrays(pack_blocks(parts, ggml_type), expected)
 
 
 @pytest.mark.parametrize("ggml_type", sorted(BLOCK_PACKED_TYPES), ids=lambda t: T(t).name)
 def test_blocks_transcoded_a_tile_range_at_a_time_into_dirty_arrays_pack_the_same(ggml_type):
-    parts = [(random_tensor(ggml_type, (256, rows), seed=rows), (256, rows)) for rows in (100, 90)]
+    parts = [(block_tensor(ggml_type, (256, rows), seed=rows), (256, rows)) for rows in (100, 90)]
     shapes = block_array_shapes(ggml_type, 190, 256)
     arrays = {name: np.full(shape, 0x5A, np.uint8).view(dtype) if dtype != np.float16
               else np.full(shape, 7, dtype) for name, (shape, dtype) in shapes.items()}
@@ -356,7 +367,7 @@ def test_a_transcoded_range_of_rows_starts_a_tile():
 
 # (type, byte offset in a block of a float16 scale: d, or the min m or dmin at 2 in Q4_1, Q5_1, Q4_K, Q5_K)
 SCALE_OFFSETS = [(T.Q4_0, 0), (T.Q4_1, 0), (T.Q4_1, 2), (T.Q5_0, 0), (T.Q5_1, 2), (T.Q8_0, 0), (T.Q4_K, 0),
-                 (T.Q4_K, 2), (T.Q5_K, 2), (T.Q6_K, 208)]
+                 (T.Q4_K, 2), (T.Q5_K, 2), (T.Q6_K, 208), (T.IQ4_NL, 0)]
 
 
 @pytest.mark.parametrize("ggml_type, offset", SCALE_OFFSETS, ids=str)
@@ -364,9 +375,27 @@ def test_a_block_packed_part_whose_block_scale_is_not_a_number_is_named(ggml_typ
     parts = [(random_tensor(ggml_type, (256, 3), seed=seed).copy(), (256, 3)) for seed in (1, 2)]
     last_block = parts[1][0][-QUANT_SIZES[ggml_type][1]:]
     last_block[offset:offset + 2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
-    with pytest.raises(NonFiniteBlocks) as refused:
+    with pytest.raises(UnpackableBlocks) as refused:
         pack_blocks(parts, ggml_type)
     assert refused.value.part == 1
+
+
+@pytest.mark.parametrize("exponent", [144, 103, 255], ids=["2^16", "2^-25", "2^127"])
+def test_an_mxfp4_part_with_a_scale_float16_does_not_hold_is_named(exponent):
+    parts = [(block_tensor(T.MXFP4, (256, 3), seed=seed), (256, 3)) for seed in (1, 2)]
+    last_block = parts[1][0][-QUANT_SIZES[T.MXFP4][1]:]
+    last_block[0], last_block[1] = exponent, 0x11  # weights of magnitude 1 and 16: not a block of zeros
+    with pytest.raises(UnpackableBlocks) as refused:
+        pack_blocks(parts, T.MXFP4)
+    assert refused.value.part == 1
+
+
+@pytest.mark.parametrize("zeros", [0x00, 0x88], ids=["+0", "-0"])
+def test_an_mxfp4_block_of_zeros_packs_whatever_its_scale(zeros):
+    raw = block_tensor(T.MXFP4, (256, 3), seed=3)
+    raw[:QUANT_SIZES[T.MXFP4][1]] = [255] + [zeros] * 16
+    expected = pack(to_quant_groups(raw, T.MXFP4, (256, 3)))
+    assert same_arrays(pack_blocks([(raw, (256, 3))], T.MXFP4), expected)
 
 
 def gguf_matrix(ggml_type: int, rows: int, cols: int, seed: int = 0) -> PackedMatrix:
@@ -405,7 +434,7 @@ def test_two_bit_fields_refuse_a_group_or_width_their_blocks_do_not_hold(width, 
 
 
 @pytest.mark.parametrize("ggml_type, nbytes, problem", [
-    (T.Q3_K, 144, "is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K"),
+    (T.Q3_K, 144, "is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or MXFP4"),
     (T.Q4_K, 143, "whole rows of the type's blocks"),
 ], ids=["other type", "partial block"])
 def test_transcode_refuses_what_it_cannot_lay_out_naming_it(ggml_type, nbytes, problem):

@@ -87,14 +87,28 @@ def assert_whole_pack(path: Path) -> None:
 # -- none where none is needed ----------------------------------------------------------------
 
 
-def test_a_load_that_holds_every_layer_in_ram_writes_no_pack(model, builds):
+# The types of the test model (SPEC's, Q8_0), and the codebook types the transcoder reads too
+# (IQ4_NL, and MXFP4: gpt-oss's experts).
+BUILT_IN_RAM = [None, "IQ4_NL", "MXFP4"]
+
+
+def model_of_type(tmp_path: Path, weight_type: str | None) -> Path:
+    spec = SPEC if weight_type is None else ModelSpec(**{**SPEC.__dict__, "weight_type": weight_type})
+    return write_model(tmp_path / "model.gguf", spec)
+
+
+@pytest.mark.parametrize("weight_type", BUILT_IN_RAM)
+def test_a_load_that_holds_every_layer_in_ram_writes_no_pack(tmp_path, builds, weight_type):
+    model = model_of_type(tmp_path, weight_type)
     with load(model) as engine:
         assert not engine.weights.streamed_layers
         engine.generate(PROMPT, max_tokens=4, **GREEDY)
     assert builds == [] and not pack_path(model).exists()
 
 
-def test_layers_built_in_ram_hold_the_packs_bytes_and_compute_its_tokens(model):
+@pytest.mark.parametrize("weight_type", BUILT_IN_RAM)
+def test_layers_built_in_ram_hold_the_packs_bytes_and_compute_its_tokens(tmp_path, weight_type):
+    model = model_of_type(tmp_path, weight_type)
     with open_model_file(model) as opened:
         built = BuiltPack(opened)
         packed = open_pack(opened)
@@ -108,7 +122,7 @@ def test_layers_built_in_ram_hold_the_packs_bytes_and_compute_its_tokens(model):
     assert greedy_tokens(model, load) == greedy_tokens(model, streaming_load)
 
 
-@pytest.mark.parametrize("weight_type", ["IQ4_NL", "Q2_K"])
+@pytest.mark.parametrize("weight_type", ["IQ4_XS", "Q2_K"])
 def test_a_model_whose_types_are_packed_in_numpy_gets_its_pack_though_it_is_resident(tmp_path, builds,
                                                                                      weight_type):
     model = write_model(tmp_path / "model.gguf", ModelSpec(**{**SPEC.__dict__, "hidden_size": 256,

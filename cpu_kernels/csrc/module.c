@@ -894,10 +894,11 @@ static PyObject *py_pack_fields(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(transcode_doc,
 "transcode(ggml_type, src, cols, row0, data, high, sub_codes, supers, scales, mins)\n--\n\n"
-"Writes a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K tensor's rows (src: its GGUF bytes, whole rows of `cols`\n"
-"columns) into rows row0 .. of a packed matrix's arrays (packed.py's layout, whose padding rows the\n"
-"caller zeroes; the arrays the type's form lacks are None), as pack(to_quant_groups(...)) would.\n"
-"Returns -1, or the first row whose block scale is not a finite number (the rows before it are written).");
+"Writes a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or MXFP4 tensor's rows (src: its GGUF bytes,\n"
+"whole rows of `cols` columns) into rows row0 .. of a packed matrix's arrays (packed.py's layout, whose\n"
+"padding rows the caller zeroes; the arrays the type's form lacks are None), as pack(to_quant_groups(...))\n"
+"would. Returns -1, or the first row with a block scale the layout cannot hold (not a finite number, or an MXFP4\n"
+"scale outside float16's exact powers of two); the rows before it are written.");
 
 enum { TRANSCODE_ARRAYS = 6 };
 
@@ -911,7 +912,7 @@ static PyObject *py_transcode(PyObject *self, PyObject *args) {
     const int64_t block_bytes = transcode_block_bytes(ggml_type);
     if (!block_bytes)
         return PyErr_Format(PyExc_ValueError,
-                            "transcode: ggml type %d is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K",
+                            "transcode: ggml type %d is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or MXFP4",
                             ggml_type);
     const int64_t block_values = transcode_block_values(ggml_type);
     const int super = block_values == 256;

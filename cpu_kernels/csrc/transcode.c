@@ -1,6 +1,6 @@
 /* GGUF blocks straight into packed.py's layout: what pack(to_quant_groups(...)) makes of a Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K matrix, without the byte per weight and float scales per group that the numpy path
- * builds on the way. The codes move four bytes at a time and the sub-scale codes and super-block halves as they are,
+ * Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or MXFP4 matrix, without the byte per weight and float scales per group
+ * that the numpy path builds on the way. The codes move four bytes at a time and the sub-scale codes and super-block halves as they are,
  * so the result is the numpy path's to the bit (tests/test_packed.py checks it).
  *
  * Each call writes rows [row0, row0 + rows) of a matrix: a projection stacked from several tensors is
@@ -10,7 +10,10 @@
 #include "kernels.h"
 #include "transcode.h"
 
-enum { Q4_0_BYTES = 18, Q4_1_BYTES = 20, Q5_0_BYTES = 22, Q5_1_BYTES = 24, Q8_0_BYTES = 34, Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210, SUPER = 256 };
+enum {
+    Q4_0_BYTES = 18, Q4_1_BYTES = 20, Q5_0_BYTES = 22, Q5_1_BYTES = 24, Q8_0_BYTES = 34, Q4_K_BYTES = 144,
+    Q5_K_BYTES = 176, Q6_K_BYTES = 210, IQ4_NL_BYTES = 18, MXFP4_BYTES = 17, SUPER = 256
+};
 
 /* A float16's bits are finite unless its exponent is all ones. */
 static inline int half_finite(uint16_t bits) { return (bits & 0x7C00) != 0x7C00; }
@@ -88,6 +91,38 @@ static int q5_0_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, co
 
 static int q5_1_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
     return legacy_row(blocks, cols, tile, r, out, 1, 1);
+}
+
+/* IQ4_NL: a Q4_0 block (a float16 d, then the nibbles in Q4_0's order) whose nibbles are indices into the
+ * iq4nl codebook: laid out as Q4_0's codes are. */
+static int iq4_nl_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    return legacy_row(blocks, cols, tile, r, out, 0, 0);
+}
+
+/* The float16 bits of 2^k, exact for k in -24 .. 15 (below -14 a subnormal). */
+static inline uint16_t half_power_of_two(int k) {
+    return k >= -14 ? (uint16_t)((k + 15) << 10) : (uint16_t)(1u << (k + 24));
+}
+
+/* MXFP4: the E8M0 exponent e, then the nibbles in Q4_0's order, indices into the mxfp4 codebook (E2M1
+ * values doubled). The group's scale is 2^(e - 128), or 1 for a block of zeros (indices 0 and 8), as
+ * quant_groups' split makes it; a scale float16 cannot hold exactly is refused (the numpy path folds
+ * one above 2^15 into int8 codes, a form whose size the header does not tell). */
+static int mxfp4_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    const int64_t groups = cols / 32, data_base = tile * cols * TILE_ROWS / 2;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *block = blocks + g * MXFP4_BYTES, *qs = block + 1;
+        uint32_t magnitudes = 0;
+        for (int i = 0; i < 4; i++) magnitudes |= word_at(qs + 4 * i) & 0x77777777;
+        const int k = block[0] - 128;
+        if (magnitudes && (k > 15 || k < -24)) return 0;
+        out->scales[(tile * groups + g) * TILE_ROWS + r] = magnitudes ? half_power_of_two(k) : 0x3C00;
+        for (int o = 0; o < 4; o++) { /* columns 8o .. 8o + 7 */
+            const uint32_t nibbles = nibble_block(qs + 8 * (o % 2), o / 2);
+            memcpy(block_row(out->data + data_base, 4 * g + o, r), &nibbles, 4);
+        }
+    }
+    return 1;
 }
 
 /* Q8_0: the int8 codes as they are, a quad of 4 columns to a row's 4 bytes; d is the group's scale. */
@@ -201,6 +236,8 @@ int64_t transcode_block_bytes(int ggml_type) {
     case GGML_Q4_K: return Q4_K_BYTES;
     case GGML_Q5_K: return Q5_K_BYTES;
     case GGML_Q6_K: return Q6_K_BYTES;
+    case GGML_IQ4_NL: return IQ4_NL_BYTES;
+    case GGML_MXFP4: return MXFP4_BYTES;
     default: return 0;
     }
 }
@@ -214,7 +251,8 @@ int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t 
     int (*row_of)(const uint8_t *, int64_t, int64_t, int, const packed_out *) =
         ggml_type == GGML_Q4_0 ? q4_0_row : ggml_type == GGML_Q4_1 ? q4_1_row : ggml_type == GGML_Q5_0 ? q5_0_row
         : ggml_type == GGML_Q5_1 ? q5_1_row : ggml_type == GGML_Q8_0 ? q8_0_row : ggml_type == GGML_Q4_K ? q4_k_row
-        : ggml_type == GGML_Q5_K ? q5_k_row : q6_k_row;
+        : ggml_type == GGML_Q5_K ? q5_k_row : ggml_type == GGML_Q6_K ? q6_k_row : ggml_type == GGML_IQ4_NL ? iq4_nl_row
+        : mxfp4_row;
     const int64_t row_bytes = cols / transcode_block_values(ggml_type) * transcode_block_bytes(ggml_type);
     for (int64_t row = 0; row < rows; row++) {
         const int64_t tile = (row0 + row) / TILE_ROWS;

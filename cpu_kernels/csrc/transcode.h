@@ -5,7 +5,10 @@
 #include <stdint.h>
 
 /* The GGUF types transcode_rows reads (ggml's type ids). */
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+enum {
+    GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13,
+    GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_MXFP4 = 39
+};
 
 /* A packed matrix's arrays (packed.py's layout); those its form lacks are NULL. */
 typedef struct {
@@ -20,7 +23,8 @@ int64_t transcode_block_values(int ggml_type);
 
 /* Rows [row0, row0 + rows) of a packed matrix from `rows` rows of GGUF blocks of `cols` columns (a
  * multiple of the type's block) (padding rows are the caller's to zero). Returns -1, or the first row
- * (counted from 0 in src) whose block scale is not a finite number. */
+ * (counted from 0 in src) with a block scale the layout cannot hold: not a finite number, or an MXFP4
+ * scale outside float16's exact powers of two (2^-24 .. 2^15). */
 int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0,
                        const packed_out *out);
 

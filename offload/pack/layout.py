@@ -36,8 +36,8 @@ from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.packed import (
     BLOCK_PACKED_TYPES,
     TILE_ROWS,
-    NonFiniteBlocks,
     PackedMatrix,
+    UnpackableBlocks,
     block_array_shapes,
     field_bits,
     pack,
@@ -52,7 +52,7 @@ from tierflow.cpu_kernels.quant_groups import (
     stack_rows,
     to_quant_groups,
 )
-from tierflow.errors import ModelFileError, UnsupportedModelError
+from tierflow.errors import ModelFileError, TierflowError, UnsupportedModelError
 from tierflow.offload.gguf.reader import GGUFFile
 from tierflow.offload.io.disk import ALIGNMENT
 from tierflow.runtime.models.tensor_map import Field, Matmul, Tensor, Vector, field_tensors
@@ -282,8 +282,8 @@ class ExtentLayout:
         parts = [self.decoder.blocks(w) for w in weights]
         try:
             transcode_blocks(parts, ggml_type, arrays, first, end)
-        except NonFiniteBlocks as error:
-            raise self._damaged(weights[error.part]) from None
+        except UnpackableBlocks as error:
+            raise self._refusal(weights[error.part], ggml_type) from None
         raw, (_, part_rows) = parts[0]
         self.decoder.count((end - first) * (raw.nbytes // part_rows))
 
@@ -306,6 +306,15 @@ class ExtentLayout:
         except ValueError as error:
             raise UnsupportedModelError(f"{self.gguf.path.name}: tensor {names}: {error} (tierflow's packed "
                                         f"layout keeps block scales and offsets in float16)") from None
+
+    def _refusal(self, weight: Tensor, ggml_type: int) -> TierflowError:
+        """The error for a tensor whose blocks the transcoder refused: the one packing its quant groups
+        raises, which says which scale and why (not a number, or too large or small for float16)."""
+        try:
+            self._packed([weight], False, group_layout(ggml_type).codebook)
+        except TierflowError as error:
+            return error
+        raise AssertionError(f"the transcoder refused tensor '{weight.name}', which packs in numpy")
 
     def _damaged(self, weight: Tensor) -> ModelFileError:
         return ModelFileError(f"{self.gguf.path.name}: tensor '{weight.name}' has block scales that are not "
