@@ -69,8 +69,8 @@ How GGUF types land here (quant_groups.py does the decoding), bytes per 256 weig
 Every mapping is exact: the kernels compute with the file's own codes and ggml's own scales.
 
 Packing is vectorised numpy: a 4096 x 4096 matrix packs in well under a second. The legacy types
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), Q4_K, Q5_K and Q6_K, most files' bulk, and IQ4_NL and MXFP4
-(gpt-oss's experts) go straight from their GGUF blocks to this layout in C (pack_blocks,
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), Q4_K, Q5_K and Q6_K, most files' bulk, and IQ4_NL, IQ4_XS and
+MXFP4 (gpt-oss's experts) go straight from their GGUF blocks to this layout in C (pack_blocks,
 transcode_blocks), bit for bit what packing their quant groups gives.
 """
 
@@ -391,7 +391,7 @@ def pack(groups: QuantGroups, with_mins: bool | None = None) -> PackedMatrix:
 
 # The GGUF types pack_blocks lays out from their blocks (transcode.c).
 BLOCK_PACKED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL,
-                                T.MXFP4})
+                                T.IQ4_XS, T.MXFP4})
 
 
 class UnpackableBlocks(ValueError):

@@ -367,7 +367,8 @@ def test_a_transcoded_range_of_rows_starts_a_tile():
 
 # (type, byte offset in a block of a float16 scale: d, or the min m or dmin at 2 in Q4_1, Q5_1, Q4_K, Q5_K)
 SCALE_OFFSETS = [(T.Q4_0, 0), (T.Q4_1, 0), (T.Q4_1, 2), (T.Q5_0, 0), (T.Q5_1, 2), (T.Q8_0, 0), (T.Q4_K, 0),
-                 (T.Q4_K, 2), (T.Q5_K, 2), (T.Q6_K, 208), (T.IQ4_NL, 0)]
+                 (T.Q4_K, 2), (T.Q5_K, 2), (T.Q6_K, 208), (T.IQ4_NL, 0),
+                 (T.IQ4_XS, 0)]
 
 
 @pytest.mark.parametrize("ggml_type, offset", SCALE_OFFSETS, ids=str)
@@ -434,7 +435,7 @@ def test_two_bit_fields_refuse_a_group_or_width_their_blocks_do_not_hold(width, 
 
 
 @pytest.mark.parametrize("ggml_type, nbytes, problem", [
-    (T.Q3_K, 144, "is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or MXFP4"),
+    (T.Q3_K, 144, "is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS or MXFP4"),
     (T.Q4_K, 143, "whole rows of the type's blocks"),
 ], ids=["other type", "partial block"])
 def test_transcode_refuses_what_it_cannot_lay_out_naming_it(ggml_type, nbytes, problem):

@@ -88,12 +88,14 @@ def assert_whole_pack(path: Path) -> None:
 
 
 # The types of the test model (SPEC's, Q8_0), and the codebook types the transcoder reads too
-# (IQ4_NL, and MXFP4: gpt-oss's experts).
-BUILT_IN_RAM = [None, "IQ4_NL", "MXFP4"]
+# (IQ4_NL, IQ4_XS, and MXFP4: gpt-oss's experts).
+BUILT_IN_RAM = [None, "IQ4_NL", "IQ4_XS", "MXFP4"]
 
 
 def model_of_type(tmp_path: Path, weight_type: str | None) -> Path:
-    spec = SPEC if weight_type is None else ModelSpec(**{**SPEC.__dict__, "weight_type": weight_type})
+    """SPEC's model, or one of another weight type (256 wide: IQ4_XS's blocks are 256 weights)."""
+    spec = SPEC if weight_type is None else ModelSpec(**{**SPEC.__dict__, "hidden_size": 256,
+                                                          "weight_type": weight_type})
     return write_model(tmp_path / "model.gguf", spec)
 
 
@@ -122,7 +124,7 @@ def test_layers_built_in_ram_hold_the_packs_bytes_and_compute_its_tokens(tmp_pat
     assert greedy_tokens(model, load) == greedy_tokens(model, streaming_load)
 
 
-@pytest.mark.parametrize("weight_type", ["IQ4_XS", "Q2_K"])
+@pytest.mark.parametrize("weight_type", ["Q2_K", "TQ2_0"])
 def test_a_model_whose_types_are_packed_in_numpy_gets_its_pack_though_it_is_resident(tmp_path, builds,
                                                                                      weight_type):
     model = write_model(tmp_path / "model.gguf", ModelSpec(**{**SPEC.__dict__, "hidden_size": 256,
@@ -422,7 +424,7 @@ def set_block_bytes(model: Path, tensor: str, block: int, offset: int, value: by
 
 # (weight type, byte offset of its float16 d in a block, the value written there)
 BAD_SCALES = [("Q8_0", 0, np.nan), ("Q2_K", 80, np.inf), ("TQ1_0", 52, -np.inf), ("Q4_K", 2, np.inf),
-              ("Q6_K", 208, np.nan)]
+              ("Q6_K", 208, np.nan), ("IQ4_XS", 0, np.inf)]
 
 
 @pytest.mark.parametrize("weight_type, offset, value", BAD_SCALES, ids=lambda v: str(v))

@@ -894,7 +894,7 @@ static PyObject *py_pack_fields(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(transcode_doc,
 "transcode(ggml_type, src, cols, row0, data, high, sub_codes, supers, scales, mins)\n--\n\n"
-"Writes a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or MXFP4 tensor's rows (src: its GGUF bytes,\n"
+"Writes a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS or MXFP4 tensor's rows (src: its GGUF bytes,\n"
 "whole rows of `cols` columns) into rows row0 .. of a packed matrix's arrays (packed.py's layout, whose\n"
 "padding rows the caller zeroes; the arrays the type's form lacks are None), as pack(to_quant_groups(...))\n"
 "would. Returns -1, or the first row with a block scale the layout cannot hold (not a finite number, or an MXFP4\n"
@@ -912,7 +912,7 @@ static PyObject *py_transcode(PyObject *self, PyObject *args) {
     const int64_t block_bytes = transcode_block_bytes(ggml_type);
     if (!block_bytes)
         return PyErr_Format(PyExc_ValueError,
-                            "transcode: ggml type %d is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or MXFP4",
+                            "transcode: ggml type %d is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS or MXFP4",
                             ggml_type);
     const int64_t block_values = transcode_block_values(ggml_type);
     const int super = block_values == 256;
@@ -941,7 +941,8 @@ static PyObject *py_transcode(PyObject *self, PyObject *args) {
     const int64_t blocks_per_row = cols > 0 && cols % block_values == 0 ? cols / block_values : 0;
     const int64_t rows = blocks_per_row ? src->view.len / (blocks_per_row * block_bytes) : 0;
     const int64_t tiles = (row0 + rows + TILE_ROWS - 1) / TILE_ROWS, blocks = tiles * blocks_per_row;
-    const int64_t sub_bytes = ggml_type == GGML_Q6_K ? 16 : 12, halves = ggml_type == GGML_Q6_K ? 1 : 2;
+    const int64_t sub_bytes = ggml_type == GGML_Q6_K ? 16 : ggml_type == GGML_IQ4_XS ? 6 : 12;
+    const int64_t halves = ggml_type == GGML_Q6_K || ggml_type == GGML_IQ4_XS ? 1 : 2;
     const int64_t needed[TRANSCODE_ARRAYS] = {
         tiles * TILE_ROWS * cols * field / 8, tiles * TILE_ROWS * cols * h / 8, blocks * sub_bytes * TILE_ROWS,
         blocks * halves * TILE_ROWS * 2, blocks * TILE_ROWS * 2, blocks * TILE_ROWS * 2};

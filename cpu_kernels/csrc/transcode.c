@@ -1,5 +1,5 @@
 /* GGUF blocks straight into packed.py's layout: what pack(to_quant_groups(...)) makes of a Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or MXFP4 matrix, without the byte per weight and float scales per group
+ * Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS or MXFP4 matrix, without the byte per weight and float scales per group
  * that the numpy path builds on the way. The codes move four bytes at a time and the sub-scale codes and super-block halves as they are,
  * so the result is the numpy path's to the bit (tests/test_packed.py checks it).
  *
@@ -12,7 +12,7 @@
 
 enum {
     Q4_0_BYTES = 18, Q4_1_BYTES = 20, Q5_0_BYTES = 22, Q5_1_BYTES = 24, Q8_0_BYTES = 34, Q4_K_BYTES = 144,
-    Q5_K_BYTES = 176, Q6_K_BYTES = 210, IQ4_NL_BYTES = 18, MXFP4_BYTES = 17, SUPER = 256
+    Q5_K_BYTES = 176, Q6_K_BYTES = 210, IQ4_NL_BYTES = 18, IQ4_XS_BYTES = 136, MXFP4_BYTES = 17, SUPER = 256
 };
 
 /* A float16's bits are finite unless its exponent is all ones. */
@@ -97,6 +97,29 @@ static int q5_1_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, co
  * iq4nl codebook: laid out as Q4_0's codes are. */
 static int iq4_nl_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
     return legacy_row(blocks, cols, tile, r, out, 0, 0);
+}
+
+/* IQ4_XS: per super block d, the 6-bit scale codes ls of its 8 groups of 32 (the weight is
+ * d * (ls - 32) * iq4nl[index]), then each group's 16 bytes of nibbles in Q4_0's order. The file keeps the
+ * codes as packed.py's sub codes do (sub bits 6, offset 32): the low nibbles paired in scales_l, then the top
+ * bits four to a byte in scales_h, so they are copied as they are. */
+static int iq4_xs_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
+    const int64_t supers_per_row = cols / SUPER, data_base = tile * cols * TILE_ROWS / 2;
+    for (int64_t s = 0; s < supers_per_row; s++) {
+        const uint8_t *block = blocks + s * IQ4_XS_BYTES, *qs = block + 8;
+        const uint16_t d = half_at(block);
+        if (!half_finite(d)) return 0;
+        const int64_t at = tile * supers_per_row + s;
+        out->supers[at * TILE_ROWS + r] = d;
+        uint8_t *codes = out->sub_codes + at * 6 * TILE_ROWS + r;
+        for (int i = 0; i < 4; i++) codes[i * TILE_ROWS] = block[4 + i];
+        for (int i = 0; i < 2; i++) codes[(4 + i) * TILE_ROWS] = block[2 + i];
+        for (int o = 0; o < SUPER / 8; o++) { /* columns 8o .. 8o + 7: group o / 4 */
+            const uint32_t nibbles = nibble_block(qs + 16 * (o / 4) + 8 * (o % 2), (o / 2) & 1);
+            memcpy(block_row(out->data + data_base, s * SUPER / 8 + o, r), &nibbles, 4);
+        }
+    }
+    return 1;
 }
 
 /* The float16 bits of 2^k, exact for k in -24 .. 15 (below -14 a subnormal). */
@@ -237,13 +260,15 @@ int64_t transcode_block_bytes(int ggml_type) {
     case GGML_Q5_K: return Q5_K_BYTES;
     case GGML_Q6_K: return Q6_K_BYTES;
     case GGML_IQ4_NL: return IQ4_NL_BYTES;
+    case GGML_IQ4_XS: return IQ4_XS_BYTES;
     case GGML_MXFP4: return MXFP4_BYTES;
     default: return 0;
     }
 }
 
 int64_t transcode_block_values(int ggml_type) {
-    return ggml_type == GGML_Q4_K || ggml_type == GGML_Q5_K || ggml_type == GGML_Q6_K ? SUPER : 32;
+    const int super = ggml_type == GGML_Q4_K || ggml_type == GGML_Q5_K || ggml_type == GGML_Q6_K || ggml_type == GGML_IQ4_XS;
+    return super ? SUPER : 32;
 }
 
 int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0,
@@ -252,7 +277,7 @@ int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t 
         ggml_type == GGML_Q4_0 ? q4_0_row : ggml_type == GGML_Q4_1 ? q4_1_row : ggml_type == GGML_Q5_0 ? q5_0_row
         : ggml_type == GGML_Q5_1 ? q5_1_row : ggml_type == GGML_Q8_0 ? q8_0_row : ggml_type == GGML_Q4_K ? q4_k_row
         : ggml_type == GGML_Q5_K ? q5_k_row : ggml_type == GGML_Q6_K ? q6_k_row : ggml_type == GGML_IQ4_NL ? iq4_nl_row
-        : mxfp4_row;
+        : ggml_type == GGML_IQ4_XS ? iq4_xs_row : mxfp4_row;
     const int64_t row_bytes = cols / transcode_block_values(ggml_type) * transcode_block_bytes(ggml_type);
     for (int64_t row = 0; row < rows; row++) {
         const int64_t tile = (row0 + row) / TILE_ROWS;

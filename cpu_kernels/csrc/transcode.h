@@ -7,7 +7,7 @@
 /* The GGUF types transcode_rows reads (ggml's type ids). */
 enum {
     GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13,
-    GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_MXFP4 = 39
+    GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23, GGML_MXFP4 = 39
 };
 
 /* A packed matrix's arrays (packed.py's layout); those its form lacks are NULL. */
@@ -18,7 +18,7 @@ typedef struct {
 
 /* The bytes of one block of a type transcode_rows reads; 0 for any other type. */
 int64_t transcode_block_bytes(int ggml_type);
-/* The weights of one such block: 32, or a 256-weight super block. */
+/* The weights of one such block: 32, or a 256-weight super block (the K-quants, IQ4_XS). */
 int64_t transcode_block_values(int ggml_type);
 
 /* Rows [row0, row0 + rows) of a packed matrix from `rows` rows of GGUF blocks of `cols` columns (a

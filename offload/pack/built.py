@@ -2,8 +2,8 @@
 
 A plan that reads nothing from disk while it runs (no layer streamed, no expert at home on disk)
 needs a pack only to load from, and the block types most files are made of (Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, and MXFP4, gpt-oss's experts) transcode in C about as fast as
-a disk reads them, on a thread per core (layout.ExtentLayout.fill). For such a model the load
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and MXFP4, gpt-oss's experts) transcode in C about as
+fast as a disk reads them, on a thread per core (layout.ExtentLayout.fill). For such a model the load
 builds each extent straight into the memory it keeps and writes no pack: a model takes no disk
 beside its GGUF. Its extents are exactly the ones writer.build_pack would write (the same walk), so
 everything after the load is the same.
