@@ -40,6 +40,15 @@ static inline uint32_t nibble_block(const uint8_t *p, int top) {
                : (first & 0x0F0F0F0F) | ((second & 0x0F0F0F0F) << 4);
 }
 
+/* A group of 32 columns whose nibbles are in Q4_0's order (weight l < 16 the low nibble of qs[l], weight
+ * 16 + l its high one) into the 4 blocks of 8 columns from `first_block` of row r. */
+static inline void nibble_group(const uint8_t *qs, uint8_t *tile_base, int64_t first_block, int r) {
+    for (int o = 0; o < 4; o++) { /* columns 8o .. 8o + 7 */
+        const uint32_t nibbles = nibble_block(qs + 8 * (o % 2), o / 2);
+        memcpy(block_row(tile_base, first_block + o, r), &nibbles, 4);
+    }
+}
+
 /* The 4 bytes of a high plane's 32 columns from their fifth bits (bit c of `bits` is column c's): byte j
  * of the word holds column 4i + j's bit at bit i, as Q5_K's planes are laid out (k_row). */
 static inline uint32_t high_block(uint32_t bits) {
@@ -51,7 +60,7 @@ static inline uint32_t high_block(uint32_t bits) {
     return word;
 }
 
-/* Q4_0, Q4_1, Q5_0 and Q5_1: codes are the file's nibbles (width 4, zero 8, or 0 under a min), weight l
+/* Q4_0, Q4_1, Q5_0 and Q5_1 (and IQ4_NL, a Q4_0 block whose nibbles index the iq4nl codebook): codes are the file's nibbles (width 4, zero 8, or 0 under a min), weight l
  * (l < 16) the low nibble of qs[l] and weight 16 + l its high one; the five-bit types' fifth bits are
  * the 32-bit qh (weight c's at bit c), which becomes the high plane (width 5, zero 16, or 0 under a
  * min). The float16 d is the group's scale, and the float16 m of Q4_1 and Q5_1 its min. */
@@ -65,10 +74,7 @@ static int legacy_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, 
         if (!half_finite(d) || !half_finite(m)) return 0;
         out->scales[(tile * groups + g) * TILE_ROWS + r] = d;
         if (with_min) out->mins[(tile * groups + g) * TILE_ROWS + r] = m;
-        for (int o = 0; o < 4; o++) { /* columns 8o .. 8o + 7 */
-            const uint32_t nibbles = nibble_block(qs + 8 * (o % 2), o / 2);
-            memcpy(block_row(out->data + data_base, 4 * g + o, r), &nibbles, 4);
-        }
+        nibble_group(qs, out->data + data_base, 4 * g, r);
         if (five) {
             const uint32_t high = high_block(word_at(block + 2 + 2 * with_min));
             memcpy(block_row(out->high + high_base, g, r), &high, 4);
@@ -93,12 +99,6 @@ static int q5_1_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, co
     return legacy_row(blocks, cols, tile, r, out, 1, 1);
 }
 
-/* IQ4_NL: a Q4_0 block (a float16 d, then the nibbles in Q4_0's order) whose nibbles are indices into the
- * iq4nl codebook: laid out as Q4_0's codes are. */
-static int iq4_nl_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out) {
-    return legacy_row(blocks, cols, tile, r, out, 0, 0);
-}
-
 /* IQ4_XS: per super block d, the 6-bit scale codes ls of its 8 groups of 32 (the weight is
  * d * (ls - 32) * iq4nl[index]), then each group's 16 bytes of nibbles in Q4_0's order. The file keeps the
  * codes as packed.py's sub codes do (sub bits 6, offset 32): the low nibbles paired in scales_l, then the top
@@ -114,9 +114,8 @@ static int iq4_xs_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, 
         uint8_t *codes = out->sub_codes + at * 6 * TILE_ROWS + r;
         for (int i = 0; i < 4; i++) codes[i * TILE_ROWS] = block[4 + i];
         for (int i = 0; i < 2; i++) codes[(4 + i) * TILE_ROWS] = block[2 + i];
-        for (int o = 0; o < SUPER / 8; o++) { /* columns 8o .. 8o + 7: group o / 4 */
-            const uint32_t nibbles = nibble_block(qs + 16 * (o / 4) + 8 * (o % 2), (o / 2) & 1);
-            memcpy(block_row(out->data + data_base, s * SUPER / 8 + o, r), &nibbles, 4);
+        for (int g = 0; g < SUPER / 32; g++) {
+            nibble_group(qs + 16 * g, out->data + data_base, s * SUPER / 8 + 4 * g, r);
         }
     }
     return 1;
@@ -140,10 +139,7 @@ static int mxfp4_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, c
         const int k = block[0] - 128;
         if (magnitudes && (k > 15 || k < -24)) return 0;
         out->scales[(tile * groups + g) * TILE_ROWS + r] = magnitudes ? half_power_of_two(k) : 0x3C00;
-        for (int o = 0; o < 4; o++) { /* columns 8o .. 8o + 7 */
-            const uint32_t nibbles = nibble_block(qs + 8 * (o % 2), o / 2);
-            memcpy(block_row(out->data + data_base, 4 * g + o, r), &nibbles, 4);
-        }
+        nibble_group(qs, out->data + data_base, 4 * g, r);
     }
     return 1;
 }
@@ -249,36 +245,44 @@ static int q6_k_row(const uint8_t *blocks, int64_t cols, int64_t tile, int r, co
     return 1;
 }
 
-int64_t transcode_block_bytes(int ggml_type) {
-    switch (ggml_type) {
-    case GGML_Q4_0: return Q4_0_BYTES;
-    case GGML_Q4_1: return Q4_1_BYTES;
-    case GGML_Q5_0: return Q5_0_BYTES;
-    case GGML_Q5_1: return Q5_1_BYTES;
-    case GGML_Q8_0: return Q8_0_BYTES;
-    case GGML_Q4_K: return Q4_K_BYTES;
-    case GGML_Q5_K: return Q5_K_BYTES;
-    case GGML_Q6_K: return Q6_K_BYTES;
-    case GGML_IQ4_NL: return IQ4_NL_BYTES;
-    case GGML_IQ4_XS: return IQ4_XS_BYTES;
-    case GGML_MXFP4: return MXFP4_BYTES;
-    default: return 0;
+typedef int (*row_fn)(const uint8_t *blocks, int64_t cols, int64_t tile, int r, const packed_out *out);
+
+/* Each type transcode_rows reads: its block's bytes and weights, and the function for a row. */
+static const struct {
+    int ggml_type;
+    int64_t block_bytes, block_values;
+    row_fn row;
+} TYPES[] = {
+    {GGML_Q4_0, Q4_0_BYTES, 32, q4_0_row},      {GGML_Q4_1, Q4_1_BYTES, 32, q4_1_row},
+    {GGML_Q5_0, Q5_0_BYTES, 32, q5_0_row},      {GGML_Q5_1, Q5_1_BYTES, 32, q5_1_row},
+    {GGML_Q8_0, Q8_0_BYTES, 32, q8_0_row},      {GGML_Q4_K, Q4_K_BYTES, SUPER, q4_k_row},
+    {GGML_Q5_K, Q5_K_BYTES, SUPER, q5_k_row},   {GGML_Q6_K, Q6_K_BYTES, SUPER, q6_k_row},
+    {GGML_IQ4_NL, IQ4_NL_BYTES, 32, q4_0_row},  {GGML_IQ4_XS, IQ4_XS_BYTES, SUPER, iq4_xs_row},
+    {GGML_MXFP4, MXFP4_BYTES, 32, mxfp4_row},
+};
+
+static int type_index(int ggml_type) {
+    for (int i = 0; i < (int)(sizeof TYPES / sizeof TYPES[0]); i++) {
+        if (TYPES[i].ggml_type == ggml_type) return i;
     }
+    return -1;
+}
+
+int64_t transcode_block_bytes(int ggml_type) {
+    const int i = type_index(ggml_type);
+    return i < 0 ? 0 : TYPES[i].block_bytes;
 }
 
 int64_t transcode_block_values(int ggml_type) {
-    const int super = ggml_type == GGML_Q4_K || ggml_type == GGML_Q5_K || ggml_type == GGML_Q6_K || ggml_type == GGML_IQ4_XS;
-    return super ? SUPER : 32;
+    const int i = type_index(ggml_type);
+    return i < 0 ? 0 : TYPES[i].block_values;
 }
 
 int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0,
                        const packed_out *out) {
-    int (*row_of)(const uint8_t *, int64_t, int64_t, int, const packed_out *) =
-        ggml_type == GGML_Q4_0 ? q4_0_row : ggml_type == GGML_Q4_1 ? q4_1_row : ggml_type == GGML_Q5_0 ? q5_0_row
-        : ggml_type == GGML_Q5_1 ? q5_1_row : ggml_type == GGML_Q8_0 ? q8_0_row : ggml_type == GGML_Q4_K ? q4_k_row
-        : ggml_type == GGML_Q5_K ? q5_k_row : ggml_type == GGML_Q6_K ? q6_k_row : ggml_type == GGML_IQ4_NL ? iq4_nl_row
-        : ggml_type == GGML_IQ4_XS ? iq4_xs_row : mxfp4_row;
-    const int64_t row_bytes = cols / transcode_block_values(ggml_type) * transcode_block_bytes(ggml_type);
+    const int type = type_index(ggml_type);
+    const row_fn row_of = TYPES[type].row;
+    const int64_t row_bytes = cols / TYPES[type].block_values * TYPES[type].block_bytes;
     for (int64_t row = 0; row < rows; row++) {
         const int64_t tile = (row0 + row) / TILE_ROWS;
         if (!row_of(src + row * row_bytes, cols, tile, (int)((row0 + row) % TILE_ROWS), out)) return row;

@@ -18,11 +18,12 @@ typedef struct {
 
 /* The bytes of one block of a type transcode_rows reads; 0 for any other type. */
 int64_t transcode_block_bytes(int ggml_type);
-/* The weights of one such block: 32, or a 256-weight super block (the K-quants, IQ4_XS). */
+/* The weights of one such block: 32, or a 256-weight super block (the K-quants, IQ4_XS); 0 for any
+ * other type. */
 int64_t transcode_block_values(int ggml_type);
 
-/* Rows [row0, row0 + rows) of a packed matrix from `rows` rows of GGUF blocks of `cols` columns (a
- * multiple of the type's block) (padding rows are the caller's to zero). Returns -1, or the first row
+/* Rows [row0, row0 + rows) of a packed matrix from `rows` rows of GGUF blocks (of a type the two above
+ * know) of `cols` columns (a multiple of the type's block) (padding rows are the caller's to zero). Returns -1, or the first row
  * (counted from 0 in src) with a block scale the layout cannot hold: not a finite number, or an MXFP4
  * scale outside float16's exact powers of two (2^-24 .. 2^15). */
 int64_t transcode_rows(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, int64_t row0,
