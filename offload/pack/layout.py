@@ -310,8 +310,9 @@ class ExtentLayout:
     def _refusal(self, weight: Tensor, ggml_type: int) -> TierflowError:
         """The error for a tensor whose blocks the transcoder refused: the one packing its quant groups
         raises, which says which scale and why (not a number, or too large or small for float16)."""
+        fmt = group_layout(ggml_type)
         try:
-            self._packed([weight], False, group_layout(ggml_type).codebook)
+            self._packed([weight], fmt.sub is None and fmt.has_min, fmt.codebook)
         except TierflowError as error:
             return error
         raise AssertionError(f"the transcoder refused tensor '{weight.name}', which packs in numpy")
