@@ -1,5 +1,5 @@
 """zlib's CRC-32 at memory speed (csrc/crc32.c): the checksum the pack keeps of every extent, checked
-each time one is read (a streamed MoE model's experts at every read). On two cores zlib's table
+when one is read (again after the file changes: offload/pack/reader.py). On two cores zlib's table
 method (7 GB/s) took a streamed model's checks from the kernels' time; folding with PCLMULQDQ
 runs at 18 GB/s a core here. Without that instruction zlib computes it."""
 

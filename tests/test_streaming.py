@@ -31,6 +31,7 @@ from tierflow.errors import BudgetError, ModelFileError, TierflowError
 from tierflow.offload.io import disk as disk_module
 from tierflow.offload.io import streamer as streamer_module
 from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
+from tierflow.offload.pack import reader as reader_module
 from tierflow.offload.pack.cache import pack_path
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.offload.plan.profile import HardwareProfile, profile_path
@@ -303,6 +304,17 @@ def test_a_pack_changed_in_place_after_its_first_read_is_an_error_not_wrong_outp
     with load(own_model, cpu_memory=half) as engine:  # rebuilt
         assert generate(engine) == resident["tokens"][:16]
 
+
+
+def test_an_extent_read_again_from_an_unchanged_pack_is_not_hashed_again(own_model, half, monkeypatch):
+    hashed = []
+    monkeypatch.setattr(reader_module, "crc32", lambda data: hashed.append(len(data)) or zlib.crc32(data))
+    with load(own_model, cpu_memory=half) as engine:
+        generate(engine)  # every streamed layer read, and hashed, once
+        assert hashed
+        hashed.clear()
+        generate(engine)
+        assert hashed == []
 
 # -- O_DIRECT and its fallback ------------------------------------------------------------------
 

@@ -15,9 +15,10 @@ the room the budget leaves, holds those the policy keeps (StreamedExperts). A la
 
 A prefetched expert that the next layer does not use is dropped at once (its read cancelled if it
 has not started). Reads use O_DIRECT (offload/io/disk.py), so the page cache never holds experts and
-the budget is what RAM holds; an expert's CRC-32 is checked every time it is read. Each read
-fills a buffer from a BufferPool of the cache's budget, which a dropped expert gives back for the
-next read (mapping fresh memory for every read cost more than the reads themselves).
+the budget is what RAM holds; an expert's CRC-32 is checked when it is first read, and again
+whenever the pack has been written since (PackedFile.check). Each read fills a buffer from a
+BufferPool of the cache's budget, which a dropped expert gives back for the next read (mapping
+fresh memory for every read cost more than the reads themselves).
 """
 
 import mmap
@@ -94,7 +95,7 @@ class StreamedExperts:
         buffer = self.buffers.take(extent.nbytes)
         try:
             data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
-            self.packed.check(extent, data, self.disk.fd)  # every read: the file may change under us
+            self.packed.check(extent, data, self.disk.fd)  # again once the file has changed
             return self.packed.expert_weights(layer_idx, expert_id, data), buffer, data
         except BaseException:
             self.buffers.give(buffer)

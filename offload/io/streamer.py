@@ -146,7 +146,7 @@ class LayerStreamer:
                     self._count_read(-1)
                 with self._stats_lock:
                     self.bytes_read += extent.nbytes
-                self.packed.check(extent, data, self.disk.fd)  # every read: the file may change under us
+                self.packed.check(extent, data, self.disk.fd)  # again once the file has changed
                 read.weights = self.packed.layer_weights(read.layer, data)
             except BaseException as error:  # handed to the compute thread, which raises it
                 read.error = error

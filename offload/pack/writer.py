@@ -23,8 +23,9 @@ not at all. Where it lives and what makes it the source's is cache.py's: its man
 source's identity (cache.source_identity) and the format version, and a pack that disagrees
 (stale) or whose trailer, manifest or size is wrong (damaged), or whose manifest is not exactly
 the layout the header implies (a crafted one with a valid checksum), is rebuilt. Extents carry
-CRC-32s, checked every time they are read. Before a build, cache.make_room checks the cap and the
-disk against the pack's size, known from the header (pack_sizes).
+CRC-32s, checked when they are first read and again once the file has changed (reader.py).
+Before a build, cache.make_room checks the cap and the disk against the pack's size, known from
+the header (pack_sizes).
 """
 
 import json
