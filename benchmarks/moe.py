@@ -131,6 +131,14 @@ def belady_hit_rate(trace: np.ndarray, size_fraction: float, warmup: int = 0) ->
     return hits / max(len(uses) - first, 1)
 
 
+def warm_belady_hit_rate(traces: list[np.ndarray], size_fraction: float) -> float:
+    """belady_hit_rate over runs of one engine in turn (each [steps, layers, k]), hits counted after
+    the first: the optimum of a cache as warm as the engine's is after its warm-up run. Replaying
+    each run on an empty cache counts every expert's first use a miss, and reads more than the
+    engine's own cache does."""
+    return belady_hit_rate(np.concatenate(traces), size_fraction, warmup=len(traces[0]))
+
+
 def policy_hit_rates(trace: np.ndarray, sizes: list[float], warmup: int = 0,
                      half_life: float = 32.0) -> dict[str, dict[str, list[float]]]:
     """Both tables' numbers for one trace: the hook for traces recorded from the engine.

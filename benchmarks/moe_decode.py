@@ -23,7 +23,8 @@ goal is the streamed run at half the resident speed or better. Beside the speeds
 cache's hit rate, bytes read from disk per decode step, the early router's prediction precision,
 and two disk bounds at this disk's measured read speed: the bytes the run read per step, and the
 least any cache of this size could read, a clairvoyant one (Belady's optimum on the routing the
-run recorded): what no cache policy can beat on this model, disk and budget.
+runs recorded, warmed by the warm-up run's): what no cache policy can beat on this model, disk and
+budget.
 
 --prefetch says which of the early router's predictions are read ahead: those the prefetch gate
 admits (offload/experts/prefetch_gate.py: a confidence threshold kept where decode tokens come
@@ -65,7 +66,7 @@ import psutil
 import torch
 
 from benchmarks.decode import Sample, build_prompt, run_llama_cpp, run_tierflow
-from benchmarks.moe import belady_hit_rate
+from benchmarks.moe import warm_belady_hit_rate
 from tests.support.budgets import moe_bytes, ram_beside_weights
 from tests.support.make_model import spec_for_size, write_model
 from tierflow import Engine
@@ -343,7 +344,7 @@ def main() -> None:
     # The least a cache of this size must read per step: the uses a clairvoyant cache misses.
     config = streamed.config
     uses_per_step = expert_bytes * config.experts_used / config.num_experts  # k of every layer's E experts
-    optimum = statistics.median(belady_hit_rate(trace, args.fraction) for trace in routing[1:])
+    optimum = warm_belady_hit_rate(routing, args.fraction)
     least_per_token = (1 - optimum) * uses_per_step
     report = {
         "model": path.name, "file_bytes": path.stat().st_size, "expert_bytes": expert_bytes,
