@@ -200,6 +200,23 @@ def _flip_a_globals_byte(path: Path, packed: PackedFile) -> None:
     flip_byte(path, packed.globals.offset + 100)  # read at load (a streamed layer's: tests/test_streaming.py)
 
 
+def test_a_pack_changed_between_a_read_and_its_check_is_hashed_at_the_next_read(model):
+    packed = written_pack(model)
+    extent, disk = packed.layers[0], DiskFile(packed.path)
+    buffer = aligned_buffer(extent.nbytes)
+    try:
+        changed = disk.changed()
+        data = disk.read_into(buffer, extent.offset, extent.nbytes)
+        flip_byte(packed.path, extent.offset + 100)  # after the read: `data` still holds the good bytes
+        packed.check(extent, data, disk.fd, changed)
+        changed = disk.changed()
+        data = disk.read_into(buffer, extent.offset, extent.nbytes)
+        with pytest.raises(ModelFileError, match="checksum"):
+            packed.check(extent, data, disk.fd, changed)
+    finally:
+        disk.close()
+
+
 @pytest.mark.parametrize("damage", [_truncate, _garbage_trailer, _flip_a_globals_byte],
                          ids=["truncated", "garbage-trailer", "flipped-globals-byte"])
 def test_a_damaged_pack_is_rebuilt_never_used(model, builds, damage):

@@ -94,8 +94,9 @@ class StreamedExperts:
         extent = self.packed.experts[layer_idx][expert_id]
         buffer = self.buffers.take(extent.nbytes)
         try:
+            changed = self.disk.changed()  # before the read: a change after it is seen at the next
             data = self.disk.read_into(buffer, extent.offset, extent.nbytes)
-            self.packed.check(extent, data, self.disk.fd)  # again once the file has changed
+            self.packed.check(extent, data, self.disk.fd, changed)
             return self.packed.expert_weights(layer_idx, expert_id, data), buffer, data
         except BaseException:
             self.buffers.give(buffer)

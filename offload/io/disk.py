@@ -56,6 +56,11 @@ class DiskFile:
             os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         return view
 
+    def changed(self) -> int:
+        """The file's ctime in ns. Any change through the file system moves it (a write in place,
+        a truncation), and no call sets it back."""
+        return os.fstat(self.fd).st_ctime_ns
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

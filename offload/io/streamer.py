@@ -139,6 +139,7 @@ class LayerStreamer:
         while (read := self._queue.get()) is not None:
             try:
                 extent = self.packed.layers[read.layer]
+                changed = self.disk.changed()  # before the read: a change after it is seen at the next
                 self._count_read(+1)
                 try:
                     data = self.disk.read_into(self.slots[read.slot], extent.offset, extent.nbytes)
@@ -146,7 +147,7 @@ class LayerStreamer:
                     self._count_read(-1)
                 with self._stats_lock:
                     self.bytes_read += extent.nbytes
-                self.packed.check(extent, data, self.disk.fd)  # again once the file has changed
+                self.packed.check(extent, data, self.disk.fd, changed)
                 read.weights = self.packed.layer_weights(read.layer, data)
             except BaseException as error:  # handed to the compute thread, which raises it
                 read.error = error

@@ -49,37 +49,39 @@ class PackedFile:
         self.globals = Extent(**manifest["globals"])
         self.layers = [Extent(**extent) for extent in manifest["layers"]]
         self.experts = [[Extent(**extent) for extent in layer] for layer in manifest["experts"]]
-        self._checked_at: int | None = None  # the file's ctime when the extents in _checked matched
-        self._checked: set[int] = set()  # offsets of extents whose bytes read through an fd matched
+        # the offsets of extents whose bytes matched, read while the file's ctime was the one given
+        self._checked: tuple[int | None, set[int]] = (None, set())
 
     @property
     def largest_layer_bytes(self) -> int:
         return max((extent.nbytes for extent in self.layers), default=0)
 
-    def check(self, extent: Extent, data: memoryview, fd: int | None = None) -> None:
+    def check(self, extent: Extent, data: memoryview, fd: int | None = None, changed: int | None = None
+              ) -> None:
         """Raises ModelFileError unless `data` holds the extent's bytes (its CRC-32: cpu_kernels/
         checksum.py). The damaged pack is then deleted, if the file at its path is still the one
         read through `fd`, so that the next load rebuilds it.
 
-        Bytes read through `fd` are hashed the first time, and again only once the file's ctime
-        has moved since they last matched: a write in place, a truncation, any change through the
-        file system moves it (and cannot set it back), and `data` was read before the fstat here,
-        so damaged bytes are never taken for checked ones. Hashing every read of a streamed MoE
-        model's experts (1 ms of a core per 14 MiB expert) took 15-25% of a token from the kernels
-        on two cores."""
-        if fd is not None:
-            changed = os.fstat(fd).st_ctime_ns
-            if changed != self._checked_at:
-                self._checked_at, self._checked = changed, set()
-            if extent.offset in self._checked:
-                return
+        `changed`: the file's ctime taken before `data` was read (DiskFile.changed). The extent is
+        then hashed only if its bytes have not matched at a read since the ctime last moved: any
+        change after that earlier read moves the ctime past the one it was read under. Hashing
+        every read of a streamed MoE model's experts (1 ms of a core per 14 MiB expert) took
+        15-20% of a token from the kernels on two cores. Where ctimes are kept to a clock tick
+        (kernels before multigrain timestamps), two changes within one tick and a read between
+        them could share a ctime."""
+        checked_at, checked = self._checked
+        if changed is not None and changed != checked_at:
+            checked = set()
+            self._checked = changed, checked  # one assignment: readers on other threads see both or neither
+        if changed is not None and extent.offset in checked:
+            return
         if crc32(data) != extent.crc32:
             if fd is not None:
                 _discard_if_open(self.path, fd)
             raise ModelFileError(f"{self.path.name}: the packed weights at byte {extent.offset} are "
                                  f"damaged (checksum mismatch); it is rebuilt on the next load")
-        if fd is not None:
-            self._checked.add(extent.offset)
+        if changed is not None:
+            checked.add(extent.offset)
 
     def layer_weights(self, index: int, data: memoryview, experts: Experts | None = None) -> Weights:
         """Layer `index`'s weights viewing its extent's bytes (held by the caller); a MoE layer's
