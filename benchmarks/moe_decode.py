@@ -8,7 +8,9 @@
 
 The model is a random-weight Mixtral-style `llama` of about --size with 8 experts per layer, top-2
 routing, written once by the project's generator (tests/support/make_model.py) into the cache directory.
-Three systems decode the same prompt ids greedily, loaded side by side:
+Three systems decode the same prompt ids greedily, loaded side by side; each repeat decodes a prompt
+of its own, cut from benchmarks/routing_text.txt (repeating one would replay its routing exactly,
+which the expert cache and the clairvoyant bound would both profit from):
 
 - tierflow, experts streamed: cpu_memory = everything but the experts (globals, attention,
   routers, the KV cache and activations) + --fraction of the expert bytes; the experts are read
@@ -65,11 +67,12 @@ import numpy as np
 import psutil
 import torch
 
-from benchmarks.decode import Sample, build_prompt, run_llama_cpp, run_tierflow
-from benchmarks.moe import warm_belady_hit_rate
+from benchmarks.decode import Sample, run_llama_cpp, run_tierflow
+from benchmarks.moe import text_prompts, uniform_belady_hit_rate, warm_belady_hit_rate
 from tests.support.budgets import moe_bytes, ram_beside_weights
 from tests.support.make_model import spec_for_size, write_model
 from tierflow import Engine
+from tierflow.offload.experts.cache import CacheStats
 from tierflow.offload.experts.hybrid import HybridExperts
 from tierflow.offload.experts.policy import make_policy  # noqa: E402
 from tierflow.offload.experts.prefetch_gate import PrefetchGate  # noqa: E402
@@ -153,14 +156,26 @@ def run_counted(engine: Engine, prompt_ids: list[int], decode_steps: int,
 
 
 def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int
-                 ) -> tuple[Sample, float, np.ndarray]:
-    """run_tierflow's sample, the expert bytes read from disk per decode step (run_counted), and
-    the decode steps' routing [steps, layers, top_k]."""
+                 ) -> tuple[Sample, dict[str, float], np.ndarray]:
+    """run_tierflow's sample; per decode step (run_counted), the expert bytes read from disk
+    ("read") and the expert cache's hits and misses; and the decode steps' routing
+    [steps, layers, top_k]."""
     engine.logits([1 if prompt_ids[0] == 0 else 0])  # nothing of the prompt stays cached
     with engine.record_routing() as recorder:
         sample, grown = run_counted(engine, prompt_ids, decode_steps,
-                                    lambda: {"read": engine.expert_stats.fetched_bytes})
-    return sample, grown["read"], recorder.trace()[len(prompt_ids):]
+                                    lambda: cache_counts(engine.expert_stats))
+    return sample, grown, recorder.trace()[len(prompt_ids):]
+
+
+def cache_counts(stats: CacheStats) -> dict[str, int]:
+    return {"read": stats.fetched_bytes, "hits": stats.hits, "misses": stats.misses}
+
+
+def decode_hit_rate(steps: list[dict[str, float]]) -> float:
+    """The hit rate of decode steps only (run_streamed's counts of several runs): the prefill uses
+    most of every layer's experts, and the stats count its uses too."""
+    hits = sum(step["hits"] for step in steps)
+    return hits / max(hits + sum(step["misses"] for step in steps), 1)
 
 
 def tier_counts(experts: HybridExperts) -> dict[str, int]:
@@ -307,40 +322,43 @@ def main() -> None:
     three = load_three_tiers(path, args) if three_tiers else None
     llama = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.decode_tokens + 8, n_batch=512,
                             n_threads=args.threads, verbose=False)
-    prompt = build_prompt(resident, args.prompt_tokens)
-    decode_bytes: list[float] = []
+    # the warm-up's prompt, then one for each repeat: no run replays the routing of the one before
+    warm_up, *prompts = text_prompts(resident, args.repeats + 1, args.prompt_tokens)
+    decode_steps: list[dict[str, float]] = []  # the streamed runs' counts per decode step
     routing: list[np.ndarray] = []
     tier_steps: list[dict[str, float]] = []
 
-    def streamed_run() -> Sample:
+    def streamed_run(prompt: list[int]) -> Sample:
         sample, per_step, trace = run_streamed(streamed, prompt, args.decode_tokens)
-        decode_bytes.append(per_step)
+        decode_steps.append(per_step)
         routing.append(trace)
         return sample
 
-    def three_tier_run() -> Sample:
+    def three_tier_run(prompt: list[int]) -> Sample:
         sample, per_step = run_three_tiers(three, prompt, args.decode_tokens)
         tier_steps.append(per_step)
         return sample
 
-    runners = {"tierflow streamed": streamed_run,
-               "tierflow resident": lambda: run_tierflow(resident, prompt, args.decode_tokens),
-               "llama.cpp resident": lambda: run_llama_cpp(llama, prompt, args.decode_tokens)}
+    runners: dict[str, Callable[[list[int]], Sample]] = {
+        "tierflow streamed": streamed_run,
+        "tierflow resident": lambda prompt: run_tierflow(resident, prompt, args.decode_tokens),
+        "llama.cpp resident": lambda prompt: run_llama_cpp(llama, prompt, args.decode_tokens)}
     if three is not None:
         runners["tierflow three tiers"] = three_tier_run
-    for run in runners.values():  # warm-up
-        run()
+    for run in runners.values():
+        run(warm_up)
     streamed.weights.experts.cache.reset_stats()
     samples = {name: [] for name in runners}
     order = list(runners)
-    for _ in range(args.repeats):
+    for prompt in prompts:
         for name in order:
-            samples[name].append(runners[name]())
+            samples[name].append(runners[name](prompt))
         order = order[1:] + order[:1]
     stats = streamed.expert_stats
     gbps = disk_read_gbps(streamed)
     decode = {name: statistics.median(s.decode_tokens_per_s for s in runs) for name, runs in samples.items()}
-    per_token = statistics.median(decode_bytes[1:])  # after the warm-up
+    per_token = statistics.median(step["read"] for step in decode_steps[1:])  # after the warm-up
+    hit_rate = decode_hit_rate(decode_steps[1:])
     # The least a cache of this size must read per step: the uses a clairvoyant cache misses.
     config = streamed.config
     uses_per_step = expert_bytes * config.experts_used / config.num_experts  # k of every layer's E experts
@@ -351,15 +369,16 @@ def main() -> None:
         "cpu_memory": cpu_memory, "expert_cache_bytes": streamed.weights.experts.nbytes,
         "policy": args.policy, "prefetch": args.prefetch, "threads": args.threads,
         "prefetch_threshold": streamed.weights.experts.gate.best,
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens, "decode_tokens_per_s": decode,
         "streamed_vs_resident": decode["tierflow streamed"] / decode["tierflow resident"],
         "resident_vs_llama_cpp": decode["tierflow resident"] / decode["llama.cpp resident"],
-        "hit_rate": stats.hit_rate,
+        "hit_rate": hit_rate, "cache_fraction": args.fraction,
         "layer_hit_rates": {i: layer.hit_rate for i, layer in sorted(stats.layers.items())},
         "decode_bytes_read_per_token": per_token, "prediction_precision": stats.prediction_precision,
         "disk_read_gbps": gbps, "disk_bound_tokens_per_s": gbps * 1e9 / per_token if per_token else None,
         "clairvoyant_hit_rate": optimum, "clairvoyant_bytes_read_per_token": least_per_token,
+        "clairvoyant_uniform_hit_rate": uniform_belady_hit_rate(routing, args.fraction, config.num_experts),
         "clairvoyant_bound_tokens_per_s": gbps * 1e9 / least_per_token if least_per_token else None,
         "tokens_agree": samples["tierflow streamed"][0].tokens == samples["tierflow resident"][0].tokens,
     }
@@ -378,12 +397,13 @@ def main() -> None:
           f"cpu_memory {format_size(cpu_memory)} (expert cache {format_size(report['expert_cache_bytes'])}, "
           f"{args.fraction:.0%} of the experts, policy {args.policy}, "
           f"{PREFETCH[args.prefetch]}); {args.threads} threads, "
-          f"prompt {len(prompt)}, {args.decode_tokens} decode steps, median of {args.repeats}")
+          f"prompt {args.prompt_tokens}, {args.decode_tokens} decode steps, median of {args.repeats}")
     for name, rate in decode.items():
         print(f"  {name:<20} {rate:7.2f} tok/s")
     print(f"streamed / resident: {report['streamed_vs_resident']:.2f}x (goal >= 0.5); "
           f"resident / llama.cpp: {report['resident_vs_llama_cpp']:.2f}x")
-    print(f"expert cache: hit rate {stats.hit_rate:.1%}, {format_size(int(per_token))} read per decode step, "
+    print(f"expert cache: decode hit rate {hit_rate:.1%}, read-ahead ones counted (it holds "
+          f"{args.fraction:.0%} of the experts), {format_size(int(per_token))} read per decode step, "
           f"early-router predictions {stats.prediction_precision:.1%} right (fetched ahead from confidence "
           f"{report['prefetch_threshold']:.2f}); disk {gbps:.2f} GB/s, so "
           f"reads alone allow {report['disk_bound_tokens_per_s'] or 0:.1f} tok/s; streamed tokens "
@@ -392,6 +412,8 @@ def main() -> None:
     print(f"a clairvoyant cache of this size (Belady, on this run's routing) would hit {optimum:.1%} and "
           f"read {format_size(int(least_per_token))} per step: at most {bound:.1f} tok/s from this disk, "
           f"{bound / decode['tierflow resident']:.2f}x resident")
+    print(f"on uniformly random routing of this shape it would hit "
+          f"{report['clairvoyant_uniform_hit_rate']:.1%}, where no online cache beats {args.fraction:.0%}")
     if three is not None:
         print_three_tiers(report)
 

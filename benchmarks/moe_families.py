@@ -26,7 +26,9 @@ and run one after the other where they do not (the full depth; the report says w
 - tierflow resident and llama.cpp resident (in its own buffers, `--no-mmap`): decode and prefill tok/s;
 - tierflow with `cpu_memory` = the budget: the experts on disk, read with O_DIRECT into the expert
   cache; against the decode rate the disk allows for what it read, and for what a clairvoyant cache
-  of the same size would read (benchmarks/moe_decode.py's two bounds).
+  of the same size would read (benchmarks/moe_decode.py's two bounds). Its warm-up decodes the
+  resident runs' prompt (the tokens must agree); each timed run decodes a prompt of its own, cut from
+  benchmarks/routing_text.txt, so that no run replays the routing of the one before.
 Goals (issues 17 and 19): resident at least 1.0x llama.cpp in decode and in prefill; streamed at
 least 0.5x resident.
 """
@@ -44,8 +46,8 @@ import psutil
 import torch
 
 from benchmarks.decode import Sample, build_prompt, measure, run_llama_cpp, run_tierflow
-from benchmarks.moe import warm_belady_hit_rate
-from benchmarks.moe_decode import disk_read_gbps, run_streamed
+from benchmarks.moe import text_prompts, uniform_belady_hit_rate, warm_belady_hit_rate
+from benchmarks.moe_decode import decode_hit_rate, disk_read_gbps, run_streamed
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.offload.plan.profile import cache_dir
@@ -157,21 +159,25 @@ def measure_streamed(path: Path, cpu_memory: int, prompt: list[int], expert_byte
                      "give a smaller --cpu-memory")
         cache_bytes = engine.weights.experts.nbytes
         fraction = cache_bytes / expert_bytes
-        warm_up, *runs = [run_streamed(engine, prompt, args.decode_tokens) for _ in range(args.repeats + 1)]
+        # the warm-up's prompt is the resident runs' (their tokens must agree); each timed run has its own
+        prompts = [prompt, *text_prompts(engine, args.repeats, len(prompt))]
+        warm_up, *runs = [run_streamed(engine, ids, args.decode_tokens) for ids in prompts]
         gbps = disk_read_gbps(engine)
-        stats = engine.expert_stats
-    per_step = statistics.median(r[1] for r in runs)
+    per_step = statistics.median(r[1]["read"] for r in runs)
     uses_per_step = expert_bytes * config.experts_used / config.num_experts
-    optimum = warm_belady_hit_rate([r[2] for r in (warm_up, *runs)], fraction)
+    traces = [r[2] for r in (warm_up, *runs)]
+    optimum = warm_belady_hit_rate(traces, fraction)
     least = (1 - optimum) * uses_per_step
     return {
-        "cpu_memory": cpu_memory, "expert_cache_bytes": cache_bytes, "hit_rate": stats.hit_rate,
+        "cpu_memory": cpu_memory, "expert_cache_bytes": cache_bytes, "cache_fraction": fraction,
+        "hit_rate": decode_hit_rate([r[1] for r in runs]),
         "decode_tokens_per_s": statistics.median(r[0].decode_tokens_per_s for r in runs),
         "bytes_read_per_token": per_step, "disk_read_gbps": gbps,
         "disk_bound_tokens_per_s": gbps * 1e9 / per_step if per_step else None,
         "clairvoyant_hit_rate": optimum,
+        "clairvoyant_uniform_hit_rate": uniform_belady_hit_rate(traces, fraction, config.num_experts),
         "clairvoyant_bound_tokens_per_s": gbps * 1e9 / least if least else None,
-        "tokens": runs[0][0].tokens,
+        "tokens": warm_up[0].tokens,
     }
 
 
@@ -188,14 +194,17 @@ def print_report(r: dict, scaled: bool) -> None:
           f"{r['prefill_vs_llama_cpp']:.2f}x (goals >= 1.0)")
     budget = f"cpu_memory {format_size(s['cpu_memory'])}" + (" (scaled with the depth)" if scaled else "")
     print(f"  streamed   decode {s['decode_tokens_per_s']:7.2f} tok/s with {budget}, expert cache "
-          f"{format_size(s['expert_cache_bytes'])}, hit rate {s['hit_rate']:.1%}: "
+          f"{format_size(s['expert_cache_bytes'])} ({s['cache_fraction']:.0%} of the experts), decode hit "
+          f"rate {s['hit_rate']:.1%} (read-ahead ones counted): "
           f"{r['streamed_vs_resident']:.2f}x resident (goal >= 0.5); "
           f"tokens {'agree' if r['tokens_agree'] else 'DIFFER'}")
     read = format_size(int(s['bytes_read_per_token']))
     print(f"  disk {s['disk_read_gbps']:.2f} GB/s, {read} read per step: reads allow "
           f"{s['disk_bound_tokens_per_s'] or 0:.2f} tok/s; a clairvoyant cache of the same size, as warm, "
           f"hits {s['clairvoyant_hit_rate']:.1%}, allowing "
-          f"{s['clairvoyant_bound_tokens_per_s'] or 0:.2f} tok/s")
+          f"{s['clairvoyant_bound_tokens_per_s'] or 0:.2f} tok/s; on uniformly random routing of the same "
+          f"shape it would hit {s['clairvoyant_uniform_hit_rate']:.1%}, where no online cache beats "
+          f"{s['cache_fraction']:.0%}")
 
 
 def main() -> None:
