@@ -100,6 +100,20 @@ def test_a_copy_of_a_file_gets_a_pack_of_its_own(model, builds):
     assert len(builds) == 2
 
 
+def test_a_pack_left_on_an_inode_the_system_reused_is_replaced_by_one_named_after_the_new_file(
+        model, tmp_path, builds):
+    """A deleted model's inode given to a new file, as renaming the model and rewriting it shows
+    the cache: another name, the same inode, another size or modification time."""
+    left, inode, mtime_ns = pack_of(model), model.stat().st_ino, model.stat().st_mtime_ns
+    new_file = model.rename(tmp_path / "new.gguf")
+    write_model(new_file, ModelSpec(**{**SPEC.__dict__, "seed": 1}))
+    os.utime(new_file, ns=(mtime_ns + 10**9, mtime_ns + 10**9))  # however coarse the clock
+    assert new_file.stat().st_ino == inode
+    assert pack_path(new_file).name.startswith("new.")
+    assert pack_of(new_file) == pack_path(new_file) and not left.exists()
+    assert builds == [left, pack_path(new_file)]
+
+
 def test_a_file_rewritten_in_place_with_its_mtime_kept_gets_its_pack_rebuilt(model, tmp_path, builds):
     old = PackedFile(pack_of(model)).globals.crc32
     stat = model.stat()

@@ -95,16 +95,40 @@ def _sample_hash(f: BinaryIO, size: int) -> str:
     return digest.hexdigest()
 
 
-def pack_path(source: Path, identity: dict | None = None) -> Path:
-    """Where the pack of `source` lives: named after its device and inode (the pack already there
-    under another name of the same file, else one named after this one)."""
-    if identity is None:  # the name needs no content hash: a stat, not source_identity's reads
-        stat = os.stat(source)
-        identity = {"device": stat.st_dev, "inode": stat.st_ino}
-    digest = hashlib.sha256(f"{identity['device']}:{identity['inode']}".encode()).hexdigest()[:16]
-    folder = packs_folder()
-    existing = sorted(folder.glob(f"*.{digest}{SUFFIX}"))
-    return existing[0] if existing else folder / f"{Path(source).resolve().stem}.{digest}{SUFFIX}"
+def pack_path(source: Path) -> Path:
+    """Where the pack of `source` lives or is to be built. A pack is named after its file's stem,
+    device and inode, so that a file rewritten in place has its pack rebuilt in its place.
+
+    A pack of the same device and inode under another name is this file's when it was built from
+    a file of this size and modification time: the model renamed, moved or hard-linked. Any other
+    was left by a deleted file whose inode the system has since given to this one (a new download
+    of another model, say): it is no pack of this file, and a pack under this file's own name
+    replaces it (other_packs_of_inode)."""
+    stat = os.stat(source)  # a stat, not source_identity's reads: the content is checked at open
+    own = packs_folder() / f"{Path(source).resolve().stem}.{_inode_digest(stat)}{SUFFIX}"
+    if own.exists():
+        return own
+    renamed = [pack for pack in other_packs_of_inode(own) if _built_from(pack, stat)]
+    return renamed[0] if renamed else own
+
+
+def other_packs_of_inode(pack: Path) -> list[Path]:
+    """The packs beside `pack` named after the same device and inode, under other names."""
+    digest = pack.name.removesuffix(SUFFIX).rsplit(".", 1)[-1]
+    return sorted(other for other in pack.parent.glob(f"*.{digest}{SUFFIX}") if other != pack)
+
+
+def _inode_digest(stat: os.stat_result) -> str:
+    return hashlib.sha256(f"{stat.st_dev}:{stat.st_ino}".encode()).hexdigest()[:16]
+
+
+def _built_from(pack: Path, stat: os.stat_result) -> bool:
+    """Whether the manifest of `pack` records a source of this size and modification time."""
+    try:
+        source = PackedFile(pack).source
+    except (OSError, ModelFileError):
+        return False
+    return (source.get("size"), source.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns)
 
 
 def record_use(packed: PackedFile, source: Path) -> None:

@@ -38,7 +38,14 @@ from pathlib import Path
 from tierflow.cpu_kernels.checksum import crc32
 from tierflow.errors import ModelFileError, TierflowError
 from tierflow.offload.gguf.model_file import ModelFile
-from tierflow.offload.pack.cache import make_room, pack_path, record_use, source_identity
+from tierflow.offload.pack.cache import (
+    make_room,
+    other_packs_of_inode,
+    pack_path,
+    record_use,
+    remove_pack,
+    source_identity,
+)
 from tierflow.offload.pack.layout import ExtentLayout, ExtentSize, TensorDecoder
 from tierflow.offload.pack.reader import MAGIC, PACK_VERSION, TRAILER, PackedFile
 from tierflow.units import format_size
@@ -160,7 +167,7 @@ def open_pack(model: ModelFile, progress: LoadProgress | None = None) -> PackedF
     """The model's pack from the cache, built first if it is missing, stale or damaged (once the
     cap and the disk have room for it)."""
     identity = source_identity(model.path)
-    path = pack_path(model.path, identity)
+    path = pack_path(model.path)
     packed = _cached_pack(path, identity, model)
     if packed is None:
         packed = _new_pack(model, path, progress)
@@ -183,6 +190,8 @@ def _cached_pack(path: Path, identity: dict, model: ModelFile) -> PackedFile | N
 
 def _new_pack(model: ModelFile, path: Path, progress: LoadProgress | None) -> PackedFile:
     nbytes = pack_sizes(model).total_bytes
+    for stale in other_packs_of_inode(path):  # a deleted file's, whose inode this one reuses
+        remove_pack(stale)
     make_room(path, nbytes, model.path.name)
     log.info("packing the weights of %s once: %s into %s", model.path.name, format_size(nbytes), path)
     try:
