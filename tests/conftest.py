@@ -1,11 +1,14 @@
-"""Shared fixtures: the bundled real model, a loaded engine, llama.cpp as the oracle, a server on
-the engine, and the pack builds a test causes."""
+"""Shared fixtures: the bundled real model and its F32 copy, a loaded engine, llama.cpp as the oracle,
+a server on the engine, the pack builds a test causes, and the removal of each module's files."""
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.support.live_server import running_server
+from tests.support.make_model import write_f32_copy
 from tests.support.oracle import llama_cpp_model
 from tests.support.test_cache import use_test_cache
 from tierflow.offload.gguf.model_path import bundled_model_path
@@ -18,6 +21,27 @@ use_test_cache()
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def f32_model_path(model_path) -> Path:
+    """The bundled model with every tensor in float32: llama.cpp is an exact oracle there, since
+    neither side rounds its activations. One copy (500 MiB) for the whole run, removed at its end."""
+    with tempfile.TemporaryDirectory(prefix="tierflow-f32-") as folder:
+        yield write_f32_copy(model_path, Path(folder) / "smollm2-f32.gguf")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_files_removed(request, tmp_path_factory):
+    """Removes the folders a test module's fixtures made (generated models: hundreds of MiB in some
+    modules) once the module is done, so the run's disk use is its largest module's, not the sum of
+    all (about 10 GiB). A module with a failure keeps its folders to be looked at."""
+    base, failed = tmp_path_factory.getbasetemp(), request.session.testsfailed
+    before = set(base.iterdir())
+    yield
+    if request.session.testsfailed == failed:
+        for folder in set(base.iterdir()) - before:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.make_model import ModelSpec, write_f32_copy, write_model
+from tests.support.make_model import ModelSpec, write_model
 from tests.support.oracle import LONG_TEXT, PROMPTS
 from tierflow import (
     BudgetError,
@@ -42,14 +42,8 @@ def llama_cpp_embeddings(path, texts: list[str], pooling_type: int | None = None
 
 
 @pytest.fixture(scope="module")
-def f32_copy(model_path, tmp_path_factory):
-    """An F32 copy of the bundled model, on which llama.cpp is an exact oracle."""
-    return write_f32_copy(model_path, tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf")
-
-
-@pytest.fixture(scope="module")
-def f32_engine(f32_copy):
-    with Engine.load(f32_copy, threads=2, context_length=2048, kv_cache_type="f32") as engine:
+def f32_engine(f32_model_path):
+    with Engine.load(f32_model_path, threads=2, context_length=2048, kv_cache_type="f32") as engine:
         yield engine
 
 
@@ -60,15 +54,15 @@ def pooling_model(tmp_path, pooling_type: int):
 
 # -- agreement with llama.cpp ---------------------------------------------------------------------
 
-def test_embeddings_match_llama_cpp_on_an_f32_copy(f32_engine, f32_copy):
-    expected = llama_cpp_embeddings(f32_copy, TEXTS, POOLING_TYPES["mean"])
+def test_embeddings_match_llama_cpp_on_an_f32_copy(f32_engine, f32_model_path):
+    expected = llama_cpp_embeddings(f32_model_path, TEXTS, POOLING_TYPES["mean"])
     np.testing.assert_allclose(f32_engine.embed(TEXTS), expected, atol=1e-5)
 
 
-def test_input_longer_than_a_pass_matches_llama_cpp(f32_engine, f32_copy):
+def test_input_longer_than_a_pass_matches_llama_cpp(f32_engine, f32_model_path):
     text = " ".join([LONG_TEXT] * 12)
     assert len(f32_engine.embedding_tokens(text)[0]) > MAX_PASS_TOKENS
-    expected = llama_cpp_embeddings(f32_copy, [text], POOLING_TYPES["mean"])
+    expected = llama_cpp_embeddings(f32_model_path, [text], POOLING_TYPES["mean"])
     np.testing.assert_allclose(f32_engine.embed(text), expected, atol=1e-5)
 
 

@@ -2,7 +2,6 @@
 llama.cpp rotates them), reads and writes, token-tree moves, its size, and what a lossy type costs
 the model's logits (against what the same type costs llama.cpp)."""
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,7 +10,6 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from tests.support.make_model import write_f32_copy
 from tests.support.oracle import LONG_TEXT
 from tierflow import Engine
 from tierflow.cpu_kernels.hadamard import hadamard, rotation_sizes
@@ -203,16 +201,9 @@ def long_ids(engine) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def f32_model(tmp_path_factory, model_path) -> Path:
-    """The bundled model in float32: neither tierflow nor llama.cpp rounds its activations there, so
-    the logits move by what the cache loses alone, not by how each side's rounding amplifies it."""
-    return write_f32_copy(model_path, tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf")
-
-
-@pytest.fixture(scope="module")
-def our_logits(f32_model, long_ids):
+def our_logits(f32_model_path, long_ids):
     """The last COMPARED tokens' logits with each cache type, after a prefill of the rest."""
-    with Engine.load(f32_model, threads=2, context_length=PROMPT_TOKENS) as engine:
+    with Engine.load(f32_model_path, threads=2, context_length=PROMPT_TOKENS) as engine:
         decoder = Decoder(engine.config, engine.arch.block, engine.weights, PROMPT_TOKENS)
 
         def run(name: str) -> np.ndarray:
@@ -240,15 +231,15 @@ def llama_cpp_logits(model_path, ids: list[int], kv: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def llama_cpp_exact_logits(f32_model, long_ids) -> np.ndarray:
+def llama_cpp_exact_logits(f32_model_path, long_ids) -> np.ndarray:
     """llama.cpp's logits with its float32 cache, the reference of every type's gap there."""
     from llama_cpp import GGML_TYPE_F32
 
-    return llama_cpp_logits(f32_model, long_ids, GGML_TYPE_F32)
+    return llama_cpp_logits(f32_model_path, long_ids, GGML_TYPE_F32)
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
-def test_a_block_type_moves_the_logits_no_more_than_in_llama_cpp(f32_model, long_ids, our_logits, name,
+def test_a_block_type_moves_the_logits_no_more_than_in_llama_cpp(f32_model_path, long_ids, our_logits, name,
                                                                  llama_cpp_exact_logits):
     """(Measured on the float32 copy, both rotated: q8_0 0.0086 here, 0.0113 in llama.cpp; q4_0 0.22
     and 0.26. On the Q4_1 file, where each side's activation rounding amplifies the change its own
@@ -257,7 +248,7 @@ def test_a_block_type_moves_the_logits_no_more_than_in_llama_cpp(f32_model, long
     from llama_cpp import GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 
     type_id = {"q8_0": GGML_TYPE_Q8_0, "q4_0": GGML_TYPE_Q4_0}[name]
-    theirs = logit_gap(llama_cpp_logits(f32_model, long_ids, type_id), llama_cpp_exact_logits)
+    theirs = logit_gap(llama_cpp_logits(f32_model_path, long_ids, type_id), llama_cpp_exact_logits)
     print(f"{name}: tierflow {logit_gap(our_logits[name], our_logits['f32']):.4f}, llama.cpp {theirs:.4f}")
     assert logit_gap(our_logits[name], our_logits["f32"]) <= 1.1 * theirs
 

@@ -14,7 +14,7 @@ Two kinds of comparison:
 import numpy as np
 import pytest
 
-from tests.support.make_model import ModelSpec, write_f32_copy, write_model
+from tests.support.make_model import ModelSpec, write_model
 from tests.support.oracle import (
     EXACT_TIE,
     LONG_TEXT,
@@ -61,10 +61,9 @@ def test_greedy_tokens_match_llama_cpp(engine, oracle, prompt):
 
 
 @pytest.fixture(scope="module")
-def f32_pair(tmp_path_factory, model_path):
-    path = write_f32_copy(model_path, tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf")
-    engine = Engine.load(path, threads=2, context_length=512, kv_cache_type="f32")
-    llama = llama_cpp_model(path, f32_kv=True)
+def f32_pair(f32_model_path):
+    engine = Engine.load(f32_model_path, threads=2, context_length=512, kv_cache_type="f32")
+    llama = llama_cpp_model(f32_model_path, f32_kv=True)
     yield engine, llama
     llama.close()
     engine.close()
