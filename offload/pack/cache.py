@@ -6,6 +6,9 @@ hard link, the file after a move within its filesystem) finds the same pack. Its
 the file's whole identity (device, inode, size, modification time and a hash of sampled content)
 and a pack is used only while all of it matches: a file changed in place, even one that kept its
 modification time, has its pack rebuilt under the same name, not a second one left beside it.
+A pack of the inode under another name serves only a file of the size and modification time its
+manifest records; any other was left by a deleted file whose inode the system reused, and a pack
+named after the new file replaces it.
 
 Beside each pack a use record (NAME.used: the path it was last opened through; its mtime, when) is
 touched on every open; `tierflow cache list` shows it and eviction goes by it, least recently
