@@ -151,8 +151,9 @@ def run_counted(engine: Engine, prompt_ids: list[int], decode_steps: int,
     result, timed = stream.result, stream.result.stats
     steps = timed.generated_tokens if result.finish_reason == "stop" else timed.generated_tokens - 1
     sample = Sample(timed.prefill_tokens_per_s, steps / timed.decode_seconds, steps, list(result.tokens))
-    counted, end = len(result.tokens) - after_prefill[1], counts()
-    return sample, {key: (end[key] - after_prefill[0][key]) / counted if counted else 0.0 for key in end}
+    (start, first), end = after_prefill, counts()
+    counted = len(result.tokens) - first
+    return sample, {key: (end[key] - start.get(key, 0)) / counted if counted else 0.0 for key in end}
 
 
 def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int
@@ -168,14 +169,19 @@ def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int
 
 
 def cache_counts(stats: CacheStats) -> dict[str, int]:
-    return {"read": stats.fetched_bytes, "hits": stats.hits, "misses": stats.misses}
+    """The expert cache's bytes read, hits and misses so far, the last two also per layer ("hits.3")."""
+    counts = {"read": stats.fetched_bytes, "hits": stats.hits, "misses": stats.misses}
+    for index, layer in stats.layers.items():
+        counts[f"hits.{index}"], counts[f"misses.{index}"] = layer.hits, layer.misses
+    return counts
 
 
-def decode_hit_rate(steps: list[dict[str, float]]) -> float:
-    """The hit rate of decode steps only (run_streamed's counts of several runs): the prefill uses
-    most of every layer's experts, and the stats count its uses too."""
-    hits = sum(step["hits"] for step in steps)
-    return hits / max(hits + sum(step["misses"] for step in steps), 1)
+def decode_hit_rate(steps: list[dict[str, float]], layer: int | None = None) -> float:
+    """The hit rate of decode steps only (run_streamed's counts of several runs), of every layer or
+    of one: the prefill uses most of every layer's experts, and the stats count its uses too."""
+    suffix = "" if layer is None else f".{layer}"
+    hits = sum(step.get("hits" + suffix, 0) for step in steps)
+    return hits / max(hits + sum(step.get("misses" + suffix, 0) for step in steps), 1)
 
 
 def tier_counts(experts: HybridExperts) -> dict[str, int]:
@@ -374,7 +380,7 @@ def main() -> None:
         "streamed_vs_resident": decode["tierflow streamed"] / decode["tierflow resident"],
         "resident_vs_llama_cpp": decode["tierflow resident"] / decode["llama.cpp resident"],
         "hit_rate": hit_rate, "cache_fraction": args.fraction,
-        "layer_hit_rates": {i: layer.hit_rate for i, layer in sorted(stats.layers.items())},
+        "layer_hit_rates": {i: decode_hit_rate(decode_steps[1:], i) for i in sorted(stats.layers)},
         "decode_bytes_read_per_token": per_token, "prediction_precision": stats.prediction_precision,
         "disk_read_gbps": gbps, "disk_bound_tokens_per_s": gbps * 1e9 / per_token if per_token else None,
         "clairvoyant_hit_rate": optimum, "clairvoyant_bytes_read_per_token": least_per_token,
