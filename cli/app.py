@@ -13,6 +13,7 @@ from tierflow.cli.cache_commands import cache_app
 from tierflow.cli.display import err, loading, model_name, out, pack_notices
 from tierflow.cli.model_commands import convert, info, list_command, plan, probe
 from tierflow.cli.options import (
+    ChatTemplateOpt,
     CpuMoeOpt,
     CpuOpt,
     CtxOpt,
@@ -100,7 +101,7 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it
         ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
         draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
         allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
-        n_cpu_moe: NCpuMoeOpt = None) -> None:
+        n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None) -> None:
     """Complete PROMPT once and print the completion (with --chat: answer it)."""
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
@@ -108,7 +109,7 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it
     if prompt == "-":
         prompt = _stdin_text()
     engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
-                   draft_shape=draft_shape, draft_tokens=draft_tokens,
+                   draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
                    expert_placement=expert_placement(cpu_moe, n_cpu_moe),
                    **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
     stream = (engine.chat_stream([{"role": "user", "content": prompt}], **sampling) if as_chat
@@ -144,7 +145,7 @@ def chat(model: ModelOpt = None,
          threads: ThreadsOpt = None, ctx: CtxOpt = None, draft: DraftOpt = None,
          draft_shape: DraftShapeOpt = "tree", draft_tokens: DraftTokensOpt = None,
          kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False, allow_context_extension: ExtendOpt = False,
-         cpu_moe: CpuMoeOpt = False, n_cpu_moe: NCpuMoeOpt = None,
+         cpu_moe: CpuMoeOpt = False, n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None,
          plain: Annotated[bool, option("--plain", help="print answers as plain text, not as "
                                                      "rendered markdown")] = False) -> None:
     """Chat interactively. /help lists the commands (/system, /set, /save, /load, /reset, /exit),
@@ -160,7 +161,7 @@ def chat(model: ModelOpt = None,
         # (a strict one would make input() raise UnicodeDecodeError), as argv does.
         sys.stdin.reconfigure(errors="surrogateescape")
     engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
-                   draft_shape=draft_shape, draft_tokens=draft_tokens,
+                   draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
                    expert_placement=expert_placement(cpu_moe, n_cpu_moe),
                    **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
     view = AnswerView(out, err, markdown=out.is_terminal and not plain)
@@ -189,7 +190,7 @@ def serve(model: ModelOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
           allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
-          n_cpu_moe: NCpuMoeOpt = None) -> None:
+          n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models),
     /metrics and a chat page. The address is bound before the model loads, so one that is taken
     fails at once."""
@@ -202,7 +203,7 @@ def serve(model: ModelOpt = None,
                               log_level=log_level.lower())
     with listening(settings) as sockets:
         engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
-                       draft_shape=draft_shape, draft_tokens=draft_tokens,
+                       draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
                        expert_placement=expert_placement(cpu_moe, n_cpu_moe),
                        parallel="auto" if parallel is None else parallel,
                        **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))

@@ -45,6 +45,9 @@ DraftOpt = Annotated[Optional[str], option(
 DraftShapeOpt = Annotated[str, option("--draft-shape", help="a draft model's guesses: tree or chain")]
 DraftTokensOpt = Annotated[Optional[int], option(
     "--draft-tokens", help="guesses per pass (default: sized by measured speed)")]
+ChatTemplateOpt = Annotated[Optional[str], option(
+    "--chat-template", help="the chat template instead of the file's: a Jinja file, or one of llama.cpp's "
+    "built-in names (chatml, llama3, gemma, mistral-v7, phi3, ...)")]
 MaxTokensOpt = Annotated[int, option("--max-tokens", "-n", help="tokens to generate at most")]
 # Sampling options left unset take the model file's recommendation (general.sampling.*), else
 # tierflow's defaults (SamplingParams).

@@ -232,6 +232,18 @@ def render_chat_template(template: str, messages: list[dict], *, bos_token: str 
                        memory_bytes=memory_bytes)
 
 
+def check_template_syntax(template: str, origin: str) -> None:
+    """Parses a template the user gave (nothing runs): invalid Jinja is a TemplateError naming
+    `origin` and the line."""
+    try:
+        _ENV.parse(template)
+    except TemplateSyntaxError as exc:
+        raise TemplateError(f"{origin}: chat template syntax error on line {exc.lineno}: "
+                            f"{_one_line(exc.message or '')}") from None
+    except RecursionError:
+        raise TemplateError(f"{origin}: the chat template nests too deeply to parse") from None
+
+
 def start_render_workers() -> None:
     """Starts the worker processes that renders take, ahead of the first renders (each start is a
     fraction of a second of CPU): for a server, before it answers requests."""

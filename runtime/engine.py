@@ -108,7 +108,8 @@ class Engine:
              gpu_device: str | None = None, draft: str | os.PathLike | None = None,
              draft_shape: str = "tree", draft_tokens: int | None = None, kv_cache_type: str | None = None,
              kv_on_cpu: bool = False, allow_context_extension: bool = False,
-             parallel: int | str = 1, expert_placement: str | int = "auto") -> "Engine":
+             parallel: int | str = 1, expert_placement: str | int = "auto",
+             chat_template: str | os.PathLike | None = None) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes held on each tier ("4GiB", "512MB" or an int):
@@ -151,6 +152,9 @@ class Engine:
         fastest measured. "auto" (or "auto:FILE", with that draft file) picks among prompt
         lookup, the self-draft and the file by the planner's predicted tokens/s, then measures
         them (speculative/choice.py); engine.notices says what it chose.
+        chat_template replaces the file's chat template: a Jinja file, Jinja text, or one of
+        llama.cpp's built-in names ("chatml", "llama3", "gemma", "mistral-v7", "phi3", ...). A
+        file without a template chats in ChatML, and engine.notices says so.
         """
         path = resolve_model_path(model)
         threads = thread_count(threads)
@@ -164,7 +168,7 @@ class Engine:
             experts = expert_request(expert_placement, target.config, target.path.name)
             profile, sizes = profile_source(target, threads, gpu, progress), pack_sizes(target)
             budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile, experts)
-            tokenizer = load_tokenizer(target)
+            tokenizer = load_tokenizer(target, chat_template)
             drafted = loaded = held = None  # held: what a draft took of the budgets before the target
             try:
                 if request is not None and request.file is not None:
@@ -200,6 +204,7 @@ class Engine:
                         model_loaded.close()
                 raise
         sampling_defaults = recommended_sampling(target.gguf.metadata, budgets.context_length)
+        said += (tokenizer.template.notice,) if tokenizer.template.notice else ()
         return cls(loaded, tokenizer, threads, speculator, drafted, sampling_defaults, budgets.notices + said,
                    model_pooling(target.gguf.metadata, target.config.arch))
 
@@ -366,19 +371,19 @@ class Engine:
         "<|im_end|>" cannot end its turn or forge another)."""
         self._check_open()
         messages, variables = template_inputs(messages, tools, self.tool_format)
-        return utf8_encoded("the chat messages", self.tokenizer.encode_chat, messages, **variables)
+        return utf8_encoded("the chat messages", lambda: self.tokenizer.encode_chat(messages, **variables))
 
     @property
     def tool_format(self) -> ToolFormat:
         """How this model's answers call tools, as its chat template says (runtime/tool_calls.py)."""
-        return tool_format(self.tokenizer.chat_template)
+        return tool_format(self.tokenizer.template.jinja)
 
     def tool_grammar(self, tools: ToolRequest | None) -> Grammar | None:
         """The grammar that makes the answer well-formed calls, when tool_choice demands a call
         ("required" or a named function); None otherwise."""
         if tools is None or not tools.constrained:
             return None
-        return Grammar.lark(tool_call_grammar(tools, self.tool_format))
+        return Grammar.lark(tool_call_grammar(tools, self.tool_format, self.tokenizer.is_grammar_token))
 
     def with_tool_calls(self, result: GenerationResult, tools: ToolRequest | None) -> GenerationResult:
         """result with the tool calls its text makes parsed out, if tools were offered."""

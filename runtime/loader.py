@@ -309,9 +309,9 @@ def load_planned(model: ModelFile, plan: Plan, gpu: GpuTier, progress: LoadProgr
         raise
 
 
-def load_tokenizer(model: ModelFile) -> Tokenizer:
+def load_tokenizer(model: ModelFile, chat_template: str | os.PathLike | None = None) -> Tokenizer:
     """llama.cpp's tokenizer for the model's vocabulary, checked first (some bad ones would abort
-    llama.cpp, and the process with it)."""
+    llama.cpp, and the process with it), rendering chats with `chat_template` if given."""
     check_vocabulary(model.gguf.metadata, model.path.name)
     with llama_vocab_file(model.gguf) as vocab_path:
         tokenizer = Tokenizer.from_gguf(vocab_path)
@@ -319,6 +319,11 @@ def load_tokenizer(model: ModelFile) -> Tokenizer:
         tokenizer.close()
         raise ModelFileError(f"{model.path.name}: the tokenizer has {tokenizer.vocab_size} tokens but the "
                              f"embedding only {model.config.vocab_size} rows")
+    try:
+        tokenizer.use_template(chat_template)
+    except BaseException:
+        tokenizer.close()
+        raise
     return tokenizer
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import llama_cpp
 
 from tierflow.errors import InvalidArgumentError, ModelFileError, TierflowError
-from tierflow.runtime.chat_template import CHATML_TEMPLATE, render_chat_template
 from tierflow.runtime.special_tokens import SpecialToken, escape, marker_for, partition, strings
+from tierflow.runtime.template_choice import ChatTemplate, choose_template
 
 LLAMA_TOKEN_NULL = -1
 
@@ -101,7 +101,8 @@ class Tokenizer:
         self.add_eos: bool = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
         self.bos_token = self._token_text(self.bos_id)
         self.eos_token = self._token_text(self.eos_id)
-        self.chat_template: str | None = _metadata_string(model, "tokenizer.chat_template")
+        self.chat_template: str | None = _metadata_string(model, "tokenizer.chat_template")  # the file's
+        self.template: ChatTemplate = choose_template(self.chat_template, None)  # what chats render with
         self.specials = self._special_tokens()  # what only a chat template may write
 
     @classmethod
@@ -132,7 +133,7 @@ class Tokenizer:
         """The prompt ids of `messages` through the chat template: the template's own markup
         becomes special tokens, the text of the messages and of `extra` (tools) never does
         (special_tokens.py)."""
-        marker = marker_for([*strings(messages), *strings(extra), self.chat_template or CHATML_TEMPLATE])
+        marker = marker_for([*strings(messages), *strings(extra), self.template.source])
         text = self.apply_chat_template(escape(messages, self.specials, marker),
                                         add_generation_prompt=add_generation_prompt,
                                         **escape(extra, self.specials, marker))
@@ -140,6 +141,17 @@ class Tokenizer:
         for piece in partition(text, self.specials):
             ids += [piece] if isinstance(piece, int) else self._tokenize(piece.replace(marker, ""), False)
         return self._with_bos(ids, None)
+
+    def is_grammar_token(self, text: str) -> bool:
+        """Whether `text` is one token that grammars match as a special token, as llguidance reads
+        the vocabulary: a control token, or a user-defined one written `<...>` (Qwen's
+        `<tool_call>`)."""
+        ids = self._tokenize(text, True)
+        if len(ids) != 1:
+            return False
+        attr = llama_cpp.llama_vocab_get_attr(self._open_vocab(), ids[0])
+        user_marker = attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED and text[:1] == "<" and text[-1:] == ">"
+        return bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL or user_marker)
 
     def decode(self, ids: Sequence[int], *, special: bool = True) -> str:
         """The text of `ids`; special tokens are written out unless `special` is False.
@@ -165,11 +177,15 @@ class Tokenizer:
             lambda buf, n: llama_cpp.llama_token_to_piece(vocab, token_id, buf, n, 0, special),
             ctypes.c_char, 64)
 
+    def use_template(self, requested: str | os.PathLike | None) -> None:
+        """Renders chats with `requested` (a Jinja file or text, or a llama.cpp built-in name)
+        instead of the file's template; None keeps the file's (ChatML if it has none)."""
+        self.template = choose_template(self.chat_template, requested)
+
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             **extra: Any) -> str:
-        """The prompt text for `messages`, from the file's template (ChatML if it has none)."""
-        return render_chat_template(self.chat_template or CHATML_TEMPLATE, messages,
-                                    bos_token=self.bos_token, eos_token=self.eos_token,
+        """The prompt text for `messages`, from `self.template`."""
+        return self.template.render(messages, bos_token=self.bos_token, eos_token=self.eos_token,
                                     add_generation_prompt=add_generation_prompt, **extra)
 
     def _tokenize(self, text: str, special: bool) -> list[int]:

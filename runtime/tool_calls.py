@@ -12,6 +12,11 @@ template's text, never the architecture's name):
   the whole answer is `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` (or one call:
   `{"tool_call": {...}}`, or the call's object alone).
 
+Whatever the format, a call written as a fenced JSON block (```json {"name": ..., "arguments":
+{...}} ```) that names an offered tool is a call too: small models fall back to it when their own
+format slips (Qwen2.5-Coder-0.5B does under `tool_choice="auto"`), and llama.cpp's and ollama's
+parsers read it.
+
 Text that is not a well-formed call of an offered tool stays content: a model that fumbles a call
 answers in prose, it never fails the request.
 """
@@ -66,6 +71,8 @@ _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _HARMONY_CALL = re.compile(
     r"(?:<\|start\|>assistant)?(?:<\|channel\|>\w+)?\s*to=functions\.([\w.\-]+)[^<]*"
     r"(?:<\|channel\|>[^<]*)?(?:<\|constrain\|>[^<]*)?<\|message\|>(.*?)(?:<\|call\|>|\Z)", re.DOTALL)
+_FENCED_JSON = re.compile(r"```(?:json)?[ \t]*\n(\{.*?\})\s*```", re.DOTALL)
+_FENCE_OPENER = "```json"
 _PYTHON_TAG = "<|python_tag|>"
 
 
@@ -74,6 +81,8 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: frozenset[str]) -> Parse
     not parse, or names another tool, leaves the whole text as content with no calls."""
     try:
         content, calls = _PARSERS[fmt](text)
+        if not calls:
+            content, calls = _parse_fenced(text)
     except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: JSON nested too deep
         return ParsedReply(text, [])
     if not calls or any(call.name not in names for call in calls):
@@ -112,6 +121,14 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     return _HERMES_CALL.sub("", text), calls
 
 
+def _parse_fenced(text: str) -> tuple[str, list[ToolCall]]:
+    calls = []
+    for match in _FENCED_JSON.finditer(text):
+        value = json.loads(match.group(1))
+        calls.append(_call(value["name"], value.get("arguments", value.get("parameters", {}))))
+    return _FENCED_JSON.sub("", text), calls
+
+
 def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
     body = text.strip().removeprefix(_PYTHON_TAG)
     if not body.lstrip().startswith("{"):
@@ -143,9 +160,11 @@ _PARSERS = {ToolFormat.HERMES: _parse_hermes, ToolFormat.LLAMA3: _parse_llama3,
             ToolFormat.HARMONY: _parse_harmony, ToolFormat.GENERIC: _parse_generic}
 
 
-# What starts a call: for these formats a marker anywhere in the text, for the others the answer's
-# first character (a JSON object, or Llama's python tag before one).
-_OPENERS = {ToolFormat.HERMES: "<tool_call>", ToolFormat.HARMONY: "to=functions."}
+# What starts a call: for these formats a marker anywhere in the text (their own, or a fenced JSON
+# block), for the others the answer's first character (a JSON object, or Llama's python tag before
+# one) or a fenced JSON block after prose.
+_OPENERS = {ToolFormat.HERMES: ("<tool_call>", _FENCE_OPENER),
+            ToolFormat.HARMONY: ("to=functions.", _FENCE_OPENER)}
 _ANSWER_OPENERS = ("{", _PYTHON_TAG)
 
 
@@ -160,7 +179,7 @@ class ToolCallStream:
     def __init__(self, fmt: ToolFormat, names: frozenset[str]):
         self._fmt, self._names = fmt, names
         self._text, self._num_sent = "", 0
-        self._prose = False  # an answer-opening format's answer began as prose: nothing is held
+        self._prose = False  # an answer-opening format's answer began as prose: only a fence is held
         self._holding = False  # a call may have begun: everything from _num_sent on waits for the end
 
     def push(self, piece: str) -> str:
@@ -174,26 +193,22 @@ class ToolCallStream:
         """The content still to send and the calls, once the text has ended."""
         held = self._text[self._num_sent:]
         self._num_sent = len(self._text)
-        if self._prose:
-            return ParsedReply(held, [])
         parsed = parse_tool_calls(held, self._fmt, self._names)
         return parsed if parsed.tool_calls else ParsedReply(held, [])
 
     def _sendable_end(self) -> int:
         if self._holding:
             return self._num_sent
-        if self._fmt in _OPENERS:
-            end = _before_marker(self._text, self._num_sent, _OPENERS[self._fmt])
-            self._holding = self._text.startswith(_OPENERS[self._fmt], end)
-            return end
-        if self._prose:
-            return len(self._text)
-        answer = self._text.lstrip()
-        self._holding = any(answer.startswith(opener) for opener in _ANSWER_OPENERS)
-        if not answer or self._holding or any(opener.startswith(answer) for opener in _ANSWER_OPENERS):
-            return self._num_sent
-        self._prose = True
-        return len(self._text)
+        if self._fmt not in _OPENERS and not self._prose:
+            answer = self._text.lstrip()
+            self._holding = any(answer.startswith(opener) for opener in _ANSWER_OPENERS)
+            if not answer or self._holding or any(opener.startswith(answer) for opener in _ANSWER_OPENERS):
+                return self._num_sent
+            self._prose = True
+        markers = _OPENERS.get(self._fmt, (_FENCE_OPENER,))
+        end = min(_before_marker(self._text, self._num_sent, marker) for marker in markers)
+        self._holding = any(self._text.startswith(marker, end) for marker in markers)
+        return end
 
 
 def _before_marker(text: str, start: int, marker: str) -> int:

@@ -14,7 +14,7 @@ is a well-formed call whatever the model.
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierflow.errors import InvalidArgumentError
@@ -230,9 +230,13 @@ def generic_instructions(request: ToolRequest) -> str:
 
 # -- the constrained answer --------------------------------------------------------------------------
 
-def tool_call_grammar(request: ToolRequest, fmt: ToolFormat) -> str:
+def tool_call_grammar(request: ToolRequest, fmt: ToolFormat,
+                      is_token: Callable[[str], bool] = lambda text: False) -> str:
     """The Lark grammar (llguidance's dialect) of an answer that is only calls of the callable
-    tools, in the model's format: each call's arguments match its tool's parameters schema."""
+    tools, in the model's format: each call's arguments match its tool's parameters schema.
+    is_token(text) says whether the vocabulary has `text` as one special token (Qwen's
+    `<tool_call>`): the grammar then asks for that token, which is what the model writes, since
+    a tokenizer never spells a special token out in characters."""
     if fmt is ToolFormat.GENERIC:
         calls = {"type": "array", "items": _calls_schema(request, "arguments"), "minItems": 1}
         if not request.parallel:
@@ -244,9 +248,17 @@ def tool_call_grammar(request: ToolRequest, fmt: ToolFormat) -> str:
         return f"start: %json {_json(_calls_schema(request, 'parameters'))}\n"
     if fmt is ToolFormat.HERMES:
         schema = _json(_calls_schema(request, "arguments"))
-        call = f'call: "<tool_call>\\n" %json {schema} "\\n</tool_call>"\n'
-        return ('start: call ("\\n" call)*\n' if request.parallel else "start: call\n") + call
+        opening, closing = (_marker(text, is_token) for text in ("<tool_call>", "</tool_call>"))
+        call = f'call: {opening} "\\n" %json {schema} "\\n" {closing}\n'
+        # a new line may end the answer: models trained on the format write one before their turn's end
+        return ('start: call ("\\n" call)* "\\n"?\n' if request.parallel else 'start: call "\\n"?\n') + call
     return _harmony_grammar(request)
+
+
+def _marker(text: str, is_token: Callable[[str], bool]) -> str:
+    """A format's marker in the grammar: the special token itself (llguidance's `<...>` syntax), or
+    its characters where the vocabulary has no such token."""
+    return text if is_token(text) else json.dumps(text)
 
 
 def _json(schema: dict) -> str:
