@@ -13,9 +13,9 @@ template's text, never the architecture's name):
   `{"tool_call": {...}}`, or the call's object alone).
 
 Whatever the format, a call written as a fenced JSON block (```json {"name": ..., "arguments":
-{...}} ```) that names an offered tool is a call too: small models fall back to it when their own
-format slips (Qwen2.5-Coder-0.5B does under `tool_choice="auto"`), and llama.cpp's and ollama's
-parsers read it.
+{...}} ```), or an answer that is only such objects, naming offered tools, is a call too: small
+models fall back to these when their own format slips (Qwen2.5-Coder-0.5B does under
+`tool_choice="auto"`), and llama.cpp's and ollama's parsers read them.
 
 Text that is not a well-formed call of an offered tool stays content: a model that fumbles a call
 answers in prose, it never fails the request.
@@ -83,6 +83,8 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: frozenset[str]) -> Parse
         content, calls = _PARSERS[fmt](text)
         if not calls:
             content, calls = _parse_fenced(text)
+        if not calls:
+            content, calls = _parse_llama3(text)  # the answer is the calls' objects alone
     except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: JSON nested too deep
         return ParsedReply(text, [])
     if not calls or any(call.name not in names for call in calls):
@@ -160,10 +162,9 @@ _PARSERS = {ToolFormat.HERMES: _parse_hermes, ToolFormat.LLAMA3: _parse_llama3,
             ToolFormat.HARMONY: _parse_harmony, ToolFormat.GENERIC: _parse_generic}
 
 
-# What starts a call: for these formats a marker anywhere in the text (their own, or a fenced JSON
-# block), for the others the answer's first character (a JSON object, or Llama's python tag before
-# one) or a fenced JSON block after prose.
-_OPENERS = {ToolFormat.HERMES: ("<tool_call>", _FENCE_OPENER),
+# What starts a call: in any format, an answer that opens as a JSON object (or Llama's python tag
+# before one), then anywhere in the text a fenced JSON block or the format's own marker.
+_MARKERS = {ToolFormat.HERMES: ("<tool_call>", _FENCE_OPENER),
             ToolFormat.HARMONY: ("to=functions.", _FENCE_OPENER)}
 _ANSWER_OPENERS = ("{", _PYTHON_TAG)
 
@@ -179,7 +180,7 @@ class ToolCallStream:
     def __init__(self, fmt: ToolFormat, names: frozenset[str]):
         self._fmt, self._names = fmt, names
         self._text, self._num_sent = "", 0
-        self._prose = False  # an answer-opening format's answer began as prose: only a fence is held
+        self._prose = False  # the answer did not open as a call: only a marker starts holding
         self._holding = False  # a call may have begun: everything from _num_sent on waits for the end
 
     def push(self, piece: str) -> str:
@@ -199,13 +200,13 @@ class ToolCallStream:
     def _sendable_end(self) -> int:
         if self._holding:
             return self._num_sent
-        if self._fmt not in _OPENERS and not self._prose:
+        if not self._prose:
             answer = self._text.lstrip()
             self._holding = any(answer.startswith(opener) for opener in _ANSWER_OPENERS)
             if not answer or self._holding or any(opener.startswith(answer) for opener in _ANSWER_OPENERS):
                 return self._num_sent
             self._prose = True
-        markers = _OPENERS.get(self._fmt, (_FENCE_OPENER,))
+        markers = _MARKERS.get(self._fmt, (_FENCE_OPENER,))
         end = min(_before_marker(self._text, self._num_sent, marker) for marker in markers)
         self._holding = any(self._text.startswith(marker, end) for marker in markers)
         return end

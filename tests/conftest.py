@@ -1,5 +1,6 @@
-"""Shared fixtures: the bundled real model and its F32 copy, a loaded engine, llama.cpp as the oracle,
-a server on the engine, the pack builds a test causes, and the removal of each module's files."""
+"""Shared fixtures: the bundled real model and its F32 copy, the real files people download
+(tests/support/real_models.py), a loaded engine, llama.cpp as the oracle, a server on the engine,
+the pack builds a test causes, and the removal of each module's files."""
 
 import shutil
 import tempfile
@@ -10,6 +11,7 @@ import pytest
 from tests.support.live_server import running_server
 from tests.support.make_model import write_f32_copy
 from tests.support.oracle import llama_cpp_model
+from tests.support.real_models import GEMMA3_270M, QWEN_CODER_05B, QWEN_CODER_15B, fetch
 from tests.support.test_cache import use_test_cache
 from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.pack import writer
@@ -29,6 +31,24 @@ def f32_model_path(model_path) -> Path:
     neither side rounds its activations. One copy (500 MiB) for the whole run, removed at its end."""
     with tempfile.TemporaryDirectory(prefix="tierflow-f32-") as folder:
         yield write_f32_copy(model_path, Path(folder) / "smollm2-f32.gguf")
+
+
+@pytest.fixture(scope="session")
+def qwen_05b_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (Q5_0/Q8_0), the real file: fetched once, kept between runs."""
+    return fetch(QWEN_CODER_05B)
+
+
+@pytest.fixture(scope="session")
+def qwen_15b_path() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), the real file: same vocabulary as the 0.5B."""
+    return fetch(QWEN_CODER_15B)
+
+
+@pytest.fixture(scope="session")
+def gemma_270m_path() -> Path:
+    """Gemma 3 270M (Q4_K_M), a real file that carries no chat template."""
+    return fetch(GEMMA3_270M)
 
 
 @pytest.fixture(scope="module", autouse=True)

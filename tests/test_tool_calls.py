@@ -154,6 +154,25 @@ def test_a_call_of_a_tool_not_offered_is_returned_as_content():
     assert parse_tool_calls(text, ToolFormat.HERMES, NAMES).tool_calls == []
 
 
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_a_call_in_a_fenced_json_block_is_a_call_in_every_format(fmt):
+    text = 'Let me look.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+    parsed = parse_tool_calls(text, fmt, NAMES)
+    assert [(c.name, arguments(c)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert parsed.content == "Let me look."
+
+
+def test_an_answer_that_is_only_a_calls_object_is_a_call_in_the_hermes_format():
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    parsed = parse_tool_calls(text, ToolFormat.HERMES, NAMES)
+    assert [c.name for c in parsed.tool_calls] == ["get_weather"] and parsed.content == ""
+
+
+def test_a_fenced_block_of_other_json_stays_content():
+    text = 'Here it is:\n```json\n{"name": "Ada", "age": 36}\n```'
+    assert parse_tool_calls(text, ToolFormat.HERMES, NAMES).tool_calls == []
+
+
 # -- streaming -----------------------------------------------------------------------------------
 
 def streamed(fmt: ToolFormat, text: str) -> tuple[list[str], list]:
@@ -174,6 +193,18 @@ def test_stream_sends_prose_before_a_call_and_withholds_the_call():
 def test_stream_of_a_plain_answer_sends_all_of_it_as_it_comes():
     pieces, calls = streamed(ToolFormat.GENERIC, "Hello there, friend.")
     assert calls == [] and "".join(pieces) == "Hello there, friend." and len(pieces) > 10
+
+
+def test_stream_withholds_a_fenced_call_after_prose():
+    text = 'Sure.\n```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```'
+    pieces, calls = streamed(ToolFormat.HERMES, text)
+    assert "".join(pieces).strip() == "Sure." and [c.name for c in calls] == ["get_time"]
+
+
+def test_stream_sends_a_fenced_code_answer_as_content():
+    text = "Like this:\n```python\nprint(1)\n```\n"
+    pieces, calls = streamed(ToolFormat.HERMES, text)
+    assert calls == [] and "".join(pieces) == text and len(pieces) > 5
 
 
 def test_stream_releases_a_malformed_call_as_content_at_the_end():
