@@ -147,14 +147,32 @@ def assert_moe_agrees_but_where_routing_is_a_near_tie(engine, llama, ids) -> flo
     return float(np.median(per_position))
 
 
-def assert_greedy_agrees(engine, llama, prompt: str, near_tie: float, max_tokens: int = 64):
+def llama_cpp_own_spread(llama, ids: list[int]) -> tuple[float, float]:
+    """How far llama.cpp's logits of `ids` move between two ways it computes them: one batch, and
+    token by token (other kernels, other rounding of the 8-bit activations). Returns the mean
+    |logit difference| and the largest change of the top-2 margin: the noise of llama.cpp itself
+    on this very input, which bounds what a comparison with it can ask."""
+    batch = llama_cpp_logits(llama, ids)
+    llama.reset()
+    steps = []
+    for token in ids:
+        llama.eval([token])
+        steps.append(np.array(llama.scores[llama.n_tokens - 1], dtype=np.float32))
+    steps = np.array(steps)
+    rows, order = np.arange(len(ids)), np.argsort(batch, axis=-1)
+    first, second = order[:, -1], order[:, -2]
+    margins = [logits[rows, first] - logits[rows, second] for logits in (batch, steps)]
+    return float(np.abs(batch - steps).mean()), float(np.abs(margins[0] - margins[1]).max())
+
+
+def assert_greedy_agrees(engine, llama, prompt: str | list[int], near_tie: float, max_tokens: int = 64):
     """tierflow's greedy tokens are llama.cpp's, but where llama.cpp's choice is a near-tie.
 
     Along llama.cpp's greedy path, tierflow's next-token argmax (from one batched pass) must be
     llama.cpp's token at every decided step. tierflow's own greedy generation (the decode path)
     must follow the same tokens until it first parts from them, which only a near-tie excuses.
     """
-    ids = engine.tokenize(prompt)
+    ids = engine.tokenize(prompt) if isinstance(prompt, str) else prompt
     theirs, margins = llama_cpp_greedy(llama, ids, max_tokens, engine.tokenizer.eog_ids)
     along_path = engine.logits(ids + theirs)[len(ids) - 1 : len(ids) - 1 + len(theirs)].argmax(-1)
     decided = np.array(margins) > near_tie
