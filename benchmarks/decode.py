@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
@@ -76,6 +77,15 @@ def run_tierflow(engine: Engine, prompt_ids: list[int], decode_steps: int) -> Sa
         decode_steps=steps,
         tokens=list(result.tokens),
     )
+
+
+def open_llama_cpp(path: Path, threads: int, context_length: int, *,
+                   use_mmap: bool = True) -> llama_cpp.Llama:
+    """llama.cpp on the file with `threads` threads for single tokens and prompt batches alike,
+    512-token batches, its default f16 KV cache and weight repacking; use_mmap=False reads the
+    weights into its own buffers (`--no-mmap`) instead of mapping the file."""
+    return llama_cpp.Llama(str(path), n_ctx=context_length, n_batch=512, n_threads=threads,
+                           n_threads_batch=threads, verbose=False, use_mmap=use_mmap)
 
 
 def run_llama_cpp(llama: llama_cpp.Llama, prompt_ids: list[int], decode_steps: int) -> Sample:
@@ -191,8 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     # Room for the prompt, the first token and every decode step, identical for both systems.
     context_length = args.prompt_tokens + args.decode_tokens + 2
     engine = Engine.load(args.model, threads=args.threads, context_length=context_length)
-    llama = llama_cpp.Llama(str(engine.path), n_ctx=context_length, n_batch=512,
-                            n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    llama = open_llama_cpp(engine.path, args.threads, context_length)
     prompt_ids = build_prompt(engine, args.prompt_tokens)
     samples = measure(engine, llama, prompt_ids, args.decode_tokens, args.repeats)
     report = {
