@@ -26,7 +26,7 @@ from tierflow.runtime.logprobs import TokenLogprob
 from tierflow.runtime.streams import GenerationResult
 from tierflow.runtime.structured import Grammar, grammar_for
 from tierflow.runtime.tool_calls import ToolCall
-from tierflow.runtime.tool_prompt import ToolRequest
+from tierflow.runtime.tool_prompt import ToolRequest, template_variables
 
 
 class ApiError(Exception):
@@ -241,6 +241,8 @@ class ChatRequest(_GenerationRequest):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    # llama-server's and vLLM's extension: more variables for the chat template (enable_thinking, ...)
+    chat_template_kwargs: dict | None = None
 
     refused: ClassVar[dict[str, tuple]] = _REFUSED_IN_BOTH | _REFUSED_IN_CHAT
 
@@ -251,6 +253,12 @@ class ChatRequest(_GenerationRequest):
             names = ("tools", "tool_choice", "parallel_tool_calls")
             param = next((name for name in names if str(error).startswith(name)), "tools")
             raise ApiError(400, str(error), param=param) from None
+
+    def template_variables(self) -> dict:
+        try:
+            return template_variables(self.chat_template_kwargs)
+        except InvalidArgumentError as error:
+            raise ApiError(400, str(error), param="chat_template_kwargs") from None
 
     def template_messages(self) -> list[dict]:
         check_content_parts(self.messages)

@@ -169,7 +169,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         body = await parse_request(ChatRequest, await _read_body(request, settings.max_body_bytes))
         generations.check_chars(body.prompt_chars(), "messages")
         messages, tools = body.template_messages(), body.tool_request()
-        prompt = partial(_chat_prompt, engine, messages, settings.context_shift, tools)
+        variables = body.template_variables()
+        prompt = partial(_chat_prompt, engine, messages, settings.context_shift, tools, variables)
         return await generations.answer(request, body, Reply.new(True, model), "messages", prompt, tools)
 
     @app.post("/v1/completions")
@@ -234,10 +235,10 @@ PromptSource = _Prompt | Callable[[int], _Prompt]
 
 
 def _chat_prompt(engine: Engine, messages: list[dict], context_shift: bool, tools: ToolRequest | None,
-                 max_tokens: int) -> _Prompt:
-    """The messages' prompt (with the tools offered), with context_shift their oldest turns dropped if
-    they and the answer would not fit."""
-    tokenize_chat = partial(engine.tokenize_chat, tools=tools)
+                 chat_template_kwargs: dict | None, max_tokens: int) -> _Prompt:
+    """The messages' prompt (with the tools offered and the extra template variables), with
+    context_shift their oldest turns dropped if they and the answer would not fit."""
+    tokenize_chat = partial(engine.tokenize_chat, tools=tools, chat_template_kwargs=chat_template_kwargs)
     if not context_shift:
         return _Prompt(tokenize_chat(messages))
     fitted = fit_chat(messages, tokenize_chat, engine.context_length, max_tokens)

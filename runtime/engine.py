@@ -49,7 +49,7 @@ from tierflow.runtime.structured import Grammar, GrammarMatcher, grammar_for, gr
 from tierflow.runtime.text_stream import TextStream
 from tierflow.runtime.tokenizer import Tokenizer
 from tierflow.runtime.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls, tool_format
-from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
+from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, template_variables, tool_call_grammar
 from tierflow.speculative.choice import AutoSpeculator, draft_budgets, draft_speculator
 from tierflow.speculative.mtp import mtp_ram_bytes_within
 from tierflow.speculative.placement import load_draft
@@ -270,16 +270,18 @@ class Engine:
 
     def chat_stream(self, messages: list[dict], *, tools: list[dict] | None = None,
                     tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
-                    **kwargs) -> Stream:
+                    chat_template_kwargs: dict | None = None, **kwargs) -> Stream:
         """chat() as a Stream of text pieces (keywords: stream's, and the tools').
 
         tools, tool_choice and parallel_tool_calls are OpenAI's (runtime/tool_prompt.py): the
         tools go to the template, and the calls the answer makes come back parsed in the
         result's tool_calls (finish_reason "tool_calls"; text is the content around them), their
         text held back from the pieces. A call that does not parse stays text. Messages may hold
-        assistant tool_calls and "tool" results, as OpenAI's do."""
+        assistant tool_calls and "tool" results, as OpenAI's do. chat_template_kwargs are more
+        variables for the template, such as Qwen3's {"enable_thinking": False} or {"documents":
+        [...]}."""
         request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
-        prompt_ids = self.tokenize_chat(messages, tools=request)
+        prompt_ids = self.tokenize_chat(messages, tools=request, chat_template_kwargs=chat_template_kwargs)
         stream = self.stream(prompt_ids, **self._with_tool_grammar(request, kwargs))
         if request is not None and request.offered:
             stream.offer_tools(ToolCallStream(self.tool_format, request.names),
@@ -365,12 +367,15 @@ class Engine:
             raise InvalidArgumentError(f"add_bos must be True, False or None, got {add_bos!r}")
         return self._encode(text, "text", add_bos, flag("parse_special", parse_special))
 
-    def tokenize_chat(self, messages: list[dict], *, tools: ToolRequest | None = None) -> list[int]:
-        """The prompt ids chat() generates from: messages (and the tools offered) through the
-        model's chat template, whose own markup alone becomes special tokens (a message holding
-        "<|im_end|>" cannot end its turn or forge another)."""
+    def tokenize_chat(self, messages: list[dict], *, tools: ToolRequest | None = None,
+                      chat_template_kwargs: dict | None = None) -> list[int]:
+        """The prompt ids chat() generates from: messages (and the tools offered, and the extra
+        template variables) through the model's chat template, whose own markup alone becomes
+        special tokens (a message holding "<|im_end|>" cannot end its turn or forge another)."""
         self._check_open()
+        extra = template_variables(chat_template_kwargs)
         messages, variables = template_inputs(messages, tools, self.tool_format)
+        variables = {**extra, **variables}
         return utf8_encoded("the chat messages", lambda: self.tokenizer.encode_chat(messages, **variables))
 
     @property

@@ -125,6 +125,29 @@ def _choice(tool_choice: str | dict | None, names: list[str]) -> tuple[str, str 
 
 # -- the template's inputs -------------------------------------------------------------------------
 
+# What the chat's own inputs set: a template variable of these names is refused.
+_RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def template_variables(chat_template_kwargs: object) -> dict:
+    """Extra variables for the chat template (`enable_thinking` for Qwen3, `documents`,
+    `reasoning_effort` for gpt-oss, ...), as llama-server's and vLLM's chat_template_kwargs: an
+    object of JSON values whose names are not the chat's own inputs."""
+    if chat_template_kwargs is None:
+        return {}
+    names = chat_template_kwargs.keys() if isinstance(chat_template_kwargs, dict) else [None]
+    if not all(isinstance(name, str) for name in names):
+        raise InvalidArgumentError("chat_template_kwargs must be an object of template variables by name")
+    reserved = sorted(_RESERVED_VARIABLES & names)
+    if reserved:
+        raise InvalidArgumentError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the chat's own "
+                                   f"inputs set them")
+    try:
+        return json.loads(json.dumps(chat_template_kwargs))
+    except (TypeError, ValueError, RecursionError):
+        raise InvalidArgumentError("chat_template_kwargs must hold JSON values only") from None
+
+
 def template_inputs(messages: list[dict], request: ToolRequest | None,
                     fmt: ToolFormat) -> tuple[list[dict], dict]:
     """The messages and the extra variables (`tools`) to render the chat template with."""

@@ -99,3 +99,21 @@ def test_a_history_with_a_tool_call_and_its_result_is_answered(client):
     message = reply.choices[0].message
     assert reply.choices[0].finish_reason in ("stop", "tool_calls")
     assert message.content or message.tool_calls
+
+
+def test_chat_template_kwargs_reach_the_template(qwen):
+    marked = qwen.tokenize_chat(QUESTION, chat_template_kwargs={"add_vision_id": True, "documents": []})
+    assert marked == qwen.tokenize_chat(QUESTION)  # variables the template does not read change nothing
+    custom = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    with Engine.load(qwen.path, threads=2, context_length=256, chat_template=custom) as engine:
+        ids = engine.tokenize_chat(QUESTION, chat_template_kwargs={"greeting": "Bonjour. "})
+        assert engine.tokenizer.decode(ids) == "Bonjour. " + QUESTION[0]["content"]
+
+
+@pytest.mark.parametrize("kwargs, message", [({"messages": []}, "cannot set messages"),
+                                             ([1, 2], "valid dictionary")])
+def test_bad_chat_template_kwargs_are_a_400_naming_the_field(client, kwargs, message):
+    with pytest.raises(openai.BadRequestError, match=message) as raised:
+        client.chat.completions.create(model="any", messages=QUESTION,
+                                       extra_body={"chat_template_kwargs": kwargs})
+    assert raised.value.body["param"] == "chat_template_kwargs"

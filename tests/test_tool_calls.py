@@ -335,3 +335,11 @@ def test_engine_chat_without_a_call_keeps_the_answer_as_content(engine):
                             temperature=0, max_tokens=8)
     assert result.tool_calls is None
     assert (result.text, result.finish_reason) == (plain.text, plain.finish_reason)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tools": []}, "cannot set tools"), ([1], "must be an object"), ({"x": {1, 2}}, "JSON values"),
+    ({1: True}, "must be an object")])
+def test_bad_chat_template_kwargs_are_refused_naming_them(engine, kwargs, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        engine.tokenize_chat([{"role": "user", "content": "hi"}], chat_template_kwargs=kwargs)
