@@ -21,6 +21,7 @@
     slots.py          the sequences decoded together: their token generators and who holds which
     tokenizer.py      llama.cpp's tokenizer; vocabulary.py checks a vocabulary before it loads
     chat_template.py  chat templates in a sandbox (template_guards.py, template_worker.py)
+    template_choice.py  which template chats use: the file's, a Jinja file, or a llama.cpp built-in name
     tool_prompt.py    tools and tool history for the template; the generic fallback; a required call's grammar
     tool_calls.py     the model's tool calls parsed from its text, per format; the streaming splitter
     text_stream.py    token bytes to text pieces, stop strings
