@@ -244,6 +244,18 @@ def check_template_syntax(template: str, origin: str) -> None:
         raise TemplateError(f"{origin}: the chat template nests too deeply to parse") from None
 
 
+def _where(error: BaseException) -> str:
+    """" (line N)": the template's line the error came from (jinja's traceback gives the template's
+    frames the file name "<template>"), or "" when none did."""
+    lines = []
+    traceback = error.__traceback__
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_filename == "<template>":
+            lines.append(traceback.tb_lineno)
+        traceback = traceback.tb_next
+    return f" (line {lines[-1]})" if lines else ""
+
+
 def start_render_workers() -> None:
     """Starts the worker processes that renders take, ahead of the first renders (each start is a
     fraction of a second of CPU): for a server, before it answers requests."""
@@ -265,15 +277,17 @@ def render_in_process(template: str, variables: dict, time_limit_s: float, max_c
             budget.check_time()
             chunks.append(chunk)
         return "".join(chunks)
-    except (TemplateError, MemoryError):
+    except MemoryError:
         raise
+    except TemplateError as exc:
+        raise TemplateError(f"{exc}{_where(exc)}") from exc
     except TemplateSyntaxError as exc:
         raise TemplateError(
             f"chat template syntax error on line {exc.lineno}: {_one_line(exc.message or '')}"
         ) from exc
     except Exception as exc:  # the template is untrusted code: any failure is its failure
         raise TemplateError(
-            f"chat template failed: {type(exc).__name__}: {_one_line(str(exc))}"
+            f"chat template failed: {type(exc).__name__}: {_one_line(str(exc))}{_where(exc)}"
         ) from exc
     finally:
         BUDGET.reset(token)

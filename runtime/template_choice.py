@@ -41,10 +41,14 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], *, bos_token: str, eos_token: str,
                add_generation_prompt: bool, **extra: Any) -> str:
-        if self.jinja is not None:
-            return render_chat_template(self.jinja, messages, bos_token=bos_token, eos_token=eos_token,
-                                        add_generation_prompt=add_generation_prompt, **extra)
-        return _render_builtin(self.builtin, messages, add_generation_prompt)
+        """The prompt text; a failure is a TemplateError naming the template (and its line)."""
+        try:
+            if self.jinja is not None:
+                return render_chat_template(self.jinja, messages, bos_token=bos_token, eos_token=eos_token,
+                                            add_generation_prompt=add_generation_prompt, **extra)
+            return _render_builtin(self.builtin, messages, add_generation_prompt)
+        except TemplateError as error:
+            raise TemplateError(f"{self.origin}: {error}") from None
 
 
 def choose_template(file_template: str | None, requested: str | os.PathLike | None) -> ChatTemplate:

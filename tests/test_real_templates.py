@@ -127,3 +127,12 @@ def test_the_cli_refuses_an_unknown_template_in_one_line(gemma_270m_path):
     done = run_tierflow("run", "--chat", "-m", str(gemma_270m_path), "--chat-template", "nonsense", "hi")
     assert done.returncode == 2
     assert "unknown chat template 'nonsense'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_template_that_raises_is_an_error_naming_the_template_and_the_line(gemma_tokenizer, tmp_path):
+    template = tmp_path / "strict.jinja"
+    template.write_text("{% for m in messages %}\n{% if m.role == 'user' %}\n"
+                        "{{ raise_exception('only system messages here') }}\n{% endif %}{% endfor %}")
+    gemma_tokenizer.use_template(template)
+    with pytest.raises(TemplateError, match=f"^{template}: .*only system messages here \\(line 3\\)"):
+        gemma_tokenizer.apply_chat_template([QUESTION])
