@@ -261,11 +261,12 @@ def tool_call_grammar(request: ToolRequest, fmt: ToolFormat,
     `<tool_call>`): the grammar then asks for that token, which is what the model writes, since
     a tokenizer never spells a special token out in characters."""
     if fmt is ToolFormat.GENERIC:
-        calls = {"type": "array", "items": _calls_schema(request, "arguments"), "minItems": 1}
+        call = _calls_schema(request, "arguments")
+        calls = {"type": "array", "items": {k: v for k, v in call.items() if k != "$defs"}, "minItems": 1}
         if not request.parallel:
             calls["maxItems"] = 1
         answer = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
-                  "additionalProperties": False}
+                  "additionalProperties": False, "$defs": call["$defs"]}
         return f"start: %json {_json(answer)}\n"
     if fmt is ToolFormat.LLAMA3:
         return f"start: %json {_json(_calls_schema(request, 'parameters'))}\n"
@@ -291,12 +292,41 @@ def _json(schema: dict) -> str:
 
 
 def _calls_schema(request: ToolRequest, arguments_key: str) -> dict:
-    """The JSON schema of one call: any callable tool's name with its own arguments."""
-    schemas = [{"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
-                                                 arguments_key: tool["function"]["parameters"]},
-                "required": ["name", arguments_key], "additionalProperties": False}
-               for tool in request.callable_tools]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    """The JSON schema of one call: any callable tool's name with its own arguments. Each tool's
+    parameters schema sits in the root's $defs (as tool_I, its own $defs beside it), so that the
+    pointers it holds (pydantic's "#/$defs/Model", a recursive "#") still resolve once embedded."""
+    defs, schemas = {}, []
+    for i, tool in enumerate(request.callable_tools):
+        defs.update(_hoisted(tool["function"]["parameters"], f"tool_{i}"))
+        schemas.append({"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
+                                                         arguments_key: {"$ref": f"#/$defs/tool_{i}"}},
+                        "required": ["name", arguments_key], "additionalProperties": False})
+    call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {**call, "$defs": defs}
+
+
+def _hoisted(schema: dict, name: str) -> dict:
+    """The $defs entries that hold `schema` as `name` and its own definitions ($defs and the older
+    definitions) as `name`__KEY, every pointer in them rewritten to where its target now is."""
+    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    body = {key: value for key, value in schema.items() if key not in ("$defs", "definitions")}
+
+    def moved(pointer: str) -> str:
+        for folder in ("#/$defs/", "#/definitions/"):
+            if pointer.startswith(folder):
+                key, _, rest = pointer[len(folder):].partition("/")
+                return f"#/$defs/{name}__{key}" + (f"/{rest}" if rest else "")
+        return f"#/$defs/{name}{pointer[1:]}" if pointer.startswith("#") else pointer
+
+    def rewritten(value: object) -> object:
+        if isinstance(value, dict):
+            return {key: moved(item) if key == "$ref" and isinstance(item, str) else rewritten(item)
+                    for key, item in value.items()}
+        if isinstance(value, list):
+            return [rewritten(item) for item in value]
+        return value
+
+    return {name: rewritten(body), **{f"{name}__{key}": rewritten(value) for key, value in own.items()}}
 
 
 def _harmony_grammar(request: ToolRequest) -> str:

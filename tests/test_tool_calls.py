@@ -273,6 +273,32 @@ def test_a_named_function_grammar_takes_only_that_function_with_valid_arguments(
     assert accepts(engine, grammar, good) and not accepts(engine, grammar, bad)
 
 
+# What pydantic's model_json_schema() gives for a model with a nested model, and a recursive tree.
+PLACE = {"type": "function", "function": {"name": "visit", "parameters": {
+    "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                      "additionalProperties": False}},
+    "type": "object", "properties": {"where": {"$ref": "#/$defs/Loc"}}, "required": ["where"],
+    "additionalProperties": False}}}
+TREE = {"type": "function", "function": {"name": "plant", "parameters": {
+    "type": "object", "properties": {"name": {"type": "string"},
+                                     "children": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["name"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("fmt", [ToolFormat.HERMES, ToolFormat.LLAMA3, ToolFormat.GENERIC])
+def test_pointers_in_a_tools_schema_resolve_inside_the_call_grammar(engine, fmt):
+    grammar = tool_call_grammar(ToolRequest.from_openai([PLACE, TREE], "required"), fmt)
+    key = "parameters" if fmt is ToolFormat.LLAMA3 else "arguments"
+    visit = json.dumps({"name": "visit", key: {"where": {"city": "Oslo"}}})
+    plant = json.dumps({"name": "plant", key: {"name": "a", "children": [{"name": "b"}]}})
+    wrong = json.dumps({"name": "visit", key: {"where": {"town": "Oslo"}}})
+    wrap = {ToolFormat.HERMES: lambda call: f"<tool_call>\n{call}\n</tool_call>",
+            ToolFormat.LLAMA3: lambda call: call,
+            ToolFormat.GENERIC: lambda call: f'{{"tool_calls": [{call}]}}'}[fmt]
+    assert accepts(engine, grammar, wrap(visit)) and accepts(engine, grammar, wrap(plant))
+    assert not accepts(engine, grammar, wrap(wrong))
+
+
 def test_a_single_call_grammar_refuses_a_second_call(engine):
     request = ToolRequest.from_openai([TIME], "required", parallel_tool_calls=False)
     call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
