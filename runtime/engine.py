@@ -43,6 +43,7 @@ from tierflow.runtime.loader import (
     thread_count,
 )
 from tierflow.runtime.sampler import Sampler, SamplingParams, as_count, recommended_sampling
+from tierflow.runtime.schema_checks import check_schema
 from tierflow.runtime.slots import SlotPool
 from tierflow.runtime.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.structured import Grammar, GrammarMatcher, grammar_for, grammar_vocabulary
@@ -388,6 +389,9 @@ class Engine:
         ("required" or a named function); None otherwise."""
         if tools is None or not tools.constrained:
             return None
+        for tool in tools.callable_tools:
+            function = tool["function"]
+            check_schema(function["parameters"], f"the parameters of the tool {function['name']!r}")
         return Grammar.lark(tool_call_grammar(tools, self.tool_format, self.tokenizer.is_grammar_token))
 
     def with_tool_calls(self, result: GenerationResult, tools: ToolRequest | None) -> GenerationResult:

@@ -24,14 +24,16 @@ import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from tierflow.errors import InvalidArgumentError, TierflowError
+from tierflow.runtime.schema_checks import MAX_ROW_ITEMS, check_schema
 from tierflow.runtime.tokenizer import Tokenizer
 
 # JSON as the model writes it unprompted and as json.dumps does: ", " and ": ", no free whitespace.
 # llguidance's default allows any whitespace between tokens, where a small model can loop on
 # newlines until max_tokens. A schema's own "x-guidance" options override these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# Short errors: llguidance's verbose ones print the parser's state and the whole grammar.
-LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# Short errors: llguidance's verbose ones print the parser's state and the whole grammar. Rows as
+# wide as schema_checks lets through (its default of 2000 items is about 500 properties).
+LIMITS = llguidance.LLParserLimits(verbose_errors=False, max_items_in_row=MAX_ROW_ITEMS)
 MAX_MESSAGE_CHARS = 400  # of llguidance's message quoted in an error (it may quote the input)
 RESPONSE_FORMATS = "'text', 'json_object' or 'json_schema'"
 
@@ -59,6 +61,7 @@ class Grammar:
                                        f"not {type(schema).__name__}")
         try:
             text = json.dumps(schema)
+            check_schema(schema)
             definition = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except (TypeError, ValueError, RecursionError) as error:
             raise InvalidArgumentError(f"the JSON schema cannot be read: {error}") from None
@@ -164,6 +167,17 @@ class GrammarMatcher:
         self.consumed: list[int] = []  # the generated tokens the matcher has taken
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocabulary.vocab_size)  # [1, V/32]
         self._disallowed: np.ndarray | None = None  # [V] bool, for the matcher's current state
+        self._check_satisfiable()
+
+    def _check_satisfiable(self) -> None:
+        """A grammar whose language is empty (a schema that is only `{"$ref": "#"}`) lets llguidance
+        offer nothing but the end at the start, which would answer "": refused before any token."""
+        try:
+            allowed = set(np.flatnonzero(~self._disallowed_now()).tolist())
+        except TierflowError:
+            allowed = set()
+        if not self.matcher.is_accepting() and allowed <= self.end_ids:
+            raise InvalidArgumentError(f"the {self.grammar.kind} allows no text at all")
 
     def mask(self, logits: np.ndarray, history: Sequence[int]) -> None:
         """Sets the logits [V] of the tokens the grammar forbids after history to -inf, in place."""
