@@ -333,15 +333,29 @@ def damaged_model(f32_model, tmp_path_factory) -> tuple[Path, int]:
     return _copy_patched(f32_model, dest, embedding.offset + bad * hidden_size * 4, nan_row), bad
 
 
+def test_a_file_with_a_nan_weight_is_refused_at_load_naming_the_tensor(damaged_model):
+    with pytest.raises(ModelFileError, match="tensor 'token_embd.weight' holds a value that is not a finite"):
+        Engine.load(damaged_model[0], threads=2)
+
+
+@pytest.fixture
+def unchecked(monkeypatch):
+    """Lets non-finite weights past the load's check, as a value that overflows in a pass would come:
+    what the sampler's own check must catch."""
+    from tierflow.offload.pack.layout import TensorDecoder
+
+    monkeypatch.setattr(TensorDecoder, "_finite", lambda self, tensor, values: values)
+
+
 @pytest.mark.parametrize("temperature", [0, 0.8])
-def test_non_finite_logits_are_a_model_file_error(damaged_model, temperature):
+def test_non_finite_logits_are_a_model_file_error(damaged_model, unchecked, temperature):
     path, bad = damaged_model
     with Engine.load(path, threads=2) as engine:
         with pytest.raises(ModelFileError, match="non-finite logits.*damaged"):
             engine.generate([*IDS, bad], max_tokens=2, temperature=temperature, seed=0)
 
 
-def test_the_engine_generates_as_before_after_non_finite_logits(f32_model, damaged_model):
+def test_the_engine_generates_as_before_after_non_finite_logits(f32_model, damaged_model, unchecked):
     def first_tokens(engine: Engine) -> tuple[list[int], list[int]]:
         return (engine.generate(IDS, max_tokens=1, **GREEDY).tokens,
                 engine.generate([700, 800, 900], max_tokens=8, **GREEDY).tokens)

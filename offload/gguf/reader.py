@@ -31,7 +31,6 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_NAME_BYTES = 63  # ggml's GGML_MAX_NAME is 64 including the terminating NUL
-MAX_ARRAY_DEPTH = 8  # the spec allows nested arrays; no real file nests more than once
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -39,7 +38,6 @@ _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata coun
 # Smallest possible encodings, used to reject impossible counts before looping over them.
 _MIN_KV_BYTES = 8 + 1 + 4 + 1  # key length, one-byte key, value type, one-byte value
 _MIN_TENSOR_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, name, n_dims, one dim, type, offset
-_MIN_ARRAY_BYTES = 4 + 8  # element type, count
 
 _T = GGUFValueType
 _SCALARS = {
@@ -137,7 +135,7 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
     if vtype == _T.STRING:
         return _text(cur.string(f"string value of '{key}'"))
     if vtype == _T.ARRAY:
-        return _read_array(cur, key, depth=1)
+        return _read_array(cur, key)
     fmt = _SCALARS.get(vtype)
     if fmt is None:
         cur.fail(f"unknown value type {vtype} for key '{key}'")
@@ -149,10 +147,11 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
     return value
 
 
-def _read_array(cur: _Cursor, key: str, depth: int) -> Any:
-    if depth > MAX_ARRAY_DEPTH:
-        cur.fail(f"array value of '{key}' is nested more than {MAX_ARRAY_DEPTH} levels deep")
+def _read_array(cur: _Cursor, key: str) -> Any:
     etype = cur.unpack(_U32, f"array element type of '{key}'")
+    if etype == _T.ARRAY:  # the spec's grammar allows them; llama.cpp's reader, and so every file, not
+        cur.fail(f"array value of '{key}' holds arrays: nested arrays are not supported (llama.cpp "
+                 f"cannot read them either)")
     count = cur.unpack(_U64, f"array length of '{key}'")
     if etype in _ARRAY_DTYPES:
         dtype = _ARRAY_DTYPES[etype]
@@ -164,13 +163,10 @@ def _read_array(cur: _Cursor, key: str, depth: int) -> Any:
                 cur.fail(f"bool array of '{key}' holds values other than 0 and 1")
             values = values.view(np.bool_)
         return values
-    min_item = {_T.STRING: _U64.size, _T.ARRAY: _MIN_ARRAY_BYTES}.get(etype)
-    if min_item is None:
+    if etype != _T.STRING:
         cur.fail(f"unknown value type {etype} in array '{key}'")
-    cur.need(count * min_item, f"array '{key}' of {count} {_type_name(etype)} values")
-    if etype == _T.STRING:
-        return _read_strings(cur, count, key)
-    return [_read_array(cur, key, depth + 1) for _ in range(count)]
+    cur.need(count * _U64.size, f"array '{key}' of {count} {_type_name(etype)} values")
+    return _read_strings(cur, count, key)
 
 
 def _read_strings(cur: _Cursor, count: int, key: str) -> list[str]:

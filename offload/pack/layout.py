@@ -105,8 +105,8 @@ class TensorDecoder:
         if grouped:
             return to_quant_groups(data, info.ggml_type, info.shape[:2])
         rows, cols = tensor.matrix_shape
-        return dequantize(data, info.ggml_type, info.shape[:2] if tensor.expert is not None else info.shape
-                          ).reshape(rows, cols)
+        shape = info.shape[:2] if tensor.expert is not None else info.shape
+        return self._finite(tensor, dequantize(data, info.ggml_type, shape).reshape(rows, cols))
 
     def blocks(self, tensor: Tensor) -> tuple[np.ndarray, tuple[int, int]]:
         """The tensor's (or its expert slice's) GGUF bytes and GGUF-order shape [cols, rows], not yet
@@ -123,7 +123,17 @@ class TensorDecoder:
         """The tensor's values (an expert's: its slice of a stacked [rows, experts] bias)."""
         info = self.gguf.tensors[tensor.name]
         shape = info.shape[:-1] if tensor.expert is not None else info.shape
-        return dequantize(self._data(tensor), info.ggml_type, shape).reshape(-1)
+        return self._finite(tensor, dequantize(self._data(tensor), info.ggml_type, shape).reshape(-1))
+
+    def _finite(self, tensor: Tensor, values: np.ndarray) -> np.ndarray:
+        """values, refused when one is NaN or infinite: such a weight makes every answer "" or
+        garbage, so the file is refused at load, naming the tensor."""
+        if not np.isfinite(values).all():
+            where = int(np.flatnonzero(~np.isfinite(values.reshape(-1)))[0])
+            raise ModelFileError(f"{self.gguf.path.name}: tensor '{tensor.name}' holds a value that is not "
+                                 f"a finite number ({values.reshape(-1)[where]} at element {where}; the file "
+                                 f"is damaged)")
+        return values
 
     def _data(self, tensor: Tensor, counted: bool = True) -> np.ndarray:
         info, data = self.gguf.tensors[tensor.name], self.gguf.tensor_data(tensor.name)
