@@ -5,7 +5,7 @@ quick run includes them, so it fails until they are fixed)."""
 import numpy as np
 
 from tests.fuzz.cases import Case
-from tests.fuzz.mutations import CopyArrayItem, DropTensor, SetBlockScale, SetValue
+from tests.fuzz.mutations import CopyArrayItem, DropTensor, SetBlockScale, SetElement, SetValue
 from tests.support.gguf_bytes import ARRAY, STRING, UINT32, Typed
 
 TOKENS = "tokenizer.ggml.tokens"
@@ -25,6 +25,11 @@ REGRESSIONS = {
                                                                Typed(UINT32, 48)),)),
     "missing_shared_expert": Case("qwen2moe", (DropTensor("blk.0.ffn_up_shexp.weight"),)),
     "infinite_quant_scale": Case("llama-q8", (SetBlockScale("blk.0.attn_q.weight", 0, FLOAT16_INF),)),
+    # A NaN weight loaded and answered "" greedy, garbage sampled.
+    "nan_norm_weight": Case("llama-q8", (SetElement("output_norm.weight", 3, float("nan")),)),
+    # Nested arrays passed tierflow's reader, then failed inside llama.cpp naming no key.
+    "nested_array_metadata": Case("llama-q8", (SetValue("general.tags", Typed(
+        ARRAY, [Typed(ARRAY, np.array([1, 2], np.uint32), UINT32)], ARRAY)),)),
     # The fuzzer's first finding: Q4_0 packed as scale and min (-8 * scale) in float16, so the
     # largest float16 scale made a min outside float16 (the packer's ValueError escaped the load).
     # Q4_0 now packs as the file's nibbles and scales: the file loads.

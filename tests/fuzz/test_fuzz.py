@@ -115,6 +115,16 @@ def test_an_infinite_quant_scale_is_a_model_file_error(server, seeds_folder):
     assert refusal.startswith("ModelFileError") and "'blk.0.attn_q.weight'" in refusal
 
 
+def test_a_nan_weight_is_a_model_file_error_naming_the_tensor(server, seeds_folder):
+    refusal = _load_refusal(server, seeds_folder, "nan_norm_weight")
+    assert refusal.startswith("ModelFileError") and "'output_norm.weight'" in refusal
+
+
+def test_nested_metadata_arrays_are_a_model_file_error_naming_the_key(server, seeds_folder):
+    refusal = _load_refusal(server, seeds_folder, "nested_array_metadata")
+    assert refusal.startswith("ModelFileError") and "'general.tags'" in refusal
+
+
 def test_the_largest_float16_scale_in_q4_0_loads_as_the_file_holds_it(server, seeds_folder):
     assert _load_refusal(server, seeds_folder, "largest_float16_scale_in_q4_0") == "ok"
 
