@@ -10,7 +10,8 @@ from tests.support.cli import run_tierflow
 from tests.support.live_server import running_server
 from tierflow import Engine
 
-GREEDY = {"temperature": 0, "max_tokens": 48}
+GREEDY = {"temperature": 0, "max_tokens": 48}  # room for a call: 20-30 tokens
+ANSWER = {"temperature": 0, "max_tokens": 32}  # enough for the code answer to reach its "def "
 QUESTION = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city",
@@ -37,30 +38,30 @@ def client(qwen):
 
 
 def test_chat_answers_through_the_api(qwen):
-    result = qwen.chat(CODE, **GREEDY)
+    result = qwen.chat(CODE, **ANSWER)
     assert result.finish_reason in ("stop", "length")
     assert "def " in result.text
 
 
 def test_chat_streams_the_same_answer_as_it_returns(qwen):
-    stream = qwen.chat_stream(CODE, **GREEDY)
-    assert "".join(stream) == qwen.chat(CODE, **GREEDY).text
+    stream = qwen.chat_stream(CODE, **ANSWER)
+    assert "".join(stream) == qwen.chat(CODE, **ANSWER).text
 
 
 def test_chat_answers_through_the_server(client):
-    reply = client.chat.completions.create(model="any", messages=CODE, **GREEDY)
+    reply = client.chat.completions.create(model="any", messages=CODE, **ANSWER)
     assert "def " in reply.choices[0].message.content
 
 
-def test_chat_answers_through_the_cli(real_path):
-    done = run_tierflow("run", "--chat", "-m", str(real_path), "--threads", "2", "--temperature", "0",
+def test_chat_answers_through_the_cli(qwen_05b_path):
+    done = run_tierflow("run", "--chat", "-m", str(qwen_05b_path), "--threads", "2", "--temperature", "0",
                         "-n", "24", "--json", CODE[1]["content"])
     assert done.returncode == 0, done.stderr
     assert "def " in json.loads(done.stdout)["text"]
 
 
-def test_the_interactive_chat_answers_each_line(real_path):
-    done = run_tierflow("chat", "-m", str(real_path), "--threads", "2", "--temperature", "0", "-n", "16",
+def test_the_interactive_chat_answers_each_line(qwen_05b_path):
+    done = run_tierflow("chat", "-m", str(qwen_05b_path), "--threads", "2", "--temperature", "0", "-n", "16",
                         input="Say hello.\nNow say goodbye.\n")
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and done.stdout.strip()
