@@ -104,13 +104,15 @@ async def events(astream: AsyncStream, reply: Reply, include_usage: bool, param:
 
 def _tool_call_chunks(tool_stream: ToolCallStream, reply: Reply,
                       result: GenerationResult) -> tuple[list[dict], GenerationResult]:
-    """The chunks of what the tool stream held back (content, calls), and the result with the calls."""
-    parsed = tool_stream.finish()
+    """The chunks of what the tool stream held back (content, calls), and the result with the calls
+    (for an answer max_tokens cut off, those whole before the cut, finishing with "length")."""
+    cut = result.finish_reason == "length"
+    parsed = tool_stream.finish(cut)
     chunks = [reply.text_chunk(parsed.content)] if parsed.content else []
     if not parsed.tool_calls:
         return chunks, result
     return chunks + reply.tool_call_chunks(parsed.tool_calls), replace(
-        result, tool_calls=parsed.tool_calls, finish_reason="tool_calls")
+        result, tool_calls=parsed.tool_calls, finish_reason="length" if cut else "tool_calls")
 
 
 def generation_error(error: Exception, param: str) -> ApiError:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, with_config
 from typing_extensions import NotRequired, TypedDict
 
 from tierflow.errors import ContextLengthError, InvalidArgumentError, TemplateError, TierflowError
+from tierflow.runtime.arguments import check_roles
 from tierflow.runtime.logprobs import TokenLogprob
 from tierflow.runtime.streams import GenerationResult
 from tierflow.runtime.structured import Grammar, grammar_for
@@ -261,6 +262,10 @@ class ChatRequest(_GenerationRequest):
             raise ApiError(400, str(error), param="chat_template_kwargs") from None
 
     def template_messages(self) -> list[dict]:
+        try:
+            check_roles(self.messages)
+        except InvalidArgumentError as error:
+            raise ApiError(400, str(error), param="messages") from None
         check_content_parts(self.messages)
         return [template_message(message) for message in self.messages]
 

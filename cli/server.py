@@ -33,9 +33,11 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from tierflow.cli.answers import EventStream, events, unless_disconnected, whole_answer
 from tierflow.cli.guards import ApiKeyGuard, HostGuard, JsonBodyGuard, OriginGuard
+from tierflow.cli.header_timeout import header_timeout_protocol
 from tierflow.cli.metrics import (
     LOG_LEVELS,
     PROMETHEUS_TEXT,
@@ -91,6 +93,9 @@ class ServerSettings:
     # as OpenAI's API answers, for clients that trim their conversations themselves.
     context_shift: bool = True
     log_level: str = "info"  # the request lines are info; debug adds /health's and /metrics'
+    # Seconds a connection may take to send a request's headers, from its first byte (or from the
+    # connection, for its first request); then it is closed (cli/header_timeout.py).
+    header_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -101,6 +106,7 @@ class ServerSettings:
             (self.max_tokens_limit > 0, "max_tokens_limit must be > 0"),
             (self.max_queued >= 0, "max_queued must be >= 0"),
             (self.max_embedding_inputs > 0, "max_embedding_inputs must be > 0"),
+            (self.header_timeout_s > 0, "header_timeout_s must be > 0"),
             (self.log_level in LOG_LEVELS, f"log_level must be one of {', '.join(LOG_LEVELS)}, "
                                            f"got {self.log_level!r}"),
         ]
@@ -126,10 +132,16 @@ class ServerSettings:
 def serve(engine: Engine, settings: ServerSettings, sockets: list[socket.socket]) -> None:
     """Serves on sockets (`listening`'s) until interrupted (blocking). Each request is one line of
     the log (cli/metrics.py), so uvicorn's access log is off."""
-    config = uvicorn.Config(create_app(engine, settings), host=settings.host, port=settings.port,
-                            log_config=log_config(settings.log_level), log_level=settings.log_level,
-                            access_log=False)
+    config = uvicorn_config(create_app(engine, settings), settings, log_config=log_config(settings.log_level),
+                            log_level=settings.log_level, access_log=False)
     uvicorn.Server(config).run(sockets=sockets)
+
+
+def uvicorn_config(app: FastAPI, settings: ServerSettings, **options) -> uvicorn.Config:
+    """uvicorn's configuration of the app: the settings' address, and their time limit on a request's
+    headers (cli/header_timeout.py); options are uvicorn's others."""
+    return uvicorn.Config(app, host=settings.host, port=settings.port,
+                          http=header_timeout_protocol(settings.header_timeout_s), **options)
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
@@ -435,6 +447,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, error: ClientDisconnect) -> Response:
+        # It hung up before its request was read whole: a disconnect, not a failure. Nobody reads
+        # this answer; its status is nginx's for a client that left, for the log and /metrics.
+        return Response(status_code=499)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:

@@ -52,6 +52,22 @@ def stop_strings(stop: object) -> list[str]:
     raise InvalidArgumentError(f"stop must be a str or a sequence of str, got {stop!r}")
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's ("developer": a new system)
+
+
+def check_roles(messages: object) -> None:
+    """Refuses a chat message whose role is not one of CHAT_ROLES, naming the message and the role:
+    a template would render it as whatever its role names, or fail on it. Messages that are not a
+    list of dicts with string roles are left to the template's renderer, which says what they must be."""
+    if not isinstance(messages, list):
+        return
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role not in CHAT_ROLES:
+            raise InvalidArgumentError(f"messages[{i}] has the role {role[:64]!r}; a chat message's role "
+                                       f"is one of {', '.join(CHAT_ROLES)}")
+
+
 MAX_PARALLEL = 64  # sequences decoded together: past this a batch's attention dominates anyway
 
 

@@ -27,7 +27,15 @@ from tierflow.offload.experts.routing_trace import RoutingRecorder, keep_routing
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import LoadProgress, pack_sizes
-from tierflow.runtime.arguments import TOKEN_IDS, check_parallel, flag, stop_strings, token_ids, utf8_encoded
+from tierflow.runtime.arguments import (
+    TOKEN_IDS,
+    check_parallel,
+    check_roles,
+    flag,
+    stop_strings,
+    token_ids,
+    utf8_encoded,
+)
 from tierflow.runtime.batching import PassBatcher
 from tierflow.runtime.embeddings import check_pooling, embed_inputs, model_pooling
 from tierflow.runtime.generation import TokenGenerator
@@ -223,7 +231,9 @@ class Engine:
         result's logprobs (see SamplingParams, runtime/logprobs.py); those not given take
         sampling_defaults. An empty
         prompt is refused, unless the model starts every text with BOS: then "" is just BOS, as in
-        llama.cpp. A bad argument is an InvalidArgumentError. context_shift: see stream.
+        llama.cpp. max_tokens=0 reads the prompt (into the KV cache, as llama.cpp's n_predict 0) and
+        generates nothing (finish_reason "length"). A bad argument is an InvalidArgumentError.
+        context_shift: see stream.
 
         response_format constrains the output as OpenAI's does: {"type": "json_object"}, or
         {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; grammar does
@@ -372,8 +382,11 @@ class Engine:
                       chat_template_kwargs: dict | None = None) -> list[int]:
         """The prompt ids chat() generates from: messages (and the tools offered, and the extra
         template variables) through the model's chat template, whose own markup alone becomes
-        special tokens (a message holding "<|im_end|>" cannot end its turn or forge another)."""
+        special tokens (a message holding "<|im_end|>" cannot end its turn or forge another). A
+        message's role is one of system, user, assistant, tool and developer; another is an
+        InvalidArgumentError naming it."""
         self._check_open()
+        check_roles(messages)
         extra = template_variables(chat_template_kwargs)
         messages, variables = template_inputs(messages, tools, self.tool_format)
         variables = {**extra, **variables}
@@ -395,13 +408,17 @@ class Engine:
         return Grammar.lark(tool_call_grammar(tools, self.tool_format, self.tokenizer.is_grammar_token))
 
     def with_tool_calls(self, result: GenerationResult, tools: ToolRequest | None) -> GenerationResult:
-        """result with the tool calls its text makes parsed out, if tools were offered."""
+        """result with the tool calls its text makes parsed out, if tools were offered: finish_reason
+        "tool_calls", or for an answer max_tokens cut off, the calls whole before the cut and
+        "length" (runtime/tool_calls.py)."""
         if tools is None or not tools.offered or result.finish_reason == "cancelled":
             return result
-        parsed = parse_tool_calls(result.text, self.tool_format, tools.names)
+        cut = result.finish_reason == "length"
+        parsed = parse_tool_calls(result.text, self.tool_format, tools.names, cut=cut)
         if not parsed.tool_calls:
             return result
-        return replace(result, text=parsed.content, tool_calls=parsed.tool_calls, finish_reason="tool_calls")
+        return replace(result, text=parsed.content, tool_calls=parsed.tool_calls,
+                       finish_reason="length" if cut else "tool_calls")
 
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_open()

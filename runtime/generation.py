@@ -268,7 +268,7 @@ def generate_tokens(generator: TokenGenerator, prompt_ids: list[int], sampler: S
     logits, stats.cached_prompt_tokens = generator.prefill(prompt_ids, cancel, progress=on_prefill,
                                                            shifted=shifted)
     stats.prefill_seconds = time.perf_counter() - started
-    if logits is None:
+    if logits is None or max_tokens <= 0:  # max_tokens 0: the prompt read, as llama.cpp's n_predict 0
         return
     history = list(prompt_ids)
     chosen = [sampler.sample(logits, history)]  # tokens picked and not yet yielded

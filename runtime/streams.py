@@ -74,12 +74,13 @@ class _Generation:
             result = GenerationResult(self.text.text, self.tokens, finish_reason, self.stats, self.logprobs)
             self.result = result if self.with_tool_calls is None else self.with_tool_calls(result)
 
-    def content(self, text: str, last: bool = False) -> str:
-        """Of the text, what goes out as content now (all of it without tools offered)."""
+    def content(self, text: str, last: bool = False, cut: bool = False) -> str:
+        """Of the text, what goes out as content now (all of it without tools offered); last: the
+        text has ended, cut off by max_tokens if cut."""
         if self.tool_text is None:
             return text
         content = self.tool_text.push(text)
-        return content + self.tool_text.finish().content if last else content
+        return content + self.tool_text.finish(cut).content if last else content
 
     def record_logprobs(self, token: int) -> None:
         """The entry of the token just appended, if logprobs were asked for."""
@@ -192,7 +193,7 @@ def _pieces(run: _Generation, stream: weakref.ReferenceType) -> Iterator[str]:
             finish = yield from _generate(run, generator)
         finally:
             run.stats.peak_weight_bytes = engine.weights.peak_bytes_by_tier()
-    tail = run.content(run.text.flush(), last=True)
+    tail = run.content(run.text.flush(), last=True, cut=finish == "length")
     run.finish(finish)
     if tail:
         yield run.piece(tail)  # text held back until the end, released after the engine

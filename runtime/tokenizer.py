@@ -16,6 +16,7 @@ import functools
 import logging
 import operator
 import os
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -34,20 +35,39 @@ def _init_backend() -> None:
     llama_cpp.llama_backend_init()
 
 
-@contextlib.contextmanager
-def _quiet_llama_logs() -> Iterator[None]:
-    """Keeps llama.cpp's loading chatter off stderr; errors still show.
+class _QuietLlamaLogs:
+    """Keeps llama.cpp's loading chatter off stderr while any load runs; errors still show.
 
-    llama-cpp-python routes llama.cpp's log through this logger and checks its level per message,
-    as `Llama(verbose=False)` relies on; the level is restored so the caller's setting stands.
+    llama-cpp-python routes llama.cpp's log through the `llama-cpp-python` logger and checks its
+    level per message, as `Llama(verbose=False)` relies on. Loads may overlap (Engine.load on
+    several threads): the first to start saves the caller's level and sets ERROR, the
+    last to end restores it, so no load reads its file with the level another has restored, and
+    the caller's setting stands once all have ended.
     """
-    logger = logging.getLogger("llama-cpp-python")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved = logging.NOTSET
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        logger = logging.getLogger("llama-cpp-python")
+        with self._lock:
+            if self._depth == 0:
+                self._saved = logger.level
+                logger.setLevel(logging.ERROR)
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    logger.setLevel(self._saved)
+
+
+_quiet_llama_logs = _QuietLlamaLogs()
 
 
 def _load_vocab_only(path: str) -> Any:

@@ -18,7 +18,9 @@ models fall back to these when their own format slips (Qwen2.5-Coder-0.5B does u
 `tool_choice="auto"`), and llama.cpp's and ollama's parsers read them.
 
 Text that is not a well-formed call of an offered tool stays content: a model that fumbles a call
-answers in prose, it never fails the request.
+answers in prose, it never fails the request. An answer cut off by max_tokens in the middle of a call
+keeps the calls whole before it, as llama.cpp's partial parser does (the one cut off is dropped);
+with none whole, it stays content too.
 """
 
 import json
@@ -72,19 +74,25 @@ _HARMONY_CALL = re.compile(
     r"(?:<\|start\|>assistant)?(?:<\|channel\|>\w+)?\s*to=functions\.([\w.\-]+)[^<]*"
     r"(?:<\|channel\|>[^<]*)?(?:<\|constrain\|>[^<]*)?<\|message\|>(.*?)(?:<\|call\|>|\Z)", re.DOTALL)
 _FENCED_JSON = re.compile(r"```(?:json)?[ \t]*\n(\{.*?\})\s*```", re.DOTALL)
+_OPEN_FENCE = re.compile(r"```(?:json)?[ \t]*\n(\{(?:(?!```).)*)\Z", re.DOTALL)  # a fenced call cut off
+_HARMONY_OPENING = re.compile(r"(?:<\|start\|>assistant)?(?:<\|channel\|>\w+)?\s*\Z")  # before to=functions.
 _FENCE_OPENER = "```json"
 _PYTHON_TAG = "<|python_tag|>"
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat, names: frozenset[str]) -> ParsedReply:
+def parse_tool_calls(text: str, fmt: ToolFormat, names: frozenset[str], *, cut: bool = False) -> ParsedReply:
     """The calls in `text` of the tools named `names`, and the rest as content. Any call that does
-    not parse, or names another tool, leaves the whole text as content with no calls."""
+    not parse, or names another tool, leaves the whole text as content with no calls.
+
+    cut: the text was cut off (by max_tokens). A call it ends inside (a JSON object begun, its
+    brackets and strings unclosed) is dropped, and the calls whole before it are returned, as
+    llama.cpp's partial parser does; with none whole, the text is content all the same."""
     try:
-        content, calls = _PARSERS[fmt](text)
+        content, calls = _PARSERS[fmt](text, cut)
         if not calls:
-            content, calls = _parse_fenced(text)
+            content, calls = _parse_fenced(text, cut)
         if not calls:
-            content, calls = _parse_llama3(text)  # the answer is the calls' objects alone
+            content, calls = _parse_llama3(text, cut)  # the answer is the calls' objects alone
     except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: JSON nested too deep
         return ParsedReply(text, [])
     if not calls or any(call.name not in names for call in calls):
@@ -101,56 +109,113 @@ def _call(name: object, arguments: object) -> ToolCall:
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _json_objects(text: str) -> Iterator[dict]:
-    """The JSON objects `text` is made of, with `;`, commas or whitespace between them."""
+def _json_objects(text: str, cut: bool = False, closing: str = "") -> Iterator[dict]:
+    """The JSON objects `text` is made of, with `;`, commas or whitespace between them (and after
+    them `closing` and whitespace, or with cut, the end). cut: the text was cut off; an object it
+    ends inside ends the objects."""
     decoder, position = json.JSONDecoder(), 0
     while True:
         while position < len(text) and text[position] in " \t\r\n;,":
             position += 1
         if position == len(text):
             return
-        value, position = decoder.raw_decode(text, position)
+        if closing and text.startswith(closing, position) and not text[position + len(closing):].strip():
+            return
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except ValueError:
+            if cut and _cut_short(text[position:]):
+                return
+            raise
         if not isinstance(value, dict):
             raise ValueError("a tool call is a JSON object")
         yield value
 
 
-def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
+def _cut_short(fragment: str) -> bool:
+    """Whether `fragment` is a JSON object cut off before its end: nothing of it yet, or an object
+    whose brackets and strings, as far as they go, are unclosed and never mismatched."""
+    fragment = fragment.strip()
+    if not fragment:
+        return True
+    if fragment[0] != "{":
+        return False
+    expected, in_string, escaped = [], False, False  # the closing brackets owed
+    for char in fragment:
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped, in_string = char == "\\", char != '"'
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            expected.append("}" if char == "{" else "]")
+        elif char in "}]":
+            if not expected or expected.pop() != char or not expected:
+                return False  # a mismatch, or the object ended: not what the cut left
+    return True
+
+
+def _cut_off(match: re.Match, end_marker: str, arguments: str, cut: bool) -> bool:
+    """Whether a call's match is the one a cut text ends inside: unterminated, its JSON cut short."""
+    return cut and match.end() == len(match.string) and not match.group(0).endswith(end_marker) \
+        and _cut_short(arguments)
+
+
+def _parse_hermes(text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
     calls = []
     for match in _HERMES_CALL.finditer(text):
+        if _cut_off(match, "</tool_call>", match.group(1), cut):
+            continue
         value = json.loads(match.group(1))
         calls.append(_call(value["name"], value.get("arguments", {})))
     return _HERMES_CALL.sub("", text), calls
 
 
-def _parse_fenced(text: str) -> tuple[str, list[ToolCall]]:
+def _parse_fenced(text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
     calls = []
     for match in _FENCED_JSON.finditer(text):
         value = json.loads(match.group(1))
         calls.append(_call(value["name"], value.get("arguments", value.get("parameters", {}))))
-    return _FENCED_JSON.sub("", text), calls
+    content = _FENCED_JSON.sub("", text)
+    cut_off = _OPEN_FENCE.search(content) if cut and calls else None
+    if cut_off is not None and _cut_short(cut_off.group(1)):
+        content = content[:cut_off.start()]
+    return content, calls
 
 
-def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
+def _parse_llama3(text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
     body = text.strip().removeprefix(_PYTHON_TAG)
     if not body.lstrip().startswith("{"):
         return text, []
     calls = [_call(value["name"], value.get("parameters", value.get("arguments", {})))
-             for value in _json_objects(body)]
+             for value in _json_objects(body, cut)]
     return "", calls
 
 
-def _parse_harmony(text: str) -> tuple[str, list[ToolCall]]:
-    calls = [_call(name, json.loads(arguments)) for name, arguments in _HARMONY_CALL.findall(text)]
-    return _HARMONY_CALL.sub("", text), calls
+def _parse_harmony(text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    calls = [_call(match.group(1), json.loads(match.group(2))) for match in _HARMONY_CALL.finditer(text)
+             if not _cut_off(match, "<|call|>", match.group(2), cut)]
+    content = _HARMONY_CALL.sub("", text)
+    header = content.rfind("to=functions.") if cut and calls else -1
+    if header != -1:  # a call cut off in its header: what is left of it is no content
+        content = _HARMONY_OPENING.sub("", content[:header])
+    return content, calls
 
 
-def _parse_generic(text: str) -> tuple[str, list[ToolCall]]:
+def _parse_generic(text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
     if not text.lstrip().startswith("{"):
         return text, []
     decoder = json.JSONDecoder()
     start = len(text) - len(text.lstrip())
-    value, end = decoder.raw_decode(text, start)
+    try:
+        value, end = decoder.raw_decode(text, start)
+    except ValueError:
+        opening = _GENERIC_OPENING.match(text, start) if cut else None
+        if opening is None:
+            raise
+        items = _json_objects(text[opening.end():], cut=True, closing="]")
+        return "", [_call(item["name"], item.get("arguments", {})) for item in items]
     # The answer asked for, or a lone call as small models write it (with or without its wrapper).
     items = value["tool_calls"] if "tool_calls" in value else [value.get("tool_call", value)]
     if not isinstance(items, list):
@@ -158,6 +223,7 @@ def _parse_generic(text: str) -> tuple[str, list[ToolCall]]:
     return text[end:], [_call(item["name"], item.get("arguments", {})) for item in items]
 
 
+_GENERIC_OPENING = re.compile(r'\{\s*"tool_calls"\s*:\s*\[')  # the answer asked for, up to its first call
 _PARSERS = {ToolFormat.HERMES: _parse_hermes, ToolFormat.LLAMA3: _parse_llama3,
             ToolFormat.HARMONY: _parse_harmony, ToolFormat.GENERIC: _parse_generic}
 
@@ -190,11 +256,12 @@ class ToolCallStream:
         content, self._num_sent = self._text[self._num_sent:end], max(end, self._num_sent)
         return content
 
-    def finish(self) -> ParsedReply:
-        """The content still to send and the calls, once the text has ended."""
+    def finish(self, cut: bool = False) -> ParsedReply:
+        """The content still to send and the calls, once the text has ended (cut: by max_tokens,
+        parse_tool_calls's)."""
         held = self._text[self._num_sent:]
         self._num_sent = len(self._text)
-        parsed = parse_tool_calls(held, self._fmt, self._names)
+        parsed = parse_tool_calls(held, self._fmt, self._names, cut=cut)
         return parsed if parsed.tool_calls else ParsedReply(held, [])
 
     def _sendable_end(self) -> int:

@@ -2,8 +2,10 @@
 (tests/support/real_models.py), a loaded engine, llama.cpp as the oracle, a server on the engine,
 the pack builds a test causes, and the removal of each module's files."""
 
+import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,27 @@ def builds(monkeypatch) -> list[Path]:
 
     monkeypatch.setattr(writer, "build_pack", counted)
     return paths
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def server_errors() -> Iterator[list[logging.LogRecord]]:
+    """What the servers log as errors during the test: uvicorn's log (which does not propagate to
+    the root logger) and everything else's."""
+    handler, loggers = _Records(), [logging.getLogger(), logging.getLogger("uvicorn.error")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield handler.records
+    for logger in loggers:
+        logger.removeHandler(handler)
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,15 @@ def test_max_tokens_ends_generation_with_reason_length(engine):
     assert len(result.tokens) == 5 and result.finish_reason == "length"
 
 
+def test_max_tokens_0_reads_the_prompt_and_generates_nothing(engine):
+    """llama.cpp's n_predict 0: the prompt is evaluated (into the cache), no token is generated."""
+    result = engine.generate("Count: one, two, three,", max_tokens=0, **GREEDY)
+    assert (result.text, result.tokens, result.finish_reason) == ("", [], "length")
+    assert result.stats.generated_tokens == 0 and result.stats.prompt_tokens > 0
+    stream = engine.chat_stream([{"role": "user", "content": "Hi"}], max_tokens=0, **GREEDY)
+    assert list(stream) == [] and stream.result.tokens == []
+
+
 def test_same_seed_gives_the_same_sampled_output(engine):
     first = engine.generate("Once upon a time", max_tokens=20, temperature=1.0, seed=42)
     second = engine.generate("Once upon a time", max_tokens=20, temperature=1.0, seed=42)
@@ -437,6 +446,24 @@ def test_tokenize_refuses_an_add_bos_that_is_not_a_bool(engine):
 def test_a_chat_message_that_cannot_be_encoded_as_utf8_is_refused(engine):
     with pytest.raises(InvalidArgumentError, match="cannot be encoded as UTF-8"):
         engine.chat([{"role": "user", "content": "\ud800"}], max_tokens=1)
+
+
+@pytest.mark.parametrize("messages, refused", [
+    ([{"role": "robot", "content": "hi"}], r"messages\[0\] has the role 'robot'"),
+    ([{"role": "user", "content": "hi"}, {"role": "User", "content": "hi"}],
+     r"messages\[1\] has the role 'User'"),
+    ([{"role": "function", "content": "{}"}], r"messages\[0\] has the role 'function'"),
+])
+def test_a_chat_message_of_an_unknown_role_is_refused_naming_it(engine, messages, refused):
+    with pytest.raises(InvalidArgumentError, match=refused + ".*system, user, assistant, tool, developer"):
+        engine.tokenize_chat(messages)
+    with pytest.raises(InvalidArgumentError, match=refused):
+        engine.chat(messages, max_tokens=1)
+
+
+def test_every_role_of_openais_messages_is_taken(engine):
+    roles = ["system", "developer", "user", "assistant", "tool", "user"]
+    assert engine.tokenize_chat([{"role": role, "content": "hi"} for role in roles])
 
 
 def test_the_model_files_recommended_sampling_is_what_a_generation_defaults_to(model_path, tmp_path):

@@ -3,7 +3,17 @@
 import numpy as np
 import pytest
 
-from tests.support.gguf_bytes import TensorSpec, build_gguf, build_tiny_gguf, tiny_kvs, tiny_tensors
+from tests.support.gguf_bytes import (
+    UINT32,
+    TensorSpec,
+    Typed,
+    build_gguf,
+    build_tiny_gguf,
+    tiny_kvs,
+    tiny_tensors,
+)
+from tests.support.gguf_writing import rewrite_metadata
+from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.runtime.config import ModelConfig
@@ -111,3 +121,13 @@ def test_engine_names_an_unsupported_tensor_type(tmp_path, type_name):
                        match=rf"tensor 'blk.0.attn_q.weight' has type {type_name}, which tierflow does "
                              r"not support \(supported types: .*Q2_K"):
         Engine.load(path)
+
+
+def test_a_block_count_below_the_files_layers_is_refused_naming_both(tmp_path):
+    """llama.cpp refuses such a file (it finds tensors it was not told of); read, it would silently
+    run a model without its last layers."""
+    model = write_model(tmp_path / "three.gguf", ModelSpec(num_layers=3))
+    fewer = rewrite_metadata(model, tmp_path / "fewer.gguf", {"llama.block_count": Typed(UINT32, 2)})
+    with pytest.raises(ModelFileError, match=r"fewer.gguf: llama.block_count is 2 but the file holds "
+                                             r"tensors of layer 2 \('blk.2.[a-z_.]+'\)"):
+        Engine.load(fewer)

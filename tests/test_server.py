@@ -2,9 +2,7 @@
 the happy paths (checked against in-process generation), raw HTTP for every refusal."""
 
 import json
-import logging
 import time
-from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -55,27 +53,6 @@ def sse_events(response: httpx.Response) -> list[str]:
     return [event.removeprefix("data: ") for event in response.text.split("\n\n") if event]
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def server_errors() -> Iterator[list[logging.LogRecord]]:
-    """What the servers log as errors during the test: uvicorn's log (which does not propagate to
-    the root logger) and everything else's."""
-    handler, loggers = _Records(), [logging.getLogger(), logging.getLogger("uvicorn.error")]
-    for logger in loggers:
-        logger.addHandler(handler)
-    yield handler.records
-    for logger in loggers:
-        logger.removeHandler(handler)
-
-
 # -- the openai client --------------------------------------------------------------------------
 
 def test_chat_completion_matches_in_process_chat(client, engine):
@@ -111,6 +88,17 @@ def test_completion_matches_in_process_generate(client, engine):
     reply = client.completions.create(model="any", prompt="The capital of France is", **GREEDY)
     assert reply.choices[0].text == expected.text and reply.id.startswith("cmpl-")
     assert reply.usage.prompt_tokens == expected.stats.prompt_tokens
+
+
+def test_max_tokens_0_answers_nothing_cut_by_length(client):
+    reply = client.completions.create(model="any", prompt="The capital of France is", temperature=0,
+                                      max_tokens=0)
+    assert (reply.choices[0].text, reply.choices[0].finish_reason) == ("", "length")
+    assert reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens > 0
+    chunks = list(client.chat.completions.create(model="any", messages=HI, stream=True, temperature=0,
+                                                 max_completion_tokens=0))
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_models_lists_the_model_file_stem(client, engine):
@@ -156,6 +144,7 @@ def test_stream_is_server_sent_events_ending_in_done(url):
     (b'{"max_tokens": 4}', "messages"),
     (b'{"messages": []}', "messages"),
     (b'{"messages": [{"role": "user", "content": 5}]}', "messages"),
+    (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "hi"}]}', "messages"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', "max_tokens"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n"),
@@ -164,6 +153,19 @@ def test_stream_is_server_sent_events_ending_in_done(url):
 def test_invalid_request_is_400(url, body, param):
     response = httpx.post(f"{url}/v1/chat/completions", content=body, headers=JSON)
     assert assert_error(response, 400)["param"] == param
+
+
+def test_a_message_of_an_unknown_role_is_a_400_naming_it(url):
+    body = {"messages": [*HI, {"role": "robot", "content": "hi"}], **GREEDY}
+    error = assert_error(httpx.post(f"{url}/v1/chat/completions", json=body), 400)
+    assert "messages[1] has the role 'robot'" in error["message"] and error["param"] == "messages"
+
+
+def test_a_developer_message_is_a_system_message(client, engine):
+    developer = [{"role": "developer", "content": "Answer in French."}, *HI]
+    reply = client.chat.completions.create(model="any", messages=developer, **GREEDY)
+    system = [{"role": "system", "content": "Answer in French."}, *HI]
+    assert reply.choices[0].message.content == engine.chat(system, **GREEDY).text
 
 
 @pytest.mark.parametrize("setting", [{"top_p": 2}, {"temperature": -1}, {"seed": -5}])
@@ -305,7 +307,10 @@ def test_prompt_character_limit_is_a_setting(guarded_url):
 
 @pytest.fixture(scope="module")
 def damaged_url(tmp_path_factory):
-    """A server over a model whose output norm is NaN: every logit is, and sampling refuses them."""
+    """A server over a model whose output norm is NaN, let past the load's check of the weights (as a
+    value that overflows in a pass would come): every logit is NaN, and sampling refuses them."""
+    from tierflow.offload.pack.layout import TensorDecoder
+
     path = write_model(tmp_path_factory.mktemp("damaged") / "nan.gguf",
                        ModelSpec(weight_type="F32", embedding_type="F32"))
     with read_gguf(path) as model:
@@ -313,7 +318,10 @@ def damaged_url(tmp_path_factory):
     with open(path, "r+b") as file:
         file.seek(at)
         file.write(np.full(8, np.nan, np.float32).tobytes())
-    with Engine.load(path, threads=1, context_length=128) as damaged, running_server(damaged) as base:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TensorDecoder, "_finite", lambda self, tensor, values: values)
+        damaged = Engine.load(path, threads=1, context_length=128)
+    with damaged, running_server(damaged) as base:
         yield base
 
 

@@ -3,8 +3,10 @@ its timings, --log-level, and an address that cannot be bound as one line and ex
 
 import logging
 import re
+import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -15,6 +17,7 @@ from tests.support.cli import run_tierflow
 from tests.support.live_server import (
     LONG_COMPLETION,
     assert_error,
+    raw_connection,
     read_until_text,
     running_server,
     serve_command,
@@ -138,6 +141,20 @@ def test_refused_and_unknown_requests_are_counted_by_status(url, request_lines):
     assert httpx.get(f"{url}/no/such/route").status_code == 404
     request_lines.wait_for("GET /no/such/route 404")
     assert metrics(url, route="unmatched", status="404")["tierflow_requests_total"] == before + 1
+
+
+def test_a_client_that_hangs_up_while_sending_its_body_is_a_disconnect_not_a_500(url, request_lines,
+                                                                                 server_errors):
+    errors = metrics(url, route="/v1/chat/completions", status="500").get("tierflow_requests_total", 0)
+    with raw_connection(url) as client:  # declares 1000 bytes of body, sends 14, hangs up
+        client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.removeprefix('http://')}\r\n"
+                       "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                       '{"messages": ['.encode())
+    line = request_lines.wait_for("POST /v1/chat/completions ").getMessage()
+    assert line.split()[2] == "499"  # nginx's code for a client that left: nobody got an answer
+    # The request's task has ended by the time the event loop answers this: anything it logged is in.
+    now = metrics(url, route="/v1/chat/completions", status="500").get("tierflow_requests_total", 0)
+    assert now == errors and [record.getMessage() for record in server_errors] == []
 
 
 def test_cache_and_weight_bytes_are_the_engines(url, engine):
@@ -290,3 +307,65 @@ def test_a_host_that_cannot_be_bound_is_one_line_and_exit_code_2(host):
 def test_an_unknown_log_level_is_refused_before_loading(args, env):
     result = run_tierflow("serve", *args, env=env)
     assert result.returncode == 2 and "log_level must be one of debug, info, warning, error" in result.stderr
+
+
+# -- slow clients --------------------------------------------------------------------------------
+
+HEADER_TIMEOUT_S = 0.5  # the impatient server's: a test waits on it, and a slow machine stays under WAIT_S
+
+
+@pytest.fixture(scope="module")
+def impatient_url(engine) -> Iterator[str]:
+    with running_server(engine, header_timeout_s=HEADER_TIMEOUT_S) as base:
+        yield base
+
+
+def seconds_until_closed(client: socket.socket, trickle: bytes = b"") -> float:
+    """Seconds until the server closes the connection (an end of file, or a reset), sending
+    `trickle` a byte at a time meanwhile, ten a second, as a slow client sends its headers."""
+    start = time.monotonic()
+    for byte in (trickle[i:i + 1] for i in range(len(trickle))):
+        try:
+            client.sendall(byte)
+        except OSError:  # the server has closed it and said so
+            return time.monotonic() - start
+        if select.select([client], [], [], 0.1)[0]:
+            break
+    try:
+        assert client.recv(1024) == b"", "the server answered headers that never ended"
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "])
+def test_a_connection_whose_headers_do_not_come_is_closed_after_the_header_timeout(impatient_url, sent):
+    with raw_connection(impatient_url) as client:
+        client.sendall(sent)
+        assert HEADER_TIMEOUT_S * 0.5 < seconds_until_closed(client) < WAIT_S
+
+
+def test_headers_sent_a_byte_at_a_time_are_timed_out_from_their_first_byte(impatient_url):
+    with raw_connection(impatient_url) as client:
+        # 30 bytes at ten a second outlast the timeout: each byte must not start it again
+        assert seconds_until_closed(client, b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 30) < 2.5
+
+
+def test_a_kept_alive_connections_next_headers_are_timed_out_too(impatient_url):
+    host = impatient_url.removeprefix("http://").encode()
+    with raw_connection(impatient_url) as client:
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b'{"status":"ok"}'):  # the whole answer: its headers, then its body
+            answer += client.recv(1024)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: ")
+        assert seconds_until_closed(client) < 4  # before uvicorn's keep-alive timeout (5 s) would
+
+
+def test_an_answer_that_outlasts_the_header_timeout_is_not_cut(impatient_url):
+    with httpx.stream("POST", f"{impatient_url}/v1/completions", json=LONG_COMPLETION) as running:
+        lines = running.iter_lines()
+        read_until_text(lines)
+        time.sleep(2 * HEADER_TIMEOUT_S)
+        read_until_text(lines)  # still generating

@@ -100,6 +100,33 @@ def test_a_call_cut_off_by_max_tokens_is_returned_as_content(client):
     assert reply.choices[0].message.content.startswith('{"tool_calls"')
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_calls_cut_by_max_tokens_give_the_whole_ones_with_finish_length(client, engine, stream):
+    """The bundled model repeats its calls here until max_tokens: the whole ones are the answer."""
+    ask = [{"role": "user", "content": "What will the weather be in Oslo and in Paris for the next 3 days?"}]
+    options = {"tools": [WEATHER], "tool_choice": "required", "temperature": 0}
+    tokens = engine.chat(ask, **options, max_tokens=2 * GREEDY["max_tokens"]).tokens
+    # cut where the second call has begun: its name's key written, its arguments not
+    cut = next(n for n in range(len(tokens)) if engine.detokenize(tokens[:n]).count('"name"') == 2)
+    text = engine.detokenize(tokens)
+    first, _ = json.JSONDecoder().raw_decode(text, text.index("[") + 1)
+    request = {"model": "any", "messages": ask, **options, "max_tokens": cut}
+    if stream:
+        chunks = list(client.chat.completions.create(**request, stream=True))
+        content = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+        deltas = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or []]
+        assert {delta.index for delta in deltas} == {0}
+        calls = [("".join(delta.function.name or "" for delta in deltas),
+                  "".join(delta.function.arguments or "" for delta in deltas))]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**request).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls or []]
+    assert finish == "length" and not content
+    assert calls == [(first["name"], json.dumps(first["arguments"], ensure_ascii=False))]
+
+
 @pytest.mark.parametrize("parameters", ["city: str", {"type": "array"}])
 def test_a_tool_whose_parameters_are_not_an_object_schema_is_a_400_naming_it(url, parameters):
     bad = {"type": "function", "function": {"name": "broken_tool", "parameters": parameters}}

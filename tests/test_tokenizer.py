@@ -1,3 +1,5 @@
+import logging
+import threading
 import time
 
 import pytest
@@ -189,3 +191,39 @@ def test_closed_tokenizer_raises_instead_of_crashing(tiny):
     tiny.close()
     with pytest.raises(TierflowError, match="closed"):
         tiny.encode("hi")
+
+
+def test_overlapping_loads_keep_llama_cpps_chatter_quiet_and_its_log_level_as_it_was(model_file, monkeypatch):
+    """Two loads whose quieting overlaps (A starts, B starts, A ends, then B reads the file): B must
+    still read it quietly, and the level the caller set must stand once both are done."""
+    logger, real_load = logging.getLogger("llama-cpp-python"), llama_cpp.llama_model_load_from_file
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+    levels = {}
+
+    def load(path, params):  # waits (boundedly: a load that holds a lock throughout is right too)
+        name = threading.current_thread().name
+        (a_in if name == "A" else b_in).set()
+        (b_in if name == "A" else a_done).wait(5)
+        levels[name] = logger.level  # what llama.cpp's messages are checked against as it reads
+        return real_load(path, params)
+
+    def run(name):
+        Tokenizer.from_gguf(model_file).close()
+        if name == "A":
+            a_done.set()
+
+    monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", load)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # the caller's: llama.cpp's INFO chatter shows outside a load
+    try:
+        first = threading.Thread(target=run, args=("A",), name="A")
+        first.start()
+        assert a_in.wait(30)
+        second = threading.Thread(target=run, args=("B",), name="B")
+        second.start()
+        first.join(30)
+        second.join(30)
+        assert levels == {"A": logging.ERROR, "B": logging.ERROR}
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(level)

@@ -11,7 +11,7 @@ import pytest
 from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.chat_template import render_chat_template
 from tierflow.runtime.structured import Grammar, grammar_vocabulary
-from tierflow.runtime.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls, tool_format
+from tierflow.runtime.tool_calls import ParsedReply, ToolCallStream, ToolFormat, parse_tool_calls, tool_format
 from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
 
 WEATHER = {"type": "function", "function": {
@@ -152,6 +152,53 @@ def test_a_call_that_does_not_parse_is_returned_as_content(fmt, text):
 def test_a_call_of_a_tool_not_offered_is_returned_as_content():
     text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
     assert parse_tool_calls(text, ToolFormat.HERMES, NAMES).tool_calls == []
+
+
+OSLO = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+# Answers cut off by max_tokens in their second call, in each format (the first call is whole).
+CUT_IN_THE_SECOND_CALL = [
+    (ToolFormat.GENERIC, '{"tool_calls": [' + OSLO + ', {"name": "get_weather", "'),
+    (ToolFormat.GENERIC, '{"tool_calls": [' + OSLO + ', {"name": "get_weather", "arguments": {"city": "Par'),
+    (ToolFormat.GENERIC, '{"tool_calls": [' + OSLO + ', '),
+    (ToolFormat.HERMES, 'Checking.\n<tool_call>\n' + OSLO + '\n</tool_call>\n<tool_call>\n{"name": "get_ti'),
+    (ToolFormat.HERMES, '<tool_call>' + OSLO + '</tool_call><tool_call>'),
+    (ToolFormat.LLAMA3, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "'),
+    (ToolFormat.HARMONY, '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                         '{"city": "Oslo"}<|call|><|start|>assistant<|channel|>commentary '
+                         'to=functions.get_time <|constrain|>json<|message|>{"zone": "C'),
+    (ToolFormat.HERMES, 'Checking.\n```json\n' + OSLO + '\n```\n```json\n{"name": "get_time", "argu'),
+]
+
+
+@pytest.mark.parametrize("fmt, text", CUT_IN_THE_SECOND_CALL)
+def test_the_whole_calls_of_an_answer_cut_by_max_tokens_are_returned(fmt, text):
+    """As llama.cpp's partial parser: the calls already whole, the one cut off dropped."""
+    reply = parse_tool_calls(text, fmt, NAMES, cut=True)
+    assert [(c.name, arguments(c)) for c in reply.tool_calls] == [("get_weather", {"city": "Oslo"})]
+    assert reply.content in ("", "Checking.")
+
+
+@pytest.mark.parametrize("fmt, text", [
+    (ToolFormat.GENERIC, '{"tool_calls": [{"name": "get_weather", "arguments": {"ci'),
+    (ToolFormat.GENERIC, '{"tool_call": ' + OSLO[:-1]),
+    (ToolFormat.HERMES, 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os'),
+    (ToolFormat.LLAMA3, '{"name": "get_weather", "parameters": {"city": '),
+    (ToolFormat.HERMES, 'Let me think about what to say'),
+    # a whole call, then what is not a call: no call was cut, the answer is not calls
+    (ToolFormat.GENERIC, '{"tool_calls": [' + OSLO + ', "and then'),
+    (ToolFormat.LLAMA3, OSLO + '; and now some prose {"name": "get_we'),
+])
+def test_an_answer_cut_by_max_tokens_with_no_whole_call_stays_content(fmt, text):
+    assert parse_tool_calls(text, fmt, NAMES, cut=True) == ParsedReply(text, [])
+
+
+def test_a_stream_cut_by_max_tokens_gives_its_whole_calls_and_sends_no_json():
+    text = '{"tool_calls": [' + OSLO + ', {"name": "get_weather", "arguments": {"city": "Par'
+    stream = ToolCallStream(ToolFormat.GENERIC, NAMES)
+    pieces = [stream.push(char) for char in text]
+    end = stream.finish(cut=True)
+    assert "".join(pieces) == "" and end.content == ""
+    assert [(c.name, arguments(c)) for c in end.tool_calls] == [("get_weather", {"city": "Oslo"})]
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
@@ -326,6 +373,31 @@ def test_chat_stream_holds_a_call_back_from_its_pieces_and_gives_it_in_the_resul
     assert stream.result.finish_reason == "tool_calls"
     assert [call.name for call in stream.result.tool_calls] == ["get_time"]
     assert "get_time" not in pieces and pieces == stream.result.text
+
+
+OSLO_AND_PARIS = [{"role": "user", "content": "What is the weather in Oslo and in Paris?"}]
+
+
+def cut_in_the_second_call(engine, messages: list[dict], **options) -> tuple[int, tuple[str, str]]:
+    """The max_tokens that cuts the greedy answer's second call short (its name's key written, its
+    arguments not), and the first call (name, arguments), read from the answer's raw text."""
+    tokens = engine.chat(messages, **options, max_tokens=2 * CALL_TOKENS).tokens
+    cut = next(n for n in range(len(tokens)) if engine.detokenize(tokens[:n]).count('"name"') == 2)
+    text = engine.detokenize(tokens)
+    first, _ = json.JSONDecoder().raw_decode(text, text.index("[") + 1)
+    return cut, (first["name"], json.dumps(first["arguments"], ensure_ascii=False))
+
+
+def test_parallel_calls_cut_by_max_tokens_give_the_whole_ones_with_finish_length(engine):
+    options = {"tools": [WEATHER], "tool_choice": "required", "temperature": 0}
+    cut, first = cut_in_the_second_call(engine, OSLO_AND_PARIS, **options)
+    stream = engine.chat_stream(OSLO_AND_PARIS, **options, max_tokens=cut)
+    pieces = "".join(stream)
+    result = stream.result
+    assert (result.finish_reason, len(result.tokens), result.text, pieces) == ("length", cut, "", "")
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [first]
+    whole = engine.chat(OSLO_AND_PARIS, **options, max_tokens=cut)
+    assert whole.finish_reason == "length" and [(c.name, c.arguments) for c in whole.tool_calls] == [first]
 
 
 def test_chat_stream_without_a_call_streams_the_answer_whole(engine):

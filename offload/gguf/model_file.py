@@ -50,7 +50,25 @@ def read_config(gguf: GGUFFile) -> tuple[Architecture, ModelConfig]:
     if config.num_layers > len(gguf.tensors):  # before anything is built per layer
         raise ModelFileError(f"{gguf.path.name}: block_count is {config.num_layers} but the file holds only "
                              f"{len(gguf.tensors)} tensors")
+    _check_no_layers_past_the_count(gguf)
     return arch, config
+
+
+def _check_no_layers_past_the_count(gguf: GGUFFile) -> None:
+    """A file whose tensors go past its block_count is refused, as llama.cpp refuses it (it finds
+    tensors it was not told of): read, it would be run without its last layers, silently."""
+    key = f"{gguf.metadata.get('general.architecture')}.block_count"
+    count = gguf.metadata.get(key)
+    if not isinstance(count, int):  # the family counts its layers otherwise: its config has checked it
+        return
+    past = [(int(index), name) for name in gguf.tensors
+            if (index := name.split(".")[1] if name.startswith("blk.") else "").isdigit()
+            and int(index) >= count]
+    if past:
+        layer, name = max(past)
+        raise ModelFileError(f"{gguf.path.name}: {key} is {count} but the file holds tensors of layer "
+                             f"{layer} ('{name}'): its layer count is wrong or the file is damaged "
+                             f"(llama.cpp refuses it too)")
 
 
 def open_model_file(path: str | os.PathLike) -> ModelFile:

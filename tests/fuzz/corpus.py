@@ -21,6 +21,8 @@ REGRESSIONS = {
     "array_head_count_kv": Case("llama-q8", (SetValue("llama.attention.head_count_kv",
                                                       Typed(ARRAY, np.array([2, 2], np.uint32), UINT32)),)),
     "block_count_past_the_tensors": Case("llama-q8", (SetValue("llama.block_count", Typed(UINT32, 2**24)),)),
+    # A block count below the file's layers loaded, and ran without the last ones.
+    "block_count_below_the_layers": Case("llama-q8", (SetValue("llama.block_count", Typed(UINT32, 1)),)),
     "key_length_that_does_not_fit": Case("llama-q8", (SetValue("llama.attention.key_length",
                                                                Typed(UINT32, 48)),)),
     "missing_shared_expert": Case("qwen2moe", (DropTensor("blk.0.ffn_up_shexp.weight"),)),

@@ -90,6 +90,12 @@ def test_more_layers_than_tensors_is_a_model_file_error(server, seeds_folder):
     assert refusal.startswith("ModelFileError") and "block_count" in refusal
 
 
+def test_fewer_layers_than_the_file_holds_is_a_model_file_error(server, seeds_folder):
+    refusal = _load_refusal(server, seeds_folder, "block_count_below_the_layers")
+    assert refusal.startswith("ModelFileError") and "llama.block_count is 1 but" in refusal
+    assert "tensors of layer 1 ('blk.1." in refusal
+
+
 def test_a_string_rope_freq_base_is_a_model_file_error(server, seeds_folder):
     refusal = _load_refusal(server, seeds_folder, "string_rope_freq_base")
     assert refusal.startswith("ModelFileError") and "llama.rope.freq_base" in refusal

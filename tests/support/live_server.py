@@ -9,11 +9,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import IO
+from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
 
-from tierflow.cli.server import ServerSettings, create_app
+from tierflow.cli.server import ServerSettings, create_app, uvicorn_config
 
 
 def free_port() -> int:
@@ -26,8 +27,7 @@ def free_port() -> int:
 def running_server(engine, **settings) -> Iterator[str]:
     """A real uvicorn server on a thread; yields its base URL."""
     config = ServerSettings(port=free_port(), **settings)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host=config.host,
-                                           port=config.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(create_app(engine, config), config, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -58,6 +58,13 @@ def serve_command(*options: str, log: IO[str] | None = None) -> Iterator[str]:
         finally:
             server.terminate()
             server.wait(30)
+
+
+def raw_connection(url: str, timeout: float = 30) -> socket.socket:
+    """A TCP connection to the server at url, for what no HTTP client sends: a body cut short,
+    headers sent slowly. Reads on it time out after `timeout` seconds."""
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=timeout)
 
 
 def _answers(url: str) -> bool:
