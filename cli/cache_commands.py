@@ -18,15 +18,23 @@ cache_app = typer.Typer(help="List and remove the packs: each model's weights in
 @cache_app.command("list")
 def cache_list(as_json: Annotated[bool, option("--json", help="print the packs as JSON")] = False
                ) -> None:
-    """Show each pack: its model file, size, last use, and whether that file is still there."""
-    from tierflow.offload.pack.cache import list_packs, packs_folder, total_bytes
+    """Show each pack: its model file, size, last use, and whether that file is still there; and the
+    temporaries that builds killed midway left (`tierflow cache prune` removes them)."""
+    from tierflow.offload.pack.cache import list_packs, packs_folder, stale_files, total_bytes
 
-    packs = list_packs()
+    packs, stale = list_packs(), stale_files()
+    stale_bytes = sum(temporary.nbytes for temporary in stale)
     if as_json:
         print(json.dumps({"folder": str(packs_folder()), "total_bytes": total_bytes(packs),
-                          "packs": [pack.as_dict() for pack in packs]}))
+                          "packs": [pack.as_dict() for pack in packs], "stale_bytes": stale_bytes,
+                          "stale_temporaries": [temporary.as_dict() for temporary in stale]}))
         return
-    table = Table(title=f"packs in {packs_folder()}", caption=f"total {format_size(total_bytes(packs))}")
+    caption = f"total {format_size(total_bytes(packs))}"
+    if stale:
+        caption += (f"; and {format_size(stale_bytes)} in {len(stale)} temporary file(s) left by builds that "
+                    f"were killed ({', '.join(temporary.path.name for temporary in stale)}): tierflow cache "
+                    f"prune removes them")
+    table = Table(title=f"packs in {packs_folder()}", caption=caption)
     for column in ("pack", "model file"):
         table.add_column(column, overflow="fold")  # whole: a name is what `cache rm` takes
     for column in ("size", "last used", "model file present"):
@@ -55,12 +63,15 @@ def cache_rm(name_or_path: Annotated[str, typer.Argument(
 def cache_prune(max_size: Annotated[Optional[str], option(
         "--max-size", help="what the packs may take afterwards, e.g. 20GiB (default: TIERFLOW_CACHE_MAX, "
         "else a quarter of the cache's disk)")] = None) -> None:
-    """Remove the packs whose model file is gone or changed, then the least recently used ones
-    until the rest fit --max-size."""
-    from tierflow.offload.pack.cache import prune, total_bytes
+    """Remove the temporary files that builds killed midway left, the packs whose model file is
+    gone or changed, then the least recently used ones until the rest fit --max-size."""
+    from tierflow.offload.pack.cache import prune
 
     removed = prune(None if max_size is None else parse_size(max_size))
-    for pack in removed:
+    for temporary in removed.temporaries:
+        out.print(f"removed {temporary.path.name} ({format_size(temporary.nbytes)}, left by process "
+                  f"{temporary.pid}, which ended before it was done)", soft_wrap=True)
+    for pack in removed.packs:
         why = "least recently used" if pack.source_exists else "model file gone"
         out.print(f"removed {pack.path.name} ({format_size(pack.nbytes)}, {why})", soft_wrap=True)
-    out.print(f"freed {format_size(total_bytes(removed))}")
+    out.print(f"freed {format_size(removed.nbytes)}")

@@ -76,14 +76,16 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
     context and the predicted tokens/s, before anything loads (reads the header and the cached
     hardware profile). --parallel N plans N sequences' KV caches, as `tierflow serve --parallel N`
     loads them (default here: one)."""
-    from tierflow.offload.plan.profile import profile_path
+    from tierflow.offload.plan.probe import announcement, will_probe
     from tierflow.runtime.arguments import check_parallel
     from tierflow.runtime.loader import CacheOptions, plan_file, thread_count
+    from tierflow.units import parse_size
 
     placement = expert_placement(cpu_moe, n_cpu_moe)
     threads = thread_count(threads)
-    if not profile_path(threads).exists():
-        err.print("measuring this machine once for the planner (tierflow probe), about 20 s", soft_wrap=True)
+    probing = will_probe(threads, memory_bytes=None if cpu_memory is None else parse_size(cpu_memory))
+    if probing is not None:
+        err.print(announcement(probing), soft_wrap=True)
     sequences = check_parallel(1 if parallel is None else parallel)
     cache = CacheOptions(ctx, kv_type, kv_on_cpu, allow_context_extension, sequences)
     result = plan_file(model or model_opt, threads=threads, gpu_memory=gpu_memory, cpu_memory=cpu_memory,
@@ -105,18 +107,26 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
 def probe(threads: ThreadsOpt = None,
           refresh: Annotated[bool, option("--refresh", help="measure again, replacing the "
                                                 "cached profile")] = False,
+          cpu_memory: Annotated[Optional[str], option(
+              "--cpu-memory", help="RAM the measurement may take, e.g. 512MiB (default and at most: 10% "
+              "of the available RAM)")] = None,
           as_json: Annotated[bool, option("--json", help="print the profile as JSON")] = False) -> None:
     """Measure disk, RAM and kernel speeds: the hardware profile the planner predicts with.
 
-    Measured once (about 20 s) and cached; --refresh measures again."""
-    from tierflow.offload.plan.probe import ProbeWarning, load_profile
+    Measured once (about 10 s, said before it starts) and cached; --refresh measures again."""
+    from tierflow.offload.plan.probe import ProbeWarning, announcement, load_profile, will_probe
     from tierflow.offload.plan.profile import profile_path
     from tierflow.runtime.loader import thread_count
+    from tierflow.units import parse_size
 
     threads = thread_count(threads)
+    memory = None if cpu_memory is None else parse_size(cpu_memory)
+    probing = will_probe(threads, refresh, memory)
+    if probing is not None:
+        err.print(announcement(probing), soft_wrap=True)
     with warnings.catch_warnings(record=True) as caught, status("measuring") as progress:
         warnings.simplefilter("always", ProbeWarning)
-        profile = load_profile(threads, refresh=refresh, progress=progress)
+        profile = load_profile(threads, refresh=refresh, progress=progress, memory_bytes=memory)
     for warning in caught:
         if issubclass(warning.category, ProbeWarning):
             err.print(f"[yellow]warning:[/yellow] {warning.message}", soft_wrap=True)
@@ -133,7 +143,9 @@ def _print_profile(profile) -> None:
     table.add_row("CPU", profile.cpu_name)
     table.add_row("disk read", f"{gbps(profile.disk_read_gbps)} "
                   f"({'O_DIRECT' if profile.disk_direct_io else 'buffered, page cache dropped'})")
-    table.add_row("RAM read", gbps(profile.ram_read_gbps))
+    table.add_row("RAM read", gbps(profile.ram_read_gbps) + (
+        " (rough: measured in less RAM than twice the L3 cache, so partly the cache's speed; a probe "
+        "allowed more measures again)" if profile.rough else ""))
     for shape, seconds in sorted(profile.overhead_by_shape.items()):
         table.add_row("decode overhead", f"{seconds * 1e6:.1f} µs per layer per token ({shape})")
     gpu = profile.gpu

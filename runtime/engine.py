@@ -123,7 +123,9 @@ class Engine:
 
         gpu_memory and cpu_memory bound the bytes held on each tier ("4GiB", "512MB" or an int):
         the weights, and the KV cache of the layers computed there; cpu_memory also keeps room
-        for the activations of a pass (default: the available RAM less a margin). threads is
+        for the activations of a pass (default: the available RAM less a margin); a first load that
+        measures the machine (offload/plan/probe.py) or writes the model's pack stays within it too,
+        the probe within 10% of the available RAM if that is less. threads is
         the CPU thread count (default: physical cores). context_length is the positions the KV
         cache holds: by default the model's trained context if the budgets hold it, else the
         largest multiple of 256 they do (engine.notices says so); more than the model was
@@ -175,7 +177,7 @@ class Engine:
         with open_model_file(path) as target:  # validated before llama.cpp sees the file
             request = parse_draft(draft, target.config.num_layers)
             experts = expert_request(expert_placement, target.config, target.path.name)
-            profile, sizes = profile_source(target, threads, gpu, progress), pack_sizes(target)
+            profile, sizes = profile_source(target, threads, gpu, progress, cpu_memory), pack_sizes(target)
             budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile, experts)
             tokenizer = load_tokenizer(target, chat_template)
             drafted = loaded = held = None  # held: what a draft took of the budgets before the target

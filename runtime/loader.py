@@ -15,7 +15,8 @@ budgets are decided:
   else the largest multiple of 256 that they hold, with a notice (offload/plan/context.py);
 - KV cache type: kv_types.DEFAULT_KV_TYPE (f16).
 The machine's speeds are needed only when something streams or a GPU budget is given; they are
-measured once (`tierflow probe`, cached), and the per-layer overhead once per model shape.
+measured once (`tierflow probe`, cached), within cpu_memory or 10% of the available RAM, whichever is
+smaller (offload/plan/probe.py), and the per-layer overhead once per model shape.
 """
 
 import functools
@@ -231,15 +232,17 @@ def gpu_tier(gpu_memory: int | str | None, gpu_device: str | None) -> GpuTier:
 
 
 def model_profile(model: ModelFile, threads: int, gpu: GpuTier | None = None,
-                  progress: LoadProgress | None = None) -> HardwareProfile:
-    """This machine's measured profile (probed once and cached), with the per-layer overhead of
-    this model's shape (measured once per shape, cached with it); the CPU standing in for a GPU
-    gets the CPU's own speeds as the GPU's."""
-    def measuring(step: str) -> None:  # a first streamed load on a machine probes it (~20 s)
+                  progress: LoadProgress | None = None, cpu_memory: int | str | None = None
+                  ) -> HardwareProfile:
+    """This machine's measured profile (probed once and cached, within cpu_memory or 10% of the
+    available RAM: probe.allowance), with the per-layer overhead of this model's shape (measured once
+    per shape, cached with it); the CPU standing in for a GPU gets the CPU's own speeds as the GPU's."""
+    def measuring(step: str) -> None:  # a first streamed load on a machine probes it (~10 s)
         if progress is not None:
-            progress(f"measuring this machine for the planner ({step})", 0, 0)
+            progress(f"measuring this machine: {step}", 0, 0)
 
-    profile = load_profile(threads, progress=measuring)
+    memory = parse_size(cpu_memory) if cpu_memory is not None else None
+    profile = load_profile(threads, progress=measuring, memory_bytes=memory)
     key = shape_key(model.config)
     if key not in profile.overhead_by_shape:
         seconds = measure_layer_overhead(model.arch, model.config, threads)
@@ -265,9 +268,10 @@ def plan_load(model: ModelFile, sizes: PackSizes, budgets: Budgets, profile: Pro
 
 
 def profile_source(model: ModelFile, threads: int, gpu: GpuTier | None = None,
-                   progress: LoadProgress | None = None) -> ProfileSource:
+                   progress: LoadProgress | None = None, cpu_memory: int | str | None = None
+                   ) -> ProfileSource:
     """model_profile as a function called at most once, when a plan first needs it."""
-    return functools.cache(lambda: model_profile(model, threads, gpu, progress))
+    return functools.cache(lambda: model_profile(model, threads, gpu, progress, cpu_memory))
 
 
 def place_weights(model: ModelFile, plan: Plan, gpu: GpuTier, progress: LoadProgress | None = None
@@ -282,12 +286,13 @@ def place_weights(model: ModelFile, plan: Plan, gpu: GpuTier, progress: LoadProg
     experts_on_disk = plan.experts is not None and plan.experts.home == "disk"
     if not plan.streamed_layers and not experts_on_disk and builds_in_ram(model):
         return place(BuiltPack(model))
-    packed = open_pack(model, progress)
+    memory = plan.budget_bytes["cpu"]  # a build holds no more than the load will (it ends before)
+    packed = open_pack(model, progress, memory)
     try:
         return place(packed)
     except ModelFileError:
         packed.path.unlink(missing_ok=True)
-        return place(open_pack(model, progress))
+        return place(open_pack(model, progress, memory))
 
 
 def load_model(model: ModelFile, sizes: PackSizes, budgets: Budgets, gpu: GpuTier, profile: ProfileSource,
@@ -335,6 +340,6 @@ def plan_file(model: str | os.PathLike | None, *, threads: int, cpu_memory: int 
     gpu_budget = parse_size(gpu_memory) if gpu_memory is not None else 0
     with open_model_file(resolve_model_path(model)) as opened:
         experts = expert_request(expert_placement, opened.config, opened.path.name)
-        profile, sizes = model_profile(opened, threads), pack_sizes(opened)
+        profile, sizes = model_profile(opened, threads, cpu_memory=cpu_memory), pack_sizes(opened)
         budgets = resolve_budgets(opened, sizes, cpu_memory, gpu_budget, cache, profile, experts)
         return plan_load(opened, sizes, budgets, profile, prompt_tokens)

@@ -353,7 +353,7 @@ def unchecked(monkeypatch):
     what the sampler's own check must catch."""
     from tierflow.offload.pack.layout import TensorDecoder
 
-    monkeypatch.setattr(TensorDecoder, "_finite", lambda self, tensor, values: values)
+    monkeypatch.setattr(TensorDecoder, "_finite", lambda self, tensor, values, first=0: values)
 
 
 @pytest.mark.parametrize("temperature", [0, 0.8])

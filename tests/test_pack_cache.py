@@ -1,15 +1,18 @@
 """The pack cache on real files: one pack per model file whatever its name, a changed file's pack
 rebuilt, the disk checked and the cap kept (least recently used packs evicted) before a build,
-and `tierflow cache list|rm|prune`.
+`tierflow cache list|rm|prune`, and the temporaries of builds killed midway (shown, removed, counted).
 
 Each test has a cache folder of its own (TIERFLOW_CACHE in tmp_path) and small random models
 (tests/support/make_model.py). The one fake is a full disk: shutil.disk_usage as cache.py calls it.
 """
 
+import fcntl
 import json
+import logging
 import os
 import pty
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -285,3 +288,120 @@ def test_loading_on_a_terminal_names_the_new_pack_its_size_and_place(tmp_path):
     pack = pack_path(model)
     assert f"{format_size(pack_bytes(model))} into {pack}" in shown  # before the build
     assert f"packed model.gguf: {pack}, {format_size(pack.stat().st_size)}" in shown  # after it
+
+
+# -- temporaries builds leave (issue 47) ------------------------------------------------------
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been waited for)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    return int(done.stdout)
+
+
+# A child that builds the model's pack in its main thread and stops, its temporary half written, once
+# the globals are in it: the parent then kills it.
+PAUSED_BUILD = """
+import sys, time
+from pathlib import Path
+from tierflow.offload.gguf.model_file import open_model_file
+from tierflow.offload.pack import writer
+
+original = writer.extents
+
+def paused(model, decoder=None, **kwargs):
+    for index, item in enumerate(original(model, decoder, **kwargs)):
+        if index == 1 and decoder is not None:
+            print("building", flush=True)
+            time.sleep(120)
+        yield item
+
+writer.extents = paused
+with open_model_file(Path(sys.argv[1])) as opened:
+    writer.open_pack(opened)
+"""
+
+
+def killed_midway(model: Path, signum: int) -> tuple[int, int]:
+    """Builds the model's pack in a child killed by `signum` midway: (its pid, its exit code)."""
+    child = subprocess.Popen([sys.executable, "-c", PAUSED_BUILD, str(model)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline() == "building\n"
+        temporary = pack_path(model).with_name(f"{pack_path(model).name}.{child.pid}.tmp")
+        assert temporary.stat().st_size > 0  # half written
+        child.send_signal(signum)
+        return child.pid, child.wait(timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_build_killed_midway_leaves_a_temporary_that_cache_list_shows_and_prune_removes(model):
+    pid, code = killed_midway(model, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    temporary = packs_folder() / f"{pack_path(model).name}.{pid}.tmp"
+    size = temporary.stat().st_size
+    shown = listed()
+    assert shown["packs"] == [] and shown["stale_bytes"] == size
+    assert shown["stale_temporaries"] == [{"name": temporary.name, "path": str(temporary), "bytes": size,
+                                           "pid": pid}]
+    table = " ".join(cli("cache", "list").stdout.split())  # the caption as one line, however wrapped
+    assert f"{format_size(size)} in 1 temporary file(s) left by builds that were killed" in table
+    assert "tierflow cache prune removes them" in table
+    pruned = " ".join(cli("cache", "prune").stdout.split())
+    assert not temporary.exists()
+    assert f"removed {temporary.name} ({format_size(size)}, left by process {pid}" in pruned
+    assert f"freed {format_size(size)}" in pruned
+    assert listed()["stale_temporaries"] == []
+
+
+def test_sigterm_during_a_build_removes_its_temporary(model):
+    pid, code = killed_midway(model, signal.SIGTERM)
+    assert code == -signal.SIGTERM  # it still dies of the signal, as without the handler
+    assert list(packs_folder().glob("*.tmp")) == [] and not pack_path(model).exists()
+
+
+def test_a_build_removes_the_temporaries_killed_builds_left_before_its_disk_check(model, monkeypatch, caplog):
+    stale = packs_folder() / f"other.0123456789abcdef.tfpack.{dead_pid()}.tmp"
+    stale.write_bytes(bytes(3 << 20))
+    needed = pack_bytes(model) + cache.DISK_MARGIN_BYTES
+    real = shutil.disk_usage(packs_folder())
+    # room for the pack only with the temporary's bytes: refused unless it is removed before the check
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda path: real._replace(
+        free=needed - 1 + (0 if stale.exists() else 3 << 20)))
+    with caplog.at_level(logging.INFO, logger="tierflow.offload.pack"):
+        assert pack_of(model).exists()
+    assert not stale.exists()
+    assert f"removed 1 temporary ({format_size(3 << 20)})" in caplog.text and stale.name in caplog.text
+
+
+def test_temporaries_of_writers_still_alive_are_kept(model):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    folder = packs_folder()
+    try:
+        live = folder / f"live.tfpack.{sleeper.pid}.tmp"
+        live.write_bytes(b"being written")
+        # a writer whose pid means nothing here (another container's, another host's) holds its lock
+        elsewhere = folder / f"elsewhere.tfpack.{dead_pid()}.tmp"
+        with open(elsewhere, "wb") as held:
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+            assert listed()["stale_temporaries"] == []
+            cli("cache", "prune")
+            pack_of(model)  # a build's cleanup before its disk check
+            assert live.exists() and elsewhere.exists()
+        assert [stale["name"] for stale in listed()["stale_temporaries"]] == [elsewhere.name]  # let go
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    stale = sorted(temporary["name"] for temporary in listed()["stale_temporaries"])
+    assert stale == sorted([live.name, elsewhere.name])
+
+
+def test_cache_prune_removes_the_scratch_file_a_killed_probe_left(own_cache):
+    scratch = own_cache / f".tierflow-probe.{dead_pid()}.tmp"
+    scratch.write_bytes(bytes(1 << 20))
+    assert [stale["name"] for stale in listed()["stale_temporaries"]] == [scratch.name]
+    pruned = " ".join(cli("cache", "prune").stdout.split())
+    assert not scratch.exists() and f"removed {scratch.name} ({format_size(1 << 20)}" in pruned

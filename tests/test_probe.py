@@ -1,8 +1,10 @@
-"""The hardware probe: plausible figures, no scratch file left behind, and the cached profile."""
+"""The hardware probe: plausible figures, no scratch file left behind (nor one a killed probe left), the
+cached profile, and what it says before it starts. What it takes of RAM: tests/test_memory_budgets.py."""
 
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -195,3 +197,37 @@ def test_cli_probe_prints_the_cached_profile(cache):
     table = run_tierflow("probe", "--threads", "2", env=env)
     assert table.returncode == 0, table.stderr
     assert "Test CPU" in table.stdout and str(profile_path(2)) in table.stdout.replace("\n", "")
+
+
+def test_cli_probe_says_how_long_it_takes_and_within_how_much_ram_before_it_starts(cache, monkeypatch):
+    started = []
+
+    def fake_probe(threads, memory_bytes=None, **kwargs):
+        started.append(memory_bytes)
+        return fake_profile(threads)
+
+    monkeypatch.setattr(probing, "probe", fake_probe)
+    env = {"TIERFLOW_CACHE": str(cache)}
+    done = run_tierflow("probe", "--threads", "2", "--cpu-memory", "48MiB", env=env)
+    assert done.returncode == 0, done.stderr
+    said = " ".join(done.stderr.split())
+    estimate = re.search(r"measuring this machine once for the planner \(tierflow probe\): about (\d+) s, "
+                         r"within 48\.0 MiB of RAM", said)
+    assert estimate and 1 <= int(estimate.group(1)) <= 60 and started == [48 << 20]
+    again = run_tierflow("probe", "--threads", "2", env=env)
+    assert "measuring" not in again.stderr and started == [48 << 20]  # cached: nothing to announce
+
+
+def test_a_scratch_file_a_killed_probe_left_is_removed_by_the_next(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    left = tmp_path / f".tierflow-probe.{int(gone.stdout)}.tmp"
+    left.write_bytes(bytes(1 << 20))
+    probing.disk_read_gbps(tmp_path, 4 * 2**20, passes=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("chunk", [64 << 10, 1 << 20, 32 << 20])
+def test_disk_reads_whole_requests_through_a_buffer_of_any_size(tmp_path, chunk):
+    gbps, _ = probing.disk_read_gbps(tmp_path, 64 * 2**20, passes=1, chunk_bytes=chunk)
+    assert gbps > 0 and list(tmp_path.iterdir()) == []

@@ -319,7 +319,7 @@ def damaged_url(tmp_path_factory):
         file.seek(at)
         file.write(np.full(8, np.nan, np.float32).tobytes())
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(TensorDecoder, "_finite", lambda self, tensor, values: values)
+        patch.setattr(TensorDecoder, "_finite", lambda self, tensor, values, first=0: values)
         damaged = Engine.load(path, threads=1, context_length=128)
     with damaged, running_server(damaged) as base:
         yield base

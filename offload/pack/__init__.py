@@ -10,4 +10,6 @@
                 use records, the size cap (TIERFLOW_CACHE_MAX) with LRU eviction, the disk check
                 before a build; listing, removal and pruning for `tierflow cache`
     reader.py   PackedFile: the manifest, and Weights viewing an extent's bytes in RAM or on a device
+    temporaries.py  files written as NAME.<pid>.tmp, then renamed: locked while written, removed on
+                SIGTERM; those of processes that are gone found and removed (stale_temporaries)
 """

@@ -20,6 +20,9 @@ from tierflow.offload.pack.writer import add_extent, extents
 
 # The types a load lays out in RAM at about the speed it reads them, or that need no layout.
 BUILT_IN_RAM_TYPES = BLOCK_PACKED_TYPES | {T.F32, T.F16, T.BF16}
+# The GGUF's bytes read, while an extent is built, after which its mapped pages are let go: a large
+# embedding's file pages would otherwise count in RSS beside the extent built from them.
+RELEASE_BYTES = 64 << 20
 
 
 def builds_in_ram(model: ModelFile) -> bool:
@@ -36,7 +39,9 @@ class BuiltPack(PackedFile):
         manifest = {"source": None, "layers": [], "experts": []}
         self._layouts: dict[int, ExtentLayout] = {}  # by offset, until built
         offset = 0
-        for layer, expert, layout in extents(model, TensorDecoder(model.gguf)):
+        # the file's pages read for an extent are let go as it is built, not only once it is whole
+        decoder = TensorDecoder(model.gguf, release_bytes=RELEASE_BYTES)
+        for layer, expert, layout in extents(model, decoder):
             nbytes = layout.extent_size().nbytes
             add_extent(manifest, layer, expert, {"offset": offset, "nbytes": nbytes, "crc32": 0,
                                                  "weights": layout.spec})

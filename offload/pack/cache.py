@@ -15,10 +15,16 @@ touched on every open; `tierflow cache list` shows it and eviction goes by it, l
 used first. A MoE model's routing, once recorded (NAME.routing.npz), is kept beside its pack
 too, and goes with it. Before a pack is built, `make_room` evicts packs over the cap
 (TIERFLOW_CACHE_MAX) and checks the disk has room, before any byte is written.
+
+A pack is written as NAME.tfpack.<pid>.tmp and renamed when whole (writer.py). A build killed
+midway leaves that temporary, up to the pack's size: the temporaries of writers that are gone
+(temporaries.py: the pid not alive, the file's lock free) are removed before a build's disk check
+and by `prune`, which count them, and `tierflow cache list` shows them (`stale_temporaries`).
 """
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -31,6 +37,7 @@ from typing import BinaryIO
 from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError, TierflowError
 from tierflow.offload.gguf.split_files import split_parts
 from tierflow.offload.pack.reader import PackedFile
+from tierflow.offload.pack.temporaries import StaleTemporary, remove_stale, stale_temporaries
 from tierflow.offload.plan.profile import cache_dir
 from tierflow.units import format_size, parse_size
 
@@ -48,6 +55,9 @@ DISK_MARGIN_BYTES = 1 << 30
 # is larger (the free-space check guards the disk then); a cap the user sets is kept strictly.
 DEFAULT_CAP_SHARE = 0.25
 CAP_VARIABLE = "TIERFLOW_CACHE_MAX"
+# The probe's scratch file in the cache folder (offload/plan/probe.py), left by a probe killed midway.
+PROBE_SCRATCH_PATTERN = ".tierflow-probe.*.tmp"
+log = logging.getLogger(__name__)
 
 # The packs this process has opened and still holds: never evicted from under it. Engines may load
 # on several threads, and a WeakSet must not change while it is read.
@@ -179,10 +189,15 @@ def default_cap_bytes(folder: Path) -> int:
 
 
 def make_room(target: Path, nbytes: int, model_name: str) -> None:
-    """Before the pack `target` (nbytes) of `model_name` is built: refuses (BudgetError) a pack
-    larger than the cap or than the disk's free space allows, then evicts the least recently used
-    packs the cap needs gone. Neither `target` nor a pack this process holds is evicted."""
+    """Before the pack `target` (nbytes) of `model_name` is built: removes the temporaries that killed
+    builds left (logged), refuses (BudgetError) a pack larger than the cap or than the disk's free
+    space allows, then evicts the least recently used packs the cap needs gone. Neither `target` nor
+    a pack this process holds is evicted."""
     folder = target.parent
+    removed = remove_stale(folder)
+    if removed:
+        log.info("removed %s left in %s by builds that were killed: %s", _temporaries_said(removed), folder,
+                 ", ".join(stale.path.name for stale in removed))
     cap = cap_bytes()
     if cap is not None and nbytes > cap:
         raise BudgetError(f"the pack of {model_name} takes {format_size(nbytes)}, more than the pack "
@@ -210,10 +225,22 @@ def _check_disk(folder: Path, nbytes: int, evictable: int, model_name: str) -> N
                           f"packs (tierflow cache prune) or set TIERFLOW_CACHE to a folder on another disk")
 
 
-def prune(max_bytes: int | None = None) -> list[CachedPack]:
-    """Removes the packs whose source is gone, changed or unknown, then the least recently used ones
-    until the rest take at most max_bytes (default: the cap); returns those removed."""
+@dataclass(frozen=True)
+class Pruned:
+    packs: list[CachedPack]  # removed: the source gone, changed or unknown, then least recently used
+    temporaries: list[StaleTemporary]  # removed: left by builds (and probes) that were killed
+
+    @property
+    def nbytes(self) -> int:
+        return total_bytes(self.packs) + sum(stale.nbytes for stale in self.temporaries)
+
+
+def prune(max_bytes: int | None = None) -> Pruned:
+    """Removes the temporaries killed builds (and probes) left, the packs whose source is gone,
+    changed or unknown, then the least recently used ones until the rest take at most max_bytes
+    (default: the cap); returns what it removed."""
     folder = packs_folder()
+    temporaries = remove_stale(folder) + remove_stale(cache_dir(), PROBE_SCRATCH_PATTERN)
     packs = list_packs()
     gone = [pack for pack in packs if not pack.source_exists and pack.path not in _held_paths()]
     kept = [pack for pack in packs if pack not in gone]
@@ -229,7 +256,17 @@ def prune(max_bytes: int | None = None) -> list[CachedPack]:
     for suffix in RETIRED_SUFFIXES:
         for record in folder.glob(f"*{suffix}"):
             record.unlink(missing_ok=True)
-    return removed
+    return Pruned(removed, temporaries)
+
+
+def stale_files() -> list[StaleTemporary]:
+    """The temporaries killed builds (and probes) left in the cache, which prune removes."""
+    return stale_temporaries(packs_folder()) + stale_temporaries(cache_dir(), PROBE_SCRATCH_PATTERN)
+
+
+def _temporaries_said(stale: list[StaleTemporary]) -> str:
+    count = len(stale)
+    return f"{count} temporar{'y' if count == 1 else 'ies'} ({format_size(sum(x.nbytes for x in stale))})"
 
 
 def routing_path(source: Path) -> Path:

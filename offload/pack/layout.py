@@ -21,13 +21,25 @@ Packed matrices are cpu_kernels/packed.py's layout (rows padded to tiles of 64; 
 gives each array's bytes): every type's bytes are the GGUF's own but TQ1_0's and MXFP4's. An
 MXFP4 matrix with a block scale above 2^15 (a weight of magnitude 2^16 or more) has no codebook
 form (quant_groups.py); the pack refuses it.
+
+The bytes are produced in pieces: every array of a packed matrix leads with its row tiles, so a
+range of whole tiles is one run of bytes in each, and a matrix is written as jobs of a range of
+rows each (its GGUF rows are one run of bytes too). A job holds only its rows, about
+`TensorDecoder.piece_bytes` in all (its output and temporaries: BYTES_PER_WEIGHT a weight, by how
+it lays them out), whatever the tensor's size, so an embedding of 150k x 4k weights is never whole
+in memory while it is laid out. The jobs write into a `Sink`: the extent's bytes in RAM (`fill`: the
+load's own buffer, or the writer's for a small extent), or a file at the extent's offset (`write_to`:
+the writer's large extents). Jobs of one extent run on a thread per core; a failed one's exception is
+raised once none is running.
 """
 
+import errno
 import functools
+import math
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +70,12 @@ from tierflow.offload.io.disk import ALIGNMENT
 from tierflow.runtime.models.tensor_map import Field, Matmul, Tensor, Vector, field_tensors
 
 ARRAY_ALIGNMENT = 64
-TRANSCODED_ROWS = 16 * TILE_ROWS  # rows per job of a matrix written from its GGUF blocks
+PIECE_BYTES = 8 << 20  # a job's RAM by default: 1024 rows of a 4096-wide matrix written from its blocks
+# RAM a job takes per weight of its rows, by how it lays them out (output and temporaries): C's
+# transcoding writes at most 9 bits a weight and reads the GGUF's bytes; numpy's packing of quant
+# groups holds a byte of code per weight several times over (bit planes, tiles); a float32 matrix its
+# output and the decoded rows.
+BYTES_PER_WEIGHT = {"transcode": 2, "numpy": 12, "dense": 8}
 
 
 @dataclass(frozen=True)
@@ -93,11 +110,40 @@ class ExtentSize:
 
 class TensorDecoder:
     """A GGUF's tensors decoded for the pack: quant groups (the packed kernels' input) or float32,
-    counting the source bytes decoded for a progress callback."""
+    counting the source bytes decoded for a progress callback.
 
-    def __init__(self, gguf: GGUFFile, progress: Callable[[int], None] | None = None):
+    piece_bytes bounds what one job holds (module docstring). release_bytes: once this many bytes of
+    the GGUF were decoded since the last time, the file's mapped pages are dropped from the process's
+    memory (GGUFFile.release_pages: they stay in the page cache), so that reading a large model does
+    not make its RSS the file's size; None: never (the caller releases them)."""
+
+    def __init__(self, gguf: GGUFFile, progress: Callable[[int], None] | None = None,
+                 piece_bytes: int = PIECE_BYTES, release_bytes: int | None = None):
         self.gguf, self.progress = gguf, progress
+        self.piece_bytes, self.release_bytes = piece_bytes, release_bytes
         self._counting = threading.Lock()  # extents are filled by several threads
+        self._unreleased = 0
+
+    def rows_per_job(self, cols: int, how: str) -> int:
+        """Rows of a [rows, cols] matrix one job lays out (`how`: a BYTES_PER_WEIGHT key): whole
+        tiles, as many as piece_bytes allows, at least one tile."""
+        rows = self.piece_bytes // (BYTES_PER_WEIGHT[how] * max(cols, 1))
+        return max(TILE_ROWS, rows // TILE_ROWS * TILE_ROWS)
+
+    def rows(self, tensor: Tensor, first: int, end: int, grouped: bool) -> QuantGroups | np.ndarray:
+        """Rows first .. end of the tensor (or of its expert slice) as a matrix [end - first, cols]:
+        quant groups, or float32."""
+        data, info = self._data(tensor, counted=False), self.gguf.tensors[tensor.name]
+        rows, cols = tensor.matrix_shape
+        row_bytes = data.nbytes // rows
+        if row_bytes * rows != data.nbytes:
+            raise AssertionError(f"tensor '{tensor.name}': {data.nbytes} bytes are not {rows} rows")
+        part = data[first * row_bytes: end * row_bytes]
+        self.count(part.nbytes)
+        if grouped:
+            return to_quant_groups(part, info.ggml_type, (cols, end - first))
+        values = dequantize(part, info.ggml_type, (cols, end - first)).reshape(end - first, cols)
+        return self._finite(tensor, values, first * cols)
 
     def matrix(self, tensor: Tensor, grouped: bool) -> QuantGroups | np.ndarray:
         """The tensor (or its expert slice) as a matrix [rows, cols]."""
@@ -114,10 +160,15 @@ class TensorDecoder:
         return self._data(tensor, counted=False), self.gguf.tensors[tensor.name].shape[:2]
 
     def count(self, nbytes: int) -> None:
-        """Reports `nbytes` more of the source decoded (from any thread)."""
-        if self.progress is not None:
-            with self._counting:
+        """Reports `nbytes` more of the source decoded (from any thread), and drops the file's
+        mapped pages every release_bytes."""
+        with self._counting:
+            if self.progress is not None:
                 self.progress(nbytes)
+            self._unreleased += nbytes
+            if self.release_bytes is not None and self._unreleased >= self.release_bytes:
+                self.gguf.release_pages()  # pages another job is reading are mapped again as it reads
+                self._unreleased = 0
 
     def vector(self, tensor: Tensor) -> np.ndarray:
         """The tensor's values (an expert's: its slice of a stacked [rows, experts] bias)."""
@@ -125,14 +176,14 @@ class TensorDecoder:
         shape = info.shape[:-1] if tensor.expert is not None else info.shape
         return self._finite(tensor, dequantize(self._data(tensor), info.ggml_type, shape).reshape(-1))
 
-    def _finite(self, tensor: Tensor, values: np.ndarray) -> np.ndarray:
-        """values, refused when one is NaN or infinite: such a weight makes every answer "" or
-        garbage, so the file is refused at load, naming the tensor."""
+    def _finite(self, tensor: Tensor, values: np.ndarray, first: int = 0) -> np.ndarray:
+        """values (the tensor's from element `first` on), refused when one is NaN or infinite: such a
+        weight makes every answer "" or garbage, so the file is refused at load, naming the tensor."""
         if not np.isfinite(values).all():
             where = int(np.flatnonzero(~np.isfinite(values.reshape(-1)))[0])
             raise ModelFileError(f"{self.gguf.path.name}: tensor '{tensor.name}' holds a value that is not "
-                                 f"a finite number ({values.reshape(-1)[where]} at element {where}; the file "
-                                 f"is damaged)")
+                                 f"a finite number ({values.reshape(-1)[where]} at element {first + where}; "
+                                 f"the file is damaged)")
         return values
 
     def _data(self, tensor: Tensor, counted: bool = True) -> np.ndarray:
@@ -176,16 +227,20 @@ class ExtentLayout:
         return ExtentSize(padded, groups, tuple(self.linears))
 
     def bytes(self) -> np.ndarray:
-        """The extent's bytes (uint8, padded), with every array filled in: the writer's."""
+        """The extent's bytes (uint8, padded), with every array filled in."""
         return self.fill(np.zeros(self.extent_size().nbytes, np.uint8))
 
     def fill(self, out: np.ndarray) -> np.ndarray:
         """Writes every array into `out` (uint8, at least the extent's size), in place, on a thread per
         core (the C transcoder and numpy's copies let go of the GIL); the padding between arrays is
         left as it is."""
-        for _ in _fill_threads().map(lambda job: job(out), self.jobs):
-            pass  # each job's exception, if any, is raised here
+        _run(self.jobs, InPlace(out))
         return out
+
+    def write_to(self, fd: int, offset: int) -> None:
+        """Writes every array to the file `fd` at `offset` + its place, a job's piece at a time (the
+        padding between arrays is not written: a new file reads zeros there)."""
+        _run(self.jobs, ToFile(fd, offset))
 
     # -- the walk -----------------------------------------------------------------------------
 
@@ -199,7 +254,7 @@ class ExtentLayout:
 
     def _array(self, nbytes: int, fill: Callable[[], np.ndarray]) -> list[int]:
         place = self._reserve(nbytes)
-        self.jobs.append(lambda out: _put(out, place, fill()))
+        self.jobs.append(lambda sink: _put(sink, place, fill()))
         return place
 
     def _vector(self, tensor: Tensor) -> list[int]:
@@ -237,8 +292,12 @@ class ExtentLayout:
             spec["bias"] = self._array(4 * rows, lambda: self._biases(parts))
         if fmt is None:
             self.linears.append(LinearSize(4 * rows * cols, None))
-            return spec | {"kind": "dense", "weight": self._array(
-                4 * rows * cols, lambda: np.concatenate([self.decoder.matrix(w, False) for w in weights]))}
+            place = self._reserve(4 * rows * cols)
+            if self.decoder is not None:
+                step = self.decoder.rows_per_job(cols, "dense")
+                self.jobs += [functools.partial(self._dense_rows, weights, place, first,
+                                                min(first + step, rows)) for first in range(0, rows, step)]
+            return spec | {"kind": "dense", "weight": place}
         sizes = packed_sizes(fmt, rows, cols)
         with_mins = fmt.sub is None and fmt.has_min
         places = {"data": self._reserve(sizes["data"])}  # in the pack's order of arrays
@@ -264,45 +323,74 @@ class ExtentLayout:
 
     def _packing_jobs(self, weights: list[Tensor], rows: int, cols: int, with_mins: bool,
                       codebook: str | None, places: dict[str, list[int]]) -> None:
-        """The jobs that write a packed matrix's arrays: ranges of TRANSCODED_ROWS rows written
-        straight from the GGUF's blocks where every part is of one BLOCK_PACKED_TYPES type, else one
-        job that packs the whole matrix (quant groups, numpy) and copies its arrays into place."""
+        """The jobs that write a packed matrix's arrays, each a range of whole tiles of rows: written
+        straight from the GGUF's blocks where every part is of one BLOCK_PACKED_TYPES type, else
+        packed from their quant groups (numpy) and copied into place."""
+        if self.decoder is None:
+            return
         types = {self.gguf.tensors[w.name].ggml_type for w in weights}
         if len(types) == 1 and types <= BLOCK_PACKED_TYPES:
             ggml_type = types.pop()
-            shapes = block_array_shapes(ggml_type, rows, cols)
-            for first in range(0, rows, TRANSCODED_ROWS):
-                self.jobs.append(functools.partial(self._transcode, weights, ggml_type, places, shapes,
-                                                   first, min(first + TRANSCODED_ROWS, rows)))
+            step = self.decoder.rows_per_job(cols, "transcode")
+            self.jobs += [functools.partial(self._transcode, weights, ggml_type, places, cols, first,
+                                            min(first + step, rows)) for first in range(0, rows, step)]
             return
+        step = self.decoder.rows_per_job(cols, "numpy")
+        self.jobs += [functools.partial(self._pack_rows, weights, with_mins, codebook, places, first,
+                                        min(first + step, rows)) for first in range(0, rows, step)]
 
-        def pack_and_copy(out: np.ndarray) -> None:
-            packed = self._packed(weights, with_mins, codebook)
-            sub = packed.sub
-            arrays = {"data": packed.data, "high": packed.high, "scales": packed.scales, "mins": packed.mins,
-                      "sub_codes": sub and sub.codes, "supers": sub and sub.supers}
-            for name, place in places.items():
-                _put(out, place, arrays[name])
-        self.jobs.append(pack_and_copy)
-
-    def _transcode(self, weights: list[Tensor], ggml_type: int, places: dict[str, list[int]],
-                   shapes: dict[str, tuple[tuple[int, ...], type]], first: int, end: int,
-                   out: np.ndarray) -> None:
-        arrays = {name: _view(out, places[name], shape, dtype) for name, (shape, dtype) in shapes.items()}
-        parts = [self.decoder.blocks(w) for w in weights]
+    def _transcode(self, weights: list[Tensor], ggml_type: int, places: dict[str, list[int]], cols: int,
+                   first: int, end: int, sink: "Sink") -> None:
+        """Rows first .. end (whole tiles from `first`) of the stacked parts, from their GGUF blocks."""
+        arrays = {name: sink.array(_tile_at(places[name], first, shape, dtype), shape, dtype)
+                  for name, (shape, dtype) in block_array_shapes(ggml_type, end - first, cols).items()}
+        parts, indices = [], []
+        for index, (weight, low, stop) in _row_parts(weights, first, end):
+            raw, (part_cols, _) = self.decoder.blocks(weight)
+            row_bytes = raw.nbytes // weight.matrix_shape[0]
+            parts.append((raw[low * row_bytes: stop * row_bytes], (part_cols, stop - low)))
+            indices.append(index)
         try:
-            transcode_blocks(parts, ggml_type, arrays, first, end)
+            transcode_blocks(parts, ggml_type, arrays)
         except UnpackableBlocks as error:
-            raise self._refusal(weights[error.part], ggml_type) from None
-        raw, (_, part_rows) = parts[0]
-        self.decoder.count((end - first) * (raw.nbytes // part_rows))
+            raise self._refusal(weights[indices[error.part]], ggml_type) from None
+        for name, array in arrays.items():
+            sink.done(_tile_at(places[name], first, array.shape, array.dtype), array)
+        self.decoder.count(sum(raw.nbytes for raw, _ in parts))
 
-    def _packed(self, weights: list[Tensor], with_mins: bool, codebook: str | None) -> PackedMatrix:
-        """The tensors packed as one matrix. A scale or offset that is not a number means a damaged
-        file; one too large for the packed layout's float16 (a Q4_0 block of scale 65504 has an
-        offset of -8 x 65504), or an MXFP4 scale without a codebook form, is a file tierflow cannot
-        hold."""
-        groups = [self.decoder.matrix(w, True) for w in weights]
+    def _pack_rows(self, weights: list[Tensor], with_mins: bool, codebook: str | None,
+                   places: dict[str, list[int]], first: int, end: int, sink: "Sink") -> None:
+        """Rows first .. end of the stacked parts packed from their quant groups, copied into place."""
+        parts = [(weight, self.decoder.rows(weight, low, stop, True))
+                 for _, (weight, low, stop) in _row_parts(weights, first, end)]
+        packed = self._packed([weight for weight, _ in parts], with_mins, codebook,
+                              [groups for _, groups in parts])
+        sub = packed.sub
+        arrays = {"data": packed.data, "high": packed.high, "scales": packed.scales, "mins": packed.mins,
+                  "sub_codes": sub and sub.codes, "supers": sub and sub.supers}
+        for name, place in places.items():
+            array = arrays[name]
+            sink.put(_tile_at(place, first, array.shape, array.dtype), array)
+
+    def _dense_rows(self, weights: list[Tensor], place: list[int], first: int, end: int,
+                    sink: "Sink") -> None:
+        """Rows first .. end of the stacked parts in float32."""
+        cols = weights[0].matrix_shape[1]
+        out = sink.array(place[0] + first * cols * 4, (end - first, cols), np.float32)
+        done = 0
+        for _, (weight, low, stop) in _row_parts(weights, first, end):
+            out[done: done + stop - low] = self.decoder.rows(weight, low, stop, False)
+            done += stop - low
+        sink.done(place[0] + first * cols * 4, out)
+
+    def _packed(self, weights: list[Tensor], with_mins: bool, codebook: str | None,
+                groups: list[QuantGroups] | None = None) -> PackedMatrix:
+        """The tensors (or `groups`: some of their rows) packed as one matrix. A scale or offset that
+        is not a number means a damaged file; one too large for the packed layout's float16 (a Q4_0
+        block of scale 65504 has an offset of -8 x 65504), or an MXFP4 scale without a codebook form,
+        is a file tierflow cannot hold."""
+        if groups is None:
+            groups = [self.decoder.matrix(w, True) for w in weights]
         names = ", ".join(f"'{w.name}'" for w in weights)
         for weight, group in zip(weights, groups):
             if not (np.isfinite(group.scale).all() and np.isfinite(group.min).all()):
@@ -341,6 +429,111 @@ def _same_form(a: GroupLayout | None, b: GroupLayout | None) -> bool:
     return a is None and b is None or a is not None and b is not None and a.form == b.form
 
 
+def _row_parts(weights: list[Tensor], first: int, end: int) -> Iterator[tuple[int, tuple[Tensor, int, int]]]:
+    """(index, (part, low, stop)): the rows low .. stop of each part that rows first .. end of the
+    parts stacked in order cover."""
+    start = 0
+    for index, weight in enumerate(weights):
+        rows = weight.matrix_shape[0]
+        low, stop = max(first, start), min(end, start + rows)
+        if low < stop:
+            yield index, (weight, low - start, stop - start)
+        start += rows
+
+
+def _tile_at(place: list[int], first: int, shape: tuple[int, ...], dtype) -> int:
+    """Where, in an array at `place` whose first axis is row tiles, the tiles from row `first` of
+    a piece of this shape start."""
+    at, nbytes = place
+    tile_bytes = math.prod(shape[1:]) * np.dtype(dtype).itemsize
+    start = first // TILE_ROWS * tile_bytes
+    if start + shape[0] * tile_bytes > nbytes:
+        raise AssertionError(f"the pack's layout expected {nbytes} bytes, the writer writes past them")
+    return at + start
+
+
+class Sink:
+    """Where jobs write an extent's arrays: `array` gives a job the array it fills in place of the
+    bytes at `at` (the extent's offsets), `done` takes it once filled; `put` takes one the job made."""
+
+    def array(self, at: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+        raise NotImplementedError
+
+    def done(self, at: int, array: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def put(self, at: int, array: np.ndarray) -> None:
+        out = self.array(at, array.shape, array.dtype)
+        out[...] = array
+        self.done(at, out)
+
+
+class InPlace(Sink):
+    """The extent's bytes in RAM: arrays are views of them."""
+
+    def __init__(self, out: np.ndarray):
+        self.out = out
+
+    def array(self, at: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if at + nbytes > self.out.nbytes:
+            raise AssertionError(f"the writer writes past the extent's {self.out.nbytes} bytes")
+        return self.out[at: at + nbytes].view(dtype).reshape(shape)
+
+    def done(self, at: int, array: np.ndarray) -> None:
+        pass
+
+
+class ToFile(Sink):
+    """A file the extent is written to at `offset`: arrays are the job's own, written when done."""
+
+    def __init__(self, fd: int, offset: int):
+        self.fd, self.offset = fd, offset
+
+    def array(self, at: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def done(self, at: int, array: np.ndarray) -> None:
+        write_all(self.fd, np.ascontiguousarray(array).reshape(-1).view(np.uint8), self.offset + at)
+
+    def put(self, at: int, array: np.ndarray) -> None:
+        self.done(at, array)
+
+
+def write_all(fd: int, data: np.ndarray | bytes | memoryview, offset: int) -> None:
+    """os.pwrite until every byte is written (a regular file's writes stop short only when full)."""
+    view, done = memoryview(data).cast("B"), 0
+    while done < len(view):
+        count = os.pwrite(fd, view[done:], offset + done)
+        if count == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += count
+
+
+def _run(jobs: list[Callable[[Sink], None]], sink: Sink) -> None:
+    """Runs the jobs on the fill threads; raises the first one's exception (in job order) once none is
+    running any more (a job still writing after a failure could write into a file closed meanwhile)."""
+    futures = [_fill_threads().submit(job, sink) for job in jobs]
+    error = None
+    try:
+        for future in futures:
+            try:
+                future.result()
+            except CancelledError:
+                pass
+            except Exception as failure:
+                if error is None:
+                    error = failure
+                    for other in futures:
+                        other.cancel()
+    finally:
+        for future in futures:
+            future.cancel()
+        wait(futures)
+    if error is not None:
+        raise error
+
+
 @functools.cache
 def _fill_threads() -> ThreadPoolExecutor:
     """The threads extents are filled on, a thread per core, started once: a MoE model has thousands of
@@ -348,19 +541,9 @@ def _fill_threads() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tierflow-pack")
 
 
-def _put(out: np.ndarray, place: list[int], array: np.ndarray) -> None:
-    """Copies an array to its place [offset, nbytes] in the extent's bytes."""
+def _put(sink: Sink, place: list[int], array: np.ndarray) -> None:
+    """Puts an array at its place [offset, nbytes] in the extent's bytes."""
     at, nbytes = place
     if array.nbytes != nbytes:
         raise AssertionError(f"the pack's layout expected {nbytes} bytes, the writer made {array.nbytes}")
-    out[at: at + nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-
-
-def _view(out: np.ndarray, place: list[int], shape: tuple[int, ...], dtype: type) -> np.ndarray:
-    """The array of this shape and dtype at its place in the extent's bytes."""
-    at, nbytes = place
-    view = out[at: at + nbytes].view(dtype)
-    if view.size != int(np.prod(shape)):
-        raise AssertionError(f"the pack's layout expected {nbytes} bytes, the transcoder writes "
-                             f"{int(np.prod(shape)) * view.itemsize}")
-    return view.reshape(shape)
+    sink.put(at, np.ascontiguousarray(array).reshape(-1).view(np.uint8))

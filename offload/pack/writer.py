@@ -18,8 +18,15 @@ arrays as layout.py lays them out, its family's fields in order):
                        its fields' arrays (layout.py)
     trailer            MAGIC, manifest offset, manifest size, manifest CRC-32 (28 bytes)
 
-The file is written under a temporary name, synced, then renamed: a pack either exists whole or
-not at all. Where it lives and what makes it the source's is cache.py's: its manifest records the
+The file is written under a temporary name (NAME.tfpack.<pid>.tmp, locked while written, removed on
+a failure or SIGTERM: temporaries.py), synced, then renamed: a pack either exists whole or not at
+all. The build holds at most about `memory_bytes` (the load's cpu_memory): an extent up to an eighth
+of it is laid out in RAM and written whole, a larger one (a large vocabulary's embedding) goes to the
+file a job's rows at a time (layout.py) and its checksum is read back; the GGUF's pages are dropped
+from the process's memory as it is read (TensorDecoder.release_bytes, every eighth), and jobs are
+sized so that those running at once hold at most a quarter of it.
+
+Where it lives and what makes it the source's is cache.py's: its manifest records the
 source's identity (cache.source_identity) and the format version, and a pack that disagrees
 (stale) or whose trailer, manifest or size is wrong (damaged), or whose manifest is not exactly
 the layout the header implies (a crafted one with a valid checksum), is rebuilt. Extents carry
@@ -28,6 +35,7 @@ Before a build, cache.make_room checks the cap and the disk against the pack's s
 the header (pack_sizes).
 """
 
+import errno
 import json
 import logging
 import os
@@ -35,9 +43,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from tierflow.cpu_kernels.checksum import crc32
 from tierflow.errors import ModelFileError, TierflowError
 from tierflow.offload.gguf.model_file import ModelFile
+from tierflow.offload.io.heap import give_back_freed_memory
 from tierflow.offload.pack.cache import (
     make_room,
     other_packs_of_inode,
@@ -46,11 +57,16 @@ from tierflow.offload.pack.cache import (
     remove_pack,
     source_identity,
 )
-from tierflow.offload.pack.layout import ExtentLayout, ExtentSize, TensorDecoder
+from tierflow.offload.pack.layout import PIECE_BYTES, ExtentLayout, ExtentSize, TensorDecoder, write_all
 from tierflow.offload.pack.reader import MAGIC, PACK_VERSION, TRAILER, PackedFile
+from tierflow.offload.pack.temporaries import writing
 from tierflow.units import format_size
 
 LoadProgress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
+# What a build may hold when the caller names no budget: this much, or a quarter of the available RAM.
+DEFAULT_BUILD_MEMORY = 512 << 20
+MIN_PIECE_BYTES = 1 << 20
+CHECKSUM_WINDOW = 8 << 20  # a large extent's bytes read back for its checksum, this many at a time
 # Where a build starts and ends, with the pack's size and place (the CLI shows these at INFO).
 log = logging.getLogger(__name__)
 
@@ -132,8 +148,10 @@ def add_extent(manifest: dict, layer: int | None, expert: int | None, entry: dic
         manifest["experts"][layer].append(entry)
 
 
-def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = None) -> None:
-    """Writes the pack of `model` (whose tensors passed check_tensors) to path, atomically."""
+def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = None,
+               memory_bytes: int | None = None) -> None:
+    """Writes the pack of `model` (whose tensors passed check_tensors) to path, atomically, holding at
+    most about memory_bytes (default: build_memory(None)) meanwhile."""
     total, done = sum(info.nbytes for info in model.gguf.tensors.values()), 0
 
     def decoded(nbytes: int) -> None:
@@ -141,36 +159,69 @@ def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = Non
         done += nbytes
         progress("packing the weights (once)", done, total)
 
-    decoder = TensorDecoder(model.gguf, decoded if progress is not None else None)
-    temporary = path.with_name(path.name + f".{os.getpid()}.tmp")
+    memory = build_memory(memory_bytes)
+    threads = os.cpu_count() or 1
+    piece = min(PIECE_BYTES, max(MIN_PIECE_BYTES, memory // 4 // threads))  # the jobs running at once
+    decoder = TensorDecoder(model.gguf, decoded if progress is not None else None, piece_bytes=piece,
+                            release_bytes=max(memory // 8, piece))
     try:
-        with open(temporary, "wb") as f:
+        with writing(path, "w+b") as (temporary, f):  # read too: a large extent's checksum
+            fd, offset = f.fileno(), 0
             manifest = {"version": PACK_VERSION, "source": source_identity(model.path), "layers": [],
                         "experts": []}
             for layer, expert, layout in extents(model, decoder):
-                data = layout.bytes()
-                add_extent(manifest, layer, expert, {"offset": f.tell(), "nbytes": len(data),
-                                                      "crc32": crc32(data), "weights": layout.spec})
-                f.write(data)
+                nbytes = layout.extent_size().nbytes
+                if nbytes <= memory // 8:
+                    data = layout.bytes()
+                    checksum = crc32(data)
+                    write_all(fd, data, offset)
+                    del data
+                else:
+                    layout.write_to(fd, offset)
+                    os.ftruncate(fd, offset + nbytes)  # its padding at the end, not written, reads as zeros
+                    checksum = _file_crc32(fd, offset, nbytes)
+                add_extent(manifest, layer, expert, {"offset": offset, "nbytes": nbytes, "crc32": checksum,
+                                                      "weights": layout.spec})
+                offset += nbytes
             raw = json.dumps(manifest).encode()
-            offset = f.tell()
-            f.write(raw)
-            f.write(TRAILER.pack(MAGIC, offset, len(raw), crc32(raw)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
+            write_all(fd, raw + TRAILER.pack(MAGIC, offset, len(raw), crc32(raw)), offset)
+            os.fsync(fd)
+            os.replace(temporary, path)
     finally:
-        temporary.unlink(missing_ok=True)
+        model.gguf.release_pages()
+        give_back_freed_memory()  # the pieces freed on the fill threads, kept in their heaps otherwise
 
 
-def open_pack(model: ModelFile, progress: LoadProgress | None = None) -> PackedFile:
+def build_memory(memory_bytes: int | None) -> int:
+    """What a build may hold: memory_bytes, or by default DEFAULT_BUILD_MEMORY or a quarter of the
+    available RAM, whichever is less."""
+    if memory_bytes is not None:
+        return max(int(memory_bytes), 0)
+    return min(DEFAULT_BUILD_MEMORY, psutil.virtual_memory().available // 4)
+
+
+def _file_crc32(fd: int, offset: int, nbytes: int) -> int:
+    """The CRC-32 of nbytes of the file at offset (read back: an extent written in pieces)."""
+    window = bytearray(min(CHECKSUM_WINDOW, nbytes))
+    view, checksum, done = memoryview(window), 0, 0
+    while done < nbytes:
+        count = os.preadv(fd, [view[: min(len(view), nbytes - done)]], offset + done)
+        if count == 0:
+            raise OSError(errno.EIO, f"the pack ends before byte {offset + nbytes} while it is written")
+        checksum = crc32(view[:count], checksum)
+        done += count
+    return checksum
+
+
+def open_pack(model: ModelFile, progress: LoadProgress | None = None, memory_bytes: int | None = None
+              ) -> PackedFile:
     """The model's pack from the cache, built first if it is missing, stale or damaged (once the
-    cap and the disk have room for it)."""
+    cap and the disk have room for it), holding at most about memory_bytes while it is built."""
     identity = source_identity(model.path)
     path = pack_path(model.path)
     packed = _cached_pack(path, identity, model)
     if packed is None:
-        packed = _new_pack(model, path, progress)
+        packed = _new_pack(model, path, progress, memory_bytes)
     record_use(packed, model.path)
     return packed
 
@@ -188,14 +239,15 @@ def _cached_pack(path: Path, identity: dict, model: ModelFile) -> PackedFile | N
     return None
 
 
-def _new_pack(model: ModelFile, path: Path, progress: LoadProgress | None) -> PackedFile:
+def _new_pack(model: ModelFile, path: Path, progress: LoadProgress | None, memory_bytes: int | None
+              ) -> PackedFile:
     nbytes = pack_sizes(model).total_bytes
     for stale in other_packs_of_inode(path):  # a deleted file's, whose inode this one reuses
         remove_pack(stale)
     make_room(path, nbytes, model.path.name)
     log.info("packing the weights of %s once: %s into %s", model.path.name, format_size(nbytes), path)
     try:
-        build_pack(model, path, progress)
+        build_pack(model, path, progress, memory_bytes)
     except OSError as error:  # a full disk, a read-only cache folder
         raise TierflowError(f"cannot write the packed weights of {model.path.name} to {path.parent} "
                             f"({error.strerror or error}); free space there or set TIERFLOW_CACHE to "

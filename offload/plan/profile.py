@@ -58,6 +58,9 @@ class HardwareProfile:
     layer_overhead_s: float = 0.0
     overhead_by_shape: dict[str, float] = field(default_factory=dict)  # shape_key(config) -> seconds
     gpu: GpuProfile | None = None
+    # Measured within an allowance too small for the smallest meaningful sizes (probe.py): the RAM and
+    # kernel speeds are partly the cache's. A load or probe allowed more measures again.
+    rough: bool = False
     version: int = field(default=PROFILE_VERSION)
 
     def to_json(self) -> str:

@@ -71,15 +71,25 @@ def _tokenizer() -> tuple[tuple[bytes, ...], int]:
     return entries, vocab_size
 
 
+def _vocab_size(spec: ModelSpec) -> int:
+    """The embedding's rows: spec.vocab_size, or the tokenizer's tokens."""
+    tokens = _tokenizer()[1]
+    if spec.vocab_size is None:
+        return tokens
+    if spec.vocab_size < tokens:
+        raise ValueError(f"vocab_size {spec.vocab_size} cannot hold the tokenizer's {tokens} tokens")
+    return spec.vocab_size
+
+
 def _kvs(spec: ModelSpec) -> list[bytes]:
-    tokenizer, vocab_size = _tokenizer()
-    return [pack_kv(key, value) for key, value in architecture_metadata(spec, vocab_size)
+    tokenizer = _tokenizer()[0]
+    return [pack_kv(key, value) for key, value in architecture_metadata(spec, _vocab_size(spec))
             ] + list(tokenizer)
 
 
 def write_model(path: str | os.PathLike, spec: ModelSpec) -> Path:
     """Write the GGUF file for `spec` to `path`, one tensor in memory at a time."""
-    plan = tensor_plan(spec, _tokenizer()[1])
+    plan = tensor_plan(spec, _vocab_size(spec))
     rng = np.random.default_rng(spec.seed)
     data = (random_tensor_bytes(rng, t.qtype, t.shape, t.std, t.mean, t.values) for t in plan)
     return write_gguf(path, _kvs(spec), [tensor.entry for tensor in plan], data)
@@ -87,7 +97,7 @@ def write_model(path: str | os.PathLike, spec: ModelSpec) -> Path:
 
 def file_bytes(spec: ModelSpec) -> int:
     """The exact size of write_model's file for `spec`, without writing it."""
-    return file_size(_kvs(spec), [tensor.entry for tensor in tensor_plan(spec, _tokenizer()[1])])
+    return file_size(_kvs(spec), [tensor.entry for tensor in tensor_plan(spec, _vocab_size(spec))])
 
 
 def write_f32_copy(source: str | os.PathLike, dest: str | os.PathLike,

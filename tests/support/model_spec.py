@@ -207,6 +207,9 @@ class ModelSpec:
                                      # None: weight_type
     pooling_type: int | None = None  # {arch}.pooling_type, llama.cpp's enum (0 none, 1 mean, 2 cls,
                                      # 3 last, 4 rank); None: not written
+    vocab_size: int | None = None    # the embedding's (and head's) rows; None: the tokenizer's tokens.
+                                     # More rows than tokens, as real files pad theirs (Qwen2.5:
+                                     # 151936 rows); fewer cannot hold the tokenizer (make_model says so)
     seed: int = 0
 
     def __post_init__(self) -> None:
