@@ -58,22 +58,31 @@ class _Notices(logging.Handler):
         err.print(record.getMessage(), markup=False, soft_wrap=True)
 
 
+# The library's loggers whose INFO messages a load shows: the pack's (where it goes, how large, the
+# temporaries of killed builds removed) and the probe's (how long measuring the machine takes).
+NOTICE_LOGGERS = ("tierflow.offload.pack", "tierflow.offload.plan.probe")
+
+
 @contextmanager
 def pack_notices():
-    """Shows, while a model loads, where its pack goes and how large it is, if it is built (on a
-    terminal, like the progress bar: piped stderr stays one line per error)."""
+    """Shows, while a model loads, where its pack goes and how large it is, if it is built, and how
+    long measuring the machine takes, if it is measured first (on a terminal, like the progress bar:
+    piped stderr stays one line per error)."""
     if not err.is_terminal:
         yield
         return
-    logger, handler = logging.getLogger("tierflow.offload.pack"), _Notices(logging.INFO)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    handler = _Notices(logging.INFO)
+    loggers = [logging.getLogger(name) for name in NOTICE_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
 
 
 @contextmanager
