@@ -22,6 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.support.budgets import streaming_budget
+from tests.support.damage import flip_byte
 from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
 from tests.support.packs import written_pack
@@ -126,6 +127,27 @@ def test_a_file_rewritten_in_place_with_its_mtime_kept_gets_its_pack_rebuilt(mod
     rebuilt = PackedFile(pack_of(model)).globals.crc32
     assert len(builds) == 2 and rebuilt != old
     assert rebuilt == PackedFile(pack_of(seeded(tmp_path, "fresh.gguf", 1))).globals.crc32
+
+
+def test_an_edit_between_the_samples_that_keeps_size_and_mtime_gets_its_pack_rebuilt(model, builds):
+    """Only the change time (which any write moves) tells: the whole file's CRC is checked then."""
+    pack_of(model)
+    stat = model.stat()
+    flip_byte(model, stat.st_size // 8 * 7 - 4096)  # between the 3/4 and the last sample, in the weights
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (model.stat().st_size, model.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    pack_of(model)
+    assert len(builds) == 2, "the edited file was served its old pack"
+
+
+def test_a_moved_file_is_checked_once_and_keeps_its_pack(model, tmp_path, builds, monkeypatch):
+    first = pack_of(model)
+    moved = model.rename(tmp_path / "moved.gguf")  # its ctime moves, its bytes do not
+    reads = []
+    read = cache.content_crc
+    monkeypatch.setattr(cache, "content_crc", lambda source: reads.append(source) or read(source))
+    assert pack_of(moved) == first and pack_of(moved) == first
+    assert builds == [first] and len(reads) == 1
 
 
 # -- the disk and the cap, checked before a build ---------------------------------------------

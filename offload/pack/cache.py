@@ -3,9 +3,12 @@ which packs go when room is needed.
 
 A pack is named after its source file's device and inode, so every name of one file (a symlink, a
 hard link, the file after a move within its filesystem) finds the same pack. Its manifest records
-the file's whole identity (device, inode, size, modification time and a hash of sampled content)
-and a pack is used only while all of it matches: a file changed in place, even one that kept its
-modification time, has its pack rebuilt under the same name, not a second one left beside it.
+the file's whole identity (device, inode, size, modification and change times, a hash of sampled
+content and a CRC-32 of all of it) and a pack is used only while it matches: a file changed in
+place, even one that kept its size and modification time, has its pack rebuilt under the same name,
+not a second one left beside it. The change time (ctime) moves on any write, and on a move, a link
+or a chmod too: a pack whose source's ctime moved is checked against the CRC of the whole file (one
+read of it) before it is used, and the ctime it was checked at is kept in its use record.
 A pack of the inode under another name serves only a file of the size and modification time its
 manifest records; any other was left by a deleted file whose inode the system reused, and a pack
 named after the new file replaces it.
@@ -34,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO
 
+from tierflow.cpu_kernels.checksum import crc32
 from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError, TierflowError
 from tierflow.offload.gguf.split_files import split_parts
 from tierflow.offload.pack.reader import PackedFile
@@ -46,6 +50,7 @@ USE_SUFFIX = ".used"
 ROUTING_SUFFIX = ".routing.npz"  # a MoE model's recorded routing, for the planner's hit rates and read-ahead
 RETIRED_SUFFIXES = (".routing.npy",)  # kept beside packs by an older tierflow, read by none now
 SAMPLE_BYTES = 64 << 10
+CRC_READ_BYTES = 16 << 20
 SAMPLE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the content samples start (the last ends the file)
 # Left free on the cache's disk after a pack: a disk filled to its last byte breaks other programs
 # (editors, databases, the system's logs), and the manifest is written after the extents.
@@ -93,11 +98,44 @@ later parts count by size and mtime."""
     with open(source, "rb") as f:
         stat = os.fstat(f.fileno())
         identity = {"device": stat.st_dev, "inode": stat.st_ino, "size": stat.st_size,
-                    "mtime_ns": stat.st_mtime_ns, "sample_sha256": _sample_hash(f, stat.st_size)}
+                    "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns,
+                    "sample_sha256": _sample_hash(f, stat.st_size)}
     later_parts = (split_parts(Path(source)) or [])[1:]  # a split model's: a changed one changes it
     if later_parts:
         identity["parts"] = [[stat.st_size, stat.st_mtime_ns] for stat in map(os.stat, later_parts)]
     return identity
+
+
+def content_crc(source: Path) -> int:
+    """CRC-32 of the whole file and its later split parts: read once at a build, and again only when
+    the file's ctime moved since (same_source)."""
+    crc = 0
+    for part in [Path(source), *(split_parts(Path(source)) or [])[1:]]:
+        with open(part, "rb") as f:
+            while block := f.read(CRC_READ_BYTES):
+                crc = crc32(block, crc)
+    return crc
+
+
+def same_source(recorded: dict, identity: dict, pack: Path, source: Path) -> bool:
+    """Whether a pack whose manifest records `recorded` was built from the file whose identity is
+    now `identity`: all of it equal, or all but the ctime when the whole file's CRC still is (the
+    ctime checked then is kept in the pack's use record, so the file is read once per change)."""
+    built = {key: value for key, value in recorded.items() if key != "content_crc32"}
+    if built == identity:
+        return True
+    if {**built, "ctime_ns": identity.get("ctime_ns")} != identity or "content_crc32" not in recorded:
+        return False
+    if _read_use(pack).get("checked_ctime_ns") == identity["ctime_ns"]:
+        return True
+    if content_crc(source) != recorded["content_crc32"]:
+        return False
+    _write_use(pack, {**_read_use(pack), "checked_ctime_ns": identity["ctime_ns"]})
+    return True
+
+
+def _without_change_time(identity: dict) -> dict:
+    return {key: value for key, value in identity.items() if key not in ("ctime_ns", "content_crc32")}
 
 
 def _sample_hash(f: BinaryIO, size: int) -> str:
@@ -152,12 +190,21 @@ def record_use(packed: PackedFile, source: Path) -> None:
     with _open_packs_lock:
         _open_packs.add(packed)
     record, source = _use_record(packed.path), str(Path(source).resolve())
-    temporary = record.with_name(record.name + f".{os.getpid()}.tmp")
+    used = _read_use(packed.path)
     try:
-        if _read_use(packed.path).get("source") == source:
+        if used.get("source") == source:
             os.utime(record)
             return
-        temporary.write_text(json.dumps({"source": source}))
+    except OSError:
+        return
+    _write_use(packed.path, {**used, "source": source})
+
+
+def _write_use(pack: Path, contents: dict) -> None:
+    record = _use_record(pack)
+    temporary = record.with_name(record.name + f".{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(contents))
         os.replace(temporary, record)
     except OSError:
         temporary.unlink(missing_ok=True)
@@ -339,8 +386,9 @@ def _with_source(pack: CachedPack) -> CachedPack:
     source = _read_use(pack.path).get("source")
     if not isinstance(source, str):
         return pack
-    try:
-        exists = PackedFile(pack.path).source == source_identity(Path(source))
+    try:  # without reading the whole file: a file only moved or relinked since still counts
+        recorded, identity = PackedFile(pack.path).source, source_identity(Path(source))
+        exists = _without_change_time(recorded) == _without_change_time(identity)
     except (OSError, ModelFileError):
         exists = False
     return CachedPack(pack.path, pack.nbytes, pack.last_used_ns, Path(source), exists)

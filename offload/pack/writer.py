@@ -50,11 +50,13 @@ from tierflow.errors import ModelFileError, TierflowError
 from tierflow.offload.gguf.model_file import ModelFile
 from tierflow.offload.io.heap import give_back_freed_memory
 from tierflow.offload.pack.cache import (
+    content_crc,
     make_room,
     other_packs_of_inode,
     pack_path,
     record_use,
     remove_pack,
+    same_source,
     source_identity,
 )
 from tierflow.offload.pack.layout import PIECE_BYTES, ExtentLayout, ExtentSize, TensorDecoder, write_all
@@ -167,8 +169,8 @@ def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = Non
     try:
         with writing(path, "w+b") as (temporary, f):  # read too: a large extent's checksum
             fd, offset = f.fileno(), 0
-            manifest = {"version": PACK_VERSION, "source": source_identity(model.path), "layers": [],
-                        "experts": []}
+            source = {**source_identity(model.path), "content_crc32": content_crc(model.path)}
+            manifest = {"version": PACK_VERSION, "source": source, "layers": [], "experts": []}
             for layer, expert, layout in extents(model, decoder):
                 nbytes = layout.extent_size().nbytes
                 if nbytes <= memory // 8:
@@ -234,7 +236,7 @@ def _cached_pack(path: Path, identity: dict, model: ModelFile) -> PackedFile | N
         packed = PackedFile(path)
     except ModelFileError:
         return None  # damaged
-    if packed.source == identity and _laid_out_as_the_header_says(packed, model):
+    if same_source(packed.source, identity, path, model.path) and _laid_out_as_the_header_says(packed, model):
         return packed
     return None
 
