@@ -44,12 +44,16 @@ def lut_tables(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.nd
 def int8_codes(x: np.ndarray, group: int, block: int | None = None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [M, K] -> int8 codes [M, K], steps [M, K/block], sums [M, K/group]; one step per block
-    columns (by default per group)."""
+    columns (by default per group). A group's sum is its codes' sum times its step, as ggml's Q8_1
+    keeps it (d * sum(q)): what a min multiplies, so the whole product is with the activations as
+    the codes give them."""
     tokens, cols = x.shape
     blocks = x.reshape(tokens, cols // (block or group), -1).astype(np.float32)
     inverse, steps = _group_scales(np.abs(blocks).max(axis=-1))
     codes = np.rint(blocks * inverse[..., None]).astype(np.int8).reshape(tokens, cols)
-    return codes, steps, x.reshape(tokens, cols // group, group).sum(axis=-1, dtype=np.float64)
+    code_sums = codes.astype(np.int64).reshape(tokens, cols // group, group).sum(-1)
+    group_steps = np.repeat(steps, (block or group) // group, axis=-1)  # [M, K/group]
+    return codes, steps, code_sums * group_steps.astype(np.float64)
 
 
 def _integer_sums(w: PackedMatrix, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

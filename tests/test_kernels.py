@@ -61,9 +61,11 @@ def assert_matches_reference(y: np.ndarray, w: PackedMatrix, x: np.ndarray) -> N
 
     The kernel and the reference do the same integer arithmetic (same int8 activation codes, same
     integer sums per group); they differ only in float rounding: the kernel rounds scale * step
-    and the group sums of x to float32 and accumulates its G = K / group terms in float32, the
-    reference works in float64. That error is at most about (G + group + 3) * 2**-24 times the
-    size of the terms added, which is <= 1e-5 for every shape here (G + group <= 80).
+    and the group sums the mins multiply (the LUT kernel's sums of x, added in float32; the int8
+    kernel's step times the codes' sum, ggml's Q8_1 sum) to float32 and accumulates its G = K / group
+    terms in float32, the reference works in float64. That error is at most about
+    (G + group + 3) * 2**-24 times the size of the terms added, which is <= 1e-5 for every shape
+    here (G + group <= 80).
 
     The size of the terms is |x| @ (|scale| |q| + |min|).T, not |x| @ |W|.T: the scale and min
     terms can cancel (a Q4_0 row of 8s has W = 0 but terms of 8 * scale * sum(x)), and each is

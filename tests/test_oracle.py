@@ -11,6 +11,8 @@ Two kinds of comparison:
   at every position except such near-ties.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -40,14 +42,34 @@ def test_logits_match_llama_cpp_on_a_64_token_prompt(engine, oracle):
     print(f"Q4_1: mean |logit difference| vs llama.cpp {diff:.4f}")
 
 
+# Prose for the accuracy comparison: 16 windows of 64 tokens.
+ACCURACY_TEXT = Path(__file__).parent / "support" / "moe_calibration.txt"
+ACCURACY_WINDOWS = 16
+
+
 def test_quantized_logits_are_as_close_to_exact_as_llama_cpps(engine, oracle, f32_pair):
-    """The exact result of the Q4_1 weights is the same model run in float32 (its F32 copy)."""
-    ids = engine.tokenize(LONG_TEXT)[:64]
-    exact = f32_pair[0].logits(ids)
-    ours = float(np.abs(engine.logits(ids) - exact).mean())
-    theirs = float(np.abs(llama_cpp_logits(oracle, ids) - exact).mean())
-    print(f"Q4_1 mean |logit error|: tierflow {ours:.4f}, llama.cpp {theirs:.4f}")
-    assert ours < 1.2 * theirs
+    """The exact result of the Q4_1 weights is the same model run in float32 (its F32 copy); the
+    error is the mean |logit - exact| over 16 windows of 64 tokens of prose, each a sequence of its
+    own. Measured here: tierflow 0.978 times llama.cpp's.
+
+    Many windows, not one: one window's error is mostly chance (a change of 2^-20 in every attention
+    output moves the logits about as far as they are from exact, benchmarks/kv_accuracy.py). Over 40
+    windows of 64 tokens of the benchmarks' texts, one window's ratio of ours to llama.cpp's ranged
+    from 0.85 to 1.42, 16 consecutive windows' from 0.99 to 1.03 (all 40: 1.00). Both sides
+    quantize the activations to 8 bits, and a weight's min multiplies the activations' sum as the
+    codes give it (ggml's Q8_1 sum, d * sum(q); int8_prepare_token): with the exact sum, as tierflow
+    had it, the ratio was 1.11 here, 1.09 to 1.16 over those 16 windows."""
+    ids = engine.tokenize(ACCURACY_TEXT.read_text())
+    windows = [ids[i: i + 64] for i in range(0, 64 * ACCURACY_WINDOWS, 64)]
+    assert len(windows[-1]) == 64
+    ours, theirs = [], []
+    for window in windows:
+        exact = f32_pair[0].logits(window)
+        ours.append(np.abs(engine.logits(window) - exact).mean())
+        theirs.append(np.abs(llama_cpp_logits(oracle, window) - exact).mean())
+    ours, theirs = float(np.mean(ours)), float(np.mean(theirs))
+    print(f"Q4_1 mean |logit error|: tierflow {ours:.4f}, llama.cpp {theirs:.4f} ({ours / theirs:.3f}x)")
+    assert ours < 1.1 * theirs
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

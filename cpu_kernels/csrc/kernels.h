@@ -134,7 +134,7 @@ typedef struct {
     int64_t codes_per_token; /* LUT: K / 4 * 16 table entries; int8: K values */
     int8_t *codes;           /* quantized tables or activations */
     float *scales;           /* [tokens][K / group]: the float value of one code step */
-    float *sums;             /* [tokens][K / group]: the exact sum of x over the group */
+    float *sums;             /* [tokens][K / group]: LUT: the exact sum of x over the group; int8: step * code sum */
     int32_t *code_sums;      /* int8: [tokens][K / group], the sum of the group's int8 codes */
 } prepared_acts;
 
@@ -145,8 +145,9 @@ typedef void (*tile_kernel)(const packed_matrix *w, const prepared_acts *a, int6
 
 void lut_prepare_token(const float *x, int64_t cols, int64_t group, int8_t *tables,
                        float *scales, float *sums);
-/* int8 codes with one step per `block` columns (scales[K / block]) and, per group, the exact sum
- * and the codes' sum (sums, code_sums [K / group]); block is a multiple of group. */
+/* int8 codes with one step per `block` columns (scales[K / block]) and, per group, the codes' sum and
+ * it times the step (code_sums, sums [K / group]): what a min multiplies, as in ggml's Q8_1; block is
+ * a multiple of group. */
 void int8_prepare_token(const float *x, int64_t cols, int64_t group, int64_t block, int8_t *codes,
                         float *scales, float *sums, int32_t *code_sums);
 
