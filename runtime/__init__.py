@@ -17,6 +17,7 @@
     sampler.py        sampling settings and the sampler (logit bias, penalties, filters, a constraint's mask)
     logprobs.py       each generated token's log-probability and top alternatives
     structured.py     structured output: grammars (JSON schema, regex, Lark, GBNF) and their matchers
+    schema_checks.py  a JSON schema too wide for the grammar engine, or with no finite instance, refused
     batching.py       the passes of generations running together, batched into one sweep of the weights
     slots.py          the sequences decoded together: their token generators and who holds which
     tokenizer.py      llama.cpp's tokenizer; vocabulary.py checks a vocabulary before it loads
