@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.support.oracle import log_softmax, perplexity
 from tierflow import Engine
 from tierflow.offload.gguf.convert import convert_model
 from tierflow.offload.gguf.model_path import resolve_model_path
@@ -45,23 +46,10 @@ class Row:
     convert_seconds: float
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """[T, V] float32 -> float64 log-probabilities."""
-    logits = logits.astype(np.float64)
-    logits -= logits.max(axis=-1, keepdims=True)
-    return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-
-
 def score(path: Path, ids: list[int], threads: int) -> np.ndarray:
     """Log-probabilities [T, V] of the next token at every position of `ids`."""
     with Engine.load(path, threads=threads, context_length=len(ids)) as engine:
         return log_softmax(engine.logits(ids))
-
-
-def perplexity(log_probs: np.ndarray, ids: list[int]) -> float:
-    """exp of the mean negative log-probability of each next token of the text."""
-    next_ids = np.array(ids[1:])
-    return float(np.exp(-log_probs[np.arange(len(next_ids)), next_ids].mean()))
 
 
 def compare(reference: np.ndarray, log_probs: np.ndarray) -> tuple[float, float]:

