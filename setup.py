@@ -17,6 +17,7 @@ FOLDERS = {
     "tierflow.cpu_kernels": "cpu_kernels",
     "tierflow.gpu_kernels": "gpu_kernels",
     "tierflow.cli": "cli",
+    "tierflow.server": "server",
 }
 
 
@@ -49,6 +50,6 @@ PACKAGES = mapped_packages()
 setup(
     packages=list(PACKAGES),
     package_dir=PACKAGES,
-    package_data={"tierflow.cli": ["*.html"]},
+    package_data={"tierflow.server": ["*.html"]},
     ext_modules=[KERNELS],
 )

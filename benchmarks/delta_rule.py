@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tierflow.cpu_kernels.matmul import set_threads
-from tierflow.runtime import delta_rule
+from tierflow.runtime.compute import delta_rule
 
 
 def inputs(tokens: int, heads: int, dim: int) -> tuple[torch.Tensor, ...]:

@@ -32,7 +32,7 @@ import numpy as np
 from tests.support.make_model import write_f32_copy
 from tierflow import Engine
 from tierflow.offload.gguf.model_path import resolve_model_path
-from tierflow.runtime.model import CPU_KERNELS
+from tierflow.runtime.compute.cpu import CPU_KERNELS
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = [ROOT / "benchmarks" / "quality_text.txt", ROOT / "tests" / "support" / "perplexity_text.txt",

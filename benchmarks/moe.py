@@ -47,9 +47,9 @@ import numpy as np
 from tests.support.make_model import ModelSpec, write_model
 from tests.support.make_moe_from_dense import write_moe_from_dense
 from tierflow import Engine
-from tierflow.offload.experts.cache import CacheStats, ExpertCache
+from tierflow.offload.experts.expert_cache import CacheStats, ExpertCache
+from tierflow.offload.experts.next_layer import AffinityPredictor
 from tierflow.offload.experts.policy import ExpertKey, make_policy
-from tierflow.offload.experts.prediction import AffinityPredictor
 from tierflow.offload.experts.routing_trace import (
     SyntheticTraceSpec,
     check_trace,

@@ -72,7 +72,7 @@ from benchmarks.moe import text_prompts, uniform_belady_hit_rate, warm_belady_hi
 from tests.support.budgets import moe_bytes, ram_beside_weights
 from tests.support.make_model import spec_for_size, write_model
 from tierflow import Engine
-from tierflow.offload.experts.cache import CacheStats
+from tierflow.offload.experts.expert_cache import CacheStats
 from tierflow.offload.experts.hybrid import HybridExperts
 from tierflow.offload.experts.policy import make_policy  # noqa: E402
 from tierflow.offload.experts.prefetch_gate import PrefetchGate  # noqa: E402

@@ -180,7 +180,7 @@ def end_tokens(model: str | None) -> frozenset[int]:
     """The model's end-of-generation token ids."""
     from tierflow.offload.gguf.model_file import open_model_file
     from tierflow.offload.gguf.model_path import resolve_model_path
-    from tierflow.runtime.loader import load_tokenizer
+    from tierflow.runtime.loading.loader import load_tokenizer
 
     with open_model_file(resolve_model_path(model)) as opened:
         tokenizer = load_tokenizer(opened)

@@ -35,7 +35,7 @@ from tierflow.offload.io.disk import DiskFile, aligned_buffer
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.planner import make_plan
 from tierflow.offload.plan.profile import cache_dir
-from tierflow.runtime.loader import model_profile
+from tierflow.runtime.loading.loader import model_profile
 from tierflow.units import format_size, parse_size
 
 CONTEXT = 256

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tierflow import Engine
-from tierflow.runtime.structured import GrammarMatcher
+from tierflow.runtime.sampling.structured import GrammarMatcher
 
 PERSON = {
     "type": "object",

@@ -73,7 +73,7 @@ def _options_of_every_command(version: VersionOpt = False) -> None:
 def _load(model, **options):
     """Engine.load with the command's options; what the load decided for the user (a shorter
     default context) is said once, on stderr."""
-    from tierflow.runtime.engine import Engine
+    from tierflow.runtime.api.engine import Engine
 
     with pack_notices(), loading(model) as progress:
         engine = Engine.load(model, progress=progress, **options)
@@ -194,9 +194,9 @@ def serve(model: ModelOpt = None,
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models),
     /metrics and a chat page. The address is bound before the model loads, so one that is taken
     fails at once."""
-    from tierflow.cli.listen import listening
-    from tierflow.cli.server import ServerSettings
-    from tierflow.cli.server import serve as serve_forever
+    from tierflow.server.listen import listening
+    from tierflow.server.routes import ServerSettings
+    from tierflow.server.routes import serve as serve_forever
 
     settings = ServerSettings(host=host, port=port, api_key=api_key, cors_origins=tuple(cors_origin or ()),
                               max_prompt_chars=max_prompt_chars, context_shift=not no_context_shift,
@@ -274,7 +274,7 @@ def _bench_figures(runs: list) -> dict:
 def _sampling(**options) -> dict:
     """The sampling settings given (the rest take the model's defaults), checked before a model
     loads so a typo fails fast."""
-    from tierflow.runtime.sampler import SamplingParams
+    from tierflow.runtime.sampling.sampler import SamplingParams
 
     settings = {name: value for name, value in options.items() if value is not None}
     SamplingParams(**settings)

@@ -1,4 +1,4 @@
-"""`tierflow cache`: list and remove the packs (offload/pack/cache.py)."""
+"""`tierflow cache`: list and remove the packs (offload/pack/pack_cache.py)."""
 
 import json
 from datetime import datetime
@@ -20,7 +20,7 @@ def cache_list(as_json: Annotated[bool, option("--json", help="print the packs a
                ) -> None:
     """Show each pack: its model file, size, last use, and whether that file is still there; and the
     temporaries that builds killed midway left (`tierflow cache prune` removes them)."""
-    from tierflow.offload.pack.cache import list_packs, packs_folder, stale_files, total_bytes
+    from tierflow.offload.pack.pack_cache import list_packs, packs_folder, stale_files, total_bytes
 
     packs, stale = list_packs(), stale_files()
     stale_bytes = sum(temporary.nbytes for temporary in stale)
@@ -51,7 +51,7 @@ def cache_rm(name_or_path: Annotated[str, typer.Argument(
         help="a pack's name (as `tierflow cache list` shows it) or path, or a model file for its pack")]
              ) -> None:
     """Remove one pack (the model file itself is never touched)."""
-    from tierflow.offload.pack.cache import find_pack, remove_pack
+    from tierflow.offload.pack.pack_cache import find_pack, remove_pack
 
     pack = find_pack(name_or_path)
     size = pack.stat().st_size
@@ -65,7 +65,7 @@ def cache_prune(max_size: Annotated[Optional[str], option(
         "else a quarter of the cache's disk)")] = None) -> None:
     """Remove the temporary files that builds killed midway left, the packs whose model file is
     gone or changed, then the least recently used ones until the rest fit --max-size."""
-    from tierflow.offload.pack.cache import prune
+    from tierflow.offload.pack.pack_cache import prune
 
     removed = prune(None if max_size is None else parse_size(max_size))
     for temporary in removed.temporaries:

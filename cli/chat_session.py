@@ -16,7 +16,7 @@ from tierflow.cli.chat_settings import (
 )
 from tierflow.cli.chat_terminal import AnswerView, LineReader
 from tierflow.errors import ContextLengthError, InvalidArgumentError
-from tierflow.runtime.context_shift import FittedChat, fit_chat
+from tierflow.runtime.generation.context_shift import FittedChat, fit_chat
 
 HINT = "/help lists the commands, Ctrl-D quits, Ctrl-C stops an answer"
 
@@ -28,7 +28,7 @@ class ChatSession:
     ollama's chats keep it: the model sees the partial text as its own turn, and the message
     carries "stopped": true (kept by /save, never sent to the model). So does an answer cut by
     the end of the context: a conversation that outgrows the context drops its oldest turns
-    (runtime/context_shift.py), which the session forgets too, and says so once.
+    (runtime/generation/context_shift.py), which the session forgets too, and says so once.
     """
 
     def __init__(self, engine, system: str | None, settings: dict, console: Console, *,

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tierflow.errors import InvalidArgumentError
-from tierflow.runtime.sampler import SamplingParams, as_count
+from tierflow.runtime.sampling.sampler import SamplingParams, as_count
 
 # The settings /set changes, by the type its text is read as; each is checked by what the engine
 # takes (SamplingParams, or a count for max_tokens).

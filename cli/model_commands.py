@@ -30,7 +30,7 @@ from tierflow.units import format_size
 
 def info(model: ModelArg = None, model_opt: ModelOpt = None) -> None:
     """Show a model's architecture, sizes, tensor types and bytes per tier (loads no weights)."""
-    from tierflow.runtime.model_info import describe_model
+    from tierflow.runtime.api.model_info import describe_model
 
     summary = describe_model(model or model_opt)
     table = Table(title=str(summary.path), show_header=False)
@@ -76,9 +76,9 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
     context and the predicted tokens/s, before anything loads (reads the header and the cached
     hardware profile). --parallel N plans N sequences' KV caches, as `tierflow serve --parallel N`
     loads them (default here: one)."""
+    from tierflow.arguments import check_parallel
     from tierflow.offload.plan.probe import announcement, will_probe
-    from tierflow.runtime.arguments import check_parallel
-    from tierflow.runtime.loader import CacheOptions, plan_file, thread_count
+    from tierflow.runtime.loading.loader import CacheOptions, plan_file, thread_count
     from tierflow.units import parse_size
 
     placement = expert_placement(cpu_moe, n_cpu_moe)
@@ -116,7 +116,7 @@ def probe(threads: ThreadsOpt = None,
     Measured once (about 10 s, said before it starts) and cached; --refresh measures again."""
     from tierflow.offload.plan.probe import ProbeWarning, announcement, load_profile, will_probe
     from tierflow.offload.plan.profile import profile_path
-    from tierflow.runtime.loader import thread_count
+    from tierflow.runtime.loading.loader import thread_count
     from tierflow.units import parse_size
 
     threads = thread_count(threads)

@@ -35,11 +35,11 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in ("Engine", "GenerationResult"):
-        from tierflow.runtime import engine
+        from tierflow.runtime.api import engine
 
         return getattr(engine, name)
     if name == "Grammar":
-        from tierflow.runtime.structured import Grammar
+        from tierflow.runtime.sampling.structured import Grammar
 
         return Grammar
     raise AttributeError(f"module 'tierflow' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The fused per-layer operations of the C extension, on float32 numpy arrays.
 
 Each is one C call doing what several tensor operations would (see csrc/ops.c for why); the
-torch formulation of each is in reference.py (the delta rule's is runtime/delta_rule.py's
+torch formulation of each is in reference.py (the delta rule's is runtime/compute/delta_rule.py's
 step_in_torch).
 """
 
@@ -55,7 +55,7 @@ def dense_matmul(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = No
 
 def delta_steps(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
                 beta: np.ndarray, next_state: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The gated delta rule through T tokens for every value head (runtime/delta_rule.py), the heads
+    """The gated delta rule through T tokens for every value head (runtime/compute/delta_rule.py), the heads
     on the kernels' threads: state [H, Dk, Dv], q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H],
     float32 and C-contiguous, Dv a multiple of 16 -> (outputs [T, H, Dv], the state after them,
     written into next_state when given). `state` is left as it was; every token gets the bits a

@@ -1,4 +1,4 @@
-"""TritonKernels: the decoder's per-layer operations (runtime.model.Kernels) on one device.
+"""TritonKernels: the decoder's per-layer operations (runtime.compute.interfaces.Kernels) on one device.
 
 A layer placed on the GPU tier is computed by these: its weights are DeviceLinears viewing the
 layer's uploaded bytes, its KV cache lives on the device, and the hidden state arrives once per
@@ -10,7 +10,7 @@ runs the same launchers in Triton's interpreter (how the engine's GPU path is te
 import numpy as np
 import torch
 
-from tierflow.cpu_kernels.reference import attention_reference, swiglu_oai_reference, weighted_rows_reference
+from tierflow.cpu_kernels.torch_ops import attention_reference, swiglu_oai_reference, weighted_rows_reference
 from tierflow.gpu_kernels import attention, matmul, ops
 from tierflow.gpu_kernels.matmul import DeviceLinear
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tierflow.cpu_kernels.packed import field_bits
-from tierflow.cpu_kernels.reference import attention_reference  # noqa: F401 (the CPU op's, on any device)
+from tierflow.cpu_kernels.torch_ops import attention_reference  # noqa: F401 (the CPU op's, on any device
 from tierflow.gpu_kernels.packed import DeviceMatrix, DeviceSubScales
 
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tierflow.runtime.sampler import Sampler
+from tierflow.runtime.sampling.sampler import Sampler
 from tierflow.speculative.tree import TokenTree
 
 

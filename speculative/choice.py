@@ -30,12 +30,12 @@ from tierflow.offload.pack.writer import PackSizes, pack_sizes
 from tierflow.offload.plan.cost_model import Costs, Layout, pass_stages, steady_pass_seconds
 from tierflow.offload.plan.planner import DEFAULT_PROMPT_TOKENS, Plan, ProfileSource
 from tierflow.offload.plan.profile import HardwareProfile
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.generation import GenerationStats, TokenGenerator
-from tierflow.runtime.loader import Budgets, LoadedModel, plan_load
-from tierflow.runtime.sampler import Sampler
+from tierflow.runtime.generation.token_loop import GenerationStats, TokenGenerator
+from tierflow.runtime.loading.loader import Budgets, LoadedModel, plan_load
+from tierflow.runtime.models.config import ModelConfig
+from tierflow.runtime.sampling.sampler import Sampler
+from tierflow.speculative.first_sizes import SpeculationPrior
 from tierflow.speculative.mtp import mtp_draft
-from tierflow.speculative.prediction import SpeculationPrior
 from tierflow.speculative.self_draft import (
     DraftRequest,
     SelfDraft,

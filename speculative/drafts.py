@@ -22,10 +22,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tierflow.runtime.generation import TokenGenerator
-from tierflow.runtime.sampler import Sampler
+from tierflow.runtime.generation.token_loop import TokenGenerator
+from tierflow.runtime.sampling.sampler import Sampler
+from tierflow.speculative.first_sizes import MIN_REACH, OTHER_MODEL_RATES
 from tierflow.speculative.ngram import DraftLength, continuations
-from tierflow.speculative.prediction import MIN_REACH, OTHER_MODEL_RATES
 from tierflow.speculative.tree import TokenTree
 
 NEVER = threading.Event()  # the target's generation loop checks cancellation between passes

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierflow.offload.pack.cache import source_identity
+from tierflow.offload.pack.pack_cache import source_identity
 from tierflow.offload.plan.profile import cache_dir
 
 VERSION = 2

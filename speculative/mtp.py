@@ -9,7 +9,7 @@ state at q - 1:
     logits = output(h'_q)             the target's head: a guess at the token at q + 1
 
 Its cache holds one such row per position the target has passed, each from the target's hidden
-state (the target's generator keeps them: runtime/hidden_trail.py). Guesses further ahead chain
+state (the target's generator keeps them: runtime/memory/hidden_trail.py). Guesses further ahead chain
 the block on its own h' in place of the target's, level by level as ModelDraft grows any draft's
 tree; those rows are dropped once the target has verified them, and the accepted tokens are fed
 again with the target's hidden states.
@@ -33,12 +33,13 @@ from tierflow.offload.pack.layout import ExtentLayout, TensorDecoder
 from tierflow.offload.pack.reader import extent_fields
 from tierflow.offload.plan.budgets import layer_kv_bytes
 from tierflow.offload.tiers.tiered import ResidentExperts
-from tierflow.runtime.generation import PREFILL_CHUNK, TokenGenerator
-from tierflow.runtime.hidden_trail import HiddenTrail
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.loader import Budgets, LoadedModel
-from tierflow.runtime.model import Decoder, SequenceInput, Weights
-from tierflow.runtime.sampler import Sampler
+from tierflow.runtime.compute.interfaces import Weights
+from tierflow.runtime.decoder.decoder import Decoder, SequenceInput
+from tierflow.runtime.generation.token_loop import PREFILL_CHUNK, TokenGenerator
+from tierflow.runtime.loading.loader import Budgets, LoadedModel
+from tierflow.runtime.memory.hidden_trail import HiddenTrail
+from tierflow.runtime.memory.kv_cache import KVCache
+from tierflow.runtime.sampling.sampler import Sampler
 from tierflow.speculative.drafts import ModelDraft
 from tierflow.speculative.tree import TokenTree
 from tierflow.units import format_size

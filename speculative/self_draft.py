@@ -21,12 +21,13 @@ from tierflow.offload.gguf.model_file import ModelFile
 from tierflow.offload.pack.writer import PackSizes
 from tierflow.offload.plan.budgets import layer_kv_bytes
 from tierflow.offload.plan.planner import ProfileSource
-from tierflow.runtime.generation import TokenGenerator
-from tierflow.runtime.host_attention import HostAttention
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.loader import Budgets, LoadedModel, plan_load
-from tierflow.runtime.model import Decoder, Weights
-from tierflow.runtime.sampler import Sampler
+from tierflow.runtime.compute.interfaces import Weights
+from tierflow.runtime.decoder.decoder import Decoder
+from tierflow.runtime.decoder.host_attention import HostAttention
+from tierflow.runtime.generation.token_loop import TokenGenerator
+from tierflow.runtime.loading.loader import Budgets, LoadedModel, plan_load
+from tierflow.runtime.memory.kv_cache import KVCache
+from tierflow.runtime.sampling.sampler import Sampler
 from tierflow.speculative.drafts import ModelDraft
 from tierflow.speculative.tree import TokenTree
 from tierflow.units import format_size

@@ -12,7 +12,7 @@ while that changes nothing) so the estimates around it stay current. Size 0 is a
 step: where no draft pays, speculation all but switches itself off.
 
 Before a size is measured, a prior may stand in for it (`seed`: the cost model's predictions and
-an acceptance prior, speculative/prediction.py, or what earlier runs of the pair measured): the
+an acceptance prior, speculative/first_sizes.py, or what earlier runs of the pair measured): the
 first pass then goes to the size predicted best rather than a fixed one. A measured size's
 seconds replace the prior's at once, and the prior's seconds of the sizes not yet measured are
 scaled by how far off it was at the measured ones (a machine slower than profiled is slower at
@@ -20,7 +20,7 @@ every size). Its tokens per pass count for 1 - FIRST_PASS_WEIGHT beside the firs
 pass's acceptance is a noisy sample), then fade as the moving average goes on.
 """
 
-from tierflow.speculative.prediction import SizePredictions, calibrated
+from tierflow.speculative.first_sizes import SizePredictions, calibrated
 
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)  # 0: no guesses, a plain decode step (the draft does not run)
 SMOOTHING = 0.3  # weight of the newest pass in the moving averages

@@ -5,11 +5,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from tierflow.errors import InvalidArgumentError
-from tierflow.runtime.generation import GenerationStats, TokenGenerator
-from tierflow.runtime.sampler import Sampler
+from tierflow.runtime.generation.token_loop import GenerationStats, TokenGenerator
+from tierflow.runtime.sampling.sampler import Sampler
 from tierflow.speculative.acceptance import accept_tree
 from tierflow.speculative.drafts import ModelDraft, NgramDraft
-from tierflow.speculative.prediction import OTHER_MODEL_RATES, SpeculationPrior, ngram_taken
+from tierflow.speculative.first_sizes import OTHER_MODEL_RATES, SpeculationPrior, ngram_taken
 from tierflow.speculative.sizing import TreeBudget
 from tierflow.speculative.tree import TokenTree
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
-from tierflow.runtime.sampler import Sampler, SamplingParams
+from tierflow.runtime.sampling.sampler import Sampler, SamplingParams
 from tierflow.speculative.acceptance import accept_tree
 from tierflow.speculative.drafts import _draw
 from tierflow.speculative.tree import TokenTree

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from tests.support.cli import Finished, run_tierflow
 from tierflow.cli.chat_terminal import AnswerView, file_history
-from tierflow.runtime.sampler import SAMPLED_REPEAT_PENALTY
+from tierflow.runtime.sampling.sampler import SAMPLED_REPEAT_PENALTY
 
 TIERFLOW = [sys.executable, "-m", "tierflow.cli.app"]
 # prompt_toolkit turns bracketed paste on as each prompt starts: the chat waits for a line.

@@ -38,7 +38,7 @@ RECORD_ANSWER_TEXTS = """() => {
 def server_url(engine):
     import uvicorn
 
-    from tierflow.cli.server import ServerSettings, create_app
+    from tierflow.server.routes import ServerSettings, create_app
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tierflow.errors import ModelFileError, TemplateError
 from tierflow.offload.gguf.model_path import bundled_model_path
-from tierflow.runtime.chat_template import CHATML_TEMPLATE, render_chat_template, start_render_workers
+from tierflow.runtime.text.chat_template import CHATML_TEMPLATE, render_chat_template, start_render_workers
 
 CONVERSATION = [
     {"role": "user", "content": "Hello"},
@@ -31,7 +31,7 @@ SMOLLM2_SYSTEM = (
 @pytest.fixture(scope="module")
 def smollm2_template() -> str:
     pytest.importorskip("llama_cpp")
-    from tierflow.runtime.tokenizer import Tokenizer
+    from tierflow.runtime.text.tokenizer import Tokenizer
 
     try:
         path = bundled_model_path()
@@ -161,7 +161,7 @@ def test_strftime_now_formats_the_current_date():
 _CAPPED_RENDERER = """
 import json, os, resource, sys, time
 from tierflow.errors import TemplateError
-from tierflow.runtime.chat_template import render_chat_template
+from tierflow.runtime.text.chat_template import render_chat_template
 
 with open("/proc/self/statm") as statm:
     in_use = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")

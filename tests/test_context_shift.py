@@ -1,6 +1,6 @@
 """A full context is not the end of a conversation: generation stops at the context's end with
 finish_reason "length" on every path, the oldest turns of a conversation that outgrows the context
-are dropped by one rule (runtime/context_shift.py), and the KV cache is shifted, not refilled."""
+are dropped by one rule (runtime/generation/context_shift.py), and the KV cache is shifted, not refilled."""
 
 import asyncio
 import logging
@@ -11,7 +11,7 @@ import pytest
 from tests.support.live_server import assert_error, running_server
 from tierflow import Engine
 from tierflow.errors import ContextLengthError
-from tierflow.runtime.context_shift import CUT_MARK, answer_room, fit_chat
+from tierflow.runtime.generation.context_shift import CUT_MARK, answer_room, fit_chat
 
 GREEDY = {"temperature": 0}
 COUNTING = "1, 2, 3, 4, 5, 6,"  # greedy continues it past any small context
@@ -178,7 +178,7 @@ def long_chat(**fields) -> dict:
 def test_the_chat_route_drops_the_oldest_turns_of_a_long_conversation_and_says_so(small_url, caplog):
     url, engine = small_url
     expected = fit_chat(conversation(12), engine.tokenize_chat, 256, max_tokens=8)
-    with caplog.at_level(logging.WARNING, logger="tierflow.cli.server"):
+    with caplog.at_level(logging.WARNING, logger="tierflow.server.routes"):
         response = httpx.post(f"{url}/v1/chat/completions", json=long_chat(), timeout=60)
     assert response.status_code == 200, response.text
     assert response.headers["X-Context-Shift"] == f"dropped {len(expected.dropped)} messages"

@@ -136,7 +136,7 @@ def test_4_bit_rtn_rebuilds_the_bundled_q4_1_file_exactly(model_path, tmp_path):
 
 def test_llama_cpp_reads_the_vocabulary_of_a_tq_file_from_a_metadata_copy(converted, model_path):
     from tierflow.offload.gguf.vocab_file import llama_vocab_file
-    from tierflow.runtime.tokenizer import Tokenizer
+    from tierflow.runtime.text.tokenizer import Tokenizer
 
     with read_gguf(model_path) as source, llama_vocab_file(source) as path:
         assert path == model_path  # llama.cpp parses ggml's types itself

@@ -1,4 +1,4 @@
-"""Gated DeltaNet's computations (runtime/delta_rule.py): the C kernels of the delta rule and of the
+"""Gated DeltaNet's computations (runtime/compute/delta_rule.py): the C kernels of the delta rule and of the
 steps around it (cpu_kernels.ops) against their torch formulations (the *_in_torch forms,
 cpu_kernels.reference), and the chunked form against the token loop. Each kernel matches torch,
 gives a token the same bits alone or in a pass, and refuses shapes that disagree."""
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from tierflow.cpu_kernels.ops import conv_silu, delta_gates, delta_split, delta_steps, gated_rms_norm
-from tierflow.cpu_kernels.reference import gated_rms_norm_reference
-from tierflow.runtime.delta_rule import (
+from tierflow.cpu_kernels.torch_ops import gated_rms_norm_reference
+from tierflow.runtime.compute.delta_rule import (
     CHUNK,
     StateBuffers,
     causal_conv_in_torch,

@@ -8,7 +8,7 @@ from tests.support.budgets import ram_beside_weights
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError
 from tierflow.offload.gguf.convert import convert_model
-from tierflow.speculative.placement import _check_vocabulary
+from tierflow.speculative.draft_loader import _check_vocabulary
 
 PROMPTS = ["The sky is blue because", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
            "Name three colours."]

@@ -18,7 +18,7 @@ from tierflow import (
     UnsupportedModelError,
 )
 from tierflow.kv_types import MAX_PASS_TOKENS
-from tierflow.runtime.embeddings import model_pooling, pass_batches
+from tierflow.runtime.api.embeddings import model_pooling, pass_batches
 
 TEXTS = [*PROMPTS, "Hello", LONG_TEXT]
 F32 = dict(weight_type="F32", embedding_type="F32")

@@ -24,7 +24,7 @@ from tierflow.errors import (
     TierflowError,
 )
 from tierflow.offload.gguf.reader import read_gguf
-from tierflow.runtime.generation import PREFILL_CHUNK
+from tierflow.runtime.generation.token_loop import PREFILL_CHUNK
 
 GREEDY = dict(temperature=0)
 IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from tierflow.errors import BudgetError
-from tierflow.offload.experts.cache import ExpertCache
-from tierflow.offload.experts.policy import POLICIES, ScorePolicy
-from tierflow.offload.experts.prediction import (
+from tierflow.offload.experts.expert_cache import ExpertCache
+from tierflow.offload.experts.next_layer import (
     AffinityPredictor,
     NextLayerPredictor,
     merge_token_predictions,
     route_top_k,
 )
+from tierflow.offload.experts.policy import POLICIES, ScorePolicy
 from tierflow.offload.experts.routing_trace import (
     SyntheticTraceSpec,
     check_trace,
@@ -24,7 +24,7 @@ from tierflow.offload.experts.routing_trace import (
     save_trace,
 )
 from tierflow.offload.experts.tier import ExpertTier
-from tierflow.runtime.config import ModelConfig, RopeScaling
+from tierflow.runtime.models.config import ModelConfig, RopeScaling
 
 
 def array_cache(budget_bytes: int, policy: str = "lru", expert_bytes=8, **options) -> ExpertCache:

@@ -28,12 +28,12 @@ from tests.test_ops import HEADS, empty_cache, random_qkv, rope_rows
 from tests.test_token_tree import PROMPT, TREE_PARENTS, TREE_TOKENS, path_to, sequential_logits
 from tierflow import Engine
 from tierflow.cpu_kernels.ops import attention
-from tierflow.cpu_kernels.reference import attention_reference
+from tierflow.cpu_kernels.torch_ops import attention_reference
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.offload.gguf.reader import read_gguf
-from tierflow.runtime.generation import TokenGenerator
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder
+from tierflow.runtime.decoder.decoder import Decoder
+from tierflow.runtime.generation.token_loop import TokenGenerator
+from tierflow.runtime.memory.kv_cache import KVCache
 from tierflow.runtime.models import architecture
 
 # Six layers: five local (window 32), then one global. Prompts of 200 tokens cross the window

@@ -34,8 +34,8 @@ from tierflow.errors import ModelFileError
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.planner import make_plan
-from tierflow.runtime.config import ModelConfig, RopeScaling
 from tierflow.runtime.models import architecture
+from tierflow.runtime.models.config import ModelConfig, RopeScaling
 from tierflow.runtime.models.layers import scored_top_k
 
 # GLM's shape in small: one dense layer then MoE ones, rotary over half of each 32-wide head, and

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from tierflow.runtime.hidden_trail import HiddenTrail
+from tierflow.runtime.memory.hidden_trail import HiddenTrail
 
 
 def rows(first: int, last: int) -> np.ndarray:

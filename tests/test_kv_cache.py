@@ -16,15 +16,17 @@ from tierflow.cpu_kernels.hadamard import hadamard, rotation_sizes
 from tierflow.cpu_kernels.kv_layout import read_rows
 from tierflow.errors import InvalidArgumentError
 from tierflow.kv_types import KV_TYPES, CacheRows
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder
+from tierflow.runtime.decoder.decoder import Decoder
+from tierflow.runtime.memory.kinds import FullCache
+from tierflow.runtime.memory.kv_cache import KVCache
 
 
 def cache_config(num_layers: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
-    """What KVCache reads of a ModelConfig: per-head keys and values, no windows, no recurrent layers."""
+    """What KVCache reads of a ModelConfig: its rows, every layer's whole context (no windows, no
+    recurrent layers)."""
+    rows = CacheRows(num_kv_heads, head_dim, head_dim)
     return SimpleNamespace(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           window=lambda layer: 0, cache_rows=CacheRows(num_kv_heads, head_dim, head_dim),
-                           is_recurrent=lambda layer: False, recurrent_layers=())
+                           cache_rows=rows, memory=(FullCache(rows),) * num_layers)
 
 
 CONFIG = cache_config(num_layers=2, num_kv_heads=3, head_dim=64)

@@ -30,14 +30,14 @@ from tests.test_token_tree import TREE_PARENTS, TREE_TOKENS, path_to
 from tierflow import Engine
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes
 from tierflow.cpu_kernels.ops import attention
-from tierflow.cpu_kernels.reference import attention_reference
+from tierflow.cpu_kernels.torch_ops import attention_reference
 from tierflow.errors import InvalidArgumentError
 from tierflow.kv_types import KV_TYPES, MAX_PASS_TOKENS, cache_positions, ring_positions, scored_slots
 from tierflow.offload.plan.budgets import kv_cache_bytes
-from tierflow.runtime import kv_cache
-from tierflow.runtime.generation import TokenGenerator
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder
+from tierflow.runtime.decoder.decoder import Decoder
+from tierflow.runtime.generation.token_loop import TokenGenerator
+from tierflow.runtime.memory import kv_cache
+from tierflow.runtime.memory.kv_cache import KVCache
 
 NEVER = threading.Event()
 HEAD_DIM, WINDOW, RING = 32, 10, 48  # the kernel tests' ring: three blocks of 16

@@ -10,11 +10,11 @@ import torch
 from tests.support.kv_shift import HALF_STEP, NEVER, shifted_and_fresh_keys, text_ids, within_float_error
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
-from tierflow.cpu_kernels.reference import apply_rope
+from tierflow.cpu_kernels.torch_ops import apply_rope
 from tierflow.kv_types import KV_TYPES
-from tierflow.runtime.config import ModelConfig, RopeScaling
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.rope import rope_tables
+from tierflow.runtime.decoder.rope import rope_tables
+from tierflow.runtime.memory.kv_cache import KVCache
+from tierflow.runtime.models.config import ModelConfig, RopeScaling
 
 KEEP, DROP = 40, 100  # the shift the model tests make in a 300-token text
 FOLLOWING = " Every summer the town holds a regatta on the canal"  # what is fed after a shift

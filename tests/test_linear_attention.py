@@ -24,9 +24,9 @@ from tierflow import Engine
 from tierflow.errors import InvalidArgumentError, ModelFileError
 from tierflow.kv_types import KV_TYPES
 from tierflow.offload.plan.budgets import layer_kv_bytes
-from tierflow.runtime.context_shift import fit_chat
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.recurrent_state import STEPWISE_TOKENS, recurrent_state_bytes
+from tierflow.runtime.generation.context_shift import fit_chat
+from tierflow.runtime.memory.kv_cache import KVCache
+from tierflow.runtime.memory.recurrent_state import STEPWISE_TOKENS, recurrent_state_bytes
 
 SHAPE = dict(num_layers=4, hidden_size=64, ffn_size=128, num_heads=4, num_kv_heads=2, head_size=32,
              rope_dim=16, context_length=2048)

@@ -1,5 +1,5 @@
 """The one loader: `tierflow plan` prints the placement that Engine.load then holds, under any
-budget, the default included (both resolve budgets through runtime/loader.py); the context and
+budget, the default included (both resolve budgets through runtime/loading/loader.py); the context and
 the KV cache a load gets, and the ones it refuses."""
 
 import json

@@ -66,9 +66,9 @@ def test_a_first_load_on_a_fresh_cache_probes_packs_and_computes_within_cpu_memo
         from pathlib import Path
         from tierflow import Engine
         from tierflow.offload.gguf.model_file import open_model_file
-        from tierflow.offload.pack.cache import pack_path
+        from tierflow.offload.pack.pack_cache import pack_path
         from tierflow.offload.plan.profile import profile_path
-        from tierflow.runtime.loader import load_tokenizer
+        from tierflow.runtime.loading.loader import load_tokenizer
 
         warnings.simplefilter("ignore")  # a busy machine, an L3 larger than the budget: said, not failed
         said = []  # what the load said, in order: the probe's notice (a CLI prints it), its progress

@@ -16,8 +16,8 @@ from tests.support.gguf_writing import rewrite_metadata
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import ModelFileError, UnsupportedModelError
-from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.models import ARCHITECTURES, architecture
+from tierflow.runtime.models.config import ModelConfig
 
 LLAMA = {
     "general.architecture": "llama",

@@ -18,7 +18,7 @@ from tierflow.offload.experts.routing_trace import (
     keep_routing,
     kept_routing,
 )
-from tierflow.offload.pack.cache import pack_path, remove_pack, routing_path
+from tierflow.offload.pack.pack_cache import pack_path, remove_pack, routing_path
 
 PROMPT = "The history of the printing press begins in"
 CONTEXT = 128

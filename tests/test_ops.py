@@ -8,7 +8,7 @@ import torch
 from tierflow.cpu_kernels import _kernels
 from tierflow.cpu_kernels.kv_layout import CACHE_DTYPES, cache_shapes
 from tierflow.cpu_kernels.ops import attention, dense_matmul, rms_norm, silu_mul, swiglu_oai, weighted_rows
-from tierflow.cpu_kernels.reference import (
+from tierflow.cpu_kernels.torch_ops import (
     attention_reference,
     rms_norm_reference,
     silu_mul_reference,
@@ -16,8 +16,9 @@ from tierflow.cpu_kernels.reference import (
     weighted_rows_reference,
 )
 from tierflow.kv_types import KV_TYPES
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import DENSE_KERNEL_TOKENS, Decoder, DenseLinear
+from tierflow.runtime.compute.cpu import DENSE_KERNEL_TOKENS, DenseLinear
+from tierflow.runtime.decoder.decoder import Decoder
+from tierflow.runtime.memory.kv_cache import KVCache
 
 HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 32, 48
 TYPES = list(KV_TYPES)

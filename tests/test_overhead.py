@@ -10,8 +10,8 @@ from tierflow import Engine
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.plan.probe import load_profile, save_profile
 from tierflow.offload.plan.profile import HardwareProfile
-from tierflow.runtime import loader
-from tierflow.runtime.overhead import measure_layer_overhead, shape_key
+from tierflow.runtime.loading import loader
+from tierflow.runtime.loading.overhead import measure_layer_overhead, shape_key
 
 STREAMED = ModelSpec(num_layers=8, hidden_size=256, ffn_size=512, num_heads=4, num_kv_heads=2, seed=3)
 

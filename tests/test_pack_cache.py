@@ -30,8 +30,8 @@ from tests.support.test_cache import TEST_PROFILE
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError, InvalidArgumentError
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.pack import cache
-from tierflow.offload.pack.cache import pack_path, packs_folder
+from tierflow.offload.pack import pack_cache as cache
+from tierflow.offload.pack.pack_cache import pack_path, packs_folder
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.offload.pack.writer import open_pack, pack_sizes
 from tierflow.offload.plan.profile import HardwareProfile, profile_path

@@ -36,12 +36,14 @@ from tierflow.offload.gguf.reader import read_gguf
 from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
 from tierflow.offload.pack import writer
 from tierflow.offload.pack.built import BuiltPack
-from tierflow.offload.pack.cache import pack_path, source_identity
+from tierflow.offload.pack.pack_cache import pack_path, source_identity
 from tierflow.offload.pack.reader import TRAILER, PackedFile
 from tierflow.offload.pack.writer import open_pack
 from tierflow.offload.plan.profile import HardwareProfile, profile_path
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder, DenseLinear, Weights
+from tierflow.runtime.compute.cpu import DenseLinear
+from tierflow.runtime.compute.interfaces import Weights
+from tierflow.runtime.decoder.decoder import Decoder
+from tierflow.runtime.memory.kv_cache import KVCache
 from tierflow.runtime.models import architecture
 
 # The linears of a dense llama layer: its tensor map's matmul fields and the GGUF matrices of each.

@@ -9,9 +9,9 @@ import pytest
 from tests.support.together import generate_together
 from tierflow import Engine
 from tierflow.errors import BudgetError, InvalidArgumentError
-from tierflow.runtime.batching import PassBatcher
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import SequenceInput
+from tierflow.runtime.decoder.decoder import SequenceInput
+from tierflow.runtime.generation.batching import PassBatcher
+from tierflow.runtime.memory.kv_cache import KVCache
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
            "Once upon a time"]

@@ -21,8 +21,8 @@ from tierflow.offload.plan import cost_model
 from tierflow.offload.plan.budgets import kv_cache_bytes, layer_kv_bytes
 from tierflow.offload.plan.planner import MAX_PREFETCH_DEPTH, make_plan
 from tierflow.offload.plan.profile import GpuProfile, HardwareProfile, profile_path
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.loader import CacheOptions, resolve_budgets
+from tierflow.runtime.loading.loader import CacheOptions, resolve_budgets
+from tierflow.runtime.memory.kv_cache import KVCache
 from tierflow.units import format_size, parse_size
 
 BITS = (1, 2, 3, 4, 8)
@@ -298,7 +298,7 @@ def test_rows_collapse_layers_placed_alike(deep, beside):
 def fake_profile(monkeypatch, tmp_path):
     monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path))
     profile_path(2).write_text(PROFILE.to_json())
-    monkeypatch.setattr("tierflow.runtime.loader.load_profile", lambda threads, **kwargs: PROFILE)
+    monkeypatch.setattr("tierflow.runtime.loading.loader.load_profile", lambda threads, **kwargs: PROFILE)
 
 
 def test_plan_command_prints_the_groups_and_the_summary(deep_path, deep, beside, fake_profile):

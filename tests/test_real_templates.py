@@ -10,8 +10,8 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from tests.support.cli import run_tierflow
 from tierflow import Engine, InvalidArgumentError, TemplateError
-from tierflow.runtime.template_choice import NO_TEMPLATE_NOTICE
-from tierflow.runtime.tool_prompt import ToolRequest
+from tierflow.runtime.text.template_choice import NO_TEMPLATE_NOTICE
+from tierflow.runtime.text.tool_prompt import ToolRequest
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city",
@@ -69,7 +69,7 @@ def test_prompt_ids_are_llama_cpps_render_of_the_files_template(qwen, conversati
 
 @pytest.fixture(scope="module")
 def gemma_tokenizer(gemma_270m_path):
-    from tierflow.runtime.tokenizer import Tokenizer
+    from tierflow.runtime.text.tokenizer import Tokenizer
 
     with Tokenizer.from_gguf(gemma_270m_path) as tokenizer:
         yield tokenizer

@@ -2,7 +2,12 @@ import numpy as np
 import pytest
 
 from tierflow.errors import InvalidArgumentError, ModelFileError
-from tierflow.runtime.sampler import SAMPLED_REPEAT_PENALTY, Sampler, SamplingParams, recommended_sampling
+from tierflow.runtime.sampling.sampler import (
+    SAMPLED_REPEAT_PENALTY,
+    Sampler,
+    SamplingParams,
+    recommended_sampling,
+)
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, -1.0], dtype=np.float32)
 

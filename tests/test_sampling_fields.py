@@ -6,7 +6,8 @@ import pytest
 
 from tierflow import Engine
 from tierflow.errors import InvalidArgumentError
-from tierflow.runtime.sampler import Sampler, SamplingParams, log_softmax
+from tierflow.runtime.sampling.processors import log_softmax
+from tierflow.runtime.sampling.sampler import Sampler, SamplingParams
 
 PROMPT = "The capital of France is"
 COUNTING = " ".join(["one two three four"] * 4)  # prompt lookup's guesses are accepted here

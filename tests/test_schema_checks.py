@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from tierflow.errors import InvalidArgumentError
-from tierflow.runtime.schema_checks import MAX_ROW_ITEMS, check_schema
-from tierflow.runtime.structured import Grammar, GrammarMatcher, grammar_vocabulary
+from tierflow.runtime.sampling.schema_checks import MAX_ROW_ITEMS, check_schema
+from tierflow.runtime.sampling.structured import Grammar, GrammarMatcher, grammar_vocabulary
 
 
 def optional_properties(count: int) -> dict:

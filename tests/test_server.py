@@ -22,7 +22,7 @@ from tierflow import Engine
 from tierflow.cli.app import app
 from tierflow.errors import InvalidArgumentError
 from tierflow.offload.gguf.reader import read_gguf
-from tierflow.runtime.sampler import Sampler
+from tierflow.runtime.sampling.sampler import Sampler
 
 KEY = "test-key"
 MAX_TOKENS_LIMIT = LONG_COMPLETION["max_tokens"]

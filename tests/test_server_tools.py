@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 
 from tests.support.live_server import assert_error
-from tierflow.runtime.tool_prompt import ToolRequest
+from tierflow.runtime.text.tool_prompt import ToolRequest
 
 FORECAST = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
             "required": ["city", "days"], "additionalProperties": False}

@@ -1,5 +1,5 @@
 """The first passes' tree sizes from the plan's predicted costs and an acceptance prior, what a
-pair learned kept for its next load (speculative/prediction.py, speculative/learned.py), and a
+pair learned kept for its next load (speculative/first_sizes.py, speculative/learned.py), and a
 streamed target's reads going on while the draft proposes."""
 
 import json
@@ -14,14 +14,14 @@ from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.pass_costs import PassCosts
 from tierflow.offload.plan.probe import load_profile
-from tierflow.speculative.learned import Learned, LearnedStore
-from tierflow.speculative.prediction import (
+from tierflow.speculative.first_sizes import (
     SAME_MODEL_RATES,
     SizePredictions,
     SpeculationPrior,
     grown_tree,
     predict_sizes,
 )
+from tierflow.speculative.learned import Learned, LearnedStore
 from tierflow.speculative.sizing import TreeBudget
 
 CONTEXT = 256

@@ -4,7 +4,7 @@ import pytest
 
 from tierflow import Engine
 from tierflow.errors import InvalidArgumentError, TierflowError
-from tierflow.runtime.sampler import Sampler, SamplingParams
+from tierflow.runtime.sampling.sampler import Sampler, SamplingParams
 from tierflow.speculative.drafts import NgramDraft
 from tierflow.speculative.ngram import DraftLength, continuations, propose
 

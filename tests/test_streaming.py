@@ -32,7 +32,7 @@ from tierflow.offload.io import disk as disk_module
 from tierflow.offload.io import streamer as streamer_module
 from tierflow.offload.io.disk import ALIGNMENT, DiskFile, aligned_buffer
 from tierflow.offload.pack import reader as reader_module
-from tierflow.offload.pack.cache import pack_path
+from tierflow.offload.pack.pack_cache import pack_path
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.offload.plan.profile import HardwareProfile, profile_path
 from tierflow.units import parse_size

@@ -13,8 +13,8 @@ from tests.support.schemas import SCHEMAS, messages, response_format
 from tierflow import Engine, Grammar
 from tierflow.errors import InvalidArgumentError
 from tierflow.offload.gguf.convert import convert_model
-from tierflow.runtime.sampler import Sampler, SamplingParams
-from tierflow.runtime.structured import GrammarMatcher, grammar_vocabulary
+from tierflow.runtime.sampling.sampler import Sampler, SamplingParams
+from tierflow.runtime.sampling.structured import GrammarMatcher, grammar_vocabulary
 
 GREEDY = {"temperature": 0}
 SAMPLED = {"temperature": 0.8, "seed": 7}

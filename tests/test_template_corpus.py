@@ -12,7 +12,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from tests.support.real_models import chat_templates
 from tierflow import TemplateError
-from tierflow.runtime.chat_template import render_chat_template, start_render_workers
+from tierflow.runtime.text.chat_template import render_chat_template, start_render_workers
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 WEATHER = {"type": "function", "function": {

@@ -1,4 +1,4 @@
-from tierflow.runtime.text_stream import TextStream
+from tierflow.runtime.text.text_stream import TextStream
 
 
 def test_multibyte_character_split_across_tokens_is_released_whole():

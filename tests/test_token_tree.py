@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from tierflow.kv_types import KV_TYPES
-from tierflow.runtime.generation import TokenGenerator
-from tierflow.runtime.kv_cache import KVCache
-from tierflow.runtime.model import Decoder, tree_depths
+from tierflow.runtime.decoder.decoder import Decoder, tree_depths
+from tierflow.runtime.generation.token_loop import TokenGenerator
+from tierflow.runtime.memory.kv_cache import KVCache
 
 PROMPT = "Once upon a time, in a small village,"
 # A tree over three branches of different depths; parents precede children.

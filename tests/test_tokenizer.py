@@ -9,7 +9,7 @@ gguf = pytest.importorskip("gguf")
 
 from tierflow.errors import ModelFileError, TemplateError, TierflowError  # noqa: E402
 from tierflow.offload.gguf.model_path import bundled_model_path  # noqa: E402
-from tierflow.runtime.tokenizer import Tokenizer  # noqa: E402
+from tierflow.runtime.text.tokenizer import Tokenizer  # noqa: E402
 
 TEXTS = [
     "Hello, world!",

@@ -9,10 +9,16 @@ import llguidance
 import pytest
 
 from tierflow.errors import InvalidArgumentError
-from tierflow.runtime.chat_template import render_chat_template
-from tierflow.runtime.structured import Grammar, grammar_vocabulary
-from tierflow.runtime.tool_calls import ParsedReply, ToolCallStream, ToolFormat, parse_tool_calls, tool_format
-from tierflow.runtime.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
+from tierflow.runtime.sampling.structured import Grammar, grammar_vocabulary
+from tierflow.runtime.text.chat_template import render_chat_template
+from tierflow.runtime.text.tool_calls import (
+    ParsedReply,
+    ToolCallStream,
+    ToolFormat,
+    parse_tool_calls,
+    tool_format,
+)
+from tierflow.runtime.text.tool_prompt import ToolRequest, template_inputs, tool_call_grammar
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city",

@@ -25,7 +25,7 @@ from tierflow import Engine
 from tierflow.errors import ModelFileError
 from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.gguf.reader import read_gguf
-from tierflow.runtime.vocabulary import BYTE_TOKENS, check_vocabulary
+from tierflow.runtime.text.vocabulary import BYTE_TOKENS, check_vocabulary
 
 MODEL, PRE = "tokenizer.ggml.model", "tokenizer.ggml.pre"
 TOKENS, TYPES, SCORES, MERGES = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
@@ -49,7 +49,7 @@ else:
 """
 TOKENIZE = """
 import sys
-from tierflow.runtime.tokenizer import Tokenizer
+from tierflow.runtime.text.tokenizer import Tokenizer
 for path in sys.argv[2:]:
     with Tokenizer.from_gguf(path) as tokenizer:
         print(repr(tokenizer.decode(tokenizer.encode(sys.argv[1], add_bos=False))))
@@ -188,7 +188,7 @@ def test_bpe_vocabulary_missing_byte_tokens_drops_those_bytes(tmp_path):
 LOAD = """
 import sys
 from tierflow.errors import ModelFileError
-from tierflow.runtime.tokenizer import Tokenizer
+from tierflow.runtime.text.tokenizer import Tokenizer
 try:
     Tokenizer.from_gguf(sys.argv[1]).close()
 except ModelFileError as error:

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tierflow.offload.experts.cache import CacheStats, ExpertCache
+from tierflow.offload.experts.expert_cache import CacheStats, ExpertCache
 from tierflow.offload.experts.policy import ExpertKey
 from tierflow.offload.experts.store import ExpertRead, StreamedExperts
 from tierflow.offload.experts.tier import ExpertTier
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.offload.tiers.device import DeviceTier
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Kernels, Weights
+from tierflow.runtime.compute.interfaces import Kernels, Weights
+from tierflow.runtime.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

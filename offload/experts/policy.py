@@ -1,6 +1,6 @@
 """Expert-cache policies: which resident expert to evict, decided on host objects only.
 
-The cache (offload/experts/cache.py) owns the bytes; a policy only ranks keys, (layer_idx,
+The cache (offload/experts/expert_cache.py) owns the bytes; a policy only ranks keys, (layer_idx,
 expert_idx) pairs, and names a victim when the cache needs room. A key's rank within its group
 changes only when the key is touched, so each group is a heap with lazy deletion and a victim
 costs O(groups + log n), however many experts are resident (a large MoE has thousands).

@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierflow.offload.experts.prediction import EarlyRouter, early_router, route_top_k
-from tierflow.offload.pack.cache import routing_path
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Activations, Weights
+from tierflow.offload.experts.next_layer import EarlyRouter, early_router, route_top_k
+from tierflow.offload.pack.pack_cache import routing_path
+from tierflow.runtime.compute.interfaces import Activations, Weights
+from tierflow.runtime.models.config import ModelConfig
 
 KEPT_TOKENS = 16384  # of routing kept per model: ~3 MB for 48 layers of top-8, with the predictions
 NOT_PREDICTED = -1  # in Routing.predicted: no prediction was made (a pass's first MoE layer)
@@ -168,7 +168,7 @@ def _readable_routing(path: Path) -> Routing | None:
 
 
 class RoutingRecorder:
-    """Collects a decoder's routing (runtime.model.Decoder.on_routing), pass by pass: every token
+    """Collects a decoder's routing (runtime.decoder.decoder.Decoder.on_routing), pass by pass: every token
     the model computes, in the order computed (prompt chunks, then each step's tokens; a
     speculative pass's rejected guesses included), with the early router's prediction of each MoE
     layer's experts from the stream entering the layer before, as the expert tiers predict it."""

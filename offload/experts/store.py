@@ -25,14 +25,14 @@ import mmap
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from tierflow.offload.experts.cache import ExpertCache
+from tierflow.offload.experts.expert_cache import ExpertCache
 from tierflow.offload.experts.policy import ExpertKey
 from tierflow.offload.experts.tier import ExpertTier
 from tierflow.offload.io.buffer_pool import BufferPool
 from tierflow.offload.io.disk import DiskFile
 from tierflow.offload.pack.reader import PackedFile
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Weights
+from tierflow.runtime.compute.interfaces import Weights
+from tierflow.runtime.models.config import ModelConfig
 
 READERS = 2  # reads in flight: two kept this machine's disk busier than one (1.2 vs 1.0 GB/s)
 

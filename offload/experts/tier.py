@@ -26,11 +26,11 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from tierflow.offload.experts.cache import CacheStats, ExpertCache
-from tierflow.offload.experts.prediction import NextLayerPredictor
+from tierflow.offload.experts.expert_cache import CacheStats, ExpertCache
+from tierflow.offload.experts.next_layer import NextLayerPredictor
 from tierflow.offload.experts.prefetch_gate import PrefetchGate
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Activations, Weights
+from tierflow.runtime.compute.interfaces import Activations, Weights
+from tierflow.runtime.models.config import ModelConfig
 
 
 class ExpertTier:
@@ -54,7 +54,8 @@ class ExpertTier:
 
     def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
              ) -> Iterator[list[tuple[int, Weights]]]:
-        """The experts of one layer step (chosen int64 [T, k]), grouped as runtime.model.Experts hands
+        """The experts of one layer step (chosen int64 [T, k]), grouped as
+        runtime.compute.interfaces.Experts hands
         them: the cached ones at hand, then each set of those that arrived while the last computed,
         then the others."""
         ids, counts = np.unique(chosen, return_counts=True)
@@ -119,7 +120,7 @@ class ExpertTier:
 
 
 class LayerExperts:
-    """One MoE layer's view of an expert tier (runtime.model.Experts)."""
+    """One MoE layer's view of an expert tier (runtime.compute.interfaces.Experts)."""
 
     def __init__(self, tier: ExpertTier, layer_idx: int):
         self.tier, self.layer_idx = tier, layer_idx

@@ -14,9 +14,9 @@ from tierflow.errors import ModelFileError
 from tierflow.offload.gguf.reader import GGUFFile
 from tierflow.offload.gguf.split_files import read_model_gguf
 from tierflow.offload.gguf.tensors import check_tensors
-from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.models import architecture
 from tierflow.runtime.models.architecture import Architecture
+from tierflow.runtime.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.ggml_types import type_name
 from tierflow.offload.gguf.reader import GGUFFile
-from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.models.architecture import Architecture
+from tierflow.runtime.models.config import ModelConfig
 from tierflow.runtime.models.tensor_map import Tensor, field_tensors
 
 

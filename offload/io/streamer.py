@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from tierflow.offload.io.disk import DiskFile, aligned_buffer
 from tierflow.offload.pack.reader import PackedFile
-from tierflow.runtime.model import Weights
+from tierflow.runtime.compute.interfaces import Weights
 
 
 @dataclass

@@ -21,7 +21,8 @@ from tierflow.cpu_kernels.packed import TILE_ROWS, PackedMatrix, SubPacking, fie
 from tierflow.errors import ModelFileError
 from tierflow.gpu_kernels.matmul import DeviceLinear
 from tierflow.gpu_kernels.packed import view_matrix
-from tierflow.runtime.model import ConcatLinear, DenseLinear, Experts, Kernels, Linear, Weights
+from tierflow.runtime.compute.cpu import DenseLinear
+from tierflow.runtime.compute.interfaces import ConcatLinear, Experts, Kernels, Linear, Weights
 
 PACK_VERSION = 7  # 4: the source identified by device, inode and sampled content; 5: codebook nibbles;
 # 6: every type in the GGUF's own bytes (nibble codes with high planes, zero codes, two-level scales);

@@ -49,7 +49,8 @@ from tierflow.cpu_kernels.checksum import crc32
 from tierflow.errors import ModelFileError, TierflowError
 from tierflow.offload.gguf.model_file import ModelFile
 from tierflow.offload.io.heap import give_back_freed_memory
-from tierflow.offload.pack.cache import (
+from tierflow.offload.pack.layout import PIECE_BYTES, ExtentLayout, ExtentSize, TensorDecoder, write_all
+from tierflow.offload.pack.pack_cache import (
     content_crc,
     make_room,
     other_packs_of_inode,
@@ -59,7 +60,6 @@ from tierflow.offload.pack.cache import (
     same_source,
     source_identity,
 )
-from tierflow.offload.pack.layout import PIECE_BYTES, ExtentLayout, ExtentSize, TensorDecoder, write_all
 from tierflow.offload.pack.reader import MAGIC, PACK_VERSION, TRAILER, PackedFile
 from tierflow.offload.pack.temporaries import writing
 from tierflow.units import format_size

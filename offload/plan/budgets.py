@@ -1,6 +1,6 @@
 """The memory a model takes besides its weights, and the budgets a machine offers by default.
 
-runtime/loader.py is the one place these become a load's budgets; the planner and the draft's
+runtime/loading/loader.py is the one place these become a load's budgets; the planner and the draft's
 placement count with the same figures. cpu_memory holds, beside the weights kept in RAM, the KV
 cache of the layers computed there and the activations of the largest pass; gpu_memory the GPU
 layers and their caches.
@@ -12,24 +12,19 @@ from dataclasses import dataclass
 import psutil
 
 from tierflow.errors import PlanBudgetError
-from tierflow.kv_types import KVType, cache_positions
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.generation import PREFILL_CHUNK
+from tierflow.kv_types import MAX_PASS_TOKENS, KVType
+from tierflow.runtime.models.config import ModelConfig
 from tierflow.runtime.models.latent_attention import QUERY_CHUNK
-from tierflow.runtime.recurrent_state import recurrent_pass_bytes, recurrent_state_bytes
 from tierflow.units import format_size, round_up_as_printed
 
 CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1 << 30  # the default cpu_memory keeps this much RAM free
 
 
 def layer_kv_bytes(config: ModelConfig, layer_idx: int, context_length: int, kv: KVType) -> int:
-    """One layer's keys and values stored as `kv` (per position its cache rows: per-head keys and
-    values, or the latent row), a ring for a sliding-window layer, else the whole context
-    (cache_positions); a linear-attention layer's recurrent state instead (whatever the context)."""
-    if config.is_recurrent(layer_idx):
-        return recurrent_state_bytes(config.recurrent)
-    positions = cache_positions(context_length, config.window(layer_idx))
-    return config.cache_rows.position_bytes(kv) * positions
+    """One layer's memory of one sequence with its keys and values stored as `kv`, as its kind
+    counts it (runtime/memory/kinds.py): the whole context's rows, a ring, the latent rows, or a
+    linear-attention layer's recurrent state (whatever the context)."""
+    return config.layer_memory(layer_idx).num_bytes(context_length, kv)
 
 
 def kv_cache_bytes(config: ModelConfig, context_length: int, kv: KVType) -> int:
@@ -41,13 +36,13 @@ def scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
     """Activations of a pass of `tokens` tokens attending to `keys` positions (an estimate). The
     attention kernel's scores are per thread, not per token: each thread scores one token's query
     heads of one key/value head at a time (group x keys floats), and the cores bound the threads.
-    A linear-attention layer's recurrence adds its own (recurrent_pass_bytes)."""
+    A layer's kind of memory adds its own pass (a linear-attention layer's recurrence)."""
     c = config
     if c.kv_lora_rank:
         return latent_scratch_bytes(config, tokens, keys)
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     scores = (os.cpu_count() or 1) * (c.num_heads // c.num_kv_heads) * keys
-    recurrent = recurrent_pass_bytes(c.recurrent, tokens) if c.recurrent else 0
+    recurrent = max(kind.pass_bytes(tokens) for kind in c.memory)
     return 4 * (tokens * (c.hidden_size + 2 * c.ffn_size + qkv) + scores + c.vocab_size) + recurrent
 
 
@@ -64,7 +59,7 @@ def latent_scratch_bytes(config: ModelConfig, tokens: int, keys: int) -> int:
 def activation_bytes(config: ModelConfig, context_length: int) -> int:
     """The activations of the largest pass: a prefill chunk at the context's end, whose attention
     scores every key (what cpu_memory keeps for them)."""
-    return scratch_bytes(config, min(PREFILL_CHUNK, context_length), context_length)
+    return scratch_bytes(config, min(MAX_PASS_TOKENS, context_length), context_length)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from tierflow.errors import ContextLengthError, InvalidArgumentError, PlanBudgetError
 from tierflow.offload.plan.plan_result import Plan
-from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.models.config import ModelConfig
 
 CONTEXT_STEP = 256  # a context shortened to fit is a multiple of this
 

@@ -11,11 +11,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tierflow.kv_types import KVType
+from tierflow.kv_types import MAX_PASS_TOKENS, KVType
 from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.plan.profile import HardwareProfile
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.generation import PREFILL_CHUNK
+from tierflow.runtime.models.config import ModelConfig
 
 PLACEHOLDER_GPU_GBPS = 300.0  # a mid-range consumer GPU's memory bandwidth, until the probe times the kernels
 GPU_TOKENS_PER_READ = 128  # prefill tokens a GPU serves per read of its weights (placeholder)
@@ -165,7 +164,8 @@ def timings(layout: Layout, globals_: ExtentSize, layers: list[ExtentSize], cost
     step = pass_(1, context_length - 1)
     decode = Timing(1, steady_pass_seconds(step, depth), sum(s.compute_s for s in step),
                     sum(s.read_s for s in step))
-    chunks = [pass_(min(PREFILL_CHUNK, prompt_tokens - s), s) for s in range(0, prompt_tokens, PREFILL_CHUNK)]
+    chunks = [pass_(min(MAX_PASS_TOKENS, prompt_tokens - s), s)
+              for s in range(0, prompt_tokens, MAX_PASS_TOKENS)]
     stages = [s for chunk in chunks for s in chunk]
     prefill = Timing(prompt_tokens, run_pipeline(chunks, depth)[-1],
                      sum(s.compute_s for s in stages), sum(s.read_s for s in stages))

@@ -48,7 +48,7 @@ from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.plan.budgets import RamBudget
 from tierflow.offload.plan.cost_model import PLACEHOLDER_GPU_GBPS, Costs
 from tierflow.offload.plan.profile import HardwareProfile
-from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.models.config import ModelConfig
 from tierflow.units import format_size, round_up_as_printed
 
 READ_AHEAD_SHARE = 0.5  # of the reads from disk, those started a layer early, without a recorded routing

@@ -16,7 +16,7 @@ from tierflow.offload.pack.writer import PackSizes
 from tierflow.offload.plan.cost_model import Costs, Layout, Stage, steady_pass_seconds
 from tierflow.offload.plan.plan_result import Plan
 from tierflow.offload.plan.profile import HardwareProfile
-from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.models.config import ModelConfig
 
 POSITION = 256  # where the predicted passes sit in the context: a short chat's (attention is minor there)
 

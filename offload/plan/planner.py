@@ -14,7 +14,7 @@ extent for the globals (embeddings, output norm and head, rope factors), one per
 and packed linears), arrays 64-byte aligned, extents padded to 4 KiB. A layer's attention and FFN
 share its extent, so they share a home; its groups are its family's tensor map's.
 
-Budgets are resolved by the caller (runtime/loader.py, the one place defaults are decided; the
+Budgets are resolved by the caller (runtime/loading/loader.py, the one place defaults are decided; the
 context a default load gets is offload/plan/context.py's). A budget holds everything placed on its
 tier: cpu_memory the weights kept in RAM, the KV cache of the layers computed on the CPU and the
 activations of the largest pass (budgets.py); gpu_memory the GPU layers and their caches. With
@@ -186,7 +186,7 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
               context_length: int, prompt_tokens: int | None = None, kv: KVType = KV_TYPES[DEFAULT_KV_TYPE],
               kv_on_cpu: bool = False, sequences: int = 1, draft_layers: int = 0,
               expert_request: ExpertRequest = ExpertRequest(), routing: Routing | None = None) -> Plan:
-    """The plan for a model file under budgets the caller resolved (runtime/loader.py), with a KV
+    """The plan for a model file under budgets the caller resolved (runtime/loading/loader.py), with a KV
     cache of type kv for context_length positions (the caller checked it against the model's) for
     each of `sequences` sequences decoded together. draft_layers > 0: a self-draft computes with
     the first draft_layers layers, which are then never streamed, and holds its own KV cache of

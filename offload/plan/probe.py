@@ -28,7 +28,7 @@ so the best is the least disturbed figure; GB = 1e9 bytes):
   matrices come from RAM however small the ring, as a streamed or resident model's do.
   RAM and kernels are timed in interleaved rounds, until ProbeSizes.cpu_seconds (5 s) have passed.
 The per-layer overhead of the decoder depends on the model's shape, so it is not measured here
-but for each model planned (runtime/overhead.py), and cached in the same file.
+but for each model planned (runtime/loading/overhead.py), and cached in the same file.
 - GPU (only with CUDA): pinned host to device copy speed (a buffer of at most a quarter of the
   allowance).
 

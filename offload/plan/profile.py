@@ -54,7 +54,7 @@ class HardwareProfile:
     kernel_batch_gbps: dict[int, float]
     # The planned model's fixed time per layer per decode step beyond its matmuls (norms, rotary,
     # attention over a short context, activations, Python): it depends on the model's shape, so the
-    # loader sets it from overhead_by_shape (runtime/overhead.py measures a shape once).
+    # loader sets it from overhead_by_shape (runtime/loading/overhead.py measures a shape once).
     layer_overhead_s: float = 0.0
     overhead_by_shape: dict[str, float] = field(default_factory=dict)  # shape_key(config) -> seconds
     gpu: GpuProfile | None = None

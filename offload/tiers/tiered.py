@@ -20,7 +20,7 @@ from tierflow.cpu_kernels.linear import PackedLinear
 from tierflow.cpu_kernels.packed import PackedMatrix
 from tierflow.errors import UnsupportedModelError
 from tierflow.offload.experts.hybrid import HybridExperts
-from tierflow.offload.experts.prediction import early_router
+from tierflow.offload.experts.next_layer import early_router
 from tierflow.offload.experts.store import ExpertStore, StreamedExperts
 from tierflow.offload.experts.tier import LayerExperts
 from tierflow.offload.io.disk import DiskFile, aligned_buffer, aligned_size
@@ -30,8 +30,8 @@ from tierflow.offload.pack.writer import LoadProgress
 from tierflow.offload.plan.expert_plan import ExpertPlacement
 from tierflow.offload.plan.planner import Plan
 from tierflow.offload.tiers.device import DeviceTier
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import ConcatLinear, Experts, Kernels, Linear, Weights
+from tierflow.runtime.compute.interfaces import ConcatLinear, Experts, Kernels, Linear, Weights
+from tierflow.runtime.models.config import ModelConfig
 
 
 class TieredWeights:

@@ -4,6 +4,10 @@ Each family's file builds an `Architecture` (architecture.py): how its GGUF meta
 ModelConfig, its tensor map (tensor_map.py) and its block (from the shared parts in layers.py).
 Adding a family is one new file here and one line below; see the README's "Adding an
 architecture".
+
+Beside the families: config.py (ModelConfig and the typed metadata reads; each layer's kind of
+memory, runtime/memory/kinds.py), layers.py (the blocks' shared parts), latent_attention.py and
+delta_net.py (the attention kinds more than one family uses).
 """
 
 from tierflow.errors import UnsupportedModelError

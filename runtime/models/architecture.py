@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
-from tierflow.runtime.config import Metadata, ModelConfig, rope_scaling
-from tierflow.runtime.model import Block
+from tierflow.runtime.compute.interfaces import Block
 from tierflow.runtime.models import tensor_map
+from tierflow.runtime.models.config import Metadata, ModelConfig, rope_scaling
 from tierflow.runtime.models.tensor_map import Field
 
 

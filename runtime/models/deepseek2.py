@@ -26,10 +26,10 @@ from dataclasses import replace
 import numpy as np
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
-from tierflow.runtime.config import Metadata, ModelConfig, RopeScaling, rope_scaling
-from tierflow.runtime.model import Activations, LayerPass, Weights
+from tierflow.runtime.compute.interfaces import Activations, LayerPass, Weights
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, expert_gating
+from tierflow.runtime.models.config import Metadata, ModelConfig, RopeScaling, rope_scaling
 from tierflow.runtime.models.latent_attention import latent_attention
 from tierflow.runtime.models.layers import dense_ffn, moe_ffn
 

@@ -6,12 +6,12 @@ A DeltaNet layer (llama.cpp's build_layer_attn_linear), on the normed input x:
     qkv = x @ attn_qkv, z = x @ attn_gate, beta = sigmoid(x @ ssm_beta),
     g = softplus(x @ ssm_alpha + ssm_dt.bias) * ssm_a          (ssm_a < 0: a decay)
     q, k, v = split(silu(causal_conv(qkv, ssm_conv1d)))         (q, k L2-normed per head)
-    o = gated delta rule over the layer's recurrent state (runtime/delta_rule.py)
+    o = gated delta rule over the layer's recurrent state (runtime/compute/delta_rule.py)
     out = (rms_norm(o per head) * ssm_norm * silu(z)) @ ssm_out
 Queries and keys have `ssm.group_count` heads of `ssm.state_size`, values `ssm.time_step_rank`
 heads of `ssm.inner_size / ssm.time_step_rank`; value head h reads query/key head h % group_count
 (ggml_repeat's tiling; Qwen3-Next's h // shared). The state lives in the cache
-(runtime/recurrent_state.py), not in here. How the input projections are laid out is the family's
+(runtime/memory/recurrent_state.py), not in here. How the input projections are laid out is the family's
 LinearLayout: Qwen3.5 has a tensor for each part, Qwen3-Next one for q, k, v and z and one for beta and
 alpha, each interleaved by key head.
 A full-attention layer projects queries and a gate jointly (`attn_q`, per head the query then
@@ -29,11 +29,12 @@ import numpy as np
 import torch
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
-from tierflow.runtime import delta_rule
-from tierflow.runtime.config import Metadata, ModelConfig, RecurrentShape
-from tierflow.runtime.delta_rule import same_bits
-from tierflow.runtime.model import Activations, LayerPass, Weights, stack_rows
+from tierflow.runtime.compute import delta_rule
+from tierflow.runtime.compute.delta_rule import same_bits
+from tierflow.runtime.compute.interfaces import Activations, LayerPass, Weights, stack_rows
+from tierflow.runtime.memory.recurrent_state import RecurrentShape
 from tierflow.runtime.models import tensor_map as tm
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import FFN, attend, norm_each_head
 
 PRE_FFN_NORM = "post_attention_norm"

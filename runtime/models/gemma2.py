@@ -15,9 +15,9 @@ from dataclasses import replace
 import numpy as np
 
 from tierflow.errors import UnsupportedModelError
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import geglu_ffn, sandwich_norm_block
 
 DEFAULT_WINDOW = 4096  # llama.cpp's for files without attention.sliding_window

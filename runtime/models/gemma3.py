@@ -9,10 +9,10 @@ rotate with `rope.freq_base` and the file's rope scaling. Logits are soft-capped
 
 from dataclasses import replace
 
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import gemma2
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import geglu_ffn, norm_each_head, sandwich_norm_block
 
 LOCAL_PERIOD = 6  # of every 6 layers, the first 5 are local

@@ -14,9 +14,9 @@ checked, packed or run.
 from dataclasses import replace
 
 from tierflow.errors import ModelFileError
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, expert_gating, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import dense_ffn, moe_ffn, norm_each_head, pre_norm_block
 
 PRE_FFN_NORM = "post_attention_norm"

@@ -14,9 +14,9 @@ down, computes the clamped SwiGLU (layers.clamped_swiglu_experts). The output he
 from dataclasses import replace
 from functools import partial
 
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.gemma2 import sliding_windows
 from tierflow.runtime.models.layers import clamped_swiglu_experts, moe_ffn, pre_norm_block
 

@@ -22,8 +22,8 @@ import torch
 
 from tierflow.cpu_kernels.hadamard import cache_rotation_sizes, hadamard
 from tierflow.cpu_kernels.kv_layout import check_pass_fits, decode, encode, kv_type_of, read_rows, write_rows
-from tierflow.cpu_kernels.reference import apply_rope, visible_slots
-from tierflow.runtime.model import Activations, LayerPass, SequencePass, Weights
+from tierflow.cpu_kernels.torch_ops import apply_rope, visible_slots
+from tierflow.runtime.compute.interfaces import Activations, LayerPass, SequencePass, Weights
 
 QUERY_CHUNK = 64  # new tokens scored at a time: the scores of a pass are at most H x 64 x S floats
 

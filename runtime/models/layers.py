@@ -15,8 +15,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.model import Activations, Kernels, LayerPass, Linear, Weights, concat, stack_rows
+from tierflow.runtime.compute.interfaces import (
+    Activations,
+    Kernels,
+    LayerPass,
+    Linear,
+    Weights,
+    concat,
+    stack_rows,
+)
+from tierflow.runtime.models.config import ModelConfig
 
 FFN = Callable[[LayerPass, Weights, Activations, Activations], Activations]  # (p, w, h, residual)
 QKNorm = Callable[[LayerPass, Weights, Activations], Activations]  # qkv -> qkv

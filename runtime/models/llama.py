@@ -9,9 +9,9 @@ token uses the top `expert_used_count` by softmax, their weights rescaled to sum
 
 from dataclasses import replace
 
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import dense_ffn, moe_ffn, pre_norm_block
 
 

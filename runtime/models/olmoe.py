@@ -2,9 +2,9 @@
 their raw probabilities, each `feed_forward_length` wide) and RMSNorm over all of the queries and
 all of the keys (weights as wide as the projections) before neox rotary."""
 
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import moe_ffn, norm_whole_projections, pre_norm_block
 
 

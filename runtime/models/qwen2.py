@@ -1,9 +1,9 @@
 """Qwen2 (and Qwen2.5): Llama's block with biases on Q, K and V and rotary over the two halves of
 each head (llama.cpp's "neox" rope)."""
 
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import dense_ffn, pre_norm_block
 
 

@@ -4,9 +4,9 @@ softmax, weighted by their raw probabilities (not rescaled), each `expert_feed_f
 wide, plus a shared expert every token uses (`expert_shared_feed_forward_length` wide, or
 `feed_forward_length` without the key) scaled by sigmoid(h @ ffn_gate_inp_shexp)."""
 
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import moe_ffn, pre_norm_block
 
 

@@ -2,9 +2,9 @@
 head_dim, shared by the heads) before neox rotary, no Q/K/V biases, and a head size of its own
 (`attention.key_length`, not hidden / heads: the output projection is [heads * head_dim, hidden])."""
 
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import dense_ffn, norm_each_head, pre_norm_block
 
 

@@ -4,10 +4,10 @@ counted in `block_count`) is not part of the model: `draft="mtp"` runs it (delta
 
 from functools import partial
 
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import delta_net
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import dense_ffn
 
 

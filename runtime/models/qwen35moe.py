@@ -8,10 +8,10 @@ the model: `draft="mtp"` runs it (delta_net.mtp_fields)."""
 from dataclasses import replace
 from functools import partial
 
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import delta_net
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import moe_ffn
 
 

@@ -6,9 +6,9 @@ expert_used_count), and no shared expert."""
 
 from dataclasses import replace
 
-from tierflow.runtime.config import Metadata, ModelConfig
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import moe_ffn, norm_each_head, pre_norm_block
 
 

@@ -10,10 +10,11 @@ from functools import partial
 
 import torch
 
-from tierflow.runtime.config import Metadata, ModelConfig, RecurrentShape
+from tierflow.runtime.memory.recurrent_state import RecurrentShape
 from tierflow.runtime.models import delta_net
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config
+from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import moe_ffn
 from tierflow.runtime.models.qwen35moe import ffn_fields
 

@@ -16,7 +16,7 @@ that is placed, streamed and cached); an expert's tensors are its slice of a sta
 
 from dataclasses import dataclass
 
-from tierflow.runtime.config import ModelConfig
+from tierflow.runtime.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

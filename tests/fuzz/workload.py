@@ -18,7 +18,7 @@ from tests.fuzz.corpus import NAMED_CASES
 from tests.fuzz.seeds import load_seeds
 from tierflow import Engine, TierflowError
 from tierflow.offload.plan.profile import cache_dir
-from tierflow.runtime.model_info import describe_model
+from tierflow.runtime.api.model_info import describe_model
 
 MESSAGE_CHARS = 300
 CHAT = [{"role": "user", "content": "Hi"}]

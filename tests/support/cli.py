@@ -59,7 +59,7 @@ def _argv(argv: list[str]):
 def _engines_closed():
     """Closes the engines the command loaded when it ends, as its process's exit would (`run` and
     `chat` leave theirs open): their streamer threads and files must not outlive it here."""
-    from tierflow.runtime.engine import Engine
+    from tierflow.runtime.api.engine import Engine
 
     loaded, load = [], Engine.load.__func__
 

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import uvicorn
 
-from tierflow.cli.server import ServerSettings, create_app, uvicorn_config
+from tierflow.server.routes import ServerSettings, create_app, uvicorn_config
 
 
 def free_port() -> int:

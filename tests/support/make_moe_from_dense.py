@@ -72,14 +72,14 @@ from tests.support.gguf_bytes import STRING, UINT32, Typed, pack_kv
 from tests.support.gguf_writing import TensorEntry, encoded_kvs, write_gguf
 from tests.support.model_spec import MAX_EXPERTS
 from tierflow.cpu_kernels.dequant import dequantize
-from tierflow.cpu_kernels.reference import apply_rope, rms_norm_reference
+from tierflow.cpu_kernels.torch_ops import apply_rope, rms_norm_reference
 from tierflow.errors import TierflowError
 from tierflow.offload.gguf.model_file import read_config
 from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.gguf.reader import GGUFFile, TensorInfo, read_gguf
-from tierflow.runtime.config import ModelConfig
-from tierflow.runtime.rope import rope_tables
-from tierflow.runtime.tokenizer import Tokenizer
+from tierflow.runtime.decoder.rope import rope_tables
+from tierflow.runtime.models.config import ModelConfig
+from tierflow.runtime.text.tokenizer import Tokenizer
 
 __all__ = ["CALIBRATION_TEXT", "MoELayer", "fit_experts", "main", "write_moe_from_dense"]
 

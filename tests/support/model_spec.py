@@ -67,9 +67,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from tests.support.gguf_bytes import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Typed
 from tests.support.gguf_writing import TensorEntry
-from tierflow.runtime.config import ModelConfig
 from tierflow.runtime.models import architecture
 from tierflow.runtime.models import tensor_map as tm
+from tierflow.runtime.models.config import ModelConfig
 from tierflow.runtime.models.tensor_map import Field, Tensor, Vector
 
 Q = GGMLQuantizationType

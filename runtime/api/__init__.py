@@ -1,0 +1,7 @@
+"""tierflow.runtime.api: what a user calls. A request enters here and leaves as text.
+
+    engine.py       Engine: load, generate, stream, chat, score, embed (sync, streaming, async, cancellable)
+    streams.py      a generation as an object: Stream, AsyncStream
+    embeddings.py   engine.embed: pooled hidden states, several inputs in one pass
+    model_info.py   what `tierflow info` shows
+"""

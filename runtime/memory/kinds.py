@@ -1,0 +1,94 @@
+"""The kinds of memory a layer keeps for a sequence, one object per layer (ModelConfig.memory).
+
+A family says what each of its layers keeps (its config's `memory`, or the kinds its fields
+imply: a window, a latent row, a recurrent state); the KV cache allocates and serves them, and
+the planner counts them, by asking the kind, never by branching on the family:
+
+    FullCache       every position's key and value rows (the whole context, rounded to 16)
+    RingCache       a sliding-window layer's ring: its window and a pass (kv_types.cache_positions)
+    LatentCache     multi-head latent attention's one row per position (rotary key part + latent)
+    RecurrentState  a linear-attention layer's fixed-size state, whatever the context
+
+A new kind is one class here with the protocol's four members, and the family that declares it.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from tierflow.errors import ModelFileError
+from tierflow.kv_types import CacheRows, KVType, cache_positions
+from tierflow.runtime.memory.recurrent_state import (
+    RecurrentShape,
+    recurrent_pass_bytes,
+    recurrent_state_bytes,
+)
+
+
+class LayerMemory(Protocol):
+    """What one layer keeps for one sequence between passes."""
+
+    @property
+    def window(self) -> int: ...  # the positions a token sees back (itself included); 0: the whole context
+
+    def positions(self, context_length: int) -> int: ...  # cache slots of key/value rows; 0: none
+
+    def num_bytes(self, context_length: int, kv: KVType) -> int: ...  # one sequence's, at most
+
+    def pass_bytes(self, tokens: int) -> int: ...  # activations a pass of `tokens` adds to attention's
+
+
+@dataclass(frozen=True)
+class FullCache:
+    """Key and value rows for every position of the context."""
+
+    rows: CacheRows
+    window = 0
+
+    def positions(self, context_length: int) -> int:
+        return cache_positions(context_length, 0)
+
+    def num_bytes(self, context_length: int, kv: KVType) -> int:
+        return self.rows.position_bytes(kv) * self.positions(context_length)
+
+    def pass_bytes(self, tokens: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class RingCache(FullCache):
+    """A sliding-window layer's rows: a ring of its window and a pass where the context is longer."""
+
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window <= 0:
+            raise ModelFileError(f"a sliding window must be positive, got {self.window}")
+
+    def positions(self, context_length: int) -> int:
+        return cache_positions(context_length, self.window)
+
+
+@dataclass(frozen=True)
+class LatentCache(FullCache):
+    """Multi-head latent attention's rows: one per position, its values a view of its keys."""
+
+    def __post_init__(self) -> None:
+        if not self.rows.latent:
+            raise ModelFileError("a latent cache needs latent rows (kv_lora_rank)")
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """A linear-attention layer's state (recurrent_state.py): no key or value rows."""
+
+    shape: RecurrentShape
+    window = 0
+
+    def positions(self, context_length: int) -> int:
+        return 0
+
+    def num_bytes(self, context_length: int, kv: KVType) -> int:
+        return recurrent_state_bytes(self.shape)
+
+    def pass_bytes(self, tokens: int) -> int:
+        return recurrent_pass_bytes(self.shape, tokens)

@@ -1,0 +1,382 @@
+"""A sequence's recurrent state in its linear-attention layers, and how the cache goes back in it.
+
+A KV cache goes back by forgetting rows; a recurrent state (runtime/compute/delta_rule.py) cannot be
+truncated, so this keeps what going back needs:
+- `base`, the state at some length, and a record of every token fed since (its convolution input
+  and output, decay and write strength: what the recurrence reads, no weights needed). The state
+  after any of those tokens is the base's replayed along the token's ancestors, which is how
+  rejected draft tokens are dropped (`truncate`) and a token tree's accepted path is kept
+  (`keep_path`);
+- `tip`, the state after the last token fed, so that a pass continuing from it replays nothing;
+- up to CHECKPOINTS earlier states (at the start of each long prefill pass, and where the
+  generator asks: before a prompt's last token, which a chat's next turn or a regeneration
+  recomputes), to go back to.
+A pass of at most STEPWISE_TOKENS tokens (decoding, draft verification, a token tree) runs token by
+token and is recorded; a longer one (a prefill chunk) runs chunked but for its last token, which
+is recorded, so the cache can go back into it to its start and to its last token. Tree tokens
+each start from their parent's state, so a row of a tree is bit for bit what decoding its path one
+token at a time gives.
+
+States are torch tensors replaced, never written in place, so keeping one is keeping a reference.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tierflow.errors import InvalidArgumentError
+from tierflow.runtime.compute import delta_rule
+
+STEPWISE_TOKENS = 64  # the most tokens a pass can run token by token and record
+CHUNKED_FROM = 17  # a prefill pass of at least this many tokens runs chunked (faster from about here)
+CHECKPOINTS = 2  # states kept at earlier lengths besides the base
+# the most states one layer of a sequence holds: the tip, the base and the checkpoints, and while a
+# long pass runs its new base and tip too (the old tip being one checkpoint)
+STATES_HELD = 3 + CHECKPOINTS
+
+# conv outputs [T, C] -> (q, k [T, H, Dk], v [T, H, Dv]): the layer's split, norms and head sharing
+Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """A linear-attention layer's recurrent state (Gated DeltaNet): per sequence, the last
+    conv_kernel - 1 inputs of a causal convolution over conv_channels (the queries, keys and
+    values side by side), and a key_dim x value_dim matrix per value head. Queries and keys have
+    key_heads heads, each shared by value_heads / key_heads value heads."""
+
+    conv_kernel: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def state_bytes(self) -> int:
+        """float32 bytes of one sequence's state in one layer: the convolution's and the matrices."""
+        matrices = self.value_heads * self.key_dim * self.value_dim
+        return 4 * (self.conv_channels * (self.conv_kernel - 1) + matrices)
+
+
+def recurrent_state_bytes(shape: RecurrentShape) -> int:
+    """What one sequence's state takes in one layer at most: STATES_HELD states and a record of
+    STEPWISE_TOKENS tokens."""
+    record = 4 * (2 * shape.conv_channels + 2 * shape.value_heads)
+    return STATES_HELD * shape.state_bytes + STEPWISE_TOKENS * record
+
+
+def recurrent_pass_bytes(shape: RecurrentShape, tokens: int) -> int:
+    """The activations one linear-attention layer's pass of `tokens` tokens holds at most (an
+    estimate): the convolution's inputs and outputs, the queries and keys shared out to every value
+    head, and the chunked form's blocks: about ten copies of the values' width and a CHUNK-wide
+    score row per token and value head, on both sides of the triangular solve."""
+    width = shape.value_heads * max(shape.key_dim, shape.value_dim)
+    per_token = 2 * shape.conv_channels + 12 * width + 4 * shape.value_heads * delta_rule.CHUNK
+    return 4 * tokens * per_token
+
+
+@dataclass(frozen=True)
+class State:
+    """The recurrence's state after some token: the convolution's last K-1 inputs [K-1, C] and the
+    matrices [H, Dk, Dv]."""
+
+    history: torch.Tensor
+    matrices: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Record:
+    """One token's inputs to the recurrence: conv input and output [C], decay and strength [H]."""
+
+    conv_in: torch.Tensor
+    conv_out: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+
+@dataclass
+class LayerStates:
+    """One layer's states of one sequence (see the module's docstring); `split` is the layer's, kept
+    from its last pass for replays."""
+
+    base: State
+    tip: State
+    penultimate: State | None = None  # the state before the tip's token, where a chain pass left it
+    records: list[Record] = field(default_factory=list)
+    checkpoints: dict[int, State] = field(default_factory=dict)
+    split: Split | None = None
+    # the arrays new states are written into: kept, as many as the budget counts (recurrent_state_bytes)
+    buffers: delta_rule.StateBuffers = field(default_factory=lambda: delta_rule.StateBuffers(STATES_HELD))
+
+
+class RecurrentStates:
+    """The recurrent layers' states of one sequence (one per KV cache), and the slots they are at.
+
+    Slot s holds the token at cache slot s; `parents[i]` is the slot before record i's token (its
+    predecessor in a chain, its parent in a tree), base_length - 1 meaning the base."""
+
+    def __init__(self, shape: RecurrentShape, layers: Iterable[int],
+                 zeros: Callable[[int, tuple[int, ...]], torch.Tensor]):
+        self.layers: dict[int, LayerStates] = {}
+        for layer in layers:
+            empty = State(zeros(layer, (shape.conv_kernel - 1, shape.conv_channels)),
+                          zeros(layer, (shape.value_heads, shape.key_dim, shape.value_dim)))
+            self.layers[layer] = LayerStates(empty, empty)
+        self._empty = {layer: states.base for layer, states in self.layers.items()}  # the state of no tokens
+        self.base_length = 0
+        self.parents: list[int] = []  # per record
+        self.tip_slot = -1  # the slot whose state `tip` is
+        self.penultimate_slot = -2  # the slot whose state `penultimate` is (the tip's predecessor), if any
+        self._pass: _Pass | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        """What the states hold now: each state kept once, however many roles it has, and the records."""
+        seen, total = set(), 0
+        for states in self.layers.values():
+            for state in (states.base, states.tip, states.penultimate, *states.checkpoints.values()):
+                if state is not None and id(state) not in seen:
+                    seen.add(id(state))
+                    total += state.history.nbytes + state.matrices.nbytes
+            total += sum(x.nbytes for record in states.records
+                         for x in (record.conv_in, record.conv_out, record.g, record.beta))
+        return total
+
+    # -- a pass --------------------------------------------------------------------------------
+
+    def begin_pass(self, start: int, count: int, parents: np.ndarray | None, tree_start: int | None,
+                   exact: bool) -> None:
+        """Told before a pass feeds `count` tokens at slots start.. (a tree's with parents from
+        tree_start on, as Decoder.forward takes them). An exact pass (verification) runs token by
+        token, as decoding does; a prefill pass from CHUNKED_FROM tokens on runs chunked. A pass
+        that fails is dropped by `truncate`."""
+        self._pass = None
+        if parents is None:
+            preds = list(range(start - 1, start + count - 1))
+        else:
+            first = start - tree_start
+            preds = [tree_start - 1 if p < 0 else tree_start + int(p) for p in parents[first:first + count]]
+        if preds[0] == self.tip_slot == start - 1 and (parents is None or tree_start == start):
+            self._rebase(start)  # nothing before the pass is branched from again
+        long = count > STEPWISE_TOKENS or count >= CHUNKED_FROM and not exact
+        if long and (parents is not None or preds[0] != self.tip_slot):
+            raise InvalidArgumentError(f"a pass of {count} tokens must continue the recurrent state it "
+                                       f"follows: only {STEPWISE_TOKENS} tokens can branch from an earlier "
+                                       f"one")
+        if long:
+            for states in self.layers.values():
+                self._keep_checkpoint(states, start, states.tip)
+        self._pass = _Pass(start, preds, long)
+
+    def layer(self, layer: int) -> "RecurrentPass":
+        """What the layer computes the current pass with."""
+        return RecurrentPass(self, layer, self.layers[layer], self._pass)
+
+    def end_pass(self) -> None:
+        """The pass finished: each layer's last token's state is its tip, and its tokens are recorded
+        (of a chunked pass the last one, after the state before it, the new base); a chain's state
+        before its last token is kept as `penultimate` (a prompt's checkpoint)."""
+        run, self._pass = self._pass, None
+        end = run.start + len(run.preds)
+        recorded_from = end - 1 if run.long else run.start
+        for layer, result in run.results.items():
+            states = self.layers[layer]
+            states.tip, states.penultimate = result.tip, result.penultimate
+            if run.long:
+                states.base, states.records = result.penultimate, []
+            del states.records[recorded_from - self.base_length if not run.long else 0:]
+            states.records.extend(result.records)
+        if run.long:
+            self.base_length, self.parents = end - 1, []
+        self.parents[recorded_from - self.base_length:] = run.preds[recorded_from - run.start:]
+        self.tip_slot = end - 1
+        self.penultimate_slot = end - 2 if run.chain else -2
+
+    # -- going back ----------------------------------------------------------------------------
+
+    def reachable(self, length: int) -> int:
+        """The longest length <= `length` whose state can be had: 0, a checkpoint's, or one the
+        records lead to along the chain from the base."""
+        marks = [n for n in self._checkpoint_lengths() if n <= length] + [0]
+        if self.base_length <= length:
+            marks.append(min(length, self.base_length + self._chain_records()))
+        return max(marks)
+
+    def truncate(self, length: int) -> None:
+        """Makes the state that after `length` tokens (one `reachable` gives)."""
+        self._pass = None
+        if self.reachable(length) != length:
+            raise InvalidArgumentError(f"the recurrent state cannot go back to {length} tokens: it holds "
+                                       f"checkpoints at {sorted(self._checkpoint_lengths())} and the tokens "
+                                       f"from {self.base_length} on")
+        if length == 0:
+            for layer, states in self.layers.items():
+                states.base = states.tip = self._empty[layer]
+                states.records, states.checkpoints = [], {}
+            self.base_length, self.parents, self.tip_slot, self.penultimate_slot = 0, [], -1, -2
+            return
+        if length < self.base_length:
+            for states in self.layers.values():
+                states.base = states.tip = states.checkpoints[length]
+                states.records = []
+                states.checkpoints = {n: s for n, s in states.checkpoints.items() if n < length}
+            self.base_length, self.parents, self.tip_slot, self.penultimate_slot = length, [], length - 1, -2
+            return
+        kept = length - self.base_length
+        for states in self.layers.values():
+            states.tip = self._replay(states, length - 1)
+            del states.records[kept:]
+        del self.parents[kept:]
+        self.tip_slot, self.penultimate_slot = length - 1, -2
+
+    def keep_path(self, start: int, offsets: list[int]) -> None:
+        """Of the tokens fed from slot `start` on, keeps those at the offsets (a root-to-node path)
+        as slots start, start + 1, ...: their records, as a chain, and the last one's state as the tip."""
+        first = start - self.base_length
+        if first < 0:
+            raise InvalidArgumentError(f"a token tree from slot {start}: the recurrent state holds the "
+                                       f"tokens from {self.base_length} on only")
+        for states in self.layers.values():
+            states.tip = self._replay(states, start + offsets[-1] if offsets else start - 1)
+            states.records[first:] = [states.records[first + i] for i in offsets]
+        self.parents[first:] = list(range(start - 1, start - 1 + len(offsets)))
+        self.tip_slot, self.penultimate_slot = start + len(offsets) - 1, -2
+
+    def checkpoint(self, length: int) -> None:
+        """Keeps the state after `length` tokens (one the cache can reach) for a later turn."""
+        if length in self._checkpoint_lengths() or length == 0 or self.reachable(length) != length:
+            return
+        for states in self.layers.values():
+            self._keep_checkpoint(states, length, self._replay(states, length - 1))
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _rebase(self, length: int) -> None:
+        """The tip, at `length` tokens, becomes the base; the records before it are dropped."""
+        for states in self.layers.values():
+            states.base, states.records = states.tip, []
+        self.base_length, self.parents, self.tip_slot = length, [], length - 1
+
+    def _keep_checkpoint(self, states: LayerStates, length: int, state: State) -> None:
+        states.checkpoints[length] = state
+        while len(states.checkpoints) > CHECKPOINTS:
+            del states.checkpoints[min(states.checkpoints)]
+
+    def _checkpoint_lengths(self) -> list[int]:
+        first = next(iter(self.layers.values()), None)
+        return [] if first is None else list(first.checkpoints)
+
+    def _chain_records(self) -> int:
+        """How many records from the base on form a chain (each token's predecessor the slot before)."""
+        count = 0
+        for i, parent in enumerate(self.parents):
+            if parent != self.base_length + i - 1:
+                break
+            count += 1
+        return count
+
+    def _replay(self, states: LayerStates, slot: int) -> State:
+        """The state after the token at `slot`: the tip's or the penultimate's if it is, else the
+        base's replayed along the slot's ancestors."""
+        if slot == self.tip_slot:
+            return states.tip
+        if slot == self.penultimate_slot:
+            return states.penultimate
+        path = []
+        while slot >= self.base_length:
+            path.append(slot)
+            slot = self.parents[slot - self.base_length]
+        state = states.base
+        for node in reversed(path):
+            _, state = _advance(state, states.records[node - self.base_length], states)
+        return state
+
+
+@dataclass(frozen=True)
+class _Result:
+    """What one layer's pass leaves, kept till the pass ends."""
+
+    tip: State
+    records: list[Record]
+    penultimate: State | None  # a chain's state before its last token
+
+
+@dataclass
+class _Pass:
+    start: int
+    preds: list[int]  # each token's predecessor slot
+    long: bool  # run chunked (all but the last token) and not recorded
+    results: dict[int, _Result] = field(default_factory=dict)  # per layer
+
+    @property
+    def chain(self) -> bool:
+        """Whether each token follows the one before (not a tree)."""
+        return all(p == i + self.start - 1 for i, p in enumerate(self.preds))
+
+
+class RecurrentPass:
+    """One layer's share of one pass of one sequence: runs the recurrence over the pass's tokens."""
+
+    def __init__(self, owner: RecurrentStates, layer: int, states: LayerStates, run: _Pass):
+        self.owner, self.layer, self.states, self.run = owner, layer, states, run
+
+    def __call__(self, conv_in: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 split: Split) -> torch.Tensor:
+        """The recurrence's outputs [T, H, Dv] for the pass's tokens: conv_in [T, C] (before the
+        convolution), conv_weight [C, K], g and beta [T, H]."""
+        states, run = self.states, self.run
+        states.split = split
+        if not run.chain:
+            return self._tree(conv_in, conv_weight, g, beta)
+        start = self.owner._replay(states, run.preds[0])
+        conv_out = delta_rule.causal_conv(start.history, conv_in, conv_weight)
+        q, k, v = split(conv_out)
+        # all but the last token as a long pass (a prefill chunk) or one by one, then the last one
+        taps, most = start.history.shape[0], len(conv_in) - 1
+        penultimate, out = start, None
+        if most:
+            run_most = delta_rule.long_pass if run.long else delta_rule.stepwise
+            out, matrices = run_most(start.matrices, q[:most], k[:most], v[:most], g[:most], beta[:most],
+                                     states.buffers)
+            penultimate = State(torch.cat([start.history, conv_in[:most]])[-taps:], matrices)
+        last, matrices = delta_rule.stepwise(penultimate.matrices, q[most:], k[most:], v[most:], g[most:],
+                                             beta[most:], states.buffers)
+        tip = State(torch.cat([start.history, conv_in])[-taps:], matrices)
+        recorded = most if run.long else 0
+        records = _records(conv_in[recorded:], conv_out[recorded:], g[recorded:], beta[recorded:])
+        run.results[self.layer] = _Result(tip, records, penultimate)
+        return last if out is None else torch.cat([out, last])
+
+    def _tree(self, conv_in, conv_weight, g, beta) -> torch.Tensor:
+        """Each token from its parent's state, one at a time."""
+        states, run = self.states, self.run
+        computed: dict[int, State] = {}
+        outs, records = [], []
+        for i, pred in enumerate(run.preds):
+            before = computed[pred] if pred in computed else self.owner._replay(states, pred)
+            conv_out = delta_rule.causal_conv(before.history, conv_in[i:i + 1], conv_weight)
+            [record] = _records(conv_in[i:i + 1], conv_out, g[i:i + 1], beta[i:i + 1])
+            out, computed[run.start + i] = _advance(before, record, states)
+            outs.append(out)
+            records.append(record)
+        run.results[self.layer] = _Result(computed[run.start + len(run.preds) - 1], records, None)
+        return torch.stack(outs)
+
+
+def _records(conv_in, conv_out, g, beta) -> list[Record]:
+    """Each token's record, copied out of the pass's activations (a row kept as a view would keep
+    all of them)."""
+    return [Record(*(x.clone() for x in row)) for row in zip(conv_in, conv_out, g, beta)]
+
+
+def _advance(state: State, record: Record, states: LayerStates) -> tuple[torch.Tensor, State]:
+    """One more token of the layer's from its record: its output [H, Dv] and the state after it."""
+    q, k, v = states.split(record.conv_out[None])
+    out, matrices = delta_rule.step(state.matrices, q[0], k[0], v[0], record.g, record.beta, states.buffers)
+    return out, State(torch.cat([state.history[1:], record.conv_in[None]]), matrices)
