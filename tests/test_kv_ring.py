@@ -36,7 +36,7 @@ from tierflow.kv_types import KV_TYPES, MAX_PASS_TOKENS, cache_positions, ring_p
 from tierflow.offload.plan.budgets import kv_cache_bytes
 from tierflow.runtime.decoder.decoder import Decoder
 from tierflow.runtime.generation.token_loop import TokenGenerator
-from tierflow.runtime.memory import kv_cache
+from tierflow.runtime.memory import attention_rows
 from tierflow.runtime.memory.kv_cache import KVCache
 
 NEVER = threading.Event()
@@ -355,7 +355,7 @@ def test_a_shift_whose_moves_wrap_around_the_ring_gives_the_bits_of_whole_contex
     """After 700 positions the rings hold 140 .. 699 in slots that wrap; dropping the first 200
     moves 200 .. 699 to 0 .. 499, 64 at a time, some onto slots that later moves read from. The
     oracle: as above, caches holding every position."""
-    monkeypatch.setattr(kv_cache, "SHIFT_CHUNK", 64)
+    monkeypatch.setattr(attention_rows, "SHIFT_CHUNK", 64)
     ids, outputs = text_ids(q8_engine, 704), []
     for rings in (True, False):
         generator = make_generator(q8_engine, rings=rings)

@@ -21,19 +21,43 @@ batcher's one thread).
 import asyncio
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from tierflow.runtime.generation.token_loop import GenerationStats, PrefillProgress, generate_tokens
+from tierflow.runtime.generation.token_loop import (
+    GenerationStats,
+    PrefillProgress,
+    TokenGenerator,
+    generate_tokens,
+)
 from tierflow.runtime.sampling.logprobs import TokenLogprob, token_logprob
 from tierflow.runtime.sampling.sampler import Sampler
 from tierflow.runtime.text.text_stream import TextStream
+from tierflow.runtime.text.tokenizer import Tokenizer
 from tierflow.runtime.text.tool_calls import ToolCall, ToolCallStream
 
 if TYPE_CHECKING:
-    from tierflow.runtime.api.engine import Engine
+    from tierflow.speculative.choice import AutoSpeculator
+    from tierflow.speculative.speculator import Speculator
+
+
+class WeightTiers(Protocol):
+    def peak_bytes_by_tier(self) -> dict[str, int]: ...
+
+
+class GenerationHost(Protocol):
+    """What a stream asks of the engine it runs on (the Engine is one): a slot held for the
+    generation, the tokenizer, the speculator, and the weights' peak bytes for its stats."""
+
+    tokenizer: Tokenizer
+    speculator: "Speculator | AutoSpeculator | None"
+    weights: WeightTiers
+
+    def exclusive(self, stream: "weakref.ReferenceType[Stream] | None", cancelled: threading.Event | None,
+                  prompt_ids: Sequence[int]) -> AbstractContextManager[TokenGenerator | None]: ...
 
 
 @dataclass
@@ -51,7 +75,7 @@ class GenerationResult:
 class _Generation:
     """What one generation computes with and has computed: all its generator keeps."""
 
-    engine: "Engine"
+    engine: GenerationHost
     prompt_ids: list[int]
     sampler: Sampler
     max_tokens: int
@@ -99,7 +123,7 @@ class _Generation:
 class Stream:
     """Text pieces of one generation; `.result` is set once the iteration ends."""
 
-    def __init__(self, engine: "Engine", prompt_ids: list[int], sampler: Sampler, max_tokens: int,
+    def __init__(self, engine: GenerationHost, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
                  text: TextStream, context_shift: bool = False):
         self._run = _Generation(engine, prompt_ids, sampler, max_tokens, text, context_shift=context_shift,
                                 logprobs=[] if sampler.params.logprobs else None)

@@ -145,25 +145,16 @@ class _Placed:
         else:
             tree_start = start if item.tree_start is None else item.tree_start
             positions = tree_start + tree_depths(item.parents)[start - tree_start:]
-        cache.will_write(start if item.parents is None else tree_start, start + count)
-        if cache.recurrent is not None:
-            # a verification's rows must be what decoding gives: token by token, as decoding runs
-            cache.recurrent.begin_pass(start, count, item.parents, tree_start,
-                                       exact=item.all_logits or item.parents is not None)
+        # a verification's rows must be what decoding gives (a recurrent state: token by token)
+        cache.begin_pass(count, item.parents, tree_start, exact=item.all_logits or item.parents is not None)
         return cls(item, start, positions, tree_start)
 
     def layer(self, layer_idx: int, rows: slice) -> SequencePass:
-        cache = self.input.cache
-        states = cache.recurrent
-        recurrent = states.layer(layer_idx) if states is not None and layer_idx in states.layers else None
-        return SequencePass(rows, cache.keys[layer_idx], cache.values[layer_idx], self.start,
-                            self.input.parents, self.tree_start, cache.held_from[layer_idx], recurrent)
+        return SequencePass(rows=rows, start=self.start, parents=self.input.parents,
+                            tree_start=self.tree_start, **self.input.cache.layer_pass(layer_idx))
 
     def done(self) -> None:
-        cache = self.input.cache
-        cache.length = self.start + self.input.token_ids.shape[0]
-        if cache.recurrent is not None:
-            cache.recurrent.end_pass()
+        self.input.cache.end_pass(self.start + self.input.token_ids.shape[0])
 
 
 def soft_cap(logits: np.ndarray, cap: float) -> np.ndarray:

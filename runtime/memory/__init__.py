@@ -1,6 +1,8 @@
 """tierflow.runtime.memory: what a sequence keeps between passes.
 
-    kv_cache.py         the KV cache of every layer: full, sliding-window ring, latent rows; its shift
+    kinds.py            each layer's kind of memory: full, ring, latent, recurrent; their sizes
+    kv_cache.py         a sequence's memory: its kinds behind one protocol (a pass, going back, a shift)
+    attention_rows.py   the attention layers' key and value rows: full, sliding-window ring, latent
     recurrent_state.py  a linear-attention layer's state: records, replays, checkpoints
     hidden_trail.py     a sequence's final-normed hidden states by cache slot, for an MTP draft
 """

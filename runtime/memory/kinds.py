@@ -9,19 +9,29 @@ the planner counts them, by asking the kind, never by branching on the family:
     LatentCache     multi-head latent attention's one row per position (rotary key part + latent)
     RecurrentState  a linear-attention layer's fixed-size state, whatever the context
 
-A new kind is one class here with the protocol's four members, and the family that declares it.
+Attention rows (the first three) are held by the KV cache's rows (attention_rows.py); a kind
+held otherwise names its store (`sequence_store`: the SequenceMemory of kv_cache.py that holds
+every layer of that kind for one sequence). A new kind is one class here with the protocol's
+members, its store, and the family that declares it (`ModelConfig.layer_kinds`).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+import torch
 
 from tierflow.errors import ModelFileError
 from tierflow.kv_types import CacheRows, KVType, cache_positions
 from tierflow.runtime.memory.recurrent_state import (
     RecurrentShape,
+    RecurrentStates,
     recurrent_pass_bytes,
     recurrent_state_bytes,
 )
+
+# allocate(layer_idx, shape, dtype) -> a zeroed array of the layer's memory, where it computes
+Allocate = Callable[[int, tuple[int, ...], torch.dtype], Any]
 
 
 class LayerMemory(Protocol):
@@ -36,6 +46,10 @@ class LayerMemory(Protocol):
 
     def pass_bytes(self, tokens: int) -> int: ...  # activations a pass of `tokens` adds to attention's
 
+    # (layers of this kind: {index: kind}, allocate) -> what holds them for a sequence; None: the
+    # KV cache's attention rows hold it
+    sequence_store: Callable[[dict[int, "LayerMemory"], Allocate], Any] | None
+
 
 @dataclass(frozen=True)
 class FullCache:
@@ -43,6 +57,7 @@ class FullCache:
 
     rows: CacheRows
     window = 0
+    sequence_store = None  # the KV cache's attention rows
 
     def positions(self, context_length: int) -> int:
         return cache_positions(context_length, 0)
@@ -92,3 +107,9 @@ class RecurrentState:
 
     def pass_bytes(self, tokens: int) -> int:
         return recurrent_pass_bytes(self.shape, tokens)
+
+    @staticmethod
+    def sequence_store(layers: dict[int, "RecurrentState"], allocate: Allocate) -> RecurrentStates:
+        shape = next(iter(layers.values())).shape
+        return RecurrentStates(shape, layers,
+                               lambda layer, dims: torch.as_tensor(allocate(layer, dims, torch.float32)))

@@ -1,220 +1,169 @@
-"""The key/value cache, preallocated for the whole context (a ring for a sliding-window layer) so
-decoding never allocates."""
+"""A sequence's memory between passes: each layer's kind (runtime/memory/kinds.py) allocated, the
+attention layers' rows (attention_rows.py) and the linear-attention layers' recurrent states
+(recurrent_state.py), behind one protocol that the decoder and the token loop use without asking
+which kinds a model has."""
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from tierflow.cpu_kernels.hadamard import cache_rotation_sizes, hadamard
-from tierflow.cpu_kernels.kv_layout import (
-    CACHE_DTYPES,
-    cache_shapes,
-    decode,
-    encode,
-    read_rows,
-    row_items,
-    write_rows,
-)
-from tierflow.cpu_kernels.torch_ops import apply_rope
 from tierflow.errors import InvalidArgumentError
-from tierflow.kv_types import KV_TYPES, MAX_PASS_TOKENS, KVType, scored_slots
-from tierflow.runtime.memory.kinds import RecurrentState
-from tierflow.runtime.memory.recurrent_state import RecurrentStates
+from tierflow.kv_types import KV_TYPES, KVType
+from tierflow.runtime.memory.attention_rows import AttentionRows, allocate_in_ram
+from tierflow.runtime.memory.kinds import Allocate, LayerMemory
 
 if TYPE_CHECKING:
     from tierflow.runtime.models.config import ModelConfig
 
-SHIFT_CHUNK = 1024  # positions a context shift reads, re-rotates and writes at a time: bounds its copies
 
-# allocate(layer_idx, shape, dtype) -> a zeroed array of the layer's cache, where it computes
-Allocate = Callable[[int, tuple[int, ...], torch.dtype], np.ndarray | torch.Tensor]
+class SequenceMemory(Protocol):
+    """What one kind of memory does for a sequence (the KV cache holds one of each kind it has)."""
 
+    num_bytes: int
+    can_shift: bool  # whether positions can be dropped from the middle (a context shift)
 
-def allocate_in_ram(_: int, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
-    return torch.zeros(shape, dtype=dtype).numpy()
+    def begin_pass(self, start: int, count: int, parents: np.ndarray | None, tree_start: int | None,
+                   exact: bool) -> None: ...  # told before a pass (Decoder.forward's arguments)
+
+    def layer_pass(self, layer: int) -> dict: ...  # the layer's share of a pass: SequencePass's fields
+
+    def end_pass(self) -> None: ...
+
+    def reachable(self, length: int) -> int: ...  # the longest length <= length it can go back to
+
+    def truncate(self, length: int) -> None: ...  # goes back to `length` (one reachable gives)
+
+    def keep_path(self, start: int, offsets: list[int]) -> None: ...  # a token tree's kept path
+
+    def checkpoint(self, length: int) -> None: ...  # keeps what going back to `length` needs later
 
 
 class KVCache:
-    """Keys and values of every layer in one of llama.cpp's cache types, filled up to `length`.
+    """Every layer's memory of one sequence, filled up to `length` positions (the same for every
+    layer): the attention layers' key and value rows (`rows`: full, ring or latent, in one of
+    llama.cpp's cache types) and, where the model has linear-attention layers, their recurrent
+    states. `allocate` gives a layer's zeroed arrays: by default numpy, in RAM; a
+    layer computed on the GPU keeps its memory there (offload.tiers.tiered.TieredWeights.allocate_cache).
+    The cache names no kind: each layer's comes from the config (`ModelConfig.memory`), and a kind the
+    attention rows do not hold brings its own store (kinds.py `sequence_store`).
 
-    Each head's key or value at a position is a row in the type (D floats or halves, or q8_0 /
-    q4_0 blocks: cpu_kernels/kv_layout.py). A layer's keys are [K, C/16, R, 16], the rows of 16
-    positions transposed so that the attention kernels score 16 positions with vertical
-    multiply-adds over one contiguous block; its values are [K, C, R]. C, the layer's capacity
-    (`capacities`), is the context rounded up to 16, or for a sliding-window layer whose context
-    is longer a ring of its window and a pass (kv_types.cache_positions): position p is in slot
-    p % C, so a ring holds the latest C positions written. A quantized type holds its rows rotated
-    by a Walsh-Hadamard transform where llama.cpp's does (cpu_kernels/hadamard.py): `write` takes
-    and `read` gives them unrotated. With latent attention (ModelConfig.cache_rows) a layer holds
-    one key row per position, [rotary key part, latent], and values of width 0: the latent part of
-    the key row is the values (rotated with the keys in a quantized type). `allocate` gives a
-    layer's zeroed arrays: by default numpy, in RAM; a layer computed on the GPU keeps its cache there
-    (offload.tiers.tiered.TieredWeights.allocate_cache).
-
-    A ring can go back (`truncate`) only as far as it still holds the window before the new end
-    (`can_truncate_to`). After a context shift, a ring that had overwritten some of the kept
-    positions no longer holds them: `held_from[layer]` is the oldest position a layer holds, and
-    the kernels attend to none before it, as llama.cpp's sliding-window cache drops its evicted
-    cells.
+    Going back (prefix reuse, rejected guesses, a tree's kept path) goes as far as every kind can:
+    a ring only while it holds the window before the new end, a recurrent state to a checkpoint or
+    a length its records reach.
     """
 
     def __init__(self, config: "ModelConfig", context_length: int, allocate: Allocate | None = None,
                  kv_type: KVType | None = None):
+        kinds = config.memory
+        allocate = allocate or allocate_in_ram
         self.kv_type = KV_TYPES["f32"] if kv_type is None else kv_type
-        rows = config.cache_rows
-        rows.check(self.kv_type)
-        self.key_rotation, self.value_rotation = cache_rotation_sizes(self.kv_type, rows)  # 0: none
-        # the items a shift decodes, turns and encodes again: a key row, or a latent row's rotary part
-        self._turned_items = row_items(self.kv_type, rows.rotary_dim if rows.latent else rows.key_dim)
-        memory = config.memory  # each layer's kind (runtime/memory/kinds.py)
-        layers = range(len(memory))
-        self.windows = [kind.window for kind in memory]
-        self.capacities = [kind.positions(context_length) for kind in memory]
-        dtype, allocate = CACHE_DTYPES[self.kv_type.name], allocate or allocate_in_ram
-        key_shapes, value_shapes = ([cache_shapes(self.kv_type, rows.heads, capacity, dim)[which]
-                                     for capacity in self.capacities]
-                                    for which, dim in ((0, rows.key_dim), (1, rows.value_dim)))
-        self.keys = [allocate(i, key_shapes[i], dtype) for i in layers]
-        self.values = [allocate(i, value_shapes[i], dtype) for i in layers]  # latent: [1, C, 0]
+        self.rows = AttentionRows(kinds, config.cache_rows, context_length, allocate, self.kv_type)
+        by_kind: dict[type, dict[int, LayerMemory]] = {}
+        for layer, kind in enumerate(kinds):
+            by_kind.setdefault(type(kind), {})[layer] = kind
+        # the rows, then what holds each other kind (the linear-attention layers' recurrent states)
+        self.memories: list[SequenceMemory] = [self.rows] + [
+            kind.sequence_store(layers, allocate) for kind, layers in by_kind.items() if kind.sequence_store]
         self.context_length = context_length
         self.length = 0  # positions holding valid entries, the same for every layer
-        self.held_from = [0] * len(memory)  # per layer: none before it since a context shift
-        self._written = 0  # 1 + the last position written: a ring holds none before _written - C
-        self.recurrent = None  # the linear-attention layers' states, where the model has such layers
-        states = {i: kind.shape for i, kind in enumerate(memory) if isinstance(kind, RecurrentState)}
-        if states:
-            self.recurrent = RecurrentStates(
-                next(iter(states.values())), states,
-                lambda layer, shape: torch.as_tensor(allocate(layer, shape, torch.float32)))
 
-    @property
-    def num_bytes(self) -> int:
-        recurrent = 0 if self.recurrent is None else self.recurrent.num_bytes
-        return sum(array.nbytes for array in [*self.keys, *self.values]) + recurrent
+    # the attention rows, as the kernels, the shift and the tests read them
+    keys = property(lambda self: self.rows.keys)
+    values = property(lambda self: self.rows.values)
+    capacities = property(lambda self: self.rows.capacities)
+    held_from = property(lambda self: self.rows.held_from)
 
     def read(self, layer: int, positions: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Layer `layer`'s (keys, values) at the positions (ones it holds), each float32 [K, n, D],
         dequantized and rotated back."""
-        keys, values, index = self._tensors(layer, positions)
-        sizes = (self.key_rotation, self.value_rotation)
-        return tuple(hadamard(decode(rows, self.kv_type), size).cpu().numpy()
-                     for rows, size in zip(read_rows(keys, values, index), sizes))
+        return self.rows.read(layer, positions)
 
     def write(self, layer: int, positions: Sequence[int] | np.ndarray, keys: np.ndarray | torch.Tensor,
               values: np.ndarray | torch.Tensor) -> None:
         """Stores keys and values [K, n, D] (float32) at the positions of layer `layer`, in the
         cache's type (rotated and quantized as llama.cpp does)."""
-        store_keys, store_values, index = self._tensors(layer, positions)
-        rows = [self._encoded(torch.as_tensor(x, device=store_keys.device), size)
-                for x, size in ((keys, self.key_rotation), (values, self.value_rotation))]
-        write_rows(store_keys, store_values, index, *rows)
-        if len(index):
-            self._written = max(self._written, int(np.max(positions)) + 1)
-
-    def _encoded(self, rows: torch.Tensor, rotation: int) -> torch.Tensor:
-        """Rows [K, n, D] float32 as the cache stores them: rotated and in its type. A latent
-        cache's values (D = 0: its keys are its values) have nothing to encode."""
-        if not rows.shape[-1]:
-            return rows.to(CACHE_DTYPES[self.kv_type.name])
-        return encode(hadamard(rows, rotation), self.kv_type)
-
-    def will_write(self, first: int, end: int) -> None:
-        """Told before a pass writes positions up to `end` (its first slot `first`: a token tree's
-        start, or its first token's position): refuses, before anything is written, a pass that a
-        layer cannot take (a ring holds the window before a pass and at most MAX_PASS_TOKENS of
-        its tokens), and notes what the rings overwrite."""
-        for layer, (window, capacity) in enumerate(zip(self.windows, self.capacities)):
-            if capacity and scored_slots(first, end, window) > capacity:
-                raise InvalidArgumentError(
-                    f"positions {first} .. {end - 1} do not fit in layer {layer}'s cache of {capacity} "
-                    f"positions" + (f" (a ring of its window of {window} and a pass of at most "
-                                    f"{MAX_PASS_TOKENS} tokens)" if window else ""))
-        self._written = max(self._written, end)
-
-    def _tensors(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s arrays as tensors sharing their memory, and the positions' slots on their
-        device."""
-        keys, values = (torch.as_tensor(array) for array in (self.keys[layer], self.values[layer]))
-        slots = np.asarray(positions, np.int64) % self.capacities[layer]
-        return keys, values, torch.as_tensor(slots, device=keys.device)
-
-    def _oldest(self, layer: int) -> int:
-        """The oldest position layer `layer` holds: all from it to the last written are there."""
-        return max(self.held_from[layer], self._written - self.capacities[layer])
-
-    def can_truncate_to(self, length: int) -> bool:
-        """Whether the cache can go back to `length` positions (and hold there what it held before):
-        every layer still holds the positions that a token at `length` sees and the cache had
-        not lost to a context shift (a ring may have overwritten them since)."""
-        length = max(0, min(length, self.length))
-        if self.recurrent is not None and self.recurrent.reachable(length) != length:
-            return False
-        return self._rows_held(length)
-
-    def _rows_held(self, length: int) -> bool:
-        """Whether every layer with keys and values still holds what a token at `length` sees."""
-        return length == 0 or all(self._holds_window(layer, length) for layer in range(len(self.keys))
-                                  if self.capacities[layer])
-
-    def reachable(self, length: int) -> int:
-        """The longest length <= `length` the cache can go back to: itself where it can, else (a
-        recurrent state) the nearest state kept before it, else 0."""
-        length = max(0, min(length, self.length))
-        if self.recurrent is not None:
-            length = self.recurrent.reachable(length)
-        return length if self._rows_held(length) else 0
-
-    def checkpoint(self) -> None:
-        """Keeps what going back to before the last token needs later (a recurrent state's; a KV
-        cache needs nothing): a prompt's end, whose last token a chat's next turn recomputes."""
-        if self.recurrent is not None:
-            self.recurrent.checkpoint(self.length - 1)
+        self.rows.write(layer, positions, keys, values)
 
     @property
-    def can_shift(self) -> bool:
-        """Whether `shift` can drop positions from the middle: not from a recurrent state."""
-        return self.recurrent is None
+    def num_bytes(self) -> int:
+        return sum(memory.num_bytes for memory in self.memories)
 
-    def _holds_window(self, layer: int, length: int) -> bool:
-        window, held_from = self.windows[layer], self.held_from[layer]
-        first_seen = max(length - window + 1, held_from) if window else held_from
-        return held_from <= length and self._oldest(layer) <= first_seen
+    # -- a pass --------------------------------------------------------------------------------
+
+    def begin_pass(self, count: int, parents: np.ndarray | None, tree_start: int | None, exact: bool) -> int:
+        """Tells every kind of memory that a pass of `count` tokens follows the `length` held (a
+        token tree's from slot tree_start); each refuses, before anything is written, one it cannot
+        take. An exact pass (verification) must give what decoding gives. Returns its start."""
+        start = self.length
+        for memory in self.memories:
+            memory.begin_pass(start, count, parents, tree_start, exact)
+        return start
+
+    def layer_pass(self, layer: int) -> dict:
+        """What layer `layer` computes the current pass with: SequencePass's fields of each kind."""
+        fields = {}
+        for memory in self.memories:
+            fields.update(memory.layer_pass(layer))
+        return fields
+
+    def end_pass(self, length: int) -> None:
+        self.length = length
+        for memory in self.memories:
+            memory.end_pass()
+
+    # -- going back ----------------------------------------------------------------------------
+
+    def reachable(self, length: int) -> int:
+        """The longest length <= `length` the cache can go back to: itself where every kind can,
+        else the longest all of them reach (a recurrent state's nearest checkpoint), else 0."""
+        length = max(0, min(length, self.length))
+        while True:
+            reached = length
+            for memory in self.memories:
+                reached = memory.reachable(reached)
+            if reached == length:
+                return length
+            length = reached
+
+    def can_truncate_to(self, length: int) -> bool:
+        """Whether the cache can go back to `length` positions (and hold there what it held before)."""
+        length = max(0, min(length, self.length))
+        return all(memory.reachable(length) == length for memory in self.memories)
 
     def truncate(self, length: int) -> None:
         """Forgets positions >= length (the entries are overwritten by the next write); going back
-        further than `can_truncate_to` allows is refused. At 0 the cache holds nothing, lost or not."""
+        further than `can_truncate_to` allows is refused, naming what cannot. At 0 the cache holds
+        nothing, lost or not."""
         length = max(0, min(length, self.length))
-        if not self._rows_held(length):
-            raise InvalidArgumentError(f"the KV cache cannot go back to {length} positions: a sliding-window "
-                                       f"layer's ring no longer holds the window before it")
-        if self.recurrent is not None:
-            self.recurrent.truncate(length)  # refuses a length it cannot go back to, naming what it holds
+        for memory in self.memories:
+            memory.truncate(length)
         self.length = length
-        if length == 0:
-            self.held_from = [0] * len(self.held_from)
-            self._written = 0
 
     def keep_path(self, start: int, offsets: Sequence[int]) -> None:
         """Of the tokens written from slot `start` on (a token tree), keeps those at the given
         offsets (a root-to-node path, ascending) as positions start, start + 1, ..., and forgets
-        the rest. Their keys were rotated for those positions already (a tree token's position
-        is start plus its depth), so moving their rows, in whatever type, is all it takes."""
+        the rest."""
         if not self.can_truncate_to(start):
             raise InvalidArgumentError(f"a token tree from position {start}: the cache no longer holds the "
                                        f"window before it")
-        if self.recurrent is not None:
-            self.recurrent.keep_path(start, list(offsets))
-        src = start + np.asarray(offsets, np.int64)
-        dst = start + np.arange(len(src))
-        moved = src != dst
-        if moved.any():
-            for layer in (layer for layer in range(len(self.keys)) if self.capacities[layer]):
-                keys, values, s = self._tensors(layer, src[moved])
-                d = self._tensors(layer, dst[moved])[2]
-                write_rows(keys, values, d, *read_rows(keys, values, s))
-        self.length = start + len(src)
+        for memory in self.memories:
+            memory.keep_path(start, list(offsets))
+        self.length = start + len(offsets)
+
+    def checkpoint(self) -> None:
+        """Keeps what going back to before the last token needs later: a prompt's end, whose last
+        token a chat's next turn recomputes."""
+        for memory in self.memories:
+            memory.checkpoint(self.length - 1)
+
+    # -- a context shift -----------------------------------------------------------------------
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether `shift` can drop positions from the middle: not from a recurrent state."""
+        return all(memory.can_shift for memory in self.memories)
 
     def shift(self, keep: int, num_dropped: int, rotations: Sequence[tuple[np.ndarray, np.ndarray]],
               neox: bool) -> None:
@@ -240,35 +189,5 @@ class KVCache:
         if not (keep >= 0 and num_dropped > 0 and keep + num_dropped <= self.length):
             raise InvalidArgumentError(f"cannot drop positions [{keep}, {keep + num_dropped}) of the "
                                        f"{self.length} the cache holds")
-        for layer, (cos, sin) in enumerate(rotations):
-            magnitude = np.hypot(cos, sin)
-            back = [torch.from_numpy(row / magnitude)[None].double() for row in (cos, -sin)]  # [1, R/2] each
-            oldest = self._oldest(layer)
-            self._move_back(layer, np.arange(max(keep + num_dropped, oldest), self.length), num_dropped, back,
-                            "neox" if neox else "normal")
-            self.held_from[layer] = oldest if oldest <= keep else max(oldest - num_dropped, keep)
+        self.rows.shift(self.length, keep, num_dropped, rotations, neox)
         self.length -= num_dropped
-        self._written = self.length  # what a ring holds is now counted in the new positions
-
-    def _move_back(self, layer: int, positions: np.ndarray, distance: int, back: list[torch.Tensor],
-                   style: str) -> None:
-        """Moves the entries at the positions (ascending) `distance` positions down, their keys
-        turned back (rotary rows `back`), a chunk at a time. Where a layer's positions wrap around
-        its ring, a move can land on the slot of a position still to be moved: there every chunk
-        is read before any is written."""
-        chunks = [positions[i:i + SHIFT_CHUNK] for i in range(0, len(positions), SHIFT_CHUNK)]
-        staged: Iterator | list = (self._stored_rows(layer, chunk) for chunk in chunks)
-        if self.length > self.capacities[layer]:
-            staged = list(staged)  # at most a ring's rows
-        for chunk, (key_rows, value_rows) in zip(chunks, staged):
-            keys, values, moved = self._tensors(layer, chunk - distance)
-            turned_rows, kept_rows = key_rows[..., :self._turned_items], key_rows[..., self._turned_items:]
-            plain = hadamard(decode(turned_rows, self.kv_type), self.key_rotation)
-            turned = apply_rope(plain.double(), *(row.to(keys.device) for row in back), style)
-            # the values (and a latent) move as stored; only what was turned is stored again in the type
-            stored = encode(hadamard(turned.float(), self.key_rotation), self.kv_type)
-            write_rows(keys, values, moved, torch.cat([stored, kept_rows], dim=-1), value_rows)
-
-    def _stored_rows(self, layer: int, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the rows (in the type) at the positions."""
-        return read_rows(*self._tensors(layer, positions))

@@ -174,6 +174,10 @@ class RecurrentStates:
                 self._keep_checkpoint(states, start, states.tip)
         self._pass = _Pass(start, preds, long)
 
+    def layer_pass(self, layer: int) -> dict:
+        """A recurrent layer's share of a pass (SequencePass.recurrent); nothing of another layer."""
+        return {"recurrent": self.layer(layer)} if layer in self.layers else {}
+
     def layer(self, layer: int) -> "RecurrentPass":
         """What the layer computes the current pass with."""
         return RecurrentPass(self, layer, self.layers[layer], self._pass)
@@ -199,6 +203,8 @@ class RecurrentStates:
         self.penultimate_slot = end - 2 if run.chain else -2
 
     # -- going back ----------------------------------------------------------------------------
+
+    can_shift = False  # a state cannot drop tokens from its middle: the kept ones are prefilled again
 
     def reachable(self, length: int) -> int:
         """The longest length <= `length` whose state can be had: 0, a checkpoint's, or one the

@@ -102,6 +102,9 @@ class ModelConfig:
     # Multi-token-prediction blocks in the file after the num_layers that run (`nextn_predict_layers`):
     # what `--draft mtp` drafts with (speculative/mtp.py) where the family computes them.
     nextn_layers: int = 0
+    # Each layer's kind of memory (runtime/memory/kinds.py) where the family declares it: a kind the
+    # fields above do not imply (a new state, say) is declared here; () derives it from them.
+    layer_kinds: tuple[LayerMemory, ...] = ()
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
@@ -134,6 +137,9 @@ class ModelConfig:
         self._check_scales()
         self._check_latent()
         self._check_groups()
+        if self.layer_kinds and len(self.layer_kinds) != self.num_layers:
+            raise ModelFileError(f"layer kinds must be one per layer ({self.num_layers}), "
+                                 f"got {len(self.layer_kinds)}")
         layers = len(self.recurrent_layers)
         if self.recurrent_layers and (layers != self.num_layers or self.recurrent is None):
             raise ModelFileError(f"recurrent layers must be one flag per layer ({self.num_layers}) with a "
@@ -188,13 +194,15 @@ class ModelConfig:
         """The config of the model made of its first num_layers layers."""
         return replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers],
                        recurrent_layers=self.recurrent_layers[:num_layers],
+                       layer_kinds=self.layer_kinds[:num_layers],
                        leading_dense_layers=min(self.leading_dense_layers, num_layers))
 
     def mtp_config(self) -> "ModelConfig":
         """The config of the multi-token-prediction block as a one-layer model: a full-attention
         layer with the model's FFN (its experts too, in a MoE model)."""
         return replace(self, num_layers=1, layer_windows=(0,) if self.layer_windows else (),
-                       recurrent_layers=(), recurrent=None, leading_dense_layers=0, nextn_layers=0)
+                       recurrent_layers=(), recurrent=None, leading_dense_layers=0, nextn_layers=0,
+                       layer_kinds=())
 
     def window(self, layer: int) -> int:
         """The layer's sliding window in positions, 0 if it attends to the whole context."""
@@ -220,8 +228,10 @@ class ModelConfig:
         return tuple(self.layer_memory(layer) for layer in range(self.num_layers))
 
     def layer_memory(self, layer: int) -> LayerMemory:
-        """The layer's kind of memory, as the family's fields declare it: a recurrent state, a
-        latent row, a sliding window's ring, or else the whole context's rows."""
+        """The layer's kind of memory, as the family declares it (`layer_kinds`) or its fields imply:
+        a recurrent state, a latent row, a sliding window's ring, or else the whole context's rows."""
+        if self.layer_kinds:
+            return self.layer_kinds[layer]
         if self.is_recurrent(layer):
             return RecurrentState(self.recurrent)
         rows = self.cache_rows

@@ -16,7 +16,8 @@ FAMILY_SPECS: dict[str, ModelSpec] = {
     "qwen2": ModelSpec(arch="qwen2", **DENSE),
     "qwen3": ModelSpec(arch="qwen3", **DENSE, head_size=24),
     "qwen2moe": ModelSpec(arch="qwen2moe", **MOE, shared_expert_ffn_size=96),
-    "olmoe": ModelSpec(arch="olmoe", **(DENSE | dict(num_kv_heads=4, ffn_size=64)), num_experts=4, experts_used=2),
+    "olmoe": ModelSpec(arch="olmoe", **(DENSE | dict(num_kv_heads=4, ffn_size=64)), num_experts=4,
+                       experts_used=2),  # llama.cpp takes olmoe's expert width from ffn_size
     "qwen3moe": ModelSpec(arch="qwen3moe", **MOE),
     "gemma2": ModelSpec(arch="gemma2", **(DENSE | dict(num_layers=4)), head_size=32, sliding_window=16),
     "gemma3": ModelSpec(arch="gemma3", **(DENSE | dict(num_layers=6)), head_size=32, sliding_window=16),
