@@ -6,8 +6,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from tests.support.family_specs import FAMILY_SPECS
-from tests.support.model_spec import spec_config
+from tests.support.model_spec import family_spec, spec_config
 from tierflow.errors import InvalidArgumentError, ModelFileError
 from tierflow.kv_types import KV_TYPES
 from tierflow.offload.plan.budgets import kv_cache_bytes, layer_kv_bytes
@@ -71,7 +70,7 @@ class LedgerKind:
 
 
 def config_of(family: str):
-    return spec_config(FAMILY_SPECS[family], 300)
+    return spec_config(family_spec(family), 300)
 
 
 @pytest.mark.parametrize("family, kinds", [("llama", {FullCache}), ("gemma3", {FullCache, RingCache}),

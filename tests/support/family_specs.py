@@ -1,34 +1,85 @@
-"""Each family's generator spec for the generic suite (tests/test_families.py): a small model with
-F32 weights, shaped to reach what sets the family apart (a window shorter than the prompt, experts
-with a shared one, leading dense layers, latent attention, recurrent layers). A new family adds
-its line here; the suite then checks it against llama.cpp like every other."""
+"""Each family as the generator knows it, one entry apiece: what llama.cpp requires of its files
+beyond its tensors (FamilyTraits, which model_spec.py checks specs against and writes metadata by),
+and the small spec with F32 weights that the generic suite runs against llama.cpp
+(tests/test_families.py), shaped to reach what sets the family apart (a window shorter than the
+prompt, experts with a shared one, leading dense layers, latent attention, recurrent layers).
+A new family adds its entry here; the suite then checks it like every other.
+"""
 
-from tests.support.model_spec import ModelSpec
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """What llama.cpp requires of a family's file beyond its tensors (which the family's tensor
+    map in tierflow.runtime.models gives)."""
+
+    rope_freqs: bool = False        # llama.cpp accepts a rope_freqs.weight tensor for this arch
+    experts: str = "never"          # "never", "optional" (num_experts 0: dense) or "always"
+    no_gqa: bool = False            # llama.cpp's k norm is as wide as the q norm (olmoe)
+    shared_expert: bool = False     # a sigmoid-gated shared expert beside the routed ones
+    expert_width_key: bool = False  # experts are {arch}.expert_feed_forward_length wide, not
+                                    # feed_forward_length (ffn_size) wide
+    untied_only: bool = False       # llama.cpp requires output.weight
+    tied_only: bool = False         # llama.cpp reads no output.weight (the head is token_embd)
+    window_key: bool = False        # reads {arch}.attention.sliding_window and
+                                    # {arch}.final_logit_softcapping
+    attn_softcap_key: bool = False  # reads {arch}.attn_logit_softcapping
+    leading_dense: bool = False     # reads {arch}.leading_dense_block_count
+    nextn: bool = False             # reads {arch}.nextn_predict_layers (trailing blocks it skips)
+    scored_router: bool = False     # sigmoid gating, exp_probs_b, weights normalised and scaled;
+                                    # {arch}.expert_shared_count ungated shared experts
+    optional_attention: bool = False  # q/k/v biases (written) and per-head q/k norms (on ask)
+    required_window: int = 0        # llama.cpp requires {arch}.attention.sliding_window: this is
+                                    # written when the spec sets none (0: not required)
+    latent_attention: bool = False  # deepseek2's MLA: kv_lora_rank, rope_dim, value_head_size,
+                                    # q_lora_rank and the router's keys (see ModelSpec)
+    linear_attention: bool = False  # Gated DeltaNet layers (qwen3next, qwen35): the ssm.* keys and the
+                                    # full-attention interval (see ModelSpec)
+    rope_sections: bool = False     # interleaved multi-section rotary's rope.dimension_sections (qwen35)
+
+
+@dataclass(frozen=True)
+class Family:
+    traits: FamilyTraits
+    spec: dict  # ModelSpec's keywords (but arch) for the generic suite
+
 
 F32 = dict(weight_type="F32", embedding_type="F32", context_length=512)
 DENSE = dict(num_layers=2, hidden_size=64, ffn_size=128, num_heads=4, num_kv_heads=2, **F32)
 MOE = dict(DENSE, num_experts=4, experts_used=2, expert_ffn_size=64)
 HYBRID = dict(num_layers=4, hidden_size=64, ffn_size=128, num_heads=4, num_kv_heads=2, head_size=32,
               rope_dim=16, **F32)
+HYBRID_MOE = dict(HYBRID, num_experts=4, experts_used=2, expert_ffn_size=64, shared_expert_ffn_size=96)
 
-FAMILY_SPECS: dict[str, ModelSpec] = {
-    "llama": ModelSpec(arch="llama", **DENSE),
-    "qwen2": ModelSpec(arch="qwen2", **DENSE),
-    "qwen3": ModelSpec(arch="qwen3", **DENSE, head_size=24),
-    "qwen2moe": ModelSpec(arch="qwen2moe", **MOE, shared_expert_ffn_size=96),
-    "olmoe": ModelSpec(arch="olmoe", **(DENSE | dict(num_kv_heads=4, ffn_size=64)), num_experts=4,
-                       experts_used=2),  # llama.cpp takes olmoe's expert width from ffn_size
-    "qwen3moe": ModelSpec(arch="qwen3moe", **MOE),
-    "gemma2": ModelSpec(arch="gemma2", **(DENSE | dict(num_layers=4)), head_size=32, sliding_window=16),
-    "gemma3": ModelSpec(arch="gemma3", **(DENSE | dict(num_layers=6)), head_size=32, sliding_window=16),
-    "glm4moe": ModelSpec(arch="glm4moe", **(MOE | dict(num_layers=3)), leading_dense_layers=1, nextn_layers=1,
-                         rope_dim=8, qk_norm=True, tied_embeddings=False),
-    "gpt-oss": ModelSpec(arch="gpt-oss", **(MOE | dict(num_layers=3)), head_size=64, sliding_window=16),
-    "deepseek2": ModelSpec(arch="deepseek2", **(MOE | dict(num_layers=3)), head_size=48,
-                           leading_dense_layers=1, kv_lora_rank=64, rope_dim=16, q_lora_rank=32),
-    "qwen3next": ModelSpec(arch="qwen3next", **HYBRID, num_experts=4, experts_used=2, expert_ffn_size=64,
-                           shared_expert_ffn_size=96),
-    "qwen35": ModelSpec(arch="qwen35", **HYBRID),
-    "qwen35moe": ModelSpec(arch="qwen35moe", **HYBRID, num_experts=4, experts_used=2, expert_ffn_size=64,
-                           shared_expert_ffn_size=96),
+FAMILIES: dict[str, Family] = {
+    "llama": Family(FamilyTraits(rope_freqs=True, experts="optional"), DENSE),
+    "qwen2": Family(FamilyTraits(), DENSE),
+    "qwen2moe": Family(FamilyTraits(experts="always", shared_expert=True, expert_width_key=True,
+                                    untied_only=True), MOE | dict(shared_expert_ffn_size=96)),
+    # llama.cpp takes olmoe's expert width from ffn_size
+    "olmoe": Family(FamilyTraits(experts="always", no_gqa=True, untied_only=True),
+                    DENSE | dict(num_kv_heads=4, ffn_size=64, num_experts=4, experts_used=2)),
+    "qwen3": Family(FamilyTraits(), DENSE | dict(head_size=24)),
+    "qwen3moe": Family(FamilyTraits(experts="always", expert_width_key=True), MOE),
+    "gemma2": Family(FamilyTraits(tied_only=True, window_key=True, attn_softcap_key=True),
+                     DENSE | dict(num_layers=4, head_size=32, sliding_window=16)),
+    "gemma3": Family(FamilyTraits(window_key=True),
+                     DENSE | dict(num_layers=6, head_size=32, sliding_window=16)),
+    "glm4moe": Family(FamilyTraits(experts="always", expert_width_key=True, leading_dense=True, nextn=True,
+                                   scored_router=True, optional_attention=True),
+                      MOE | dict(num_layers=3, leading_dense_layers=1, nextn_layers=1, rope_dim=8,
+                                 qk_norm=True, tied_embeddings=False)),
+    "gpt-oss": Family(FamilyTraits(experts="always", expert_width_key=True, untied_only=True,
+                                   required_window=128),
+                      MOE | dict(num_layers=3, head_size=64, sliding_window=16)),
+    "deepseek2": Family(FamilyTraits(experts="always", expert_width_key=True, leading_dense=True,
+                                     latent_attention=True),
+                        MOE | dict(num_layers=3, head_size=48, leading_dense_layers=1, kv_lora_rank=64,
+                                   rope_dim=16, q_lora_rank=32)),
+    "qwen3next": Family(FamilyTraits(experts="always", expert_width_key=True, shared_expert=True,
+                                     linear_attention=True, nextn=True), HYBRID_MOE),
+    "qwen35": Family(FamilyTraits(linear_attention=True, rope_sections=True, nextn=True), HYBRID),
+    "qwen35moe": Family(FamilyTraits(experts="always", expert_width_key=True, shared_expert=True,
+                                     linear_attention=True, rope_sections=True, nextn=True), HYBRID_MOE),
 }

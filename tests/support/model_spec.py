@@ -65,6 +65,7 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
+from tests.support.family_specs import FAMILIES, FamilyTraits
 from tests.support.gguf_bytes import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Typed
 from tests.support.gguf_writing import TensorEntry
 from tierflow.runtime.models import architecture
@@ -89,56 +90,7 @@ FILE_TYPES = {  # weight type name -> general.file_type
 MAX_EXPERTS = 512  # llama.cpp's LLAMA_MAX_EXPERTS: past it, loading aborts the process
 
 
-@dataclass(frozen=True)
-class _ArchTraits:
-    """What llama.cpp requires of a family's file beyond its tensors (which the family's tensor
-    map in tierflow.runtime.models gives)."""
-
-    rope_freqs: bool = False        # llama.cpp accepts a rope_freqs.weight tensor for this arch
-    experts: str = "never"          # "never", "optional" (num_experts 0: dense) or "always"
-    no_gqa: bool = False            # llama.cpp's k norm is as wide as the q norm (olmoe)
-    shared_expert: bool = False     # a sigmoid-gated shared expert beside the routed ones
-    expert_width_key: bool = False  # experts are {arch}.expert_feed_forward_length wide, not
-                                    # feed_forward_length (ffn_size) wide
-    untied_only: bool = False       # llama.cpp requires output.weight
-    tied_only: bool = False         # llama.cpp reads no output.weight (the head is token_embd)
-    window_key: bool = False        # reads {arch}.attention.sliding_window and
-                                    # {arch}.final_logit_softcapping
-    attn_softcap_key: bool = False  # reads {arch}.attn_logit_softcapping
-    leading_dense: bool = False     # reads {arch}.leading_dense_block_count
-    nextn: bool = False             # reads {arch}.nextn_predict_layers (trailing blocks it skips)
-    scored_router: bool = False     # sigmoid gating, exp_probs_b, weights normalised and scaled;
-                                    # {arch}.expert_shared_count ungated shared experts
-    optional_attention: bool = False  # q/k/v biases (written) and per-head q/k norms (on ask)
-    required_window: int = 0        # llama.cpp requires {arch}.attention.sliding_window: this is
-                                    # written when the spec sets none (0: not required)
-    latent_attention: bool = False  # deepseek2's MLA: kv_lora_rank, rope_dim, value_head_size,
-                                    # q_lora_rank and the router's keys (see ModelSpec)
-    linear_attention: bool = False  # Gated DeltaNet layers (qwen3next, qwen35): the ssm.* keys and the
-                                    # full-attention interval (see ModelSpec)
-    rope_sections: bool = False     # interleaved multi-section rotary's rope.dimension_sections (qwen35)
-
-
-ARCHS = {"llama": _ArchTraits(rope_freqs=True, experts="optional"),
-         "qwen2": _ArchTraits(),
-         "qwen2moe": _ArchTraits(experts="always", shared_expert=True, expert_width_key=True,
-                                 untied_only=True),
-         "olmoe": _ArchTraits(experts="always", no_gqa=True, untied_only=True),
-         "qwen3": _ArchTraits(),
-         "qwen3moe": _ArchTraits(experts="always", expert_width_key=True),
-         "gemma2": _ArchTraits(tied_only=True, window_key=True, attn_softcap_key=True),
-         "gemma3": _ArchTraits(window_key=True),
-         "glm4moe": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True, nextn=True,
-                                scored_router=True, optional_attention=True),
-         "gpt-oss": _ArchTraits(experts="always", expert_width_key=True, untied_only=True,
-                                required_window=128),
-         "deepseek2": _ArchTraits(experts="always", expert_width_key=True, leading_dense=True,
-                                  latent_attention=True),
-         "qwen3next": _ArchTraits(experts="always", expert_width_key=True, shared_expert=True,
-                                  linear_attention=True, nextn=True),
-         "qwen35": _ArchTraits(linear_attention=True, rope_sections=True, nextn=True),
-         "qwen35moe": _ArchTraits(experts="always", expert_width_key=True, shared_expert=True,
-                                  linear_attention=True, rope_sections=True, nextn=True)}
+ARCHS: dict[str, FamilyTraits] = {name: family.traits for name, family in FAMILIES.items()}
 MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M}  # weight types that type each tensor by its role
 _MIX_BLOCK = 32  # every type a mix falls back to packs rows in blocks of 32
 
@@ -533,6 +485,11 @@ def _field_plan(field: Field, spec: ModelSpec) -> list[PlannedTensor]:
         if kind.bias == "required" or kind.bias == "optional" and ARCHS[spec.arch].optional_attention:
             plan.append(_planned(kind.bias_tensor(weight), spec, bias=True))
     return plan
+
+
+def family_spec(name: str) -> ModelSpec:
+    """The family's spec for the generic suite (family_specs.py), as a ModelSpec."""
+    return ModelSpec(arch=name, **FAMILIES[name].spec)
 
 
 def spec_config(spec: ModelSpec, vocab_size: int) -> ModelConfig:
