@@ -110,6 +110,16 @@ def test_a_familys_kinds_must_be_one_per_layer():
         replace(base, layer_kinds=(FullCache(base.cache_rows),))
 
 
+def test_a_ring_without_a_window_is_refused_by_name():
+    with pytest.raises(ModelFileError, match="sliding window must be positive"):
+        RingCache(config_of("llama").cache_rows, window=0)
+
+
+def test_a_latent_cache_of_per_head_rows_is_refused_by_name():
+    with pytest.raises(ModelFileError, match="latent cache needs latent rows"):
+        LatentCache(config_of("llama").cache_rows)
+
+
 def test_no_kind_but_the_rows_means_no_store_beside_them():
     cache = KVCache(config_of("gemma3"), CONTEXT)
     assert cache.memories == [cache.rows]

@@ -108,7 +108,6 @@ def auto_with_file(model_path):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loader, "load_profile", pinned)
-        patch.setattr(loader, "save_profile", lambda profile: None)
         with Engine.load(model_path, threads=2, context_length=CONTEXT, draft=model_path) as engine:
             draft_bytes = engine.draft.bytes_by_tier()["cpu"]
         with Engine.load(model_path, threads=2, context_length=CONTEXT, draft=f"auto:{model_path}",
