@@ -1,15 +1,22 @@
-"""Time to first token and decode tokens/s through the local server, against in-process, in one run;
-and the aggregate tokens/s of several clients at once, against one client's.
+"""Time to first token and decode tokens/s through the local server's APIs, against in-process, in one
+run; the aggregate tokens/s of several clients at once, against one client's; and a model loaded on
+demand, against Engine.load of the same file.
 
     python -m benchmarks.serve [--model PATH] [--threads 2] [--max-tokens 64] [--repeats 3] [--json]
     python -m benchmarks.serve --clients 1,2,4,8 [--streamed] [--max-tokens 64]
+    python -m benchmarks.serve --on-demand [--model PATH]
 
-In-process calls `engine.chat_stream` in this process; the server path sends the same greedy chat
-request with the official `openai` client (streaming) to `tierflow serve` started as a separate
-process on a loopback port, as a desktop app would talk to it (a client inside the server's process
-would fight its generation thread for the GIL). Each repeat runs both, alternating which goes
-first; the median is reported. The server's overhead per token is the difference of the two
-per-token times.
+In-process calls `engine.chat_stream` in this process; each server path sends the same greedy chat
+request, streamed, with its API's official client (`openai`'s chat completions, `ollama`'s /api/chat,
+`anthropic`'s /v1/messages) to `tierflow serve` started as a separate process on a loopback port, as
+a desktop app would talk to it (a client inside the server's process would fight its generation
+thread for the GIL). Each repeat runs every path, rotating which goes first; the median is
+reported. A path's overhead per token is the difference of its per-token time and in-process's.
+
+With --on-demand, the server serves the bundled model (loaded at start) and --model (loaded by its
+first request): the time to the first token of that request, which includes the load, against
+Engine.load of the file plus an in-process first token; /health's slowest answer while the model
+loads; and the first token of each model when asked in turn once both are loaded (no reload).
 
 With --clients, the server runs with --parallel set to the most clients, and each count of clients
 sends its chats at once (streaming, greedy, each a different question, its end tokens banned by a
@@ -35,6 +42,9 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import anthropic
+import httpx
+import ollama
 from openai import OpenAI
 
 from benchmarks.llama_batched import batched_rates
@@ -78,6 +88,80 @@ def through_server(client: OpenAI, max_tokens: int) -> Sample:
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
     return _sample(started, first, time.perf_counter(), tokens)
+
+
+def through_ollama(client: ollama.Client, max_tokens: int) -> Sample:
+    client.generate(model="tierflow", prompt="Zebra", options={"num_predict": 1})
+    started, first, tokens = time.perf_counter(), None, 0
+    for chunk in client.chat(model="tierflow", messages=MESSAGES, stream=True,
+                             options={"num_predict": max_tokens, "temperature": 0}):
+        if chunk.message.content:
+            first = first or time.perf_counter()
+        if chunk.done:
+            tokens = chunk.eval_count
+    return _sample(started, first, time.perf_counter(), tokens)
+
+
+def through_anthropic(client: anthropic.Anthropic, max_tokens: int) -> Sample:
+    client.messages.create(model="tierflow", max_tokens=1, messages=[{"role": "user", "content": "Zebra"}])
+    started, first = time.perf_counter(), None
+    with client.messages.stream(model="tierflow", max_tokens=max_tokens, messages=MESSAGES,
+                                extra_body={"temperature": 0}) as stream:
+        for _ in stream.text_stream:
+            first = first or time.perf_counter()
+        tokens = stream.get_final_message().usage.output_tokens
+    return _sample(started, first, time.perf_counter(), tokens)
+
+
+def on_demand(args) -> None:
+    """A model's first request, its load included, against Engine.load and an in-process first
+    token; /health while it loads; then each model's first token in turn, both loaded."""
+    from tierflow.offload.gguf.model_path import resolve_model_path
+
+    model = str(resolve_model_path(args.model))
+    server, port = start_server(None, args.threads, "-m", f"default={resolve_model_path(None)}",
+                                "-m", f"asked={model}", "--keep-alive", "-1")
+    base = f"http://127.0.0.1:{port}"
+    client, health, loading = ollama.Client(host=base), [], threading.Event()
+
+    def poll_health() -> None:
+        while not loading.is_set():
+            sent = time.perf_counter()
+            httpx.get(f"{base}/health", timeout=30)
+            health.append(time.perf_counter() - sent)
+            time.sleep(0.01)
+
+    def first_token(name: str) -> float:
+        started = time.perf_counter()
+        for chunk in client.chat(model=name, messages=MESSAGES, stream=True, options={"num_predict": 2}):
+            if chunk.message.content:
+                return time.perf_counter() - started
+        return time.perf_counter() - started
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    try:
+        cold = first_token("asked")
+        loading.set()
+        poller.join()
+        switches = [first_token(name) for name in ("default", "asked") * args.repeats]
+    finally:
+        loading.set()
+        server.terminate()
+        server.wait()
+    started = time.perf_counter()
+    with Engine.load(model, threads=args.threads, context_length=1024) as engine:
+        loaded = time.perf_counter() - started
+        sample = in_process(engine, 2)
+    local = loaded + sample.first_token_s
+    print(f"model: {Path(model).name}; threads {args.threads}")
+    print(f"first token, loaded on demand: {cold:.2f} s; Engine.load + in-process first token: {local:.2f} s "
+          f"({loaded:.2f} + {sample.first_token_s:.2f}); ratio {cold / local:.2f}x")
+    print(f"/health while it loaded: {len(health)} answers, slowest {1e3 * max(health, default=0):.1f} ms, "
+          f"median {1e3 * statistics.median(health or [0]):.1f} ms")
+    switch = 1e3 * statistics.median(switches)
+    print(f"first token switching between the two loaded models: median {switch:.1f} ms "
+          f"(slowest {1e3 * max(switches):.1f} ms): no reload")
 
 
 def _sample(started: float, first: float | None, ended: float, tokens: int) -> Sample:
@@ -210,21 +294,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--clients", default=None, help="counts of clients at once, e.g. 1,2,4,8")
     parser.add_argument("--streamed", action="store_true", help="with --clients: stream the weights")
+    parser.add_argument("--on-demand", action="store_true", help="a model loaded by its first request")
     args = parser.parse_args(argv)
     if args.clients:
         return concurrency(args)
+    if args.on_demand:
+        return on_demand(args)
 
     engine = Engine.load(args.model, threads=args.threads, context_length=1024)
     server, port = start_server(args.model, args.threads)
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    base = f"http://127.0.0.1:{port}"
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
     runs = {"in-process": lambda: in_process(engine, args.max_tokens),
-            "server": lambda: through_server(client, args.max_tokens)}
+            "openai": lambda: through_server(client, args.max_tokens),
+            "ollama": lambda: through_ollama(ollama.Client(host=base), args.max_tokens),
+            "anthropic": lambda: through_anthropic(anthropic.Anthropic(base_url=base, api_key="unused"),
+                                                   args.max_tokens)}
     for run in runs.values():
         run()  # warm-up
     samples: dict[str, list[Sample]] = {name: [] for name in runs}
     for repeat in range(args.repeats):
-        order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
-        for name in order:
+        names = list(runs)
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
             samples[name].append(runs[name]())
     server.terminate()
     server.wait()
@@ -232,20 +323,20 @@ def main(argv: list[str] | None = None) -> None:
     summary = {name: {"first_token_ms": 1e3 * median(s, "first_token_s"),
                       "tokens_per_s": median(s, "tokens_per_s"),
                       "tokens": median(s, "tokens")} for name, s in samples.items()}
-    local, remote = summary["in-process"], summary["server"]
-    overhead_ms = 1e3 * (1 / remote["tokens_per_s"] - 1 / local["tokens_per_s"])
+    local = summary["in-process"]
+    overhead_ms = {name: 1e3 * (1 / row["tokens_per_s"] - 1 / local["tokens_per_s"])
+                   for name, row in summary.items() if name != "in-process"}
     if args.json:
         print(json.dumps({"summary": summary, "overhead_ms_per_token": overhead_ms,
                           "samples": {n: [asdict(s) for s in v] for n, v in samples.items()}}))
         return
     print(f"model: {engine.config.name}; threads {args.threads}; {args.max_tokens} tokens; "
           f"median of {args.repeats}")
-    print(f"{'path':<14}{'first token ms':>16}{'decode tok/s':>14}")
+    print(f"{'path':<12}{'first token ms':>16}{'decode tok/s':>14}{'x in-process':>14}"
+          f"{'overhead ms/token':>19}")
     for name, row in summary.items():
-        print(f"{name:<14}{row['first_token_ms']:>16.1f}{row['tokens_per_s']:>14.1f}")
-    print(f"{'server/local':<14}{remote['first_token_ms'] / local['first_token_ms']:>15.2f}x"
-          f"{remote['tokens_per_s'] / local['tokens_per_s']:>13.2f}x")
-    print(f"server overhead: {overhead_ms:+.2f} ms per token")
+        print(f"{name:<12}{row['first_token_ms']:>16.1f}{row['tokens_per_s']:>14.1f}"
+              f"{row['tokens_per_s'] / local['tokens_per_s']:>13.2f}x{overhead_ms.get(name, 0.0):>+19.2f}")
 
 
 if __name__ == "__main__":

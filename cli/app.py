@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from tierflow.cli.cache_commands import cache_app
-from tierflow.cli.display import err, loading, model_name, out, pack_notices
+from tierflow.cli.display import err, load_engine, model_name, out
 from tierflow.cli.model_commands import convert, info, list_command, plan, probe
 from tierflow.cli.options import (
     ChatTemplateOpt,
@@ -24,12 +24,10 @@ from tierflow.cli.options import (
     GpuOpt,
     KvOnCpuOpt,
     KvTypeOpt,
-    LogLevelOpt,
     MaxTokensOpt,
     MinPOpt,
     ModelOpt,
     NCpuMoeOpt,
-    ParallelOpt,
     PenaltyOpt,
     SeedOpt,
     StopOpt,
@@ -37,9 +35,11 @@ from tierflow.cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    cache_options,
     expert_placement,
     option,
 )
+from tierflow.cli.serve_command import ps, serve
 from tierflow.errors import TierflowError
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False)
@@ -70,24 +70,6 @@ def _options_of_every_command(version: VersionOpt = False) -> None:
     --cpu-memory as TIERFLOW_CPU_MEMORY, --model as TIERFLOW_MODEL, and so on."""
 
 
-def _load(model, **options):
-    """Engine.load with the command's options; what the load decided for the user (a shorter
-    default context) is said once, on stderr."""
-    from tierflow.runtime.api.engine import Engine
-
-    with pack_notices(), loading(model) as progress:
-        engine = Engine.load(model, progress=progress, **options)
-    for notice in engine.notices:
-        err.print(f"[yellow]note:[/yellow] {notice}", soft_wrap=True)
-    return engine
-
-
-def _cache(ctx, kv_type, kv_on_cpu, allow_context_extension) -> dict:
-    """Engine.load's KV cache keywords from the shared options."""
-    return dict(context_length=ctx, kv_cache_type=kv_type, kv_on_cpu=kv_on_cpu,
-                allow_context_extension=allow_context_extension)
-
-
 @app.command()
 def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it from stdin")],
         model: ModelOpt = None,
@@ -108,10 +90,10 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it
     sampling |= dict(max_tokens=max_tokens, stop=stop)
     if prompt == "-":
         prompt = _stdin_text()
-    engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
-                   draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
-                   expert_placement=expert_placement(cpu_moe, n_cpu_moe),
-                   **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
+    engine = load_engine(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
+                         draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
+                         expert_placement=expert_placement(cpu_moe, n_cpu_moe),
+                         **cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension))
     stream = (engine.chat_stream([{"role": "user", "content": prompt}], **sampling) if as_chat
               else engine.stream(prompt, **sampling))
     if as_json:
@@ -160,59 +142,13 @@ def chat(model: ModelOpt = None,
         # Input that is not UTF-8 reaches the engine, which names the problem, whatever the locale
         # (a strict one would make input() raise UnicodeDecodeError), as argv does.
         sys.stdin.reconfigure(errors="surrogateescape")
-    engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
-                   draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
-                   expert_placement=expert_placement(cpu_moe, n_cpu_moe),
-                   **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
+    engine = load_engine(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
+                         draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
+                         expert_placement=expert_placement(cpu_moe, n_cpu_moe),
+                         **cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension))
     view = AnswerView(out, err, markdown=out.is_terminal and not plain)
     ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out,
                 read_line=line_reader(cache_dir() / "chat_history"), view=view).run()
-
-
-@app.command()
-def serve(model: ModelOpt = None,
-          host: Annotated[str, option("--host", help="address to bind; keep loopback unless "
-                                            "other machines must reach it")] = "127.0.0.1",
-          port: Annotated[int, option("--port")] = 8000,
-          api_key: Annotated[Optional[str], option(
-              "--api-key", help="require 'Authorization: Bearer KEY'")] = None,
-          cors_origin: Annotated[Optional[list[str]], option(
-              "--cors-origin", help="browser origin allowed to call the API (repeatable)")] = None,
-          max_prompt_chars: Annotated[Optional[int], option(
-              "--max-prompt-chars", help="characters of prompt text a request may send "
-              "(default: 16 per context position)")] = None,
-          no_context_shift: Annotated[bool, option(
-              "--no-context-shift", help="refuse a chat longer than the context, as OpenAI's API does, "
-              "rather than drop its oldest turns")] = False,
-          parallel: ParallelOpt = None,
-          log_level: LogLevelOpt = "info",
-          gpu_memory: GpuOpt = None, cpu_memory: CpuOpt = None, threads: ThreadsOpt = None,
-          ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
-          draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
-          allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
-          n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None) -> None:
-    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models),
-    /metrics and a chat page. The address is bound before the model loads, so one that is taken
-    fails at once."""
-    from tierflow.server.listen import listening
-    from tierflow.server.routes import ServerSettings
-    from tierflow.server.routes import serve as serve_forever
-
-    settings = ServerSettings(host=host, port=port, api_key=api_key, cors_origins=tuple(cors_origin or ()),
-                              max_prompt_chars=max_prompt_chars, context_shift=not no_context_shift,
-                              log_level=log_level.lower())
-    with listening(settings) as sockets:
-        engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
-                       draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
-                       expert_placement=expert_placement(cpu_moe, n_cpu_moe),
-                       parallel="auto" if parallel is None else parallel,
-                       **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
-        if not settings.is_loopback and settings.api_key is None:
-            err.print(f"[yellow]warning:[/yellow] {host} is reachable from other machines and no --api-key "
-                      "is set", soft_wrap=True)
-        out.print(f"serving {engine.path.stem} at {settings.url} ({engine.parallel} at a time, "
-                  f"{engine.context_length} positions each)")
-        serve_forever(engine, settings, sockets)
 
 
 BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"
@@ -236,10 +172,10 @@ def bench(model: ModelOpt = None,
     if repetitions < 1 or max_tokens < 1:
         raise typer.BadParameter("--repetitions and --max-tokens must be at least 1")
     sampling = _sampling(temperature=temperature, seed=seed)
-    engine = _load(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
-                   draft_shape=draft_shape, draft_tokens=draft_tokens,
-                   expert_placement=expert_placement(cpu_moe, n_cpu_moe),
-                   **_cache(ctx, kv_type, kv_on_cpu, allow_context_extension))
+    engine = load_engine(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
+                         draft_shape=draft_shape, draft_tokens=draft_tokens,
+                         expert_placement=expert_placement(cpu_moe, n_cpu_moe),
+                         **cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension))
     with engine:
         engine.generate(prompt, max_tokens=max_tokens, **sampling)
         runs = []
@@ -281,7 +217,7 @@ def _sampling(**options) -> dict:
     return settings
 
 
-for command in (info, plan, probe, convert):
+for command in (serve, ps, info, plan, probe, convert):
     app.command()(command)
 app.command("list")(list_command)
 app.add_typer(cache_app, name="cache")

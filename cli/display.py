@@ -93,3 +93,15 @@ def status(label: str):
         return
     with err.status(label) as status:
         yield lambda step: status.update(f"{label} {step}")
+
+
+def load_engine(model, **options):
+    """Engine.load with a command's options; what the load decided for the user (a shorter
+    default context) is said once, on stderr."""
+    from tierflow.runtime.api.engine import Engine
+
+    with pack_notices(), loading(model) as progress:
+        engine = Engine.load(model, progress=progress, **options)
+    for notice in engine.notices:
+        err.print(f"[yellow]note:[/yellow] {notice}", soft_wrap=True)
+    return engine

@@ -67,3 +67,9 @@ def expert_placement(cpu_moe: bool, n_cpu_moe: int | None) -> str | int:
     if cpu_moe and n_cpu_moe is not None:
         raise typer.BadParameter("--cpu-moe and --n-cpu-moe both place the experts: give one of them")
     return "cpu" if cpu_moe else "auto" if n_cpu_moe is None else n_cpu_moe
+
+
+def cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension) -> dict:
+    """Engine.load's KV cache keywords from the shared options."""
+    return dict(context_length=ctx, kv_cache_type=kv_type, kv_on_cpu=kv_on_cpu,
+                allow_context_extension=allow_context_extension)

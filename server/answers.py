@@ -1,39 +1,153 @@
-"""How a generation's answer goes out: whole, as one JSON body, or as OpenAI's server-sent events
-(text pieces with their logprobs, tool calls once parsed, the finish, the usage), and a client that
-leaves cancels its generation either way."""
+"""How a generation's answer goes out: the parts every API sends (text with its logprobs, reasoning,
+tool calls once parsed, the finish), whole or as they come, and OpenAI's rendering of them (one
+JSON body, or server-sent events); a client that leaves cancels its generation either way."""
 
 import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tierflow.errors import TierflowError
 from tierflow.runtime.api.streams import AsyncStream, GenerationResult
-from tierflow.runtime.text.tool_calls import ToolCallStream
+from tierflow.runtime.sampling.logprobs import TokenLogprob
+from tierflow.runtime.text.reasoning import ReasoningStream, split_reasoning
+from tierflow.runtime.text.tool_calls import ToolCall, ToolCallStream
 from tierflow.server.metrics import RequestTrace
 from tierflow.server.openai_schema import ApiError, Reply, engine_error
 
 log = logging.getLogger("tierflow.server.routes")
 
 
-async def whole_answer(request: Request, astream: AsyncStream | None, reply: Reply, param: str,
-                        headers: dict[str, str], trace: RequestTrace,
-                        with_tool_calls: Callable[[GenerationResult], GenerationResult]) -> Response:
-    """The answer of a request that does not stream, or 499 once its client has left (astream is
-    None if it left while its prompt was tokenized)."""
+@dataclass(frozen=True)
+class Text:
+    text: str
+    logprobs: list[TokenLogprob] | None = None  # of the tokens this text completes
+    offset: int = 0  # the answer's characters sent before it
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+@dataclass(frozen=True)
+class Calls:
+    calls: list[ToolCall]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end: the result (its tool calls filled in, its text the content) and the logprobs of
+    tokens no text carried (a stop string's)."""
+
+    result: GenerationResult
+    reasoning: str
+    rest_logprobs: list[TokenLogprob] | None = None
+    offset: int = 0
+
+
+Part = Text | Reasoning | Calls | Finished
+
+
+async def parts(astream: AsyncStream, trace: RequestTrace, param: str, tool_stream: ToolCallStream | None,
+                reasoning: ReasoningStream | None) -> AsyncIterator[Part]:
+    """The answer's parts as they come; a failure raises an ApiError. With a reasoning stream, the
+    reasoning is split from the content; with a tool_stream, content that may be a call forming is
+    held back until it is known."""
+    num_pieces = num_chars = num_logprobs = 0  # streamed so far
+    held = []  # logprobs of pieces held back: sent with the next text
+    try:
+        async for piece in astream:
+            trace.first_piece()
+            logprobs = astream.piece_logprobs(num_pieces)
+            num_pieces += 1
+            if logprobs is not None:
+                held, logprobs = held + logprobs, held + logprobs
+            thought, content = _split(reasoning, piece)
+            if thought:
+                yield Reasoning(thought)
+            if tool_stream is not None:
+                content = tool_stream.push(content)
+            if content:
+                yield Text(content, logprobs, num_chars)
+                num_chars, num_logprobs, held = num_chars + len(content), num_logprobs + len(held), []
+    except Exception as error:
+        raise generation_error(error, param) from None
+    result = astream.result
+    if result is None or result.finish_reason == "cancelled":
+        raise ApiError(503, "the generation was cancelled (the server is stopping)", type="server_error")
+    if reasoning is not None:
+        tail = reasoning.finish()
+        if tail.reasoning:
+            yield Reasoning(tail.reasoning)
+        content = tool_stream.push(tail.content) if tool_stream is not None else tail.content
+        if content:
+            yield Text(content, None, num_chars)
+            num_chars += len(content)
+        result = replace(result, text=reasoning.content)
+    if tool_stream is not None:
+        parsed, result = _parsed_calls(tool_stream, result)
+        if parsed.content:
+            yield Text(parsed.content, None, num_chars)
+            num_chars += len(parsed.content)
+        if parsed.tool_calls:
+            yield Calls(parsed.tool_calls)
+    rest = None if result.logprobs is None else result.logprobs[num_logprobs:]
+    yield Finished(result, "" if reasoning is None else reasoning.reasoning, rest or None, num_chars)
+
+
+def _split(reasoning: ReasoningStream | None, piece: str) -> tuple[str, str]:
+    if reasoning is None:
+        return "", piece
+    split = reasoning.push(piece)
+    return split.reasoning, split.content
+
+
+def _parsed_calls(tool_stream: ToolCallStream, result: GenerationResult):
+    """What the tool stream held back, and the result with the calls (for an answer max_tokens cut
+    off, those whole before the cut, finishing with "length")."""
+    cut = result.finish_reason == "length"
+    parsed = tool_stream.finish(cut)
+    if not parsed.tool_calls:
+        return parsed, result
+    finish_reason = "length" if cut else "tool_calls"
+    return parsed, replace(result, tool_calls=parsed.tool_calls, finish_reason=finish_reason)
+
+
+async def whole(request: Request, astream: AsyncStream | None, trace: RequestTrace, param: str,
+                with_tool_calls: Callable[[GenerationResult], GenerationResult],
+                opens_reasoning: bool | None) -> tuple[GenerationResult, str] | None:
+    """The whole answer and its reasoning (opens_reasoning None: the model does not think), or
+    None once its client has left (astream is None if it left while its prompt was tokenized)."""
     try:
         result = None if astream is None else await unless_disconnected(request, _collect(astream, trace))
     except Exception as error:
         raise generation_error(error, param) from None
     if result is None:
-        return Response(status_code=499)  # nobody is listening; nginx's code for it, for the log
+        return None
     if result.finish_reason == "cancelled":
         raise ApiError(503, "the generation was cancelled (the server is stopping)", type="server_error")
-    return JSONResponse(reply.response(with_tool_calls(result)), headers=headers)
+    thought = ""
+    if opens_reasoning is not None:
+        split = split_reasoning(result.text, opens_reasoning)
+        result, thought = replace(result, text=split.content), split.reasoning
+    return with_tool_calls(result), thought
+
+
+async def whole_answer(request: Request, astream: AsyncStream | None, reply: Reply, param: str,
+                       headers: dict[str, str], trace: RequestTrace,
+                       with_tool_calls: Callable[[GenerationResult], GenerationResult],
+                       opens_reasoning: bool | None = None) -> Response:
+    """OpenAI's answer of a request that does not stream, or 499 once its client has left."""
+    answered = await whole(request, astream, trace, param, with_tool_calls, opens_reasoning)
+    if answered is None:
+        return Response(status_code=499)  # nobody is listening; nginx's code for it, for the log
+    result, thought = answered
+    return JSONResponse(reply.response(result, thought), headers=headers)
 
 
 async def _collect(astream: AsyncStream, trace: RequestTrace) -> GenerationResult | None:
@@ -63,56 +177,29 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def events(astream: AsyncStream, reply: Reply, include_usage: bool, param: str,
-                  trace: RequestTrace, tool_stream: ToolCallStream | None = None) -> AsyncIterator[str]:
-    """Server-sent events: the role (chat), the text pieces, the tool calls, the finish, the usage,
-    [DONE]; or, once something fails, an error event (OpenAI's error body) that ends the stream.
-    With a tool_stream, text that may be a call forming is held back until it is known."""
+async def events(answer: AsyncIterator[Part], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """OpenAI's server-sent events: the role (chat), the reasoning and text pieces, the tool calls,
+    the finish, the usage, [DONE]; or, once something fails, an error event (OpenAI's error body)
+    that ends the stream."""
     if reply.chat:
-        yield _sse(reply.role_chunk())
-    num_pieces = num_chars = num_logprobs = 0  # streamed so far
-    held = []  # logprobs of pieces held back (a tool call may be forming): sent with the next text
+        yield sse(reply.role_chunk())
     try:
-        async for piece in astream:
-            trace.first_piece()
-            logprobs = astream.piece_logprobs(num_pieces)
-            num_pieces += 1
-            if tool_stream is not None:
-                piece = tool_stream.push(piece)
-            if logprobs is not None:
-                held, logprobs = held + logprobs, held + logprobs
-            if piece:
-                yield _sse(reply.text_chunk(piece, logprobs, num_chars))
-                num_chars, num_logprobs, held = num_chars + len(piece), num_logprobs + len(held), []
-    except Exception as error:
-        yield _sse(generation_error(error, param).body())
+        async for part in answer:
+            if isinstance(part, Reasoning):
+                yield sse(reply.reasoning_chunk(part.text))
+            elif isinstance(part, Text):
+                yield sse(reply.text_chunk(part.text, part.logprobs, part.offset))
+            elif isinstance(part, Calls):
+                for chunk in reply.tool_call_chunks(part.calls):
+                    yield sse(chunk)
+            else:
+                yield sse(reply.final_chunk(part.result, part.rest_logprobs, part.offset))
+                if include_usage:
+                    yield sse(reply.usage_chunk(part.result))
+    except ApiError as error:
+        yield sse(error.body())
         return
-    result = astream.result
-    if result is None or result.finish_reason == "cancelled":
-        yield _sse(ApiError(503, "the generation was cancelled", type="server_error").body())
-        return
-    if tool_stream is not None:
-        chunks, result = _tool_call_chunks(tool_stream, reply, result)
-        for chunk in chunks:
-            yield _sse(chunk)
-    rest = None if result.logprobs is None else result.logprobs[num_logprobs:]
-    yield _sse(reply.final_chunk(result, rest or None, num_chars))
-    if include_usage:
-        yield _sse(reply.usage_chunk(result))
     yield "data: [DONE]\n\n"
-
-
-def _tool_call_chunks(tool_stream: ToolCallStream, reply: Reply,
-                      result: GenerationResult) -> tuple[list[dict], GenerationResult]:
-    """The chunks of what the tool stream held back (content, calls), and the result with the calls
-    (for an answer max_tokens cut off, those whole before the cut, finishing with "length")."""
-    cut = result.finish_reason == "length"
-    parsed = tool_stream.finish(cut)
-    chunks = [reply.text_chunk(parsed.content)] if parsed.content else []
-    if not parsed.tool_calls:
-        return chunks, result
-    return chunks + reply.tool_call_chunks(parsed.tool_calls), replace(
-        result, tool_calls=parsed.tool_calls, finish_reason="length" if cut else "tool_calls")
 
 
 def generation_error(error: Exception, param: str) -> ApiError:
@@ -126,17 +213,24 @@ def generation_error(error: Exception, param: str) -> ApiError:
                     type="server_error")
 
 
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def sse(data: dict, event: str | None = None) -> str:
+    """A server-sent event (with its event name, as Anthropic's and the Responses API's have)."""
+    head = "" if event is None else f"event: {event}\n"
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def ndjson(data: dict) -> str:
+    """A line of ollama's stream."""
+    return json.dumps(data, ensure_ascii=False) + "\n"
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that, however it ends (finished, client gone, never started), cancels its
-    generation and frees its queue slot. Starlette cancels the body's task on disconnect."""
+    """A streamed response that, however it ends (finished, client gone, never started), cancels
+    its generation and frees its queue slot. Starlette cancels the body's task on disconnect."""
 
     def __init__(self, events: AsyncIterator[str], astream: AsyncStream, release: Callable[[], None],
-                 headers: dict[str, str]):
-        super().__init__(events, media_type="text/event-stream",
+                 headers: dict[str, str], media_type: str = "text/event-stream"):
+        super().__init__(events, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         self._astream, self._release = astream, release
 

@@ -12,6 +12,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tierflow.server.error_shapes import error_body
 from tierflow.server.openai_schema import ApiError
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
@@ -30,7 +31,8 @@ class _Guard:
         if error is None:
             await self.app(scope, receive, send)
             return
-        response = JSONResponse(error.body(), status_code=error.status, headers=self.refusal_headers)
+        body = error_body(scope["path"], error)
+        response = JSONResponse(body, status_code=error.status, headers=self.refusal_headers)
         await response(scope, receive, send)
 
     def refusal(self, scope: Scope) -> ApiError | None:
@@ -79,8 +81,9 @@ class OriginGuard(_Guard):
 
 
 class ApiKeyGuard(_Guard):
-    """Requires `Authorization: Bearer KEY` on every path but public_paths. The scheme's case is
-    free (RFC 7235); the key must match exactly."""
+    """Requires `Authorization: Bearer KEY` (or `x-api-key: KEY`, as Anthropic's clients send it)
+    on every path but public_paths. The scheme's case is free (RFC 7235); the key must match
+    exactly."""
 
     refusal_headers = {"WWW-Authenticate": "Bearer"}
 
@@ -95,11 +98,13 @@ class ApiKeyGuard(_Guard):
                         type="authentication_error", code="invalid_api_key")
 
     def _authorized(self, scope: Scope) -> bool:
-        scheme, _, key = Headers(scope=scope).get("authorization", "").partition(" ")
+        headers = Headers(scope=scope)
+        scheme, _, key = headers.get("authorization", "").partition(" ")
         # Headers arrive as latin-1; encoding back gives the bytes sent. Constant time: no key
         # guessing by timing (the scheme is no secret).
-        given = key.lstrip(" ").encode("latin-1")
-        return hmac.compare_digest(given, self.expected) and scheme.lower() == "bearer"
+        bearer = hmac.compare_digest(key.lstrip(" ").encode("latin-1"), self.expected)
+        anthropic = hmac.compare_digest(headers.get("x-api-key", "").encode("latin-1"), self.expected)
+        return bearer and scheme.lower() == "bearer" or anthropic
 
 
 class JsonBodyGuard(_Guard):

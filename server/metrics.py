@@ -26,6 +26,8 @@ from tierflow.runtime.generation.token_loop import GenerationStats
 
 if TYPE_CHECKING:
     from tierflow.runtime.api.engine import Engine
+    from tierflow.server.generations import Generations
+    from tierflow.server.model_pool import ModelPool
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 QUIET_PATHS = frozenset({"/health", "/metrics", "/"})  # polled by machines: their lines only at debug
@@ -108,6 +110,25 @@ def engine_gauges(engine: "Engine", requests_running: int, requests_queued: int)
         hits, misses = sum(layer.hits for layer in layers), sum(layer.misses for layer in layers)
     return ServerGauges(requests_running, requests_queued, engine.kv_cache_bytes, weights, hits, misses,
                         engine.batched_passes)
+
+
+def pool_gauges(pool: "ModelPool[Generations]") -> ServerGauges:
+    """The gauges of every loaded model, added up."""
+    total = ServerGauges(0, 0, 0, {"gpu": 0, "cpu": 0, "disk": 0})
+    for model in pool.loaded():
+        admission = model.state.admission
+        gauges = engine_gauges(model.engine, admission.num_running, admission.num_queued)
+        total = ServerGauges(
+            total.requests_running + gauges.requests_running, total.requests_queued + gauges.requests_queued,
+            total.kv_cache_bytes + gauges.kv_cache_bytes,
+            {tier: total.weight_bytes.get(tier, 0) + n for tier, n in gauges.weight_bytes.items()},
+            _add(total.expert_hits, gauges.expert_hits), _add(total.expert_misses, gauges.expert_misses),
+            tuple(a + b for a, b in zip(total.batched_passes, gauges.batched_passes)))
+    return total
+
+
+def _add(a: int | None, b: int | None) -> int | None:
+    return a if b is None else b if a is None else a + b
 
 
 class ServerMetrics:

@@ -55,6 +55,7 @@ def engine_error(error: TierflowError, prompt_param: str) -> ApiError:
 # -- requests ---------------------------------------------------------------------------------
 
 STRICT = ConfigDict(extra="ignore", strict=True)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 TEMPLATE_CHARS_PER_MESSAGE = 16  # a chat message's framing in the template (role markers, separators)
 
 
@@ -138,7 +139,7 @@ class StreamOptions(_Strict):
 # for routing to a cache: this server has one, which reuses every shared prefix by itself).
 _REFUSED_IN_BOTH: dict[str, tuple] = {"n": (None, 1), "stream_options.include_obfuscation": (None, False)}
 _REFUSED_IN_CHAT: dict[str, tuple] = {
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "verbosity": (None,), "web_search_options": (None,), "store": (None, False),
     "service_tier": (None, "auto", "default"), "moderation": (None,),
     # the one cache keeps prefixes in memory, until another request's prompt replaces them
@@ -152,6 +153,7 @@ _REFUSED_IN_COMPLETIONS: dict[str, tuple] = {
 
 
 class _GenerationRequest(_Strict):
+    model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = None
     top_p: float | None = None
@@ -188,13 +190,15 @@ class _GenerationRequest(_Strict):
 
     refused: ClassVar[dict[str, tuple]] = _REFUSED_IN_BOTH
 
-    def generation_kwargs(self, max_tokens_limit: int) -> dict:
-        """Keyword arguments for Engine.astream; unset sampling fields keep the engine's defaults."""
+    def generation_kwargs(self, max_tokens_limit: int | None) -> dict:
+        """Keyword arguments for Engine.astream; unset sampling fields keep the engine's defaults.
+        max_tokens past the context is not refused: the answer ends at the context's end, with
+        "length" (as llama-server's); only past a limit the server was given is it a 400."""
         self._refuse_unhonoured()
         max_tokens = self._max_tokens()
-        if max_tokens is not None and max_tokens > max_tokens_limit:
+        if max_tokens is not None and max_tokens_limit is not None and max_tokens > max_tokens_limit:
             raise ApiError(400, f"max_tokens is {max_tokens}; this server allows at most "
-                           f"{max_tokens_limit}", param="max_tokens")
+                           f"{max_tokens_limit} (--max-tokens-limit)", param="max_tokens")
         kwargs = {"max_tokens": max_tokens_limit if max_tokens is None else max_tokens,
                   "stop": self.stop}
         for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "frequency_penalty",
@@ -256,10 +260,20 @@ class ChatRequest(_GenerationRequest):
             raise ApiError(400, str(error), param=param) from None
 
     def template_variables(self) -> dict:
+        """chat_template_kwargs, and reasoning_effort as the templates' own switches: gpt-oss's
+        level, Qwen3's enable_thinking (off for "none" and "minimal")."""
         try:
-            return template_variables(self.chat_template_kwargs)
+            variables = template_variables(self.chat_template_kwargs)
         except InvalidArgumentError as error:
             raise ApiError(400, str(error), param="chat_template_kwargs") from None
+        effort = self.reasoning_effort
+        if effort is None:
+            return variables
+        if effort not in REASONING_EFFORTS:
+            raise ApiError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                           f"{effort!r}", param="reasoning_effort")
+        level = {"none": "low", "minimal": "low"}.get(effort, effort)
+        return {"reasoning_effort": level, "enable_thinking": effort not in ("none", "minimal")} | variables
 
     def template_messages(self) -> list[dict]:
         try:
@@ -380,8 +394,9 @@ class Reply:
     def new(cls, chat: bool, model: str) -> "Reply":
         return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()))
 
-    def response(self, result: GenerationResult) -> dict:
-        """The whole answer of a non-streaming request."""
+    def response(self, result: GenerationResult, reasoning: str = "") -> dict:
+        """The whole answer of a non-streaming request; a thinking model's reasoning is the
+        message's reasoning_content, as llama-server and DeepSeek's API give it."""
         choice = {"index": 0, "logprobs": self.logprobs(result.logprobs),
                   "finish_reason": result.finish_reason}
         if self.chat and result.tool_calls:
@@ -391,10 +406,15 @@ class Reply:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice["text"] = result.text
+        if reasoning and self.chat:
+            choice["message"]["reasoning_content"] = reasoning
         return self._envelope("", [choice], usage=usage(result), tierflow=result.stats.as_dict())
 
     def role_chunk(self) -> dict:
         return self._chunk({"delta": {"role": "assistant", "content": ""}})
+
+    def reasoning_chunk(self, text: str) -> dict:
+        return self._chunk({"delta": {"reasoning_content": text}})
 
     def text_chunk(self, text: str, logprobs: list[TokenLogprob] | None = None, text_offset: int = 0) -> dict:
         """A piece of text, with the logprobs of the tokens it completes (text_offset: the

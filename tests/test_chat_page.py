@@ -380,3 +380,25 @@ def test_layout_fits_the_width_with_every_control_in_reach(page, server_url, tmp
         box = page.locator(selector).bounding_box()
         assert box["x"] >= 0 and box["x"] + box["width"] <= width, selector
         assert box["y"] >= 0 and box["y"] + box["height"] <= height, selector
+
+
+def test_the_model_picker_lists_the_served_models_and_sends_the_chosen_one(page, model_path, f32_model_path):
+    from tests.support.live_server import serve_command
+
+    with serve_command("-m", f"q41={model_path}", "-m", f"f32={f32_model_path}", "--ctx", "256",
+                       "--threads", "1") as base:
+        open_chat(page, base, "max_tokens=4", api_key=None)
+        picker = page.locator("#model")
+        page.wait_for_function("document.querySelectorAll('#model option').length == 2")
+        assert picker.evaluate("select => [...select.options].map(option => option.value)") == ["q41", "f32"]
+        picker.select_option("f32")
+        with page.expect_request(chat_request) as sent:
+            ask(page, "Hello")
+        assert sent.value.post_data_json["model"] == "f32"
+        assert not page.locator(".error").count()
+
+
+def test_one_served_model_shows_its_name_in_a_picker_that_cannot_change(page, server_url, engine):
+    open_chat(page, server_url)
+    page.wait_for_function("document.querySelectorAll('#model option').length == 1")
+    assert page.locator("#model").input_value() == engine.path.stem and page.locator("#model").is_disabled()

@@ -106,13 +106,19 @@ def test_bad_sampling_field_is_400_naming_it(url, setting, param):
 
 CHAT_REFUSED = {
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "n": 2,
-    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
+    "prediction": {"type": "content", "content": "x"}, "verbosity": "low",
     "web_search_options": {}, "store": True, "service_tier": "flex",
     "functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
     "stream_options": {"include_obfuscation": True}, "moderation": {"policy": {"input": {"mode": "block"}}},
     "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "1h"},
 }
 COMPLETIONS_REFUSED = {"best_of": 2, "suffix": "end", "echo": True, "n": 3}
+
+
+def test_an_unknown_reasoning_effort_is_a_400_naming_the_levels(url):
+    body = {"messages": HI, **GREEDY, "reasoning_effort": "extreme"}
+    error = assert_error(httpx.post(f"{url}/v1/chat/completions", json=body), 400)
+    assert error["param"] == "reasoning_effort" and "minimal, low, medium, high" in error["message"]
 
 
 @pytest.mark.parametrize("field", CHAT_REFUSED)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.live_server import assert_error, running_server, serve_command, slot_held
 from tests.support.load_clients import Body, HealthPoller, send_at_once
-from tierflow.server.routes import CHARS_PER_POSITION
+from tierflow.server.generations import CHARS_PER_POSITION
 
 HEALTH_BOUND_S = 0.1  # the task's bound on a health check's latency, send to answer
 POLL_EVERY_S = 0.03

@@ -417,6 +417,12 @@ def test_close_stops_the_streamer_threads(model, half):
     assert not [t for t in threading.enumerate() if t.name == "tierflow-streamer"]
 
 
+def _in_order_but_for_overlap(reads: list[int], expected: list[int], readers: int) -> bool:
+    """Whether `reads` are `expected` but for reads in flight together, which any reader may start first."""
+    return sorted(reads) == sorted(expected) and all(
+        layer in expected[max(0, k - readers + 1): k + readers] for k, layer in enumerate(reads))
+
+
 def test_the_streamer_reads_ahead_in_the_decoders_layer_order_across_tokens(model, half, packed, monkeypatch):
     layer_at = {extent.offset: index for index, extent in enumerate(packed.layers)}
     read_into, get = DiskFile.read_into, streamer_module.LayerStreamer.get
@@ -438,7 +444,8 @@ def test_the_streamer_reads_ahead_in_the_decoders_layer_order_across_tokens(mode
         order, depth = engine.weights.streamer.order, len(engine.weights.streamer.slots) - 1
         assert order == list(engine.weights.streamed_layers) and depth >= 1
     cycle = order * 6
-    assert len(reads) >= 4 * len(order) and reads == cycle[: len(reads)]  # sequential, across tokens
+    assert len(reads) >= 4 * len(order)
+    assert _in_order_but_for_overlap(reads, cycle[: len(reads)], streamer_module.READERS)  # across tokens
     assert [layer for layer, _ in queued_after] == cycle[: len(queued_after)]
     for k, (layer, queued) in enumerate(queued_after):  # when layer k is handed over, k+1.. are queued
         assert queued == cycle[k + 1: k + 1 + depth], (layer, queued)

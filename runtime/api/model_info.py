@@ -2,11 +2,16 @@
 default placement, from its header alone (through the loader, as a load would plan it)."""
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from gguf import LlamaFileType
 
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.gguf.model_path import model_file_bytes, resolve_model_path
+from tierflow.offload.gguf.reader import TensorInfo
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.runtime.loading.loader import (
     CacheOptions,
@@ -18,6 +23,8 @@ from tierflow.runtime.loading.loader import (
 from tierflow.runtime.models import architecture
 from tierflow.runtime.models.config import ModelConfig
 from tierflow.runtime.sampling.sampler import recommended_sampling
+from tierflow.runtime.text.reasoning import thinks
+from tierflow.runtime.text.tool_calls import ToolFormat, tool_format
 from tierflow.units import format_size
 
 
@@ -74,3 +81,63 @@ def describe_model(model: str | os.PathLike | None) -> ModelSummary:
     return ModelSummary(path, opened.config, model_file_bytes(path), num_parameters, types,
                         plan.weight_bytes(), sampling)
 
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What a server tells of a model from its header, loaded or not (ollama's /api/tags and
+    /api/show, `tierflow show`)."""
+
+    path: Path
+    arch: str
+    num_parameters: int
+    quant_label: str  # the file's type as ollama and llama.cpp name it: Q4_K_M, Q8_0, F16
+    context_length: int
+    file_bytes: int
+    modified: float  # the file's mtime
+    chat_template: str | None
+    capabilities: tuple[str, ...]  # of "completion", "tools", "thinking", "embedding"
+    license: str | None
+    sampling: dict[str, float | int]  # what the file recommends (general.sampling.*)
+
+    @property
+    def parameter_size(self) -> str:
+        """ollama's short count: 135M, 1.5B."""
+        for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+            if self.num_parameters >= scale:
+                return f"{self.num_parameters / scale:.3g}{unit}"
+        return str(self.num_parameters)
+
+
+def model_card(model: str | os.PathLike | None) -> ModelCard:
+    """The header's card; nothing is planned or loaded."""
+    path = resolve_model_path(model)
+    with open_model_file(path) as opened:
+        metadata, tensors = opened.gguf.metadata, opened.gguf.tensors.values()
+        template = metadata.get("tokenizer.chat_template")
+        capabilities = ["completion"]
+        if template and tool_format(template) is not ToolFormat.GENERIC:
+            capabilities.append("tools")
+        if thinks(template):
+            capabilities.append("thinking")
+        if f"{opened.config.arch}.pooling_type" in metadata:
+            capabilities.append("embedding")
+        return ModelCard(path, opened.config.arch, sum(info.num_elements for info in tensors),
+                         quant_label(metadata, tensors), opened.config.context_length, model_file_bytes(path),
+                         path.stat().st_mtime, template, tuple(capabilities), metadata.get("general.license"),
+                         recommended_sampling(metadata, opened.config.context_length))
+
+
+def quant_label(metadata: Mapping[str, Any], tensors: Iterable[TensorInfo]) -> str:
+    """general.file_type's name (MOSTLY_Q4_K_M is Q4_K_M); without it, the type holding most bytes."""
+    file_type = metadata.get("general.file_type")
+    try:
+        name = LlamaFileType(file_type).name
+    except ValueError:
+        name = None
+    if name is not None and name != "GUESSED":
+        return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    held: dict[str, int] = {}
+    for info in tensors:
+        held[info.type_name] = held.get(info.type_name, 0) + info.nbytes
+    return max(held, key=held.get) if held else "unknown"

@@ -69,6 +69,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # one per token of tokens, when asked for
     # A chat with tools: the calls the answer made (text is then the content around them).
     tool_calls: list[ToolCall] | None = None
+    stop_string: str | None = None  # the stop string that ended the answer, if one did
 
 
 @dataclass
@@ -95,7 +96,8 @@ class _Generation:
 
     def finish(self, finish_reason: str) -> None:
         if self.result is None:
-            result = GenerationResult(self.text.text, self.tokens, finish_reason, self.stats, self.logprobs)
+            result = GenerationResult(self.text.text, self.tokens, finish_reason, self.stats, self.logprobs,
+                                      stop_string=self.text.matched_stop)
             self.result = result if self.with_tool_calls is None else self.with_tool_calls(result)
 
     def content(self, text: str, last: bool = False, cut: bool = False) -> str:

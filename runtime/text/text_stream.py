@@ -18,6 +18,7 @@ class TextStream:
         self._pending = ""  # decoded, not yet released
         self.text = ""  # released so far
         self.stopped = False
+        self.matched_stop: str | None = None  # the stop string that ended the text
 
     def push(self, token_bytes: bytes) -> str:
         """Adds one token's bytes; returns the text that is now safe to release (maybe "")."""
@@ -26,7 +27,7 @@ class TextStream:
             index = self._pending.find(stop)
             if index != -1:
                 self._pending = self._pending[:index]
-                self.stopped = True
+                self.stopped, self.matched_stop = True, stop
         if self.stopped:
             return self._release(len(self._pending))
         return self._release(len(self._pending) - self._held_back())

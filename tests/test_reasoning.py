@@ -1,0 +1,47 @@
+"""A thinking model's reasoning split from its answer (runtime/text/reasoning.py), piece by piece
+as the server streams it."""
+
+import pytest
+
+from tierflow.runtime.text.reasoning import ReasoningStream, opened_in_prompt, split_reasoning, thinks
+
+
+def streamed(pieces: list[str], inside: bool = False) -> tuple[str, str, list[tuple[str, str]]]:
+    stream, sent = ReasoningStream(inside), []
+    for piece in pieces:
+        split = stream.push(piece)
+        sent.append((split.reasoning, split.content))
+    tail = stream.finish()
+    sent.append((tail.reasoning, tail.content))
+    return stream.reasoning, stream.content, sent
+
+
+def test_a_leading_think_block_is_the_reasoning_and_the_rest_the_answer():
+    split = split_reasoning("<think>\nWeigh it.\n</think>\n\nYes.")
+    assert (split.reasoning, split.content) == ("Weigh it.\n", "Yes.")
+
+
+def test_tags_cut_across_pieces_are_held_until_known():
+    reasoning, content, sent = streamed(["<th", "ink>ab", "c</th", "ink>", "\n\nYes", "."])
+    assert (reasoning, content) == ("abc", "Yes.")
+    assert not any("<" in part for pair in sent for part in pair)
+
+
+def test_an_answer_without_a_block_is_all_content_and_sent_at_once():
+    reasoning, content, sent = streamed(["Hello", " <think> is a tag"])
+    assert (reasoning, content) == ("", "Hello <think> is a tag") and sent[0] == ("", "Hello")
+
+
+def test_a_block_the_template_opened_makes_the_answer_start_inside_it():
+    assert streamed(["plan", "</think>answer"], inside=True)[:2] == ("plan", "answer")
+    assert opened_in_prompt("<|Assistant|><think>\n") and not opened_in_prompt("<|Assistant|>")
+
+
+def test_an_unclosed_block_is_all_reasoning():
+    assert streamed(["<think>still thinking"], inside=False)[:2] == ("still thinking", "")
+
+
+@pytest.mark.parametrize("template, expected", [("{{ '<think>' }}...{{ '</think>' }}", True),
+                                                ("{{ messages }}", False), (None, False)])
+def test_a_template_thinks_when_it_closes_reasoning_blocks(template, expected):
+    assert thinks(template) is expected
