@@ -1,6 +1,6 @@
 """How a generation's answer goes out: the parts every API sends (text with its logprobs, reasoning,
-tool calls once parsed, the finish), whole or as they come, and OpenAI's rendering of them (one
-JSON body, or server-sent events); a client that leaves cancels its generation either way."""
+tool calls once parsed, the finish), whole or as they come, and OpenAI's server-sent events of them;
+a client that leaves cancels its generation either way."""
 
 import asyncio
 import json
@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from tierflow.errors import TierflowError
 from tierflow.runtime.api.streams import AsyncStream, GenerationResult
@@ -136,18 +136,6 @@ async def whole(request: Request, astream: AsyncStream | None, trace: RequestTra
         split = split_reasoning(result.text, opens_reasoning)
         result, thought = replace(result, text=split.content), split.reasoning
     return with_tool_calls(result), thought
-
-
-async def whole_answer(request: Request, astream: AsyncStream | None, reply: Reply, param: str,
-                       headers: dict[str, str], trace: RequestTrace,
-                       with_tool_calls: Callable[[GenerationResult], GenerationResult],
-                       opens_reasoning: bool | None = None) -> Response:
-    """OpenAI's answer of a request that does not stream, or 499 once its client has left."""
-    answered = await whole(request, astream, trace, param, with_tool_calls, opens_reasoning)
-    if answered is None:
-        return Response(status_code=499)  # nobody is listening; nginx's code for it, for the log
-    result, thought = answered
-    return JSONResponse(reply.response(result, thought), headers=headers)
 
 
 async def _collect(astream: AsyncStream, trace: RequestTrace) -> GenerationResult | None:

@@ -7,7 +7,7 @@ the engine's compute thread. Each API's routes then send the stream in their own
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
@@ -17,14 +17,15 @@ from fastapi import Request
 
 from tierflow.errors import ContextLengthError, InvalidArgumentError, TierflowError, UnsupportedModelError
 from tierflow.runtime.api.engine import Engine
-from tierflow.runtime.api.streams import AsyncStream
+from tierflow.runtime.api.streams import AsyncStream, GenerationResult
 from tierflow.runtime.generation.context_shift import fit_chat
 from tierflow.runtime.sampling.structured import Grammar
 from tierflow.runtime.text.reasoning import ReasoningStream, opened_in_prompt, thinks
 from tierflow.runtime.text.tool_calls import ToolCallStream
 from tierflow.runtime.text.tool_prompt import ToolRequest
 from tierflow.server.admission import Admission
-from tierflow.server.answers import unless_disconnected
+from tierflow.server.answers import Part, parts, unless_disconnected, whole
+from tierflow.server.metrics import TRACE_KEY, RequestTrace
 from tierflow.server.model_pool import ModelPool
 from tierflow.server.openai_embeddings import text_chars
 from tierflow.server.openai_schema import ApiError, engine_error, response_grammar
@@ -105,13 +106,37 @@ class Started:
     def headers(self) -> dict[str, str]:
         return {} if self.prompt is None else self.prompt.headers
 
-    def reasoning_stream(self) -> ReasoningStream | None:
-        """The split of reasoning from content, for a thinking model's answer."""
+    def traced(self, request: Request) -> RequestTrace:
+        """The request's trace (server/metrics.py), told of this generation."""
+        trace: RequestTrace = getattr(request.state, TRACE_KEY)
+        trace.stream, trace.context_shift = self.astream, self.prompt and self.prompt.shift
+        return trace
+
+    def parts(self, trace: RequestTrace, param: str, tools: ToolRequest | None = None,
+              reasoning: bool = True) -> AsyncIterator[Part]:
+        """The answer's parts as they come (answers.parts): with reasoning, a thinking model's
+        reasoning apart; with tools offered, the calls parsed out."""
+        return parts(self.astream, trace, param, self._tool_stream(tools),
+                     self._reasoning_stream() if reasoning else None)
+
+    async def whole(self, request: Request, trace: RequestTrace, param: str, tools: ToolRequest | None = None,
+                    reasoning: bool = True) -> tuple[GenerationResult, str] | None:
+        """The whole answer and its reasoning (as parts() splits them), the request's slot then
+        freed; None once its client has left."""
+        split = self._reasoning_stream() if reasoning else None
+        try:
+            with_calls = partial(self.engine.with_tool_calls, tools=tools)
+            return await whole(request, self.astream, trace, param, with_calls,
+                               None if split is None else split.state == "inside")
+        finally:
+            self.release()
+
+    def _reasoning_stream(self) -> ReasoningStream | None:
         if self.prompt is None or not thinks(self.engine.tokenizer.template.jinja):
             return None
         return ReasoningStream(inside=self.prompt.opens_reasoning)
 
-    def tool_stream(self, tools: ToolRequest | None) -> ToolCallStream | None:
+    def _tool_stream(self, tools: ToolRequest | None) -> ToolCallStream | None:
         if tools is None or not tools.offered:
             return None
         return ToolCallStream(self.engine.tool_format, tools.names)

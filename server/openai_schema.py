@@ -106,6 +106,27 @@ def template_message(message: Message) -> dict:
     return {"role": role, "content": content or "", **kept}
 
 
+def roles_checked(messages: list[dict], param: str = "messages") -> list[dict]:
+    """The messages, their roles checked (arguments.check_roles); a bad one is a 400 naming it."""
+    try:
+        check_roles(messages)
+    except InvalidArgumentError as error:
+        raise ApiError(400, str(error), param=param) from None
+    return messages
+
+
+def effort_variables(effort: str | None, param: str = "reasoning_effort") -> dict:
+    """A reasoning effort as the templates' own switches: gpt-oss's level (low, medium, high) and
+    Qwen3's enable_thinking (off for "none" and "minimal")."""
+    if effort is None:
+        return {}
+    if effort not in REASONING_EFFORTS:
+        raise ApiError(400, f"{param} must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                       param=param)
+    level = {"none": "low", "minimal": "low"}.get(effort, effort)
+    return {"reasoning_effort": level, "enable_thinking": effort not in ("none", "minimal")}
+
+
 def check_content_parts(messages: list[Message]) -> None:
     """Refuses a content part that is not text (image_url, input_audio, file, ...): this server
     reads text only, and dropping the part would answer a question nobody asked."""
@@ -260,26 +281,15 @@ class ChatRequest(_GenerationRequest):
             raise ApiError(400, str(error), param=param) from None
 
     def template_variables(self) -> dict:
-        """chat_template_kwargs, and reasoning_effort as the templates' own switches: gpt-oss's
-        level, Qwen3's enable_thinking (off for "none" and "minimal")."""
+        """chat_template_kwargs, and reasoning_effort as the templates' switches (effort_variables)."""
         try:
             variables = template_variables(self.chat_template_kwargs)
         except InvalidArgumentError as error:
             raise ApiError(400, str(error), param="chat_template_kwargs") from None
-        effort = self.reasoning_effort
-        if effort is None:
-            return variables
-        if effort not in REASONING_EFFORTS:
-            raise ApiError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
-                           f"{effort!r}", param="reasoning_effort")
-        level = {"none": "low", "minimal": "low"}.get(effort, effort)
-        return {"reasoning_effort": level, "enable_thinking": effort not in ("none", "minimal")} | variables
+        return effort_variables(self.reasoning_effort) | variables
 
     def template_messages(self) -> list[dict]:
-        try:
-            check_roles(self.messages)
-        except InvalidArgumentError as error:
-            raise ApiError(400, str(error), param="messages") from None
+        roles_checked(self.messages)
         check_content_parts(self.messages)
         return [template_message(message) for message in self.messages]
 

@@ -38,7 +38,7 @@ from starlette.requests import ClientDisconnect
 from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.api.engine import Engine
 from tierflow.runtime.text.chat_template import start_render_workers
-from tierflow.server.answers import EventStream, events, parts, whole_answer
+from tierflow.server.answers import EventStream, events
 from tierflow.server.apis.anthropic_routes import add_anthropic_routes
 from tierflow.server.apis.llama_server_routes import add_llama_server_routes
 from tierflow.server.apis.ollama_routes import add_ollama_routes
@@ -58,9 +58,7 @@ from tierflow.server.header_timeout import header_timeout_protocol
 from tierflow.server.metrics import (
     LOG_LEVELS,
     PROMETHEUS_TEXT,
-    TRACE_KEY,
     RequestRecorder,
-    RequestTrace,
     ServerMetrics,
     log_config,
     pool_gauges,
@@ -256,19 +254,16 @@ def _embedding_inputs(body: EmbeddingRequest, max_inputs: int, engine: Engine) -
 async def _openai_answer(request: Request, body: ChatRequest | CompletionRequest, reply: Reply, param: str,
                          started: Started, tools=None) -> Response:
     """OpenAI's answer of a started generation: server-sent events, or one body."""
-    trace: RequestTrace = getattr(request.state, TRACE_KEY)
-    trace.stream, trace.context_shift = started.astream, started.prompt and started.prompt.shift
-    reasoning = started.reasoning_stream() if reply.chat else None
+    trace = started.traced(request)
     if body.stream and started.astream is not None:  # the stream frees the slot when it ends
-        answer = parts(started.astream, trace, param, started.tool_stream(tools), reasoning)
+        answer = started.parts(trace, param, tools, reasoning=reply.chat)
         return EventStream(events(answer, reply, body.include_usage), started.astream, started.release,
                            started.headers)
-    try:
-        return await whole_answer(request, started.astream, reply, param, started.headers, trace,
-                                  partial(started.engine.with_tool_calls, tools=tools),
-                                  None if reasoning is None else reasoning.state == "inside")
-    finally:
-        started.release()
+    answered = await started.whole(request, trace, param, tools, reasoning=reply.chat)
+    if answered is None:
+        return Response(status_code=499)  # nobody is listening; nginx's code for it, for the log
+    result, thought = answered
+    return JSONResponse(reply.response(result, thought), headers=started.headers)
 
 
 @asynccontextmanager

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tierflow.runtime.api.engine import Engine
-from tierflow.server.answers import Calls, EventStream, Finished, Part, Reasoning, Text, parts, sse, whole
+from tierflow.server.answers import Calls, EventStream, Finished, Part, Reasoning, Text, sse
 from tierflow.server.apis.anthropic_schema import (
     CountTokensRequest,
     MessagesRequest,
@@ -21,7 +21,6 @@ from tierflow.server.apis.anthropic_schema import (
     tool_use_block,
 )
 from tierflow.server.generations import Server, Started, chat_prompt, on_worker_thread
-from tierflow.server.metrics import TRACE_KEY, RequestTrace
 from tierflow.server.openai_schema import ApiError, engine_error, parse_request
 
 ReadBody = Callable[[Request], Awaitable[bytes]]
@@ -61,19 +60,12 @@ def add_anthropic_routes(app: FastAPI, server: Server, max_tokens_limit: int | N
 
 
 async def _answer(request: Request, started: Started, stream: bool, tools) -> Response:
-    trace: RequestTrace = getattr(request.state, TRACE_KEY)
-    trace.stream, trace.context_shift = started.astream, started.prompt and started.prompt.shift
-    reasoning, ident = started.reasoning_stream(), message_id()
+    trace, ident = started.traced(request), message_id()
     if stream and started.astream is not None:
-        answer = parts(started.astream, trace, "messages", started.tool_stream(tools), reasoning)
+        answer = started.parts(trace, "messages", tools)
         events = _events(answer, ident, started.model, len(started.prompt.ids))
         return EventStream(events, started.astream, started.release, started.headers)
-    try:
-        answered = await whole(request, started.astream, trace, "messages",
-                               partial(started.engine.with_tool_calls, tools=tools),
-                               None if reasoning is None else reasoning.state == "inside")
-    finally:
-        started.release()
+    answered = await started.whole(request, trace, "messages", tools)
     if answered is None:
         return Response(status_code=499)
     result, thought = answered

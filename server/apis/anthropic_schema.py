@@ -13,12 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierflow.arguments import check_roles
 from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.api.streams import GenerationResult
 from tierflow.runtime.text.tool_calls import ToolCall
 from tierflow.runtime.text.tool_prompt import ToolRequest
-from tierflow.server.openai_schema import ApiError
+from tierflow.server.openai_schema import ApiError, roles_checked
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -67,11 +66,7 @@ class _Conversation(BaseModel):
         messages = [{"role": "system", "content": _text_of(self.system, "system")}] if self.system else []
         for index, message in enumerate(self.messages):
             messages.extend(_template_messages(index, message))
-        try:
-            check_roles(messages)
-        except InvalidArgumentError as error:
-            raise ApiError(400, str(error), param="messages") from None
-        return messages
+        return roles_checked(messages)
 
     def tool_request(self) -> ToolRequest | None:
         tools = [_openai_tool(index, tool) for index, tool in enumerate(self.tools or [])]

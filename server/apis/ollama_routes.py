@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tierflow.runtime.api.engine import Engine
 from tierflow.runtime.api.model_info import ModelCard, model_card
-from tierflow.server.answers import Calls, EventStream, Finished, Part, Reasoning, Text, ndjson, parts, whole
+from tierflow.server.answers import Calls, EventStream, Finished, Part, Reasoning, Text, ndjson
 from tierflow.server.apis.ollama_schema import (
     OLLAMA_VERSION,
     ChatRequest,
@@ -33,7 +33,6 @@ from tierflow.server.apis.ollama_schema import (
     tag_entry,
 )
 from tierflow.server.generations import Server, Started, chat_prompt, on_worker_thread, text_prompt
-from tierflow.server.metrics import TRACE_KEY, RequestTrace
 from tierflow.server.model_pool import FOREVER, ServedModel, parse_keep_alive
 from tierflow.server.openai_schema import ApiError, parse_request
 
@@ -143,20 +142,11 @@ async def _load_or_unload(server: Server, name: str, keep_alive: float | None, c
 
 
 async def _answer(request: Request, started: Started, stream: bool, tools, chat: bool) -> Response:
-    trace: RequestTrace = getattr(request.state, TRACE_KEY)
-    trace.stream, trace.context_shift = started.astream, started.prompt and started.prompt.shift
-    param = "messages" if chat else "prompt"
-    reasoning = started.reasoning_stream()
+    trace, param = started.traced(request), "messages" if chat else "prompt"
     if stream and started.astream is not None:
-        answer = parts(started.astream, trace, param, started.tool_stream(tools), reasoning)
-        return EventStream(_lines(answer, started, chat), started.astream, started.release, started.headers,
-                           media_type=NDJSON)
-    try:
-        answered = await whole(request, started.astream, trace, param,
-                               partial(started.engine.with_tool_calls, tools=tools),
-                               None if reasoning is None else reasoning.state == "inside")
-    finally:
-        started.release()
+        lines = _lines(started.parts(trace, param, tools), started, chat)
+        return EventStream(lines, started.astream, started.release, started.headers, media_type=NDJSON)
+    answered = await started.whole(request, trace, param, tools)
     if answered is None:
         return Response(status_code=499)
     result, thought = answered

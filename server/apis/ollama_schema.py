@@ -15,13 +15,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierflow.arguments import check_roles
 from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.api.model_info import ModelCard
 from tierflow.runtime.api.streams import GenerationResult
 from tierflow.runtime.text.tool_calls import ToolCall
 from tierflow.runtime.text.tool_prompt import ToolRequest
-from tierflow.server.openai_schema import ApiError
+from tierflow.server.openai_schema import ApiError, roles_checked
 
 OLLAMA_VERSION = "0.12.0"  # the ollama API this server follows, as /api/version reports it
 _LENIENT = ConfigDict(extra="ignore")
@@ -105,11 +104,7 @@ class ChatRequest(_GenerationRequest):
 
     def template_messages(self) -> list[dict]:
         messages = [_template_message(i, message) for i, message in enumerate(self.messages)]
-        try:
-            check_roles(messages)
-        except InvalidArgumentError as error:
-            raise ApiError(400, str(error), param="messages") from None
-        return messages
+        return roles_checked(messages)
 
     def tool_request(self) -> ToolRequest | None:
         tools = [{"type": "function", **tool} if "type" not in tool else tool for tool in self.tools or []]

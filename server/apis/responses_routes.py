@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tierflow.runtime.api.engine import Engine
-from tierflow.server.answers import Calls, EventStream, Finished, Part, Reasoning, Text, parts, sse, whole
+from tierflow.server.answers import Calls, EventStream, Finished, Part, Reasoning, Text, sse
 from tierflow.server.apis.responses_schema import (
     ResponseShell,
     ResponsesRequest,
@@ -23,7 +23,6 @@ from tierflow.server.apis.responses_schema import (
     template_messages,
 )
 from tierflow.server.generations import Server, Started, chat_prompt
-from tierflow.server.metrics import TRACE_KEY, RequestTrace
 from tierflow.server.openai_schema import ApiError, parse_request
 
 ReadBody = Callable[[Request], Awaitable[bytes]]
@@ -58,18 +57,11 @@ def add_responses_routes(app: FastAPI, server: Server, max_tokens_limit: int | N
 
 async def _answer(request: Request, started: Started, shell: ResponseShell, stream: bool, tools,
                   kept: Callable[[list[dict]], None]) -> Response:
-    trace: RequestTrace = getattr(request.state, TRACE_KEY)
-    trace.stream, trace.context_shift = started.astream, started.prompt and started.prompt.shift
-    reasoning = started.reasoning_stream()
+    trace = started.traced(request)
     if stream and started.astream is not None:
-        answer = parts(started.astream, trace, "input", started.tool_stream(tools), reasoning)
-        return EventStream(_events(answer, shell, kept), started.astream, started.release, started.headers)
-    try:
-        answered = await whole(request, started.astream, trace, "input",
-                               partial(started.engine.with_tool_calls, tools=tools),
-                               None if reasoning is None else reasoning.state == "inside")
-    finally:
-        started.release()
+        events = _events(started.parts(trace, "input", tools), shell, kept)
+        return EventStream(events, started.astream, started.release, started.headers)
+    answered = await started.whole(request, trace, "input", tools)
     if answered is None:
         return Response(status_code=499)
     result, thought = answered

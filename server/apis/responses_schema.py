@@ -13,12 +13,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierflow.arguments import check_roles
 from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.api.streams import GenerationResult
 from tierflow.runtime.text.tool_calls import ToolCall
 from tierflow.runtime.text.tool_prompt import ToolRequest
-from tierflow.server.openai_schema import REASONING_EFFORTS, ApiError
+from tierflow.server.openai_schema import ApiError, effort_variables, roles_checked
 
 MAX_KEPT_RESPONSES = 1000
 _STRICT = ConfigDict(extra="ignore", strict=True)
@@ -101,12 +100,7 @@ class ResponsesRequest(BaseModel):
             raise ApiError(400, str(error), param="tools") from None
 
     def template_variables(self) -> dict:
-        effort = self.reasoning.effort if self.reasoning else None
-        if effort is None:
-            return {}
-        assert effort in REASONING_EFFORTS
-        level = {"none": "low", "minimal": "low"}.get(effort, effort)
-        return {"reasoning_effort": level, "enable_thinking": effort not in ("none", "minimal")}
+        return effort_variables(self.reasoning.effort if self.reasoning else None, "reasoning.effort")
 
     def prompt_chars(self, items: list[dict]) -> int:
         return len(json.dumps(items)) + len(self.instructions or "") + len(json.dumps(self.tools or []))
@@ -144,11 +138,7 @@ def template_messages(instructions: str | None, items: list[dict]) -> list[dict]
         else:
             raise ApiError(400, f"{where}: items of type {kind!r} are not supported (message, function_call, "
                            "function_call_output, reasoning)", param="input")
-    try:
-        check_roles(messages)
-    except InvalidArgumentError as error:
-        raise ApiError(400, str(error), param="input") from None
-    return messages
+    return roles_checked(messages, "input")
 
 
 def _content_text(content: object, where: str) -> str:
