@@ -74,9 +74,14 @@ def in_process(engine: Engine, max_tokens: int) -> Sample:
     return _sample(started, first, time.perf_counter(), len(stream.result.tokens))
 
 
-def through_server(client: OpenAI, max_tokens: int) -> Sample:
-    # An unrelated short request first, so the measured one shares no cached prefix either.
+def forget_prompt(client: OpenAI) -> None:
+    """An unrelated short request, so that the next one shares no cached prefix either (the
+    server runs with one sequence's cache)."""
     client.completions.create(model="tierflow", prompt="Zebra", max_tokens=1)
+
+
+def through_server(client: OpenAI, max_tokens: int) -> Sample:
+    forget_prompt(client)
     started = time.perf_counter()
     chunks = client.chat.completions.create(model="tierflow", messages=MESSAGES, stream=True,
                                             max_tokens=max_tokens, temperature=0,
@@ -90,8 +95,8 @@ def through_server(client: OpenAI, max_tokens: int) -> Sample:
     return _sample(started, first, time.perf_counter(), tokens)
 
 
-def through_ollama(client: ollama.Client, max_tokens: int) -> Sample:
-    client.generate(model="tierflow", prompt="Zebra", options={"num_predict": 1})
+def through_ollama(client: ollama.Client, max_tokens: int, forget: OpenAI) -> Sample:
+    forget_prompt(forget)
     started, first, tokens = time.perf_counter(), None, 0
     for chunk in client.chat(model="tierflow", messages=MESSAGES, stream=True,
                              options={"num_predict": max_tokens, "temperature": 0}):
@@ -102,8 +107,8 @@ def through_ollama(client: ollama.Client, max_tokens: int) -> Sample:
     return _sample(started, first, time.perf_counter(), tokens)
 
 
-def through_anthropic(client: anthropic.Anthropic, max_tokens: int) -> Sample:
-    client.messages.create(model="tierflow", max_tokens=1, messages=[{"role": "user", "content": "Zebra"}])
+def through_anthropic(client: anthropic.Anthropic, max_tokens: int, forget: OpenAI) -> Sample:
+    forget_prompt(forget)
     started, first = time.perf_counter(), None
     with client.messages.stream(model="tierflow", max_tokens=max_tokens, messages=MESSAGES,
                                 extra_body={"temperature": 0}) as stream:
@@ -302,14 +307,14 @@ def main(argv: list[str] | None = None) -> None:
         return on_demand(args)
 
     engine = Engine.load(args.model, threads=args.threads, context_length=1024)
-    server, port = start_server(args.model, args.threads)
+    server, port = start_server(args.model, args.threads, "--parallel", "1")  # one cache: each run prefills
     base = f"http://127.0.0.1:{port}"
     client = OpenAI(base_url=f"{base}/v1", api_key="unused")
     runs = {"in-process": lambda: in_process(engine, args.max_tokens),
             "openai": lambda: through_server(client, args.max_tokens),
-            "ollama": lambda: through_ollama(ollama.Client(host=base), args.max_tokens),
+            "ollama": lambda: through_ollama(ollama.Client(host=base), args.max_tokens, client),
             "anthropic": lambda: through_anthropic(anthropic.Anthropic(base_url=base, api_key="unused"),
-                                                   args.max_tokens)}
+                                                   args.max_tokens, client)}
     for run in runs.values():
         run()  # warm-up
     samples: dict[str, list[Sample]] = {name: [] for name in runs}
