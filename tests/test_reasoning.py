@@ -3,6 +3,8 @@ as the server streams it."""
 
 import pytest
 
+from tests.support.real_models import chat_templates
+from tierflow.runtime.text.chat_template import render_chat_template
 from tierflow.runtime.text.reasoning import ReasoningStream, opened_in_prompt, split_reasoning, thinks
 
 
@@ -45,3 +47,18 @@ def test_an_unclosed_block_is_all_reasoning():
                                                 ("{{ messages }}", False), (None, False)])
 def test_a_template_thinks_when_it_closes_reasoning_blocks(template, expected):
     assert thinks(template) is expected
+
+
+def test_the_published_thinking_templates_are_told_from_the_others():
+    templates = chat_templates()
+    assert all(thinks(templates[name]) for name in ("Qwen-Qwen3-0.6B", "Qwen-QwQ-32B",
+                                                     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"))
+    assert not any(thinks(templates[name]) for name in ("meta-llama-Llama-3.1-8B-Instruct",
+                                                        "Qwen-Qwen2.5-7B-Instruct", "google-gemma-2-2b-it"))
+
+
+@pytest.mark.parametrize("enable_thinking", [True, False])
+def test_qwq_opens_the_reasoning_in_the_prompt_only_when_thinking(enable_thinking):
+    prompt = render_chat_template(chat_templates()["Qwen-QwQ-32B"], [{"role": "user", "content": "Hi"}],
+                                  enable_thinking=enable_thinking)
+    assert opened_in_prompt(prompt) is enable_thinking

@@ -12,7 +12,7 @@ from tests.fuzz.corpus import KNOWN_FAILURES
 from tests.fuzz.harness import DEFAULT_MEMORY_BYTES, Call, ForkServer, Result, case_call
 from tests.fuzz.seeds import load_seeds
 
-QUICK_RUN_CASES = 300
+QUICK_RUN_CASES = 150  # a longer run: `python -m tests.fuzz --cases 20000 --jobs 2`
 JOBS = 2  # this machine's cores
 
 
