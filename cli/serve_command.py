@@ -94,8 +94,11 @@ def serve(model: ServedOpt = None,
                           parallel="auto" if parallel is None else parallel,
                           **cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension)))
     budgets = {tier: parse_size(size) for tier, size in (("cpu", cpu_memory), ("gpu", gpu_memory)) if size}
+    # While a model loads, as many requests wait for it as it would take loaded: its queue, and
+    # --parallel (4 at most when the budgets choose) answered at once.
+    waiting = settings.max_queued + (parallel or 4)
     pool = ModelPool(sources, loader, generations_of(settings), keep_alive_s=keep_alive_s,
-                     max_loaded=max_models, budgets=budgets)
+                     max_loaded=max_models, budgets=budgets, max_waiting=waiting)
     with listening(settings) as sockets:
         first = pool.preload(next(iter(sources)))
         if not settings.is_loopback and settings.api_key is None:

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from tierflow.errors import TierflowError
 from tierflow.runtime.api.streams import AsyncStream, GenerationResult
 from tierflow.runtime.sampling.logprobs import TokenLogprob
-from tierflow.runtime.text.reasoning import ReasoningStream, split_reasoning
+from tierflow.runtime.text.reasoning import HarmonyStream, ReasoningStream, split_whole
 from tierflow.runtime.text.tool_calls import ToolCall, ToolCallStream
 from tierflow.server.metrics import RequestTrace
 from tierflow.server.openai_schema import ApiError, Reply, engine_error
@@ -51,10 +51,11 @@ class Finished:
 
 
 Part = Text | Reasoning | Calls | Finished
+ReasoningSplit = ReasoningStream | HarmonyStream
 
 
 async def parts(astream: AsyncStream, trace: RequestTrace, param: str, tool_stream: ToolCallStream | None,
-                reasoning: ReasoningStream | None) -> AsyncIterator[Part]:
+                reasoning: ReasoningSplit | None) -> AsyncIterator[Part]:
     """The answer's parts as they come; a failure raises an ApiError. With a reasoning stream, the
     reasoning is split from the content; with a tool_stream, content that may be a call forming is
     held back until it is known."""
@@ -100,7 +101,7 @@ async def parts(astream: AsyncStream, trace: RequestTrace, param: str, tool_stre
     yield Finished(result, "" if reasoning is None else reasoning.reasoning, rest or None, num_chars)
 
 
-def _split(reasoning: ReasoningStream | None, piece: str) -> tuple[str, str]:
+def _split(reasoning: ReasoningSplit | None, piece: str) -> tuple[str, str]:
     if reasoning is None:
         return "", piece
     split = reasoning.push(piece)
@@ -120,9 +121,10 @@ def _parsed_calls(tool_stream: ToolCallStream, result: GenerationResult):
 
 async def whole(request: Request, astream: AsyncStream | None, trace: RequestTrace, param: str,
                 with_tool_calls: Callable[[GenerationResult], GenerationResult],
-                opens_reasoning: bool | None) -> tuple[GenerationResult, str] | None:
-    """The whole answer and its reasoning (opens_reasoning None: the model does not think), or
-    None once its client has left (astream is None if it left while its prompt was tokenized)."""
+                reasoning: ReasoningSplit | None) -> tuple[GenerationResult, str] | None:
+    """The whole answer and its reasoning (split by a fresh stream; None: the model does not
+    think), or None once its client has left (astream is None if it left while its prompt was
+    tokenized)."""
     try:
         result = None if astream is None else await unless_disconnected(request, _collect(astream, trace))
     except Exception as error:
@@ -132,8 +134,8 @@ async def whole(request: Request, astream: AsyncStream | None, trace: RequestTra
     if result.finish_reason == "cancelled":
         raise ApiError(503, "the generation was cancelled (the server is stopping)", type="server_error")
     thought = ""
-    if opens_reasoning is not None:
-        split = split_reasoning(result.text, opens_reasoning)
+    if reasoning is not None:
+        split = split_whole(reasoning, result.text)
         result, thought = replace(result, text=split.content), split.reasoning
     return with_tool_calls(result), thought
 

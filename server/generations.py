@@ -20,11 +20,11 @@ from tierflow.runtime.api.engine import Engine
 from tierflow.runtime.api.streams import AsyncStream, GenerationResult
 from tierflow.runtime.generation.context_shift import fit_chat
 from tierflow.runtime.sampling.structured import Grammar
-from tierflow.runtime.text.reasoning import ReasoningStream, opened_in_prompt, thinks
+from tierflow.runtime.text.reasoning import opened_in_prompt, reasoning_stream, thinks
 from tierflow.runtime.text.tool_calls import ToolCallStream
 from tierflow.runtime.text.tool_prompt import ToolRequest
 from tierflow.server.admission import Admission
-from tierflow.server.answers import Part, parts, unless_disconnected, whole
+from tierflow.server.answers import Part, ReasoningSplit, parts, unless_disconnected, whole
 from tierflow.server.metrics import TRACE_KEY, RequestTrace
 from tierflow.server.model_pool import ModelPool
 from tierflow.server.openai_embeddings import text_chars
@@ -123,18 +123,17 @@ class Started:
                     reasoning: bool = True) -> tuple[GenerationResult, str] | None:
         """The whole answer and its reasoning (as parts() splits them), the request's slot then
         freed; None once its client has left."""
-        split = self._reasoning_stream() if reasoning else None
         try:
             with_calls = partial(self.engine.with_tool_calls, tools=tools)
             return await whole(request, self.astream, trace, param, with_calls,
-                               None if split is None else split.state == "inside")
+                               self._reasoning_stream() if reasoning else None)
         finally:
             self.release()
 
-    def _reasoning_stream(self) -> ReasoningStream | None:
-        if self.prompt is None or not thinks(self.engine.tokenizer.template.jinja):
+    def _reasoning_stream(self) -> ReasoningSplit | None:
+        if self.prompt is None:
             return None
-        return ReasoningStream(inside=self.prompt.opens_reasoning)
+        return reasoning_stream(self.engine.tokenizer.template.jinja, self.prompt.opens_reasoning)
 
     def _tool_stream(self, tools: ToolRequest | None) -> ToolCallStream | None:
         if tools is None or not tools.offered:

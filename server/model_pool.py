@@ -84,13 +84,14 @@ class ModelPool(Generic[State]):
 
     def __init__(self, sources: dict[str, str], loader: ModelLoader | None, attach: Callable[[Engine], State],
                  *, keep_alive_s: float = DEFAULT_KEEP_ALIVE_S, max_loaded: int = 3,
-                 budgets: dict[str, int] | None = None):
+                 budgets: dict[str, int] | None = None, max_waiting: int | None = None):
         if not sources:
             raise ValueError("a pool serves at least one model")
         self.models = {name: ServedModel(name, source, keep_alive_s=keep_alive_s)
                        for name, source in sources.items()}
         self.loader, self.attach = loader, attach
         self.keep_alive_s, self.max_loaded = keep_alive_s, max_loaded
+        self.max_waiting = max_waiting  # requests a model that is loading holds; beyond: 503
         self.budgets = dict(budgets or {})  # per tier, for all the models together; absent: none
         self._room = asyncio.Lock()  # one load decides at a time what to unload
 
@@ -143,6 +144,9 @@ class ModelPool(Generic[State]):
         is released; it then stays loaded for keep_alive_s (None: the server's keep_alive), as
         ollama keeps a model for its last request's keep_alive."""
         model = self.find(requested)
+        if model.engine is None and self.max_waiting is not None and model.users >= self.max_waiting:
+            raise ApiError(503, f"the server is busy: {model.users} requests wait for {model.name!r} to "
+                           "load; retry later", type="server_error", code="server_busy")
         model.users += 1
         try:
             model.keep_alive_s = self.keep_alive_s if keep_alive_s is None else keep_alive_s

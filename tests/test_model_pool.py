@@ -173,3 +173,15 @@ def test_a_keep_alive_that_is_no_duration_is_a_400_naming_it(given):
     with pytest.raises(ApiError) as refused:
         parse_keep_alive(given)
     assert refused.value.status == 400 and refused.value.param == "keep_alive"
+
+
+def test_requests_past_the_waiting_bound_of_a_loading_model_are_a_503():
+    loader = _Loader({"a": MIB}, delay_s=0.2)
+
+    async def four_at_once():
+        pool = pool_of(loader, max_waiting=3)
+        return await asyncio.gather(*(pool.acquire("a") for _ in range(4)), return_exceptions=True)
+
+    results = run(four_at_once())
+    refused = [result for result in results if isinstance(result, ApiError)]
+    assert len(refused) == 1 and refused[0].status == 503 and loader.loads == ["a"]

@@ -5,11 +5,19 @@ import pytest
 
 from tests.support.real_models import chat_templates
 from tierflow.runtime.text.chat_template import render_chat_template
-from tierflow.runtime.text.reasoning import ReasoningStream, opened_in_prompt, split_reasoning, thinks
+from tierflow.runtime.text.reasoning import (
+    HarmonyStream,
+    ReasoningStream,
+    opened_in_prompt,
+    reasoning_stream,
+    split_whole,
+    thinks,
+)
+from tierflow.runtime.text.tool_calls import ToolFormat, parse_tool_calls
 
 
-def streamed(pieces: list[str], inside: bool = False) -> tuple[str, str, list[tuple[str, str]]]:
-    stream, sent = ReasoningStream(inside), []
+def streamed(pieces: list[str], inside: bool = False, stream=None) -> tuple[str, str, list[tuple[str, str]]]:
+    stream, sent = stream or ReasoningStream(inside), []
     for piece in pieces:
         split = stream.push(piece)
         sent.append((split.reasoning, split.content))
@@ -19,7 +27,7 @@ def streamed(pieces: list[str], inside: bool = False) -> tuple[str, str, list[tu
 
 
 def test_a_leading_think_block_is_the_reasoning_and_the_rest_the_answer():
-    split = split_reasoning("<think>\nWeigh it.\n</think>\n\nYes.")
+    split = split_whole(ReasoningStream(), "<think>\nWeigh it.\n</think>\n\nYes.")
     assert (split.reasoning, split.content) == ("Weigh it.\n", "Yes.")
 
 
@@ -62,3 +70,34 @@ def test_qwq_opens_the_reasoning_in_the_prompt_only_when_thinking(enable_thinkin
     prompt = render_chat_template(chat_templates()["Qwen-QwQ-32B"], [{"role": "user", "content": "Hi"}],
                                   enable_thinking=enable_thinking)
     assert opened_in_prompt(prompt) is enable_thinking
+
+
+ANALYSIS = "<|channel|>analysis<|message|>The user greets; greet back.<|end|>"
+FINAL = "<|start|>assistant<|channel|>final<|message|>Hello there!<|return|>"
+CALL = ("<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Paris"}<|call|>')
+
+
+def test_gpt_oss_analysis_channel_is_the_reasoning_and_the_final_channel_the_answer():
+    text = ANALYSIS + FINAL
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    reasoning, content, sent = streamed(pieces, stream=HarmonyStream())
+    assert (reasoning, content) == ("The user greets; greet back.", "Hello there!")
+    assert not any("<|" in part for pair in sent for part in pair)
+
+
+def test_a_gpt_oss_tool_call_stays_in_the_content_for_the_call_parser():
+    split = split_whole(HarmonyStream(), ANALYSIS + CALL)
+    parsed = parse_tool_calls(split.content, ToolFormat.HARMONY, frozenset({"get_weather"}))
+    assert split.reasoning == "The user greets; greet back."
+    calls = [(call.name, call.arguments) for call in parsed.tool_calls]
+    assert calls == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_text_that_is_not_harmony_is_all_content():
+    assert split_whole(HarmonyStream(), "Just an answer.").content == "Just an answer."
+
+
+def test_the_gpt_oss_template_gets_the_harmony_split():
+    template = chat_templates()["openai-gpt-oss-120b"]
+    assert thinks(template) and isinstance(reasoning_stream(template), HarmonyStream)
