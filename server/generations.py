@@ -31,9 +31,6 @@ from tierflow.server.openai_embeddings import text_chars
 from tierflow.server.openai_schema import ApiError, engine_error, response_grammar
 
 CHARS_PER_POSITION = 16  # the default prompt character limit per context position: 4x typical text
-# Of the context, the most a chat's oldest turns are dropped to leave for the answer when its
-# max_tokens asks for more (or for all: a request that sets none runs to the context's end).
-ANSWER_ROOM_FRACTION = 4
 T = TypeVar("T")
 log = logging.getLogger("tierflow.server.routes")
 
@@ -66,8 +63,7 @@ def chat_prompt(engine: Engine, make_messages: Callable[[], list[dict]], context
     opens = partial(_opens_reasoning, engine)
     if not context_shift:
         return opens(Prompt(tokenize_chat(messages)))
-    room = min(max_tokens, engine.context_length // ANSWER_ROOM_FRACTION)
-    fitted = fit_chat(messages, tokenize_chat, engine.context_length, room)
+    fitted = fit_chat(messages, tokenize_chat, engine.context_length, max_tokens)  # room: a share at most
     if not fitted.shifted:
         return opens(Prompt(fitted.prompt_ids))
     shift = f"dropped {len(fitted.dropped)} messages"
@@ -170,9 +166,7 @@ class Server:
         """Holds the model (loading it if need be), admits the request and starts its generation.
         kwargs are Engine.astream's, max_tokens None running to the context's end; param names
         the prompt's field in errors; source makes the prompt from the engine."""
-        waited = time.perf_counter()
         lease = await self.pool.acquire(model, keep_alive_s)
-        load_seconds = time.perf_counter() - waited
         try:
             generations, engine = lease.state, lease.engine
             generations.check_chars(chars, param)
@@ -190,8 +184,7 @@ class Server:
         except BaseException:
             release()
             raise
-        return Started(astream, engine, lease.model.name, prompt, release,
-                       load_seconds if load_seconds > 0.05 else 0.0)
+        return Started(astream, engine, lease.model.name, prompt, release, lease.load_seconds)
 
     async def embed(self, model: str | None, make_inputs: Callable[[Engine], list],
                     keep_alive_s: float | None = None) -> tuple[np.ndarray, int, str]:

@@ -63,6 +63,7 @@ class Lease(Generic[State]):
 
     model: ServedModel[State]
     _pool: "ModelPool[State]"
+    load_seconds: float = 0.0  # how long the request waited for the model to load
     _released: bool = False
 
     @property
@@ -151,6 +152,7 @@ class ModelPool(Generic[State]):
         try:
             model.keep_alive_s = self.keep_alive_s if keep_alive_s is None else keep_alive_s
             self._stop_timer(model)
+            waited, waited_for_load = time.perf_counter(), model.engine is None
             while model.engine is None:
                 if model.loading is None:
                     model.loading = asyncio.ensure_future(self._load(model))
@@ -159,7 +161,7 @@ class ModelPool(Generic[State]):
         except BaseException:
             self._release(model)
             raise
-        return Lease(model, self)
+        return Lease(model, self, time.perf_counter() - waited if waited_for_load else 0.0)
 
     async def unload(self, model: ServedModel[State]) -> None:
         """Closes the model's engine now (its requests must have ended); an engine the pool was
