@@ -65,10 +65,11 @@ def serve(model: ServedOpt = None,
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
           allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
           n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None) -> None:
-    """Serve OpenAI's API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models), ollama's
-    (/api/chat, /api/generate, /api/embed, /api/tags, /api/ps, /api/show), /metrics and a chat page, for
-    each model by name. The address is bound before the first model loads, so one that is taken fails
-    at once."""
+    """Serve OpenAI's API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings,
+    /v1/models), ollama's (/api/chat, /api/generate, /api/embed, /api/tags, /api/ps, /api/show),
+    Anthropic's (/v1/messages), llama-server's /tokenize, /detokenize and /props, /metrics and a chat
+    page, for each model by name. The address is bound before the first model loads, so one that is
+    taken fails at once."""
     from tierflow.server.listen import listening
     from tierflow.server.model_pool import DEFAULT_KEEP_ALIVE_S, FOREVER, ModelPool, parse_keep_alive
     from tierflow.server.openai_schema import ApiError
