@@ -7,7 +7,7 @@ the engine's compute thread. Each API's routes then send the stream in their own
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
@@ -50,6 +50,7 @@ class Prompt:
 
 # A prompt, or (for one whose making is slow) what makes it from the request's max_tokens.
 PromptSource = Prompt | Callable[[int], Prompt]
+ReadBody = Callable[[Request], Awaitable[bytes]]  # a request's body, refused past the server's limit
 
 
 def chat_prompt(engine: Engine, make_messages: Callable[[], list[dict]], context_shift: bool,

@@ -40,19 +40,24 @@ class EmbeddingRequest(BaseModel):
                              "of lists of token ids") from None
 
     def inputs(self, max_inputs: int, width: int) -> list[EmbeddingInput]:
-        """The inputs, one per vector asked for: at least one, at most max_inputs; dimensions
-        checked against the model's width."""
-        if self.dimensions is not None and self.dimensions != width:
-            raise ApiError(400, f"dimensions is {self.dimensions}, but this model's embeddings have "
-                           f"{width} and cannot be shortened", param="dimensions")
+        """The inputs, one per vector asked for (checked_inputs)."""
         one = isinstance(self.input, str) or bool(self.input) and isinstance(self.input[0], int)
-        inputs = [self.input] if one else list(self.input)
-        if not inputs:
-            raise ApiError(400, "input is empty: there is nothing to embed", param="input")
-        if len(inputs) > max_inputs:
-            raise ApiError(400, f"input has {len(inputs)} items; this server embeds at most {max_inputs} "
-                           f"per request", param="input", code="too_many_inputs")
-        return inputs
+        return checked_inputs([self.input] if one else list(self.input), self.dimensions, max_inputs, width)
+
+
+def checked_inputs(inputs: list[EmbeddingInput], dimensions: int | None, max_inputs: int,
+                   width: int) -> list[EmbeddingInput]:
+    """A request's inputs, one per vector: at least one, at most max_inputs; `dimensions` may only
+    repeat the model's width, since its vectors cannot be shortened."""
+    if dimensions is not None and dimensions != width:
+        raise ApiError(400, f"dimensions is {dimensions}, but this model's embeddings have {width} and "
+                       f"cannot be shortened", param="dimensions")
+    if not inputs:
+        raise ApiError(400, "input is empty: there is nothing to embed", param="input")
+    if len(inputs) > max_inputs:
+        raise ApiError(400, f"input has {len(inputs)} items; this server embeds at most {max_inputs} "
+                       f"per request", param="input", code="too_many_inputs")
+    return inputs
 
 
 def text_chars(inputs: list[EmbeddingInput]) -> int:

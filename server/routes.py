@@ -1,6 +1,7 @@
 """The local server: OpenAI's API (`/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`,
-`/v1/models`), ollama's (server/ollama_routes.py), `/health`, `/metrics` and the chat page at `/`,
-for every model it serves, each by name (server/model_pool.py).
+`/v1/models`) here; OpenAI's Responses, Anthropic's Messages, ollama's API and llama-server's extras
+in server/apis/; `/health`, `/metrics` and the chat page at `/`; for every model it serves, each by
+name (server/model_pool.py).
 
 Safe by default, for a server on a desktop: it binds loopback, refuses a foreign Host header there
 (DNS rebinding), refuses a foreign Origin (a web page's request) unless it is listed for CORS,
@@ -161,6 +162,7 @@ def create_app(models: Engine | ModelPool[Generations], settings: ServerSettings
     """The app serving one loaded engine, or a pool of models by name."""
     pool = models if isinstance(models, ModelPool) else ModelPool.of(models, generations_of(settings))
     server, metrics = Server(pool), ServerMetrics()
+    read_body = partial(_read_body, limit=settings.max_body_bytes)
     app = FastAPI(title="tierflow", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=partial(_lifespan, pool=pool))
 
@@ -192,7 +194,7 @@ def create_app(models: Engine | ModelPool[Generations], settings: ServerSettings
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await parse_request(ChatRequest, await _read_body(request, settings.max_body_bytes))
+        body = await parse_request(ChatRequest, await read_body(request))
         tools, variables = body.tool_request(), body.template_variables()
         kwargs = body.generation_kwargs(settings.max_tokens_limit)
 
@@ -206,7 +208,7 @@ def create_app(models: Engine | ModelPool[Generations], settings: ServerSettings
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await parse_request(CompletionRequest, await _read_body(request, settings.max_body_bytes))
+        body = await parse_request(CompletionRequest, await read_body(request))
         text = body.engine_prompt()
         kwargs = body.generation_kwargs(settings.max_tokens_limit)
 
@@ -219,14 +221,13 @@ def create_app(models: Engine | ModelPool[Generations], settings: ServerSettings
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        body = await parse_request(EmbeddingRequest, await _read_body(request, settings.max_body_bytes))
+        body = await parse_request(EmbeddingRequest, await read_body(request))
         inputs = partial(_embedding_inputs, body, settings.max_embedding_inputs)
         vectors, num_tokens, name = await server.embed(body.model, inputs)
         rendered = await on_worker_thread(partial(embedding_response, vectors, num_tokens,
                                                   body.encoding_format, name))
         return Response(rendered, media_type="application/json")
 
-    read_body = partial(_read_body, limit=settings.max_body_bytes)
     add_ollama_routes(app, server, settings.max_tokens_limit, settings.context_shift,
                       settings.max_embedding_inputs, read_body)
     add_anthropic_routes(app, server, settings.max_tokens_limit, settings.context_shift, read_body)

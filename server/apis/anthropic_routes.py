@@ -2,7 +2,7 @@
 message_start, a content block's start, deltas and stop for each of thinking, text and tool_use,
 message_delta, message_stop) and `/v1/messages/count_tokens`."""
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from functools import partial
 
 from fastapi import FastAPI, Request
@@ -20,10 +20,8 @@ from tierflow.server.apis.anthropic_schema import (
     stop_reason,
     tool_use_block,
 )
-from tierflow.server.generations import Server, Started, chat_prompt, on_worker_thread
+from tierflow.server.generations import ReadBody, Server, Started, chat_prompt, on_worker_thread
 from tierflow.server.openai_schema import ApiError, engine_error, parse_request
-
-ReadBody = Callable[[Request], Awaitable[bytes]]
 
 
 def add_anthropic_routes(app: FastAPI, server: Server, max_tokens_limit: int | None, context_shift: bool,

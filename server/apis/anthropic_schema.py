@@ -17,9 +17,8 @@ from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.api.streams import GenerationResult
 from tierflow.runtime.text.tool_calls import ToolCall
 from tierflow.runtime.text.tool_prompt import ToolRequest
-from tierflow.server.openai_schema import ApiError, roles_checked
+from tierflow.server.openai_schema import STRICT, ApiError, roles_checked
 
-_STRICT = ConfigDict(extra="ignore", strict=True)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                 503: "overloaded_error"}
@@ -36,25 +35,25 @@ class Block(BaseModel):
 
 
 class AnthropicMessage(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
 class ThinkingConfig(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
 
 
 class OutputConfig(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     format: dict | None = None
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class _Conversation(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[Block] | None = None

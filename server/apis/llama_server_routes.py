@@ -1,22 +1,18 @@
 """llama-server's small extras that apps use beside the chat API: `/tokenize`, `/detokenize` and
 `/props`, for the model a request names (or the first served)."""
 
-from collections.abc import Awaitable, Callable
 from functools import partial
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from tierflow.errors import TierflowError
-from tierflow.server.generations import Server, on_worker_thread
-from tierflow.server.openai_schema import ApiError, parse_request
-
-ReadBody = Callable[[Request], Awaitable[bytes]]
-_STRICT = ConfigDict(extra="ignore", strict=True)
+from tierflow.server.generations import ReadBody, Server, on_worker_thread
+from tierflow.server.openai_schema import STRICT, ApiError, parse_request
 
 
 class TokenizeRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     content: str
     add_special: bool = False
@@ -25,7 +21,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)
 

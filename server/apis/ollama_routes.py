@@ -7,7 +7,7 @@ when the request gives none), as in ollama.
 """
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from functools import partial
 
@@ -32,12 +32,11 @@ from tierflow.server.apis.ollama_schema import (
     show_body,
     tag_entry,
 )
-from tierflow.server.generations import Server, Started, chat_prompt, on_worker_thread, text_prompt
+from tierflow.server.generations import ReadBody, Server, Started, chat_prompt, on_worker_thread, text_prompt
 from tierflow.server.model_pool import FOREVER, ServedModel, parse_keep_alive
 from tierflow.server.openai_schema import ApiError, parse_request
 
 NDJSON = "application/x-ndjson"
-ReadBody = Callable[[Request], Awaitable[bytes]]
 
 
 def add_ollama_routes(app: FastAPI, server: Server, max_tokens_limit: int | None, context_shift: bool,
@@ -105,7 +104,9 @@ def add_ollama_routes(app: FastAPI, server: Server, max_tokens_limit: int | None
     async def embed(request: Request) -> dict:
         body = await parse_request(EmbedRequest, await read_body(request))
         started = time.perf_counter()
-        inputs = partial(_embed_inputs, body, max_embedding_inputs)
+        def inputs(engine: Engine) -> list[str]:
+            return body.inputs(max_embedding_inputs, engine.config.hidden_size)
+
         vectors, num_tokens, name = await server.embed(body.model, inputs, parse_keep_alive(body.keep_alive))
         return {"model": name, "embeddings": vectors.tolist(), "prompt_eval_count": num_tokens,
                 "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0}
@@ -116,13 +117,6 @@ def add_ollama_routes(app: FastAPI, server: Server, max_tokens_limit: int | None
         vectors, _, _ = await server.embed(body.model, lambda engine: [body.prompt],
                                            parse_keep_alive(body.keep_alive))
         return {"embedding": vectors[0].tolist()}
-
-
-def _embed_inputs(body: EmbedRequest, max_inputs: int, engine: Engine) -> list[str]:
-    if body.dimensions is not None and body.dimensions != engine.config.hidden_size:
-        raise ApiError(400, f"dimensions is {body.dimensions}, but this model's embeddings have "
-                       f"{engine.config.hidden_size} and cannot be shortened", param="dimensions")
-    return body.inputs(max_inputs)
 
 
 async def _load_or_unload(server: Server, name: str, keep_alive: float | None, chat: bool) -> JSONResponse:

@@ -20,6 +20,7 @@ from tierflow.runtime.api.model_info import ModelCard
 from tierflow.runtime.api.streams import GenerationResult
 from tierflow.runtime.text.tool_calls import ToolCall
 from tierflow.runtime.text.tool_prompt import ToolRequest
+from tierflow.server.openai_embeddings import checked_inputs
 from tierflow.server.openai_schema import ApiError, roles_checked
 
 OLLAMA_VERSION = "0.12.0"  # the ollama API this server follows, as /api/version reports it
@@ -143,14 +144,9 @@ class EmbedRequest(_Request):
     dimensions: int | None = None
     options: dict[str, Any] | None = None
 
-    def inputs(self, max_inputs: int) -> list[str]:
+    def inputs(self, max_inputs: int, width: int) -> list[str]:
         inputs = [self.input] if isinstance(self.input, str) else list(self.input)
-        if not inputs:
-            raise ApiError(400, "input is empty: there is nothing to embed", param="input")
-        if len(inputs) > max_inputs:
-            raise ApiError(400, f"input has {len(inputs)} items; this server embeds at most {max_inputs} "
-                           "per request", param="input")
-        return inputs
+        return checked_inputs(inputs, self.dimensions, max_inputs, width)
 
 
 class EmbeddingsRequest(_Request):

@@ -2,7 +2,7 @@
 (response.created, response.in_progress, then for each output item its added, deltas and done
 events, then response.completed, or response.incomplete when max_output_tokens cut it)."""
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 
 from fastapi import FastAPI, Request
@@ -22,10 +22,8 @@ from tierflow.server.apis.responses_schema import (
     reasoning_item,
     template_messages,
 )
-from tierflow.server.generations import Server, Started, chat_prompt
+from tierflow.server.generations import ReadBody, Server, Started, chat_prompt
 from tierflow.server.openai_schema import ApiError, parse_request
-
-ReadBody = Callable[[Request], Awaitable[bytes]]
 
 
 def add_responses_routes(app: FastAPI, server: Server, max_tokens_limit: int | None, context_shift: bool,

@@ -11,34 +11,33 @@ import uuid
 from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.api.streams import GenerationResult
 from tierflow.runtime.text.tool_calls import ToolCall
 from tierflow.runtime.text.tool_prompt import ToolRequest
-from tierflow.server.openai_schema import ApiError, effort_variables, roles_checked
+from tierflow.server.openai_schema import STRICT, ApiError, effort_variables, roles_checked
 
 MAX_KEPT_RESPONSES = 1000
-_STRICT = ConfigDict(extra="ignore", strict=True)
 _REFUSED = {"background": (None, False), "conversation": (None,), "prompt": (None,),
             "max_tool_calls": (None,), "service_tier": (None, "auto", "default")}
 
 
 class ReasoningConfig(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: str | None = None
 
 
 class TextConfig(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     format: dict | None = None
     verbosity: str | None = None
 
 
 class ResponsesRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     input: str | Annotated[list[dict], Field(fail_fast=True)]
     instructions: str | None = None
