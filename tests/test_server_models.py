@@ -122,3 +122,13 @@ def test_a_model_given_alone_is_named_by_its_file_or_its_store_name(model_path):
                                                                         "small": str(model_path)}
     assert served_models([None]) == {model_path.stem: str(model_path)}
     assert list(served_models(["qwen2.5:0.5b", "Org/Repo:Q4_K_M"])) == ["qwen2.5:0.5b", "Org/Repo:Q4_K_M"]
+
+
+def test_a_keep_alive_that_is_no_duration_is_refused_before_anything_loads(model_path):
+    result = CliRunner().invoke(app, ["serve", "-m", str(model_path), "--keep-alive", "soon"])
+    assert result.exit_code == 2 and "--keep-alive: not a duration: 'soon'" in result.output
+
+
+def test_max_models_below_one_is_refused(model_path):
+    result = CliRunner().invoke(app, ["serve", "-m", str(model_path), "--max-models", "0"])
+    assert result.exit_code == 2 and "--max-models must be at least 1" in result.output
