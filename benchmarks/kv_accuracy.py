@@ -31,7 +31,7 @@ import numpy as np
 
 from tests.support.make_model import write_f32_copy
 from tierflow import Engine
-from tierflow.offload.gguf.model_path import resolve_model_path
+from tierflow.offload.store.model_path import resolve_model_path
 from tierflow.runtime.compute.cpu import CPU_KERNELS
 
 ROOT = Path(__file__).resolve().parent.parent

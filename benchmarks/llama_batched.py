@@ -14,7 +14,7 @@ import time
 import llama_cpp
 import numpy as np
 
-from tierflow.offload.gguf.model_path import resolve_model_path
+from tierflow.offload.store.model_path import resolve_model_path
 
 PROMPTS = ["Write a story about a lighthouse keeper.", "Explain how a bicycle works.",
            "Describe a walk through a forest in autumn.", "Tell me about the history of bread.",

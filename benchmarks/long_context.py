@@ -41,8 +41,8 @@ import numpy as np
 from benchmarks.decode import build_prompt
 from tierflow import Engine
 from tierflow.kv_types import KV_TYPES
-from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.plan.profile import cache_dir
+from tierflow.offload.store.model_path import bundled_model_path
 
 LLAMA_1B = dict(arch="llama", num_layers=16, hidden_size=2048, ffn_size=8192, num_heads=32,
                 num_kv_heads=8, context_length=131072, weight_type="Q8_0", embedding_type="Q8_0")

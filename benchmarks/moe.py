@@ -56,8 +56,8 @@ from tierflow.offload.experts.routing_trace import (
     load_trace,
     make_synthetic_trace,
 )
-from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.plan.profile import cache_dir
+from tierflow.offload.store.model_path import bundled_model_path
 
 TEXT = Path(__file__).with_name("routing_text.txt")
 RANDOM_MIXTRAL = ModelSpec(num_layers=32, hidden_size=256, ffn_size=512, num_heads=4, num_kv_heads=2,

@@ -27,7 +27,7 @@ import numpy as np
 from tests.support.oracle import log_softmax, perplexity
 from tierflow import Engine
 from tierflow.offload.gguf.convert import convert_model
-from tierflow.offload.gguf.model_path import resolve_model_path
+from tierflow.offload.store.model_path import resolve_model_path
 
 TEXT = Path(__file__).with_name("quality_text.txt")
 

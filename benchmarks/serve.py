@@ -121,7 +121,7 @@ def through_anthropic(client: anthropic.Anthropic, max_tokens: int, forget: Open
 def on_demand(args) -> None:
     """A model's first request, its load included, against Engine.load and an in-process first
     token; /health while it loads; then each model's first token in turn, both loaded."""
-    from tierflow.offload.gguf.model_path import resolve_model_path
+    from tierflow.offload.store.model_path import resolve_model_path
 
     model = str(resolve_model_path(args.model))
     server, port = start_server(None, args.threads, "-m", f"default={resolve_model_path(None)}",
@@ -269,7 +269,7 @@ def concurrency(args) -> None:
 def end_tokens(model: str | None) -> frozenset[int]:
     """The model's end-of-generation token ids."""
     from tierflow.offload.gguf.model_file import open_model_file
-    from tierflow.offload.gguf.model_path import resolve_model_path
+    from tierflow.offload.store.model_path import resolve_model_path
     from tierflow.runtime.loading.loader import load_tokenizer
 
     with open_model_file(resolve_model_path(model)) as opened:

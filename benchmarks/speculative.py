@@ -34,9 +34,9 @@ from tests.support.make_model import write_f32_copy
 from tierflow import Engine
 from tierflow.offload.gguf.convert import convert_model
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.profile import cache_dir
+from tierflow.offload.store.model_path import resolve_model_path
 from tierflow.speculative.learned import LearnedStore
 from tierflow.units import format_size
 

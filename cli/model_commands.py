@@ -47,7 +47,7 @@ def list_command(as_json: Annotated[bool, option("--json", help="print the list 
                  ) -> None:
     """List the models ollama, the Hugging Face cache and LM Studio hold on this machine, by the name
     -m takes (reads headers only)."""
-    from tierflow.offload.gguf.model_list import list_models
+    from tierflow.offload.store.model_list import list_models
 
     models = list_models()
     if as_json:

@@ -114,7 +114,7 @@ def serve(model: ServedOpt = None,
 def served_models(given: list[str | None]) -> dict[str, str]:
     """Names to files or store names, from serve's -m values: NAME=FILE, or a file (named by its
     stem) or a store name (named as given) alone; None is the bundled model."""
-    from tierflow.offload.gguf.model_path import resolve_model_path
+    from tierflow.offload.store.model_path import resolve_model_path
 
     sources: dict[str, str] = {}
     for value in given:

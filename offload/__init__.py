@@ -1,7 +1,9 @@
 """tierflow.offload: where the weights live and how they move, as a pipeline of folders.
 
+    store/     the models on this disk by name (ollama's, Hugging Face's, LM Studio's stores, presets),
+               pulled from Hugging Face, removed; the file `-m` means
     gguf/      the file: a validating GGUF reader, the model it holds (family, config, tensors
-               checked against the family's map), finding the file, `tierflow convert`
+               checked against the family's map), `tierflow convert`
     pack/      the pack: the GGUF's weights re-laid out once for the kernels, one extent per
                layer (and per expert), and the sizes of that layout before anything is packed
     plan/      the plan: budgets, the hardware profile (probe), the cost model, and the planner

@@ -15,8 +15,8 @@ from tests.support.make_model import write_f32_copy
 from tests.support.oracle import llama_cpp_model
 from tests.support.real_models import GEMMA3_270M, QWEN_CODER_05B, QWEN_CODER_15B, fetch
 from tests.support.test_cache import use_test_cache
-from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.pack import writer
+from tierflow.offload.store.model_path import bundled_model_path
 
 # Set at import, before any test or subprocess, so the CLI and server processes inherit it.
 use_test_cache()

@@ -12,7 +12,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tierflow.errors import ModelFileError, TemplateError
-from tierflow.offload.gguf.model_path import bundled_model_path
+from tierflow.offload.store.model_path import bundled_model_path
 from tierflow.runtime.text.chat_template import CHATML_TEMPLATE, render_chat_template, start_render_workers
 
 CONVERSATION = [

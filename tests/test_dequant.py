@@ -8,7 +8,7 @@ from gguf.quants import dequantize as reference_dequantize
 from tierflow.cpu_kernels.dequant import SUPPORTED_TYPES, dequantize
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.ggml_types import QUANT_SIZES, TierflowType, type_name
-from tierflow.offload.gguf.model_path import bundled_model_path
+from tierflow.offload.store.model_path import bundled_model_path
 
 T = GGMLQuantizationType
 # ggml's types, which gguf-py can decode; tierflow's own are tested in test_quantize.py.

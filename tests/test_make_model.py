@@ -18,8 +18,8 @@ from tests.support.make_model import (
     write_model,
 )
 from tierflow.cpu_kernels.dequant import dequantize
-from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.store.model_path import bundled_model_path
 
 TOKENS = [1, 17, 504, 2127, 9090, 30000, 48000, 12]
 VOCAB_SIZE = 49152

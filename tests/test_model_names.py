@@ -13,7 +13,7 @@ from tests.support.gguf_split import split_gguf
 from tierflow.cli.app import app
 from tierflow.errors import ModelFileError
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.gguf.model_path import resolve_model_path
+from tierflow.offload.store.model_path import resolve_model_path
 
 DIGEST = "ab" * 32
 OTHER_DIGEST = "cd" * 32

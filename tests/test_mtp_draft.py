@@ -16,9 +16,9 @@ from tierflow import Engine
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.errors import BudgetError, InvalidArgumentError, ModelFileError
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.gguf.reader import read_gguf
 from tierflow.offload.pack.writer import pack_sizes
+from tierflow.offload.store.model_path import bundled_model_path
 
 SHAPE = dict(num_layers=4, hidden_size=64, ffn_size=128, num_heads=4, num_kv_heads=2, head_size=32,
              rope_dim=16, context_length=2048, nextn_layers=1)

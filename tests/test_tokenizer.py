@@ -8,7 +8,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
 from tierflow.errors import ModelFileError, TemplateError, TierflowError  # noqa: E402
-from tierflow.offload.gguf.model_path import bundled_model_path  # noqa: E402
+from tierflow.offload.store.model_path import bundled_model_path  # noqa: E402
 from tierflow.runtime.text.tokenizer import Tokenizer  # noqa: E402
 
 TEXTS = [

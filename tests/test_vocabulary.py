@@ -23,8 +23,8 @@ from tests.support.gguf_writing import rewrite_metadata
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import ModelFileError
-from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.store.model_path import bundled_model_path
 from tierflow.runtime.text.vocabulary import BYTE_TOKENS, check_vocabulary
 
 MODEL, PRE = "tokenizer.ggml.model", "tokenizer.ggml.pre"

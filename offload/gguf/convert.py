@@ -36,9 +36,9 @@ from tierflow.cpu_kernels.quantize_ggml import ENCODERS, quantize_ggml
 from tierflow.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError
 from tierflow.ggml_types import QUANT_SIZES, type_name
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
-from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.gguf.reader import GGUFFile, TensorInfo, read_gguf
 from tierflow.offload.gguf.split_files import SPLIT_KEY_PREFIX
+from tierflow.offload.store.model_path import resolve_model_path
 from tierflow.runtime.models.tensor_map import Matmul
 
 ConvertProgress = Callable[[str, int, int], None]  # ("convert", source bytes done, total)

@@ -34,8 +34,8 @@ from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentErro
 from tierflow.offload.experts.expert_cache import CacheStats
 from tierflow.offload.experts.routing_trace import RoutingRecorder, keep_routing
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.pack.writer import LoadProgress, pack_sizes
+from tierflow.offload.store.model_path import resolve_model_path
 from tierflow.runtime.api.embeddings import check_pooling, embed_inputs, model_pooling
 from tierflow.runtime.api.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.generation.batching import PassBatcher

@@ -10,9 +10,9 @@ from typing import Any
 from gguf import LlamaFileType
 
 from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.gguf.model_path import model_file_bytes, resolve_model_path
 from tierflow.offload.gguf.reader import TensorInfo
 from tierflow.offload.pack.writer import pack_sizes
+from tierflow.offload.store.model_path import model_file_bytes, resolve_model_path
 from tierflow.runtime.loading.loader import (
     CacheOptions,
     plan_load,

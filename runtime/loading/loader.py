@@ -33,7 +33,6 @@ from tierflow.gpu_kernels.layer_kernels import TritonKernels
 from tierflow.kv_types import KV_TYPES, KVType, kv_type
 from tierflow.offload.experts.routing_trace import Routing, kept_routing
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
-from tierflow.offload.gguf.model_path import resolve_model_path
 from tierflow.offload.gguf.vocab_file import llama_vocab_file
 from tierflow.offload.pack.built import BuiltPack, builds_in_ram
 from tierflow.offload.pack.writer import LoadProgress, PackSizes, open_pack, pack_sizes
@@ -43,6 +42,7 @@ from tierflow.offload.plan.expert_plan import ExpertRequest, trace_fits
 from tierflow.offload.plan.planner import Plan, ProfileSource, make_plan
 from tierflow.offload.plan.probe import load_profile, save_profile
 from tierflow.offload.plan.profile import GpuProfile, HardwareProfile
+from tierflow.offload.store.model_path import resolve_model_path
 from tierflow.offload.tiers.device import DeviceTier
 from tierflow.offload.tiers.tiered import TieredWeights
 from tierflow.runtime.compute.interfaces import Kernels

@@ -53,8 +53,8 @@ from tests.support.model_spec import ARCHS, FILE_TYPES, MIXES, ModelSpec, archit
 from tests.support.random_weights import random_tensor_bytes
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.errors import TierflowError
-from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.gguf.reader import read_gguf
+from tierflow.offload.store.model_path import bundled_model_path
 from tierflow.units import format_size, parse_size
 
 __all__ = ["ModelSpec", "file_bytes", "main", "spec_for_size", "write_f32_copy", "write_model"]

@@ -75,8 +75,8 @@ from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.cpu_kernels.torch_ops import apply_rope, rms_norm_reference
 from tierflow.errors import TierflowError
 from tierflow.offload.gguf.model_file import read_config
-from tierflow.offload.gguf.model_path import bundled_model_path
 from tierflow.offload.gguf.reader import GGUFFile, TensorInfo, read_gguf
+from tierflow.offload.store.model_path import bundled_model_path
 from tierflow.runtime.decoder.rope import rope_tables
 from tierflow.runtime.models.config import ModelConfig
 from tierflow.runtime.text.tokenizer import Tokenizer

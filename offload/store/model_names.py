@@ -3,7 +3,7 @@
     llama3:8b, qwen3:30b-a3b, library/llama3:8b, host/namespace/model:tag   ollama (no tag: latest)
     Org/Model, Org/Model:Q4_K_M, Org/Model/file.gguf, hf.co/Org/Model        Hugging Face cache, LM Studio
 
-Every store is asked (offload/gguf/model_stores.py); exactly one model must answer. Nothing is downloaded.
+Every store is asked (offload/store/model_stores.py); exactly one model must answer. Nothing is downloaded.
 """
 
 import difflib
@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from tierflow.errors import ModelFileError
-from tierflow.offload.gguf.model_stores import StoredModel, default_stores
+from tierflow.offload.store.model_stores import StoredModel, default_stores
 
 MAX_CLOSE_MATCHES = 5
 

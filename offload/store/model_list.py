@@ -10,9 +10,9 @@ from pathlib import Path
 
 from tierflow import ggml_types
 from tierflow.errors import TierflowError
-from tierflow.offload.gguf.model_path import model_file_bytes
-from tierflow.offload.gguf.model_stores import StoredModel, default_stores
 from tierflow.offload.gguf.split_files import read_model_gguf
+from tierflow.offload.store.model_path import model_file_bytes
+from tierflow.offload.store.model_stores import StoredModel, default_stores
 
 
 @dataclass(frozen=True)

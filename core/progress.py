@@ -1,0 +1,25 @@
+"""What a load reports as it goes: its phase, and bytes done of a total.
+
+    def progress(phase: LoadPhase, done: int, total: int) -> None: ...
+    Engine.load(model, progress=progress)
+
+The callback runs on the thread doing the work (the caller's for Engine.load, the load's worker
+thread for Engine.aload; a download's for pull): an app with a UI hands the update to its own
+thread (Tk's `after`, asyncio's `call_soon_threadsafe`). total is 0 while it is not known.
+"""
+
+from collections.abc import Callable
+from enum import Enum
+
+
+class LoadPhase(str, Enum):
+    """A load's phases, in the order they come; a phase may be skipped (no download for a file on
+    the disk, no probe once the machine is measured, no pack when the weights build in RAM)."""
+
+    DOWNLOADING = "downloading"  # the model's file(s) from Hugging Face
+    PROBING = "probing"  # measuring this machine's speeds, once
+    PACKING = "packing"  # the weights laid out for the kernels, once per file
+    LOADING = "loading"  # the weights read into RAM (and the GPU)
+
+
+LoadProgress = Callable[[LoadPhase, int, int], None]
