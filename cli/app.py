@@ -40,6 +40,7 @@ from tierflow.cli.options import (
     option,
 )
 from tierflow.cli.serve_command import ps, serve
+from tierflow.cli.store_commands import pull, rm, show
 from tierflow.errors import TierflowError
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False)
@@ -217,7 +218,7 @@ def _sampling(**options) -> dict:
     return settings
 
 
-for command in (serve, ps, info, plan, probe, convert):
+for command in (serve, ps, pull, show, rm, info, plan, probe, convert):
     app.command()(command)
 app.command("list")(list_command)
 app.add_typer(cache_app, name="cache")

@@ -46,7 +46,7 @@ def info(model: ModelArg = None, model_opt: ModelOpt = None) -> None:
 def list_command(as_json: Annotated[bool, option("--json", help="print the list as JSON")] = False
                  ) -> None:
     """List the models ollama, the Hugging Face cache and LM Studio hold on this machine, by the name
-    -m takes (reads headers only)."""
+    -m takes (reads headers only), and the presets."""
     from tierflow.offload.store.model_list import list_models
 
     models = list_models()
@@ -60,7 +60,8 @@ def list_command(as_json: Annotated[bool, option("--json", help="print the list 
         details = (model.architecture or "", model.weight_type or "") if model.error is None else (
             f"[red]{escape(model.error)}[/red]", "")
         table.add_row(model.name, model.source, size, *details, model.path or "")
-    out.print(table if models else "no models found in ollama, the Hugging Face cache or LM Studio")
+    out.print(table if models else "no models found in ollama, the Hugging Face cache or LM Studio, and no "
+              "presets")
 
 
 def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt = None,

@@ -1,5 +1,6 @@
 """The options the commands share; each can be set in the environment too (TIERFLOW_<OPTION>)."""
 
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -12,8 +13,9 @@ def option(flag: str, *aliases: str, **settings) -> typer.models.OptionInfo:
 
 
 ModelOpt = Annotated[Optional[str], option(
-    "--model", "-m", help="GGUF file, or a model name from ollama (llama3:8b), the Hugging Face cache or "
-    "LM Studio (Org/Model[:Q4_K_M]); see `tierflow list` (default: bundled SmolLM2-135M-Instruct)")]
+    "--model", "-m", help="GGUF file, a preset, or a model name from ollama (llama3:8b), the Hugging Face "
+    "cache or LM Studio (Org/Model[:Q4_K_M], pulled from Hugging Face when it is not on this disk); see "
+    "`tierflow list` (default: bundled SmolLM2-135M-Instruct)")]
 ModelArg = Annotated[Optional[str], typer.Argument(help="GGUF file or model name (default: bundled)")]
 GpuOpt = Annotated[Optional[str], option("--gpu-memory", help="GPU weight budget, e.g. 4GiB")]
 CpuOpt = Annotated[Optional[str], option("--cpu-memory", help="RAM weight budget, e.g. 8GiB")]
@@ -73,3 +75,14 @@ def cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension) -> dict:
     """Engine.load's KV cache keywords from the shared options."""
     return dict(context_length=ctx, kv_cache_type=kv_type, kv_on_cpu=kv_on_cpu,
                 allow_context_extension=allow_context_extension)
+
+
+def _go_offline(offline: bool) -> None:
+    """--offline: no pull from Hugging Face in this process (the library reads TIERFLOW_OFFLINE)."""
+    if offline:
+        os.environ["TIERFLOW_OFFLINE"] = "1"
+
+
+OfflineOpt = Annotated[bool, option(
+    "--offline", is_eager=True, callback=_go_offline,
+    help="never download: a Hugging Face name that is not on this disk is an error, not a pull")]

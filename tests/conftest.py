@@ -3,6 +3,7 @@
 the pack builds a test causes, and the removal of each module's files."""
 
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -18,8 +19,20 @@ from tests.support.test_cache import use_test_cache
 from tierflow.offload.pack import writer
 from tierflow.offload.store.model_path import bundled_model_path
 
-# Set at import, before any test or subprocess, so the CLI and server processes inherit it.
+# Set at import, before any test or subprocess, so the CLI and server processes inherit them.
 use_test_cache()
+os.environ["TIERFLOW_OFFLINE"] = "1"  # no test reaches a hub: the pull tests name a local one
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """An empty HOME; the model stores' and presets' own variables unset, so every store is under it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("OLLAMA_MODELS", "HF_HOME", "HF_HUB_CACHE", "TIERFLOW_PRESETS", "XDG_CONFIG_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    return home
 
 
 @pytest.fixture(scope="session")

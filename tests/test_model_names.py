@@ -10,74 +10,11 @@ from typer.testing import CliRunner
 
 from tests.support.cli import run_tierflow
 from tests.support.gguf_split import split_gguf
+from tests.support.stores import DIGEST, OTHER_DIGEST, add_hf, add_ollama, hf_hub, ollama_root, put
 from tierflow.cli.app import app
 from tierflow.errors import ModelFileError
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.store.model_path import resolve_model_path
-
-DIGEST = "ab" * 32
-OTHER_DIGEST = "cd" * 32
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    """An empty HOME; the stores' own variables unset, so every store is under it."""
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    for name in ("OLLAMA_MODELS", "HF_HOME", "HF_HUB_CACHE"):
-        monkeypatch.delenv(name, raising=False)
-    return home
-
-
-def put(path: Path, source: Path | None = None) -> Path:
-    """A file at path: a symlink to source, or a few distinct bytes (resolution never reads them)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if source is None:
-        path.write_bytes(b"GGUF" + str(path).encode())
-    else:
-        path.symlink_to(source)
-    return path
-
-
-def add_ollama(root: Path, manifest_parts: str, blob_source: Path | None = None,
-               digest: str = DIGEST) -> Path:
-    """A manifest at manifests/<manifest_parts> whose model layer is blob sha256-<digest>; returns the
-    blob."""
-    manifest = {"schemaVersion": 2, "layers": [
-        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "ef" * 32, "size": 10},
-        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}", "size": 1}]}
-    path = root / "manifests" / manifest_parts
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(manifest))
-    blob = root / "blobs" / f"sha256-{digest}"
-    if not blob.exists():
-        put(blob, blob_source)
-    return blob
-
-
-def add_hf(hub: Path, repo: str, files: dict[str, Path | None], revision: str = "main0rev") -> Path:
-    """A cached repository: files in snapshots/<revision>/, each a relative symlink into blobs/, and
-    refs/main naming the revision; returns the snapshot folder."""
-    folder = hub / f"models--{repo.replace('/', '--')}"
-    snapshot = folder / "snapshots" / revision
-    for name, source in files.items():
-        blob = put(folder / "blobs" / f"{revision}-{name.replace('/', '_')}", source)
-        link = snapshot / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    (folder / "refs").mkdir(exist_ok=True)
-    (folder / "refs" / "main").write_text(revision)
-    return snapshot
-
-
-def ollama_root(home: Path) -> Path:
-    return home / ".ollama" / "models"
-
-
-def hf_hub(home: Path) -> Path:
-    return home / ".cache" / "huggingface" / "hub"
-
 
 # ollama
 

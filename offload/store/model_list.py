@@ -1,4 +1,5 @@
-"""What `tierflow list` shows: every model the stores hold, with its size and what its header says.
+"""What `tierflow list` shows: every model the stores hold, with its size and what its header says, and
+the presets (presets.py), each with the model it runs.
 
 Only headers are read (no tensor data), so listing a store of large models stays fast; a model that
 cannot be read is listed with its error.
@@ -13,13 +14,14 @@ from tierflow.errors import TierflowError
 from tierflow.offload.gguf.split_files import read_model_gguf
 from tierflow.offload.store.model_path import model_file_bytes
 from tierflow.offload.store.model_stores import StoredModel, default_stores
+from tierflow.offload.store.presets import read_presets
 
 
 @dataclass(frozen=True)
 class ListedModel:
     name: str  # as the user would type it after -m
-    source: str  # ollama, huggingface or lmstudio
-    path: str | None
+    source: str  # ollama, huggingface, lmstudio or preset
+    path: str | None  # a preset's: the model it runs
     size_bytes: int | None  # all parts of a split model
     architecture: str | None
     weight_type: str | None  # the tensor type holding most of the bytes, e.g. Q4_K
@@ -30,7 +32,8 @@ class ListedModel:
 
 
 def list_models(stores: list | None = None) -> list[ListedModel]:
-    """Every model of every store (this user's, by default), in store then name order."""
+    """Every model of every store (this user's, by default), in store then name order, then the
+    presets."""
     listed = []
     for store in default_stores() if stores is None else stores:
         for name in store.names():
@@ -40,7 +43,8 @@ def list_models(stores: list | None = None) -> list[ListedModel]:
                 listed.append(ListedModel(name, store.source, None, None, None, None, str(error)))
                 continue
             listed += [_describe(name, model) for model in found]
-    return listed
+    return listed + [ListedModel(preset.name, "preset", preset.model, None, None, None)
+                     for preset in read_presets().values()]
 
 
 def _describe(name: str, model: StoredModel) -> ListedModel:

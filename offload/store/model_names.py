@@ -3,7 +3,8 @@
     llama3:8b, qwen3:30b-a3b, library/llama3:8b, host/namespace/model:tag   ollama (no tag: latest)
     Org/Model, Org/Model:Q4_K_M, Org/Model/file.gguf, hf.co/Org/Model        Hugging Face cache, LM Studio
 
-Every store is asked (offload/store/model_stores.py); exactly one model must answer. Nothing is downloaded.
+Every store is asked (offload/store/model_stores.py); exactly one model must answer. Nothing is downloaded
+here; a Hugging Face name no store holds is pulled by model_path.find_or_pull (pull.py).
 """
 
 import difflib
@@ -14,6 +15,10 @@ from tierflow.errors import ModelFileError
 from tierflow.offload.store.model_stores import StoredModel, default_stores
 
 MAX_CLOSE_MATCHES = 5
+
+
+class ModelNotFoundError(ModelFileError):
+    """No store holds a model of this name."""
 
 
 def is_model_name(text: str) -> bool:
@@ -38,14 +43,14 @@ def resolve_model_name(name: str) -> Path:
     stores = default_stores()
     matches = find_stored_models(name, stores)
     if not matches:
-        raise ModelFileError(_not_found(name, stores))
+        raise ModelNotFoundError(not_found(name, stores))
     if len(matches) > 1:
         listed = "; ".join(f"{model.name} ({model.source}: {model.path})" for model in matches)
         raise ModelFileError(f"{name} matches {len(matches)} models, give one of them: {listed}")
     return matches[0].path
 
 
-def _not_found(name: str, stores: list) -> str:
+def not_found(name: str, stores: list) -> str:
     names = sorted({known for store in stores for known in store.names()})
     close = difflib.get_close_matches(name, names, n=MAX_CLOSE_MATCHES, cutoff=0.6)
     places = "; ".join(f"{store.source} in {', '.join(map(str, store.places))}" for store in stores)

