@@ -28,6 +28,7 @@ from tierflow.cli.options import (
     MinPOpt,
     ModelOpt,
     NCpuMoeOpt,
+    OfflineOpt,
     PenaltyOpt,
     SeedOpt,
     StopOpt,
@@ -84,7 +85,8 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it
         ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
         draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
         allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
-        n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None) -> None:
+        n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None, offline: OfflineOpt = False
+        ) -> None:
     """Complete PROMPT once and print the completion (with --chat: answer it)."""
     sampling = _sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repeat_penalty=repeat_penalty, seed=seed)
@@ -129,6 +131,7 @@ def chat(model: ModelOpt = None,
          draft_shape: DraftShapeOpt = "tree", draft_tokens: DraftTokensOpt = None,
          kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False, allow_context_extension: ExtendOpt = False,
          cpu_moe: CpuMoeOpt = False, n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None,
+         offline: OfflineOpt = False,
          plain: Annotated[bool, option("--plain", help="print answers as plain text, not as "
                                                      "rendered markdown")] = False) -> None:
     """Chat interactively. /help lists the commands (/system, /set, /save, /load, /reset, /exit),

@@ -22,17 +22,19 @@ from tierflow.cli.options import (
     KvTypeOpt,
     LogLevelOpt,
     NCpuMoeOpt,
+    OfflineOpt,
     ParallelOpt,
     ThreadsOpt,
     cache_options,
     expert_placement,
     option,
 )
+from tierflow.cli.store_commands import pull_missing
 
 ServedOpt = Annotated[Optional[list[str]], option(
-    "--model", "-m", help="a model to serve, as NAME=FILE or a GGUF file or store name alone, which is then "
-    "its name (repeatable: requests pick one by their `model`; the first loads at start, the others when "
-    "first asked for) [default: bundled SmolLM2-135M-Instruct]")]
+    "--model", "-m", help="a model to serve, as NAME=FILE or a GGUF file, preset or model name alone, which "
+    "is then its name (repeatable: requests pick one by their `model`; the first loads at start, the others "
+    "when first asked for) [default: bundled SmolLM2-135M-Instruct]")]
 KeepAliveOpt = Annotated[Optional[str], option(
     "--keep-alive", help="how long an idle model stays loaded: a duration (30s, 5m, 1h), 0 to unload after "
     "each answer, -1 for ever [default: 5m with several models, for ever with one]")]
@@ -64,12 +66,14 @@ def serve(model: ServedOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
           allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
-          n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None) -> None:
+          n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None, offline: OfflineOpt = False
+          ) -> None:
     """Serve OpenAI's API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings,
     /v1/models), ollama's (/api/chat, /api/generate, /api/embed, /api/tags, /api/ps, /api/show),
     Anthropic's (/v1/messages), llama-server's /tokenize, /detokenize and /props, /metrics and a chat
-    page, for each model by name. The address is bound before the first model loads, so one that is
-    taken fails at once."""
+    page, for each model by name. A Hugging Face name that is not on this disk is pulled first
+    (unless --offline). The address is bound before the first model loads, so one that is taken
+    fails at once."""
     from tierflow.server.listen import listening
     from tierflow.server.model_pool import DEFAULT_KEEP_ALIVE_S, FOREVER, ModelPool, parse_keep_alive
     from tierflow.server.openai_schema import ApiError
@@ -78,6 +82,8 @@ def serve(model: ServedOpt = None,
     from tierflow.units import parse_size
 
     sources = served_models(model or [None])
+    for source in sources.values():
+        pull_missing(source)
     if max_models < 1:
         raise typer.BadParameter("--max-models must be at least 1")
     try:
@@ -137,9 +143,12 @@ class _Loader:
     options: dict
 
     def needs(self, source: str) -> dict[str, int]:
+        from tierflow.offload.store.presets import find_preset
         from tierflow.runtime.loading.loader import CacheOptions, plan_file, thread_count
 
-        options = self.options
+        preset = find_preset(source)
+        options = self.options if preset is None else preset.filled(self.options)
+        source = source if preset is None else preset.model
         cache = CacheOptions(options["context_length"], options["kv_cache_type"], options["kv_on_cpu"],
                              options["allow_context_extension"])
         plan = plan_file(source, threads=thread_count(options["threads"]), cpu_memory=options["cpu_memory"],

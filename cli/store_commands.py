@@ -24,6 +24,20 @@ def pull(name: Annotated[str, typer.Argument(
     out.print(f"{pulled.name}: {size} ({how}) at {pulled.path}", soft_wrap=True)
 
 
+def pull_missing(model: str) -> None:
+    """Pulls a Hugging Face name (or a preset's) that no store holds, as a load would, with a progress
+    bar: `serve` does it for every model it serves before it starts."""
+    from tierflow.offload.store.model_path import find_or_pull
+    from tierflow.offload.store.model_stores import RepoName
+    from tierflow.offload.store.presets import find_preset
+
+    preset = find_preset(model)
+    model = model if preset is None else preset.model
+    if RepoName.parse(model) is not None:
+        with progress_bar(f"pulling {model}") as progress:
+            find_or_pull(model, progress)
+
+
 def rm(name: Annotated[str, typer.Argument(help="a model in the Hugging Face cache, as `tierflow list` "
                                                 "names it")]) -> None:
     """Remove a model from the Hugging Face cache, with its packs. ollama's and LM Studio's models are

@@ -22,6 +22,7 @@ from tierflow.offload.store.model_path import bundled_model_path
 # Set at import, before any test or subprocess, so the CLI and server processes inherit them.
 use_test_cache()
 os.environ["TIERFLOW_OFFLINE"] = "1"  # no test reaches a hub: the pull tests name a local one
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 
 
 @pytest.fixture

@@ -82,3 +82,32 @@ def test_show_tells_a_presets_model_and_settings(presets):
     for shown in ("llama", "Q4_1", "135M", "completion", "coder", "context_length 512", "temperature 0",
                   "Answer in one word."):
         assert shown in done.stdout
+
+
+def test_a_preset_that_runs_another_preset_is_refused(home, presets):
+    presets.write_text('[a]\nmodel = "b"\n[b]\nmodel = "m"\n')
+    with pytest.raises(InvalidArgumentError, match=r"preset \[a\] .*runs preset 'b'"):
+        read_presets()
+
+
+def test_engine_load_of_a_preset_takes_its_model_settings_sampling_and_system_prompt(presets, model_path):
+    from tierflow import Engine
+
+    with Engine.load("coder") as engine:
+        assert engine.path == model_path and engine.context_length == 512
+        assert engine.sampling_defaults | {"temperature": 0.0, "top_k": 1} == engine.sampling_defaults
+        prompt = engine.detokenize(engine.tokenize_chat([{"role": "user", "content": "Hi"}]))
+        assert "Answer in one word." in prompt
+
+
+def test_options_given_to_engine_load_win_over_the_presets(presets):
+    from tierflow import Engine
+
+    with Engine.load("coder", context_length=256) as engine:
+        assert engine.context_length == 256
+
+
+def test_tierflow_run_takes_a_preset_as_its_model(presets):
+    done = run_tierflow("run", "--chat", "Hi", "-n", "3", "-m", "coder", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tokens"]

@@ -28,12 +28,12 @@ MAX_PRESETS_BYTES = 1 << 20
 # Engine.load's options a preset may set, with the types TOML gives them.
 LOAD_KEYS: dict[str, tuple[type, ...]] = {
     "context_length": (int,), "cpu_memory": (str, int), "gpu_memory": (str, int), "threads": (int,),
-    "kv_cache_type": (str,), "draft": (str,), "chat_template": (str,), "parallel": (int, str),
+    "kv_cache_type": (str,), "draft": (str,), "chat_template": (str,),
 }
 SAMPLING_KEYS: dict[str, tuple[type, ...]] = {
     "temperature": (int, float), "top_k": (int,), "top_p": (int, float), "min_p": (int, float),
     "repeat_penalty": (int, float), "presence_penalty": (int, float), "frequency_penalty": (int, float),
-    "penalty_last_n": (int,), "seed": (int,), "max_tokens": (int,),
+    "repeat_last_n": (int,), "seed": (int,),
 }
 TEXT_KEYS = {"model": (str,), "system": (str,), "description": (str,)}
 
@@ -46,6 +46,10 @@ class Preset:
     sampling: dict = field(default_factory=dict)  # a generation's defaults
     system: str | None = None  # the system message of a chat that gives none
     description: str | None = None
+
+    def filled(self, options: dict) -> dict:
+        """Engine.load's options, the preset's in place of those not given (None)."""
+        return options | {key: value for key, value in self.load.items() if options.get(key) is None}
 
 
 def presets_file() -> Path:
@@ -69,7 +73,12 @@ def read_presets(path: Path | None = None) -> dict[str, Preset]:
         raise InvalidArgumentError(f"cannot read the presets file {path}: {error}") from None
     except tomllib.TOMLDecodeError as error:
         raise InvalidArgumentError(f"the presets file {path} is not valid TOML: {error}") from None
-    return {name: _preset(path, name, table) for name, table in document.items()}
+    presets = {name: _preset(path, name, table) for name, table in document.items()}
+    for preset in presets.values():
+        if preset.model in presets:
+            raise InvalidArgumentError(f"preset [{preset.name}] of {path} runs preset {preset.model!r}: "
+                                       "give a file or a model name as its model")
+    return presets
 
 
 def find_preset(name: object) -> Preset | None:

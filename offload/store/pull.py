@@ -70,6 +70,13 @@ def hub_name(name: str) -> RepoName:
     return repo
 
 
+def _quiet_hub_client() -> None:
+    """Before huggingface_hub's first import: its first request of a process would otherwise also
+    ask huggingface.co itself for telemetry, whatever HF_ENDPOINT says (a mirror's user, or a test's
+    local hub, must reach nothing else)."""
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
 def pull(name: str, *, progress: LoadProgress | None = None, cache: Path | None = None) -> Pulled:
     """Downloads the GGUF file a name means (the quant tag's, Q4_K_M by default; every part of a split
     model) into the Hugging Face cache, and returns where it is. Files already whole there are not
@@ -78,6 +85,7 @@ def pull(name: str, *, progress: LoadProgress | None = None, cache: Path | None 
     if is_offline():
         raise ModelFileError(f"cannot pull {name}: offline ({_offline_variable()} is set)")
     endpoint, repo_id = hub_endpoint(), f"{repo.org}/{repo.model}"
+    _quiet_hub_client()
     with _hub_errors(repo_id, endpoint):
         commit, paths = _list_repository(repo_id, endpoint)
         files = [_file_metadata(repo_id, path, commit, endpoint) for path in _chosen_paths(repo, paths)]
@@ -307,7 +315,7 @@ def _download(partial: Path, digest: "hashlib._Hash", file: HubFile, url: str, t
                 digest.__init__()
                 transfer.advance(-start, downloaded=False)
             with open(partial, "ab") as out:
-                for chunk in response.iter_bytes(CHUNK_BYTES):
+                for chunk in response.iter_bytes():  # as it arrives: a cut keeps every byte that came
                     out.write(chunk)
                     digest.update(chunk)
                     transfer.advance(len(chunk))

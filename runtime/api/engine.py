@@ -35,7 +35,8 @@ from tierflow.offload.experts.expert_cache import CacheStats
 from tierflow.offload.experts.routing_trace import RoutingRecorder, keep_routing
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.pack.writer import LoadProgress, pack_sizes
-from tierflow.offload.store.model_path import resolve_model_path
+from tierflow.offload.store.model_path import find_or_pull
+from tierflow.offload.store.presets import Preset, find_preset
 from tierflow.runtime.api.embeddings import check_pooling, embed_inputs, model_pooling
 from tierflow.runtime.api.streams import AsyncStream, GenerationResult, Stream
 from tierflow.runtime.generation.batching import PassBatcher
@@ -101,6 +102,7 @@ class Engine:
         self.sampling_defaults = dict(sampling_defaults or {})
         # How embed() pools a text's hidden states: the file's {arch}.pooling_type, else "mean".
         self.pooling = pooling
+        self.system_prompt: str | None = None  # a chat's system message when it gives none (a preset's)
         self._generator = model.generator  # the first sequence's; None once closed
         self._grammar_vocabulary = None  # llguidance's token table, built by the first constrained call
         self._slots = SlotPool(model.generators)
@@ -171,8 +173,19 @@ class Engine:
         chat_template replaces the file's chat template: a Jinja file, Jinja text, or one of
         llama.cpp's built-in names ("chatml", "llama3", "gemma", "mistral-v7", "phi3", ...). A
         file without a template chats in ChatML, and engine.notices says so.
+
+        model is a path, a model name (ollama's, the Hugging Face cache's, LM Studio's: see
+        `tierflow list`) or a preset's name (offload/store/presets.py: its settings fill the options
+        not given here, its sampling becomes sampling_defaults, its system prompt system_prompt). A
+        Hugging Face name (Org/Model[:QUANT]) that is not on this disk is pulled first, reported as
+        LoadPhase.DOWNLOADING, unless TIERFLOW_OFFLINE is set.
         """
-        path = resolve_model_path(model)
+        preset = find_preset(model)
+        if preset is not None:
+            options = {name: value for name, value in locals().items()
+                       if name not in ("cls", "model", "preset")}  # every keyword given to load
+            return cls.load(preset.model, **preset.filled(options))._with_preset(preset)
+        path = find_or_pull(model, progress)
         threads = thread_count(threads)
         gpu = gpu_tier(gpu_memory, gpu_device)
         check_draft_options(draft_shape, draft_tokens)
@@ -391,9 +404,13 @@ class Engine:
         template variables) through the model's chat template, whose own markup alone becomes
         special tokens (a message holding "<|im_end|>" cannot end its turn or forge another). A
         message's role is one of system, user, assistant, tool and developer; another is an
-        InvalidArgumentError naming it."""
+        InvalidArgumentError naming it. Messages without a system message start with system_prompt,
+        when there is one."""
         self._check_open()
         check_roles(messages)
+        if self.system_prompt is not None and isinstance(messages, list) and not any(
+                isinstance(message, dict) and message.get("role") == "system" for message in messages):
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
         extra = template_variables(chat_template_kwargs)
         messages, variables = template_inputs(messages, tools, self.tool_format)
         variables = {**extra, **variables}
@@ -568,6 +585,11 @@ class Engine:
         self.close()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _with_preset(self, preset: Preset) -> "Engine":
+        self.sampling_defaults |= preset.sampling
+        self.system_prompt = preset.system
+        return self
 
     def _claim_threads(self) -> None:
         """Called by each generation under the lock: the kernels' pool runs on the engine's

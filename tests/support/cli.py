@@ -30,7 +30,8 @@ def run_tierflow(*args: str | bytes, input: str | bytes | None = None,
     """Runs `tierflow ARGS...`; a bytes argument arrives as the interpreter decodes argv (a byte
     that is not UTF-8 becomes a lone surrogate). `env` adds to os.environ for the run."""
     argv = ["tierflow", *(os.fsdecode(arg) for arg in args)]
-    with CliRunner().isolation(input=input, env=env) as (stdout, stderr, _), _argv(argv), _engines_closed():
+    with (CliRunner().isolation(input=input, env=env) as (stdout, stderr, _), _argv(argv), _engines_closed(),
+          _environment_restored()):
         returncode = _exit_code()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -53,6 +54,18 @@ def _argv(argv: list[str]):
         yield
     finally:
         sys.argv = saved
+
+
+@contextmanager
+def _environment_restored():
+    """What the command set in os.environ (--offline sets TIERFLOW_OFFLINE) ends with it, as its
+    process would."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @contextmanager
