@@ -192,3 +192,12 @@ def test_tierflow_run_pulls_first_and_offline_refuses(smol_hub):
     assert refused.returncode == 2 and "offline, so it is not pulled" in refused.stderr
     done = run_tierflow("run", "Hi", "-n", "2", "--ctx", "256", "-m", "Org/Smol-GGUF")
     assert done.returncode == 0, done.stderr
+
+
+def test_huggingface_hub_finds_a_pulled_file_without_downloading_it_again(hub, home):
+    from huggingface_hub import hf_hub_download
+
+    pulled = pull(REPO)
+    shared = hf_hub_download(REPO, "model-Q4_K_M.gguf", endpoint=hub.url,
+                             cache_dir=home / ".cache" / "huggingface" / "hub")
+    assert Path(shared) == pulled.path and len(gets(hub, "model-Q4_K_M.gguf")) == 1
