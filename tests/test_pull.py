@@ -5,6 +5,7 @@ import hashlib
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from tests.support.cli import run_tierflow
@@ -201,3 +202,12 @@ def test_huggingface_hub_finds_a_pulled_file_without_downloading_it_again(hub, h
     shared = hf_hub_download(REPO, "model-Q4_K_M.gguf", endpoint=hub.url,
                              cache_dir=home / ".cache" / "huggingface" / "hub")
     assert Path(shared) == pulled.path and len(gets(hub, "model-Q4_K_M.gguf")) == 1
+
+
+def test_tierflow_serve_pulls_its_models_before_it_starts(smol_hub, home):
+    from tests.support.live_server import serve_command
+
+    with serve_command("-m", "Org/Smol-GGUF", "--ctx", "256") as url:
+        served = httpx.get(f"{url}/v1/models").json()["data"]
+    assert [model["id"] for model in served] == ["Org/Smol-GGUF"]
+    assert resolve_model_path("Org/Smol-GGUF").read_bytes()[:4] == b"GGUF"
