@@ -47,21 +47,21 @@ from pathlib import Path
 import llama_cpp
 
 from benchmarks.decode import build_prompt, positive_int, run_llama_cpp
-from tierflow import Engine
+from tierflow import Engine, LoadPhase
 from tierflow.offload.plan.profile import profile_path
 from tierflow.units import format_size
 
 
 @dataclass
 class PhaseClock:
-    """A load's progress callback: when each named phase first and last reported, from `started`."""
+    """A load's progress callback: when each phase first and last reported, from `started`."""
 
     started: float = field(default_factory=time.perf_counter)
     spans: dict[str, list[float]] = field(default_factory=dict)
 
-    def __call__(self, phase: str, done: int, total: int) -> None:
+    def __call__(self, phase: LoadPhase, done: int, total: int) -> None:
         now = time.perf_counter() - self.started
-        self.spans.setdefault(phase, [now, now])[1] = now
+        self.spans.setdefault(phase.value, [now, now])[1] = now
 
     def seconds(self) -> dict[str, float]:
         return {phase: end - start for phase, (start, end) in self.spans.items()}

@@ -7,13 +7,17 @@ from typing import Optional
 
 from rich.console import Console
 
+from tierflow.progress import LoadPhase
+
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
 @contextmanager
 def progress_bar(label: str):
-    """A progress bar on stderr (when stderr is a terminal), fed (phase, bytes done, total)."""
+    """A progress bar on stderr (when stderr is a terminal), fed (phase, done, total): a load's
+    LoadPhase, shown by its label, or a phase named in words (a conversion's). A phase's done and
+    total are bytes, but the probe's, which are steps."""
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -30,13 +34,23 @@ def progress_bar(label: str):
                   TimeRemainingColumn(), console=err, transient=True) as bar:
         task, phases = bar.add_task(label, total=None), [None]
 
-        def update(phase: str, done: int, total: int) -> None:
+        def update(phase: LoadPhase | str, done: int, total: int) -> None:
             if phase != phases[-1]:  # a new phase: its rate and time left are its own
                 phases.append(phase)
-                bar.reset(task, description=f"{label}: {phase}")
-            bar.update(task, completed=done, total=total or None)
+                bar.reset(task)
+            bar.update(task, description=_described(label, phase, done, total))
+            if phase != LoadPhase.PROBING:  # bytes (the probe's steps are said in the description)
+                bar.update(task, completed=done, total=total or None)
 
         yield update
+
+
+def _described(label: str, phase: LoadPhase | str, done: int, total: int) -> str:
+    if not isinstance(phase, LoadPhase):
+        return f"{label}: {phase}"
+    if phase == LoadPhase.PROBING:
+        return f"{label}: {phase.label}, step {min(done + 1, total)} of {total}"
+    return f"{label}: {phase.label}"
 
 
 def model_name(model: Optional[str]) -> str:
@@ -87,12 +101,13 @@ def pack_notices():
 
 @contextmanager
 def status(label: str):
-    """A spinner on stderr (when stderr is a terminal) naming the step, fed step names."""
+    """A spinner on stderr (when stderr is a terminal) naming the step, fed (step, steps done, steps)
+    as the probe reports them (offload/plan/probe.py)."""
     if not err.is_terminal:
         yield None
         return
     with err.status(label) as status:
-        yield lambda step: status.update(f"{label} {step}")
+        yield lambda step, done, total: status.update(f"{label} {step}")
 
 
 def load_engine(model, **options):

@@ -4,7 +4,8 @@
     engine = Engine.load()              # the bundled SmolLM2-135M-Instruct
     print(engine.generate("Hello", max_tokens=20).text)
 
-Heavy modules (torch, llama.cpp) load on first use, so `tierflow --help` stays fast.
+Heavy modules (torch, llama.cpp) load with the first model, so `tierflow --help` and an app's
+`from tierflow import Engine` stay fast (tests/test_import_cost.py).
 """
 
 from tierflow.errors import (
@@ -16,12 +17,14 @@ from tierflow.errors import (
     TierflowError,
     UnsupportedModelError,
 )
+from tierflow.progress import LoadPhase
 from tierflow.units import parse_size
 
 __all__ = [
     "Engine",
     "GenerationResult",
     "Grammar",
+    "LoadPhase",
     "BudgetError",
     "ContextLengthError",
     "InvalidArgumentError",

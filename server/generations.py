@@ -182,6 +182,8 @@ class Server:
             start = partial(_start, engine, param, prompt, kwargs)
             constrained = "response_format" in kwargs  # its grammar is compiled off the event loop
             astream = None if prompt is None else await on_worker_thread(start) if constrained else start()
+            if astream is not None:
+                await _made(astream, param)
         except BaseException:
             release()
             raise
@@ -246,6 +248,15 @@ def _start(engine: Engine, param: str, prompt: Prompt, kwargs: dict) -> AsyncStr
             raise ContextLengthError(f"the prompt has {len(prompt.ids)} tokens but the context holds "
                                      f"{engine.context_length}")
         return engine.astream(prompt.ids, context_shift=prompt.shift is not None, **kwargs)
+    except TierflowError as error:
+        raise engine_error(error, param) from None
+
+
+async def _made(astream: AsyncStream, param: str) -> None:
+    """The generation made (off the event loop), so that a bad argument is answered before any
+    part of the answer is sent."""
+    try:
+        await astream.start()
     except TierflowError as error:
         raise engine_error(error, param) from None
 

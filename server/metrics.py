@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.config import LOGGING_CONFIG
 
 from tierflow.runtime.api.streams import AsyncStream
-from tierflow.runtime.generation.token_loop import GenerationStats
+from tierflow.runtime.generation.stats import GenerationStats
 
 if TYPE_CHECKING:
     from tierflow.runtime.api.engine import Engine

@@ -30,7 +30,8 @@ from tierflow.offload.pack.writer import PackSizes, pack_sizes
 from tierflow.offload.plan.cost_model import Costs, Layout, pass_stages, steady_pass_seconds
 from tierflow.offload.plan.planner import DEFAULT_PROMPT_TOKENS, Plan, ProfileSource
 from tierflow.offload.plan.profile import HardwareProfile
-from tierflow.runtime.generation.token_loop import GenerationStats, TokenGenerator
+from tierflow.runtime.generation.stats import GenerationStats
+from tierflow.runtime.generation.token_loop import TokenGenerator
 from tierflow.runtime.loading.loader import Budgets, LoadedModel, plan_load
 from tierflow.runtime.models.config import ModelConfig
 from tierflow.runtime.sampling.sampler import Sampler

@@ -8,10 +8,11 @@ import os
 from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentError
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
 from tierflow.offload.gguf.reader import GGUFFile
-from tierflow.offload.pack.writer import LoadProgress, pack_sizes
+from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.budgets import CacheFootprint
 from tierflow.offload.plan.planner import resident_plan
 from tierflow.offload.store.model_path import resolve_model_path
+from tierflow.progress import LoadProgress
 from tierflow.runtime.loading.loader import Budgets, GpuTier, LoadedModel, load_planned
 from tierflow.units import format_size
 

@@ -5,7 +5,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from tierflow.errors import InvalidArgumentError
-from tierflow.runtime.generation.token_loop import GenerationStats, TokenGenerator
+from tierflow.runtime.generation.stats import GenerationStats
+from tierflow.runtime.generation.token_loop import TokenGenerator
 from tierflow.runtime.sampling.sampler import Sampler
 from tierflow.speculative.acceptance import accept_tree
 from tierflow.speculative.drafts import ModelDraft, NgramDraft

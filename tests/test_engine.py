@@ -246,16 +246,6 @@ def test_every_error_is_a_tierflow_error():
         assert issubclass(error, TierflowError)
 
 
-def test_load_reports_progress_up_to_the_total(model_path):
-    calls = []
-    with Engine.load(model_path, progress=lambda *call: calls.append(call)):
-        pass
-    for phase in {phase for phase, _, _ in calls}:  # packing (on a first load), loading
-        done = [d for p, d, _ in calls if p == phase]
-        assert done == sorted(done)
-    assert calls[-1][0] == "load" and calls[-1][1] == calls[-1][2] > 0
-
-
 def test_weights_stay_within_a_cpu_budget_that_binds(model_path):
     with Engine.load(model_path, threads=2, context_length=128) as engine:
         everything = engine.weights.bytes_by_tier()["cpu"]

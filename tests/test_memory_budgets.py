@@ -95,11 +95,11 @@ def test_a_first_load_on_a_fresh_cache_probes_packs_and_computes_within_cpu_memo
                packed=pack_path(model).exists(), streamed=streamed, said=said)
     ''', env={"TIERFLOW_CACHE": str(tmp_path / "cache")})
     assert measured["probed"] and measured["packed"] and measured["streamed"]  # the probe, the pack, a pass
-    first, then = measured["said"][:2]
+    first, *then = measured["said"]
     announced = re.fullmatch(r"measuring this machine once for the planner \(tierflow probe\): about \d+ s, "
                              r"within (.+) of RAM", first)
     assert announced and parse_size(announced.group(1).replace(" ", "")) <= 1.001 * budget  # as printed
-    assert then.startswith("measuring this machine: disk read speed, about")
+    assert then == ["probing", "packing", "loading"]
     assert taken(measured) <= TOLERANCE * budget, (
         f"the first load took {mib(taken(measured))} with cpu_memory {mib(budget)}")
 
@@ -116,17 +116,18 @@ def test_the_probe_measures_within_its_allowance_and_says_first_how_long_it_take
         said, started = [], time.perf_counter()
         before = rss()
         probing.probe(1, directory=Path({str(tmp_path)!r}), memory_bytes={BOUND},
-                      progress=lambda step: said.append([time.perf_counter() - started, step]))
+                      progress=lambda *step: said.append([time.perf_counter() - started, *step]))
         report(before=before, peak=peak_rss(), allowance=probing.allowance({BOUND}), said=said,
                seconds=time.perf_counter() - started)
     ''')
     assert measured["allowance"] <= BOUND
     assert taken(measured) <= TOLERANCE * measured["allowance"], (
         f"the probe took {mib(taken(measured))} of an allowance of {mib(measured['allowance'])}")
-    (first_at, first), *rest = measured["said"]
+    (first_at, first, _, _), *rest = measured["said"]
     estimate = re.fullmatch(r"disk read speed, about (\d+) s left", first)
     assert estimate and first_at < 1 and 1 <= int(estimate.group(1)) <= 60  # before anything is measured
-    assert [step.split(",")[0] for _, step in rest] == ["RAM and kernel speeds", "GPU"]
+    assert [step.split(",")[0] for _, step, _, _ in rest] == ["RAM and kernel speeds", "GPU", "done"]
+    assert [(done, total) for _, _, done, total in measured["said"]] == [(0, 3), (1, 3), (2, 3), (3, 3)]
     assert list(tmp_path.iterdir()) == []  # the scratch file went
 
 

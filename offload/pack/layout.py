@@ -29,8 +29,8 @@ rows each (its GGUF rows are one run of bytes too). A job holds only its rows, a
 it lays them out), whatever the tensor's size, so an embedding of 150k x 4k weights is never whole
 in memory while it is laid out. The jobs write into a `Sink`: the extent's bytes in RAM (`fill`: the
 load's own buffer, or the writer's for a small extent), or a file at the extent's offset (`write_to`:
-the writer's large extents). Jobs of one extent run on a thread per core; a failed one's exception is
-raised once none is running.
+the writer's large extents). Jobs of one extent run on a thread per core (`fill_threads`, held by a
+load or a build for all its extents); a failed one's exception is raised once none is running.
 """
 
 import errno
@@ -40,6 +40,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -234,13 +235,19 @@ class ExtentLayout:
         """Writes every array into `out` (uint8, at least the extent's size), in place, on a thread per
         core (the C transcoder and numpy's copies let go of the GIL); the padding between arrays is
         left as it is."""
-        _run(self.jobs, InPlace(out))
+        self._run_jobs(InPlace(out))
         return out
 
     def write_to(self, fd: int, offset: int) -> None:
         """Writes every array to the file `fd` at `offset` + its place, a job's piece at a time (the
         padding between arrays is not written: a new file reads zeros there)."""
-        _run(self.jobs, ToFile(fd, offset))
+        self._run_jobs(ToFile(fd, offset))
+
+    def _run_jobs(self, sink: "Sink") -> None:
+        """Runs the jobs, once: they refer back to the layout, which refers to the GGUF's map and
+        metadata, so they go as they end rather than when the garbage collector finds the cycle."""
+        jobs, self.jobs = self.jobs, []
+        _run(jobs, sink)
 
     # -- the walk -----------------------------------------------------------------------------
 
@@ -254,7 +261,8 @@ class ExtentLayout:
 
     def _array(self, nbytes: int, fill: Callable[[], np.ndarray]) -> list[int]:
         place = self._reserve(nbytes)
-        self.jobs.append(lambda sink: _put(sink, place, fill()))
+        if self.decoder is not None:
+            self.jobs.append(lambda sink: _put(sink, place, fill()))
         return place
 
     def _vector(self, tensor: Tensor) -> list[int]:
@@ -513,32 +521,65 @@ def write_all(fd: int, data: np.ndarray | bytes | memoryview, offset: int) -> No
 def _run(jobs: list[Callable[[Sink], None]], sink: Sink) -> None:
     """Runs the jobs on the fill threads; raises the first one's exception (in job order) once none is
     running any more (a job still writing after a failure could write into a file closed meanwhile)."""
-    futures = [_fill_threads().submit(job, sink) for job in jobs]
-    error = None
-    try:
-        for future in futures:
-            try:
-                future.result()
-            except CancelledError:
-                pass
-            except Exception as failure:
-                if error is None:
-                    error = failure
-                    for other in futures:
-                        other.cancel()
-    finally:
-        for future in futures:
-            future.cancel()
-        wait(futures)
+    with fill_threads() as threads:
+        futures = [threads.submit(job, sink) for job in jobs]
+        error = None
+        try:
+            for future in futures:
+                try:
+                    future.result()
+                except CancelledError:
+                    pass
+                except Exception as failure:
+                    if error is None:
+                        error = failure
+                        for other in futures:
+                            other.cancel()
+        finally:
+            for future in futures:
+                future.cancel()
+            wait(futures)
     if error is not None:
         raise error
 
 
-@functools.cache
-def _fill_threads() -> ThreadPoolExecutor:
-    """The threads extents are filled on, a thread per core, started once: a MoE model has thousands of
-    small extents (its experts), and a pool of their own would cost each one its threads' start."""
-    return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tierflow-pack")
+class _FillThreads:
+    """The threads extents are filled on, a thread per core, shared by whoever holds them: started by
+    the first holder, stopped by the last. A load or a build holds them for all its extents (a MoE
+    model has thousands of small ones, and threads of their own would cost each one their start), and
+    no thread outlives it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    @contextmanager
+    def held(self) -> Iterator[ThreadPoolExecutor]:
+        with self._lock:
+            if self._holders == 0:
+                self._pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tierflow-pack")
+            self._holders += 1
+            pool = self._pool
+        try:
+            yield pool
+        finally:
+            with self._lock:
+                self._holders -= 1
+                last = self._holders == 0
+                if last:
+                    self._pool = None
+            if last:
+                pool.shutdown(wait=True)
+
+
+_FILL_THREADS = _FillThreads()
+
+
+def fill_threads() -> AbstractContextManager[ThreadPoolExecutor]:
+    """The fill threads, held for the block: `with fill_threads():` around a load's or a build's
+    extents keeps them running from the first extent to the last."""
+    return _FILL_THREADS.held()
 
 
 def _put(sink: Sink, place: list[int], array: np.ndarray) -> None:

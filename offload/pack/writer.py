@@ -39,7 +39,7 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +49,14 @@ from tierflow.cpu_kernels.checksum import crc32
 from tierflow.errors import ModelFileError, TierflowError
 from tierflow.offload.gguf.model_file import ModelFile
 from tierflow.offload.io.heap import give_back_freed_memory
-from tierflow.offload.pack.layout import PIECE_BYTES, ExtentLayout, ExtentSize, TensorDecoder, write_all
+from tierflow.offload.pack.layout import (
+    PIECE_BYTES,
+    ExtentLayout,
+    ExtentSize,
+    TensorDecoder,
+    fill_threads,
+    write_all,
+)
 from tierflow.offload.pack.pack_cache import (
     content_crc,
     make_room,
@@ -62,9 +69,9 @@ from tierflow.offload.pack.pack_cache import (
 )
 from tierflow.offload.pack.reader import MAGIC, PACK_VERSION, TRAILER, PackedFile
 from tierflow.offload.pack.temporaries import writing
+from tierflow.progress import LoadPhase, LoadProgress
 from tierflow.units import format_size
 
-LoadProgress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 # What a build may hold when the caller names no budget: this much, or a quarter of the available RAM.
 DEFAULT_BUILD_MEMORY = 512 << 20
 MIN_PIECE_BYTES = 1 << 20
@@ -153,13 +160,14 @@ def add_extent(manifest: dict, layer: int | None, expert: int | None, entry: dic
 def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = None,
                memory_bytes: int | None = None) -> None:
     """Writes the pack of `model` (whose tensors passed check_tensors) to path, atomically, holding at
-    most about memory_bytes (default: build_memory(None)) meanwhile."""
+    most about memory_bytes (default: build_memory(None)) meanwhile; progress is told PACKING with the
+    GGUF's bytes read of all its tensors' (from the fill threads)."""
     total, done = sum(info.nbytes for info in model.gguf.tensors.values()), 0
 
     def decoded(nbytes: int) -> None:
         nonlocal done
         done += nbytes
-        progress("packing the weights (once)", done, total)
+        progress(LoadPhase.PACKING, done, total)
 
     memory = build_memory(memory_bytes)
     threads = os.cpu_count() or 1
@@ -167,7 +175,7 @@ def build_pack(model: ModelFile, path: Path, progress: LoadProgress | None = Non
     decoder = TensorDecoder(model.gguf, decoded if progress is not None else None, piece_bytes=piece,
                             release_bytes=max(memory // 8, piece))
     try:
-        with writing(path, "w+b") as (temporary, f):  # read too: a large extent's checksum
+        with fill_threads(), writing(path, "w+b") as (temporary, f):  # read too: a large extent's checksum
             fd, offset = f.fileno(), 0
             source = {**source_identity(model.path), "content_crc32": content_crc(model.path)}
             manifest = {"version": PACK_VERSION, "source": source, "layers": [], "experts": []}

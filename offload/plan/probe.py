@@ -8,7 +8,8 @@ It measures within a memory allowance: the cpu_memory of the load that needs it 
 --cpu-memory`), or 10% of the available RAM, whichever is smaller (`allowance`); every buffer below
 is sized from it (`probe_sizes`), and the RSS it adds stays within it. Before it starts, the caller
 can say how long it will take (`ProbeSizes.seconds`, an upper estimate: each phase stops at a time
-limit), and the progress callback is told each step with the seconds left.
+limit), and the progress callback is told each step as it starts, with the seconds left, and the
+steps done of PROBE_STEPS.
 
 What is timed, each the best of a few passes unless said otherwise (the machine may be shared,
 so the best is the least disturbed figure; GB = 1e9 bytes):
@@ -94,7 +95,10 @@ from tierflow.offload.plan.measure import (
 from tierflow.offload.plan.profile import GpuProfile, HardwareProfile, cache_dir, profile_path
 from tierflow.units import format_size
 
-Progress = Callable[[str], None]  # told what is being measured now, and about how long is left
+# Told what is being measured now and about how long is left, and the steps done of all; at the end
+# ("done", n, n).
+Progress = Callable[[str, int, int], None]
+PROBE_STEPS = ("disk read speed", "RAM and kernel speeds", "GPU")
 log = logging.getLogger(__name__)  # load_profile says, at INFO, how long a probe takes before it starts
 
 KERNEL_BITS = (1, 2, 3, 4, 8)
@@ -206,7 +210,7 @@ def probe(threads: int, directory: Path | None = None, quick: bool = False,
     def say(step: str) -> None:
         if progress is not None:
             left = max(1, round(estimate - (time.perf_counter() - started)))
-            progress(f"{step}, about {left} s left")
+            progress(f"{step}, about {left} s left", PROBE_STEPS.index(step), len(PROBE_STEPS))
 
     say("disk read speed")
     disk_gbps, direct = disk_read_gbps(directory or cache_dir(), sizes.scratch_bytes, sizes.disk_passes,
@@ -232,9 +236,12 @@ def probe(threads: int, directory: Path | None = None, quick: bool = False,
             f"its RAM and kernel speeds are partly the cache's, probably high; a load or probe allowed "
             f"{format_size(_floor_allowance(l3_bytes))} measures again"), stacklevel=2)
     say("GPU")
-    return HardwareProfile(threads=threads, cpu_name=cpu_name(), disk_read_gbps=disk_gbps,
-                           disk_direct_io=direct, ram_read_gbps=ram_gbps, kernel_gbps=single,
-                           kernel_batch_gbps=batch, gpu=gpu_profile(sizes.h2d_bytes), rough=sizes.rough)
+    profile = HardwareProfile(threads=threads, cpu_name=cpu_name(), disk_read_gbps=disk_gbps,
+                              disk_direct_io=direct, ram_read_gbps=ram_gbps, kernel_gbps=single,
+                              kernel_batch_gbps=batch, gpu=gpu_profile(sizes.h2d_bytes), rough=sizes.rough)
+    if progress is not None:
+        progress("done", len(PROBE_STEPS), len(PROBE_STEPS))
+    return profile
 
 
 def _floor_allowance(l3_bytes: int) -> int:

@@ -26,10 +26,10 @@ from tierflow.offload.experts.tier import LayerExperts
 from tierflow.offload.io.disk import DiskFile, aligned_buffer, aligned_size
 from tierflow.offload.io.streamer import LayerStreamer
 from tierflow.offload.pack.reader import Extent, PackedFile
-from tierflow.offload.pack.writer import LoadProgress
 from tierflow.offload.plan.expert_plan import ExpertPlacement
 from tierflow.offload.plan.planner import Plan
 from tierflow.offload.tiers.device import DeviceTier
+from tierflow.progress import LoadPhase, LoadProgress
 from tierflow.runtime.compute.interfaces import ConcatLinear, Experts, Kernels, Linear, Weights
 from tierflow.runtime.models.config import ModelConfig
 
@@ -103,7 +103,7 @@ class TieredWeights:
             self._buffers.append(buffer)
         self._loaded += extent.nbytes
         if self._progress is not None:
-            self._progress("load", self._loaded, total)
+            self._progress(LoadPhase.LOADING, self._loaded, total)
         return data
 
     def _read_all(self, extents: list[Extent], total: int) -> list[memoryview]:

@@ -4,21 +4,26 @@
     engine.generate("The capital of France is", max_tokens=8, temperature=0).text
     for piece in engine.chat_stream([{"role": "user", "content": "Hi"}]):
         print(piece, end="")
+
+`from tierflow import Engine` imports this module, so an app pays for it at start-up: it imports
+only light modules (numpy, the API's own types). The heavy collaborators (torch, llama.cpp, the
+kernels, the loader, grammars, the template sandbox) are imported by the methods that use them,
+Engine.load first, and so load with the first model (tests/test_import_cost.py).
 """
 
 import asyncio
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
-import torch
 
 from tierflow.arguments import (
     TOKEN_IDS,
@@ -29,49 +34,31 @@ from tierflow.arguments import (
     token_ids,
     utf8_encoded,
 )
-from tierflow.cpu_kernels import matmul as kernels
 from tierflow.errors import BudgetError, ContextLengthError, InvalidArgumentError, TierflowError
 from tierflow.offload.experts.expert_cache import CacheStats
-from tierflow.offload.experts.routing_trace import RoutingRecorder, keep_routing
-from tierflow.offload.gguf.model_file import open_model_file
-from tierflow.offload.pack.writer import LoadProgress, pack_sizes
-from tierflow.offload.store.model_path import find_or_pull
+from tierflow.offload.io.heap import give_back_freed_memory
 from tierflow.offload.store.presets import Preset, find_preset
-from tierflow.runtime.api.embeddings import check_pooling, embed_inputs, model_pooling
+from tierflow.progress import LoadProgress
 from tierflow.runtime.api.streams import AsyncStream, GenerationResult, Stream
-from tierflow.runtime.generation.batching import PassBatcher
-from tierflow.runtime.generation.slots import SlotPool
-from tierflow.runtime.generation.token_loop import TokenGenerator
-from tierflow.runtime.loading.loader import (
-    CacheOptions,
-    LoadedModel,
-    expert_request,
-    gpu_tier,
-    load_model,
-    load_tokenizer,
-    profile_source,
-    resolve_budgets,
-    thread_count,
-)
 from tierflow.runtime.sampling.sampler import Sampler, SamplingParams, as_count, recommended_sampling
 from tierflow.runtime.sampling.schema_checks import check_schema
-from tierflow.runtime.sampling.structured import Grammar, GrammarMatcher, grammar_for, grammar_vocabulary
 from tierflow.runtime.text.text_stream import TextStream
-from tierflow.runtime.text.tokenizer import Tokenizer
 from tierflow.runtime.text.tool_calls import ToolCallStream, ToolFormat, parse_tool_calls, tool_format
-from tierflow.runtime.text.tool_prompt import (
-    ToolRequest,
-    template_inputs,
-    template_variables,
-    tool_call_grammar,
-)
-from tierflow.speculative.choice import AutoSpeculator, draft_budgets, draft_speculator
-from tierflow.speculative.draft_loader import load_draft
-from tierflow.speculative.first_sizes import SpeculationPrior, speculation_prior
-from tierflow.speculative.mtp import mtp_ram_bytes_within
-from tierflow.speculative.self_draft import parse_draft
-from tierflow.speculative.speculator import Speculator, check_draft_options
 from tierflow.units import format_size
+
+if TYPE_CHECKING:
+    from tierflow.offload.experts.routing_trace import RoutingRecorder
+    from tierflow.runtime.generation.token_loop import TokenGenerator
+    from tierflow.runtime.loading.loader import LoadedModel
+    from tierflow.runtime.sampling.structured import Grammar, GrammarMatcher
+    from tierflow.runtime.text.tokenizer import Tokenizer
+    from tierflow.runtime.text.tool_prompt import ToolRequest
+    from tierflow.speculative.choice import AutoSpeculator
+    from tierflow.speculative.first_sizes import SpeculationPrior
+    from tierflow.speculative.speculator import Speculator
+
+PROMPT_THREADS = 2  # async prompts made at once (streams.py)
+T = TypeVar("T")
 
 
 class Engine:
@@ -82,10 +69,13 @@ class Engine:
     their passes batched into one sweep of the weights (runtime/generation/batching.py), and more wait.
     """
 
-    def __init__(self, model: LoadedModel, tokenizer: Tokenizer, threads: int,
-                 speculator: Speculator | AutoSpeculator | None = None, draft: LoadedModel | None = None,
+    def __init__(self, model: "LoadedModel", tokenizer: "Tokenizer", threads: int,
+                 speculator: "Speculator | AutoSpeculator | None" = None, draft: "LoadedModel | None" = None,
                  sampling_defaults: dict | None = None, notices: tuple[str, ...] = (),
                  pooling: str = "mean"):
+        from tierflow.runtime.generation.batching import PassBatcher
+        from tierflow.runtime.generation.slots import SlotPool
+
         self.path: Path = model.path
         self.arch, self.config = model.arch, model.config  # the family (runtime/models/), its sizes
         self.plan = model.plan  # where every layer (and expert) lives and computes
@@ -113,7 +103,10 @@ class Engine:
             self._batcher = PassBatcher(model.generator.decoder, self._claim_threads)
             for generator in model.generators:
                 generator.run_pass = self._batcher.run
-        # Async generations run here, as many at a time as there are slots (see streams.py).
+        # Async generations are made on the prompt threads (a template's render may take up to its
+        # time limit, and a second prompt need not wait for it), then run on the compute threads, as
+        # many at a time as there are slots (see streams.py).
+        self._prompts = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="tierflow-prompt")
         self._compute = ThreadPoolExecutor(max_workers=self._slots.size,
                                            thread_name_prefix="tierflow-compute")
 
@@ -139,12 +132,17 @@ class Engine:
         trained on only with allow_context_extension. kv_cache_type is the cache's type: "f16"
         (default), "f32", "q8_0" or "q4_0" (llama.cpp's formats); kv_on_cpu keeps every
         layer's cache in RAM, the GPU layers' too (llama.cpp's -nkvo). progress(phase, done,
-        total) is called as bytes load. parallel is how many generations run together (from
-        several threads, or AsyncStreams), each with its own KV cache of context_length positions
-        (all within the budgets) and their passes batched: one sweep of the weights serves them
-        all; more generations wait for a free one. parallel="auto" takes the most of 4, 2 or 1
-        that the budgets hold with at least 4096 positions each (or the model's context, if
-        shorter): `tierflow serve`'s default.
+        total) follows the load (core/progress.py): phase a tierflow.LoadPhase, in order
+        DOWNLOADING (bytes), PROBING (the machine measured, once: steps), PACKING (the weights laid
+        out, once per file: the GGUF's bytes) and LOADING (bytes), each only when it happens, done
+        counting up to total (0 while unknown), LOADING's last call with done == total; it is
+        called on the thread doing the work: this one (aload's worker thread), or while PACKING
+        the pack builder's threads, one call at a time. parallel is how many generations run
+        together (from several threads, or AsyncStreams), each with its own KV cache of
+        context_length positions (all within the budgets) and their passes batched: one sweep of
+        the weights serves them all; more generations wait for a free one. parallel="auto" takes
+        the most of 4, 2 or 1 that the budgets hold with at least 4096 positions each (or the
+        model's context, if shorter): `tierflow serve`'s default.
         With gpu_memory, the first layers that fit run on the CUDA GPU with tierflow's Triton
         kernels, the rest on the CPU. Without a GPU, for testing: gpu_device="cpu" lets torch's
         CPU device stand in for the GPU tier, with the same budget, its layers computed by the
@@ -185,6 +183,27 @@ class Engine:
             options = {name: value for name, value in locals().items()
                        if name not in ("cls", "model", "preset")}  # every keyword given to load
             return cls.load(preset.model, **preset.filled(options))._with_preset(preset)
+        from tierflow.offload.gguf.model_file import open_model_file
+        from tierflow.offload.pack.writer import pack_sizes
+        from tierflow.offload.store.model_path import find_or_pull
+        from tierflow.runtime.api.embeddings import model_pooling
+        from tierflow.runtime.loading.loader import (
+            CacheOptions,
+            expert_request,
+            gpu_tier,
+            load_model,
+            load_tokenizer,
+            profile_source,
+            resolve_budgets,
+            thread_count,
+        )
+        from tierflow.speculative.choice import draft_budgets, draft_speculator
+        from tierflow.speculative.draft_loader import load_draft
+        from tierflow.speculative.first_sizes import speculation_prior
+        from tierflow.speculative.mtp import mtp_ram_bytes_within
+        from tierflow.speculative.self_draft import parse_draft
+        from tierflow.speculative.speculator import check_draft_options
+
         path = find_or_pull(model, progress)
         threads = thread_count(threads)
         gpu = gpu_tier(gpu_memory, gpu_device)
@@ -221,7 +240,7 @@ class Engine:
                                       f"of GPU memory)") from error
                 speculator, said = None, ()
                 if request is not None:
-                    def prior(model: LoadedModel | None) -> SpeculationPrior:
+                    def prior(model: "LoadedModel | None") -> "SpeculationPrior":
                         return speculation_prior(loaded, sizes, profile, threads, gpu, model, draft_shape)
 
                     speculator, said = draft_speculator(request, target, sizes, loaded, drafted, profile,
@@ -241,7 +260,7 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
                  stop: Sequence[str] | str | None = None, parse_special: bool = False,
-                 response_format: dict | None = None, grammar: Grammar | None = None,
+                 response_format: dict | None = None, grammar: "Grammar | None" = None,
                  **sampling) -> GenerationResult:
         """Completes a prompt: text, or token ids (a sequence of ints or a 1-D integer numpy array).
         Text is text: "<|im_end|>" in it is those characters, not the special token, unless
@@ -269,7 +288,7 @@ class Engine:
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
                stop: Sequence[str] | str | None = None, parse_special: bool = False,
                context_shift: bool = False, response_format: dict | None = None,
-               grammar: Grammar | None = None, **sampling) -> Stream:
+               grammar: "Grammar | None" = None, **sampling) -> Stream:
         """Like generate, as a Stream of text pieces (whole UTF-8 characters); its .result is
         set once iterated to the end, and .cancel() stops it.
 
@@ -278,6 +297,8 @@ class Engine:
         history prefilled again. The shifted entries were computed with the dropped turns in
         view, so the output may differ from a fresh prefill's; without it, only entries a fresh
         prefill would write bit for bit are reused."""
+        from tierflow.runtime.sampling.structured import grammar_for
+
         self._check_open()
         context_shift = flag("context_shift", context_shift)
         params = SamplingParams.from_keywords(self.sampling_defaults | sampling)
@@ -311,6 +332,8 @@ class Engine:
         assistant tool_calls and "tool" results, as OpenAI's do. chat_template_kwargs are more
         variables for the template, such as Qwen3's {"enable_thinking": False} or {"documents":
         [...]}."""
+        from tierflow.runtime.text.tool_prompt import ToolRequest
+
         request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
         prompt_ids = self.tokenize_chat(messages, tools=request, chat_template_kwargs=chat_template_kwargs)
         stream = self.stream(prompt_ids, **self._with_tool_grammar(request, kwargs))
@@ -330,7 +353,7 @@ class Engine:
     @contextmanager
     def exclusive(self, stream: "weakref.ReferenceType[Stream] | None" = None,
                   cancelled: threading.Event | None = None,
-                  prompt_ids: Sequence[int] = ()) -> Iterator[TokenGenerator | None]:
+                  prompt_ids: Sequence[int] = ()) -> Iterator["TokenGenerator | None"]:
         """Holds a sequence's slot for one generation (streams.py): waits for a free one (the one
         whose cache holds the longest prefix of prompt_ids), then yields its token generator;
         yields None, having waited no more, once `cancelled` is set. `stream` (weakly referenced)
@@ -348,15 +371,16 @@ class Engine:
             with self._batcher.joined():
                 yield self._slots.generators[slot]
 
-    # -- async: the model runs on a worker thread, the event loop never waits on it ---------
+    # -- async: the model runs on worker threads, the event loop never waits on it ----------
 
     @classmethod
     async def aload(cls, model: str | os.PathLike | None = None, **options) -> "Engine":
         """Engine.load (same arguments) on a worker thread: an app's event loop keeps running
-        while the model loads. Cancelled, it lets the load finish and closes the engine."""
-        loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-load")
-        loading = loader.submit(cls.load, model, **options)
-        loader.shutdown(wait=False)
+        while the model loads (progress is called on that thread). Cancelled, it lets the load
+        finish and closes the engine. The first load in a process also imports torch and llama.cpp
+        there, and Python holds its lock while a C extension initialises: the loop pauses a few
+        hundred milliseconds once, unless the app imported them earlier."""
+        loading = _on_a_thread_of_its_own("tierflow-load", partial(cls.load, model, **options))
         try:
             return await asyncio.shield(asyncio.wrap_future(loading))
         except asyncio.CancelledError:
@@ -373,8 +397,11 @@ class Engine:
         return stream.result
 
     def astream(self, prompt: str | Sequence[int], **kwargs) -> AsyncStream:
-        """stream() for asyncio: `async for piece in engine.astream(...)`."""
-        return AsyncStream(self.stream(prompt, **kwargs), self._compute)
+        """stream() for asyncio: `async for piece in engine.astream(...)`. The prompt is tokenized
+        (and a grammar compiled) on a worker thread, so a bad argument raises from the first step,
+        or from `await stream.start()`."""
+        self._check_open()
+        return AsyncStream(partial(self.stream, prompt, **kwargs), self._prompts, self._compute)
 
     async def achat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """chat() for asyncio."""
@@ -384,8 +411,15 @@ class Engine:
         return stream.result
 
     def achat_stream(self, messages: list[dict], **kwargs) -> AsyncStream:
-        """chat_stream() for asyncio."""
-        return AsyncStream(self.chat_stream(messages, **kwargs), self._compute)
+        """chat_stream() for asyncio; the chat template renders on a worker thread, as astream's
+        prompt is tokenized."""
+        self._check_open()
+        return AsyncStream(partial(self.chat_stream, messages, **kwargs), self._prompts, self._compute)
+
+    async def aclose(self) -> None:
+        """close() on a worker thread: the event loop runs on while the generations stop and the
+        memory is given back. Cancelled, the engine still closes; closing again does nothing."""
+        await asyncio.shield(asyncio.wrap_future(_on_a_thread_of_its_own("tierflow-close", self.close)))
 
     # -- tokens and scores -----------------------------------------------------------------
 
@@ -398,7 +432,7 @@ class Engine:
             raise InvalidArgumentError(f"add_bos must be True, False or None, got {add_bos!r}")
         return self._encode(text, "text", add_bos, flag("parse_special", parse_special))
 
-    def tokenize_chat(self, messages: list[dict], *, tools: ToolRequest | None = None,
+    def tokenize_chat(self, messages: list[dict], *, tools: "ToolRequest | None" = None,
                       chat_template_kwargs: dict | None = None) -> list[int]:
         """The prompt ids chat() generates from: messages (and the tools offered, and the extra
         template variables) through the model's chat template, whose own markup alone becomes
@@ -406,6 +440,8 @@ class Engine:
         message's role is one of system, user, assistant, tool and developer; another is an
         InvalidArgumentError naming it. Messages without a system message start with system_prompt,
         when there is one."""
+        from tierflow.runtime.text.tool_prompt import template_inputs, template_variables
+
         self._check_open()
         check_roles(messages)
         if self.system_prompt is not None and isinstance(messages, list) and not any(
@@ -421,9 +457,12 @@ class Engine:
         """How this model's answers call tools, as its chat template says (runtime/text/tool_calls.py)."""
         return tool_format(self.tokenizer.template.jinja)
 
-    def tool_grammar(self, tools: ToolRequest | None) -> Grammar | None:
+    def tool_grammar(self, tools: "ToolRequest | None") -> "Grammar | None":
         """The grammar that makes the answer well-formed calls, when tool_choice demands a call
         ("required" or a named function); None otherwise."""
+        from tierflow.runtime.sampling.structured import Grammar
+        from tierflow.runtime.text.tool_prompt import tool_call_grammar
+
         if tools is None or not tools.constrained:
             return None
         for tool in tools.callable_tools:
@@ -431,7 +470,7 @@ class Engine:
             check_schema(function["parameters"], f"the parameters of the tool {function['name']!r}")
         return Grammar.lark(tool_call_grammar(tools, self.tool_format, self.tokenizer.is_grammar_token))
 
-    def with_tool_calls(self, result: GenerationResult, tools: ToolRequest | None) -> GenerationResult:
+    def with_tool_calls(self, result: GenerationResult, tools: "ToolRequest | None") -> GenerationResult:
         """result with the tool calls its text makes parsed out, if tools were offered: finish_reason
         "tool_calls", or for an answer max_tokens cut off, the calls whole before the cut and
         "length" (runtime/text/tool_calls.py)."""
@@ -468,6 +507,8 @@ class Engine:
         together (runtime/api/embeddings.py). An empty input or list is an InvalidArgumentError; an
         input longer than the context a ContextLengthError. Generation's prefix reuse starts over
         afterwards (the pass writes the KV cache)."""
+        from tierflow.runtime.api.embeddings import check_pooling, embed_inputs
+
         self._check_open()
         check_pooling(self.pooling, self.path.name)
         normalize = flag("normalize", normalize)
@@ -508,12 +549,14 @@ class Engine:
         return ids
 
     @contextmanager
-    def record_routing(self) -> Iterator[RoutingRecorder]:
+    def record_routing(self) -> Iterator["RoutingRecorder"]:
         """Records which experts every token computed the block's generations with, at every layer
         (a MoE model only): `recorder.trace()` is int32 [tokens, MoE layers, top_k], the routing-trace
         format benchmarks/moe.py replays (offload/experts/routing_trace.py), and `recorder.routing()`
         adds what the experts' early prediction picked for each. At the block's end the recording is
         kept beside the model's pack, where later plans take their hit rates and read-ahead from."""
+        from tierflow.offload.experts.routing_trace import RoutingRecorder, keep_routing
+
         self._check_open()
         if not self.config.is_moe:
             raise InvalidArgumentError(f"{self.path.name} is not a mixture-of-experts model: it has no "
@@ -558,9 +601,12 @@ class Engine:
         return None if self.weights.experts is None else self.weights.experts.stats
 
     def close(self) -> None:
-        """Stops the running generation, then releases the weights, the KV cache and the tokenizer;
-        later calls raise TierflowError, but closing again does nothing."""
+        """Stops the running generation, then releases the weights, the KV cache and the tokenizer
+        and hands the freed memory back to the system; the engine's threads (and the chat template's
+        worker processes, once no engine is left) have ended when it returns. Later calls raise
+        TierflowError, but closing again does nothing."""
         self.cancel()
+        self._prompts.shutdown(wait=True, cancel_futures=True)
         self._compute.shutdown(wait=True, cancel_futures=True)
         with self._slots.every():
             if self._generator is None:  # closed already
@@ -577,6 +623,9 @@ class Engine:
                 generator.release()
             self.weights = self._generator = self.draft = self._grammar_vocabulary = None
             self._batcher = None
+        # The KV cache's and the activations' blocks are freed into the C allocator, which keeps
+        # them (about the cache's size after a second load and close) unless asked to give them back.
+        give_back_freed_memory()
 
     def __enter__(self) -> "Engine":
         return self
@@ -595,6 +644,10 @@ class Engine:
         """Called by each generation under the lock: the kernels' pool runs on the engine's
         threads, and torch's pool does too unless the kernels do the matmuls (then torch keeps
         one thread: two pools spinning on the same cores slow each other down)."""
+        import torch
+
+        from tierflow.cpu_kernels import matmul as kernels
+
         kernels.set_threads(self.threads)
         torch.set_num_threads(1 if self.weights.uses_kernels else self.threads)
 
@@ -621,12 +674,14 @@ class Engine:
             )
         return ids
 
-    def _matcher(self, grammar: Grammar, prompt_length: int) -> GrammarMatcher:
+    def _matcher(self, grammar: "Grammar", prompt_length: int) -> "GrammarMatcher":
+        from tierflow.runtime.sampling.structured import GrammarMatcher, grammar_vocabulary
+
         if self._grammar_vocabulary is None:
             self._grammar_vocabulary = grammar_vocabulary(self.tokenizer, self.config.vocab_size)
         return GrammarMatcher(self._grammar_vocabulary, grammar, prompt_length)
 
-    def _with_tool_grammar(self, tools: ToolRequest | None, kwargs: dict) -> dict:
+    def _with_tool_grammar(self, tools: "ToolRequest | None", kwargs: dict) -> dict:
         grammar = self.tool_grammar(tools)
         if grammar is None:
             return kwargs
@@ -645,6 +700,14 @@ class Engine:
                 f"the prompt has {num_prompt_tokens} tokens but the context holds "
                 f"{self.context_length}" + (" (one more is needed to generate)" if room else "")
             )
+
+
+def _on_a_thread_of_its_own(name: str, work: Callable[[], T]) -> "Future[T]":
+    """work() on a thread started for it, which ends with it."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    future = executor.submit(work)
+    executor.shutdown(wait=False)
+    return future
 
 
 def _close_loaded(loading: "Future[Engine]") -> None:

@@ -11,11 +11,16 @@ weakly). `close()`, `engine.cancel()` and `engine.close()` end a suspended strea
 and a generation asked for in the very thread a stream is suspended in ends that stream (it could
 never resume while its own thread waits).
 
-An AsyncStream runs its Stream on one of the engine's compute threads (one per slot) and hands
-pieces to the event loop, which never blocks on the model. Long-lived threads, not a thread per
-request: torch's OpenMP pool belongs to the thread that calls it, and a fresh thread ran the
-decoder's small matmuls 10-20% slower (with several slots the passes themselves run on the pass
-batcher's one thread).
+An AsyncStream makes its Stream on one of the engine's prompt threads, off the event loop (the chat
+template's render, which may start its worker process, the prompt's tokens, a grammar's
+compilation: up to hundreds of milliseconds), then runs it on one of its compute threads (one per
+slot) and hands pieces to the event loop, which never blocks on the model. Long-lived threads, not
+a thread per request: torch's OpenMP pool belongs to the thread that calls it, and a fresh thread
+ran the decoder's small matmuls 10-20% slower (with several slots the passes themselves run on the
+pass batcher's one thread).
+
+This module imports no torch and no llama.cpp (the token loop is imported by the first generation):
+`from tierflow import Engine` imports it.
 """
 
 import asyncio
@@ -27,19 +32,16 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from tierflow.runtime.generation.token_loop import (
-    GenerationStats,
-    PrefillProgress,
-    TokenGenerator,
-    generate_tokens,
-)
+from tierflow.errors import TierflowError
+from tierflow.runtime.generation.stats import GenerationStats, PrefillProgress
 from tierflow.runtime.sampling.logprobs import TokenLogprob, token_logprob
 from tierflow.runtime.sampling.sampler import Sampler
 from tierflow.runtime.text.text_stream import TextStream
-from tierflow.runtime.text.tokenizer import Tokenizer
 from tierflow.runtime.text.tool_calls import ToolCall, ToolCallStream
 
 if TYPE_CHECKING:
+    from tierflow.runtime.generation.token_loop import TokenGenerator
+    from tierflow.runtime.text.tokenizer import Tokenizer
     from tierflow.speculative.choice import AutoSpeculator
     from tierflow.speculative.speculator import Speculator
 
@@ -52,12 +54,12 @@ class GenerationHost(Protocol):
     """What a stream asks of the engine it runs on (the Engine is one): a slot held for the
     generation, the tokenizer, the speculator, and the weights' peak bytes for its stats."""
 
-    tokenizer: Tokenizer
+    tokenizer: "Tokenizer"
     speculator: "Speculator | AutoSpeculator | None"
     weights: WeightTiers
 
     def exclusive(self, stream: "weakref.ReferenceType[Stream] | None", cancelled: threading.Event | None,
-                  prompt_ids: Sequence[int]) -> AbstractContextManager[TokenGenerator | None]: ...
+                  prompt_ids: Sequence[int]) -> AbstractContextManager["TokenGenerator | None"]: ...
 
 
 @dataclass
@@ -225,8 +227,10 @@ def _pieces(run: _Generation, stream: weakref.ReferenceType) -> Iterator[str]:
         yield run.piece(tail)  # text held back until the end, released after the engine
 
 
-def _generate(run: _Generation, generator) -> Iterator[str]:
+def _generate(run: _Generation, generator: "TokenGenerator") -> Iterator[str]:
     """The pieces; returns the finish reason."""
+    from tierflow.runtime.generation.token_loop import generate_tokens
+
     engine = run.engine
     tokens = generate_tokens(generator, run.prompt_ids, run.sampler, run.max_tokens, engine.tokenizer.eog_ids,
                              run.cancelled, run.stats,
@@ -249,43 +253,62 @@ def _generate(run: _Generation, generator) -> Iterator[str]:
 
 
 class AsyncStream:
-    """`async for piece in stream`: the generation runs on the engine's compute thread.
+    """`async for piece in stream`: the generation is made on one of the engine's prompt threads (a
+    chat's template rendered, the prompt tokenized and checked, a grammar compiled), then runs on
+    one of its compute threads; the event loop only hands pieces on.
 
-    Cancelling the consuming task, `await aclose()` or `cancel()` stops the generation.
+    A bad argument raises from the first step, or from `await start()`, which makes the generation
+    without waiting for a piece. Cancelling the consuming task, `await aclose()` or `cancel()` stops
+    the generation.
     """
 
-    def __init__(self, stream: Stream, executor: Executor):
-        self._stream = stream
-        self._executor = executor
+    def __init__(self, make: Callable[[], Stream], prompts: Executor, compute: Executor):
+        self._make, self._prompts, self._compute = make, prompts, compute
+        self._making: Future | None = None  # making the Stream, on a prompt thread
+        self._stream: Stream | None = None  # once made
+        self._cancelled = False  # cancel() may come before the Stream is made
         self._queue: asyncio.Queue | None = None
-        self._future: Future | None = None
+        self._future: Future | None = None  # the generation's run on a compute thread
 
     @property
     def result(self) -> GenerationResult | None:
-        return self._stream.result
+        return None if self._stream is None else self._stream.result
 
     def piece_logprobs(self, index: int) -> list[TokenLogprob] | None:
         """Stream.piece_logprobs: the pieces are computed ahead on the compute thread, so a
         piece's tokens are found by its index, not by what has been computed by now."""
         return self._stream.piece_logprobs(index)
+
     @property
     def stats(self) -> GenerationStats:
         """The figures so far: those of a generation cancelled midway too, which has no result."""
-        return self._stream.stats
+        return GenerationStats() if self._stream is None else self._stream.stats
 
     def cancel(self) -> None:
-        self._stream.cancel()
+        self._cancelled = True
+        if self._stream is not None:
+            self._stream.cancel()
+
+    async def start(self) -> None:
+        """Makes the generation now, off the event loop, raising a bad argument's error here (the
+        first step does it otherwise); nothing is computed until the first step."""
+        if self._making is None:
+            self._making = _submit(self._prompts, self._make)
+        self._stream = await asyncio.wrap_future(self._making)
+        if self._cancelled:
+            self._stream.cancel()
 
     def __aiter__(self) -> "AsyncStream":
         return self
 
     async def __anext__(self) -> str:
-        if self._future is None:
-            self._start(asyncio.get_running_loop())
         try:
+            if self._future is None:
+                await self.start()
+                self._run(asyncio.get_running_loop())
             kind, value = await self._queue.get()
         except asyncio.CancelledError:
-            self._stream.cancel()
+            self.cancel()
             raise
         if kind == "piece":
             return value
@@ -295,29 +318,37 @@ class AsyncStream:
 
     async def aclose(self) -> None:
         """Cancels the generation and waits until it has let go of the engine."""
-        self._stream.cancel()
+        self.cancel()
         if self._future is None:
             return
         if not self._future.cancel():  # a queued one is dropped; a started one is waited for
             await asyncio.wrap_future(self._future)
 
-    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        stream = self._stream
         self._queue = asyncio.Queue()
 
         def send(item) -> None:
             try:
                 loop.call_soon_threadsafe(self._queue.put_nowait, item)
             except RuntimeError:  # the loop has closed: nobody is listening any more
-                self._stream.cancel()
+                stream.cancel()
 
         def run() -> None:
             try:
-                for piece in self._stream:
+                for piece in stream:
                     send(("piece", piece))
                 send(("end", None))
             except BaseException as error:  # handed to the awaiting task, raised there
                 send(("error", error))
 
-        self._future = self._executor.submit(run)
+        self._future = _submit(self._compute, run)
         # Dropped before it ran (aclose, engine closed): the consumer still gets its end.
         self._future.add_done_callback(lambda done: done.cancelled() and send(("end", None)))
+
+
+def _submit(executor: Executor, work: Callable[[], object]) -> Future:
+    try:
+        return executor.submit(work)
+    except RuntimeError as error:  # shut down: the engine has closed
+        raise TierflowError("the engine is closed") from error

@@ -35,7 +35,8 @@ from tierflow.offload.experts.routing_trace import Routing, kept_routing
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
 from tierflow.offload.gguf.vocab_file import llama_vocab_file
 from tierflow.offload.pack.built import BuiltPack, builds_in_ram
-from tierflow.offload.pack.writer import LoadProgress, PackSizes, open_pack, pack_sizes
+from tierflow.offload.pack.layout import fill_threads
+from tierflow.offload.pack.writer import PackSizes, open_pack, pack_sizes
 from tierflow.offload.plan.budgets import available_ram_bytes
 from tierflow.offload.plan.context import check_context, plan_context
 from tierflow.offload.plan.expert_plan import ExpertRequest, trace_fits
@@ -45,6 +46,7 @@ from tierflow.offload.plan.profile import GpuProfile, HardwareProfile
 from tierflow.offload.store.model_path import resolve_model_path
 from tierflow.offload.tiers.device import DeviceTier
 from tierflow.offload.tiers.tiered import TieredWeights
+from tierflow.progress import LoadPhase, LoadProgress
 from tierflow.runtime.compute.interfaces import Kernels
 from tierflow.runtime.decoder.decoder import Decoder
 from tierflow.runtime.decoder.host_attention import HostAttention
@@ -238,9 +240,9 @@ def model_profile(model: ModelFile, threads: int, gpu: GpuTier | None = None,
     """This machine's measured profile (probed once and cached, within cpu_memory or 10% of the
     available RAM: probe.allowance), with the per-layer overhead of this model's shape (measured once
     per shape, cached with it); the CPU standing in for a GPU gets the CPU's own speeds as the GPU's."""
-    def measuring(step: str) -> None:  # a first streamed load on a machine probes it (~10 s)
+    def measuring(step: str, done: int, total: int) -> None:  # a first streamed load probes (~10 s)
         if progress is not None:
-            progress(f"measuring this machine: {step}", 0, 0)
+            progress(LoadPhase.PROBING, done, total)
 
     memory = parse_size(cpu_memory) if cpu_memory is not None else None
     profile = load_profile(threads, progress=measuring, memory_bytes=memory)
@@ -279,21 +281,23 @@ def place_weights(model: ModelFile, plan: Plan, gpu: GpuTier, progress: LoadProg
                   ) -> TieredWeights:
     """The model's pack (built on first use) placed as the plan says. A pack found damaged while
     loading is rebuilt once. A plan that reads nothing from disk while it runs, of a model whose
-    types a load lays out as fast as it reads them, writes no pack: its extents are built in RAM."""
+    types a load lays out as fast as it reads them, writes no pack: its extents are built in RAM.
+    The threads that lay extents out run from the first extent to the last, and no longer."""
     def place(packed) -> TieredWeights:
         device = DeviceTier(gpu.device, gpu.budget) if gpu.budget else None
         return TieredWeights(packed, model.config, plan, device, gpu.kernels, progress)
 
     experts_on_disk = plan.experts is not None and plan.experts.home == "disk"
-    if not plan.streamed_layers and not experts_on_disk and builds_in_ram(model):
-        return place(BuiltPack(model))
-    memory = plan.budget_bytes["cpu"]  # a build holds no more than the load will (it ends before)
-    packed = open_pack(model, progress, memory)
-    try:
-        return place(packed)
-    except ModelFileError:
-        packed.path.unlink(missing_ok=True)
-        return place(open_pack(model, progress, memory))
+    with fill_threads():
+        if not plan.streamed_layers and not experts_on_disk and builds_in_ram(model):
+            return place(BuiltPack(model))
+        memory = plan.budget_bytes["cpu"]  # a build holds no more than the load will (it ends before)
+        packed = open_pack(model, progress, memory)
+        try:
+            return place(packed)
+        except ModelFileError:
+            packed.path.unlink(missing_ok=True)
+            return place(open_pack(model, progress, memory))
 
 
 def load_model(model: ModelFile, sizes: PackSizes, budgets: Budgets, gpu: GpuTier, profile: ProfileSource,

@@ -9,7 +9,10 @@ MemoryError, and the parent kills the worker when its answer is later than twice
 plus `_KILL_GRACE_S`.
 
 Workers are started once and reused (chat requests render a template per turn; a round trip costs
-0.1-0.3 ms), one per concurrent render; a killed worker is replaced on the next render.
+0.1-0.3 ms), one per concurrent render; a killed worker is replaced on the next render. They wait
+while someone holds the pool (each open tokenizer does, and a server that started them ahead does
+until it exits): once the last holder lets go, the idle ones are stopped, so a closed engine leaves
+no process behind.
 Requests are pickled (they come from the trusted parent); replies are a status byte and UTF-8 text,
 never pickles, since the worker runs untrusted code. Linux only (RLIMIT_AS, /proc).
 """
@@ -110,6 +113,7 @@ class WorkerPool:
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._holders = 0  # open tokenizers, and a server that started the workers ahead
 
     def render(self, template: str, variables: dict, *, time_limit_s: float, max_chars: int,
                memory_bytes: int) -> str:
@@ -135,10 +139,27 @@ class WorkerPool:
             raise TemplateError(text)
         return text
 
-    def start_idle_workers(self) -> None:
-        """Starts workers, in parallel, until as many wait as the pool keeps idle: a server does this
-        before it serves, so a burst of first requests does not start a burst of processes."""
+    def hold(self) -> None:
+        """One more user of the workers: idle ones wait for renders while any holds the pool."""
         with self._lock:
+            self._holders += 1
+
+    def let_go(self) -> None:
+        """One user fewer: the last one stops the idle workers (a render under way keeps its own)."""
+        with self._lock:
+            self._holders -= 1
+            if self._holders > 0:
+                return
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.stop()
+
+    def start_idle_workers(self) -> None:
+        """Starts workers, in parallel, until as many wait as the pool keeps idle, and holds the pool
+        until the process exits: a server does this before it serves, so a burst of first requests
+        does not start a burst of processes, nor does the first request after its models unloaded."""
+        with self._lock:
+            self._holders += 1
             missing = _MAX_IDLE_WORKERS - len(self._idle)
         with ThreadPoolExecutor(max(missing, 1)) as starting:
             started = list(starting.map(lambda _: _Worker(), range(missing)))

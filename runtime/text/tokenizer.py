@@ -26,6 +26,7 @@ import llama_cpp
 from tierflow.errors import InvalidArgumentError, ModelFileError, TierflowError
 from tierflow.runtime.text.special_tokens import SpecialToken, escape, marker_for, partition, strings
 from tierflow.runtime.text.template_choice import ChatTemplate, choose_template
+from tierflow.runtime.text.template_worker import POOL
 
 LLAMA_TOKEN_NULL = -1
 
@@ -110,6 +111,8 @@ class Tokenizer:
     def __init__(self, model: Any, path: str) -> None:
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self._free = weakref.finalize(self, llama_cpp.llama_model_free, model)
+        POOL.hold()  # its chats render in the template workers, which the last tokenizer closed stops
+        self._let_go = weakref.finalize(self, POOL.let_go)
         self.path = path
         self.vocab_size: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.bos_id = self._token_or_none(llama_cpp.llama_vocab_bos(self._vocab))
@@ -232,8 +235,10 @@ class Tokenizer:
         return found
 
     def close(self) -> None:
-        """Frees llama.cpp's vocabulary; later calls raise instead of touching freed memory."""
+        """Frees llama.cpp's vocabulary (later calls raise instead of touching freed memory) and lets
+        go of the template workers."""
         self._free()
+        self._let_go()
         self._vocab = None
 
     def __enter__(self) -> "Tokenizer":
