@@ -1,13 +1,17 @@
 """MoE expert cache, part (b): decode tokens/s with experts streamed from disk, in one run.
 
     python -m benchmarks.moe_decode [--size 2GB] [--weight-type Q4_0] [--fraction 0.333]
-                                    [--tiers two|three] [--layers 4]
+                                    [--tiers two|three] [--layers 4] [--model MOE.gguf]
                                     [--prompt-tokens 64] [--decode-tokens 48] [--repeats 3]
                                     [--threads N] [--policy score|lru|lfu] [--prefetch gated|all|none]
                                     [--json]
 
 The model is a random-weight Mixtral-style `llama` of about --size with 8 experts per layer, top-2
 routing, written once by the project's generator (tests/support/make_model.py) into the cache directory.
+--model runs on a MoE file of your own instead, such as a real dense model MoEfied
+(`python -m tests.support.make_moe_from_dense /tmp/qwen-64e8.gguf --source
+~/.cache/tierflow-test-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --experts 64 --experts-used 8`):
+routing by real text through real weights, which random routers' near-uniform spread is not.
 Three systems decode the same prompt ids greedily, loaded side by side; each repeat decodes a prompt
 of its own, cut from benchmarks/routing_text.txt (repeating one would replay its routing exactly,
 which the expert cache and the clairvoyant bound would both profit from):
@@ -68,7 +72,7 @@ import psutil
 import torch
 
 from benchmarks.decode import Sample, run_llama_cpp, run_tierflow
-from benchmarks.moe import text_prompts, uniform_belady_hit_rate, warm_belady_hit_rate
+from benchmarks.moe import replay_trace, text_prompts, uniform_belady_hit_rate, warm_belady_hit_rate
 from tests.support.budgets import moe_bytes, ram_beside_weights
 from tests.support.make_model import spec_for_size, write_model
 from tierflow import Engine
@@ -315,12 +319,14 @@ def main() -> None:
     parser.add_argument("--prefetch", default="gated", choices=list(PREFETCH),
                         help="gated: the predictions the prefetch gate admits; all: every prediction; "
                              "none: demand reads only")
+    parser.add_argument("--model", type=Path, help="a MoE GGUF to run instead of the generated one")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     three_tiers = args.tiers == "three"
-    path = qwen3_file(args.layers) if three_tiers else model_file(parse_size(args.size), args.weight_type)
+    path = args.model or (qwen3_file(args.layers) if three_tiers
+                          else model_file(parse_size(args.size), args.weight_type))
     cpu_memory, expert_bytes = expert_budget(path, args.threads, args.fraction)
     streamed = Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=cpu_memory)
     set_expert_options(streamed, args)
@@ -369,6 +375,9 @@ def main() -> None:
     config = streamed.config
     uses_per_step = expert_bytes * config.experts_used / config.num_experts  # k of every layer's E experts
     optimum = warm_belady_hit_rate(routing, args.fraction)
+    # The same decode routing replayed through the plain policies' caches of the same size.
+    replayed = {policy: replay_trace(np.concatenate(routing), policy, args.fraction,
+                                     warmup=len(routing[0])).hit_rate for policy in ("lru", "lfu")}
     least_per_token = (1 - optimum) * uses_per_step
     report = {
         "model": path.name, "file_bytes": path.stat().st_size, "expert_bytes": expert_bytes,
@@ -383,7 +392,8 @@ def main() -> None:
         "layer_hit_rates": {i: decode_hit_rate(decode_steps[1:], i) for i in sorted(stats.layers)},
         "decode_bytes_read_per_token": per_token, "prediction_precision": stats.prediction_precision,
         "disk_read_gbps": gbps, "disk_bound_tokens_per_s": gbps * 1e9 / per_token if per_token else None,
-        "clairvoyant_hit_rate": optimum, "clairvoyant_bytes_read_per_token": least_per_token,
+        "replayed_hit_rates": replayed, "clairvoyant_hit_rate": optimum,
+        "clairvoyant_bytes_read_per_token": least_per_token,
         "clairvoyant_uniform_hit_rate": uniform_belady_hit_rate(routing, args.fraction, config.num_experts),
         "clairvoyant_bound_tokens_per_s": gbps * 1e9 / least_per_token if least_per_token else None,
         "tokens_agree": samples["tierflow streamed"][0].tokens == samples["tierflow resident"][0].tokens,
@@ -414,6 +424,9 @@ def main() -> None:
           f"{report['prefetch_threshold']:.2f}); disk {gbps:.2f} GB/s, so "
           f"reads alone allow {report['disk_bound_tokens_per_s'] or 0:.1f} tok/s; streamed tokens "
           f"{'agree' if report['tokens_agree'] else 'DIFFER'} with resident")
+    print(f"the same decode routing through a demand-only cache of this size: LRU "
+          f"{replayed['lru']:.1%}, LFU {replayed['lfu']:.1%} (the engine's {args.policy}, with its reads "
+          f"ahead: {hit_rate:.1%})")
     bound = report["clairvoyant_bound_tokens_per_s"] or 0
     print(f"a clairvoyant cache of this size (Belady, on this run's routing) would hit {optimum:.1%} and "
           f"read {format_size(int(least_per_token))} per step: at most {bound:.1f} tok/s from this disk, "
