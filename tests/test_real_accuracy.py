@@ -78,7 +78,10 @@ def test_perplexity_on_real_text_is_no_worse_than_llama_cpps(pair):
 def test_the_05b_file_drafting_for_the_15b_leaves_greedy_output_unchanged(qwen_05b_path, qwen_15b_path):
     with Engine.load(qwen_15b_path, threads=2, context_length=1024) as target:
         alone = target.chat(CODE, max_tokens=32, temperature=0)
-    with Engine.load(qwen_15b_path, threads=2, context_length=1024, draft=qwen_05b_path) as drafted:
+    # Guesses per pass fixed: the adaptive size follows measured pass times, which a loaded machine
+    # (or what an earlier load of the pair learned there) can shrink to almost none.
+    with Engine.load(qwen_15b_path, threads=2, context_length=1024, draft=qwen_05b_path,
+                     draft_tokens=4) as drafted:
         speculated = drafted.chat(CODE, max_tokens=32, temperature=0)
     assert speculated.tokens == alone.tokens
     assert speculated.stats.tokens_per_pass > 1.5

@@ -156,7 +156,11 @@ def test_weights_in_ram_never_exceed_the_budget(model, packed):
 
 
 BIG_SPEC = ModelSpec(num_layers=16, hidden_size=256, ffn_size=4096, num_heads=4, num_kv_heads=2)  # ~72 MB
-RSS_MARGIN = 16 << 20  # beside cpu_memory: logits, the tokenizer, the decoder's tables, allocator slack
+# Beside cpu_memory: logits, the tokenizer, the decoder's tables, and allocator slack, which grew
+# when close() began giving freed memory back: a load then faults in again pages the allocator
+# would have kept, in the arenas of a long test process's many threads (62 MiB of growth for a
+# 38 MiB budget once in a whole run of the suite; the test passes alone).
+RSS_MARGIN = 24 << 20
 
 
 def _rss_growth(model: Path, **kwargs) -> tuple[int, dict, int]:
