@@ -40,17 +40,22 @@ def find_stored_models(name: str, stores: list) -> list[StoredModel]:
 
 def resolve_model_name(name: str) -> Path:
     """The one GGUF file a store holds under this name; none, or several, is a ModelFileError."""
+    return find_stored_model(name).path
+
+
+def find_stored_model(name: str) -> StoredModel:
+    """The one model the stores hold under this name; none, or several, is a ModelFileError."""
     stores = default_stores()
     matches = find_stored_models(name, stores)
     if not matches:
-        raise ModelNotFoundError(not_found(name, stores))
+        raise ModelNotFoundError(_not_found(name, stores))
     if len(matches) > 1:
         listed = "; ".join(f"{model.name} ({model.source}: {model.path})" for model in matches)
         raise ModelFileError(f"{name} matches {len(matches)} models, give one of them: {listed}")
-    return matches[0].path
+    return matches[0]
 
 
-def not_found(name: str, stores: list) -> str:
+def _not_found(name: str, stores: list) -> str:
     names = sorted({known for store in stores for known in store.names()})
     close = difflib.get_close_matches(name, names, n=MAX_CLOSE_MATCHES, cutoff=0.6)
     places = "; ".join(f"{store.source} in {', '.join(map(str, store.places))}" for store in stores)

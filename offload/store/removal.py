@@ -13,8 +13,8 @@ from pathlib import Path
 from tierflow.errors import ModelFileError, TierflowError
 from tierflow.offload.gguf.split_files import split_parts
 from tierflow.offload.pack.pack_cache import pack_path, remove_pack
-from tierflow.offload.store.model_names import ModelNotFoundError, find_stored_models, not_found
-from tierflow.offload.store.model_stores import OllamaStore, StoredModel, default_stores
+from tierflow.offload.store.model_names import find_stored_model
+from tierflow.offload.store.model_stores import OllamaStore, StoredModel
 
 OTHER_TOOLS = {"ollama": "`ollama rm {name}`", "lmstudio": "LM Studio (or `lms rm`)"}
 
@@ -31,14 +31,7 @@ class Removed:
 def remove_model(name: str) -> Removed:
     """Removes the model a name means from the Hugging Face cache: its snapshot's links, each blob
     no other snapshot links to, the packs built from them, and the repository's folder once empty."""
-    stores = default_stores()
-    found = find_stored_models(name, stores)
-    if not found:
-        raise ModelNotFoundError(not_found(name, stores))
-    if len(found) > 1:
-        listed = "; ".join(f"{model.name} ({model.source})" for model in found)
-        raise ModelFileError(f"{name} matches {len(found)} models, give one of them: {listed}")
-    model = found[0]
+    model = find_stored_model(name)
     if model.source != "huggingface":
         how = OTHER_TOOLS.get(model.source, model.source).format(name=model.name)
         raise ModelFileError(f"{model.name} is {model.source}'s ({model.path}), not a model tierflow pulled: "
