@@ -3,6 +3,8 @@ Qwen2.5-Coder-0.5B as a qwen2moe with a shared expert. llama.cpp and tierflow ru
 every expert used they are the dense model, SmolLM2's routing is spread over the experts, and bad
 input is a clear error."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -119,16 +121,7 @@ def test_tierflow_computes_llama_cpps_logits_and_greedy_tokens_on_its_f32_copy(m
     several units (mean |difference| 3 to 10 measured). In float32 (weights and KV cache) both
     compute the same model exactly: the router's logit gaps (ROUTER_LOGIT_STD) stay far above
     float32 rounding, so no choice flips and the logits agree to ~1e-4."""
-    path = write_f32_copy(moe_path, tmp_path / "moe-f32.gguf")
-    llama = llama_cpp_model(path, n_ctx=256, f32_kv=True)
-    try:
-        with Engine.load(path, threads=1, context_length=256, kv_cache_type="f32") as engine:
-            ids = engine.tokenize(LONG_TEXT)[:64]
-            assert_logits_agree(engine, llama, ids, max_mean_diff=0.01, near_tie=EXACT_TIE)
-            assert_greedy_agrees(engine, llama, "The history of the printing press begins in",
-                                 near_tie=EXACT_TIE, max_tokens=16)
-    finally:
-        llama.close()
+    assert_f32_copy_agrees_with_llama_cpp(moe_path, tmp_path)
 
 
 def test_with_every_expert_used_it_computes_the_dense_model(model_path, f32_model_path, tmp_path):
@@ -248,16 +241,7 @@ def test_tierflow_computes_llama_cpps_logits_and_greedy_tokens_on_a_float32_qwen
     same to both, and a tied source's head is there as llama.cpp's qwen2moe requires it
     (output.weight). Measured: a mean |logit difference| of 3e-6."""
     moe = write_moe_from_dense(tiny_qwen2, tmp_path / "moe.gguf", 4, 2)
-    path = write_f32_copy(moe, tmp_path / "moe-f32.gguf")
-    llama = llama_cpp_model(path, n_ctx=256, f32_kv=True)
-    try:
-        with Engine.load(path, threads=1, context_length=256, kv_cache_type="f32") as engine:
-            ids = engine.tokenize(LONG_TEXT)[:64]
-            assert_logits_agree(engine, llama, ids, max_mean_diff=0.01, near_tie=EXACT_TIE)
-            assert_greedy_agrees(engine, llama, "The history of the printing press begins in",
-                                 near_tie=EXACT_TIE, max_tokens=16)
-    finally:
-        llama.close()
+    assert_f32_copy_agrees_with_llama_cpp(moe, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -300,3 +284,18 @@ def test_the_command_line_reports_a_bad_option_without_a_traceback(qwen_05b_path
     argv = [str(tmp_path / "out.gguf"), *(option.format(qwen2=qwen_05b_path) for option in options)]
     with pytest.raises(SystemExit, match=f"make_moe_from_dense: {problem}"):
         main(argv)
+
+
+def assert_f32_copy_agrees_with_llama_cpp(moe: Path, tmp_path: Path) -> None:
+    """tierflow's logits and greedy tokens are llama.cpp's on the file's float32 copy, whose KV cache
+    is float32 too: both compute the same model exactly there."""
+    path = write_f32_copy(moe, tmp_path / "moe-f32.gguf")
+    llama = llama_cpp_model(path, n_ctx=256, f32_kv=True)
+    try:
+        with Engine.load(path, threads=1, context_length=256, kv_cache_type="f32") as engine:
+            ids = engine.tokenize(LONG_TEXT)[:64]
+            assert_logits_agree(engine, llama, ids, max_mean_diff=0.01, near_tie=EXACT_TIE)
+            assert_greedy_agrees(engine, llama, "The history of the printing press begins in",
+                                 near_tie=EXACT_TIE, max_tokens=16)
+    finally:
+        llama.close()
