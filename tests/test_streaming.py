@@ -156,11 +156,11 @@ def test_weights_in_ram_never_exceed_the_budget(model, packed):
 
 
 BIG_SPEC = ModelSpec(num_layers=16, hidden_size=256, ffn_size=4096, num_heads=4, num_kv_heads=2)  # ~72 MB
-# Beside cpu_memory: logits, the tokenizer, the decoder's tables, and allocator slack, which grew
-# when close() began giving freed memory back: a load then faults in again pages the allocator
-# would have kept, in the arenas of a long test process's many threads (62 MiB of growth for a
-# 38 MiB budget once in a whole run of the suite; the test passes alone).
-RSS_MARGIN = 24 << 20
+RSS_MARGIN = 16 << 20  # beside cpu_memory: logits, the tokenizer, the decoder's tables, allocator slack
+# More slack for a load's peak since close() gives freed memory back: the load faults in again pages
+# the allocator would have kept, in the arenas of a long test process's many threads (62 MiB of
+# growth for a 38 MiB budget once in a whole run of the suite; the test passes alone).
+RETURNED_SLACK = 8 << 20
 
 
 def _rss_growth(model: Path, **kwargs) -> tuple[int, dict, int]:
@@ -197,7 +197,8 @@ def test_rss_growth_stays_within_the_budget_and_streaming_saves_the_streamed_byt
     _rss_growth(model, cpu_memory=cpu_memory, **f32)  # warm-up: the allocator's pools, the tokenizer
     streamed_growth, streamed_held, kv_bytes = _rss_growth(model, cpu_memory=cpu_memory, **f32)
     resident_growth, resident_held, _ = _rss_growth(model, **f32)
-    assert streamed_growth <= cpu_memory + RSS_MARGIN, (streamed_growth, cpu_memory, kv_bytes)
+    assert streamed_growth <= cpu_memory + RSS_MARGIN + RETURNED_SLACK, (streamed_growth, cpu_memory,
+                                                                         kv_bytes)
     saved = resident_held["cpu"] - streamed_held["cpu"]  # the streamed layers, less the ring
     assert saved > 2 * RSS_MARGIN  # the model is large enough for the difference to show
     assert 0.75 * saved <= resident_growth - streamed_growth <= saved + RSS_MARGIN, (
