@@ -211,3 +211,10 @@ def test_tierflow_serve_pulls_its_models_before_it_starts(smol_hub, home):
         served = httpx.get(f"{url}/v1/models").json()["data"]
     assert [model["id"] for model in served] == ["Org/Smol-GGUF"]
     assert resolve_model_path("Org/Smol-GGUF").read_bytes()[:4] == b"GGUF"
+
+
+def test_a_server_that_ignores_the_range_gets_the_file_begun_again_and_checked(hub):
+    hub.cut_transfer(REPO, "model-Q4_K_M.gguf", after_bytes=300_000)
+    hub.ignores_ranges = True
+    assert pull(REPO).path.read_bytes() == Q4
+    assert [request.range for request in gets(hub, "model-Q4_K_M.gguf")] == [None, "bytes=300000-"]

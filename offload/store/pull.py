@@ -254,39 +254,54 @@ def _fetch(folder: Path, repo_id: str, commit: str, file: HubFile, endpoint: str
         if blob.exists():
             transfer.advance(file.size, downloaded=False)
             return
-        partial = blob.with_name(f"{file.etag}.incomplete")
-        digest = _resume(partial, file, transfer)
+        partial = _Partial.resumed(blob.with_name(f"{file.etag}.incomplete"), file, transfer)
+        url = _url(repo_id, commit, file, endpoint)
         for attempt in range(ATTEMPTS):
             try:
-                _download(partial, digest, file, _url(repo_id, commit, file, endpoint), transfer)
+                _download(partial, file, url, transfer)
                 break
             except _Cut as cut:
                 if attempt == ATTEMPTS - 1:
                     raise ModelFileError(f"the download of {repo_id}/{file.path} was cut {ATTEMPTS} times "
                                          f"({cut}); pull again to resume it") from None
-        if digest.hexdigest() != file.etag:
-            partial.unlink()
-            raise ModelFileError(f"{repo_id}/{file.path} came with SHA-256 {digest.hexdigest()}, not the "
-                                 f"{file.etag} {endpoint} names: nothing was kept")
-        os.replace(partial, blob)
+        if partial.digest.hexdigest() != file.etag:
+            partial.path.unlink()
+            raise ModelFileError(f"{repo_id}/{file.path} came with SHA-256 {partial.digest.hexdigest()}, "
+                                 f"not the {file.etag} {endpoint} names: nothing was kept")
+        os.replace(partial.path, blob)
 
 
 class _Cut(Exception):
     """A transfer that ended before its last byte; the next attempt resumes it."""
 
 
-def _resume(partial: Path, file: HubFile, transfer: _Transfer) -> "hashlib._Hash":
-    """The hash of what an earlier, interrupted pull left; a partial file longer than the file is
-    begun again."""
-    digest = hashlib.sha256()
-    if partial.exists() and partial.stat().st_size > file.size:
-        partial.unlink()
-    if partial.exists():
-        with open(partial, "rb") as kept:
-            while chunk := kept.read(CHUNK_BYTES):
-                digest.update(chunk)
-        transfer.advance(partial.stat().st_size, downloaded=False)
-    return digest
+class _Partial:
+    """blobs/<etag>.incomplete and the SHA-256 of the bytes it holds, kept in step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.digest = path, hashlib.sha256()
+
+    @classmethod
+    def resumed(cls, path: Path, file: HubFile, transfer: _Transfer) -> "_Partial":
+        """What an earlier, interrupted pull left, hashed; one longer than the file is begun again."""
+        partial = cls(path)
+        if path.exists() and path.stat().st_size > file.size:
+            path.unlink()
+        if path.exists():
+            with open(path, "rb") as kept:
+                while chunk := kept.read(CHUNK_BYTES):
+                    partial.digest.update(chunk)
+            transfer.advance(path.stat().st_size, downloaded=False)
+        return partial
+
+    @property
+    def nbytes(self) -> int:
+        return self.path.stat().st_size if self.path.exists() else 0
+
+    def restart(self, transfer: _Transfer) -> None:
+        transfer.advance(-self.nbytes, downloaded=False)
+        self.path.unlink(missing_ok=True)
+        self.digest = hashlib.sha256()
 
 
 def _url(repo_id: str, commit: str, file: HubFile, endpoint: str) -> str:
@@ -295,12 +310,12 @@ def _url(repo_id: str, commit: str, file: HubFile, endpoint: str) -> str:
     return hf_hub_url(repo_id, file.path, revision=commit, endpoint=endpoint)
 
 
-def _download(partial: Path, digest: "hashlib._Hash", file: HubFile, url: str, transfer: _Transfer) -> None:
+def _download(partial: _Partial, file: HubFile, url: str, transfer: _Transfer) -> None:
     """Appends the rest of the file to partial (a Range request from its length), hashing it."""
     import httpx2
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    start = partial.stat().st_size if partial.exists() else 0
+    start = partial.nbytes
     if start == file.size:
         return
     headers = build_hf_headers() | ({"Range": f"bytes={start}-"} if start else {})
@@ -311,21 +326,19 @@ def _download(partial: Path, digest: "hashlib._Hash", file: HubFile, url: str, t
                 response.read()
                 hf_raise_for_status(response)
             if start and response.status_code != 206:  # the server ignored the Range: begin again
-                partial.unlink()
-                digest.__init__()
-                transfer.advance(-start, downloaded=False)
-            with open(partial, "ab") as out:
+                partial.restart(transfer)
+            with open(partial.path, "ab") as out:
                 for chunk in response.iter_bytes():  # as it arrives: a cut keeps every byte that came
                     out.write(chunk)
-                    digest.update(chunk)
+                    partial.digest.update(chunk)
                     transfer.advance(len(chunk))
     except (httpx2.TransportError, httpx2.StreamError) as error:
         raise _Cut(str(error) or type(error).__name__) from None
-    got = partial.stat().st_size
+    got = partial.nbytes
     if got < file.size:
         raise _Cut(f"{got} of {file.size} bytes")
     if got > file.size:
-        partial.unlink()
+        partial.path.unlink()
         raise ModelFileError(f"{url} sent {got} bytes, more than the {file.size} the hub names: "
                              "nothing was kept")
 

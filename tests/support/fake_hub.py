@@ -109,6 +109,7 @@ class FakeHub:
         self._repos: dict[str, HubRepo] = {}
         self._cuts: dict[tuple[str, str], list[int]] = {}  # (repo, path) -> byte counts of the next GETs
         self._requests: list[HubRequest] = []
+        self.ignores_ranges = False  # True: a Range header is ignored, the whole file sent with 200
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._server.hub = self  # type: ignore[attr-defined]
@@ -240,13 +241,13 @@ class _Handler(BaseHTTPRequestHandler):
         if hub_file is None:
             raise HubError(404, "EntryNotFound", f"{path} does not exist on \"{revision}\"",
                            {"X-Repo-Commit": repo.commit})
-        start, end = self._range(hub_file.size)
+        partial = self.headers.get("Range") is not None and not hub.ignores_ranges
+        start, end = self._range(hub_file.size) if partial else (0, hub_file.size)
         headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
                    "Content-Length": str(end - start), "ETag": f'"{hub_file.etag}"',
                    "X-Repo-Commit": repo.commit}
         if hub_file.lfs:
             headers |= {"X-Linked-Etag": f'"{hub_file.etag}"', "X-Linked-Size": str(hub_file.size)}
-        partial = self.headers.get("Range") is not None
         if partial:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{hub_file.size}"
         self._head(HTTPStatus.PARTIAL_CONTENT if partial else HTTPStatus.OK, headers)
