@@ -198,10 +198,10 @@ def _listed(paths: list[str], most: int = 20) -> str:
 
 def _file_metadata(repo_id: str, path: str, commit: str, endpoint: str) -> HubFile:
     """A file's size and LFS etag (its SHA-256), from the hub's answer to a HEAD request."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub import get_hf_file_metadata
 
-    url = hf_hub_url(repo_id, path, revision=commit, endpoint=endpoint)
-    metadata = get_hf_file_metadata(url, timeout=TIMEOUT_S, endpoint=endpoint)
+    metadata = get_hf_file_metadata(_url(repo_id, commit, path, endpoint), timeout=TIMEOUT_S,
+                                    endpoint=endpoint)
     if metadata.size is None or metadata.etag is None:
         raise ModelFileError(f"{endpoint} gave {repo_id}/{path} no size or etag")
     etag = metadata.etag.lower()
@@ -255,7 +255,7 @@ def _fetch(folder: Path, repo_id: str, commit: str, file: HubFile, endpoint: str
             transfer.advance(file.size, downloaded=False)
             return
         partial = _Partial.resumed(blob.with_name(f"{file.etag}.incomplete"), file, transfer)
-        url = _url(repo_id, commit, file, endpoint)
+        url = _url(repo_id, commit, file.path, endpoint)
         for attempt in range(ATTEMPTS):
             try:
                 _download(partial, file, url, transfer)
@@ -304,10 +304,11 @@ class _Partial:
         self.digest = hashlib.sha256()
 
 
-def _url(repo_id: str, commit: str, file: HubFile, endpoint: str) -> str:
+def _url(repo_id: str, commit: str, path: str, endpoint: str) -> str:
+    """The file's address at the commit: what HEAD's metadata and GET's bytes are asked of."""
     from huggingface_hub import hf_hub_url
 
-    return hf_hub_url(repo_id, file.path, revision=commit, endpoint=endpoint)
+    return hf_hub_url(repo_id, path, revision=commit, endpoint=endpoint)
 
 
 def _download(partial: _Partial, file: HubFile, url: str, transfer: _Transfer) -> None:
