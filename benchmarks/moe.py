@@ -150,16 +150,6 @@ def uniform_belady_hit_rate(traces: list[np.ndarray], size_fraction: float, num_
     return warm_belady_hit_rate(uniform, size_fraction)
 
 
-def text_prompts(engine: Engine, count: int, num_tokens: int) -> list[list[int]]:
-    """`count` prompts of num_tokens ids, consecutive windows of TEXT: a streamed benchmark's runs
-    each route text of their own. Repeating one prompt greedily repeats its routing exactly, which
-    a warm expert cache and the clairvoyant bound both profit from as no user's next answer would."""
-    ids = engine.tokenize(TEXT.read_text())
-    if count * num_tokens > len(ids):
-        raise SystemExit(f"{TEXT.name} has {len(ids)} tokens, not enough for {count} prompts of {num_tokens}")
-    return [ids[i * num_tokens:(i + 1) * num_tokens] for i in range(count)]
-
-
 def policy_hit_rates(trace: np.ndarray, sizes: list[float], warmup: int = 0,
                      half_life: float = 32.0) -> dict[str, dict[str, list[float]]]:
     """Both tables' numbers for one trace: the hook for traces recorded from the engine.

@@ -12,30 +12,33 @@ routing, written once by the project's generator (tests/support/make_model.py) i
 (`python -m tests.support.make_moe_from_dense /tmp/qwen-64e8.gguf --source
 ~/.cache/tierflow-test-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --experts 64 --experts-used 8`):
 routing by real text through real weights, which random routers' near-uniform spread is not.
-Three systems decode the same prompt ids greedily, loaded side by side; each repeat decodes a prompt
-of its own, cut from benchmarks/routing_text.txt (repeating one would replay its routing exactly,
-which the expert cache and the clairvoyant bound would both profit from):
+Three systems decode the same held-out text, each repeat a window of its own cut from
+benchmarks/routing_text.txt (the MoEfied models are fitted on tests/support/moe_calibration.txt):
+a prompt, then the window's next tokens fed one a step (benchmarks/forced_decode.py), not the
+model's own greedy guesses, which a MoEfied model soon repeats, replaying its routing:
 
 - tierflow, experts streamed: cpu_memory = everything but the experts (globals, attention,
   routers, the KV cache and activations) + --fraction of the expert bytes; the experts are read
   from the pack with O_DIRECT (the page cache never holds them) into the expert cache
-  (offload/experts/store.py);
+  (offload/experts/store.py); a fresh engine for each repeat, as a user's first request meets it;
 - tierflow, fully resident (no budget);
 - llama.cpp on the same file, fully resident (its own mmap), the same thread count.
 
-Each is warmed up once, then every repeat runs all three in a rotating order, and the medians are
-reported (decode: single-token passes plus the argmax, as benchmarks/decode.py times them). The
-goal is the streamed run at half the resident speed or better. Beside the speeds: the expert
-cache's hit rate, bytes read from disk per decode step, the early router's prediction precision,
-and two disk bounds at this disk's measured read speed: the bytes the run read per step, and the
-least any cache of this size could read, a clairvoyant one (Belady's optimum on the routing the
-runs recorded, warmed by the warm-up run's): what no cache policy can beat on this model, disk and
-budget.
+The resident two are warmed up once; every repeat runs all three in a rotating order, and the
+medians are reported. The goal is the streamed run at half the resident speed or better, with the
+same next token as resident at every step (KL, top-1 agreement and perplexity against the exact
+resident model are printed: options that trade accuracy for bytes show there). Beside the speeds:
+the expert cache's hit rate, bytes read from disk per decode step, how often the early router's
+pick of each rank is used, the same routing (recorded from the resident engine) replayed through a
+fresh demand-only cache of the same size under LRU, LFU and the score policy, and two disk bounds at
+this disk's measured read speed: the bytes the run read per step, and the least any cache of this
+size could read, a clairvoyant one (Belady's optimum on the same routing): what no cache policy can
+beat on this model, disk and budget.
 
 --prefetch says which of the early router's predictions are read ahead: those the prefetch gate
-admits (offload/experts/prefetch_gate.py: a confidence threshold kept where decode tokens come
-fastest; the default), every one, or none; run it with each to see the bytes read per step and
-the speed with and without the gate.
+admits (offload/experts/prefetch_gate.py: a confidence threshold kept where decode tokens cost
+least in bytes fetched and waited for; the default), every one, or none; run it with each to see
+the bytes read per step and the speed with and without the gate.
 
 --tiers three (issue 18) runs on the Qwen3-30B-A3B shape of benchmarks/moe_families.py cut to
 --layers layers instead of the --size model, and adds a fourth system, MoE on three tiers:
@@ -71,23 +74,27 @@ import numpy as np
 import psutil
 import torch
 
-from benchmarks.decode import Sample, run_llama_cpp, run_tierflow
-from benchmarks.moe import replay_trace, text_prompts, uniform_belady_hit_rate, warm_belady_hit_rate
+from benchmarks.forced_decode import ForcedRun, forced_decode, forced_decode_llama_cpp, text_windows
+from benchmarks.moe import belady_hit_rate, replay_trace, uniform_belady_hit_rate
+from benchmarks.quality import compare
 from tests.support.budgets import moe_bytes, ram_beside_weights
 from tests.support.make_model import spec_for_size, write_model
+from tests.support.oracle import perplexity
 from tierflow import Engine
 from tierflow.offload.experts.expert_cache import CacheStats
 from tierflow.offload.experts.hybrid import HybridExperts
-from tierflow.offload.experts.policy import make_policy  # noqa: E402
-from tierflow.offload.experts.prefetch_gate import PrefetchGate  # noqa: E402
-from tierflow.offload.experts.store import READERS  # noqa: E402
-from tierflow.offload.io.disk import DiskFile, aligned_buffer  # noqa: E402
+from tierflow.offload.experts.policy import make_policy
+from tierflow.offload.experts.prefetch_gate import PrefetchGate
+from tierflow.offload.experts.routing_trace import NOT_PREDICTED, Routing
+from tierflow.offload.experts.store import READERS
+from tierflow.offload.io.disk import DiskFile, aligned_buffer
 from tierflow.offload.plan.expert_plan import TIERS
-from tierflow.offload.plan.profile import cache_dir  # noqa: E402
-from tierflow.units import format_size, parse_size  # noqa: E402
+from tierflow.offload.plan.plan_result import Plan
+from tierflow.offload.plan.profile import cache_dir
+from tierflow.units import format_size, parse_size
 
 CONTEXT = 2048  # tokens each engine holds: --prompt-tokens plus --decode-tokens must fit
-PREFETCH = {"gated": "prefetch gated by measured speed", "all": "every prediction prefetched",
+PREFETCH = {"gated": "prefetch gated by counted cost", "all": "every prediction prefetched",
             "none": "demand reads only"}
 
 EXPERTS, USED = 8, 2
@@ -113,14 +120,14 @@ def qwen3_file(layers: int) -> Path:
     return family_file("qwen3moe", layers)[0]
 
 
-def expert_budget(path: Path, threads: int, fraction: float) -> tuple[int, int]:
+def expert_budget(path: Path, threads: int, fraction: float, context: int = CONTEXT) -> tuple[int, int]:
     """(cpu_memory that leaves `fraction` of the expert bytes to the cache beside the rest of the
-    weights, the KV cache and the activations; all expert bytes)."""
-    with Engine.load(path, threads=threads, context_length=CONTEXT) as engine:  # builds the pack once
+    weights, the KV cache of `context` tokens and the activations; all expert bytes)."""
+    with Engine.load(path, threads=threads, context_length=context) as engine:  # builds the pack once
         packed = engine.weights.packed
     base = packed.globals.nbytes + sum(layer.nbytes for layer in packed.layers)
     experts = sum(x.nbytes for layer in packed.experts for x in layer)
-    return base + ram_beside_weights(path, CONTEXT) + int(fraction * experts), experts
+    return base + ram_beside_weights(path, context) + int(fraction * experts), experts
 
 
 def three_tier_budgets(path: Path, fraction: float) -> tuple[int, int]:
@@ -142,34 +149,27 @@ def set_expert_options(engine: Engine, args: argparse.Namespace) -> None:
     experts.gate = PrefetchGate(fixed=args.prefetch == "all")
 
 
-def run_counted(engine: Engine, prompt_ids: list[int], decode_steps: int,
-                counts: Callable[[], dict[str, int]]) -> tuple[Sample, dict[str, float]]:
-    """run_tierflow's sample, and how much each of `counts` grew per decode step, counted from the
-    first token on (the prefill uses most of every layer's experts). The caller leaves nothing of
-    the prompt in the KV cache."""
-    stream = engine.stream(prompt_ids, max_tokens=decode_steps + 1, temperature=0)
-    after_prefill = None
-    for _ in stream:
-        if after_prefill is None:
-            after_prefill = counts(), len(stream.tokens)
-    result, timed = stream.result, stream.result.stats
-    steps = timed.generated_tokens if result.finish_reason == "stop" else timed.generated_tokens - 1
-    sample = Sample(timed.prefill_tokens_per_s, steps / timed.decode_seconds, steps, list(result.tokens))
-    (start, first), end = after_prefill, counts()
-    counted = len(result.tokens) - first
-    return sample, {key: (end[key] - start.get(key, 0)) / counted if counted else 0.0 for key in end}
+def run_counted(engine: Engine, prompt: list[int], text: list[int], counts: Callable[[], dict[str, int]],
+                log_probs: bool = False) -> tuple[ForcedRun, dict[str, float]]:
+    """forced_decode's run, and how much each of `counts` grew per decode step, counted from the first
+    fed token on (the prefill uses most of every layer's experts)."""
+    before: dict[str, int] = {}
+    run = forced_decode(engine, prompt, text, log_probs, after_prefill=lambda: before.update(counts()))
+    after = counts()
+    return run, {key: (after[key] - before.get(key, 0)) / len(text) for key in after}
 
 
-def run_streamed(engine: Engine, prompt_ids: list[int], decode_steps: int
-                 ) -> tuple[Sample, dict[str, float], np.ndarray]:
-    """run_tierflow's sample; per decode step (run_counted), the expert bytes read from disk
-    ("read") and the expert cache's hits and misses; and the decode steps' routing
-    [steps, layers, top_k]."""
-    engine.logits([1 if prompt_ids[0] == 0 else 0])  # nothing of the prompt stays cached
+def run_streamed(engine: Engine, prompt: list[int], text: list[int]) -> tuple[ForcedRun, dict[str, float]]:
+    """run_counted with the expert cache's counts: bytes read ("read"), hits and misses."""
+    return run_counted(engine, prompt, text, lambda: cache_counts(engine.expert_stats), log_probs=True)
+
+
+def record_routing(engine: Engine, prompt: list[int], text: list[int]) -> Routing:
+    """The routing of prompt + text, with the early router's picks: one pass, as each token routes as
+    it would decoded alone (test_moe checks it), and an exact streamed engine routes as this one."""
     with engine.record_routing() as recorder:
-        sample, grown = run_counted(engine, prompt_ids, decode_steps,
-                                    lambda: cache_counts(engine.expert_stats))
-    return sample, grown, recorder.trace()[len(prompt_ids):]
+        engine.logits(prompt + text)
+    return recorder.routing()
 
 
 def cache_counts(stats: CacheStats) -> dict[str, int]:
@@ -198,11 +198,9 @@ def tier_counts(experts: HybridExperts) -> dict[str, int]:
             "on_cpu": runs.on_cpu}
 
 
-def run_three_tiers(engine: Engine, prompt_ids: list[int], decode_steps: int
-                    ) -> tuple[Sample, dict[str, float]]:
-    """run_tierflow's sample and tier_counts per decode step (run_counted)."""
-    engine.logits([1 if prompt_ids[0] == 0 else 0])  # nothing of the prompt stays cached
-    return run_counted(engine, prompt_ids, decode_steps, lambda: tier_counts(engine.weights.experts))
+def run_three_tiers(engine: Engine, prompt: list[int], text: list[int]) -> tuple[ForcedRun, dict[str, float]]:
+    """run_counted with tier_counts."""
+    return run_counted(engine, prompt, text, lambda: tier_counts(engine.weights.experts))
 
 
 def disk_read_gbps(engine: Engine, count: int = 96) -> float:
@@ -239,13 +237,13 @@ def load_three_tiers(path: Path, args: argparse.Namespace) -> Engine:
     return engine
 
 
-def three_tier_report(engine: Engine, steps: list[dict[str, float]], decode: dict[str, float],
+def three_tier_report(plan: Plan, steps: list[dict[str, float]], decode: dict[str, float],
                       gbps: float, tokens_agree: bool) -> dict:
     """The three-tier run's budgets, its speed against resident and two tiers, what each tier served
     per decode step (means over the timed runs) beside the plan's predictions, the schedule's runs
     per step, and the rates the disk's reads and the copies to the GPU allow (the copies at the
     speed the schedule assumes)."""
-    plan, experts = engine.plan, engine.plan.experts
+    experts = plan.experts
     per_step = {key: statistics.fmean(step[key] for step in steps) for key in steps[0]}
     uses = sum(per_step[tier] for tier in TIERS)
     served_bytes = {tier: per_step[tier] * experts.expert_bytes for tier in ("gpu", "cpu")}
@@ -303,6 +301,37 @@ def print_three_tiers(report: dict) -> None:
           f"schedule's speed), {r['copy_bound_tokens_per_s'] or 0:.1f} tok/s")
 
 
+def replayed_hit_rates(routings: list[Routing], prompt_tokens: int, fraction: float) -> dict[str, float]:
+    """Each run's routing replayed through a fresh demand-only cache of `fraction` of the experts, as
+    each run's engine is fresh, hits counted from its first decode step: LRU, LFU, the engine's
+    score policy, and Belady's clairvoyant optimum. Means over the runs."""
+    rates = {policy: statistics.fmean(replay_trace(r.trace, policy, fraction, warmup=prompt_tokens).hit_rate
+                                      for r in routings) for policy in ("lru", "lfu", "score")}
+    rates["clairvoyant"] = statistics.fmean(belady_hit_rate(r.trace, fraction, warmup=prompt_tokens)
+                                            for r in routings)
+    return rates
+
+
+def precision_per_rank(routings: list[Routing], prompt_tokens: int) -> list[float]:
+    """How often the early router's j-th pick for a layer (from the stream entering the layer before)
+    is among the experts the layer then uses, over the decode steps of every run."""
+    picks = np.concatenate([r.predicted[prompt_tokens:] for r in routings])  # [T, L, K]
+    used = np.concatenate([r.trace[prompt_tokens:] for r in routings])
+    right = (picks[..., :, None] == used[..., None, :]).any(axis=-1)
+    made = picks != NOT_PREDICTED
+    return [float(right[..., j][made[..., j]].mean()) for j in range(picks.shape[-1])]
+
+
+def quality(reference: list[ForcedRun], runs: list[ForcedRun], texts: list[list[int]]) -> dict[str, float]:
+    """Runs' next-token distributions against the exact resident model's on the same text: mean KL
+    in nats per token, top-1 agreement, and the text's perplexity under each."""
+    kls, agreements = zip(*(compare(ref.log_probs, run.log_probs) for ref, run in zip(reference, runs)))
+    return {"kl": statistics.fmean(kls), "top1": statistics.fmean(agreements),
+            "perplexity": statistics.fmean(perplexity(run.log_probs, text) for run, text in zip(runs, texts)),
+            "resident_perplexity": statistics.fmean(perplexity(ref.log_probs, text)
+                                                    for ref, text in zip(reference, texts))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="2GB")
@@ -328,112 +357,119 @@ def main() -> None:
     path = args.model or (qwen3_file(args.layers) if three_tiers
                           else model_file(parse_size(args.size), args.weight_type))
     cpu_memory, expert_bytes = expert_budget(path, args.threads, args.fraction)
-    streamed = Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=cpu_memory)
-    set_expert_options(streamed, args)
     resident = Engine.load(path, threads=args.threads, context_length=CONTEXT)
-    three = load_three_tiers(path, args) if three_tiers else None
     llama = llama_cpp.Llama(str(path), n_ctx=args.prompt_tokens + args.decode_tokens + 8, n_batch=512,
                             n_threads=args.threads, verbose=False)
-    # the warm-up's prompt, then one for each repeat: no run replays the routing of the one before
-    warm_up, *prompts = text_prompts(resident, args.repeats + 1, args.prompt_tokens)
+    # the warm-up's window, then one for each repeat: no run replays the routing of another
+    warm_up, *windows = text_windows(resident, args.repeats + 1, args.prompt_tokens, args.decode_tokens)
+    routings = [record_routing(resident, *window) for window in windows]
+    forced_decode(resident, *warm_up)
+    forced_decode_llama_cpp(llama, *warm_up)
     decode_steps: list[dict[str, float]] = []  # the streamed runs' counts per decode step
-    routing: list[np.ndarray] = []
     tier_steps: list[dict[str, float]] = []
+    seen: dict[str, object] = {}  # from a streamed engine before it closes: its cache, gate and disk
 
-    def streamed_run(prompt: list[int]) -> Sample:
-        sample, per_step, trace = run_streamed(streamed, prompt, args.decode_tokens)
+    def streamed_run(prompt: list[int], text: list[int]) -> ForcedRun:
+        with Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=cpu_memory) as engine:
+            set_expert_options(engine, args)
+            run, per_step = run_streamed(engine, prompt, text)
+            seen.update(cache_bytes=engine.weights.experts.nbytes, gate=engine.weights.experts.gate.best,
+                        gbps=seen.get("gbps") or disk_read_gbps(engine), config=engine.config)
         decode_steps.append(per_step)
-        routing.append(trace)
-        return sample
+        return run
 
-    def three_tier_run(prompt: list[int]) -> Sample:
-        sample, per_step = run_three_tiers(three, prompt, args.decode_tokens)
+    def three_tier_run(prompt: list[int], text: list[int]) -> ForcedRun:
+        with load_three_tiers(path, args) as engine:
+            run, per_step = run_three_tiers(engine, prompt, text)
+            seen["three"] = engine.plan
         tier_steps.append(per_step)
-        return sample
+        return run
 
-    runners: dict[str, Callable[[list[int]], Sample]] = {
+    runners: dict[str, Callable[[list[int], list[int]], ForcedRun]] = {
         "tierflow streamed": streamed_run,
-        "tierflow resident": lambda prompt: run_tierflow(resident, prompt, args.decode_tokens),
-        "llama.cpp resident": lambda prompt: run_llama_cpp(llama, prompt, args.decode_tokens)}
-    if three is not None:
+        "tierflow resident": lambda prompt, text: forced_decode(resident, prompt, text, log_probs=True),
+        "llama.cpp resident": lambda prompt, text: forced_decode_llama_cpp(llama, prompt, text)}
+    if three_tiers:
         runners["tierflow three tiers"] = three_tier_run
-    for run in runners.values():
-        run(warm_up)
-    streamed.weights.experts.cache.reset_stats()
-    samples = {name: [] for name in runners}
+    samples: dict[str, list[ForcedRun]] = {name: [] for name in runners}
     order = list(runners)
-    for prompt in prompts:
+    for window in windows:
         for name in order:
-            samples[name].append(runners[name](prompt))
+            samples[name].append(runners[name](*window))
         order = order[1:] + order[:1]
-    stats = streamed.expert_stats
-    gbps = disk_read_gbps(streamed)
-    decode = {name: statistics.median(s.decode_tokens_per_s for s in runs) for name, runs in samples.items()}
-    per_token = statistics.median(step["read"] for step in decode_steps[1:])  # after the warm-up
-    hit_rate = decode_hit_rate(decode_steps[1:])
-    # The least a cache of this size must read per step: the uses a clairvoyant cache misses.
-    config = streamed.config
+    resident.close()
+    llama.close()
+    config, gbps = seen["config"], seen["gbps"]
+    decode = {name: statistics.median(run.tokens_per_s for run in runs) for name, runs in samples.items()}
+    per_token = statistics.median(step["read"] for step in decode_steps)
+    replayed = replayed_hit_rates(routings, args.prompt_tokens, args.fraction)
     uses_per_step = expert_bytes * config.experts_used / config.num_experts  # k of every layer's E experts
-    optimum = warm_belady_hit_rate(routing, args.fraction)
-    # The same decode routing replayed through the plain policies' caches of the same size.
-    replayed = {policy: replay_trace(np.concatenate(routing), policy, args.fraction,
-                                     warmup=len(routing[0])).hit_rate for policy in ("lru", "lfu")}
-    least_per_token = (1 - optimum) * uses_per_step
+    least_per_token = (1 - replayed["clairvoyant"]) * uses_per_step
+    texts = [text for _, text in windows]
     report = {
         "model": path.name, "file_bytes": path.stat().st_size, "expert_bytes": expert_bytes,
-        "cpu_memory": cpu_memory, "expert_cache_bytes": streamed.weights.experts.nbytes,
+        "cpu_memory": cpu_memory, "expert_cache_bytes": seen["cache_bytes"],
         "policy": args.policy, "prefetch": args.prefetch, "threads": args.threads,
-        "prefetch_threshold": streamed.weights.experts.gate.best,
-        "prompt_tokens": args.prompt_tokens,
+        "prefetch_threshold": seen["gate"], "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens, "decode_tokens_per_s": decode,
         "streamed_vs_resident": decode["tierflow streamed"] / decode["tierflow resident"],
         "resident_vs_llama_cpp": decode["tierflow resident"] / decode["llama.cpp resident"],
-        "hit_rate": hit_rate, "cache_fraction": args.fraction,
-        "layer_hit_rates": {i: decode_hit_rate(decode_steps[1:], i) for i in sorted(stats.layers)},
-        "decode_bytes_read_per_token": per_token, "prediction_precision": stats.prediction_precision,
+        "hit_rate": decode_hit_rate(decode_steps), "cache_fraction": args.fraction,
+        "layer_hit_rates": {i: decode_hit_rate(decode_steps, i) for i in config.moe_layers},
+        "decode_bytes_read_per_token": per_token,
+        "precision_per_rank": precision_per_rank(routings, args.prompt_tokens),
         "disk_read_gbps": gbps, "disk_bound_tokens_per_s": gbps * 1e9 / per_token if per_token else None,
-        "replayed_hit_rates": replayed, "clairvoyant_hit_rate": optimum,
-        "clairvoyant_bytes_read_per_token": least_per_token,
-        "clairvoyant_uniform_hit_rate": uniform_belady_hit_rate(routing, args.fraction, config.num_experts),
+        "replayed_hit_rates": replayed, "clairvoyant_bytes_read_per_token": least_per_token,
+        "clairvoyant_uniform_hit_rate": uniform_belady_hit_rate([r.trace for r in routings], args.fraction,
+                                                                config.num_experts),
         "clairvoyant_bound_tokens_per_s": gbps * 1e9 / least_per_token if least_per_token else None,
-        "tokens_agree": samples["tierflow streamed"][0].tokens == samples["tierflow resident"][0].tokens,
+        "quality": quality(samples["tierflow resident"], samples["tierflow streamed"], texts),
+        "tokens_agree": all(s.argmax == r.argmax for s, r in zip(samples["tierflow streamed"],
+                                                                  samples["tierflow resident"])),
     }
-    if three is not None:
-        agree = samples["tierflow three tiers"][0].tokens == samples["tierflow resident"][0].tokens
-        steps = tier_steps[1:]  # after the warm-up
-        report["three_tiers"] = three_tier_report(three, steps, decode, gbps, agree)
-    for engine in (streamed, resident, three):
-        if engine is not None:
-            engine.close()
-    llama.close()
+    if three_tiers:
+        agree = all(t.argmax == r.argmax for t, r in zip(samples["tierflow three tiers"],
+                                                         samples["tierflow resident"]))
+        report["three_tiers"] = three_tier_report(seen["three"], tier_steps, decode, gbps, agree)
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{report['model']}: {format_size(report['file_bytes'])}, experts {format_size(expert_bytes)}; "
-          f"cpu_memory {format_size(cpu_memory)} (expert cache {format_size(report['expert_cache_bytes'])}, "
-          f"{args.fraction:.0%} of the experts, policy {args.policy}, "
-          f"{PREFETCH[args.prefetch]}); {args.threads} threads, "
-          f"prompt {args.prompt_tokens}, {args.decode_tokens} decode steps, median of {args.repeats}")
+    print_report(report, args)
+
+
+def print_report(report: dict, args: argparse.Namespace) -> None:
+    decode, replayed, q = report["decode_tokens_per_s"], report["replayed_hit_rates"], report["quality"]
+    print(f"{report['model']}: {format_size(report['file_bytes'])}, experts "
+          f"{format_size(report['expert_bytes'])}; cpu_memory {format_size(report['cpu_memory'])} (expert "
+          f"cache {format_size(report['expert_cache_bytes'])}, {args.fraction:.0%} of the experts, policy "
+          f"{args.policy}, {PREFETCH[args.prefetch]}); {args.threads} threads; {args.repeats} runs, each a "
+          f"fresh streamed engine on its own window of held-out text: prompt {args.prompt_tokens}, "
+          f"{args.decode_tokens} fed tokens decoded one a step; medians")
     for name, rate in decode.items():
         print(f"  {name:<20} {rate:7.2f} tok/s")
     print(f"streamed / resident: {report['streamed_vs_resident']:.2f}x (goal >= 0.5); "
-          f"resident / llama.cpp: {report['resident_vs_llama_cpp']:.2f}x")
-    print(f"expert cache: decode hit rate {hit_rate:.1%}, read-ahead ones counted (it holds "
-          f"{args.fraction:.0%} of the experts), {format_size(int(per_token))} read per decode step, "
-          f"early-router predictions {stats.prediction_precision:.1%} right (fetched ahead from confidence "
-          f"{report['prefetch_threshold']:.2f}); disk {gbps:.2f} GB/s, so "
-          f"reads alone allow {report['disk_bound_tokens_per_s'] or 0:.1f} tok/s; streamed tokens "
-          f"{'agree' if report['tokens_agree'] else 'DIFFER'} with resident")
-    print(f"the same decode routing through a demand-only cache of this size: LRU "
-          f"{replayed['lru']:.1%}, LFU {replayed['lfu']:.1%} (the engine's {args.policy}, with its reads "
-          f"ahead: {hit_rate:.1%})")
+          f"resident / llama.cpp: {report['resident_vs_llama_cpp']:.2f}x; streamed next tokens "
+          f"{'agree' if report['tokens_agree'] else 'DIFFER'} with resident at every step (KL "
+          f"{q['kl']:.4f} nats, top-1 {q['top1']:.1%}; perplexity {q['perplexity']:.1f} against "
+          f"{q['resident_perplexity']:.1f})")
+    gbps, per_token = report["disk_read_gbps"], report["decode_bytes_read_per_token"]
+    print(f"expert cache: decode hit rate {report['hit_rate']:.1%} (read-ahead ones counted), "
+          f"{format_size(int(per_token))} read per decode step; prefetched from confidence "
+          f"{report['prefetch_threshold']:.2f}; disk {gbps:.2f} GB/s, so reads alone allow "
+          f"{report['disk_bound_tokens_per_s'] or 0:.1f} tok/s")
+    ranks = ", ".join(f"{p:.0%}" for p in report["precision_per_rank"])
+    print(f"early router's picks used by their layer, by rank: {ranks}")
+    over = 100 * (report["hit_rate"] - max(replayed["lru"], replayed["lfu"]))
+    print(f"the same routing through a fresh demand-only cache of this size: LRU {replayed['lru']:.1%}, "
+          f"LFU {replayed['lfu']:.1%}, score {replayed['score']:.1%}; the engine ({args.policy}, with its "
+          f"reads ahead) {report['hit_rate']:.1%}, {over:+.1f} points over the better of LRU and LFU "
+          f"(goal >= +5)")
     bound = report["clairvoyant_bound_tokens_per_s"] or 0
-    print(f"a clairvoyant cache of this size (Belady, on this run's routing) would hit {optimum:.1%} and "
-          f"read {format_size(int(least_per_token))} per step: at most {bound:.1f} tok/s from this disk, "
-          f"{bound / decode['tierflow resident']:.2f}x resident")
-    print(f"on uniformly random routing of this shape it would hit "
-          f"{report['clairvoyant_uniform_hit_rate']:.1%}, where no online cache beats {args.fraction:.0%}")
-    if three is not None:
+    print(f"a clairvoyant cache of this size (Belady) would hit {replayed['clairvoyant']:.1%} and read "
+          f"{format_size(int(report['clairvoyant_bytes_read_per_token']))} per step: at most {bound:.1f} "
+          f"tok/s from this disk, {bound / decode['tierflow resident']:.2f}x resident; on uniformly random "
+          f"routing of this shape it would hit {report['clairvoyant_uniform_hit_rate']:.1%}")
+    if "three_tiers" in report:
         print_three_tiers(report)
 
 

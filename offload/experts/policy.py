@@ -196,8 +196,7 @@ class ScorePolicy(CachePolicy):
 
     def reuse_distance(self, key: ExpertKey, now: int) -> float:
         """D(x): the expected number of tokens until `key` is next used (the score; higher goes)."""
-        steps = (key[0] - self._layer_idx - 1) % self._num_layers + 1 if self.layer_cycle else 0
-        return steps / self._num_layers + 1 / max(self.probability(key, now), 1e-9) - 1
+        return self._steps_to(key[0]) + 1 / max(self.probability(key, now), 1e-9) - 1
 
     def use(self, key: ExpertKey, now: int, weight: float = 1.0) -> None:
         layer_idx = key[0]
@@ -223,9 +222,29 @@ class ScorePolicy(CachePolicy):
     def victim(self, now: int, protected: Collection[ExpertKey] = ()) -> ExpertKey | None:
         # A prediction changes a key's rank within its heap, so predicted keys are ranked apart.
         skip = {*protected, *self._predicted} if self._predicted else protected
-        lowest = [entry[2] for heap in self._heaps.values() if (entry := self._lowest(heap, skip))]
-        lowest += [k for k in self._predicted if k in self._stamp and k not in protected]
-        return max(lowest, key=lambda k: self.reuse_distance(k, now)) if lowest else None
+        found, worst = None, -math.inf
+        reuse, decayed = self.reuse_rate, self._g * now
+        for (layer_idx, latest), heap in self._heaps.items():
+            entry = self._lowest(heap, skip)
+            if entry is None:
+                continue
+            # reuse_distance of a key no prediction names, from its heap entry (its live priority is
+            # the log-count) and its group: a decode step evicts for every miss, among ~2 groups per layer
+            history = self._rate * math.exp(entry[0] - decayed) if entry[0] > -math.inf else 0.0
+            p = min(max(history, reuse) if latest else history, 1.0)
+            distance = self._steps_to(layer_idx) + 1 / max(p, 1e-9) - 1
+            if distance > worst:
+                found, worst = entry[2], distance
+        for key in self._predicted:
+            if key in self._stamp and key not in protected and (d := self.reuse_distance(key, now)) > worst:
+                found, worst = key, d
+        return found
+
+    def _steps_to(self, layer_idx: int) -> float:
+        """s(x) / L for a key of layer `layer_idx`: the share of a token until its layer comes round."""
+        if not self.layer_cycle:
+            return 0.0
+        return ((layer_idx - self._layer_idx - 1) % self._num_layers + 1) / self._num_layers
 
     def _latest(self, key: ExpertKey) -> bool:
         step = self._steps.get(key[0])
