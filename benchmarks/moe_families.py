@@ -1,7 +1,7 @@
 """The MoE families at their real shapes: decode and prefill tok/s resident against llama.cpp, and
 with the experts streamed through the expert cache against the disk and clairvoyant-cache bounds.
 
-    python -m benchmarks.moe_families [--family qwen3moe] [--layers N] [--cpu-memory 8GiB]
+    python -m benchmarks.moe_families [--family qwen3moe|moefied|...] [--layers N] [--cpu-memory 8GiB]
                                       [--prompt-tokens 64] [--decode-tokens 32] [--repeats 2]
                                       [--threads N] [--json]
 
@@ -17,6 +17,12 @@ vocabulary) into the cache directory, at the real model's per-layer shape:
   dimensions; the others Gated DeltaNet, 16 query/key heads and 32 value heads of 128, a 4-tap
   convolution), every matrix Q4_K.
 
+- moefied: real routing, the real Qwen2.5-Coder-1.5B-Instruct (Q4_K_M, tests/support/real_models.py)
+  MoEfied into a qwen2moe of 64 experts, top-8, and a shared expert (tests/support/make_moe_from_dense.py,
+  about four minutes the first time): its routers follow real text through real weights, where the
+  generated families' random routers spread tokens almost uniformly. --cpu-memory does not apply to
+  it: its streamed run keeps a quarter of its experts in RAM.
+
 `--layers N` keeps every per-layer shape and cuts the depth, for machines that cannot hold the
 whole model twice; `--cpu-memory` is then scaled by the same fraction of the layers (printed), so
 the streamed run keeps the real model's ratio of budget to experts. Three runs, each warmed up once
@@ -26,9 +32,11 @@ and run one after the other where they do not (the full depth; the report says w
 - tierflow resident and llama.cpp resident (in its own buffers, `--no-mmap`): decode and prefill tok/s;
 - tierflow with `cpu_memory` = the budget: the experts on disk, read with O_DIRECT into the expert
   cache; against the decode rate the disk allows for what it read, and for what a clairvoyant cache
-  of the same size would read (benchmarks/moe_decode.py's two bounds). Its warm-up decodes the
-  resident runs' prompt (the tokens must agree); each timed run decodes a prompt of its own, cut from
-  benchmarks/routing_text.txt, so that no run replays the routing of the one before.
+  of the same size would read (benchmarks/moe_decode.py's two bounds), and the hit rates of LRU, LFU
+  and the score policy on the same routing. Each run decodes a window of its own of held-out text,
+  cut from benchmarks/routing_text.txt and fed a token a step (benchmarks/forced_decode.py), so that
+  no run replays the routing of another; the warm-up window's next tokens must agree with the
+  resident engine's at every step.
 Goals (issues 17 and 19): resident at least 1.0x llama.cpp in decode and in prefill; streamed at
 least 0.5x resident.
 """
@@ -46,9 +54,19 @@ import psutil
 import torch
 
 from benchmarks.decode import Sample, build_prompt, measure, run_llama_cpp, run_tierflow
-from benchmarks.moe import text_prompts, uniform_belady_hit_rate, warm_belady_hit_rate
-from benchmarks.moe_decode import decode_hit_rate, disk_read_gbps, run_streamed
+from benchmarks.forced_decode import forced_decode, text_windows
+from benchmarks.moe import uniform_belady_hit_rate
+from benchmarks.moe_decode import (
+    decode_hit_rate,
+    disk_read_gbps,
+    expert_budget,
+    record_routing,
+    replayed_hit_rates,
+    run_streamed,
+)
 from tests.support.make_model import ModelSpec, write_model
+from tests.support.make_moe_from_dense import write_moe_from_dense
+from tests.support.real_models import QWEN_CODER_15B, fetch
 from tierflow import Engine
 from tierflow.offload.plan.profile import cache_dir
 from tierflow.units import format_size, parse_size
@@ -73,9 +91,21 @@ FAMILIES = {
 }
 
 
+MOEFIED = "moefied"  # the real Qwen2.5-Coder-1.5B, MoEfied: 64 experts, top-8
+MOEFIED_CACHE = 0.25  # of its experts, its streamed run's cache
+
+
 def model_file(family: str, layers: int | None) -> tuple[Path, float]:
-    """The family's file at `layers` layers (all when None), written once; the fraction of the real
-    model's layers it holds."""
+    """The family's file at `layers` layers (all when None; the MoEfied model is always whole),
+    written once; the fraction of the real model's layers it holds."""
+    if family == MOEFIED:
+        path = cache_dir() / "bench" / "qwen2.5-coder-1.5b-moefied-64x8.gguf"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            print(f"writing {path} (about four minutes) ...", file=sys.stderr)
+            write_moe_from_dense(fetch(QWEN_CODER_15B), path.with_suffix(".tmp"), 64, 8, threads=2
+                                 ).rename(path)
+        return path, 1.0
     spec = FAMILIES[family]
     depth = layers or spec.num_layers
     types = spec.weight_type + (f"-{spec.expert_type}-experts" if spec.expert_type else "")
@@ -99,10 +129,14 @@ def median(samples: list[Sample], field: str) -> float:
 
 def measure_family(family: str, args: argparse.Namespace) -> dict:
     path, depth_fraction = model_file(family, args.layers)
-    cpu_memory = int(parse_size(args.cpu_memory) * depth_fraction)
+    cpu_memory = (expert_budget(path, args.threads, MOEFIED_CACHE, CONTEXT)[0] if family == MOEFIED
+                  else int(parse_size(args.cpu_memory) * depth_fraction))
     side_by_side = fits_side_by_side(path)
     with Engine.load(path, threads=args.threads, context_length=CONTEXT) as resident:
         prompt = build_prompt(resident, args.prompt_tokens)
+        windows = text_windows(resident, args.repeats + 1, args.prompt_tokens, args.decode_tokens)
+        routings = [record_routing(resident, *window) for window in windows[1:]]
+        expected = forced_decode(resident, *windows[0]).argmax  # the warm-up window's next tokens
         packed = resident.weights.packed
         expert_bytes = sum(x.nbytes for layer in packed.experts for x in layer)
         config = resident.config
@@ -115,7 +149,7 @@ def measure_family(family: str, args: argparse.Namespace) -> dict:
     if not side_by_side:
         with llama_cpp_model(path, args.threads) as llama:
             theirs = timed(lambda: run_llama_cpp(llama, prompt, args.decode_tokens), args.repeats)
-    streamed = measure_streamed(path, cpu_memory, prompt, expert_bytes, config, args)
+    streamed = measure_streamed(path, cpu_memory, windows, routings, expert_bytes, config, args)
     decode, prefill = median(ours, "decode_tokens_per_s"), median(ours, "prefill_tokens_per_s")
     llama_decode = median(theirs, "decode_tokens_per_s")
     llama_prefill = median(theirs, "prefill_tokens_per_s")
@@ -127,7 +161,7 @@ def measure_family(family: str, args: argparse.Namespace) -> dict:
         "llama_cpp": {"decode_tokens_per_s": llama_decode, "prefill_tokens_per_s": llama_prefill},
         "decode_vs_llama_cpp": decode / llama_decode, "prefill_vs_llama_cpp": prefill / llama_prefill,
         "streamed": streamed, "streamed_vs_resident": streamed["decode_tokens_per_s"] / decode,
-        "tokens_agree": streamed["tokens"] == ours[0].tokens,
+        "tokens_agree": streamed["warm_up_argmax"] == expected,
     }
 
 
@@ -151,33 +185,32 @@ def llama_cpp_model(path: Path, threads: int) -> Iterator[llama_cpp.Llama]:
         llama.close()
 
 
-def measure_streamed(path: Path, cpu_memory: int, prompt: list[int], expert_bytes: int, config,
-                     args: argparse.Namespace) -> dict:
+def measure_streamed(path: Path, cpu_memory: int, windows: list[tuple[list[int], list[int]]],
+                     routings: list, expert_bytes: int, config, args: argparse.Namespace) -> dict:
+    """One streamed engine: the first window warms it up, each of the others is a timed run."""
     with Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=cpu_memory) as engine:
         if engine.weights.experts is None:
             sys.exit(f"cpu_memory {format_size(cpu_memory)} holds every expert: nothing streams; "
                      "give a smaller --cpu-memory")
         cache_bytes = engine.weights.experts.nbytes
         fraction = cache_bytes / expert_bytes
-        # the warm-up's prompt is the resident runs' (their tokens must agree); each timed run has its own
-        prompts = [prompt, *text_prompts(engine, args.repeats, len(prompt))]
-        warm_up, *runs = [run_streamed(engine, ids, args.decode_tokens) for ids in prompts]
+        warm_up, *runs = [run_streamed(engine, *window) for window in windows]
         gbps = disk_read_gbps(engine)
     per_step = statistics.median(r[1]["read"] for r in runs)
     uses_per_step = expert_bytes * config.experts_used / config.num_experts
-    traces = [r[2] for r in (warm_up, *runs)]
-    optimum = warm_belady_hit_rate(traces, fraction)
-    least = (1 - optimum) * uses_per_step
+    replayed = replayed_hit_rates(routings, args.prompt_tokens, fraction)
+    least = (1 - replayed["clairvoyant"]) * uses_per_step
     return {
         "cpu_memory": cpu_memory, "expert_cache_bytes": cache_bytes, "cache_fraction": fraction,
-        "hit_rate": decode_hit_rate([r[1] for r in runs]),
-        "decode_tokens_per_s": statistics.median(r[0].decode_tokens_per_s for r in runs),
+        "hit_rate": decode_hit_rate([r[1] for r in runs]), "replayed_hit_rates": replayed,
+        "decode_tokens_per_s": statistics.median(r[0].tokens_per_s for r in runs),
         "bytes_read_per_token": per_step, "disk_read_gbps": gbps,
         "disk_bound_tokens_per_s": gbps * 1e9 / per_step if per_step else None,
-        "clairvoyant_hit_rate": optimum,
-        "clairvoyant_uniform_hit_rate": uniform_belady_hit_rate(traces, fraction, config.num_experts),
+        "clairvoyant_hit_rate": replayed["clairvoyant"],
+        "clairvoyant_uniform_hit_rate": uniform_belady_hit_rate([r.trace for r in routings], fraction,
+                                                                config.num_experts),
         "clairvoyant_bound_tokens_per_s": gbps * 1e9 / least if least else None,
-        "tokens": warm_up[0].tokens,
+        "warm_up_argmax": warm_up[0].argmax,
     }
 
 
@@ -199,8 +232,11 @@ def print_report(r: dict, scaled: bool) -> None:
           f"{r['streamed_vs_resident']:.2f}x resident (goal >= 0.5); "
           f"tokens {'agree' if r['tokens_agree'] else 'DIFFER'}")
     read = format_size(int(s['bytes_read_per_token']))
+    replayed = s["replayed_hit_rates"]
+    print(f"  the same routing through a fresh demand-only cache of this size: LRU {replayed['lru']:.1%}, "
+          f"LFU {replayed['lfu']:.1%}, score {replayed['score']:.1%}")
     print(f"  disk {s['disk_read_gbps']:.2f} GB/s, {read} read per step: reads allow "
-          f"{s['disk_bound_tokens_per_s'] or 0:.2f} tok/s; a clairvoyant cache of the same size, as warm, "
+          f"{s['disk_bound_tokens_per_s'] or 0:.2f} tok/s; a clairvoyant cache of the same size "
           f"hits {s['clairvoyant_hit_rate']:.1%}, allowing "
           f"{s['clairvoyant_bound_tokens_per_s'] or 0:.2f} tok/s; on uniformly random routing of the same "
           f"shape it would hit {s['clairvoyant_uniform_hit_rate']:.1%}, where no online cache beats "
@@ -209,7 +245,7 @@ def print_report(r: dict, scaled: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=[*FAMILIES, "all"], default="all")
+    parser.add_argument("--family", choices=[*FAMILIES, MOEFIED, "all"], default="all")
     parser.add_argument("--layers", type=int, help="cut the depth (every per-layer shape kept)")
     parser.add_argument("--cpu-memory", default="8GiB", help="the streamed run's budget at full depth")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -219,7 +255,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    families = list(FAMILIES) if args.family == "all" else [args.family]
+    families = [*FAMILIES, MOEFIED] if args.family == "all" else [args.family]
     reports = [measure_family(family, args) for family in families]
     if args.json:
         print(json.dumps(reports, indent=2))
