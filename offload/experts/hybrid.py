@@ -147,6 +147,8 @@ class HybridExperts(ExpertTier):
         if self.streamed is None:
             return self.ram[layer_idx][expert_id]
         read = self._reads[expert_id]
+        if not read.future.done():
+            self.waited_bytes += read.nbytes
         return read.weights(), read.data()
 
     def _weights(self, payload: _DeviceExpert) -> Weights:
@@ -172,7 +174,14 @@ class HybridExperts(ExpertTier):
             self.streamed.cache.predict(layer_idx, [e for e, _ in off_gpu], [c for _, c in off_gpu])
 
     def _prefetch(self, layer_idx: int, min_confidence: float) -> None:
-        (self.cache if self.streamed is None else self.streamed.cache).prefetch(layer_idx, min_confidence)
+        self._ahead_cache().prefetch(layer_idx, min_confidence)
+
+    def _fetched_bytes(self) -> int:
+        return self._ahead_cache().stats.fetched_bytes
+
+    def _ahead_cache(self) -> ExpertCache:
+        """The cache predictions fetch ahead into: the GPU's, or RAM's when the home is disk."""
+        return self.cache if self.streamed is None else self.streamed.cache
 
     def _release(self) -> None:
         self.cache.release()

@@ -9,8 +9,8 @@ NextLayerPredictor (prediction.py). A layer step, the same in both:
    are served another way (`_route`);
 3. gets those from the cache (hits at once, misses fetched), then starts fetching the next
    layer's predicted experts, so that fetches overlap this layer's compute: those predicted
-   with the confidence the PrefetchGate asks for now (prefetch_gate.py), which measures what
-   wrong guesses cost;
+   with the confidence the PrefetchGate asks for now (prefetch_gate.py), which counts what
+   tokens cost under each: the bytes fetched, and those of the reads the compute waited for;
 4. hands the experts to the decoder in groups it computes together: the cached ones at hand,
    then those whose reads arrived while the last group computed, then the others;
 5. releases them, and after the last layer it serves moves the cache's clock on by the step's tokens.
@@ -20,7 +20,6 @@ keeps a cache of them on the GPU over their home in RAM, or over a cache in RAM 
 disk (three tiers), and schedules each between the devices.
 """
 
-import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -43,7 +42,8 @@ class ExpertTier:
                                             config.rms_norm_eps, config.expert_gating)
         self.prefetch = True  # predict and fetch ahead (off: demand fetches only, for comparison)
         self.gate = PrefetchGate()  # how sure a prediction must be to be fetched ahead
-        self._token_started: float | None = None  # when the decode token in progress began
+        self.waited_bytes = 0  # of the fetches the compute waited for, so far
+        self._token_started: int | None = None  # the cost counted when the decode token in progress began
 
     @property
     def stats(self) -> CacheStats:
@@ -70,7 +70,10 @@ class ExpertTier:
         try:
             waiting = list(zip(cached, payloads))
             while waiting:
-                arrived = [item for item in waiting if self._arrived(item[1])] or waiting[:1]
+                arrived = [item for item in waiting if self._arrived(item[1])]
+                if not arrived:
+                    arrived = waiting[:1]
+                    self.waited_bytes += arrived[0][1].nbytes
                 waiting = [item for item in waiting if item not in arrived]
                 yield [(expert_id, self._weights(payload)) for expert_id, payload in arrived]
             rest = list(others)
@@ -80,7 +83,7 @@ class ExpertTier:
             self._release()
             if layer_idx == self.last_layer:
                 self._next_token(len(chosen))
-                self._time_token(len(chosen))
+                self._count_token(len(chosen))
 
     def _predict(self, layer_idx: int, expert_ids: np.ndarray, confidences: np.ndarray) -> None:
         """Records the prediction of layer `layer_idx`'s experts with the cache(s) it concerns."""
@@ -96,13 +99,17 @@ class ExpertTier:
     def _next_token(self, tokens: int) -> None:
         self.cache.next_token(tokens)
 
-    def _time_token(self, tokens: int) -> None:
-        """After a step's last layer: a decode token's seconds (from the end of the one before) go to
-        the gate; a pass of many tokens (a prompt, a verify pass) starts the clock over."""
-        now = time.perf_counter()
-        if tokens == 1 and self._token_started is not None and self.prefetch:
-            self.gate.update(now - self._token_started)
-        self._token_started = now if tokens == 1 else None
+    def _count_token(self, tokens: int) -> None:
+        """After a step's last layer: a decode token's cost (since the end of the one before) goes to
+        the gate; a pass of many tokens (a prompt, a verify pass) starts the count over."""
+        counted, started = self._fetched_bytes() + self.waited_bytes, self._token_started
+        if tokens == 1 and started is not None and self.prefetch and counted >= started:
+            self.gate.update(counted - started)  # less than started: the stats were reset in between
+        self._token_started = counted if tokens == 1 else None
+
+    def _fetched_bytes(self) -> int:
+        """The bytes fetched so far into the cache that predictions fetch ahead into."""
+        return self.cache.stats.fetched_bytes
 
     def _route(self, layer_idx: int, expert_tokens: dict[int, int]
                ) -> tuple[list[int], Iterator[tuple[int, Weights]]]:
