@@ -30,7 +30,7 @@ with cancel_unused an expert fetched only for a wrong prediction is dropped at o
 cancelled) rather than left to be counted a hit later by luck.
 """
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -147,19 +147,23 @@ class ExpertCache:
         self._resolve_predictions(layer_idx, step)
         self._pinned = {(layer_idx, e) for e in step}  # none of them is evicted to make room for another
         now, stats, payloads = self.tokens, self.stats.layer(layer_idx), []
-        for e, weight in step.items():
+        self.policy.step(layer_idx, now)
+        victims = None  # the policy's ranking for the step's misses, made at the first
+        for e in step:
             key = (layer_idx, e)
             entry = self._entries.get(key)
             if entry is None:
                 stats.misses += 1
-                entry = self._admit(key, protected=self._pinned, prefetch=False)
+                victims = victims or self.policy.victims(now, self._pinned)
+                entry = self._admit(key, victims, prefetch=False)
             else:
                 stats.hits += 1
                 if entry.prefetched:
                     entry.prefetched = False
                     self.stats.prefetch_used += 1
-            self.policy.use(key, now, weight)
             payloads.append(entry.payload)
+        for e, weight in step.items():  # after the misses: a use moves ranks, and one ranking served them
+            self.policy.use((layer_idx, e), now, weight)
         return payloads
 
     def release(self) -> None:
@@ -186,8 +190,8 @@ class ExpertCache:
                         key=lambda k: -self._predicted[k])
         protected = self._pinned | self._predicted.keys()  # never evict one prediction for another
         fetched = []
-        for key in wanted:
-            if self._admit(key, protected, prefetch=True) is not None:
+        for key in wanted:  # a ranking each: a victim one refuses stays the next one's to weigh
+            if self._admit(key, self.policy.victims(self.tokens, protected), prefetch=True) is not None:
                 fetched.append(key)
         return fetched
 
@@ -222,14 +226,15 @@ class ExpertCache:
         if resolved:
             self.policy.set_predictions(self._predicted)
 
-    def _admit(self, key: ExpertKey, protected: set[ExpertKey], prefetch: bool) -> _Entry | None:
-        """Makes room for `key` and fetches it. A prefetch evicts only experts the policy ranks
-        below it; if it cannot have the room it needs, it evicts nothing and returns None."""
+    def _admit(self, key: ExpertKey, ranked: Iterator[ExpertKey], prefetch: bool) -> _Entry | None:
+        """Makes room for `key`, evicting from `ranked` (the policy's victims, worst first), and
+        fetches it. A prefetch evicts only experts the policy ranks below it; if it cannot have
+        the room it needs, it evicts nothing and returns None."""
         nbytes = self._expert_bytes(key)
         self._check_fits(nbytes, key)
         now, victims, freed = self.tokens, [], 0
         while self.used_bytes - freed + nbytes > self.budget_bytes:
-            victim = self.policy.victim(now, protected.union(victims) if victims else protected)
+            victim = next(ranked, None)
             if prefetch and (victim is None or not self.policy.admits(key, victim, now)):
                 return None
             if victim is None:

@@ -48,8 +48,9 @@ groups' lowest; predicted experts (a few per predicted layer) are ranked apart, 
 """
 
 import heapq
+import itertools
 import math
-from collections.abc import Collection, Container, Mapping
+from collections.abc import Collection, Container, Iterator, Mapping
 
 ExpertKey = tuple[int, int]  # (layer_idx, expert_idx)
 
@@ -71,6 +72,9 @@ class CachePolicy:
         """`key` became resident (a demand miss or a prefetch), before any use is recorded."""
         self._push(key, now)
 
+    def step(self, layer_idx: int, now: int) -> None:
+        """Layer `layer_idx`'s step at token `now` begins: its evictions and uses follow."""
+
     def use(self, key: ExpertKey, now: int, weight: float = 1.0) -> None:
         """`key` was used by its layer's step at token `now` (with its router weight, if known)."""
         self._record_use(key, now, weight)
@@ -90,6 +94,15 @@ class CachePolicy:
         """The resident key to evict, outside `protected`; None when there is none."""
         lowest = [entry for heap in self._heaps.values() if (entry := self._lowest(heap, protected))]
         return min(lowest)[2] if lowest else None
+
+    def victims(self, now: int, protected: Collection[ExpertKey] = ()) -> Iterator[ExpertKey]:
+        """The resident keys outside `protected`, worst first, as far as the caller reads: what
+        victim() names again and again as each is evicted. One ranking serves the misses of a layer
+        step, whose uses are recorded after them (ranks move only with uses, predictions and time)."""
+        taken: set[ExpertKey] = set()
+        while (key := self.victim(now, {*protected, *taken})) is not None:
+            taken.add(key)
+            yield key
 
     def _lowest(self, heap: list, protected: Container[ExpertKey]) -> tuple[object, int, ExpertKey] | None:
         """The heap's lowest live entry outside `protected`, left in the heap."""
@@ -198,17 +211,19 @@ class ScorePolicy(CachePolicy):
         """D(x): the expected number of tokens until `key` is next used (the score; higher goes)."""
         return self._steps_to(key[0]) + 1 / max(self.probability(key, now), 1e-9) - 1
 
-    def use(self, key: ExpertKey, now: int, weight: float = 1.0) -> None:
-        layer_idx = key[0]
+    def step(self, layer_idx: int, now: int) -> None:
         self._layer_idx, self._num_layers = layer_idx, max(self._num_layers, layer_idx + 1)
         token, previous, latest = self._steps.get(layer_idx, (-1, set(), set()))
-        if token != now:  # this layer's first use at this token: a new step
-            previous, token = latest, now
-            self._steps[layer_idx] = (token, previous, latest := set())
+        if token != now:  # this layer's first step at this token
+            self._steps[layer_idx] = (now, latest, set())
             self._reused *= self.REUSE_DECAY
-            self._offered = self._offered * self.REUSE_DECAY + len(previous)
-            for old in previous & self._stamp.keys():
+            self._offered = self._offered * self.REUSE_DECAY + len(latest)
+            for old in latest & self._stamp.keys():
                 self._push(old, now)  # into the layer's heap of keys its latest step did not use
+
+    def use(self, key: ExpertKey, now: int, weight: float = 1.0) -> None:
+        self.step(key[0], now)
+        _, previous, latest = self._steps[key[0]]
         self._reused += key in previous and key not in latest
         latest.add(key)
         super().use(key, now, weight)
@@ -220,25 +235,36 @@ class ScorePolicy(CachePolicy):
         return self.reuse_distance(key, now) < self.reuse_distance(victim, now)
 
     def victim(self, now: int, protected: Collection[ExpertKey] = ()) -> ExpertKey | None:
-        # A prediction changes a key's rank within its heap, so predicted keys are ranked apart.
-        skip = {*protected, *self._predicted} if self._predicted else protected
-        found, worst = None, -math.inf
-        reuse, decayed = self.reuse_rate, self._g * now
-        for (layer_idx, latest), heap in self._heaps.items():
-            entry = self._lowest(heap, skip)
+        return next(self.victims(now, protected), None)
+
+    def victims(self, now: int, protected: Collection[ExpertKey] = ()) -> Iterator[ExpertKey]:
+        # Each group's lowest key ranked by its distance, merged: a victim's group offers its next
+        # one. A prediction changes a key's rank within its heap, so predicted keys are ranked apart.
+        skip = {*protected, *self._predicted}
+        reuse, decayed, order = self.reuse_rate, self._g * now, itertools.count()
+        ranked: list[tuple[float, int, object, ExpertKey]] = []  # (-distance, order, group or None, key)
+
+        def offer(group: tuple[int, bool]) -> None:
+            entry = self._lowest(self._heaps[group], skip)
             if entry is None:
-                continue
-            # reuse_distance of a key no prediction names, from its heap entry (its live priority is
-            # the log-count) and its group: a decode step evicts for every miss, among ~2 groups per layer
+                return
+            # reuse_distance from the heap entry (its priority is the live log-count) and the group
             history = self._rate * math.exp(entry[0] - decayed) if entry[0] > -math.inf else 0.0
-            p = min(max(history, reuse) if latest else history, 1.0)
-            distance = self._steps_to(layer_idx) + 1 / max(p, 1e-9) - 1
-            if distance > worst:
-                found, worst = entry[2], distance
+            p = min(max(history, reuse) if group[1] else history, 1.0)
+            distance = self._steps_to(group[0]) + 1 / max(p, 1e-9) - 1
+            heapq.heappush(ranked, (-distance, next(order), group, entry[2]))
+
+        for group in list(self._heaps):
+            offer(group)
         for key in self._predicted:
-            if key in self._stamp and key not in protected and (d := self.reuse_distance(key, now)) > worst:
-                found, worst = key, d
-        return found
+            if key in self._stamp and key not in protected:
+                heapq.heappush(ranked, (-self.reuse_distance(key, now), next(order), None, key))
+        while ranked:
+            _, _, group, key = heapq.heappop(ranked)
+            yield key
+            skip.add(key)
+            if group is not None:
+                offer(group)
 
     def _steps_to(self, layer_idx: int) -> float:
         """s(x) / L for a key of layer `layer_idx`: the share of a token until its layer comes round."""
