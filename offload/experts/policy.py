@@ -3,7 +3,9 @@
 The cache (offload/experts/expert_cache.py) owns the bytes; a policy only ranks keys, (layer_idx,
 expert_idx) pairs, and names a victim when the cache needs room. A key's rank within its group
 changes only when the key is touched, so each group is a heap with lazy deletion and a victim
-costs O(groups + log n), however many experts are resident (a large MoE has thousands).
+costs O(groups + log n), however many experts are resident (a large MoE has thousands). A layer
+step's misses share one ranking (`victims`): the cache tells the policy the step began (`step`),
+evicts for all its misses, then records its uses, since only uses, predictions and time move ranks.
 
 - LRU: the least recently touched expert goes first; the baseline.
 - LFU: the expert used least often goes first (ties: least recent). Counts outlive eviction
@@ -44,7 +46,8 @@ Within a group, a layer's keys that its latest step used or those it did not, s 
 recency term are shared and D falls as f rises; f changes at a use but its order does not
 change with time, so the heap stores ln(count) + g * t_u with g = -ln(decay): comparing those
 is comparing the decayed counts at any common later time. The victim is the worst of the
-groups' lowest; predicted experts (a few per predicted layer) are ranked apart, by a scan.
+groups' lowest (the next one, the worst of those left, its group offering its next key);
+predicted experts (a few per predicted layer) are ranked apart, by a scan.
 """
 
 import heapq
