@@ -146,7 +146,8 @@ def set_expert_options(engine: Engine, args: argparse.Namespace) -> None:
     for cache in {experts.cache, experts.streamed.cache}:  # one streamed, two on three tiers (GPU, RAM)
         cache.policy = make_policy(args.policy)
     experts.prefetch = args.prefetch != "none"
-    experts.gate = PrefetchGate(fixed=args.prefetch == "all")
+    if args.prefetch == "all":
+        experts.gate = PrefetchGate(start=0, fixed=True)
 
 
 def run_counted(engine: Engine, prompt: list[int], text: list[int], counts: Callable[[], dict[str, int]],

@@ -19,8 +19,9 @@ def run(gate: PrefetchGate, cost_at, tokens: int) -> list[float]:
     return seen
 
 
-def test_the_gate_starts_by_fetching_every_prediction():
-    assert PrefetchGate().threshold == 0.0
+def test_the_gate_starts_by_fetching_nothing_ahead():
+    gate = PrefetchGate()
+    assert gate.threshold > 1.0 and not gate.reads_ahead
 
 
 def test_the_gate_stops_prefetching_where_every_guess_makes_tokens_cost_more():

@@ -98,6 +98,24 @@ class CacheStats:
         return self.predictions_right / made if made else 0.0
 
 
+class _Ranking:
+    """A policy's victims, worst first (CachePolicy.victims), read one at a time: the next one can
+    be looked at before it is taken, so that a victim one prefetch refused is the next one's to
+    weigh. One ranking serves a layer step's misses, or a prefetch's predictions."""
+
+    def __init__(self, victims: Iterator[ExpertKey]):
+        self._victims, self._next = victims, None
+
+    def peek(self) -> ExpertKey | None:
+        if self._next is None:
+            self._next = next(self._victims, None)
+        return self._next
+
+    def take(self) -> ExpertKey | None:
+        victim, self._next = self.peek(), None
+        return victim
+
+
 @dataclass
 class _Entry:
     payload: Payload
@@ -148,14 +166,14 @@ class ExpertCache:
         self._pinned = {(layer_idx, e) for e in step}  # none of them is evicted to make room for another
         now, stats, payloads = self.tokens, self.stats.layer(layer_idx), []
         self.policy.step(layer_idx, now)
-        victims = None  # the policy's ranking for the step's misses, made at the first
+        ranked = None  # the policy's ranking for the step's misses, made at the first
         for e in step:
             key = (layer_idx, e)
             entry = self._entries.get(key)
             if entry is None:
                 stats.misses += 1
-                victims = victims or self.policy.victims(now, self._pinned)
-                entry = self._admit(key, victims, prefetch=False)
+                ranked = ranked or _Ranking(self.policy.victims(now, self._pinned))
+                entry = self._admit(key, ranked, prefetch=False)
             else:
                 stats.hits += 1
                 if entry.prefetched:
@@ -189,11 +207,8 @@ class ExpertCache:
                          and (layer_idx is None or k[0] == layer_idx) and confidence >= min_confidence),
                         key=lambda k: -self._predicted[k])
         protected = self._pinned | self._predicted.keys()  # never evict one prediction for another
-        fetched = []
-        for key in wanted:  # a ranking each: a victim one refuses stays the next one's to weigh
-            if self._admit(key, self.policy.victims(self.tokens, protected), prefetch=True) is not None:
-                fetched.append(key)
-        return fetched
+        ranked = _Ranking(self.policy.victims(self.tokens, protected)) if wanted else None
+        return [key for key in wanted if self._admit(key, ranked, prefetch=True) is not None]
 
     def forget(self, unusable: Callable[[Payload], bool]) -> None:
         """Drops every expert whose payload `unusable` says never arrived (a read that failed), so
@@ -226,17 +241,19 @@ class ExpertCache:
         if resolved:
             self.policy.set_predictions(self._predicted)
 
-    def _admit(self, key: ExpertKey, ranked: Iterator[ExpertKey], prefetch: bool) -> _Entry | None:
+    def _admit(self, key: ExpertKey, ranked: "_Ranking", prefetch: bool) -> _Entry | None:
         """Makes room for `key`, evicting from `ranked` (the policy's victims, worst first), and
         fetches it. A prefetch evicts only experts the policy ranks below it; if it cannot have
-        the room it needs, it evicts nothing and returns None."""
+        the room it needs, it evicts nothing and returns None (a victim it refused stays first in
+        the ranking)."""
         nbytes = self._expert_bytes(key)
         self._check_fits(nbytes, key)
         now, victims, freed = self.tokens, [], 0
         while self.used_bytes - freed + nbytes > self.budget_bytes:
-            victim = next(ranked, None)
+            victim = ranked.peek()
             if prefetch and (victim is None or not self.policy.admits(key, victim, now)):
                 return None
+            ranked.take()
             if victim is None:
                 raise BudgetError(f"the expert cache ({format_size(self.budget_bytes)}) cannot take expert "
                                   f"{key}: the {len(self._pinned)} experts of one get() do not fit; "

@@ -14,7 +14,11 @@ saving its bytes once; so a threshold pays where its guesses are right more ofte
 the disk's speed, which only scales both, does not enter. Wall time would: it varies 2x between
 identical tokens on a shared machine, more than the choice it is meant to inform.
 
-Each unmeasured neighbour of the best is tried at once, and after that a neighbour (the one above
+The gate starts where nothing is read ahead, and a token under that threshold makes no prediction
+either (the early router and the affinity tables cost a streamed decode token 15% of its time on
+two cores, for nothing when no guess is read): a fresh engine's first tokens read no wrong guess,
+and the thresholds below are tried as the cost of each proves itself. Each unmeasured neighbour of
+the best is tried at once, and after that a neighbour (the one above
 and the one below in turn) every EXPLORE_EVERY tokens, so the averages near the best stay current
 as the text and the cache's contents change. A threshold, once chosen, stays for TRIAL tokens: how
 many experts a token misses varies with its routing, and one token says little. Prefetching changes
@@ -22,13 +26,14 @@ only what is read when, never a token's result.
 """
 
 THRESHOLDS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.01)  # the last fetches nothing ahead
+NOTHING_AHEAD = len(THRESHOLDS) - 1
 SMOOTHING = 0.25  # weight of the newest token in the moving averages
 EXPLORE_EVERY = 16  # decode tokens between tries of a neighbouring threshold
 TRIAL = 4  # decode tokens a threshold stays in force once chosen
 
 
 class PrefetchGate:
-    def __init__(self, start: int = 0, fixed: bool = False):
+    def __init__(self, start: int = NOTHING_AHEAD, fixed: bool = False):
         """start: the index in THRESHOLDS of the first threshold in force; fixed: it stays (for
         comparisons), only measured."""
         self.current, self.fixed = start, fixed
@@ -41,6 +46,11 @@ class PrefetchGate:
     def threshold(self) -> float:
         """The least confidence a prediction needs to be fetched ahead now."""
         return THRESHOLDS[self.current]
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether any prediction is fetched ahead now (if not, none need be made)."""
+        return self.current != NOTHING_AHEAD
 
     @property
     def best(self) -> float:
