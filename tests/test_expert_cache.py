@@ -111,6 +111,27 @@ def test_score_policy_does_not_thrash_where_lru_does():
     assert rates["score"] > 0.45
 
 
+@pytest.mark.parametrize("policy_name", sorted(POLICIES))
+def test_one_ranking_names_the_victims_that_evicting_one_at_a_time_would(policy_name):
+    rng = np.random.default_rng(0)
+    policy = POLICIES[policy_name]()
+    for now in range(40):  # 4 layers of 16 experts, 3 a step, skewed towards the low ids
+        for layer_idx in range(4):
+            policy.step(layer_idx, now)
+            for expert in rng.choice(16, 3, replace=False, p=np.arange(16, 0, -1) / 136):
+                policy.insert((layer_idx, int(expert)), now)
+                policy.use((layer_idx, int(expert)), now)
+    policy.set_predictions({(1, 0): 0.9, (2, 5): 0.4})
+    protected = {(3, 0), (3, 1)}
+    ranked = list(policy.victims(40, protected))
+    one_at_a_time = []
+    while (victim := policy.victim(40, protected)) is not None:
+        one_at_a_time.append(victim)
+        policy.remove(victim)
+    assert ranked == one_at_a_time
+    assert not protected & set(ranked)
+
+
 def test_score_is_the_expected_reuse_distance():
     policy = ScorePolicy(half_life_tokens=1.0)
     policy.insert((0, 0), 0)
