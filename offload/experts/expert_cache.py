@@ -207,7 +207,7 @@ class ExpertCache:
                          and (layer_idx is None or k[0] == layer_idx) and confidence >= min_confidence),
                         key=lambda k: -self._predicted[k])
         protected = self._pinned | self._predicted.keys()  # never evict one prediction for another
-        ranked = _Ranking(self.policy.victims(self.tokens, protected)) if wanted else None
+        ranked = _Ranking(self.policy.victims(self.tokens, protected))  # ranks nothing until read
         return [key for key in wanted if self._admit(key, ranked, prefetch=True) is not None]
 
     def forget(self, unusable: Callable[[Payload], bool]) -> None:
@@ -241,7 +241,7 @@ class ExpertCache:
         if resolved:
             self.policy.set_predictions(self._predicted)
 
-    def _admit(self, key: ExpertKey, ranked: "_Ranking", prefetch: bool) -> _Entry | None:
+    def _admit(self, key: ExpertKey, ranked: _Ranking, prefetch: bool) -> _Entry | None:
         """Makes room for `key`, evicting from `ranked` (the policy's victims, worst first), and
         fetches it. A prefetch evicts only experts the policy ranks below it; if it cannot have
         the room it needs, it evicts nothing and returns None (a victim it refused stays first in

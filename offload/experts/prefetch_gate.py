@@ -18,8 +18,8 @@ The gate starts where nothing is read ahead, and a token under that threshold ma
 either (the early router and the affinity tables cost a streamed decode token 15% of its time on
 two cores, for nothing when no guess is read): a fresh engine's first tokens read no wrong guess,
 and the thresholds below are tried as the cost of each proves itself. Each unmeasured neighbour of
-the best is tried at once, and after that a neighbour (the one above
-and the one below in turn) every EXPLORE_EVERY tokens, so the averages near the best stay current
+the best is tried at once, and after that a neighbour (the one above and the one below in turn)
+every EXPLORE_EVERY tokens, so the averages near the best stay current
 as the text and the cache's contents change. A threshold, once chosen, stays for TRIAL tokens: how
 many experts a token misses varies with its routing, and one token says little. Prefetching changes
 only what is read when, never a token's result.
