@@ -15,8 +15,8 @@ from tests.support.live_server import running_server
 from tests.support.make_model import write_f32_copy
 from tests.support.oracle import llama_cpp_model
 from tests.support.real_models import GEMMA3_270M, QWEN_CODER_05B, QWEN_CODER_15B, fetch
-from tests.support.test_cache import use_test_cache
-from tierflow.offload.pack import writer
+from tests.support.test_cache import use_test_cache, write_test_profiles
+from tierflow.offload.pack import pack_cache, writer
 from tierflow.offload.store.model_path import bundled_model_path
 
 # Set at import, before any test or subprocess, so the CLI and server processes inherit them.
@@ -34,6 +34,19 @@ def home(tmp_path, monkeypatch) -> Path:
     for name in ("OLLAMA_MODELS", "HF_HOME", "HF_HUB_CACHE", "TIERFLOW_PRESETS", "XDG_CONFIG_HOME"):
         monkeypatch.delenv(name, raising=False)
     return home
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """A cache folder of the test's own, with the test profiles (no load measures the machine) and
+    no cap on its size. In the run's shared folder a pack an earlier test's deleted model left can
+    sit under the name a new model's reused inode gives: a test of when packs are built needs its
+    own folder."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("TIERFLOW_CACHE", str(folder))
+    monkeypatch.delenv(pack_cache.CAP_VARIABLE, raising=False)
+    write_test_profiles()
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,6 @@ from tests.support.damage import flip_byte
 from tests.support.make_model import write_model
 from tests.support.model_spec import ModelSpec
 from tests.support.packs import written_pack
-from tests.support.test_cache import TEST_PROFILE
 from tierflow.cli.app import app
 from tierflow.errors import BudgetError, InvalidArgumentError
 from tierflow.offload.gguf.model_file import open_model_file
@@ -34,20 +33,12 @@ from tierflow.offload.pack import pack_cache as cache
 from tierflow.offload.pack.pack_cache import pack_path, packs_folder
 from tierflow.offload.pack.reader import PackedFile
 from tierflow.offload.pack.writer import open_pack, pack_sizes
-from tierflow.offload.plan.profile import HardwareProfile, profile_path
 from tierflow.units import format_size
 
 SPEC = ModelSpec(num_layers=2, hidden_size=128, ffn_size=256, num_heads=4, num_kv_heads=2)
 
 
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch) -> Path:
-    """A cache folder of the test's own, with the test profile (no load measures the machine)."""
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("TIERFLOW_CACHE", str(folder))
-    monkeypatch.delenv(cache.CAP_VARIABLE, raising=False)
-    profile_path(1).write_text(HardwareProfile(threads=1, **TEST_PROFILE).to_json())
-    return folder
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 @pytest.fixture

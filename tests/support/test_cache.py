@@ -18,5 +18,10 @@ def use_test_cache() -> None:
     it) holding TEST_PROFILE for 1 and 2 threads."""
     os.environ["TIERFLOW_CACHE"] = tempfile.mkdtemp(prefix="tierflow-test-cache-")
     atexit.register(shutil.rmtree, os.environ["TIERFLOW_CACHE"], ignore_errors=True)
+    write_test_profiles()
+
+
+def write_test_profiles() -> None:
+    """TEST_PROFILE for 1 and 2 threads, in the cache folder TIERFLOW_CACHE names."""
     for threads in (1, 2):
         profile_path(threads).write_text(HardwareProfile(threads=threads, **TEST_PROFILE).to_json())
