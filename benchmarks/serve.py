@@ -228,7 +228,7 @@ def concurrency(args) -> None:
     counts = sorted({1, *(int(n) for n in args.clients.split(","))})
     model, options = args.model, ["--parallel", str(max(counts))]
     if args.streamed:
-        from benchmarks.speculative import CONTEXT, bench_files, quarter_resident_budget
+        from benchmarks.speculative import CONTEXT, bench_files, resident_share_budget
         from tierflow.kv_types import kv_type
         from tierflow.offload.gguf.model_file import open_model_file
         from tierflow.offload.plan.budgets import kv_cache_bytes
@@ -236,7 +236,7 @@ def concurrency(args) -> None:
         model = str(bench_files()[2])
         with open_model_file(model) as opened:
             more_caches = (max(counts) - 1) * kv_cache_bytes(opened.config, CONTEXT, kv_type("f16"))
-        budget = quarter_resident_budget(Path(model)) + more_caches  # its caches beside the first's
+        budget = resident_share_budget(Path(model)) + more_caches  # its caches beside the first's
         options += ["--cpu-memory", str(budget)]
     server, port = start_server(model, args.threads, *options)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600)

@@ -1,8 +1,8 @@
 """Speculative decoding: greedy decode tokens/s with and without a draft, same prompts, one run.
 
-    python -m benchmarks.speculative [--threads 2] [--tokens 96] [--cases resident,streamed,f32,fresh]
+    python -m benchmarks.speculative [--threads 2] [--tokens 96] [--cases resident,streamed,f32,fresh,real]
 
-Four settings, each against the same target without a draft, in this run:
+Five settings, each against the same target without a draft, in this run:
 - resident: the bundled SmolLM2-135M-Instruct (Q4_1) in RAM; drafts: prompt lookup ("ngram"),
   its own 3-bit conversion (`tierflow convert --bits 3`, made here once) as a chain and a tree,
   and "auto" (prompt lookup or the self-draft).
@@ -19,6 +19,12 @@ Four settings, each against the same target without a draft, in this run:
   with tokens per pass, the draft's and the target's seconds and the share of the draft's time
   hidden under the target's reads. Before each load the pair's learned prior is removed (a first
   load ever) unless --keep-learned.
+- real: a real pair, Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) with Qwen2.5-Coder-0.5B-Instruct (Q5_0,
+  the same vocabulary) as its draft (tests/support/real_models.py fetches both), resident and with
+  a third of the target's weights in RAM (the draft's memory beside it); each of three chat
+  prompts (code, prose, a list) on a fresh engine per draft, whatever the pair learned before
+  removed, its first --tokens greedy tokens; each draft's speed-up with the one the load predicted
+  (its notice), tokens per pass, draft and verify seconds.
 Every run's tokens are checked equal to the target's own. The figures of the first three are the
 median of --repeats runs after two warm-up generations (from which the tree sizing starts
 learning).
@@ -26,11 +32,13 @@ learning).
 
 import argparse
 import math
+import re
 import statistics
 from pathlib import Path
 
 from tests.support.budgets import ram_beside_weights
 from tests.support.make_model import write_f32_copy
+from tests.support.real_models import QWEN_CODER_05B, QWEN_CODER_15B, fetch
 from tierflow import Engine
 from tierflow.offload.gguf.convert import convert_model
 from tierflow.offload.gguf.model_file import open_model_file
@@ -64,14 +72,14 @@ def bench_files() -> tuple[Path, Path, Path]:
     return target, three_bit, f32
 
 
-def quarter_resident_budget(model: Path) -> int:
-    """cpu_memory that keeps the embeddings, a quarter of the layer bytes and a streaming ring,
+def resident_share_budget(model: Path, share: float = 0.25) -> int:
+    """cpu_memory that keeps the embeddings, `share` of the layer bytes and a streaming ring,
     beside the KV cache and activations of CONTEXT tokens."""
     with open_model_file(model) as opened:
         sizes = pack_sizes(opened)
     globals_, layers = sizes.globals, sizes.layers
     largest = max(layer.nbytes for layer in layers)
-    weights = globals_.nbytes + sum(layer.nbytes for layer in layers) // 4 + 3 * largest
+    weights = globals_.nbytes + int(sum(layer.nbytes for layer in layers) * share) + 3 * largest
     return weights + ram_beside_weights(model, CONTEXT)
 
 
@@ -131,7 +139,7 @@ def fresh_engines(model: Path, draft: Path, prompts: dict, args) -> None:
     tokens measure it), run just before it: a shared machine's load then weighs on both alike.
     Three drafts: the draft file, the target's own first layers ("self", within the target's
     budget) and "auto:" the file."""
-    budget, extra = quarter_resident_budget(model), draft_bytes(model, draft)
+    budget, extra = resident_share_budget(model), draft_bytes(model, draft)
     with Engine.load(model, threads=args.threads, context_length=CONTEXT) as resident:
         expected = {label: resident.generate(prompt, max_tokens=args.first + args.then, temperature=0).tokens
                     for label, prompt in prompts.items()}
@@ -163,6 +171,56 @@ def fresh_engines(model: Path, draft: Path, prompts: dict, args) -> None:
         print(f"| geometric mean | | {' | '.join(means)} |")
 
 
+REAL_PROMPTS = {
+    "code": "Write a Python function that merges two sorted lists into one sorted list, with type hints "
+            "and a docstring.",
+    "prose": "Explain in one paragraph why the sky is blue.",
+    "a list": "List ten common Linux shell commands, one per line, each with a short description.",
+}
+
+
+def forget_everything_learned(target: Path) -> None:
+    """Removes what any load of `target` with any draft learned: the next load is a first one."""
+    for learned in cache_dir("speculation").glob(f"{target.stem}.*.json"):
+        learned.unlink()
+
+
+def predicted_speedup(engine: Engine) -> str:
+    """The speed-up the load predicted for its draft, as its notice says it."""
+    found = [re.search(r"([0-9.]+)x a decode without a draft", notice) for notice in engine.notices]
+    return next((f"{match[1]}x" for match in found if match), "none")
+
+
+def real_pair(args) -> None:
+    """The real pair (see the module docstring), resident and streamed: a table per setting."""
+    target, draft = fetch(QWEN_CODER_15B), fetch(QWEN_CODER_05B)
+    streamed, extra = resident_share_budget(target, 1 / 3), draft_bytes(target, draft)
+    drafts = {draft.name: draft, "ngram": "ngram", "auto": f"auto:{draft}"}
+    for setting, memory in (("resident", None), (f"{format_size(streamed)} resident, the rest streamed",
+                                                 streamed)):
+        print(f"\n## {target.name}, {setting}; draft {draft.name} ({format_size(extra)} beside it), "
+              f"fresh engines, {args.tokens} greedy tokens\n")
+        print(f"| prompt | target alone | {' | '.join(drafts)} |")
+        print("|---|---|" + "---|" * len(drafts))
+        for label, text in REAL_PROMPTS.items():
+            messages = [{"role": "user", "content": text}]
+            with Engine.load(target, threads=args.threads, context_length=CONTEXT,
+                             cpu_memory=memory) as alone:
+                expected = alone.chat(messages, max_tokens=args.tokens, temperature=0)
+            base, cells = expected.stats.decode_tokens_per_s, []
+            for name, asked in drafts.items():
+                forget_everything_learned(target)
+                beside = 0 if asked == "ngram" else extra
+                with Engine.load(target, threads=args.threads, context_length=CONTEXT, draft=asked,
+                                 cpu_memory=memory and memory + beside) as engine:
+                    result = engine.chat(messages, max_tokens=args.tokens, temperature=0)
+                    predicted = predicted_speedup(engine)
+                assert result.tokens == expected.tokens, f"{label}, {name}: the draft changed the output"
+                cells.append(f"**{result.stats.decode_tokens_per_s / base:.2f}x** (predicted {predicted}), "
+                             f"{segment(result.stats)}")
+            print(f"| {label} | {base:.2f} tok/s | {' | '.join(cells)} |", flush=True)
+
+
 def draft_bytes(target: Path, draft: Path) -> int:
     """The draft's weights in RAM and what its cache and activations keep beside them."""
     with Engine.load(target, threads=1, context_length=CONTEXT, draft=draft) as engine:
@@ -174,13 +232,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--cases", default="resident,streamed,f32,fresh")
+    parser.add_argument("--cases", default="resident,streamed,f32,fresh,real")
     parser.add_argument("--first", type=int, default=64)
     parser.add_argument("--then", type=int, default=256)
     parser.add_argument("--keep-learned", action="store_true")
     args = parser.parse_args()
-    target, three_bit, f32 = bench_files()
     cases = args.cases.split(",")
+    if "real" in cases:
+        real_pair(args)
+    if not set(cases) & {"resident", "streamed", "f32", "fresh"}:
+        return
+    target, three_bit, f32 = bench_files()
     if "resident" in cases:
         compare("target in RAM", target, {
             "target alone": {}, "+ ngram": {"draft": "ngram"},
@@ -190,7 +252,7 @@ def main() -> None:
     for case, model, draft in (("streamed", target, three_bit), ("f32", f32, target)):
         if case not in cases:
             continue
-        budget, extra = quarter_resident_budget(model), draft_bytes(model, draft)
+        budget, extra = resident_share_budget(model), draft_bytes(model, draft)
         compare(f"{model.name} streamed, {format_size(budget)} resident; draft {draft.name} "
                 f"({format_size(extra)}) beside it", model, {
                     "target alone": {"cpu_memory": budget},

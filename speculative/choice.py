@@ -124,8 +124,10 @@ class Candidate:
 class AutoSpeculator:
     """A Speculator that runs one of its candidates: see the module docstring for which."""
 
-    def __init__(self, candidates: Sequence[Candidate]):
+    def __init__(self, candidates: Sequence[Candidate], plain: float):
+        """plain: the predicted tokens/s of a decode step without a draft."""
         self.candidates = sorted(candidates, key=lambda c: -c.predicted)
+        self.plain = plain
         self.current = self.candidates[0]
         self.settled = len(self.candidates) == 1
         self._lock = threading.Lock()  # generations running together count their passes here
@@ -133,8 +135,13 @@ class AutoSpeculator:
     def describe(self) -> str:
         """The choice and why, for the load's notices."""
         others = ", ".join(f"{c.name} {c.predicted:.1f}" for c in self.candidates[1:])
-        return (f"draft: {self.current.name} first, predicted {self.current.predicted:.1f} tokens/s"
+        return (f"draft: {self.current.name} first, predicted {self.current.predicted:.1f} tokens/s, "
+                f"{self.predicted_speedup():.2f}x a decode without a draft"
                 + (f" (others predicted: {others})" if others else ""))
+
+    def predicted_speedup(self) -> float:
+        """The first candidate's predicted tokens/s over a plain decode step's."""
+        return self.candidates[0].predicted / self.plain
 
     def save(self) -> None:
         """Keeps what each candidate's passes measured for the next load of its pair."""
@@ -190,6 +197,9 @@ class Predictions:
         return predicted_tokens_per_s(self_acceptance(depth, self.num_layers), self.verify.seconds(1, depth),
                                       self.verify.seconds, self.most)
 
+    def plain(self) -> float:
+        return 1.0 / self.verify.seconds(1)
+
     def ngram(self) -> float:
         return predicted_tokens_per_s(ACCEPTANCE_PRIOR["ngram"], 0.0, self.verify.seconds, MAX_GUESSES)
 
@@ -229,7 +239,11 @@ def draft_speculator(request: DraftRequest, target: ModelFile, sizes: PackSizes,
     if request.kind == "mtp":
         return Speculator(mtp_draft(target, loaded, draft_width(shape)), model_budget(shape, tokens)), ()
     if request.kind in ("ngram", "file"):
-        return make_speculator(drafted and drafted.generator, shape, tokens, vocab_size, prior(drafted)), ()
+        speculator = make_speculator(drafted and drafted.generator, shape, tokens, vocab_size, prior(drafted))
+        speedup = speculator.predicted_speedup()
+        name = drafted.path.name if drafted is not None else "prompt lookup"
+        return speculator, (() if speedup is None else
+                            (f"draft: {name}, predicted {speedup:.2f}x a decode without a draft",))
     selves = _self_speculators(request, loaded, shape, tokens)
     if request.layers is not None:
         return selves[request.layers], ()
@@ -242,7 +256,7 @@ def draft_speculator(request: DraftRequest, target: ModelFile, sizes: PackSizes,
     if request.kind == "auto" and drafted is not None:
         speculator = make_speculator(drafted.generator, shape, tokens, vocab_size, prior(drafted))
         candidates.append(Candidate(drafted.path.name, speculator, predicted.file()))
-    chooser = AutoSpeculator(candidates)
+    chooser = AutoSpeculator(candidates, predicted.plain())
     return chooser, (chooser.describe(),)
 
 

@@ -46,9 +46,13 @@ class SizePredictions:
     gained: dict[int, float]
     seconds: dict[int, float]
 
+    def rate(self, size: int) -> float:
+        """Predicted tokens/s at `size`."""
+        return self.gained[size] / self.seconds[size]
+
     @property
     def best(self) -> int:
-        return max(self.gained, key=lambda size: self.gained[size] / self.seconds[size])
+        return max(self.gained, key=self.rate)
 
 
 def grown_tree(taken: np.ndarray, size: int, min_reach: float = MIN_REACH) -> tuple[float, list[int]]:

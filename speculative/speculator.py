@@ -69,6 +69,14 @@ class Speculator:
         self.timed = timed  # whether sizes follow measured time (else acceptance alone)
         self.prior = prior  # what sized the first passes; where save() keeps what was learned
 
+    def predicted_speedup(self) -> float | None:
+        """The prior's tokens/s at the tree size it predicts best over a plain decode step's (size
+        0); None when no prior sized the first passes (a fixed size, a seeded sampled run)."""
+        prior = self.budget and self.budget.prior
+        if not prior or 0 not in prior.gained:
+            return None
+        return prior.rate(prior.best) / prior.rate(0)
+
     def save(self) -> None:
         """Keeps what the passes so far measured for the next load of the same pair."""
         if self.prior is None or self.budget is None or len(self.budget.sizes) == 1 or not self.budget.gained:
