@@ -4,12 +4,16 @@ Each candidate (prompt lookup, the self-draft at a depth, a draft model) is a Sp
 predicted tokens/s. The prediction is a chain of k guesses, each the target's token with the
 candidate's acceptance prior a (ACCEPTANCE_PRIOR; for a self-draft self_acceptance): a pass
 gains (1 - a^(k+1)) / (1 - a) tokens and costs k draft levels plus a verify pass over k + 1
-tokens, each as the planner's cost model predicts it (offload/plan/cost_model.py: the target's
-layers as planned, a streamed target's reads included; the draft's held layers and head, one
-token a level); the best k, or a plain decode step if none pays.
+tokens, each as the planner's cost model predicts it (offload/plan/pass_costs.py, which also
+sizes the first trees: the target's layers as planned, a streamed target's reads included, and
+the head over every row a verify pass wants; the draft's held layers and head, one token a
+level); the best k, or a plain decode step if none pays.
 
 `AutoSpeculator` runs the candidate predicted fastest for TRIAL_PASSES passes and measures its
-tokens/s (the tokens its passes gave over their seconds, draft and verify); then each candidate
+tokens/s (the tokens its passes gave over their seconds, draft and verify), after one pass that
+does not count: a draft model's first pass also reads what it has not seen (the prompt, or what
+another candidate generated), which cost a streamed 1.5B's 0.5B draft a second, and so the trial,
+to prompt lookup, on most prompts; then each candidate
 predicted at least CLOSE_CALL as fast as the best measured one was predicted gets as many
 passes, in order of prediction (the cost model's absolute figures can be off on a machine, their
 ratios less so: a close call is measured, a clear one is not); then the best measured runs from
@@ -23,18 +27,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tierflow.kv_types import KV_TYPES
 from tierflow.offload.gguf.model_file import ModelFile, open_model_file
-from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.pack.writer import PackSizes, pack_sizes
-from tierflow.offload.plan.cost_model import Costs, Layout, pass_stages, steady_pass_seconds
-from tierflow.offload.plan.planner import DEFAULT_PROMPT_TOKENS, Plan, ProfileSource
-from tierflow.offload.plan.profile import HardwareProfile
+from tierflow.offload.plan.pass_costs import PassCosts
+from tierflow.offload.plan.planner import Plan, ProfileSource
 from tierflow.runtime.generation.stats import GenerationStats
 from tierflow.runtime.generation.token_loop import TokenGenerator
 from tierflow.runtime.loading.loader import Budgets, LoadedModel, plan_load
-from tierflow.runtime.models.config import ModelConfig
 from tierflow.runtime.sampling.sampler import Sampler
+from tierflow.speculative.drafts import NgramDraft
 from tierflow.speculative.first_sizes import SpeculationPrior
 from tierflow.speculative.mtp import mtp_draft
 from tierflow.speculative.self_draft import (
@@ -44,7 +45,7 @@ from tierflow.speculative.self_draft import (
     self_draft_depths,
     self_draft_generators,
 )
-from tierflow.speculative.sizing import SIZES
+from tierflow.speculative.sizing import SIZES, TreeBudget
 from tierflow.speculative.speculator import (
     MAX_GUESSES,
     Speculator,
@@ -57,40 +58,21 @@ log = logging.getLogger("tierflow.speculative")
 
 TRIAL_PASSES = 6  # passes each candidate runs before its tokens/s counts
 CLOSE_CALL = 0.8  # a candidate predicted this fast relative to the best measured one is measured too
+# A trial ends after two passes below this share of the best rate measured: a self-draft of the
+# Qwen2.5-Coder-1.5B ran at 1.4 tokens/s against 12 for the others, and its trial took seconds.
+HOPELESS = 0.5
 # The chance that a draft's next guess is the target's token, before any is measured: prompt
 # lookup guesses only where the text repeats (code, quotes; on open prose it rarely has a guess);
 # a draft model of the target's vocabulary agrees often (a 3-bit conversion of SmolLM2 about half
 # the time, the Q4_1 file drafting for its F32 copy nine times in ten).
 ACCEPTANCE_PRIOR = {"ngram": 0.15, "file": 0.6}
+NO_DRAFT = "no draft"  # auto's candidate of plain decode steps
 
 
 def self_acceptance(depth: int, num_layers: int) -> float:
     """The prior of a self-draft of `depth` of the target's layers: an untrained early exit agrees
     little until near the top (SmolLM2-135M: 11% at 16 of 30 layers, 41% at 24, 48% at 27)."""
     return 0.6 * (depth / num_layers) ** 3
-
-
-@dataclass(frozen=True)
-class PassCosts:
-    """What the planner's cost model predicts for passes of one model as placed."""
-
-    layout: Layout
-    globals_: ExtentSize
-    layers: list[ExtentSize]
-    costs: Costs
-    position: int  # where the passes are predicted: a chat's typical length
-
-    @classmethod
-    def of(cls, plan: Plan, globals_: ExtentSize, layers: list[ExtentSize], costs: Costs) -> "PassCosts":
-        layout = Layout(plan.gpu_layers, plan.streamed_layers, plan.prefetch_depth)
-        return cls(layout, globals_, layers, costs, min(DEFAULT_PROMPT_TOKENS, plan.context_length // 2))
-
-    def seconds(self, tokens: int, num_layers: int | None = None) -> float:
-        """A pass over `tokens` tokens, back to back with others, through the first num_layers
-        layers (default: all) and the head."""
-        layers = self.layers[:num_layers]
-        stages = pass_stages(self.layout, self.globals_, layers, self.costs, tokens, self.position)
-        return steady_pass_seconds(stages, self.layout.depth)
 
 
 def predicted_tokens_per_s(acceptance: float, level_s: float, verify_s: Callable[[int], float],
@@ -105,7 +87,7 @@ def predicted_tokens_per_s(acceptance: float, level_s: float, verify_s: Callable
 
 @dataclass
 class Candidate:
-    name: str  # as --draft names it: "ngram", "self:N", the draft file's name
+    name: str  # as --draft names it: "ngram", "self:N", the draft file's name; or NO_DRAFT
     speculator: Speculator
     predicted: float  # tokens/s
     measured: float | None = None
@@ -113,10 +95,15 @@ class Candidate:
     tokens: int = 0
     seconds: float = 0.0
 
-    def count(self, tokens: int, seconds: float) -> bool:
-        """Counts a pass; True once TRIAL_PASSES have given its measured tokens/s."""
-        self.passes, self.tokens, self.seconds = self.passes + 1, self.tokens + tokens, self.seconds + seconds
-        if self.passes == TRIAL_PASSES:
+    def count(self, tokens: int, seconds: float, bar: float) -> bool:
+        """Counts a pass, but its first (see the module docstring); True once TRIAL_PASSES have given
+        its measured tokens/s, or sooner when two passes ran below `bar` tokens/s."""
+        self.passes += 1
+        if self.passes == 1:
+            return False
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+        hopeless = self.passes >= 3 and self.tokens / self.seconds < bar
+        if self.passes == TRIAL_PASSES + 1 or hopeless:
             self.measured = self.tokens / self.seconds
         return self.measured is not None
 
@@ -160,9 +147,15 @@ class AutoSpeculator:
         if not self.settled:
             with self._lock:
                 if candidate is self.current and candidate.count(len(accepted) + 1,
-                                                                 time.perf_counter() - started):
+                                                                 time.perf_counter() - started, self._bar()):
                     self._next(candidate)
         return accepted, token
+
+    def _bar(self) -> float:
+        """The tokens/s under which a trial ends early: HOPELESS of the best measured so far, or of
+        the plain decode step's prediction before any was measured."""
+        measured = [c.measured for c in self.candidates if c.measured is not None]
+        return HOPELESS * (max(measured) if measured else self.plain)
 
     def _next(self, done: Candidate) -> None:
         best = max((c for c in self.candidates if c.measured is not None), key=lambda c: c.measured)
@@ -186,16 +179,17 @@ class Predictions:
     def of(cls, target: ModelFile, sizes: PackSizes, plan: Plan, drafted: LoadedModel | None,
            profile: ProfileSource, shape: str, tokens: int | None) -> "Predictions":
         hardware = profile() if callable(profile) else profile
-        verify = _pass_costs(target.config, plan, sizes, hardware)
+        verify = PassCosts(plan, target.config, sizes, hardware)
         level_s = None
         if drafted is not None:
             with open_model_file(drafted.path) as opened:
-                level_s = _pass_costs(drafted.config, drafted.plan, pack_sizes(opened), hardware).seconds(1)
+                level_s = PassCosts(drafted.plan, drafted.config, pack_sizes(opened), hardware).seconds(1)
         return cls(verify, target.config.num_layers, max(model_budget(shape, tokens).sizes), level_s)
 
     def self_draft(self, depth: int) -> float:
-        return predicted_tokens_per_s(self_acceptance(depth, self.num_layers), self.verify.seconds(1, depth),
-                                      self.verify.seconds, self.most)
+        level_s = self.verify.seconds(1, num_layers=depth)
+        return predicted_tokens_per_s(self_acceptance(depth, self.num_layers), level_s, self.verify.seconds,
+                                      self.most)
 
     def plain(self) -> float:
         return 1.0 / self.verify.seconds(1)
@@ -213,8 +207,9 @@ def draft_budgets(request: DraftRequest, target: ModelFile, sizes: PackSizes, bu
                   ) -> Budgets:
     """budgets with the self-draft's layers (Budgets.draft_layers) where the request has one:
     "self" and "self:N" always (a BudgetError if they cannot fit); "auto" when they fit and some
-    depth is predicted at least CLOSE_CALL as fast as prompt lookup or the draft file (else its
-    layers and KV cache would be held for a draft that is never measured)."""
+    depth is predicted faster than plain decode steps and at least CLOSE_CALL as fast as prompt
+    lookup or the draft file (else its layers and KV cache would be held for a draft that is never
+    measured)."""
     if not request.wants_self:
         return budgets
     with_self = self_draft_budgets(target, sizes, budgets, profile, request.layers, request.kind == "self")
@@ -224,7 +219,7 @@ def draft_budgets(request: DraftRequest, target: ModelFile, sizes: PackSizes, bu
                                shape, tokens)
     others = max(predicted.ngram(), predicted.file() if drafted is not None else 0.0)
     selves = max(map(predicted.self_draft, self_draft_depths(with_self.draft_layers, None)))
-    return with_self if selves >= CLOSE_CALL * others else budgets
+    return with_self if selves > predicted.plain() and selves >= CLOSE_CALL * others else budgets
 
 
 def draft_speculator(request: DraftRequest, target: ModelFile, sizes: PackSizes, loaded: LoadedModel,
@@ -256,6 +251,10 @@ def draft_speculator(request: DraftRequest, target: ModelFile, sizes: PackSizes,
     if request.kind == "auto" and drafted is not None:
         speculator = make_speculator(drafted.generator, shape, tokens, vocab_size, prior(drafted))
         candidates.append(Candidate(drafted.path.name, speculator, predicted.file()))
+    if request.kind == "auto":  # plain decode steps are a candidate, and a draft predicted no faster is not
+        candidates = [c for c in candidates if c.predicted > predicted.plain()]
+        plain_steps = Speculator(NgramDraft(vocab_size, 1), TreeBudget(0, fixed=True))
+        candidates.append(Candidate(NO_DRAFT, plain_steps, predicted.plain()))
     chooser = AutoSpeculator(candidates, predicted.plain())
     return chooser, (chooser.describe(),)
 
@@ -270,9 +269,3 @@ def _self_speculators(request: DraftRequest, loaded: LoadedModel, shape: str, to
     generators = self_draft_generators(loaded, depths)
     return {depth: Speculator(SelfDraft(generators[depth], owner, turn, draft_width(shape)),
                               model_budget(shape, tokens)) for depth in depths}
-
-
-def _pass_costs(config: ModelConfig, plan: Plan, sizes: PackSizes, profile: HardwareProfile) -> PassCosts:
-    """The cost model of a model's passes as planned."""
-    costs = Costs(profile, config, KV_TYPES[plan.kv_type], plan.kv_on_cpu)
-    return PassCosts.of(plan, sizes.globals, sizes.layers, costs)

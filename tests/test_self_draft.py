@@ -1,5 +1,6 @@
 """The self-draft (the target's own first layers and head) and `draft="auto"`: the target's own
-greedy output, the draft's layers held and its KV cache within the budgets, bad depths refused."""
+greedy output, the draft's layers held and its KV cache within the budgets, bad depths refused;
+what a load predicts of its draft, and how auto's trials count."""
 
 import pytest
 
@@ -14,6 +15,7 @@ from tierflow.offload.plan.planner import make_plan
 from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.loading import loader
 from tierflow.runtime.loading.overhead import shape_key
+from tierflow.speculative.choice import NO_DRAFT, TRIAL_PASSES, Candidate
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
 CONTEXT = 256
@@ -127,7 +129,39 @@ def test_auto_holds_no_layers_for_a_self_draft_predicted_far_slower(auto_with_fi
 def test_auto_measures_a_close_call_and_keeps_the_target_output(model_path, plain):
     with Engine.load(model_path, threads=2, context_length=CONTEXT, draft="auto",
                      cpu_memory=STREAMED) as engine:
-        assert "self:" in engine.notices[-1]  # prompt lookup's prediction is within CLOSE_CALL
+        assert NO_DRAFT in engine.notices[-1]  # plain steps are predicted within CLOSE_CALL of a draft
         results = [engine.generate(PROMPT, max_tokens=24, temperature=0) for _ in range(3)]
         assert sum(c.measured is not None for c in engine.speculator.candidates) > 1
     assert all(result.tokens == plain.tokens for result in results)
+
+
+def test_a_draft_files_load_says_its_predicted_speedup(model_path):
+    with Engine.load(model_path, threads=2, context_length=CONTEXT, draft=model_path) as engine:
+        speedup = engine.speculator.predicted_speedup()
+        assert speedup >= 1.0  # a tree of no guesses, a plain decode step, is one of its sizes
+        said = f"draft: {model_path.name}, predicted {speedup:.2f}x a decode without a draft"
+        assert said in engine.notices
+
+
+def test_a_candidates_first_pass_is_not_counted_in_its_trial():
+    candidate = Candidate("draft.gguf", speculator=None, predicted=10.0)
+    assert not candidate.count(1, 5.0, bar=1.0)  # the draft reading the prompt it had not seen
+    for _ in range(TRIAL_PASSES - 1):
+        assert not candidate.count(3, 0.5, bar=1.0)
+    assert candidate.count(3, 0.5, bar=1.0) and candidate.measured == pytest.approx(6.0)
+
+
+def test_a_trial_running_below_the_bar_ends_after_two_passes():
+    candidate = Candidate("self:14", speculator=None, predicted=17.0)
+    assert not candidate.count(1, 2.0, bar=6.0)
+    assert not candidate.count(2, 1.0, bar=6.0)
+    assert candidate.count(2, 1.0, bar=6.0) and candidate.measured == pytest.approx(2.0)
+
+
+def test_auto_settled_on_no_draft_decodes_the_targets_own_tokens_one_a_pass(model_path, plain):
+    with Engine.load(model_path, threads=2, context_length=CONTEXT, draft="auto") as engine:
+        chooser = engine.speculator
+        chooser.current = next(c for c in chooser.candidates if c.name == NO_DRAFT)
+        chooser.settled = True
+        result = engine.generate(PROMPT, max_tokens=24, temperature=0)
+    assert result.tokens == plain.tokens and result.stats.drafted_tokens == 0

@@ -30,15 +30,17 @@ class PassCosts:
         self.sizes = sizes
         self.position = max(min(POSITION, plan.context_length // 2), 0)
 
-    def seconds(self, tokens: int, between_s: float = 0.0) -> float:
+    def seconds(self, tokens: int, between_s: float = 0.0, num_layers: int | None = None) -> float:
         """The steady-state time from one pass of `tokens` tokens to the next, with between_s
-        of other work after each pass (reads into free ring slots go on during it)."""
-        return steady_pass_seconds([*self._stages(tokens), Stage(between_s)], self.layout.depth)
+        of other work after each pass (reads into free ring slots go on during it), through the
+        first num_layers layers (default: all; fewer: a self-draft's) and the head."""
+        stages = [*self._stages(tokens, num_layers), Stage(between_s)]
+        return steady_pass_seconds(stages, self.layout.depth)
 
-    def _stages(self, tokens: int) -> list[Stage]:
+    def _stages(self, tokens: int, num_layers: int | None) -> list[Stage]:
         costs, start = self.costs, self.position
         stages = []
-        for i, extent in enumerate(self.sizes.layers):
+        for i, extent in enumerate(self.sizes.layers[:num_layers]):
             device = "gpu" if i in self.layout.gpu else "cpu"
             compute = max(costs.layer_s(i, extent, device, 1, start),
                           costs.layer_s(i, extent, device, tokens, start))
