@@ -85,6 +85,9 @@ class ChatSession:
         except ContextLengthError as error:
             self._say(Text(f"error: {error}; /reset starts a new conversation", style="red"))
             return
+        except KeyboardInterrupt:  # while the prompt was rendered: the conversation is as it was
+            self.view.end("[stopped]")
+            return
         self._forget(fitted)
         self.messages.append({"role": "user", "content": text})
         reply: list[str] = []

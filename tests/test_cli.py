@@ -86,20 +86,32 @@ def test_chat_answers_resets_and_exits():
     assert "4" in done.stdout and "conversation cleared" in done.stdout
 
 
-def test_ctrl_c_stops_the_answer_but_not_the_chat():
+def interrupted_chat(prompt: str, answer_chars: int) -> tuple[int, str]:
+    """A chat given `prompt`, sent Ctrl-C once `answer_chars` of its answer have shown, then /exit:
+    its exit status and what it printed after the Ctrl-C."""
     chat = subprocess.Popen([*TIERFLOW, "chat", "-n", "2000", "--seed", "1"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    chat.stdin.write("Tell me a very long story about a dragon.\n")
+    chat.stdin.write(prompt + "\n")
     chat.stdin.flush()
     shown = ""
-    while not shown.endswith(">>> "):  # a Ctrl-C before the answer begins quits, as at the prompt
+    while not shown.endswith(">>> "):  # the banner, then the prompt marker the answer follows
         shown += chat.stdout.read(1)
-    chat.stdout.read(20)  # the start of the answer
+    chat.stdout.read(answer_chars)
     chat.send_signal(signal.SIGINT)
     out, err = chat.communicate("/exit\n", timeout=60)
-    assert chat.returncode == 0, err
-    assert "[stopped]" in out
+    return chat.returncode, out + err
+
+
+def test_ctrl_c_stops_the_answer_but_not_the_chat():
+    status, out = interrupted_chat("Tell me a very long story about a dragon.", answer_chars=20)
+    assert status == 0 and "[stopped]" in out, out
+
+
+def test_ctrl_c_before_the_answer_begins_stops_it_but_not_the_chat():
+    # while a long message is rendered and read: a Ctrl-C there used to quit the chat
+    status, out = interrupted_chat("Tell me a very long story about a dragon. " * 30, answer_chars=0)
+    assert status == 0 and "[stopped]" in out, out
 
 
 @pytest.mark.parametrize(
