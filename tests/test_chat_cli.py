@@ -13,6 +13,7 @@ import pytest
 from rich.console import Console
 
 from tests.support.cli import Finished, run_tierflow
+from tierflow import Engine
 from tierflow.cli.chat_terminal import AnswerView, file_history
 from tierflow.runtime.sampling.sampler import SAMPLED_REPEAT_PENALTY
 
@@ -162,6 +163,23 @@ def test_piped_commands_are_answered_locally_and_lines_by_the_model():
     assert done.returncode == 0, done.stderr
     assert "unknown command /foo; /help lists them" in done.stdout
     assert "4" in done.stdout and "conversation cleared" in done.stdout
+
+
+def test_ctrl_c_while_a_message_is_rendered_stops_its_answer_not_the_chat(monkeypatch):
+    # A Ctrl-C before the answer's first token lands where the message is rendered and tokenized
+    # (with a long message, most of that time): there it used to quit the chat.
+    real, calls = Engine.tokenize_chat, []
+
+    def interrupted(engine, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(engine, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "tokenize_chat", interrupted)
+    done = piped_chat("-n", "4", input="Tell me a story.\nWhat is 2 + 2?\n")
+    assert done.returncode == 0, done.stderr
+    assert "[stopped]" in done.stdout and len(calls) > 1  # the next message was answered
 
 
 def test_a_bad_setting_is_one_line_naming_it():

@@ -108,12 +108,6 @@ def test_ctrl_c_stops_the_answer_but_not_the_chat():
     assert status == 0 and "[stopped]" in out, out
 
 
-def test_ctrl_c_before_the_answer_begins_stops_it_but_not_the_chat():
-    # while a long message is rendered and read: a Ctrl-C there used to quit the chat
-    status, out = interrupted_chat("Tell me a very long story about a dragon. " * 30, answer_chars=0)
-    assert status == 0 and "[stopped]" in out, out
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
