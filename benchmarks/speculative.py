@@ -32,7 +32,6 @@ learning).
 
 import argparse
 import math
-import re
 import statistics
 from pathlib import Path
 
@@ -185,12 +184,6 @@ def forget_everything_learned(target: Path) -> None:
         learned.unlink()
 
 
-def predicted_speedup(engine: Engine) -> str:
-    """The speed-up the load predicted for its draft, as its notice says it."""
-    found = [re.search(r"([0-9.]+)x a decode without a draft", notice) for notice in engine.notices]
-    return next((f"{match[1]}x" for match in found if match), "none")
-
-
 def real_pair(args) -> None:
     """The real pair (see the module docstring), resident and streamed: a table per setting."""
     target, draft = fetch(QWEN_CODER_15B), fetch(QWEN_CODER_05B)
@@ -214,7 +207,8 @@ def real_pair(args) -> None:
                 with Engine.load(target, threads=args.threads, context_length=CONTEXT, draft=asked,
                                  cpu_memory=memory and memory + beside) as engine:
                     result = engine.chat(messages, max_tokens=args.tokens, temperature=0)
-                    predicted = predicted_speedup(engine)
+                    speedup = engine.speculator.predicted_speedup()  # what the load's notice says
+                    predicted = "none" if speedup is None else f"{speedup:.2f}x"
                 assert result.tokens == expected.tokens, f"{label}, {name}: the draft changed the output"
                 cells.append(f"**{result.stats.decode_tokens_per_s / base:.2f}x** (predicted {predicted}), "
                              f"{segment(result.stats)}")

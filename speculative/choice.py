@@ -251,11 +251,12 @@ def draft_speculator(request: DraftRequest, target: ModelFile, sizes: PackSizes,
     if request.kind == "auto" and drafted is not None:
         speculator = make_speculator(drafted.generator, shape, tokens, vocab_size, prior(drafted))
         candidates.append(Candidate(drafted.path.name, speculator, predicted.file()))
+    plain = predicted.plain()
     if request.kind == "auto":  # plain decode steps are a candidate, and a draft predicted no faster is not
-        candidates = [c for c in candidates if c.predicted > predicted.plain()]
+        candidates = [c for c in candidates if c.predicted > plain]
         plain_steps = Speculator(NgramDraft(vocab_size, 1), TreeBudget(0, fixed=True))
-        candidates.append(Candidate(NO_DRAFT, plain_steps, predicted.plain()))
-    chooser = AutoSpeculator(candidates, predicted.plain())
+        candidates.append(Candidate(NO_DRAFT, plain_steps, plain))
+    chooser = AutoSpeculator(candidates, plain)
     return chooser, (chooser.describe(),)
 
 
