@@ -20,7 +20,7 @@ from tierflow.offload.pack.writer import build_pack, pack_sizes
 from tierflow.offload.plan import cost_model
 from tierflow.offload.plan.budgets import kv_cache_bytes, layer_kv_bytes
 from tierflow.offload.plan.planner import MAX_PREFETCH_DEPTH, make_plan
-from tierflow.offload.plan.profile import GpuProfile, HardwareProfile, profile_path
+from tierflow.offload.plan.profile import BATCH_WIDTH, GpuProfile, HardwareProfile, profile_path
 from tierflow.runtime.loading.loader import CacheOptions, resolve_budgets
 from tierflow.runtime.memory.kv_cache import KVCache
 from tierflow.units import format_size, parse_size
@@ -223,6 +223,30 @@ def test_the_chosen_layout_is_no_slower_than_the_earliest_layers(deep, sweep):
             earliest = cost_model.Layout((), tuple(range(count, 16)), plan.prefetch_depth)
             _, decode = cost_model.timings(earliest, globals_, layers, costs, plan.prompt_tokens, CTX)
             assert plan.decode.seconds <= decode.seconds * (1 + 1e-9)
+
+
+def _product_seconds(deep, tokens: int) -> float:
+    model, sizes, *_ = deep
+    costs = cost_model.Costs(PROFILE, model.config, KV_TYPES["f16"])
+    return costs.matmul_s(sizes.layers[0].linears, tokens, "cpu", tokens > 1)
+
+
+def test_a_product_of_a_few_tokens_costs_more_than_one_tokens_and_less_than_that_many(deep):
+    one = _product_seconds(deep, 1)
+    widths = [_product_seconds(deep, t) for t in (2, 3, 4, 8, 16)]
+    assert one < widths[0] < 2 * one  # each added token is work, batched below one token's cost
+    assert widths == sorted(widths)
+    assert widths[-1] < 16 * one
+
+
+def test_a_product_as_wide_as_the_probes_costs_what_the_batched_rate_says(deep):
+    model, sizes, *_ = deep
+    linears = sizes.layers[0].linears
+    batched = sum(BATCH_WIDTH * x.nbytes / (PROFILE.kernel_batch_gbps[x.bits or 8] * 1e9) for x in linears
+                  if x.bits is not None)
+    assert all(x.bits is not None for x in linears)
+    assert _product_seconds(deep, BATCH_WIDTH) == pytest.approx(batched)
+    assert _product_seconds(deep, 2 * BATCH_WIDTH) == pytest.approx(2 * batched)
 
 
 def test_kv_bytes_are_the_caches(deep):

@@ -92,7 +92,7 @@ from tierflow.offload.plan.measure import (
     seconds_per_call,
     total_l3_bytes,
 )
-from tierflow.offload.plan.profile import GpuProfile, HardwareProfile, cache_dir, profile_path
+from tierflow.offload.plan.profile import BATCH_WIDTH, GpuProfile, HardwareProfile, cache_dir, profile_path
 from tierflow.units import format_size
 
 # Told what is being measured now and about how long is left, and the steps done of all; at the end
@@ -102,7 +102,6 @@ PROBE_STEPS = ("disk read speed", "RAM and kernel speeds", "GPU")
 log = logging.getLogger(__name__)  # load_profile says, at INFO, how long a probe takes before it starts
 
 KERNEL_BITS = (1, 2, 3, 4, 8)
-BATCH = 32  # M of the batched (prefill) products
 READ_REQUEST_BYTES = 32 * 2**20  # about a streamed layer of a 7B model: the streamer's reads
 BUSY_CORES = 0.3  # other processes' average load above which a measurement is suspect
 
@@ -157,7 +156,8 @@ class ProbeSizes:
         batch_ring = min(self.ring_bytes, BATCH_RING_MAX)
         flush = min(self.flush_l3 * self.l3_bytes, self.arena_bytes)
         per_round = ((2 * self.arena_bytes + len(KERNEL_BITS) * (self.ring_bytes + batch_ring + 2 * flush))
-                     / SLOW_RAM_GBPS / 1e9 + len(KERNEL_BITS) * batch_ring * BATCH / SLOW_BATCH_GBPS / 1e9
+                     / SLOW_RAM_GBPS / 1e9
+                     + len(KERNEL_BITS) * batch_ring * BATCH_WIDTH / SLOW_BATCH_GBPS / 1e9
                      + 2 * len(KERNEL_BITS) * 0.02)  # and best_of_rounds' pauses
         cpu = min(self.rounds + 1, 1 + max(1, math.ceil(self.cpu_seconds / per_round))) * per_round
         return setup + disk + cpu + (GPU_SECONDS if _has_cuda() else 0.0)
@@ -492,11 +492,11 @@ def _timed(arena: np.ndarray, threads: int, sizes: ProbeSizes
         for bits, (ring, span) in zip(KERNEL_BITS, rings):
             batch_ring = ring[: max(1, BATCH_RING_MAX // ring[0].nbytes)]
             tasks[bits, 1] = lambda ring=ring, span=span: ring[0].nbytes / cold_seconds(ring, span, 1) / 1e9
-            tasks[bits, BATCH] = (lambda ring=batch_ring, span=span:
-                                  ring[0].nbytes * BATCH / cold_seconds(ring, span, BATCH) / 1e9)
+            tasks[bits, BATCH_WIDTH] = (lambda ring=batch_ring, span=span:
+                                  ring[0].nbytes * BATCH_WIDTH / cold_seconds(ring, span, BATCH_WIDTH) / 1e9)
         best = best_of_rounds(tasks, sizes.rounds, sizes.cpu_seconds)
     return (best["ram"], {bits: best[bits, 1] for bits in KERNEL_BITS},
-            {bits: best[bits, BATCH] for bits in KERNEL_BITS})
+            {bits: best[bits, BATCH_WIDTH] for bits in KERNEL_BITS})
 
 
 def _outside(span: tuple[int, int], total: int, limit: int) -> list[tuple[int, int]]:

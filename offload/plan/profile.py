@@ -31,6 +31,9 @@ def cache_dir(*subfolders: str) -> Path:
     return path
 
 
+BATCH_WIDTH = 32  # the tokens of the products kernel_batch_gbps is measured with
+
+
 @dataclass(frozen=True)
 class GpuProfile:
     name: str
@@ -49,8 +52,8 @@ class HardwareProfile:
     disk_direct_io: bool  # whether those reads bypassed the page cache (O_DIRECT)
     ram_read_gbps: float  # reading a buffer far larger than the last-level cache
     kernel_gbps: dict[int, float]  # bits (1, 2, 3, 4, 8) -> matrix-vector weight GB/s, uncached
-    # bits -> weight bytes per second per token in 32-token products (prefill): the time of a
-    # 32-token product is 32 * bytes / this
+    # bits -> weight bytes per second per token in BATCH_WIDTH-token products (prefill): the time of
+    # such a product is BATCH_WIDTH * bytes / this
     kernel_batch_gbps: dict[int, float]
     # The planned model's fixed time per layer per decode step beyond its matmuls (norms, rotary,
     # attention over a short context, activations, Python): it depends on the model's shape, so the
