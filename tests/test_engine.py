@@ -2,7 +2,6 @@
 
 import gc
 import os
-import shutil
 import signal
 import threading
 import weakref
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.support.budgets import ram_beside_weights
+from tests.support.damage import copy_patched
 from tests.support.gguf_bytes import FLOAT32, INT32, Typed
 from tests.support.gguf_writing import encoded_kvs, rewrite_metadata
 from tests.support.make_model import ModelSpec, write_model
@@ -301,18 +301,10 @@ def f32_model(tmp_path_factory) -> Path:
                        ModelSpec(tied_embeddings=False, embedding_type="F32", weight_type="F32"))
 
 
-def _copy_patched(source: Path, dest: Path, offset: int, data: bytes) -> Path:
-    shutil.copyfile(source, dest)
-    with open(dest, "r+b") as file:
-        file.seek(offset)
-        file.write(data)
-    return dest
-
-
 def test_an_empty_text_prompt_is_just_bos_when_the_model_adds_one(f32_model, tmp_path):
     entry = encoded_kvs(f32_model)["tokenizer.ggml.add_bos_token"]  # ends with its bool's byte
     at = f32_model.read_bytes().index(entry) + len(entry) - 1
-    with Engine.load(_copy_patched(f32_model, tmp_path / "bos.gguf", at, b"\x01"), threads=2) as engine:
+    with Engine.load(copy_patched(f32_model, tmp_path / "bos.gguf", at, b"\x01"), threads=2) as engine:
         result = engine.generate("", max_tokens=3, **GREEDY)
         assert result.stats.prompt_tokens == 1
         assert result.tokens == engine.generate([engine.tokenizer.bos_id], max_tokens=3, **GREEDY).tokens
@@ -329,7 +321,7 @@ def damaged_model(f32_model, tmp_path_factory) -> tuple[Path, int]:
     hidden_size = embedding.shape[0]
     nan_row = np.full(hidden_size, np.nan, np.float32).tobytes()
     dest = tmp_path_factory.mktemp("damaged") / "damaged.gguf"
-    return _copy_patched(f32_model, dest, embedding.offset + bad * hidden_size * 4, nan_row), bad
+    return copy_patched(f32_model, dest, embedding.offset + bad * hidden_size * 4, nan_row), bad
 
 
 def test_a_file_with_a_nan_weight_is_refused_at_load_naming_the_tensor(damaged_model):

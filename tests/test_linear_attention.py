@@ -19,6 +19,7 @@ from tests.support.oracle import (
     assert_logits_agree,
     llama_cpp_logits,
     llama_cpp_model,
+    long_prompt,
 )
 from tierflow import Engine
 from tierflow.errors import InvalidArgumentError, ModelFileError
@@ -35,10 +36,6 @@ SPECS = {"qwen35": ModelSpec(arch="qwen35", **SHAPE),
          "qwen35moe": ModelSpec(arch="qwen35moe", **SHAPE, **MOE),
          "qwen3next": ModelSpec(arch="qwen3next", **SHAPE, **MOE)}
 F32 = dict(weight_type="F32", embedding_type="F32")
-
-
-def long_prompt(sentences: int) -> str:
-    return " ".join(f"Sentence {i}: the river bends past mill number {i * 7 % 13}." for i in range(sentences))
 
 
 @pytest.fixture(scope="module", params=SPECS)

@@ -56,8 +56,8 @@ def test_missing_required_metadata_is_named(key):
 
 
 def test_unsupported_architecture_is_named_with_the_supported_ones():
-    with pytest.raises(UnsupportedModelError, match="mamba") as refused:
-        config(**{"general.architecture": "mamba"})
+    with pytest.raises(UnsupportedModelError, match="rwkv6") as refused:
+        config(**{"general.architecture": "rwkv6"})
     assert all(name in str(refused.value) for name in ARCHITECTURES)  # the list runtime/models/ holds
 
 

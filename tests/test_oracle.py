@@ -11,12 +11,14 @@ Two kinds of comparison:
   at every position except such near-ties.
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.support.make_model import ModelSpec, write_model
+from tests.support.model_spec import family_spec
 from tests.support.oracle import (
     EXACT_TIE,
     LONG_TEXT,
@@ -27,8 +29,10 @@ from tests.support.oracle import (
     assert_moe_agrees_but_where_routing_is_a_near_tie,
     llama_cpp_logits,
     llama_cpp_model,
+    long_prompt,
 )
 from tierflow import Engine
+from tierflow.runtime.generation.token_loop import PREFILL_CHUNK
 
 # -- the bundled SmolLM2-135M-Instruct, Q4_1 ------------------------------------------------
 
@@ -189,3 +193,37 @@ def test_gpt_oss_with_mxfp4_experts_matches_llama_cpp_but_where_routing_is_a_nea
     engine, llama = generated_pair(tmp_path, f32_kv=False, weight_type="Q8_0", embedding_type="Q8_0",
                                    expert_type="MXFP4", **MOE_SPECS["gpt-oss"])
     assert_moe_agrees_but_where_routing_is_a_near_tie(engine, llama, engine.tokenize(LONG_TEXT)[:64])
+
+
+# -- state-space models: mamba, mamba2 (their generic specs), past two prefill chunks ------------
+
+STATE_SPACE_TOKENS = 2 * PREFILL_CHUNK + 100  # the state carried across two prefill passes' ends
+
+
+def state_space_pair(tmp_path, arch: str, weight_type: str):
+    spec = replace(family_spec(arch), weight_type=weight_type, embedding_type=weight_type,
+                   context_length=2048)
+    path = write_model(tmp_path / "model.gguf", spec)
+    context = STATE_SPACE_TOKENS + 32
+    return (Engine.load(path, threads=1, context_length=context, kv_cache_type="f32"),
+            llama_cpp_model(path, n_ctx=context, f32_kv=weight_type == "F32"))
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_generated_f32_state_space_models_match_llama_cpp_exactly_past_two_prefill_chunks(tmp_path, arch):
+    engine, llama = state_space_pair(tmp_path, arch, "F32")
+    with engine:
+        ids = engine.tokenize(long_prompt(80))[:STATE_SPACE_TOKENS]
+        assert len(ids) == STATE_SPACE_TOKENS
+        diff = assert_logits_agree(engine, llama, ids, max_mean_diff=0.01, near_tie=EXACT_TIE)
+        assert_greedy_agrees(engine, llama, PROMPTS[0], near_tie=EXACT_TIE, max_tokens=32)
+    print(f"{arch} F32: mean |logit difference| vs llama.cpp {diff:.2e}")
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_generated_q8_0_state_space_models_match_llama_cpp_within_its_rounding(tmp_path, arch):
+    engine, llama = state_space_pair(tmp_path, arch, "Q8_0")
+    with engine:
+        ids = engine.tokenize(long_prompt(80))[:STATE_SPACE_TOKENS]
+        diff = assert_logits_agree(engine, llama, ids, max_mean_diff=0.25, near_tie=1.0)
+    print(f"{arch} Q8_0: mean |logit difference| vs llama.cpp {diff:.4f}")

@@ -40,20 +40,24 @@ def same_bits(function, x: torch.Tensor) -> torch.Tensor:
     return function(x.double()).to(x.dtype)
 
 
-def causal_conv(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu of each channel's causal convolution: history [K-1, C] (the inputs before x), x [T, C],
-    weight [C, K] (tap K-1 multiplies the newest input) -> [T, C]. One C call on the CPU."""
-    if x.device.type == "cpu":
+def causal_conv(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """silu of each channel's causal convolution (plus its bias, where given: Mamba's): history
+    [K-1, C] (the inputs before x), x [T, C], weight [C, K] (tap K-1 multiplies the newest input),
+    bias [C] -> [T, C]. One C call on the CPU without a bias."""
+    if x.device.type == "cpu" and bias is None:
         return torch.from_numpy(ops.conv_silu(*(t.contiguous().numpy() for t in (history, x, weight))))
-    return causal_conv_in_torch(history, x, weight)
+    return causal_conv_in_torch(history, x, weight, bias)
 
 
-def causal_conv_in_torch(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`causal_conv` as torch operations, on any device."""
+def causal_conv_in_torch(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`causal_conv` as torch operations, on any device: the taps summed oldest first, then the
+    bias, as ggml_ssm_conv and its add."""
     window = torch.cat([history, x])  # [K-1+T, C]
     taps = weight.shape[1]
     out = sum(window[j:j + x.shape[0]] * weight[:, j] for j in range(taps))
-    return same_bits(F.silu, out)
+    return same_bits(F.silu, out if bias is None else out + bias)
 
 
 def gates(alpha: torch.Tensor, beta_in: torch.Tensor, dt: torch.Tensor, a: torch.Tensor

@@ -7,7 +7,7 @@ the planner counts them, by asking the kind, never by branching on the family:
     FullCache       every position's key and value rows (the whole context, rounded to 16)
     RingCache       a sliding-window layer's ring: its window and a pass (kv_types.cache_positions)
     LatentCache     multi-head latent attention's one row per position (rotary key part + latent)
-    RecurrentState  a linear-attention layer's fixed-size state, whatever the context
+    RecurrentState  a recurrent layer's fixed-size state (linear attention, Mamba), whatever the context
 
 Attention rows (the first three) are held by the KV cache's rows (attention_rows.py); a kind
 held otherwise names its store (`sequence_store`: the SequenceMemory of kv_cache.py that holds
@@ -23,12 +23,8 @@ import torch
 
 from tierflow.errors import ModelFileError
 from tierflow.kv_types import CacheRows, KVType, cache_positions
-from tierflow.runtime.memory.recurrent_state import (
-    RecurrentShape,
-    RecurrentStates,
-    recurrent_pass_bytes,
-    recurrent_state_bytes,
-)
+from tierflow.runtime.memory.recurrent_state import RecurrentStates, recurrent_state_bytes
+from tierflow.runtime.memory.state_shapes import StateShape
 
 # allocate(layer_idx, shape, dtype) -> a zeroed array of the layer's memory, where it computes
 Allocate = Callable[[int, tuple[int, ...], torch.dtype], Any]
@@ -94,9 +90,10 @@ class LatentCache(FullCache):
 
 @dataclass(frozen=True)
 class RecurrentState:
-    """A linear-attention layer's state (recurrent_state.py): no key or value rows."""
+    """A recurrent layer's state (recurrent_state.py; Gated DeltaNet's or Mamba's, as its shape
+    says: state_shapes.py): no key or value rows."""
 
-    shape: RecurrentShape
+    shape: StateShape
     window = 0
 
     def positions(self, context_length: int) -> int:
@@ -106,7 +103,7 @@ class RecurrentState:
         return recurrent_state_bytes(self.shape)
 
     def pass_bytes(self, tokens: int) -> int:
-        return recurrent_pass_bytes(self.shape, tokens)
+        return self.shape.pass_bytes(tokens)
 
     @staticmethod
     def sequence_store(layers: dict[int, "RecurrentState"], allocate: Allocate) -> RecurrentStates:

@@ -1,9 +1,10 @@
-"""A sequence's recurrent state in its linear-attention layers, and how the cache goes back in it.
+"""A sequence's recurrent state in its recurrent layers (Gated DeltaNet's, Mamba's), and how the
+cache goes back in it.
 
-A KV cache goes back by forgetting rows; a recurrent state (runtime/compute/delta_rule.py) cannot be
-truncated, so this keeps what going back needs:
+A KV cache goes back by forgetting rows; a recurrent state (runtime/compute/delta_rule.py,
+selective_scan.py) cannot be truncated, so this keeps what going back needs:
 - `base`, the state at some length, and a record of every token fed since (its convolution input
-  and output, decay and write strength: what the recurrence reads, no weights needed). The state
+  and what the update read: no weights needed). The state
   after any of those tokens is the base's replayed along the token's ancestors, which is how
   rejected draft tokens are dropped (`truncate`) and a token tree's accepted path is kept
   (`keep_path`);
@@ -12,10 +13,11 @@ truncated, so this keeps what going back needs:
   generator asks: before a prompt's last token, which a chat's next turn or a regeneration
   recomputes), to go back to.
 A pass of at most STEPWISE_TOKENS tokens (decoding, draft verification, a token tree) runs token by
-token and is recorded; a longer one (a prefill chunk) runs chunked but for its last token, which
-is recorded, so the cache can go back into it to its start and to its last token. Tree tokens
-each start from their parent's state, so a row of a tree is bit for bit what decoding its path one
-token at a time gives.
+token and is recorded; a longer one (a prefill chunk) runs as its layer's long pass but for its last
+token, which is recorded, so the cache can go back into it to its start and to its last token. Tree
+tokens each start from their parent's state, so a row of a tree is bit for bit what decoding its path
+one token at a time gives. What the recurrence is, the layer says for each pass (`Recurrence`); the
+state's size, its shape (state_shapes.py).
 
 States are torch tensors replaced, never written in place, so keeping one is keeping a reference.
 """
@@ -28,6 +30,7 @@ import torch
 
 from tierflow.errors import InvalidArgumentError
 from tierflow.runtime.compute import delta_rule
+from tierflow.runtime.memory.state_shapes import StateShape, state_bytes
 
 STEPWISE_TOKENS = 64  # the most tokens a pass can run token by token and record
 CHUNKED_FROM = 17  # a prefill pass of at least this many tokens runs chunked (faster from about here)
@@ -36,49 +39,31 @@ CHECKPOINTS = 2  # states kept at earlier lengths besides the base
 # long pass runs its new base and tip too (the old tip being one checkpoint)
 STATES_HELD = 3 + CHECKPOINTS
 
-# conv outputs [T, C] -> (q, k [T, H, Dk], v [T, H, Dv]): the layer's split, norms and head sharing
-Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (matrices, each input [T, ...], buffers) -> (outputs [T, ...], the matrices after the last token)
+Steps = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
-class RecurrentShape:
-    """A linear-attention layer's recurrent state (Gated DeltaNet): per sequence, the last
-    conv_kernel - 1 inputs of a causal convolution over conv_channels (the queries, keys and
-    values side by side), and a key_dim x value_dim matrix per value head. Queries and keys have
-    key_heads heads, each shared by value_heads / key_heads value heads."""
+class Recurrence:
+    """A layer's recurrence as its state runs it, made by the layer for each pass. The tokens'
+    convolution inputs [T, C] go through the causal convolution of conv_weight [C, K] (plus
+    conv_bias [C] where given) and a silu; `inputs` turns its outputs into what each token's update
+    reads (it may use the layer's weights: it runs within the pass only), which is recorded with the
+    gates the layer computed before the convolution. `steps` runs the update token by token (each
+    token's bits whatever the pass, as decoding gives them), `long_pass` a prefill chunk's (the same
+    up to rounding), both from recorded tensors alone: replays run the last pass's `steps`."""
 
-    conv_kernel: int
-    key_heads: int
-    value_heads: int
-    key_dim: int
-    value_dim: int
-
-    @property
-    def conv_channels(self) -> int:
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-
-    @property
-    def state_bytes(self) -> int:
-        """float32 bytes of one sequence's state in one layer: the convolution's and the matrices."""
-        matrices = self.value_heads * self.key_dim * self.value_dim
-        return 4 * (self.conv_channels * (self.conv_kernel - 1) + matrices)
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None
+    inputs: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    steps: Steps
+    long_pass: Steps
 
 
-def recurrent_state_bytes(shape: RecurrentShape) -> int:
+def recurrent_state_bytes(shape: StateShape) -> int:
     """What one sequence's state takes in one layer at most: STATES_HELD states and a record of
     STEPWISE_TOKENS tokens."""
-    record = 4 * (2 * shape.conv_channels + 2 * shape.value_heads)
-    return STATES_HELD * shape.state_bytes + STEPWISE_TOKENS * record
-
-
-def recurrent_pass_bytes(shape: RecurrentShape, tokens: int) -> int:
-    """The activations one linear-attention layer's pass of `tokens` tokens holds at most (an
-    estimate): the convolution's inputs and outputs, the queries and keys shared out to every value
-    head, and the chunked form's blocks: about ten copies of the values' width and a CHUNK-wide
-    score row per token and value head, on both sides of the triangular solve."""
-    width = shape.value_heads * max(shape.key_dim, shape.value_dim)
-    per_token = 2 * shape.conv_channels + 12 * width + 4 * shape.value_heads * delta_rule.CHUNK
-    return 4 * tokens * per_token
+    return STATES_HELD * state_bytes(shape) + STEPWISE_TOKENS * shape.record_bytes
 
 
 @dataclass(frozen=True)
@@ -92,25 +77,24 @@ class State:
 
 @dataclass(frozen=True)
 class Record:
-    """One token's inputs to the recurrence: conv input and output [C], decay and strength [H]."""
+    """One token's inputs to the recurrence: its convolution input [C] and what its update reads
+    (the Recurrence's inputs and gates, each of the token's row)."""
 
     conv_in: torch.Tensor
-    conv_out: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
+    inputs: tuple[torch.Tensor, ...]
 
 
 @dataclass
 class LayerStates:
-    """One layer's states of one sequence (see the module's docstring); `split` is the layer's, kept
-    from its last pass for replays."""
+    """One layer's states of one sequence (see the module's docstring); `recurrence` is the layer's,
+    kept from its last pass for replays."""
 
     base: State
     tip: State
     penultimate: State | None = None  # the state before the tip's token, where a chain pass left it
     records: list[Record] = field(default_factory=list)
     checkpoints: dict[int, State] = field(default_factory=dict)
-    split: Split | None = None
+    recurrence: Recurrence | None = None
     # the arrays new states are written into: kept, as many as the budget counts (recurrent_state_bytes)
     buffers: delta_rule.StateBuffers = field(default_factory=lambda: delta_rule.StateBuffers(STATES_HELD))
 
@@ -121,12 +105,12 @@ class RecurrentStates:
     Slot s holds the token at cache slot s; `parents[i]` is the slot before record i's token (its
     predecessor in a chain, its parent in a tree), base_length - 1 meaning the base."""
 
-    def __init__(self, shape: RecurrentShape, layers: Iterable[int],
+    def __init__(self, shape: StateShape, layers: Iterable[int],
                  zeros: Callable[[int, tuple[int, ...]], torch.Tensor]):
         self.layers: dict[int, LayerStates] = {}
         for layer in layers:
             empty = State(zeros(layer, (shape.conv_kernel - 1, shape.conv_channels)),
-                          zeros(layer, (shape.value_heads, shape.key_dim, shape.value_dim)))
+                          zeros(layer, shape.matrix_shape))
             self.layers[layer] = LayerStates(empty, empty)
         self._empty = {layer: states.base for layer, states in self.layers.items()}  # the state of no tokens
         self.base_length = 0
@@ -144,8 +128,7 @@ class RecurrentStates:
                 if state is not None and id(state) not in seen:
                     seen.add(id(state))
                     total += state.history.nbytes + state.matrices.nbytes
-            total += sum(x.nbytes for record in states.records
-                         for x in (record.conv_in, record.conv_out, record.g, record.beta))
+            total += sum(x.nbytes for record in states.records for x in (record.conv_in, *record.inputs))
         return total
 
     # -- a pass --------------------------------------------------------------------------------
@@ -332,42 +315,44 @@ class RecurrentPass:
     def __init__(self, owner: RecurrentStates, layer: int, states: LayerStates, run: _Pass):
         self.owner, self.layer, self.states, self.run = owner, layer, states, run
 
-    def __call__(self, conv_in: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 split: Split) -> torch.Tensor:
-        """The recurrence's outputs [T, H, Dv] for the pass's tokens: conv_in [T, C] (before the
-        convolution), conv_weight [C, K], g and beta [T, H]."""
+    def __call__(self, conv_in: torch.Tensor, gates: tuple[torch.Tensor, ...], recurrence: Recurrence
+                 ) -> torch.Tensor:
+        """The recurrence's outputs [T, ...] for the pass's tokens: conv_in [T, C] (before the
+        convolution), gates each [T, ...] (what the layer computed of the tokens before it)."""
         states, run = self.states, self.run
-        states.split = split
+        states.recurrence = recurrence
         if not run.chain:
-            return self._tree(conv_in, conv_weight, g, beta)
+            return self._tree(conv_in, gates, recurrence)
         start = self.owner._replay(states, run.preds[0])
-        conv_out = delta_rule.causal_conv(start.history, conv_in, conv_weight)
-        q, k, v = split(conv_out)
+        conv_out = delta_rule.causal_conv(start.history, conv_in, recurrence.conv_weight,
+                                          recurrence.conv_bias)
+        inputs = (*recurrence.inputs(conv_out), *gates)
         # all but the last token as a long pass (a prefill chunk) or one by one, then the last one
         taps, most = start.history.shape[0], len(conv_in) - 1
         penultimate, out = start, None
         if most:
-            run_most = delta_rule.long_pass if run.long else delta_rule.stepwise
-            out, matrices = run_most(start.matrices, q[:most], k[:most], v[:most], g[:most], beta[:most],
-                                     states.buffers)
+            run_most = recurrence.long_pass if run.long else recurrence.steps
+            out, matrices = run_most(start.matrices, *(x[:most] for x in inputs), states.buffers)
             penultimate = State(torch.cat([start.history, conv_in[:most]])[-taps:], matrices)
-        last, matrices = delta_rule.stepwise(penultimate.matrices, q[most:], k[most:], v[most:], g[most:],
-                                             beta[most:], states.buffers)
+        last, matrices = recurrence.steps(penultimate.matrices, *(x[most:] for x in inputs), states.buffers)
         tip = State(torch.cat([start.history, conv_in])[-taps:], matrices)
         recorded = most if run.long else 0
-        records = _records(conv_in[recorded:], conv_out[recorded:], g[recorded:], beta[recorded:])
+        records = _records(conv_in[recorded:], [x[recorded:] for x in inputs])
         run.results[self.layer] = _Result(tip, records, penultimate)
         return last if out is None else torch.cat([out, last])
 
-    def _tree(self, conv_in, conv_weight, g, beta) -> torch.Tensor:
+    def _tree(self, conv_in: torch.Tensor, gates: tuple[torch.Tensor, ...], recurrence: Recurrence
+              ) -> torch.Tensor:
         """Each token from its parent's state, one at a time."""
         states, run = self.states, self.run
         computed: dict[int, State] = {}
         outs, records = [], []
         for i, pred in enumerate(run.preds):
             before = computed[pred] if pred in computed else self.owner._replay(states, pred)
-            conv_out = delta_rule.causal_conv(before.history, conv_in[i:i + 1], conv_weight)
-            [record] = _records(conv_in[i:i + 1], conv_out, g[i:i + 1], beta[i:i + 1])
+            conv_out = delta_rule.causal_conv(before.history, conv_in[i:i + 1], recurrence.conv_weight,
+                                              recurrence.conv_bias)
+            inputs = (*recurrence.inputs(conv_out), *(g[i:i + 1] for g in gates))
+            [record] = _records(conv_in[i:i + 1], inputs)
             out, computed[run.start + i] = _advance(before, record, states)
             outs.append(out)
             records.append(record)
@@ -375,14 +360,13 @@ class RecurrentPass:
         return torch.stack(outs)
 
 
-def _records(conv_in, conv_out, g, beta) -> list[Record]:
+def _records(conv_in: torch.Tensor, inputs: Iterable[torch.Tensor]) -> list[Record]:
     """Each token's record, copied out of the pass's activations (a row kept as a view would keep
     all of them)."""
-    return [Record(*(x.clone() for x in row)) for row in zip(conv_in, conv_out, g, beta)]
+    return [Record(row[0].clone(), tuple(x.clone() for x in row[1:])) for row in zip(conv_in, *inputs)]
 
 
 def _advance(state: State, record: Record, states: LayerStates) -> tuple[torch.Tensor, State]:
-    """One more token of the layer's from its record: its output [H, Dv] and the state after it."""
-    q, k, v = states.split(record.conv_out[None])
-    out, matrices = delta_rule.step(state.matrices, q[0], k[0], v[0], record.g, record.beta, states.buffers)
-    return out, State(torch.cat([state.history[1:], record.conv_in[None]]), matrices)
+    """One more token of the layer's from its record: its output and the state after it."""
+    out, matrices = states.recurrence.steps(state.matrices, *(x[None] for x in record.inputs), states.buffers)
+    return out[0], State(torch.cat([state.history[1:], record.conv_in[None]]), matrices)

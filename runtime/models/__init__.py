@@ -7,7 +7,8 @@ architecture".
 
 Beside the families: config.py (ModelConfig and the typed metadata reads; each layer's kind of
 memory, runtime/memory/kinds.py), layers.py (the blocks' shared parts), latent_attention.py and
-delta_net.py (the attention kinds more than one family uses).
+delta_net.py (the attention kinds more than one family uses), state_space.py (what Mamba's families
+share).
 """
 
 from tierflow.errors import UnsupportedModelError
@@ -18,6 +19,8 @@ from tierflow.runtime.models import (
     glm4moe,
     gptoss,
     llama,
+    mamba,
+    mamba2,
     olmoe,
     qwen2,
     qwen2moe,
@@ -32,7 +35,7 @@ from tierflow.runtime.models.architecture import Architecture
 ARCHITECTURES: dict[str, Architecture] = {
     family.ARCHITECTURE.name: family.ARCHITECTURE
     for family in (llama, qwen2, qwen2moe, olmoe, qwen3, qwen3moe, gemma2, gemma3, glm4moe, gptoss,
-                   deepseek2, qwen3next, qwen35, qwen35moe)
+                   deepseek2, qwen3next, qwen35, qwen35moe, mamba, mamba2)
 }
 
 

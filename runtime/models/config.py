@@ -17,7 +17,7 @@ import numpy as np
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.kv_types import CacheRows
 from tierflow.runtime.memory.kinds import FullCache, LatentCache, LayerMemory, RecurrentState, RingCache
-from tierflow.runtime.memory.recurrent_state import RecurrentShape
+from tierflow.runtime.memory.state_shapes import StateShape
 
 MAX_DIMENSION = 1 << 24  # no real model has a width, head count or layer count near this
 
@@ -95,13 +95,14 @@ class ModelConfig:
     # token chooses only among the expert_groups_used groups whose two best scores sum highest.
     expert_groups: int = 1
     expert_groups_used: int = 1
-    # Hybrid linear attention (Qwen3.5, Qwen3-Next): which layers carry a recurrent state
-    # (`recurrent`'s shape) instead of a KV cache; () when none does.
+    # Recurrent layers (Qwen3.5's and Qwen3-Next's linear attention, Mamba's): which layers carry a
+    # recurrent state (`recurrent`'s shape) instead of a KV cache; () when none does.
     recurrent_layers: tuple[bool, ...] = ()
-    recurrent: RecurrentShape | None = None
+    recurrent: StateShape | None = None
     # Multi-token-prediction blocks in the file after the num_layers that run (`nextn_predict_layers`):
     # what `--draft mtp` drafts with (speculative/mtp.py) where the family computes them.
     nextn_layers: int = 0
+    ssm_time_step_rank: int = 0  # Mamba-1's time steps' low-rank projection (ssm_x's first outputs); 0: none
     # Each layer's kind of memory (runtime/memory/kinds.py) where the family declares it: a kind the
     # fields above do not imply (a new state, say) is declared here; () derives it from them.
     layer_kinds: tuple[LayerMemory, ...] = ()

@@ -32,7 +32,8 @@ from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.runtime.compute import delta_rule
 from tierflow.runtime.compute.delta_rule import same_bits
 from tierflow.runtime.compute.interfaces import Activations, LayerPass, Weights, stack_rows
-from tierflow.runtime.memory.recurrent_state import RecurrentShape
+from tierflow.runtime.memory.recurrent_state import Recurrence, Steps
+from tierflow.runtime.memory.state_shapes import RecurrentShape
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.config import Metadata, ModelConfig
 from tierflow.runtime.models.layers import FFN, attend, norm_each_head
@@ -192,9 +193,19 @@ def linear_attention(p: LayerPass, w: Weights, x: Activations, layout: LinearLay
     conv_weight = torch.as_tensor(w.ssm_conv1d).reshape(s.conv_channels, s.conv_kernel)
     split = partial(delta_rule.split_heads, key_heads=s.key_heads, value_heads=s.value_heads,
                     interleaved=layout.interleaved_heads, eps=cfg.rms_norm_eps)
-    outs = [seq.recurrent(conv_in[seq.rows], conv_weight, g[seq.rows], beta[seq.rows], split)
+    recurrence = Recurrence(conv_weight, None, lambda conv_out: (conv_out,),
+                            partial(_delta_rule, delta_rule.stepwise, split),
+                            partial(_delta_rule, delta_rule.long_pass, split))
+    outs = [seq.recurrent(conv_in[seq.rows], (g[seq.rows], beta[seq.rows]), recurrence)
             for seq in p.sequences]
     o = p.kernels.take(stack_rows(outs))  # [T, H, Dv]
     gate = p.kernels.take(z.reshape(-1, s.value_dim))
     normed = p.kernels.gated_rms_norm(o.reshape(-1, s.value_dim), w.ssm_norm, gate, cfg.rms_norm_eps)
     return w.ssm_out(normed.reshape(o.shape[0], -1))
+
+
+def _delta_rule(run: Steps, split: Callable, state: torch.Tensor, conv_out: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, buffers: delta_rule.StateBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule (`run`: token by token or a prefill chunk's) over the tokens'
+    convolution outputs [T, C], split into each value head's query, key and value."""
+    return run(state, *split(conv_out), g, beta, buffers)

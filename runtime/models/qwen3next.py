@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from tierflow.runtime.memory.recurrent_state import RecurrentShape
+from tierflow.runtime.memory.state_shapes import RecurrentShape
 from tierflow.runtime.models import delta_net
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture, transformer_config

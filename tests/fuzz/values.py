@@ -46,7 +46,7 @@ PLAUSIBLE_FLOATS = (0.5, 1.0, 1.0000001, 2.0, 8.0, 1e-12, 1e-6, 0.999, 1e6, 1e30
 PLAUSIBLE_STRINGS = ("none", "linear", "yarn", "longrope", "llama", "gpt2", "x")
 WRONG_STRINGS = ("", "abc", "1e4", "10000", "\0", "nan", "-1", "llama", "x" * 70_000)
 ARCHITECTURE_NAMES = (*ARCHITECTURES, "gpt2", "mixtral", "qwen", "LLAMA", "llama ", "", "llama\0x",
-                      "bert", "t5", "mamba", "\u00e9\u00e9", "x" * 300)
+                      "bert", "t5", "rwkv6", "\u00e9\u00e9", "x" * 300)
 # Chat templates that try the sandbox: syntax errors, unbounded loops and recursion, huge
 # outputs, escapes through attributes, and format widths.
 TEMPLATES = (

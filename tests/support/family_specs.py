@@ -2,7 +2,8 @@
 beyond its tensors (FamilyTraits, which model_spec.py checks specs against and writes metadata by),
 and the small spec with F32 weights that the generic suite runs against llama.cpp
 (tests/test_families.py), shaped to reach what sets the family apart (a window shorter than the
-prompt, experts with a shared one, leading dense layers, latent attention, recurrent layers).
+prompt, experts with a shared one, leading dense layers, latent attention, recurrent layers,
+state-space layers).
 A new family adds its entry here; the suite then checks it like every other.
 """
 
@@ -37,6 +38,9 @@ class FamilyTraits:
     linear_attention: bool = False  # Gated DeltaNet layers (qwen3next, qwen35): the ssm.* keys and the
                                     # full-attention interval (see ModelSpec)
     rope_sections: bool = False     # interleaved multi-section rotary's rope.dimension_sections (qwen35)
+    state_space: bool = False       # Mamba's layers only (mamba, mamba2): the ssm.* keys, no attention or
+                                    # FFN keys (written as 0, as llama.cpp's converter writes them)
+    time_step_projection: bool = False  # Mamba-1's low-rank time steps: ssm_value_heads is their rank
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,10 @@ DENSE = dict(num_layers=2, hidden_size=64, ffn_size=128, num_heads=4, num_kv_hea
 MOE = dict(DENSE, num_experts=4, experts_used=2, expert_ffn_size=64)
 HYBRID = dict(num_layers=4, hidden_size=64, ffn_size=128, num_heads=4, num_kv_heads=2, head_size=32,
               rope_dim=16, **F32)
+# Mamba-1: time steps of rank 32 (a row length every weight type packs); Mamba-2: 8 heads of 16 in 2
+# groups (llama.cpp asserts the inner size is a multiple of the groups times the hidden size)
+MAMBA = dict(num_layers=2, hidden_size=64, ssm_inner_size=128, ssm_state=16, ssm_conv_kernel=4, **F32)
+MAMBA2 = dict(MAMBA, ssm_value_heads=8, ssm_key_heads=2)
 HYBRID_MOE = dict(HYBRID, num_experts=4, experts_used=2, expert_ffn_size=64, shared_expert_ffn_size=96)
 
 FAMILIES: dict[str, Family] = {
@@ -82,4 +90,7 @@ FAMILIES: dict[str, Family] = {
     "qwen35": Family(FamilyTraits(linear_attention=True, rope_sections=True, nextn=True), HYBRID),
     "qwen35moe": Family(FamilyTraits(experts="always", expert_width_key=True, shared_expert=True,
                                      linear_attention=True, rope_sections=True, nextn=True), HYBRID_MOE),
+    "mamba": Family(FamilyTraits(state_space=True, time_step_projection=True),
+                    MAMBA | dict(ssm_value_heads=32)),
+    "mamba2": Family(FamilyTraits(state_space=True), MAMBA2),
 }

@@ -144,11 +144,15 @@ class ModelSpec:
     # Gated DeltaNet (linear_attention archs): every full_attention_interval-th layer is full
     # attention, the others linear, with ssm_key_heads query/key heads and ssm_value_heads value
     # heads of ssm_state each, and a causal convolution of ssm_conv_kernel taps.
+    # Mamba (state_space archs): ssm_inner_size channels, a state of ssm_state per channel or head;
+    # Mamba-2's ssm_value_heads heads and ssm_key_heads groups of B and C (the same keys:
+    # time_step_rank, group_count), Mamba-1's time steps of rank ssm_value_heads.
     full_attention_interval: int = 4
     ssm_state: int = 16
     ssm_key_heads: int = 2
     ssm_value_heads: int = 4
     ssm_conv_kernel: int = 4
+    ssm_inner_size: int | None = None  # ssm.inner_size; None: ssm_value_heads * ssm_state (DeltaNet's)
     expert_groups_used: int = 1      # expert_group_used_count (V3's topk_group)
     yarn_log_multiplier: float | None = None  # rope.scaling.yarn_log_multiplier (0.1 x DeepSeek's
                                               # mscale_all_dim, as the converter writes it)
@@ -292,6 +296,9 @@ class ModelSpec:
 
     def _row_lengths(self) -> tuple[int, ...]:
         """Every weight_type row length: matrices' inputs, the FFN's and experts' down rows."""
+        if ARCHS[self.arch].state_space:
+            rank = (self.ssm_value_heads,) if ARCHS[self.arch].time_step_projection else ()
+            return (self.hidden_size, self.ssm_inner) + rank
         if ARCHS[self.arch].linear_attention:
             values = self.ssm_value_heads * self.ssm_state
             lengths = (self.hidden_size, self.num_heads * self.head_dim, values)
@@ -320,6 +327,10 @@ class ModelSpec:
         if any(length % block_size for length in row_lengths):
             raise ValueError(f"{field} {name} packs rows in blocks of {block_size}: row lengths "
                              f"{row_lengths} do not divide")
+
+    @property
+    def ssm_inner(self) -> int:
+        return self.ssm_value_heads * self.ssm_state if self.ssm_inner_size is None else self.ssm_inner_size
 
     @property
     def head_dim(self) -> int:
@@ -394,10 +405,11 @@ def _uniform(low: float, high: float, salt: int):
     return values
 
 
-# DeltaNet tensors with values of their own, in float32 as llama.cpp's converter keeps them: the
-# decays, their bias, and a causal convolution whose taps sum to about 1 per channel.
-_DELTA_NET_VALUES = {"ssm_a": _decays, "ssm_dt.bias": _uniform(-0.5, 0.5, 11),
-                     "ssm_conv1d.weight": _uniform(-0.2, 0.7, 13)}
+# Recurrent layers' tensors with values of their own, in float32 as llama.cpp's converter keeps them:
+# the decays, their bias, and a causal convolution whose taps sum to about 1 per channel (Mamba's
+# with a bias).
+_RECURRENT_VALUES = {"ssm_a": _decays, "ssm_dt.bias": _uniform(-0.5, 0.5, 11),
+                     "ssm_conv1d.weight": _uniform(-0.2, 0.7, 13), "ssm_conv1d.bias": _uniform(-0.3, 0.3, 17)}
 
 
 class PlannedTensor(NamedTuple):
@@ -431,8 +443,9 @@ def _gain(role: str, moe: bool, arch: str) -> float:
     return gains.get(role, 1.0)
 
 
-def _planned(tensor: Tensor, spec: ModelSpec, bias: bool = False) -> PlannedTensor:
-    """A tensor of the family's map with random contents of the spread its role calls for."""
+def _planned(tensor: Tensor, spec: ModelSpec, bias: bool = False, vector: bool = False) -> PlannedTensor:
+    """A tensor of the family's map with random contents of the spread its role calls for (`vector`:
+    a Vector field's, float32 as it is used)."""
     shape, role, moe = tensor.shape[::-1], _role(tensor.name), spec.num_experts > 0
     if role == "exp_probs_b.bias":
         return PlannedTensor(tensor.name, shape, Q.F32, _SELECTION_BIAS_STD)
@@ -441,9 +454,9 @@ def _planned(tensor: Tensor, spec: ModelSpec, bias: bool = False) -> PlannedTens
         return PlannedTensor(tensor.name, shape, Q.F32, std)
     if role == "attn_sinks.weight":
         return PlannedTensor(tensor.name, shape, Q.F32, _SINK_STD)
-    if role in _DELTA_NET_VALUES:
-        return PlannedTensor(tensor.name, shape, Q.F32, 0.0, values=_DELTA_NET_VALUES[role](shape, spec))
-    if len(shape) == 1 and role != "ffn_gate_inp_shexp.weight":  # a norm's weight
+    if role in _RECURRENT_VALUES:
+        return PlannedTensor(tensor.name, shape, Q.F32, 0.0, values=_RECURRENT_VALUES[role](shape, spec))
+    if vector:  # a norm's weight, or one used as one (Mamba's D)
         mean = _POST_NORM_MEAN if role in _POST_NORMS and spec.arch in _SANDWICH_ARCHS else 1.0
         return PlannedTensor(tensor.name, shape, Q.F32, _NORM_STD * mean, mean=mean)
     qtype = Q.F32 if role.startswith("ffn_gate_inp") else _weight_type(tensor, spec)
@@ -478,7 +491,7 @@ def _field_plan(field: Field, spec: ModelSpec) -> list[PlannedTensor]:
     """A field's tensors (each weight followed by its bias); a stacked expert tensor once, whole."""
     kind = field.kind
     if isinstance(kind, Vector):
-        return [_planned(kind.tensor, spec)]
+        return [_planned(kind.tensor, spec, vector=True)]
     plan = []
     for weight in kind.weights:
         plan.append(_planned(replace(weight, expert=None), spec))
@@ -568,6 +581,10 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         (f"{arch}.block_count", u32(spec.num_layers + spec.nextn_layers)),
         (f"{arch}.context_length", u32(spec.context_length)),
         (f"{arch}.embedding_length", u32(spec.hidden_size)),
+    ]
+    if ARCHS[arch].state_space:
+        return metadata + _state_space_metadata(spec)
+    metadata += [
         (f"{arch}.feed_forward_length", u32(spec.ffn_size)),
         *_expert_metadata(spec),
         (f"{arch}.attention.head_count", u32(spec.num_heads)),
@@ -604,12 +621,23 @@ def _linear_attention_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
     sections = [-(-(pairs - i) // 3) for i in range(3)] + [0]  # interleaved: pair i in section i % 3
     keys = {"ssm.conv_kernel": spec.ssm_conv_kernel, "ssm.state_size": spec.ssm_state,
             "ssm.group_count": spec.ssm_key_heads, "ssm.time_step_rank": spec.ssm_value_heads,
-            "ssm.inner_size": spec.ssm_value_heads * spec.ssm_state,
+            "ssm.inner_size": spec.ssm_inner,
             "full_attention_interval": spec.full_attention_interval}
     metadata = [(f"{spec.arch}.{key}", Typed(UINT32, value)) for key, value in keys.items()]
     if ARCHS[spec.arch].rope_sections:
         metadata.append((f"{spec.arch}.rope.dimension_sections", Typed(ARRAY, sections, INT32)))
     return metadata
+
+
+def _state_space_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
+    """mamba's and mamba2's keys as llama.cpp's converter writes them: no FFN and no attention heads,
+    the norms' epsilon and the ssm.* sizes."""
+    keys = {"feed_forward_length": 0, "attention.head_count": 0, "attention.head_count_kv": 0,
+            "ssm.conv_kernel": spec.ssm_conv_kernel, "ssm.inner_size": spec.ssm_inner,
+            "ssm.state_size": spec.ssm_state, "ssm.time_step_rank": spec.ssm_value_heads,
+            "ssm.group_count": spec.ssm_key_heads}
+    return [(f"{spec.arch}.{key}", Typed(UINT32, value)) for key, value in keys.items()] + [
+        (f"{spec.arch}.attention.layer_norm_rms_epsilon", Typed(FLOAT32, 1e-5))]
 
 
 def _latent_metadata(spec: ModelSpec, metadata: list[tuple[str, Typed]]) -> list[tuple[str, Typed]]:

@@ -30,6 +30,13 @@ LONG_TEXT = (
     "light, and the energy splits water molecules, releasing oxygen. The captured energy is "
     "stored in ATP and NADPH, which the Calvin cycle then uses to fix carbon dioxide into sugars."
 )
+
+
+def long_prompt(sentences: int) -> str:
+    """A prompt of about 20 tokens a sentence, none of them repeated whole."""
+    return " ".join(f"Sentence {i}: the river bends past mill number {i * 7 % 13}." for i in range(sentences))
+
+
 # Logits. llama.cpp's 8-bit activations move the bundled Q4_1 model's logits by 0.17 on average;
 # the gap between two candidates moves by 0.12 on average, 0.53 at the 99th percentile and 0.8 at
 # most (measured over 500 positions): a smaller lead than that is llama.cpp's coin flip.

@@ -1,0 +1,68 @@
+"""Mamba (llama.cpp's mamba; Gu and Dao's Mamba-1): state-space layers only (state_space.py). A
+layer's mixer (llama.cpp's build_mamba_layer), on the normed input, D inner channels, N the state
+size, R the time steps' rank:
+    x, z = split(h @ ssm_in)                                  [T, D] each
+    x = silu(causal_conv(x, ssm_conv1d) + ssm_conv1d.bias)
+    dt, B, C = split(x @ ssm_x)                               [T, R], [T, N], [T, N]
+    dt = softplus(dt @ ssm_dt + ssm_dt.bias)                  [T, D]
+    y = selective scan of x (each channel a head of one) with dt, A = ssm_a [D, N], B, C and D = ssm_d
+    out = (y * silu(z)) @ ssm_out
+ssm_a is A itself, -exp(A_log), as llama.cpp's converter stores it. Falcon-Mamba's RMS norms of dt,
+B and C (ssm.dt_b_c_rms) are not computed.
+"""
+
+from dataclasses import replace
+from functools import partial
+
+import torch
+
+from tierflow.errors import UnsupportedModelError
+from tierflow.runtime.compute import selective_scan
+from tierflow.runtime.compute.interfaces import Activations, LayerPass, Weights
+from tierflow.runtime.memory.state_shapes import ScanShape
+from tierflow.runtime.models import state_space
+from tierflow.runtime.models import tensor_map as tm
+from tierflow.runtime.models.architecture import Architecture
+from tierflow.runtime.models.config import Metadata, ModelConfig
+
+
+def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
+    kernel, inner, state = state_space.sizes(meta)
+    if meta.flag("ssm.dt_b_c_rms", False):
+        raise UnsupportedModelError(f"{meta.arch}.ssm.dt_b_c_rms is set: tierflow does not compute "
+                                    f"Falcon-Mamba's norms of the time steps, B and C")
+    shape = ScanShape(kernel, conv_channels=inner, heads=inner, head_dim=1, state_size=state, groups=1)
+    base = state_space.config(meta, vocab_size, tied, shape, inner)
+    return replace(base, ssm_time_step_rank=meta.count("ssm.time_step_rank"))
+
+
+def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
+    s, rank, p = config.recurrent, config.ssm_time_step_rank, f"blk.{layer}."
+    inner, n = s.heads, s.state_size
+    return state_space.mixer_fields(config, layer, inner, 2 * inner) + [
+        tm.matmul("ssm_x", [(p + "ssm_x.weight", (inner, rank + 2 * n))], "attention"),
+        tm.matmul("ssm_dt", [(p + "ssm_dt.weight", (rank, inner))], "attention", bias="required"),
+        tm.vector("ssm_a", p + "ssm_a", (n, inner), "attention"),
+        tm.vector("ssm_d", p + "ssm_d", (inner,), "attention")]
+
+
+def mixer(p: LayerPass, w: Weights, h: Activations) -> Activations:
+    s = p.config.recurrent
+    x, z = torch.as_tensor(w.ssm_in(h)).split(s.heads, dim=-1)  # [T, D] each
+    a = torch.as_tensor(w.ssm_a).reshape(s.heads, 1, s.state_size)
+    y = state_space.scan(p, w, x, (), partial(_selective_inputs, p, w), a)  # [T, D, 1]
+    return w.ssm_out(p.kernels.take(state_space.gate(y.reshape(z.shape), z)))
+
+
+def _selective_inputs(p: LayerPass, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The convolution's outputs [T, D] -> x as heads of one [T, D, 1], B and C [T, 1, N] and the
+    time steps [T, D], projected from x."""
+    rank, n, take = p.config.ssm_time_step_rank, p.config.recurrent.state_size, p.kernels.take
+    dt, b, c = torch.as_tensor(w.ssm_x(take(x))).split([rank, n, n], dim=-1)
+    dt = selective_scan.time_steps(torch.as_tensor(w.ssm_dt(take(dt.contiguous()))))
+    return x[:, :, None], b[:, None, :], c[:, None, :], dt
+
+
+ARCHITECTURE = Architecture(name="mamba", config=config, layer_fields=layer_fields,
+                            block=partial(state_space.block, mixer=mixer),
+                            summary="Mamba-1 selective state-space layers, no attention")
