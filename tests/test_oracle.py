@@ -195,21 +195,24 @@ def test_gpt_oss_with_mxfp4_experts_matches_llama_cpp_but_where_routing_is_a_nea
     assert_moe_agrees_but_where_routing_is_a_near_tie(engine, llama, engine.tokenize(LONG_TEXT)[:64])
 
 
-# -- state-space models: mamba, mamba2 (their generic specs), past two prefill chunks ------------
+# -- state-space models: mamba, mamba2 and the hybrids (their generic specs, and Granite 4.0-H's
+# experts with a shared one), past two prefill chunks -------------------------------------------
 
 STATE_SPACE_TOKENS = 2 * PREFILL_CHUNK + 100  # the state carried across two prefill passes' ends
+STATE_SPACE_SPECS = {"mamba": {}, "mamba2": {}, "granitehybrid": {}, "nemotron_h": {}, "falcon-h1": {},
+                     "granitehybrid-moe": dict(num_experts=4, experts_used=2, shared_expert_ffn_size=96)}
 
 
-def state_space_pair(tmp_path, arch: str, weight_type: str):
-    spec = replace(family_spec(arch), weight_type=weight_type, embedding_type=weight_type,
-                   context_length=2048)
+def state_space_pair(tmp_path, name: str, weight_type: str):
+    spec = replace(family_spec(name.removesuffix("-moe")), weight_type=weight_type,
+                   embedding_type=weight_type, context_length=2048, **STATE_SPACE_SPECS[name])
     path = write_model(tmp_path / "model.gguf", spec)
     context = STATE_SPACE_TOKENS + 32
     return (Engine.load(path, threads=1, context_length=context, kv_cache_type="f32"),
             llama_cpp_model(path, n_ctx=context, f32_kv=weight_type == "F32"))
 
 
-@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+@pytest.mark.parametrize("arch", STATE_SPACE_SPECS)
 def test_generated_f32_state_space_models_match_llama_cpp_exactly_past_two_prefill_chunks(tmp_path, arch):
     engine, llama = state_space_pair(tmp_path, arch, "F32")
     with engine:
@@ -220,10 +223,18 @@ def test_generated_f32_state_space_models_match_llama_cpp_exactly_past_two_prefi
     print(f"{arch} F32: mean |logit difference| vs llama.cpp {diff:.2e}")
 
 
-@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+@pytest.mark.parametrize("arch", [name for name in STATE_SPACE_SPECS if not name.endswith("-moe")])
 def test_generated_q8_0_state_space_models_match_llama_cpp_within_its_rounding(tmp_path, arch):
     engine, llama = state_space_pair(tmp_path, arch, "Q8_0")
     with engine:
         ids = engine.tokenize(long_prompt(80))[:STATE_SPACE_TOKENS]
         diff = assert_logits_agree(engine, llama, ids, max_mean_diff=0.25, near_tie=1.0)
     print(f"{arch} Q8_0: mean |logit difference| vs llama.cpp {diff:.4f}")
+
+
+def test_a_generated_q8_0_granite_moe_matches_llama_cpp_but_where_routing_is_a_near_tie(tmp_path):
+    engine, llama = state_space_pair(tmp_path, "granitehybrid-moe", "Q8_0")
+    with engine:
+        ids = engine.tokenize(long_prompt(80))[:STATE_SPACE_TOKENS]
+        median = assert_moe_agrees_but_where_routing_is_a_near_tie(engine, llama, ids)
+    print(f"granitehybrid MoE Q8_0: median |logit difference| vs llama.cpp {median:.4f}")

@@ -35,7 +35,8 @@ from tierflow.runtime.models.config import ModelConfig
 class Decoder:
     """Runs tokens through the model, appending to a KV cache: the embeddings (times the config's
     embedding scale), each layer's block (its family's, `block`) with the layer's rotary tables,
-    the final norm and the output head (its logits soft-capped where the config says so)."""
+    the final norm and the output head (its logits soft-capped and divided by the logit scale where
+    the config says so)."""
 
     def __init__(self, config: ModelConfig, block: Block, weights: WeightSource, max_positions: int):
         self.config = config
@@ -97,6 +98,8 @@ class Decoder:
         if heads:  # one matmul of the output head for every sequence that wants logits
             logits = self.weights.output()(stack_rows([outputs[i] for i in heads]))
             logits = soft_cap(logits, self.config.final_logit_softcap)
+            if self.config.logit_scale != 1.0:  # llama.cpp's order: times 1 / scale, in float32
+                logits = logits * (np.float32(1) / np.float32(self.config.logit_scale))
             ends = np.cumsum([0] + [outputs[i].shape[0] for i in heads])
             for i, a, b in zip(heads, ends[:-1], ends[1:]):
                 outputs[i] = logits[a:b]

@@ -33,8 +33,11 @@ def layer_rope_tables(config: ModelConfig, num_positions: int, freq_factors: tor
 def rope_tables(
     config: ModelConfig, num_positions: int, freq_factors: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each [num_positions, rope_dim // 2] float32."""
+    """cos and sin tables, each [num_positions, rope_dim // 2] float32; a model without rotary
+    (rope_style "none") turns every pair by 0: cos 1 and sin 0 leave each value's bits as they are."""
     rope_dim, scaling = config.rope_dim, config.rope_scaling
+    if config.rope_style == "none":
+        return torch.ones(num_positions, rope_dim // 2), torch.zeros(num_positions, rope_dim // 2)
     pair_idx = torch.arange(rope_dim // 2, dtype=torch.float64)
     inv_freq = config.rope_theta ** (-2.0 * pair_idx / rope_dim)  # [R/2]
     if freq_factors is not None:

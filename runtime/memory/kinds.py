@@ -8,6 +8,8 @@ the planner counts them, by asking the kind, never by branching on the family:
     RingCache       a sliding-window layer's ring: its window and a pass (kv_types.cache_positions)
     LatentCache     multi-head latent attention's one row per position (rotary key part + latent)
     RecurrentState  a recurrent layer's fixed-size state (linear attention, Mamba), whatever the context
+    RowsAndState    a layer that attends and runs a recurrence side by side: FullCache's rows and a state
+    NoMemory        nothing: a layer that sees only its own token (an FFN-only layer)
 
 Attention rows (the first three) are held by the KV cache's rows (attention_rows.py); a kind
 held otherwise names its store (`sequence_store`: the SequenceMemory of kv_cache.py that holds
@@ -110,3 +112,36 @@ class RecurrentState:
         shape = next(iter(layers.values())).shape
         return RecurrentStates(shape, layers,
                                lambda layer, dims: torch.as_tensor(allocate(layer, dims, torch.float32)))
+
+
+@dataclass(frozen=True)
+class RowsAndState(RecurrentState):
+    """A layer with attention and a recurrent layer side by side (Falcon-H1's): every position's key
+    and value rows, which the KV cache's attention rows hold, and a state, which the recurrent
+    states' store holds."""
+
+    rows: CacheRows
+
+    def positions(self, context_length: int) -> int:
+        return cache_positions(context_length, 0)
+
+    def num_bytes(self, context_length: int, kv: KVType) -> int:
+        rows = self.rows.position_bytes(kv) * self.positions(context_length)
+        return rows + super().num_bytes(context_length, kv)
+
+
+@dataclass(frozen=True)
+class NoMemory:
+    """A layer that keeps nothing between passes (Nemotron-H's FFN-only layers): no rows, no state."""
+
+    window = 0
+    sequence_store = None  # the attention rows, which give it none
+
+    def positions(self, context_length: int) -> int:
+        return 0
+
+    def num_bytes(self, context_length: int, kv: KVType) -> int:
+        return 0
+
+    def pass_bytes(self, tokens: int) -> int:
+        return 0

@@ -62,7 +62,9 @@ class ModelConfig:
     rope_dim: int
     rope_scaling: RopeScaling
     tied_embeddings: bool
-    rope_style: str = "normal"  # "normal": adjacent pairs (x0, x1) rotate; "neox": the two halves
+    rope_style: str = "normal"  # "normal": adjacent pairs (x0, x1) rotate; "neox": the two halves;
+    # "none": no rotary at all (Nemotron-H's and Granite 4.0-H's attention: positions come from the
+    # recurrent layers)
     num_experts: int = 0  # 0: a dense FFN in every layer
     experts_used: int = 0  # experts each token is routed to
     expert_ffn_size: int = 0
@@ -82,6 +84,9 @@ class ModelConfig:
     # rope_freq_base_train_swa with a scale of 1); 0: they rotate as the other layers.
     sliding_rope_theta: float = 0.0
     embedding_scale: float = 1.0  # the embeddings' rows are multiplied by it (Gemma: sqrt(hidden))
+    residual_scale: float = 1.0  # what a block's mixer and FFN outputs are multiplied by before each joins
+    # the residual stream, where the family's block reads it (Granite's residual multiplier)
+    logit_scale: float = 1.0  # the output logits are divided by it (Granite's logits scaling)
     attention_scale: float = 0.0  # queries' scale before the softmax; 0: head_dim ** -0.5
     # Soft caps, cap * tanh(x / cap), of the attention scores and of the output logits; 0: none.
     attn_logit_softcap: float = 0.0
@@ -106,6 +111,9 @@ class ModelConfig:
     # Each layer's kind of memory (runtime/memory/kinds.py) where the family declares it: a kind the
     # fields above do not imply (a new state, say) is declared here; () derives it from them.
     layer_kinds: tuple[LayerMemory, ...] = ()
+    # Each layer's kind of block where a family's layers differ beyond recurrent_layers (Nemotron-H's
+    # "recurrent", "attention" and "ffn" layers), as the family names them; () where they do not.
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "ffn_size", "num_heads", "num_kv_heads",
@@ -119,8 +127,8 @@ class ModelConfig:
             )
         if self.rope_dim > self.head_dim or self.rope_dim % 2 or self.rope_dim <= 0:
             raise ModelFileError(f"rope dimension {self.rope_dim} does not fit head size {self.head_dim}")
-        if self.rope_style not in ("normal", "neox"):
-            raise ModelFileError(f"rope style must be 'normal' or 'neox', not {self.rope_style!r}")
+        if self.rope_style not in ("normal", "neox", "none"):
+            raise ModelFileError(f"rope style must be 'normal', 'neox' or 'none', not {self.rope_style!r}")
         if not math.isfinite(self.rope_theta) or self.rope_theta <= 1:
             raise ModelFileError(f"rope frequency base must be a number above 1, got {self.rope_theta}")
         if not math.isfinite(self.rms_norm_eps) or not 0 < self.rms_norm_eps < 1:
@@ -138,9 +146,10 @@ class ModelConfig:
         self._check_scales()
         self._check_latent()
         self._check_groups()
-        if self.layer_kinds and len(self.layer_kinds) != self.num_layers:
-            raise ModelFileError(f"layer kinds must be one per layer ({self.num_layers}), "
-                                 f"got {len(self.layer_kinds)}")
+        for field in ("layer_kinds", "layer_types"):
+            if getattr(self, field) and len(getattr(self, field)) != self.num_layers:
+                raise ModelFileError(f"{field.replace('_', ' ')} must be one per layer ({self.num_layers}), "
+                                     f"got {len(getattr(self, field))}")
         layers = len(self.recurrent_layers)
         if self.recurrent_layers and (layers != self.num_layers or self.recurrent is None):
             raise ModelFileError(f"recurrent layers must be one flag per layer ({self.num_layers}) with a "
@@ -183,6 +192,9 @@ class ModelConfig:
                                  f"got {self.sliding_rope_theta}")
         if not (math.isfinite(self.embedding_scale) and self.embedding_scale > 0):
             raise ModelFileError(f"embedding scale must be a positive number, got {self.embedding_scale}")
+        for field in ("residual_scale", "logit_scale"):
+            if not (math.isfinite(getattr(self, field)) and getattr(self, field) > 0):
+                raise ModelFileError(f"{field} must be a positive number, got {getattr(self, field)}")
         for field in ("attention_scale", "attn_logit_softcap", "final_logit_softcap"):
             if not (math.isfinite(getattr(self, field)) and getattr(self, field) >= 0):
                 raise ModelFileError(f"{field} must be a number >= 0, got {getattr(self, field)}")
@@ -195,7 +207,7 @@ class ModelConfig:
         """The config of the model made of its first num_layers layers."""
         return replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers],
                        recurrent_layers=self.recurrent_layers[:num_layers],
-                       layer_kinds=self.layer_kinds[:num_layers],
+                       layer_kinds=self.layer_kinds[:num_layers], layer_types=self.layer_types[:num_layers],
                        leading_dense_layers=min(self.leading_dense_layers, num_layers))
 
     def mtp_config(self) -> "ModelConfig":
@@ -203,7 +215,7 @@ class ModelConfig:
         layer with the model's FFN (its experts too, in a MoE model)."""
         return replace(self, num_layers=1, layer_windows=(0,) if self.layer_windows else (),
                        recurrent_layers=(), recurrent=None, leading_dense_layers=0, nextn_layers=0,
-                       layer_kinds=())
+                       layer_kinds=(), layer_types=())
 
     def window(self, layer: int) -> int:
         """The layer's sliding window in positions, 0 if it attends to the whole context."""

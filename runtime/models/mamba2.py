@@ -6,6 +6,8 @@ G groups of N, each shared by H / G heads:
     dt = softplus(dt + ssm_dt.bias)
     y = selective scan of x with dt, a scalar decay per head A = ssm_a [H], B, C and D = ssm_d [H]
     out = grouped_rms_norm(y * silu(z)) @ ssm_out             (per group of D / G channels, ssm_norm's)
+A family whose map makes ssm_norm optional (layer_fields' `norm_optional`) skips the norm where a
+file has none.
 """
 
 from functools import partial
@@ -22,23 +24,30 @@ from tierflow.runtime.models.config import Metadata, ModelConfig
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
+    shape = scan_shape(meta)
+    return state_space.config(meta, vocab_size, tied, shape, shape.heads * shape.head_dim)
+
+
+def scan_shape(meta: Metadata) -> ScanShape:
+    """A Mamba-2 layer's state from the ssm.* keys: ssm.time_step_rank heads over ssm.inner_size
+    channels, B and C in ssm.group_count groups of ssm.state_size."""
     kernel, inner, state = state_space.sizes(meta)
     head_dim = state_space.divides(meta, "ssm.time_step_rank", "ssm.inner_size")
     state_space.divides(meta, "ssm.group_count", "ssm.time_step_rank")
     heads, groups = inner // head_dim, meta.count("ssm.group_count")
-    shape = ScanShape(kernel, conv_channels=inner + 2 * groups * state, heads=heads, head_dim=head_dim,
-                      state_size=state, groups=groups)
-    return state_space.config(meta, vocab_size, tied, shape, inner)
+    return ScanShape(kernel, conv_channels=inner + 2 * groups * state, heads=heads, head_dim=head_dim,
+                     state_size=state, groups=groups)
 
 
-def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
+def layer_fields(config: ModelConfig, layer: int, norm_optional: bool = False) -> list[tm.Field]:
     s, p = config.recurrent, f"blk.{layer}."
     inner = s.heads * s.head_dim
     return state_space.mixer_fields(config, layer, inner, inner + s.conv_channels + s.heads) + [
         tm.vector("ssm_dt", p + "ssm_dt.bias", (s.heads,), "attention"),
         tm.vector("ssm_a", p + "ssm_a", (1, s.heads), "attention"),
         tm.vector("ssm_d", p + "ssm_d", (1, s.heads), "attention"),
-        tm.vector("ssm_norm", p + "ssm_norm.weight", (inner // s.groups, s.groups), "attention")]
+        tm.vector("ssm_norm", p + "ssm_norm.weight", (inner // s.groups, s.groups), "attention",
+                  optional=norm_optional)]
 
 
 def mixer(p: LayerPass, w: Weights, h: Activations) -> Activations:
@@ -49,7 +58,9 @@ def mixer(p: LayerPass, w: Weights, h: Activations) -> Activations:
     a = torch.as_tensor(w.ssm_a).reshape(s.heads, 1, 1)
     y = state_space.scan(p, w, xbc, (dt,), partial(_split, s), a)  # [T, H, P]
     gated = state_space.gate(y.reshape(z.shape), z)
-    return w.ssm_out(p.kernels.take(grouped_rms_norm(gated, torch.as_tensor(w.ssm_norm), s.groups, eps)))
+    if "ssm_norm" in w.fields:
+        gated = grouped_rms_norm(gated, torch.as_tensor(w.ssm_norm), s.groups, eps)
+    return w.ssm_out(p.kernels.take(gated))
 
 
 def _split(s: ScanShape, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -3,7 +3,7 @@ beyond its tensors (FamilyTraits, which model_spec.py checks specs against and w
 and the small spec with F32 weights that the generic suite runs against llama.cpp
 (tests/test_families.py), shaped to reach what sets the family apart (a window shorter than the
 prompt, experts with a shared one, leading dense layers, latent attention, recurrent layers,
-state-space layers).
+state-space layers, each kind of layer a hybrid's pattern names).
 A new family adds its entry here; the suite then checks it like every other.
 """
 
@@ -41,6 +41,16 @@ class FamilyTraits:
     state_space: bool = False       # Mamba's layers only (mamba, mamba2): the ssm.* keys, no attention or
                                     # FFN keys (written as 0, as llama.cpp's converter writes them)
     time_step_projection: bool = False  # Mamba-1's low-rank time steps: ssm_value_heads is their rank
+    layer_pattern: str = ""         # Mamba-2 layers among others (granitehybrid, nemotron_h): the layer
+                                    # kinds ModelSpec.layer_pattern may name ("M*": Mamba-2, attention;
+                                    # "M*-": and FFN-only layers), written as head_count_kv and
+                                    # feed_forward_length per layer beside the ssm.* keys
+    layer_norm_eps_key: bool = False  # llama.cpp's build here requires {arch}.attention.layer_norm_epsilon
+                                      # beside the RMS one (nemotron_h), and reads no more of it
+    parallel_hybrid: bool = False   # attention and Mamba-2 in every layer (falcon-h1): the transformer's
+                                    # keys and the ssm.* keys
+    granite_multipliers: bool = False  # reads embedding_scale, residual_scale, logit_scale,
+                                       # attention.scale and rope.scaling.finetuned (see ModelSpec)
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,14 @@ HYBRID = dict(num_layers=4, hidden_size=64, ffn_size=128, num_heads=4, num_kv_he
 MAMBA = dict(num_layers=2, hidden_size=64, ssm_inner_size=128, ssm_state=16, ssm_conv_kernel=4, **F32)
 MAMBA2 = dict(MAMBA, ssm_value_heads=8, ssm_key_heads=2)
 HYBRID_MOE = dict(HYBRID, num_experts=4, experts_used=2, expert_ffn_size=64, shared_expert_ffn_size=96)
+# Mamba-2 among attention layers (llama.cpp's granitehybrid asserts an inner size of twice the hidden
+# size): attention after a Mamba-2 layer and before two more
+SSM_HYBRID = dict(MAMBA2, num_layers=4, ffn_size=128, num_heads=4, num_kv_heads=2, head_size=32,
+                  layer_pattern="M*MM")
+# Granite 4.0-H's multipliers (its files have no rotary), of sizes that keep the layers' outputs
+# louder than the embeddings
+GRANITE = dict(SSM_HYBRID, embedding_scale=1.5, residual_scale=0.5, logit_scale=2.0, attention_scale=0.125,
+               rope=False)
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(FamilyTraits(rope_freqs=True, experts="optional"), DENSE),
@@ -93,4 +111,9 @@ FAMILIES: dict[str, Family] = {
     "mamba": Family(FamilyTraits(state_space=True, time_step_projection=True),
                     MAMBA | dict(ssm_value_heads=32)),
     "mamba2": Family(FamilyTraits(state_space=True), MAMBA2),
+    "granitehybrid": Family(FamilyTraits(experts="optional", shared_expert=True, layer_pattern="M*",
+                                         granite_multipliers=True), GRANITE),
+    "nemotron_h": Family(FamilyTraits(layer_pattern="M*-", layer_norm_eps_key=True),
+                         SSM_HYBRID | dict(num_layers=6, layer_pattern="M-*M-M")),
+    "falcon-h1": Family(FamilyTraits(parallel_hybrid=True), SSM_HYBRID | dict(layer_pattern=None)),
 }

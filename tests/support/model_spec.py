@@ -154,6 +154,18 @@ class ModelSpec:
     ssm_conv_kernel: int = 4
     ssm_inner_size: int | None = None  # ssm.inner_size; None: ssm_value_heads * ssm_state (DeltaNet's)
     expert_groups_used: int = 1      # expert_group_used_count (V3's topk_group)
+    # Hybrids (layer_pattern archs): each layer's kind, one character per layer as Nemotron-H's
+    # hybrid_override_pattern writes it: "M" Mamba-2 (ssm_* sizes as mamba2's), "*" attention, "-" an
+    # FFN alone (nemotron_h); written as head_count_kv and feed_forward_length per layer.
+    layer_pattern: str | None = None
+    # Granite's multipliers (granite_multipliers archs), each written where set: the embeddings',
+    # each block output's, the logits' divisor and the attention scores'; rope False writes
+    # rope.scaling.finetuned false (Granite 4.0-H's files: attention without rotary).
+    embedding_scale: float | None = None
+    residual_scale: float | None = None
+    logit_scale: float | None = None
+    attention_scale: float | None = None
+    rope: bool = True
     yarn_log_multiplier: float | None = None  # rope.scaling.yarn_log_multiplier (0.1 x DeepSeek's
                                               # mscale_all_dim, as the converter writes it)
     weight_type: str = "Q8_0"        # every 2-D matrix and expert stack, output.weight included:
@@ -187,6 +199,7 @@ class ModelSpec:
                              f"{self.num_kv_heads}")
         self._check_experts()
         self._check_layers()
+        self._check_pattern()
         self._check_arch()
         self._check_latent()
         self._check_rope()
@@ -238,6 +251,19 @@ class ModelSpec:
         if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
             raise ValueError(f"rope_dim must be even and within head size {self.head_dim}, "
                              f"got {self.rope_dim}")
+
+    def _check_pattern(self) -> None:
+        """A hybrid's pattern: one kind its arch defines per layer; Granite's keys only where read."""
+        traits = ARCHS[self.arch]
+        if (self.layer_pattern is None) != (not traits.layer_pattern):
+            raise ValueError(f"layer_pattern is for the hybrid archs, and they need one: arch {self.arch!r}")
+        if self.layer_pattern is not None and (len(self.layer_pattern) != self.num_layers
+                                               or set(self.layer_pattern) - set(traits.layer_pattern)):
+            raise ValueError(f"layer_pattern must be one of {traits.layer_pattern!r} per layer "
+                             f"({self.num_layers}), got {self.layer_pattern!r}")
+        granite = (self.embedding_scale, self.residual_scale, self.logit_scale, self.attention_scale)
+        if (any(v is not None for v in granite) or not self.rope) and not traits.granite_multipliers:
+            raise ValueError(f"llama.cpp reads no Granite multipliers for arch {self.arch!r}")
 
     def _check_gemma_keys(self) -> None:
         traits = ARCHS[self.arch]
@@ -299,6 +325,10 @@ class ModelSpec:
         if ARCHS[self.arch].state_space:
             rank = (self.ssm_value_heads,) if ARCHS[self.arch].time_step_projection else ()
             return (self.hidden_size, self.ssm_inner) + rank
+        if ARCHS[self.arch].layer_pattern or ARCHS[self.arch].parallel_hybrid:
+            ffn = ((self.expert_ffn_width, self.shared_expert_ffn_width) if self.num_experts
+                   else (self.ffn_size,))
+            return (self.hidden_size, self.ssm_inner, self.num_heads * self.head_dim) + ffn
         if ARCHS[self.arch].linear_attention:
             values = self.ssm_value_heads * self.ssm_state
             lengths = (self.hidden_size, self.num_heads * self.head_dim, values)
@@ -608,6 +638,10 @@ def architecture_metadata(spec: ModelSpec, vocab_size: int) -> list[tuple[str, T
         metadata.append((f"{arch}.nextn_predict_layers", u32(spec.nextn_layers)))
     if ARCHS[arch].latent_attention:
         return _latent_metadata(spec, metadata)
+    if ARCHS[arch].layer_pattern:
+        return _hybrid_metadata(spec, metadata)
+    if ARCHS[arch].parallel_hybrid:
+        return metadata + _ssm_sizes(spec)
     if ARCHS[arch].linear_attention:
         return metadata + _linear_attention_metadata(spec)
     return metadata + _gemma_metadata(spec)
@@ -632,12 +666,35 @@ def _linear_attention_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
 def _state_space_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
     """mamba's and mamba2's keys as llama.cpp's converter writes them: no FFN and no attention heads,
     the norms' epsilon and the ssm.* sizes."""
-    keys = {"feed_forward_length": 0, "attention.head_count": 0, "attention.head_count_kv": 0,
-            "ssm.conv_kernel": spec.ssm_conv_kernel, "ssm.inner_size": spec.ssm_inner,
+    keys = {"feed_forward_length": 0, "attention.head_count": 0, "attention.head_count_kv": 0}
+    return [(f"{spec.arch}.{key}", Typed(UINT32, value)) for key, value in keys.items()] + [
+        *_ssm_sizes(spec), (f"{spec.arch}.attention.layer_norm_rms_epsilon", Typed(FLOAT32, 1e-5))]
+
+
+def _ssm_sizes(spec: ModelSpec) -> list[tuple[str, Typed]]:
+    keys = {"ssm.conv_kernel": spec.ssm_conv_kernel, "ssm.inner_size": spec.ssm_inner,
             "ssm.state_size": spec.ssm_state, "ssm.time_step_rank": spec.ssm_value_heads,
             "ssm.group_count": spec.ssm_key_heads}
-    return [(f"{spec.arch}.{key}", Typed(UINT32, value)) for key, value in keys.items()] + [
-        (f"{spec.arch}.attention.layer_norm_rms_epsilon", Typed(FLOAT32, 1e-5))]
+    return [(f"{spec.arch}.{key}", Typed(UINT32, value)) for key, value in keys.items()]
+
+
+def _hybrid_metadata(spec: ModelSpec, metadata: list[tuple[str, Typed]]) -> list[tuple[str, Typed]]:
+    """granitehybrid's and nemotron_h's keys as llama.cpp's converter writes them: the layer pattern
+    as head_count_kv per layer (0 but for attention) and, where the arch has FFN-only layers,
+    feed_forward_length per layer (0 but for them); the ssm.* sizes; Granite's multipliers."""
+    arch, pattern = spec.arch, spec.layer_pattern
+    keys = {"attention.head_count_kv": Typed(ARRAY, [spec.num_kv_heads * (c == "*") for c in pattern], INT32)}
+    if ARCHS[arch].layer_norm_eps_key:
+        keys["attention.layer_norm_epsilon"] = Typed(FLOAT32, 1e-5)
+    if "-" in ARCHS[arch].layer_pattern:
+        keys["feed_forward_length"] = Typed(ARRAY, [spec.ffn_size * (c == "-") for c in pattern], INT32)
+    if ARCHS[arch].granite_multipliers:
+        scales = {"embedding_scale": spec.embedding_scale, "residual_scale": spec.residual_scale,
+                  "logit_scale": spec.logit_scale, "attention.scale": spec.attention_scale}
+        keys |= {key: Typed(FLOAT32, value) for key, value in scales.items() if value is not None}
+        keys["rope.scaling.finetuned"] = Typed(BOOL, spec.rope)
+    kept = [(key, value) for key, value in metadata if key.removeprefix(f"{arch}.") not in keys]
+    return kept + [(f"{arch}.{key}", value) for key, value in keys.items()] + _ssm_sizes(spec)
 
 
 def _latent_metadata(spec: ModelSpec, metadata: list[tuple[str, Typed]]) -> list[tuple[str, Typed]]:
