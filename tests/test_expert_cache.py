@@ -298,6 +298,17 @@ def test_the_next_layer_predictor_applies_the_next_router_to_this_layers_stream(
     assert predictor.step(1, np.array([[2], [3]]), residual) is None  # no layer after the last
 
 
+def test_the_next_layer_predictor_predicts_the_next_moe_layer_past_dense_ones():
+    predictor = NextLayerPredictor(num_layers=4, num_experts=4, top_k=1, eps=1e-6)
+    predictor.add_router(1, np.eye(4, 8, dtype=np.float32) * 10, np.ones(8, np.float32))
+    predictor.add_router(3, np.eye(4, 8, dtype=np.float32) * 10, np.ones(8, np.float32))
+    residual = np.zeros((1, 8), np.float32)
+    residual[0, 2] = 1.0
+    ids, _ = predictor.step(1, np.array([[0]]), residual)  # layer 2's FFN is dense: layer 3 is next
+    assert predictor.following(1) == 3 and ids.tolist() == [2]
+    assert predictor.step(3, np.array([[2]]), residual) is None
+
+
 def test_the_next_layer_predictor_chooses_as_a_sigmoid_router_with_a_selection_bias_does():
     predictor = NextLayerPredictor(num_layers=2, num_experts=4, top_k=1, eps=1e-6, gating="sigmoid")
     bias = np.array([0.0, 0.0, 0.0, 2.0], np.float32)  # lifts expert 3 past any sigmoid score

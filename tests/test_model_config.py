@@ -1,5 +1,7 @@
 """Reading a model's architecture from GGUF metadata, and refusing what tierflow cannot run."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -40,6 +42,17 @@ def test_config_reads_the_llama_hyper_parameters():
     c = config()
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (2, 64, 4, 2, 16)
     assert c.rope_style == "normal" and c.rope_scaling.kind == "none"
+
+
+def test_moe_layers_are_those_after_the_leading_dense_ones_unless_each_layer_is_named():
+    moe = replace(config(), num_layers=4, num_experts=4, experts_used=2, expert_ffn_size=64)
+    assert replace(moe, leading_dense_layers=1).moe_layers == (1, 2, 3)
+    assert replace(moe, expert_layers=(False, True, False, True)).moe_layers == (1, 3)
+
+
+def test_expert_layers_in_a_model_without_experts_are_refused():
+    with pytest.raises(ModelFileError, match="expert layers are named but the model has no experts"):
+        replace(config(), expert_layers=(True, False))
 
 
 def test_qwen2_rotates_halves():

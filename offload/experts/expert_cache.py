@@ -16,11 +16,11 @@ release() (as LayerStreamer's layers are): fetching one of them never evicts ano
 release() the caller keeps no reference to the payloads: an evicted one's memory is what
 discard() frees for the next fetch.
 
-A MoE layer step, with inter-layer prediction (offload/experts/next_layer.py):
+A MoE layer step, with inter-layer prediction of the following MoE layer (offload/experts/next_layer.py):
 
-    cache.predict(layer_idx + 1, predicted_ids, confidences)  # early router / affinity, no bytes yet
+    cache.predict(following, predicted_ids, confidences)      # early router / affinity, no bytes yet
     payloads = cache.get(layer_idx, expert_ids)               # demand: hits, or fetched now
-    cache.prefetch(layer_idx + 1)                             # fetch the predicted, overlapping compute
+    cache.prefetch(following)                                 # fetch the predicted, overlapping compute
     ... compute layer_idx's experts ...
     cache.release()
     cache.next_token()                                        # after the last layer of a token

@@ -71,7 +71,8 @@ def merge_token_predictions(ids: np.ndarray, probs: np.ndarray) -> tuple[np.ndar
 
 
 class AffinityPredictor:
-    """Counts, online, how often a token that used expert i at layer l used expert j at l + 1.
+    """Counts, online, how often a token that used expert i at layer l used expert j at l + 1 (the
+    MoE layer after l, where dense layers lie between).
 
     counts[l, i, j] / seen[l, i] estimates P(j in layer l+1's top-k | i in layer l's top-k).
     `decay` < 1 multiplies a layer's table by it at each observation, so the estimate follows a
@@ -162,23 +163,29 @@ class NextLayerPredictor:
                    selection_bias: np.ndarray | None = None) -> None:
         self.routers[layer_idx] = router, ffn_norm, selection_bias
 
+    def following(self, layer_idx: int) -> int | None:
+        """The MoE layer after layer_idx whose experts are predicted (the next with a router: in a
+        model with dense layers among the MoE ones, not always layer_idx + 1); None after the last."""
+        return min((layer for layer in self.routers if layer > layer_idx), default=None)
+
     def step(self, layer_idx: int, chosen: np.ndarray, residual: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray] | None:
-        """Learns from layer_idx's routing (chosen [T, k]) and predicts layer_idx + 1's experts
-        (ids, confidences) from it and the residual stream [T, H]; None after the last MoE layer."""
-        if layer_idx - 1 in self._chosen:  # the same tokens at the previous layer
-            for before, now in zip(self._chosen.pop(layer_idx - 1), chosen):
-                self.affinity.observe(layer_idx - 1, before, now)
+        """Learns from layer_idx's routing (chosen [T, k]) and predicts the following MoE layer's
+        experts (ids, confidences) from it and the residual stream [T, H]; None after the last."""
+        previous = max((layer for layer in self._chosen if layer < layer_idx), default=None)
+        if previous is not None:  # the same tokens at the MoE layer before, in this pass
+            for before, now in zip(self._chosen.pop(previous), chosen):
+                self.affinity.observe(previous, before, now)
         self._chosen[layer_idx] = chosen
         picks = self._picks.pop(layer_idx, None)
         if picks is not None and len(picks) == len(chosen):
             self.precision.observe(picks, chosen)
-        following = self.routers.get(layer_idx + 1)
+        following = self.following(layer_idx)
         if following is None:
             return None
-        router, ffn_norm, bias = following
+        router, ffn_norm, bias = self.routers[following]
         picks, scores = route_top_k(router, residual, self.top_k, ffn_norm, self.eps, self.gating, bias)
-        self._picks[layer_idx + 1] = picks
+        self._picks[following] = picks
         ids, probs = [picks.ravel()], [self.precision.confidences(scores).ravel()]
         for token_experts in chosen:
             likely, likelihood = self.affinity.predict(layer_idx, token_experts, self.top_k)

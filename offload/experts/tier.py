@@ -68,12 +68,13 @@ class ExpertTier:
         residual = np.asarray(torch.as_tensor(residual).cpu())
         ahead = self.prefetch and self.gate.reads_ahead  # the gate holds for a whole token
         prediction = self.predictor.step(layer_idx, chosen, residual) if ahead else None
+        following = self.predictor.following(layer_idx)
         if prediction is not None:
-            self._predict(layer_idx + 1, *prediction)
+            self._predict(following, *prediction)
         cached, others = self._route(layer_idx, dict(zip(ids.tolist(), counts.tolist())))
         payloads = self.cache.get(layer_idx, cached) if cached else []
         if prediction is not None:
-            self._prefetch(layer_idx + 1, self.gate.threshold)
+            self._prefetch(following, self.gate.threshold)
         try:
             waiting = list(zip(cached, payloads))
             while waiting:

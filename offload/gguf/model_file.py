@@ -46,7 +46,8 @@ def read_config(gguf: GGUFFile) -> tuple[Architecture, ModelConfig]:
     embedding = gguf.tensors.get("token_embd.weight")
     if embedding is None or len(embedding.shape) != 2:
         raise ModelFileError(f"{gguf.path.name}: missing 2-D tensor 'token_embd.weight'")
-    config = arch.read_config(gguf.metadata, embedding.shape[1], "output.weight" not in gguf.tensors)
+    config = arch.read_config(gguf.metadata, embedding.shape[1], "output.weight" not in gguf.tensors,
+                              gguf.tensors.keys())
     if config.num_layers > len(gguf.tensors):  # before anything is built per layer
         raise ModelFileError(f"{gguf.path.name}: block_count is {config.num_layers} but the file holds only "
                              f"{len(gguf.tensors)} tensors")

@@ -58,10 +58,21 @@ class ModelSummary:
     def _experts(self) -> str:
         c = self.config
         shared = f", a shared expert of {c.shared_expert_ffn_size}" if c.shared_expert_ffn_size else ""
-        dense = {0: "", 1: " (layer 0 dense)"}.get(c.leading_dense_layers,
-                                                   f" (layers 0-{c.leading_dense_layers - 1} dense)")
-        return (f"{c.num_experts} per layer{dense}, {c.experts_used} used per token, feed-forward size "
-                f"{c.expert_ffn_size}{shared}")
+        return (f"{c.num_experts} per layer{_dense_layers(c)}, {c.experts_used} used per token, "
+                f"feed-forward size {c.expert_ffn_size}{shared}")
+
+
+def _dense_layers(config: ModelConfig) -> str:
+    """A MoE model's layers with a dense FFN instead of experts, as runs: " (layers 0-1, 4 dense)"."""
+    dense = [layer for layer in range(config.num_layers) if not config.has_experts(layer)]
+    runs: list[list[int]] = []
+    for layer in dense:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    shown = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    return f" (layer{'s' if len(dense) > 1 else ''} {shown} dense)" if dense else ""
 
 
 def describe_model(model: str | os.PathLike | None) -> ModelSummary:

@@ -39,9 +39,9 @@ def shape_key(config: ModelConfig) -> str:
 def measure_layer_overhead(arch: Architecture, config: ModelConfig, threads: int, steps: int = 24) -> float:
     """Seconds per layer per decode step beyond the matmuls: the median of `steps` steps."""
     layers = min(config.num_layers, MEASURED_LAYERS)
-    # A MoE model's few leading dense layers cost less than the rest: the rest are measured.
-    config = replace(config.first_layers(layers), leading_dense_layers=0, context_length=CONTEXT,
-                     vocab_size=1)
+    # A MoE model's dense layers cost less than the rest: layers with experts are measured.
+    config = replace(config.first_layers(layers), leading_dense_layers=0, expert_layers=(),
+                     context_length=CONTEXT, vocab_size=1)
     source = _CostlessWeights(arch, config)
     decoder = Decoder(config, arch.block, source, CONTEXT)
     cache = KVCache(config, CONTEXT)

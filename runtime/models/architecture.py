@@ -6,7 +6,7 @@ layer computes, with the shared parts of layers.py). The decoder loop, the pack,
 checks, `tierflow convert` and `info` and the tests' generator ask it; none of them names a family.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +36,10 @@ class Architecture:
     # computed by `block` as the one layer of config.mtp_config(); None: the family runs no such block
     mtp_fields: Callable[[ModelConfig], list[Field]] | None = None
 
-    def read_config(self, metadata: dict[str, Any], vocab_size: int, tied: bool) -> ModelConfig:
-        return self.config(Metadata(metadata, self.name), vocab_size, tied)
+    def read_config(self, metadata: dict[str, Any], vocab_size: int, tied: bool,
+                    tensor_names: Collection[str] = frozenset()) -> ModelConfig:
+        """The config from the file's metadata and, where the family reads them, its tensors' names."""
+        return self.config(Metadata(metadata, self.name, tensor_names), vocab_size, tied)
 
 
 def transformer_config(meta: Metadata, vocab_size: int, tied: bool, *, rope_style: str,

@@ -8,7 +8,7 @@ naming the key, never a TypeError from deep inside.
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,6 +70,9 @@ class ModelConfig:
     expert_ffn_size: int = 0
     shared_expert_ffn_size: int = 0  # an expert every token uses beside the routed ones; 0: none
     leading_dense_layers: int = 0  # a MoE model's first layers with a dense FFN instead of experts
+    # Which layers' FFN is a mixture of experts where they are not the layers after the leading dense
+    # ones (Jamba's every other layer), one flag per layer; () derives them from leading_dense_layers.
+    expert_layers: tuple[bool, ...] = ()
     # How a router's logits become expert weights (llama.cpp's build_moe_ffn): the gating function
     # ("softmax" or "sigmoid" over every expert, llama.cpp's expert_gating_func, or "softmax_weight":
     # the top k raw logits, then a softmax over those k), whether the chosen experts' weights are
@@ -146,7 +149,7 @@ class ModelConfig:
         self._check_scales()
         self._check_latent()
         self._check_groups()
-        for field in ("layer_kinds", "layer_types"):
+        for field in ("layer_kinds", "layer_types", "expert_layers"):
             if getattr(self, field) and len(getattr(self, field)) != self.num_layers:
                 raise ModelFileError(f"{field.replace('_', ' ')} must be one per layer ({self.num_layers}), "
                                      f"got {len(getattr(self, field))}")
@@ -177,6 +180,8 @@ class ModelConfig:
         if not 0 <= self.leading_dense_layers <= self.num_layers:
             raise ModelFileError(f"leading_dense_block_count must be 0..{self.num_layers} (the layer count), "
                                  f"got {self.leading_dense_layers}")
+        if self.expert_layers and not self.num_experts:
+            raise ModelFileError("expert layers are named but the model has no experts (expert_count 0)")
         if self.expert_gating not in ("softmax", "sigmoid", "softmax_weight"):
             raise ModelFileError(f"expert gating function must be softmax, sigmoid or softmax_weight, "
                                  f"not {self.expert_gating!r}")
@@ -208,14 +213,15 @@ class ModelConfig:
         return replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers],
                        recurrent_layers=self.recurrent_layers[:num_layers],
                        layer_kinds=self.layer_kinds[:num_layers], layer_types=self.layer_types[:num_layers],
-                       leading_dense_layers=min(self.leading_dense_layers, num_layers))
+                       leading_dense_layers=min(self.leading_dense_layers, num_layers),
+                       expert_layers=self.expert_layers[:num_layers])
 
     def mtp_config(self) -> "ModelConfig":
         """The config of the multi-token-prediction block as a one-layer model: a full-attention
         layer with the model's FFN (its experts too, in a MoE model)."""
         return replace(self, num_layers=1, layer_windows=(0,) if self.layer_windows else (),
                        recurrent_layers=(), recurrent=None, leading_dense_layers=0, nextn_layers=0,
-                       layer_kinds=(), layer_types=())
+                       layer_kinds=(), layer_types=(), expert_layers=())
 
     def window(self, layer: int) -> int:
         """The layer's sliding window in positions, 0 if it attends to the whole context."""
@@ -258,13 +264,16 @@ class ModelConfig:
         return self.num_experts > 0
 
     def has_experts(self, layer: int) -> bool:
-        """Whether the layer's FFN is a mixture of experts (a MoE model's leading layers are dense)."""
+        """Whether the layer's FFN is a mixture of experts: as `expert_layers` names it, else every
+        layer of a MoE model after its leading dense ones."""
+        if self.expert_layers:
+            return self.expert_layers[layer]
         return self.is_moe and layer >= self.leading_dense_layers
 
     @property
-    def moe_layers(self) -> range:
+    def moe_layers(self) -> tuple[int, ...]:
         """The layers whose FFN is a mixture of experts, in order."""
-        return range(self.leading_dense_layers if self.is_moe else self.num_layers, self.num_layers)
+        return tuple(layer for layer in range(self.num_layers) if self.has_experts(layer))
 
 
 class Metadata:
@@ -274,8 +283,8 @@ class Metadata:
     its range, is a ModelFileError naming the key.
     """
 
-    def __init__(self, metadata: Mapping[str, Any], arch: str):
-        self.metadata, self.arch = metadata, arch
+    def __init__(self, metadata: Mapping[str, Any], arch: str, tensor_names: Collection[str] = frozenset()):
+        self.metadata, self.arch, self.tensor_names = metadata, arch, tensor_names
 
     def count(self, key: str, default: int | None = None, *, minimum: int = 1,
               maximum: int = MAX_DIMENSION) -> int:
@@ -312,6 +321,11 @@ class Metadata:
 
     def has(self, key: str) -> bool:
         return f"{self.arch}.{key}" in self.metadata
+
+    def has_tensor(self, name: str) -> bool:
+        """Whether the file holds the tensor (where a family tells its layers apart by their tensors,
+        as llama.cpp does Jamba's MoE layers)."""
+        return name in self.tensor_names
 
     def _get(self, key: str, default: Any, general: bool = False) -> tuple[str, Any]:
         name = key if general else f"{self.arch}.{key}"
