@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from tierflow.runtime.compute import delta_rule
+from tierflow.runtime.compute import delta_rule, selective_scan
 
 
 class StateShape(Protocol):
@@ -95,7 +95,19 @@ class ScanShape:
 
     def pass_bytes(self, tokens: int) -> int:
         """An estimate: the convolution's inputs and outputs, x, its gate and the scan's outputs per
-        token, the decays of every token (Mamba-1: one per state element), and a step's temporaries."""
-        inner, matrices = self.heads * self.head_dim, math.prod(self.matrix_shape)
-        decays = self.heads * (self.state_size if self.head_dim == 1 else 1)
-        return 4 * (tokens * (2 * self.conv_channels + 4 * inner + 2 * decays) + 3 * matrices)
+        token, a few states, and the larger of what the two forms of the scan hold: the token loop
+        (selective_scan.steps: B and C of every head, the decays) and the chunked one (long_pass:
+        Mamba-2's scaled x, its blocks' outputs and decayed writes, and two L-wide rows of causal
+        mixes per token and head; Mamba-1's cumulative log-decays and writes per state element, and
+        a chunk's states while doubling)."""
+        inner, elements = self.heads * self.head_dim, self.heads * self.state_size
+        if self.head_dim == 1:
+            stepwise = 3 * elements
+            chunked = tokens * 3 * elements + 4 * selective_scan.SCAN_CHUNK * elements
+        else:
+            stepwise = 2 * elements + self.heads
+            padded = -(-tokens // selective_scan.DUAL_CHUNK) * selective_scan.DUAL_CHUNK
+            chunked = padded * (6 * inner + 2 * self.heads * selective_scan.DUAL_CHUNK
+                                + 2 * self.groups * self.state_size)
+        per_token = 2 * self.conv_channels + 4 * inner
+        return 4 * (tokens * per_token + max(tokens * stepwise, chunked) + 3 * elements * self.head_dim)

@@ -8,7 +8,7 @@ architecture".
 Beside the families: config.py (ModelConfig and the typed metadata reads; each layer's kind of
 memory, runtime/memory/kinds.py), layers.py (the blocks' shared parts), latent_attention.py and
 delta_net.py (the attention kinds more than one family uses), state_space.py (what Mamba's families
-share), ssm_hybrid.py (what the hybrids of Mamba-2 layers among attention layers share).
+share), ssm_hybrid.py (what the hybrids of Mamba layers among attention layers share).
 """
 
 from tierflow.errors import UnsupportedModelError
@@ -20,6 +20,7 @@ from tierflow.runtime.models import (
     glm4moe,
     gptoss,
     granitehybrid,
+    jamba,
     llama,
     mamba,
     mamba2,
@@ -39,7 +40,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     family.ARCHITECTURE.name: family.ARCHITECTURE
     for family in (llama, qwen2, qwen2moe, olmoe, qwen3, qwen3moe, gemma2, gemma3, glm4moe, gptoss,
                    deepseek2, qwen3next, qwen35, qwen35moe, mamba, mamba2, granitehybrid,
-                   nemotron_h, falcon_h1)
+                   nemotron_h, falcon_h1, jamba)
 }
 
 

@@ -8,7 +8,9 @@ size, R the time steps' rank:
     y = selective scan of x (each channel a head of one) with dt, A = ssm_a [D, N], B, C and D = ssm_d
     out = (y * silu(z)) @ ssm_out
 ssm_a is A itself, -exp(A_log), as llama.cpp's converter stores it. Falcon-Mamba's RMS norms of dt,
-B and C (ssm.dt_b_c_rms) are not computed.
+B and C (ssm.dt_b_c_rms) are not computed; Jamba's (jamba.py: ssm_dt_norm, ssm_b_norm and
+ssm_c_norm, each an RMS norm with its weight, of dt, B and C before dt's projection) are, where
+layer_fields and the mixer are asked for them (`normed`).
 """
 
 from dataclasses import replace
@@ -27,38 +29,50 @@ from tierflow.runtime.models.config import Metadata, ModelConfig
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
-    kernel, inner, state = state_space.sizes(meta)
     if meta.flag("ssm.dt_b_c_rms", False):
         raise UnsupportedModelError(f"{meta.arch}.ssm.dt_b_c_rms is set: tierflow does not compute "
                                     f"Falcon-Mamba's norms of the time steps, B and C")
-    shape = ScanShape(kernel, conv_channels=inner, heads=inner, head_dim=1, state_size=state, groups=1)
-    base = state_space.config(meta, vocab_size, tied, shape, inner)
+    shape = scan_shape(meta)
+    base = state_space.config(meta, vocab_size, tied, shape, shape.heads)
     return replace(base, ssm_time_step_rank=meta.count("ssm.time_step_rank"))
 
 
-def layer_fields(config: ModelConfig, layer: int) -> list[tm.Field]:
+def scan_shape(meta: Metadata) -> ScanShape:
+    """A Mamba-1 layer's state from the ssm.* keys: ssm.inner_size channels, each a head of one with
+    a state of ssm.state_size."""
+    kernel, inner, state = state_space.sizes(meta)
+    return ScanShape(kernel, conv_channels=inner, heads=inner, head_dim=1, state_size=state, groups=1)
+
+
+def layer_fields(config: ModelConfig, layer: int, normed: bool = False) -> list[tm.Field]:
     s, rank, p = config.recurrent, config.ssm_time_step_rank, f"blk.{layer}."
     inner, n = s.heads, s.state_size
+    norms = [tm.vector(f"ssm_{name}_norm", f"{p}ssm_{name}_norm.weight", (width,), "attention")
+             for name, width in (("dt", rank), ("b", n), ("c", n))] if normed else []
     return state_space.mixer_fields(config, layer, inner, 2 * inner) + [
         tm.matmul("ssm_x", [(p + "ssm_x.weight", (inner, rank + 2 * n))], "attention"),
         tm.matmul("ssm_dt", [(p + "ssm_dt.weight", (rank, inner))], "attention", bias="required"),
         tm.vector("ssm_a", p + "ssm_a", (n, inner), "attention"),
-        tm.vector("ssm_d", p + "ssm_d", (inner,), "attention")]
+        tm.vector("ssm_d", p + "ssm_d", (inner,), "attention")] + norms
 
 
-def mixer(p: LayerPass, w: Weights, h: Activations) -> Activations:
+def mixer(p: LayerPass, w: Weights, h: Activations, normed: bool = False) -> Activations:
     s = p.config.recurrent
     x, z = torch.as_tensor(w.ssm_in(h)).split(s.heads, dim=-1)  # [T, D] each
     a = torch.as_tensor(w.ssm_a).reshape(s.heads, 1, s.state_size)
-    y = state_space.scan(p, w, x, (), partial(_selective_inputs, p, w), a)  # [T, D, 1]
+    y = state_space.scan(p, w, x, (), partial(_selective_inputs, p, w, normed), a)  # [T, D, 1]
     return w.ssm_out(p.kernels.take(state_space.gate(y.reshape(z.shape), z)))
 
 
-def _selective_inputs(p: LayerPass, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _selective_inputs(p: LayerPass, w: Weights, normed: bool, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The convolution's outputs [T, D] -> x as heads of one [T, D, 1], B and C [T, 1, N] and the
-    time steps [T, D], projected from x."""
+    time steps [T, D], projected from x (dt, B and C each RMS-normed first where `normed`)."""
     rank, n, take = p.config.ssm_time_step_rank, p.config.recurrent.state_size, p.kernels.take
     dt, b, c = torch.as_tensor(w.ssm_x(take(x))).split([rank, n, n], dim=-1)
+    if normed:
+        eps = p.config.rms_norm_eps
+        dt, b, c = (torch.as_tensor(p.kernels.rms_norm(take(v.contiguous()), weight, eps))
+                    for v, weight in ((dt, w.ssm_dt_norm), (b, w.ssm_b_norm), (c, w.ssm_c_norm)))
     dt = selective_scan.time_steps(torch.as_tensor(w.ssm_dt(take(dt.contiguous()))))
     return x[:, :, None], b[:, None, :], c[:, None, :], dt
 

@@ -1,12 +1,13 @@
-"""What the hybrids of Mamba-2 and attention layers share (granitehybrid.py, nemotron_h.py): a layer
-pattern read from per-layer metadata arrays, the config of a transformer whose recurrent layers are
-Mamba-2's (mamba2.py), and each layer's kind of memory.
+"""What the hybrids of Mamba and attention layers share (granitehybrid.py, nemotron_h.py, jamba.py): a
+layer pattern read from per-layer metadata arrays, the config of a transformer whose recurrent layers
+are Mamba-2's (mamba2.py) or Mamba-1's (mamba.py, Jamba's), and each layer's kind of memory.
 
 llama.cpp tells a layer's kind by per-layer counts: `attention.head_count_kv` (0: no attention) and,
 for some families, `feed_forward_length` (0: no FFN); a single count stands for every layer. A family
 turns each layer's counts into one of its layer types:
 
-    "recurrent"  a Mamba-2 mixer (mamba2.mixer) over a recurrent state (kinds.RecurrentState)
+    "recurrent"  a Mamba mixer (mamba2.mixer; Jamba's mamba.mixer) over a recurrent state
+                 (kinds.RecurrentState)
     "attention"  causal self-attention over the whole context (kinds.FullCache)
     "ffn"        an FFN alone, which keeps nothing between passes (kinds.NoMemory)
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.runtime.memory.kinds import FullCache, LayerMemory, NoMemory, RecurrentState
+from tierflow.runtime.memory.state_shapes import ScanShape
 from tierflow.runtime.models import mamba2
 from tierflow.runtime.models.architecture import transformer_config
 from tierflow.runtime.models.config import Metadata, ModelConfig
@@ -41,13 +43,14 @@ def _is_count(value: object) -> bool:
 
 
 def hybrid_config(meta: Metadata, vocab_size: int, tied: bool, types: tuple[str, ...],
-                  **transformer: Any) -> ModelConfig:
+                  shape: ScanShape | None = None, **transformer: Any) -> ModelConfig:
     """The config of a transformer (architecture.transformer_config with the `transformer`
     keywords) whose layers are `types`: its attention layers' KV heads and its FFN layers' width
-    from the per-layer counts, its recurrent layers Mamba-2's, and each layer's memory declared."""
+    from the per-layer counts, its recurrent layers of `shape` (default Mamba-2's), and each layer's
+    memory declared."""
     kv = per_layer(meta, "attention.head_count_kv", len(types))
     ffn = per_layer(meta, "feed_forward_length", len(types))
-    shape = mamba2.scan_shape(meta)
+    shape = shape or mamba2.scan_shape(meta)
     counts = {"attention.head_count_kv": _one(meta, "attention.head_count_kv", kv),
               "feed_forward_length": _one(meta, "feed_forward_length", ffn)
               or shape.heads * shape.head_dim}  # no FFN: the mixer's width stands for it in the estimates
@@ -82,7 +85,7 @@ def _with_counts(meta: Metadata, counts: Mapping[str, int | None]) -> Metadata:
     metadata = {name: value for name, value in meta.metadata.items()
                 if name.removeprefix(f"{meta.arch}.") not in counts}
     metadata.update({f"{meta.arch}.{key}": count for key, count in counts.items() if count is not None})
-    return Metadata(metadata, meta.arch)
+    return Metadata(metadata, meta.arch, meta.tensor_names)
 
 
 def _memory(config: ModelConfig, layer_type: str) -> LayerMemory:

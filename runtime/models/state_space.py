@@ -77,8 +77,9 @@ def scan(p: LayerPass, w: Weights, conv_in: torch.Tensor, gates: tuple[torch.Ten
     s = p.config.recurrent
     conv_weight = torch.as_tensor(w.ssm_conv1d).reshape(s.conv_channels, s.conv_kernel)
     d = torch.as_tensor(w.ssm_d).reshape(s.heads).clone()
-    steps = partial(selective_scan.steps, a.clone(), d)
-    recurrence = Recurrence(conv_weight, torch.as_tensor(w.ssm_conv1d_bias), inputs, steps, steps)
+    a = a.clone()
+    recurrence = Recurrence(conv_weight, torch.as_tensor(w.ssm_conv1d_bias), inputs,
+                            partial(selective_scan.steps, a, d), partial(selective_scan.long_pass, a, d))
     return stack_rows([seq.recurrent(conv_in[seq.rows], tuple(g[seq.rows] for g in gates), recurrence)
                        for seq in p.sequences])
 

@@ -3,7 +3,7 @@ beyond its tensors (FamilyTraits, which model_spec.py checks specs against and w
 and the small spec with F32 weights that the generic suite runs against llama.cpp
 (tests/test_families.py), shaped to reach what sets the family apart (a window shorter than the
 prompt, experts with a shared one, leading dense layers, latent attention, recurrent layers,
-state-space layers, each kind of layer a hybrid's pattern names).
+state-space layers, each kind of layer a hybrid's pattern names, experts among dense FFNs).
 A new family adds its entry here; the suite then checks it like every other.
 """
 
@@ -41,10 +41,12 @@ class FamilyTraits:
     state_space: bool = False       # Mamba's layers only (mamba, mamba2): the ssm.* keys, no attention or
                                     # FFN keys (written as 0, as llama.cpp's converter writes them)
     time_step_projection: bool = False  # Mamba-1's low-rank time steps: ssm_value_heads is their rank
-    layer_pattern: str = ""         # Mamba-2 layers among others (granitehybrid, nemotron_h): the layer
-                                    # kinds ModelSpec.layer_pattern may name ("M*": Mamba-2, attention;
-                                    # "M*-": and FFN-only layers), written as head_count_kv and
-                                    # feed_forward_length per layer beside the ssm.* keys
+    layer_pattern: str = ""         # Mamba layers among others (granitehybrid, nemotron_h: Mamba-2; jamba:
+                                    # Mamba-1): the layer kinds ModelSpec.layer_pattern may name ("M*":
+                                    # Mamba, attention; "M*-": and FFN-only layers), written as
+                                    # head_count_kv and feed_forward_length per layer beside the ssm.* keys
+    interleaved_experts: bool = False  # experts in ModelSpec.expert_layers only, the other layers' FFN
+                                       # dense (jamba): llama.cpp tells them by their router tensors
     layer_norm_eps_key: bool = False  # llama.cpp's build here requires {arch}.attention.layer_norm_epsilon
                                       # beside the RMS one (nemotron_h), and reads no more of it
     parallel_hybrid: bool = False   # attention and Mamba-2 in every layer (falcon-h1): the transformer's
@@ -77,6 +79,12 @@ SSM_HYBRID = dict(MAMBA2, num_layers=4, ffn_size=128, num_heads=4, num_kv_heads=
 # louder than the embeddings
 GRANITE = dict(SSM_HYBRID, embedding_scale=1.5, residual_scale=0.5, logit_scale=2.0, attention_scale=0.125,
                rope=False)
+
+# Jamba: Mamba-1 (time steps of rank 32, an inner size of twice the hidden size, as llama.cpp asserts)
+# with attention (its heads together as wide as the hidden size, as llama.cpp requires) in one layer
+# and experts in two, neither the first nor the last
+JAMBA = dict(MAMBA, num_layers=4, ffn_size=128, num_heads=4, num_kv_heads=2, ssm_value_heads=32,
+             layer_pattern="MM*M", num_experts=4, experts_used=2, expert_layers=(1, 2))
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(FamilyTraits(rope_freqs=True, experts="optional"), DENSE),
@@ -116,4 +124,6 @@ FAMILIES: dict[str, Family] = {
     "nemotron_h": Family(FamilyTraits(layer_pattern="M*-", layer_norm_eps_key=True),
                          SSM_HYBRID | dict(num_layers=6, layer_pattern="M-*M-M")),
     "falcon-h1": Family(FamilyTraits(parallel_hybrid=True), SSM_HYBRID | dict(layer_pattern=None)),
+    "jamba": Family(FamilyTraits(experts="always", time_step_projection=True, layer_pattern="M*",
+                                 interleaved_experts=True), JAMBA),
 }

@@ -158,6 +158,9 @@ class ModelSpec:
     # hybrid_override_pattern writes it: "M" Mamba-2 (ssm_* sizes as mamba2's), "*" attention, "-" an
     # FFN alone (nemotron_h); written as head_count_kv and feed_forward_length per layer.
     layer_pattern: str | None = None
+    # interleaved_experts archs (jamba): the layers whose FFN is experts, with a router llama.cpp tells
+    # them by; the other layers' FFN is dense, ffn_size wide as the experts are
+    expert_layers: tuple[int, ...] = ()
     # Granite's multipliers (granite_multipliers archs), each written where set: the embeddings',
     # each block output's, the logits' divisor and the attention scores'; rope False writes
     # rope.scaling.finetuned false (Granite 4.0-H's files: attention without rotary).
@@ -261,6 +264,11 @@ class ModelSpec:
                                                or set(self.layer_pattern) - set(traits.layer_pattern)):
             raise ValueError(f"layer_pattern must be one of {traits.layer_pattern!r} per layer "
                              f"({self.num_layers}), got {self.layer_pattern!r}")
+        if bool(self.expert_layers) != traits.interleaved_experts or not all(
+                0 <= layer < self.num_layers for layer in self.expert_layers):
+            raise ValueError(f"expert_layers is for the archs with experts among dense FFNs, which need "
+                             f"one or more of layers 0..{self.num_layers - 1}: arch {self.arch!r}, got "
+                             f"{self.expert_layers}")
         granite = (self.embedding_scale, self.residual_scale, self.logit_scale, self.attention_scale)
         if (any(v is not None for v in granite) or not self.rope) and not traits.granite_multipliers:
             raise ValueError(f"llama.cpp reads no Granite multipliers for arch {self.arch!r}")
@@ -328,7 +336,8 @@ class ModelSpec:
         if ARCHS[self.arch].layer_pattern or ARCHS[self.arch].parallel_hybrid:
             ffn = ((self.expert_ffn_width, self.shared_expert_ffn_width) if self.num_experts
                    else (self.ffn_size,))
-            return (self.hidden_size, self.ssm_inner, self.num_heads * self.head_dim) + ffn
+            rank = (self.ssm_value_heads,) if ARCHS[self.arch].time_step_projection else ()
+            return (self.hidden_size, self.ssm_inner, self.num_heads * self.head_dim) + ffn + rank
         if ARCHS[self.arch].linear_attention:
             values = self.ssm_value_heads * self.ssm_state
             lengths = (self.hidden_size, self.num_heads * self.head_dim, values)
@@ -536,9 +545,11 @@ def family_spec(name: str) -> ModelSpec:
 
 
 def spec_config(spec: ModelSpec, vocab_size: int) -> ModelConfig:
-    """The config tierflow reads from the metadata make_model writes for `spec`."""
+    """The config tierflow reads from the metadata make_model writes for `spec` (and, where the family
+    tells its MoE layers by their routers, from the routers it writes)."""
     metadata = {key: typed.value for key, typed in architecture_metadata(spec, vocab_size)}
-    return architecture(spec.arch).read_config(metadata, vocab_size, spec.tied_embeddings)
+    routers = {f"blk.{layer}.ffn_gate_inp.weight" for layer in spec.expert_layers}
+    return architecture(spec.arch).read_config(metadata, vocab_size, spec.tied_embeddings, routers)
 
 
 def _llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
@@ -679,7 +690,7 @@ def _ssm_sizes(spec: ModelSpec) -> list[tuple[str, Typed]]:
 
 
 def _hybrid_metadata(spec: ModelSpec, metadata: list[tuple[str, Typed]]) -> list[tuple[str, Typed]]:
-    """granitehybrid's and nemotron_h's keys as llama.cpp's converter writes them: the layer pattern
+    """granitehybrid's, nemotron_h's and jamba's keys as llama.cpp's converter writes them: the layer pattern
     as head_count_kv per layer (0 but for attention) and, where the arch has FFN-only layers,
     feed_forward_length per layer (0 but for them); the ssm.* sizes; Granite's multipliers."""
     arch, pattern = spec.arch, spec.layer_pattern

@@ -1,0 +1,232 @@
+"""State-space models (issue 53): a Mamba-2 hybrid of Granite-4.0-H-Micro's shape, tierflow against
+llama.cpp, and the chunked prefill scan against the token loop, in one run.
+
+    python -m benchmarks.ssm [--small] [--layers 40] [--weight-type Q4_0] [--prompt-tokens 2048]
+                             [--decode-tokens 32] [--repeats 1] [--loop-tokens 128] [--threads 2]
+                             [--json]
+
+The model is a `granitehybrid` of ibm-granite/granite-4.0-h-micro's config.json: hidden size 2048,
+40 layers of which 5, 15, 25 and 35 are attention (32 query heads and 8 KV heads of 64, no rotary)
+and the rest Mamba-2 (64 heads of 64: 4096 inner channels, a state of 128, one group of B and C, a
+4-tap convolution), a dense FFN of 8192 in every layer and Granite's multipliers, with random
+weights of --weight-type and the bundled tokenizer's 49,152 tokens (llama.cpp takes the embedding's
+rows from the tokenizer; Granite's has 100,352, a head twice as wide), written once by the project's generator
+(tests/support/make_model.py) into the cache folder. --small cuts it to 6 layers (the sixth attention)
+and a 512-token prompt, a quick check; --layers cuts it to any count (attention every tenth layer
+from the sixth).
+
+Both systems get the same prompt ids and thread count (llama.cpp through llama-cpp-python), are
+warmed up on a short prompt, then each repeat runs both, alternating the order (medians reported):
+- prefill: the whole prompt from an empty cache, and decode: --decode-tokens greedy steps
+  (benchmarks/decode.py's runs; the ratio tierflow/llama.cpp of each; issue 53's goals are decode
+  at least 1.0x and a 2,048-token prefill at least 1.5x);
+- memory per sequence: what the planner counts for one sequence (offload/plan/budgets.py, every
+  layer's kind of memory: the Mamba-2 layers' states, the same at any length, and the attention
+  layers' rows) with contexts of 1k and 32k positions; and measured, the bytes tierflow's cache
+  holds and the process's RSS after prefills of 1k positions and of the prompt, the RSS against
+  one position's (llama.cpp closed by then). (RSS at 32k would
+  take a 32k-token prefill, an hour on two cores: the planner's figure stands for it.)
+- the scan: one Mamba-2 layer's scan over the prompt's tokens at this shape, the chunked form a
+  prefill chunk runs (selective_scan.long_pass) against the token loop (selective_scan.steps, run
+  over --loop-tokens and scaled: its cost per token is the same at any length), their largest
+  difference, and the bound: the recurrence reads and writes every state element once a token
+  (4 H P N floating-point operations), which no form can run faster than this machine's float32
+  matrix-product rate (benchmarks/delta_rule.py's GEMM, measured here).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.decode import Sample, build_prompt, open_llama_cpp, run_llama_cpp, run_tierflow, summarize
+from benchmarks.delta_rule import gemm_flops_per_s, seconds
+from tests.support.make_model import write_model
+from tests.support.model_spec import ModelSpec
+from tierflow import Engine
+from tierflow.kv_types import kv_type
+from tierflow.offload.plan.budgets import layer_kv_bytes
+from tierflow.offload.plan.profile import cache_dir
+from tierflow.runtime.compute import selective_scan
+
+# ibm-granite/granite-4.0-h-micro's config.json (with its layer_types: attention at 5, 15, 25, 35)
+HIDDEN, INNER, STATE, HEADS, GROUPS, KERNEL = 2048, 4096, 128, 64, 1, 4
+GRANITE_MICRO = dict(arch="granitehybrid", hidden_size=HIDDEN, ffn_size=8192, num_heads=32, num_kv_heads=8,
+                     head_size=64, ssm_inner_size=INNER, ssm_state=STATE,
+                     ssm_value_heads=HEADS, ssm_key_heads=GROUPS, ssm_conv_kernel=KERNEL, rope=False,
+                     embedding_scale=12.0, residual_scale=0.22, logit_scale=8.0, attention_scale=0.015625)
+CONTEXTS = (1024, 32768)  # the planner's count per sequence at these lengths
+
+
+def layer_pattern(layers: int) -> str:
+    """Granite-4.0-H-Micro's: attention ("*") every tenth layer from the sixth, Mamba-2 ("M") else."""
+    return "".join("*" if i % 10 == 5 else "M" for i in range(layers))
+
+
+def model_path(layers: int, weight_type: str) -> Path:
+    """The generated model, written on first use into the cache folder."""
+    path = cache_dir() / "bench" / f"granite-4.0-h-micro-shape-{layers}l-{weight_type}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path.name} ...", file=sys.stderr)
+        spec = ModelSpec(**GRANITE_MICRO, num_layers=layers, layer_pattern=layer_pattern(layers),
+                         weight_type=weight_type, context_length=max(CONTEXTS))
+        write_model(path.with_suffix(".tmp"), spec).rename(path)
+    return path
+
+
+def rss_bytes() -> int:
+    """This process's resident set, from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(engine: Engine, llama, prompt: list[int], decode_steps: int, repeats: int
+            ) -> dict[str, list[Sample]]:
+    """Both systems warmed up on the prompt's first 32 tokens, then `repeats` runs of each, the
+    order alternating."""
+    runners = {"tierflow": lambda ids, steps: run_tierflow(engine, ids, steps),
+               "llama.cpp": lambda ids, steps: run_llama_cpp(llama, ids, steps)}
+    for run in runners.values():
+        run(prompt[:32], 2)
+    samples: dict[str, list[Sample]] = {name: [] for name in runners}
+    order = list(runners)
+    for _ in range(repeats):
+        for name in order:
+            samples[name].append(runners[name](prompt, decode_steps))
+        order.reverse()
+    return samples
+
+
+def memory(engine: Engine, prompt: list[int]) -> dict:
+    """The planner's count per sequence at CONTEXTS (Mamba-2 layers and attention layers apart), and
+    the cache's bytes and the RSS after prefills of one position, 1k and the whole prompt."""
+    config, kv = engine.config, kv_type(None)
+    planned = {}
+    for context in CONTEXTS:
+        per_layer = [layer_kv_bytes(config, i, context, kv) for i in range(config.num_layers)]
+        recurrent = sum(b for b, r in zip(per_layer, config.recurrent_layers) if r)
+        planned[context] = {"recurrent_bytes": recurrent, "attention_bytes": sum(per_layer) - recurrent}
+    engine.logits(prompt[:1])
+    measured = {"one_position_rss_bytes": rss_bytes()}
+    for positions in sorted({min(CONTEXTS[0], len(prompt)), len(prompt)}):
+        engine.logits(prompt[:positions])
+        measured[positions] = {"cache_bytes": engine.kv_cache_bytes, "rss_bytes": rss_bytes()}
+    return {"planned": planned, "measured": measured}
+
+
+def scan_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
+    """One Mamba-2 layer's scan at Granite-4.0-H-Micro's shape: a, D, a nonzero state, and the
+    tokens' x, B, C and time steps (dt a between -0.4 and 0 a token)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    head_dim = INNER // HEADS
+    a = -torch.rand(HEADS, 1, 1, generator=generator) * 8 - 0.5
+    dt = torch.rand(tokens, HEADS, generator=generator) * 0.05
+    return (a, normal(HEADS), normal(HEADS, head_dim, STATE) * 0.1, normal(tokens, HEADS, head_dim),
+            normal(tokens, GROUPS, STATE), normal(tokens, GROUPS, STATE), dt)
+
+
+def scan(tokens: int, loop_tokens: int, repeats: int) -> dict:
+    """The chunked scan and the token loop over one layer's `tokens`, and the bound."""
+    inputs, n = scan_inputs(tokens), min(loop_tokens, tokens)
+    first = tuple(x[:n] if x.dim() >= 2 and x.shape[0] == tokens else x for x in inputs)
+    with torch.inference_mode():
+        chunked_s = seconds(lambda: selective_scan.long_pass(*inputs), repeats)
+        loop_s = seconds(lambda: selective_scan.steps(*first), repeats) * tokens / n
+        chunked, looped = selective_scan.long_pass(*first)[0], selective_scan.steps(*first)[0]
+        difference = float((chunked - looped).abs().max())
+    peak = gemm_flops_per_s(repeats)
+    bound_s = 4 * INNER * STATE * tokens / peak
+    return {"tokens": tokens, "chunked_s": chunked_s, "token_loop_s": loop_s, "loop_tokens": n,
+            "speedup": loop_s / chunked_s, "max_output_difference": difference,
+            "gemm_gflops": peak / 1e9, "bound_s": bound_s, "bound_speedup": loop_s / bound_s}
+
+
+def print_report(report: dict) -> None:
+    print(f"model: {report['model']} ({report['model_file_bytes'] / 2**30:.2f} GiB), {report['threads']} "
+          f"threads; prompt {report['prompt_tokens']} tokens, {report['decode_tokens']} decode steps, "
+          f"median of {report['repeats']}")
+    systems, ratio = report["systems"], report["ratio"]
+    print(f"{'':<22}{'prefill tok/s':>15}{'decode tok/s':>15}")
+    for name, figures in systems.items():
+        print(f"{name:<22}{figures['prefill_tokens_per_s']:>15.2f}{figures['decode_tokens_per_s']:>15.2f}")
+    print(f"{'tierflow/llama.cpp':<22}{ratio['prefill_tokens_per_s']:>14.2f}x{ratio['decode_tokens_per_s']:>14.2f}x"
+          f"   (goals: prefill 1.5x, decode 1.0x)")
+    for note in report["notes"]:
+        print(f"note: {note}")
+    mib = 2 ** 20
+    print("memory per sequence, as the planner counts it:")
+    for context, figures in report["memory"]["planned"].items():
+        print(f"  {context:>6} positions: Mamba-2 states {figures['recurrent_bytes'] / mib:8.1f} MiB, "
+              f"attention rows {figures['attention_bytes'] / mib:8.1f} MiB")
+    measured = dict(report["memory"]["measured"])
+    loaded = measured.pop("one_position_rss_bytes")
+    print(f"measured (RSS with one position held {loaded / mib:.0f} MiB):")
+    for positions, figures in measured.items():
+        print(f"  {positions:>6} positions: the cache holds {figures['cache_bytes'] / mib:8.1f} MiB; RSS "
+              f"{figures['rss_bytes'] / mib:.0f} MiB (+{(figures['rss_bytes'] - loaded) / mib:.0f})")
+    s = report["scan"]
+    print(f"one Mamba-2 layer's scan over {s['tokens']} tokens ({HEADS} heads of {INNER // HEADS}, "
+          f"state {STATE}):")
+    print(f"  token loop  {s['token_loop_s'] * 1e3:8.0f} ms (from {s['loop_tokens']} tokens)")
+    print(f"  chunked     {s['chunked_s'] * 1e3:8.0f} ms: {s['speedup']:.1f}x the loop; outputs differ by "
+          f"at most {s['max_output_difference']:.1e}")
+    print(f"  bound       {s['bound_s'] * 1e3:8.0f} ms at {s['gemm_gflops']:.0f} GFLOP/s (torch's float32 "
+          f"GEMM): {s['bound_speedup']:.1f}x the loop")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="6 layers and a 512-token prompt")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="default 40 (--small: 6); at least 6, so that one is attention")
+    parser.add_argument("--weight-type", default="Q4_0")
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="default 2048 (--small: 512)")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--loop-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    args.layers = max(6, args.layers or (6 if args.small else 40))
+    args.prompt_tokens = args.prompt_tokens or (512 if args.small else 2048)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    path = model_path(args.layers, args.weight_type)
+    context = args.prompt_tokens + args.decode_tokens + 2
+    started = time.perf_counter()
+    engine = Engine.load(path, threads=args.threads, context_length=context)
+    llama = open_llama_cpp(path, args.threads, context)
+    prompt = build_prompt(engine, args.prompt_tokens)
+    samples = measure(engine, llama, prompt, args.decode_tokens, args.repeats)
+    llama.close()  # its weights and buffers out of the RSS measured next
+    report = {"model": path.name, "model_file_bytes": path.stat().st_size, "threads": args.threads,
+              "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+              "repeats": args.repeats, **summarize(samples, args.decode_tokens),
+              "memory": memory(engine, prompt)}
+    engine.close()
+    report["scan"] = scan(args.prompt_tokens, args.loop_tokens, 3)
+    report["seconds"] = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    print_report(report)
+    print(f"({report['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
