@@ -57,6 +57,7 @@ def exact_pairs(first: int) -> dict:
     return {(a, b): p1[a] * softmax(TARGET_LOGITS[a])[b] for a in range(VOCAB) for b in range(VOCAB)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [1, 2, 3])
 def test_tree_acceptance_gives_the_targets_joint_distribution(width):
     sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=width))
@@ -97,6 +98,7 @@ def tiny_pair(tmp_path_factory):
     return target, draft
 
 
+@pytest.mark.slow
 def test_sampled_tokens_of_a_drafted_tiny_model_follow_the_target(tiny_pair):
     target, draft = tiny_pair
     params = dict(temperature=1.5, top_k=3, top_p=1.0, min_p=0.0)

@@ -111,6 +111,7 @@ def test_cancelling_the_task_cancels_the_generation(engine):
     assert engine.generate("Hi", max_tokens=2, **GREEDY).tokens  # the engine is free again
 
 
+@pytest.mark.slow
 def test_a_cancelled_waiting_stream_ends_at_once_and_spares_the_running_one(engine):
     story = [{"role": "user", "content": "Write a long story about a dragon."}]
     running = engine.chat_stream(story, max_tokens=200, **GREEDY)  # seconds: still running below
@@ -137,6 +138,7 @@ def test_concurrent_async_requests_queue_and_each_gets_its_own_answer(engine):
     assert [r.tokens for r in asyncio.run(main())] == expected
 
 
+@pytest.mark.slow
 def test_loading_and_closing_twenty_times_keeps_memory_flat(tmp_path):
     path = write_model(tmp_path / "m.gguf", ModelSpec(hidden_size=256, ffn_size=512,
                                                       weight_type="F32", embedding_type="F32"))
@@ -218,6 +220,7 @@ def loop_pauses() -> dict[str, float]:
     ''')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", ASYNC_CALLS)
 def test_no_async_call_pauses_the_event_loop(loop_pauses, call):
     assert loop_pauses[call] < 0.1  # the goal is 20 ms (benchmarks/desktop.py); shared machines pause too
@@ -241,6 +244,7 @@ def test_no_thread_the_engine_started_outlives_its_close(model_path):
     assert left == []
 
 
+@pytest.mark.slow
 def test_closing_the_last_engine_stops_the_chat_templates_worker_processes():
     measured = in_child('''
         import psutil
@@ -268,6 +272,7 @@ def test_a_load_leaves_its_model_file_to_no_garbage_collection(model_path):
     assert left == []
 
 
+@pytest.mark.slow
 def test_loading_and_closing_the_bundled_model_again_takes_no_more_memory():
     """A closed engine's KV cache (about 190 MB at the trained context) goes back to the system,
     not to the C allocator's free lists, where the first close left it."""

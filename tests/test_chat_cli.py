@@ -73,6 +73,7 @@ def saved(path) -> dict:
 # -- at a terminal -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_up_recalls_the_previous_line_of_this_chat(terminal):
     chat = terminal("-n", "4")
     chat.type("/set top_k 7\r")
@@ -81,6 +82,7 @@ def test_up_recalls_the_previous_line_of_this_chat(terminal):
     assert chat.quit() == 0
 
 
+@pytest.mark.slow
 def test_up_recalls_a_line_of_an_earlier_chat(terminal):
     first = terminal("-n", "4")
     first.type("/set top_k 9\r")
@@ -89,6 +91,7 @@ def test_up_recalls_a_line_of_an_earlier_chat(terminal):
     assert "top_k = 9" in second.type(UP + "\r")
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_an_empty_line_shows_a_hint_and_the_chat_goes_on(terminal):
     chat = terminal("-n", "4")
     assert "Ctrl-D quits" in chat.type("\x03")
@@ -96,12 +99,14 @@ def test_ctrl_c_on_an_empty_line_shows_a_hint_and_the_chat_goes_on(terminal):
     assert chat.quit() == 0
 
 
+@pytest.mark.slow
 def test_help_lists_the_commands(terminal):
     shown = terminal("-n", "4").type("/help\r")
     for command in ("/system TEXT", "/set", "/save FILE", "/load FILE", "/reset", "/exit"):
         assert command in shown
 
 
+@pytest.mark.slow
 def test_an_unknown_command_is_refused_with_the_closest_match_and_no_answer(terminal, tmp_path):
     chat = terminal("-n", "4")
     shown = chat.type("/sav\r")
@@ -111,6 +116,7 @@ def test_an_unknown_command_is_refused_with_the_closest_match_and_no_answer(term
     assert saved(tmp_path / "chat.json")["messages"] == []
 
 
+@pytest.mark.slow
 def test_with_temperature_0_the_same_question_gets_the_same_answer(terminal, tmp_path):
     chat = terminal("-n", "12", "--temperature", "1", "--seed", "0")
     chat.type("/set temperature 0\r")
@@ -123,6 +129,7 @@ def test_with_temperature_0_the_same_question_gets_the_same_answer(terminal, tmp
     assert answers[0] and answers[0] == answers[1]
 
 
+@pytest.mark.slow
 def test_save_then_load_restores_the_system_prompt_messages_and_settings(terminal, tmp_path):
     chat = terminal("-n", "6", "--temperature", "0")
     chat.type("/system You answer in French.\r")
@@ -137,11 +144,13 @@ def test_save_then_load_restores_the_system_prompt_messages_and_settings(termina
     assert saved(tmp_path / "chat.json")["system"] == "You answer in French."
 
 
+@pytest.mark.slow
 def test_a_spinner_counts_the_prompt_tokens_processed_until_the_answer_begins(terminal):
     shown = terminal("-n", "1", "--temperature", "0").type("word " * 600 + "\r")
     assert re.search(r"processing the prompt: \d+/6\d\d tokens, \d+\.\d s", shown)
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_answer_keeps_the_chat_and_the_answer_so_far_marked_stopped(terminal, tmp_path):
     chat = terminal("-n", "2000", "--temperature", "0")
     chat.child.send("Tell me a very long story about a dragon.\r")
@@ -227,6 +236,7 @@ SHIFT_NOTICE = "(the context is full: the oldest turns are dropped from now on"
 QUESTIONS = [f"Tell me about {thing}." for thing in ("the sea", "mountains", "rivers", "forests", "deserts")]
 
 
+@pytest.mark.slow
 def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns_saying_so_once(tmp_path):
     done = piped_chat("-n", "40", "--ctx", "256", "--temperature", "0",
                       input="".join(f"{q}\n" for q in QUESTIONS) + f"/save {tmp_path / 'chat.json'}\n")

@@ -103,6 +103,7 @@ def interrupted_chat(prompt: str, answer_chars: int) -> tuple[int, str]:
     return chat.returncode, out + err
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_answer_but_not_the_chat():
     status, out = interrupted_chat("Tell me a very long story about a dragon.", answer_chars=20)
     assert status == 0 and "[stopped]" in out, out

@@ -63,6 +63,7 @@ def tiny_model(tmp_path_factory):
 # -- the bundled model at each bit width ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_converted_model_loads_and_generates(converted_engine):
     report, engine = converted_engine
     result = engine.generate("The capital of France is", max_tokens=8, temperature=0)

@@ -148,6 +148,7 @@ def smollm2_tensors():
     return GGUFReader(path).tensors
 
 
+@pytest.mark.slow
 def test_real_model_types_are_all_supported(smollm2_tensors):
     assert {int(tensor.tensor_type) for tensor in smollm2_tensors} <= SUPPORTED_TYPES
 

@@ -31,6 +31,7 @@ def drafting(request, model_path, draft_path):
         yield engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_output_is_the_targets_token_for_token(engine, drafting, prompt):
     plain = engine.generate(prompt, max_tokens=48, temperature=0)
@@ -47,6 +48,7 @@ def test_the_stats_count_guesses_passes_and_time(drafting):
     assert {"draft_seconds", "verify_seconds", "tokens_per_pass"} <= stats.as_dict().keys()
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_a_draft_repeats_itself(drafting):
     first = drafting.generate(PROMPTS[2], max_tokens=32, temperature=0.8, seed=7)
     again = drafting.generate(PROMPTS[2], max_tokens=32, temperature=0.8, seed=7)

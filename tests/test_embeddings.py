@@ -59,6 +59,7 @@ def test_embeddings_match_llama_cpp_on_an_f32_copy(f32_engine, f32_model_path):
     np.testing.assert_allclose(f32_engine.embed(TEXTS), expected, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_input_longer_than_a_pass_matches_llama_cpp(f32_engine, f32_model_path):
     text = " ".join([LONG_TEXT] * 12)
     assert len(f32_engine.embedding_tokens(text)[0]) > MAX_PASS_TOKENS
@@ -124,6 +125,7 @@ def test_layers_on_the_gpu_tier_give_the_same_embeddings(engine, model_path):
         np.testing.assert_array_equal(tiered.embed(TEXTS), engine.embed(TEXTS))
 
 
+@pytest.mark.slow
 def test_inputs_batched_past_a_short_context_equal_one_by_one(model_path):
     texts = ["word " * 180, "other " * 180]  # each fits in the context, both together do not
     with Engine.load(model_path, threads=2, context_length=256) as short:

@@ -66,6 +66,7 @@ def test_stream_pieces_join_to_the_generated_text(engine):
     assert "".join(pieces) == engine.generate("Write a haiku about snow.", max_tokens=24, **GREEDY).text
 
 
+@pytest.mark.slow
 def test_a_stream_reports_its_prefill_progress_chunk_by_chunk_before_its_first_piece(engine):
     engine.generate(".", max_tokens=1)  # nothing of the prompt below is cached
     stream = engine.stream("word " * 600, max_tokens=1, **GREEDY)

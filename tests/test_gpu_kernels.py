@@ -40,6 +40,8 @@ from tierflow.gpu_kernels.packed import DeviceMatrix, to_device, view_matrix
 from tierflow.kv_types import KV_TYPES
 from tierflow.offload.tiers.device import DeviceTier
 
+pytestmark = pytest.mark.slow  # the GPU kernels run through Triton's interpreter here: minutes in all
+
 CUDA = load_gpu_kernels_or_skip()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -591,7 +593,6 @@ def test_tierflow_and_the_launchers_import_without_triton():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.slow
 def test_kernels_compile_for_a_cuda_gpu():
     """The interpreter accepts code the compiler refuses: each kernel is built through ptxas for
     sm_80, no GPU needed (about 12 s; Triton's cache makes a rerun quick)."""

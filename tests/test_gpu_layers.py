@@ -20,6 +20,8 @@ from tierflow.errors import BudgetError
 from tierflow.gpu_kernels.layer_kernels import TritonKernels
 from tierflow.offload.tiers.device import DeviceTier
 
+pytestmark = pytest.mark.slow  # each pass through Triton's interpreter takes seconds
+
 CUDA = load_gpu_kernels_or_skip()
 GPU = {} if CUDA else {"gpu_device": "interpret"}
 PROMPT = "The capital of France is"

@@ -244,6 +244,7 @@ def llama_cpp_exact_logits(f32_model_path, long_ids) -> np.ndarray:
     return llama_cpp_logits(f32_model_path, long_ids, GGML_TYPE_F32, flash_attn=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
 def test_a_block_type_moves_the_logits_no_more_than_in_llama_cpp(f32_model_path, long_ids, our_logits, name,
                                                                  llama_cpp_exact_logits):

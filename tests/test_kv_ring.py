@@ -270,6 +270,7 @@ def test_windowed_layers_hold_a_ring_and_the_engine_holds_what_the_plan_counts(r
     assert ring_engine.plan.kv_bytes == kv_cache_bytes(config, CONTEXT, f32) == ring_engine.kv_cache_bytes
 
 
+@pytest.mark.slow
 def test_f32_rings_match_llama_cpp_exactly_on_prompts_longer_than_the_ring(ring_model, ring_engine):
     """700 positions (two prefill chunks; slots wrap from position 560), and a greedy decode of 48
     tokens after a prompt of about 600."""

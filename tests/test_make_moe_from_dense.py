@@ -26,6 +26,8 @@ from tierflow import Engine
 from tierflow.cpu_kernels.dequant import dequantize
 from tierflow.offload.gguf.reader import read_gguf
 
+pytestmark = pytest.mark.slow  # MoEfying a real model takes tens of seconds
+
 NUM_EXPERTS, EXPERTS_USED, EXPERT_WIDTH = 8, 2, 1536 // 8
 # The 0.5B Qwen's FFN is 4864 wide; the default shared expert holds the 512 left once 8 experts
 # take 17 Q8_0 blocks each, as many as leave it at least 1/16 of the neurons.

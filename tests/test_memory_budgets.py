@@ -56,6 +56,7 @@ def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_a_first_load_on_a_fresh_cache_probes_packs_and_computes_within_cpu_memory(big_model, tmp_path):
     budget = streaming_budget(big_model, CONTEXT, num_streamed=3, ring_slots=2)
     with open_model_file(big_model) as opened:
@@ -104,6 +105,7 @@ def test_a_first_load_on_a_fresh_cache_probes_packs_and_computes_within_cpu_memo
         f"the first load took {mib(taken(measured))} with cpu_memory {mib(budget)}")
 
 
+@pytest.mark.slow
 def test_the_probe_measures_within_its_allowance_and_says_first_how_long_it_takes(tmp_path):
     measured = in_child(f'''
         import time, warnings
@@ -185,6 +187,7 @@ def test_a_rough_profile_is_measured_again_once_the_allowance_holds_the_smallest
     assert probing.load_profile(1, memory_bytes=40 << 20) == measured  # not rough: never again
 
 
+@pytest.mark.slow
 def test_a_pack_build_holds_at_most_its_memory_bound_though_a_tensor_is_larger(big_model, tmp_path):
     assert largest_tensor_bytes(big_model) > 3 * BOUND
     measured = in_child(f'''

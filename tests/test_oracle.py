@@ -51,6 +51,7 @@ ACCURACY_TEXT = Path(__file__).parent / "support" / "moe_calibration.txt"
 ACCURACY_WINDOWS = 16
 
 
+@pytest.mark.slow
 def test_quantized_logits_are_as_close_to_exact_as_llama_cpps(engine, oracle, f32_pair):
     """The exact result of the Q4_1 weights is the same model run in float32 (its F32 copy); the
     error is the mean |logit - exact| over 16 windows of 64 tokens of prose, each a sequence of its
@@ -102,6 +103,7 @@ def test_logits_match_llama_cpp_exactly_on_f32_weights(f32_pair):
     print(f"F32: mean |logit difference| vs llama.cpp {diff:.5f}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_64_tokens_match_llama_cpp_exactly_on_f32_weights(f32_pair, prompt):
     assert_greedy_agrees(*f32_pair, prompt, near_tie=EXACT_TIE)
@@ -200,7 +202,9 @@ def test_gpt_oss_with_mxfp4_experts_matches_llama_cpp_but_where_routing_is_a_nea
 
 STATE_SPACE_TOKENS = 2 * PREFILL_CHUNK + 100  # the state carried across two prefill passes' ends
 STATE_SPACE_SPECS = {"mamba": {}, "mamba2": {}, "granitehybrid": {}, "nemotron_h": {}, "falcon-h1": {},
-                     "granitehybrid-moe": dict(num_experts=4, experts_used=2, shared_expert_ffn_size=96)}
+                     "granitehybrid-moe": dict(num_experts=4, experts_used=2, shared_expert_ffn_size=96),
+                     "jamba": {}}
+STATE_SPACE_MOE = ("granitehybrid-moe", "jamba")
 
 
 def state_space_pair(tmp_path, name: str, weight_type: str):
@@ -223,7 +227,7 @@ def test_generated_f32_state_space_models_match_llama_cpp_exactly_past_two_prefi
     print(f"{arch} F32: mean |logit difference| vs llama.cpp {diff:.2e}")
 
 
-@pytest.mark.parametrize("arch", [name for name in STATE_SPACE_SPECS if not name.endswith("-moe")])
+@pytest.mark.parametrize("arch", [name for name in STATE_SPACE_SPECS if name not in STATE_SPACE_MOE])
 def test_generated_q8_0_state_space_models_match_llama_cpp_within_its_rounding(tmp_path, arch):
     engine, llama = state_space_pair(tmp_path, arch, "Q8_0")
     with engine:
@@ -232,9 +236,10 @@ def test_generated_q8_0_state_space_models_match_llama_cpp_within_its_rounding(t
     print(f"{arch} Q8_0: mean |logit difference| vs llama.cpp {diff:.4f}")
 
 
-def test_a_generated_q8_0_granite_moe_matches_llama_cpp_but_where_routing_is_a_near_tie(tmp_path):
-    engine, llama = state_space_pair(tmp_path, "granitehybrid-moe", "Q8_0")
+@pytest.mark.parametrize("arch", STATE_SPACE_MOE)
+def test_generated_q8_0_state_space_moes_match_llama_cpp_but_where_routing_is_a_near_tie(tmp_path, arch):
+    engine, llama = state_space_pair(tmp_path, arch, "Q8_0")
     with engine:
         ids = engine.tokenize(long_prompt(80))[:STATE_SPACE_TOKENS]
         median = assert_moe_agrees_but_where_routing_is_a_near_tie(engine, llama, ids)
-    print(f"granitehybrid MoE Q8_0: median |logit difference| vs llama.cpp {median:.4f}")
+    print(f"{arch} Q8_0: median |logit difference| vs llama.cpp {median:.4f}")

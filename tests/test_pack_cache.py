@@ -293,6 +293,7 @@ def terminal_stderr(*args: str) -> str:
     return shown.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_loading_on_a_terminal_names_the_new_pack_its_size_and_place(tmp_path):
     model = write_model(tmp_path / "model.gguf", ModelSpec(**{**SPEC.__dict__, "num_layers": 4}))
     streams = streaming_budget(model, 64, num_streamed=3, ring_slots=2)  # a resident load writes none

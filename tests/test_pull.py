@@ -204,6 +204,7 @@ def test_huggingface_hub_finds_a_pulled_file_without_downloading_it_again(hub, h
     assert Path(shared) == pulled.path and len(gets(hub, "model-Q4_K_M.gguf")) == 1
 
 
+@pytest.mark.slow
 def test_tierflow_serve_pulls_its_models_before_it_starts(smol_hub, home):
     from tests.support.live_server import serve_command
 

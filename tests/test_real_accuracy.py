@@ -20,6 +20,8 @@ from tests.support.oracle import (
 )
 from tierflow import Engine
 
+pytestmark = pytest.mark.slow  # the real files against llama.cpp: perplexity and greedy chats, seconds each
+
 CODE = [{"role": "system", "content": "You are a helpful coding assistant."},
         {"role": "user", "content": "Write a Python function that returns the square of a number."}]
 TEXT = (Path(__file__).parent / "support" / "perplexity_text.txt").read_text()  # written for these tests

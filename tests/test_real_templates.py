@@ -56,6 +56,7 @@ def llama_cpp_chat_ids(llama, template: str, messages: list[dict], tools: list[d
     return llama.tokenize(prompt.encode(), add_bos=False, special=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 def test_prompt_ids_are_llama_cpps_render_of_the_files_template(qwen, conversation):
     engine, llama = qwen

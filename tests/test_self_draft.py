@@ -89,6 +89,7 @@ def test_self_draft_whose_layers_and_cache_cannot_fit_is_refused_naming_them(mod
         Engine.load(model_path, draft="self:29", cpu_memory=STREAMED, context_length=CONTEXT)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_a_self_draft_repeats_itself(model_path):
     with Engine.load(model_path, threads=2, context_length=CONTEXT, draft="self") as engine:
         first = engine.generate(PROMPT, max_tokens=16, temperature=0.8, seed=5)
@@ -126,6 +127,7 @@ def test_auto_holds_no_layers_for_a_self_draft_predicted_far_slower(auto_with_fi
     assert auto_with_file.plan.draft_layers == 0 and "self:" not in auto_with_file.notices[-1]
 
 
+@pytest.mark.slow
 def test_auto_measures_a_close_call_and_keeps_the_target_output(model_path, plain):
     with Engine.load(model_path, threads=2, context_length=CONTEXT, draft="auto",
                      cpu_memory=STREAMED) as engine:

@@ -83,6 +83,7 @@ def test_logit_bias_forces_a_token(client, engine):
     assert reply.choices[0].text == " Rome" * 3
 
 
+@pytest.mark.slow
 def test_penalties_reach_the_engine(client, engine):
     penalties = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "max_tokens": 48}
     expected = engine.chat(HI, **GREEDY | penalties)

@@ -29,11 +29,13 @@ def loaded(base: str) -> list[str]:
     return sorted(model.model for model in ollama.Client(host=base).ps().models)
 
 
+@pytest.mark.slow
 def test_every_served_model_is_listed_by_name(two_models):
     assert [m.id for m in OpenAI(base_url=f"{two_models}/v1", api_key="x").models.list()] == ["q41", "f32"]
     assert [m.model for m in ollama.Client(host=two_models).list().models] == ["q41", "f32"]
 
 
+@pytest.mark.slow
 def test_a_model_loads_on_its_first_request_and_stays(two_models, f32_model_path):
     from tierflow import Engine
 
@@ -84,6 +86,7 @@ def test_health_answers_while_a_model_loads(two_models):
     assert answers and set(answers) == {200} and "f32" in loaded(two_models)
 
 
+@pytest.mark.slow
 def test_an_idle_model_unloads_when_its_keep_alive_passes(model_path, f32_model_path):
     with serve_command("-m", f"q41={model_path}", "-m", f"f32={f32_model_path}", "--ctx", "256",
                        "--threads", "1", "--keep-alive", "1s") as base:
@@ -95,6 +98,7 @@ def test_an_idle_model_unloads_when_its_keep_alive_passes(model_path, f32_model_
         assert loaded(base) == []
 
 
+@pytest.mark.slow
 def test_past_max_models_the_least_recently_used_idle_model_unloads(model_path, f32_model_path):
     with serve_command("-m", f"q41={model_path}", "-m", f"f32={f32_model_path}", "--ctx", "256",
                        "--threads", "1", "--max-models", "1") as base:
@@ -102,6 +106,7 @@ def test_past_max_models_the_least_recently_used_idle_model_unloads(model_path, 
         assert loaded(base) == ["f32"]
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_load_beside_busy_ones_is_a_503(model_path, f32_model_path):
     with serve_command("-m", f"q41={model_path}", "-m", f"f32={f32_model_path}", "--ctx", "1024",
                        "--threads", "1", "--max-models", "1", "--parallel", "1") as base:

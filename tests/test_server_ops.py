@@ -239,6 +239,7 @@ def test_a_streamed_generation_logs_its_line_when_it_ends(url, request_lines):
     assert logged["generated_tokens"] == "4" and logged["finish"] == "length"
 
 
+@pytest.mark.slow
 def test_a_context_shift_is_in_the_line(url, engine, request_lines):
     turn = "tell me more about it " * 40
     messages = [{"role": role, "content": turn} for role in ("user", "assistant") * 3]  # past 1024 tokens
@@ -261,6 +262,7 @@ def test_a_path_cannot_forge_log_lines(url, request_lines):
 
 # -- the command -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_serve_logs_a_line_per_request(tmp_path):
     with open(tmp_path / "log", "w+") as log:
         with serve_command("--ctx", "256", "--threads", "1", log=log) as base:
@@ -271,6 +273,7 @@ def test_serve_logs_a_line_per_request(tmp_path):
     assert "HTTP/1.1" not in output  # uvicorn's access line is not there as well
 
 
+@pytest.mark.slow
 def test_log_level_warning_silences_the_request_lines(tmp_path):
     with open(tmp_path / "log", "w+") as log:
         with serve_command("--ctx", "256", "--threads", "1", "--log-level", "warning", log=log) as base:

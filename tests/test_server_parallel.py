@@ -41,6 +41,7 @@ def alone(engine):
     return [engine.chat(chat(question), max_tokens=TOKENS, temperature=0).text for question in QUESTIONS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_parallel_clients_each_get_the_answer_the_engine_gives_alone(parallel_url, alone, stream):
     assert ask_together(parallel_url, stream) == alone

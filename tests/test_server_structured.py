@@ -41,6 +41,7 @@ def test_sampled_chat_json_schema_answer_validates(client):
     validated(reply.choices[0].message.content, SCHEMAS["nested"][0])
 
 
+@pytest.mark.slow
 def test_the_constrained_answer_is_the_in_process_one(client, engine):
     expected = engine.chat(messages("refs"), response_format=response_format("refs"), **GREEDY)
     reply = client.chat.completions.create(model="any", messages=messages("refs"),

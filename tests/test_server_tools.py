@@ -86,6 +86,7 @@ def test_tool_result_in_the_history_is_rendered_into_the_prompt(client, engine):
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 def test_tool_choice_none_answers_in_prose_without_the_tools(client, engine):
     reply = client.chat.completions.create(model="any", messages=ASK, tools=TOOLS, tool_choice="none",
                                            **GREEDY)
@@ -100,6 +101,7 @@ def test_a_call_cut_off_by_max_tokens_is_returned_as_content(client):
     assert reply.choices[0].message.content.startswith('{"tool_calls"')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_parallel_calls_cut_by_max_tokens_give_the_whole_ones_with_finish_length(client, engine, stream):
     """The bundled model repeats its calls here until max_tokens: the whole ones are the answer."""

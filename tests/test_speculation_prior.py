@@ -70,6 +70,7 @@ def pass_costs(streamed, resident, model_path) -> tuple[PassCosts, PassCosts]:
             PassCosts(resident.plan, resident.config, sizes, profile))
 
 
+@pytest.mark.slow
 def test_a_streamed_verify_pass_costs_about_what_one_token_does(pass_costs):
     on_disk, in_ram = pass_costs
     assert on_disk.seconds(65) < 1.5 * on_disk.seconds(1)
@@ -131,6 +132,7 @@ def another_pairs_file(model_path) -> tuple[dict, SizePredictions, dict]:
     return json.loads(ngram.speculator.prior.store.path.read_text()), predicted, pair
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["another pair's file", "not JSON", "a negative value"])
 def test_a_learned_file_that_is_not_the_pairs_is_ignored(model_path, another_pairs_file, damage):
     others, predicted, pair = another_pairs_file
@@ -146,6 +148,7 @@ def test_a_learned_file_that_is_not_the_pairs_is_ignored(model_path, another_pai
         pair_file.unlink()
 
 
+@pytest.mark.slow
 def test_a_seeded_sampled_generation_ignores_what_was_learned(model_path):
     def seeded() -> list[int]:
         with Engine.load(model_path, threads=2, draft=model_path, context_length=CONTEXT) as engine:

@@ -41,6 +41,7 @@ def test_the_draft_length_grows_on_success_and_rests_after_misses():
     assert [length.next() for _ in range(3)] == [0, 0, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_output_is_token_for_token_the_same(engine, speculating, prompt):
     plain = engine.generate(prompt, max_tokens=80, temperature=0)

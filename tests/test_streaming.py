@@ -142,6 +142,7 @@ def test_streamed_generation_matches_resident_exactly(model, resident, packed, f
 # -- budgets ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_weights_in_ram_never_exceed_the_budget(model, packed):
     slot, total = packed.largest_layer_bytes, packed.globals.nbytes + sum(e.nbytes for e in packed.layers)
     smallest, beside = packed.globals.nbytes + 2 * slot, ram_beside_weights(model, CONTEXT)
@@ -190,6 +191,7 @@ def rss_growth(**kwargs):
 """
 
 
+@pytest.mark.slow
 def test_rss_growth_stays_within_the_budget_and_streaming_saves_the_streamed_bytes(tmp_path):
     model = write_model(tmp_path / "big.gguf", BIG_SPEC)
     written_pack(model)  # the first load's one-off costs are not measured

@@ -103,6 +103,7 @@ def drafted(model_path, tmp_path_factory):
         yield engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculating", ["prompt_lookup", "drafted"])
 def test_greedy_constrained_output_is_the_same_with_speculation(engine, speculating, request):
     speculative = request.getfixturevalue(speculating)

@@ -14,6 +14,8 @@ from tests.support.real_models import chat_templates
 from tierflow import TemplateError
 from tierflow.runtime.text.chat_template import render_chat_template, start_render_workers
 
+pytestmark = pytest.mark.slow  # every published template rendered by two engines
+
 BOS, EOS = "<|bos|>", "<|eos|>"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city",

@@ -147,6 +147,7 @@ ATTACKS = {  # name -> (the changes to the bundled vocabulary, the error they mu
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attack", ATTACKS)
 def test_attack_is_a_model_file_error_not_an_abort(small_model, smollm2, tmp_path, attack):
     changes, error = ATTACKS[attack]
