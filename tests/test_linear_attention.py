@@ -1,6 +1,8 @@
 """Hybrid linear-attention models (qwen35, qwen35moe, qwen3next): Gated DeltaNet layers whose
 recurrent state lives in the cache, against llama.cpp, and everything that goes back in a cache
-(prefix reuse, rejected guesses, token trees) going back in that state too."""
+(prefix reuse, rejected guesses, token trees, drafts, a context shift) going back in that state too,
+there and in the state-space families' states (Mamba-2's, a Granite 4.0-H hybrid's and Jamba's
+Mamba-1 layers beside attention and experts)."""
 
 import dataclasses
 
@@ -11,6 +13,7 @@ from tests.support.budgets import ram_beside_weights
 from tests.support.gguf_bytes import UINT32, Typed
 from tests.support.gguf_writing import rewrite_metadata
 from tests.support.make_model import ModelSpec, write_model
+from tests.support.model_spec import family_spec
 from tests.support.oracle import (
     EXACT_TIE,
     LONG_TEXT,
@@ -47,6 +50,26 @@ def f32_model(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def quantized_model(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("qwen35q") / "model.gguf", SPECS["qwen35"])
+
+
+QUANTIZED_4_LAYERS = dict(weight_type="Q8_0", embedding_type="Q8_0", context_length=2048, num_layers=4)
+RECURRENT_SPECS = {"qwen35": SPECS["qwen35"],  # four layers each: streaming some needs a ring of two
+                   **{name: dataclasses.replace(family_spec(name), **QUANTIZED_4_LAYERS)
+                      for name in ("mamba2", "granitehybrid", "jamba")}}
+
+
+@pytest.fixture(scope="module", params=RECURRENT_SPECS)
+def recurrent_model(request, tmp_path_factory):
+    """A quantized model of each family whose layers keep a recurrent state."""
+    return write_model(tmp_path_factory.mktemp(request.param) / "model.gguf", RECURRENT_SPECS[request.param])
+
+
+@pytest.fixture(scope="module", params=[name for name, spec in RECURRENT_SPECS.items()
+                                        if not spec.num_experts])
+def dense_recurrent_model(request, tmp_path_factory):
+    """As recurrent_model, of the dense families: a MoE model streams its experts, not its layers
+    (Jamba's: tests/test_jamba.py)."""
+    return write_model(tmp_path_factory.mktemp(request.param) / "model.gguf", RECURRENT_SPECS[request.param])
 
 
 def test_f32_logits_match_llama_cpp_exactly(f32_model):
@@ -90,8 +113,8 @@ def test_quantized_logits_match_llama_cpp_within_its_rounding(quantized_model):
         assert_logits_agree(engine, llama, engine.tokenize(LONG_TEXT)[:64], max_mean_diff=0.25, near_tie=1.0)
 
 
-def test_a_regenerated_prompt_reuses_all_but_its_last_token_and_gives_the_same_tokens(quantized_model):
-    with Engine.load(quantized_model, threads=2, context_length=1024) as engine:
+def test_a_regenerated_prompt_reuses_all_but_its_last_token_and_gives_the_same_tokens(recurrent_model):
+    with Engine.load(recurrent_model, threads=2, context_length=1024) as engine:
         for prompt in (PROMPTS[0], long_prompt(12)):  # prefilled token by token, and chunked
             first = engine.generate(prompt, max_tokens=16, temperature=0)
             again = engine.generate(prompt, max_tokens=16, temperature=0)
@@ -99,20 +122,20 @@ def test_a_regenerated_prompt_reuses_all_but_its_last_token_and_gives_the_same_t
             assert again.tokens == first.tokens
 
 
-def test_a_continued_conversation_gives_a_fresh_engines_tokens(quantized_model):
-    with Engine.load(quantized_model, threads=2, context_length=1024) as engine:
+def test_a_continued_conversation_gives_a_fresh_engines_tokens(recurrent_model):
+    with Engine.load(recurrent_model, threads=2, context_length=1024) as engine:
         first = engine.generate(PROMPTS[0], max_tokens=16, temperature=0)
         follow_up = PROMPTS[0] + first.text + " Then the"
         continued = engine.generate(follow_up, max_tokens=16, temperature=0)
         assert continued.stats.cached_prompt_tokens > 0
-    with Engine.load(quantized_model, threads=2, context_length=1024) as engine:
+    with Engine.load(recurrent_model, threads=2, context_length=1024) as engine:
         assert engine.generate(follow_up, max_tokens=16, temperature=0).tokens == continued.tokens
 
 
-def test_a_conversation_that_outgrows_the_context_prefills_its_kept_turns_again(quantized_model):
+def test_a_conversation_that_outgrows_the_context_prefills_its_kept_turns_again(recurrent_model):
     """A recurrent state cannot drop tokens from its middle: the shifted turn is computed afresh."""
     questions = [f"Question {i}: name a colour and a tree." for i in range(8)]
-    with Engine.load(quantized_model, threads=2, context_length=128) as engine:
+    with Engine.load(recurrent_model, threads=2, context_length=128) as engine:
         messages, turns = [], []
         for question in questions:
             fitted = fit_chat(messages + [{"role": "user", "content": question}], engine.tokenize_chat,
@@ -121,40 +144,40 @@ def test_a_conversation_that_outgrows_the_context_prefills_its_kept_turns_again(
             messages = fitted.messages + [{"role": "assistant", "content": result.text}]
             turns.append((fitted, result))
     fitted, result = next((fitted, result) for fitted, result in reversed(turns) if fitted.dropped)
-    with Engine.load(quantized_model, threads=2, context_length=128) as engine:
+    with Engine.load(recurrent_model, threads=2, context_length=128) as engine:
         assert engine.generate(fitted.prompt_ids, max_tokens=24, temperature=0).tokens == result.tokens
 
 
 @pytest.mark.parametrize("draft", ["ngram", "model"])
-def test_speculative_greedy_output_is_the_targets_own(quantized_model, draft):
-    with Engine.load(quantized_model, threads=2, context_length=1024) as engine:
+def test_speculative_greedy_output_is_the_targets_own(recurrent_model, draft):
+    with Engine.load(recurrent_model, threads=2, context_length=1024) as engine:
         first = engine.generate(PROMPTS[0], max_tokens=24, temperature=0).text
         prompts = [PROMPTS[0] + first + " " + PROMPTS[0], PROMPTS[1]]  # something to look up
         plain = [engine.generate(p, max_tokens=48, temperature=0).tokens for p in prompts]
-    with Engine.load(quantized_model, threads=2, context_length=1024,
-                     draft=quantized_model if draft == "model" else draft) as engine:
+    with Engine.load(recurrent_model, threads=2, context_length=1024,
+                     draft=recurrent_model if draft == "model" else draft) as engine:
         results = [engine.generate(p, max_tokens=48, temperature=0) for p in prompts]
     assert [r.tokens for r in results] == plain
     if draft == "model":  # a random model seldom repeats itself: prompt lookup may find nothing to guess
         assert sum(r.stats.accepted_tokens for r in results) > 0
 
 
-def test_streamed_layers_and_layers_on_the_stand_in_gpu_give_the_resident_tokens(quantized_model):
-    with Engine.load(quantized_model, threads=2, context_length=256) as engine:
+def test_streamed_layers_and_layers_on_the_stand_in_gpu_give_the_resident_tokens(dense_recurrent_model):
+    with Engine.load(dense_recurrent_model, threads=2, context_length=256) as engine:
         resident = engine.generate(PROMPTS[0], max_tokens=24, temperature=0).tokens
         packed = engine.weights.packed
         weights = packed.globals.nbytes + sum(layer.nbytes for layer in packed.layers)
         half_a_layer = max(layer.nbytes for layer in packed.layers) // 2
-    streaming = dict(cpu_memory=weights - half_a_layer + ram_beside_weights(quantized_model, 256))
+    streaming = dict(cpu_memory=weights - half_a_layer + ram_beside_weights(dense_recurrent_model, 256))
     on_gpu = dict(gpu_memory="4MiB", gpu_device="cpu")  # its states there too
     for budgets in (streaming, on_gpu):
-        with Engine.load(quantized_model, threads=2, context_length=256, **budgets) as engine:
+        with Engine.load(dense_recurrent_model, threads=2, context_length=256, **budgets) as engine:
             assert engine.generate(PROMPTS[0], max_tokens=24, temperature=0).tokens == resident
             assert engine.weights.streamed_layers if budgets is streaming else engine.plan.gpu_layers
 
 
-def test_a_kept_tree_path_leaves_the_state_its_tokens_fed_one_by_one_leave(quantized_model):
-    with Engine.load(quantized_model, threads=2, context_length=256) as engine:
+def test_a_kept_tree_path_leaves_the_state_its_tokens_fed_one_by_one_leave(recurrent_model):
+    with Engine.load(recurrent_model, threads=2, context_length=256) as engine:
         generator = engine._generator
         ids = engine.tokenize(PROMPTS[2])
         generator.prefill(ids, _never())
@@ -171,8 +194,8 @@ def test_a_kept_tree_path_leaves_the_state_its_tokens_fed_one_by_one_leave(quant
         assert np.array_equal(after_tree, generator.decode_step(99))
 
 
-def test_rejected_guesses_are_forgotten_by_the_state(quantized_model):
-    with Engine.load(quantized_model, threads=2, context_length=256) as engine:
+def test_rejected_guesses_are_forgotten_by_the_state(recurrent_model):
+    with Engine.load(recurrent_model, threads=2, context_length=256) as engine:
         generator = engine._generator
         ids = engine.tokenize(PROMPTS[2])
         generator.prefill(ids, _never())
@@ -186,8 +209,8 @@ def test_rejected_guesses_are_forgotten_by_the_state(quantized_model):
         assert np.array_equal(kept, generator.decode_step(9))
 
 
-def test_the_state_goes_back_only_to_what_it_kept(quantized_model):
-    with Engine.load(quantized_model, threads=2, context_length=1024) as engine:
+def test_the_state_goes_back_only_to_what_it_kept(recurrent_model):
+    with Engine.load(recurrent_model, threads=2, context_length=1024) as engine:
         cache: KVCache = engine._generator.cache
         ids = engine.tokenize(long_prompt(12))
         assert len(ids) > STEPWISE_TOKENS + 10
@@ -211,8 +234,8 @@ def test_the_state_is_counted_in_the_budget_whatever_the_context(quantized_model
     assert layer_kv_bytes(config, 3, 1024, kv) > layer_kv_bytes(config, 3, 256, kv)  # full attention
 
 
-def test_the_cache_counts_the_states_it_holds_within_the_budgets_promise(quantized_model):
-    with Engine.load(quantized_model, threads=2, context_length=256) as engine:
+def test_the_cache_counts_the_states_it_holds_within_the_budgets_promise(recurrent_model):
+    with Engine.load(recurrent_model, threads=2, context_length=256) as engine:
         empty = engine.kv_cache_bytes
         engine.generate(long_prompt(6), max_tokens=8, temperature=0)
         held = engine.kv_cache_bytes - empty
