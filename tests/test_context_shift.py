@@ -149,6 +149,7 @@ QUESTIONS = ["Name a colour.", "Name a fruit.", "Name a tree.", "Name a bird.", 
              "Name a city.", "Name a river.", "Name a planet.", "Name a flower.", "Name a mountain."]
 
 
+@pytest.mark.slow
 def test_a_turn_that_drops_the_oldest_turns_prefills_only_what_is_new(model_path):
     # the answers' lengths, which decide when the context fills, are those of an f32 cache
     with Engine.load(model_path, threads=2, context_length=256, kv_cache_type="f32") as engine:

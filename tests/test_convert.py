@@ -127,6 +127,7 @@ def test_4_bit_file_runs_in_llama_cpp_like_in_tierflow(converted_engine):
     print(f"4-bit search: mean |logit difference| vs llama.cpp {diff:.4f}")
 
 
+@pytest.mark.slow
 def test_4_bit_rtn_rebuilds_the_bundled_q4_1_file_exactly(model_path, tmp_path):
     # The bundled weights were made by ggml's round to nearest, which rtn is bit for bit.
     report = convert_model(model_path, tmp_path / "q4_1.gguf", 4, "rtn")
@@ -350,6 +351,7 @@ def mean_logit_difference(path, ids, expected) -> float:
         llama.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_type", GGML_FILE_TYPES)
 def test_ggml_type_file_is_as_close_to_the_source_in_llama_cpp_as_its_own_quantizer_makes_it(
         float_model, tmp_path, weight_type):
@@ -362,6 +364,7 @@ def test_ggml_type_file_is_as_close_to_the_source_in_llama_cpp_as_its_own_quanti
     assert ours_diff <= 1.1 * theirs_diff
 
 
+@pytest.mark.slow
 def test_ggml_type_file_holds_the_type_and_iq4_nl_where_rows_are_not_whole_blocks(float_model, tmp_path):
     source, ids, _ = float_model
     report = convert_model(source, tmp_path / "q3k.gguf", weight_type="Q3_K")

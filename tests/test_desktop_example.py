@@ -104,6 +104,7 @@ def pump(root, until) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_the_window_loads_answers_and_closes_its_engine(display):
     import tkinter
 

@@ -66,6 +66,7 @@ def test_cancel_and_max_tokens_hold_with_a_draft(drafting):
     assert stream.result.finish_reason == "cancelled" and len(stream.result.tokens) < 200
 
 
+@pytest.mark.slow
 def test_the_draft_is_placed_first_within_the_cpu_budget(model_path, draft_path):
     with Engine.load(model_path, threads=2, draft=draft_path, context_length=CONTEXT) as alone:
         draft_bytes = alone.draft.bytes_by_tier()["cpu"]  # its weights and KV cache
@@ -79,6 +80,7 @@ def test_the_draft_is_placed_first_within_the_cpu_budget(model_path, draft_path)
         assert fast.stats.accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_a_streamed_target_gives_its_own_tokens_with_a_draft(engine, model_path, draft_path):
     plain = engine.generate(PROMPTS[1], max_tokens=24, temperature=0)
     with Engine.load(model_path, threads=2, draft=draft_path, cpu_memory="150MiB", context_length=CONTEXT,

@@ -54,6 +54,7 @@ def pooling_model(tmp_path, pooling_type: int):
 
 # -- agreement with llama.cpp ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_embeddings_match_llama_cpp_on_an_f32_copy(f32_engine, f32_model_path):
     expected = llama_cpp_embeddings(f32_model_path, TEXTS, POOLING_TYPES["mean"])
     np.testing.assert_allclose(f32_engine.embed(TEXTS), expected, atol=1e-5)
@@ -84,6 +85,7 @@ def test_the_pooling_the_file_declares_matches_llama_cpp(tmp_path, pooling):
     np.testing.assert_allclose(ours, llama_cpp_embeddings(path, TEXTS[:4]), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_sliding_window_model_matches_llama_cpp(tmp_path):
     # windows seen by depth in a tree, and a ring, for an input longer than a pass
     spec = ModelSpec(arch="gemma3", num_layers=6, hidden_size=256, num_heads=4, num_kv_heads=2, head_size=64,

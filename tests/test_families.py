@@ -43,6 +43,7 @@ def test_a_familys_logits_are_llama_cpps(family):
     assert_logits_agree(engine, llama, ids, max_mean_diff=0.01, near_tie=EXACT_TIE)
 
 
+@pytest.mark.slow
 def test_a_familys_greedy_tokens_are_llama_cpps(family):
     engine, llama = family
     assert_greedy_agrees(engine, llama, PROMPTS[0], near_tie=EXACT_TIE, max_tokens=16)

@@ -60,6 +60,7 @@ def assert_matches_llama_cpp_exactly(engine, llama):
     llama.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes", [
     {}, dict(tied_embeddings=False), dict(final_logit_softcap=15.0),
     dict(rope_theta=1e6, rope_scaling="linear", rope_scaling_factor=4.0),
@@ -68,6 +69,7 @@ def test_f32_gemma3_matches_llama_cpp_exactly(tmp_path, changes):
     assert_matches_llama_cpp_exactly(*pair(tmp_path, replace(GEMMA3, **changes)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes", [{}, dict(attn_logit_softcap=2.0, final_logit_softcap=15.0)],
                          ids=["default-softcaps", "strong-softcaps"])
 def test_f32_gemma2_matches_llama_cpp_exactly(tmp_path, changes):
@@ -88,6 +90,7 @@ def test_quantized_gemma3_matches_llama_cpp_within_quantization_noise(tmp_path, 
     print(f"gemma3 {weight_type}: mean |logit difference| vs llama.cpp {diff:.4f}")
 
 
+@pytest.mark.slow
 def test_a_q4_k_m_file_with_rows_k_quants_cannot_pack_loads_and_runs(tmp_path):
     """Gemma 3 270M's shape (hidden 640, one KV head of 256): its 640-wide rows fall back from
     Q4_K to Q5_0 and from Q6_K to Q8_0, beside Q4_K and Q6_K, as in real Q4_K_M files."""
@@ -233,6 +236,7 @@ def test_gemma3_with_a_draft_gives_its_own_tokens(small_gemma3):
     assert greedy(small_gemma3, draft=small_gemma3, draft_tokens=4) == greedy(small_gemma3)
 
 
+@pytest.mark.slow
 def test_streamed_gemma3_gives_the_resident_tokens(small_gemma3):
     with Engine.load(small_gemma3, threads=2, context_length=128) as engine:
         layers = [engine.weights.packed.globals.nbytes] + [x.nbytes for x in engine.weights.packed.layers]

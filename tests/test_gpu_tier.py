@@ -20,6 +20,7 @@ def expected(model_path):
         return result.tokens, engine.logits(result.tokens)
 
 
+@pytest.mark.slow
 def test_layers_on_the_stand_in_gpu_give_the_same_tokens_and_logits(model_path, expected):
     stand_in = dict(threads=2, context_length=256, gpu_memory="20MiB", gpu_device="cpu")
     with Engine.load(model_path, **stand_in) as engine:

@@ -268,6 +268,7 @@ def test_f16_moves_the_logits_less_than_q8_0(our_logits):
     assert f16 < q8_0 / 4 and f16 < 0.002
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["llama.cpp's default", "flash attention"])
 def test_f16_moves_the_logits_no_more_than_in_llama_cpp(f32_model_path, long_ids, our_logits, flash_attn,
                                                         llama_cpp_exact_logits):

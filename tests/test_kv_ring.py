@@ -187,6 +187,7 @@ def triton_attention():
     return launch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("splits", [1, 3])
 def test_the_triton_kernel_over_a_wrapping_ring_matches_the_reference(triton_attention, splits):
     """Positions 0 .. 89 are written by the reference; the Triton kernel then takes passes that

@@ -125,6 +125,7 @@ def test_a_shift_gives_the_first_layer_the_keys_a_fresh_prefill_writes(tmp_path,
         assert within_float_error(*shifted_and_fresh_keys(engine, text_ids(engine, 300), KEEP, DROP))
 
 
+@pytest.mark.slow
 def test_a_shift_gives_the_bundled_models_first_layer_the_keys_a_fresh_prefill_writes(small_engine):
     """In the default f16 cache: the same keys up to a half's rounding."""
     shifted, fresh = shifted_and_fresh_keys(small_engine, text_ids(small_engine, 300), KEEP, DROP)
@@ -136,6 +137,7 @@ def logits_gap(shifted: np.ndarray, fresh: np.ndarray) -> float:
     return float(np.abs(shifted - fresh).mean() / fresh.std())
 
 
+@pytest.mark.slow
 def test_logits_after_a_shift_are_close_to_a_fresh_prefill_of_the_kept_tokens(small_engine):
     """Measured (mean absolute difference over the logits' standard deviation): 0.048, while a
     fresh prefill of all 300 tokens is 0.11 from that of the kept ones (the gap is the dropped
@@ -152,6 +154,7 @@ def test_logits_after_a_shift_are_close_to_a_fresh_prefill_of_the_kept_tokens(sm
     assert logits_gap(shifted, fresh[-len(following):]) < 0.08
 
 
+@pytest.mark.slow
 def test_a_prompt_that_drops_a_run_of_the_cache_is_reused_by_a_shift(small_engine):
     ids, following = text_ids(small_engine, 300), small_engine.tokenize(FOLLOWING, add_bos=False)
     prompt = ids[:KEEP] + ids[KEEP + DROP:] + following
@@ -166,6 +169,7 @@ def test_a_prompt_that_drops_a_run_of_the_cache_is_reused_by_a_shift(small_engin
     np.testing.assert_array_equal(logits, expected)
 
 
+@pytest.mark.slow
 def test_without_shifted_a_prompt_reuses_only_what_a_fresh_prefill_would_write(small_engine):
     ids = text_ids(small_engine, 300)
     kept = ids[:KEEP] + ids[KEEP + DROP:]

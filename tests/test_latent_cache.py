@@ -114,6 +114,7 @@ def test_a_quantized_latent_cache_stores_the_rows_hadamard_rotated_in_its_type(e
     assert torch.equal(stored[kv], encode(hadamard(stored["f32"], 64), KV_TYPES[kv]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", QUANTIZED)
 def test_a_quantized_latent_cache_moves_the_logits_no_more_than_llama_cpps(logits, kv):
     """Each against its own f32 cache, whose rows llama.cpp stores unrotated (measured: q8_0
@@ -153,6 +154,7 @@ def continuation(path, kv: str, shifted: bool) -> np.ndarray:
     return logits[-len(following):]
 
 
+@pytest.mark.slow
 def test_a_context_shift_of_a_q8_0_latent_cache_continues_as_a_fresh_prefill_of_the_kept_tokens(models):
     """One layer: the moved rows are a fresh prefill's but for their rotary parts' second rounding
     (their latents move as stored), which moves the logits less than the q8_0 cache itself moves

@@ -58,7 +58,11 @@ RECURRENT_SPECS = {"qwen35": SPECS["qwen35"],  # four layers each: streaming som
                       for name in ("mamba2", "granitehybrid", "jamba")}}
 
 
-@pytest.fixture(scope="module", params=RECURRENT_SPECS)
+SLOW_SPECS = ("granitehybrid", "jamba")  # as Mamba-2's, with more layers of more kinds: in the slow run
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=pytest.mark.slow if name in SLOW_SPECS else ()) for name in RECURRENT_SPECS])
 def recurrent_model(request, tmp_path_factory):
     """A quantized model of each family whose layers keep a recurrent state."""
     return write_model(tmp_path_factory.mktemp(request.param) / "model.gguf", RECURRENT_SPECS[request.param])
@@ -80,6 +84,7 @@ def test_f32_logits_match_llama_cpp_exactly(f32_model):
         assert_greedy_agrees(engine, llama, PROMPTS[0], near_tie=EXACT_TIE, max_tokens=24)
 
 
+@pytest.mark.slow
 def test_greedy_output_through_prefix_reuse_and_a_draft_is_llama_cpps(f32_model):
     llama = llama_cpp_model(f32_model, n_ctx=256, f32_kv=True)
     for draft in (None, "ngram"):
@@ -90,6 +95,7 @@ def test_greedy_output_through_prefix_reuse_and_a_draft_is_llama_cpps(f32_model)
             assert_greedy_agrees(engine, llama, follow_up, near_tie=EXACT_TIE, max_tokens=24)
 
 
+@pytest.mark.slow
 def test_a_prompt_longer_than_a_prefill_chunk_matches_llama_cpp(f32_model):
     llama = llama_cpp_model(f32_model, n_ctx=1024, f32_kv=True)
     with Engine.load(f32_model, threads=2, context_length=1024, kv_cache_type="f32") as engine:

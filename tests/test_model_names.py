@@ -239,6 +239,7 @@ def test_a_split_model_loads_whole_and_generates_as_the_single_file_does(tmp_pat
     assert tokens == engine.generate(prompt, max_tokens=8, temperature=0).tokens
 
 
+@pytest.mark.slow
 def test_a_split_model_converts_to_one_file_without_split_keys(tmp_path, model_path):
     from tierflow.offload.gguf.convert import convert_model
     from tierflow.offload.gguf.reader import read_gguf

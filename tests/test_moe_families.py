@@ -48,6 +48,7 @@ def greedy(engine: Engine) -> list[int]:
     return engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens
 
 
+@pytest.mark.slow
 def test_each_familys_streamed_experts_give_its_resident_tokens(family):
     path, resident, size = family
     with Engine.load(path, threads=2, context_length=CONTEXT,

@@ -83,6 +83,7 @@ def test_the_hidden_state_enters_the_block_as_the_token_embedding_does(f32_model
     assert np.abs(ours - theirs).max() < 1e-3 * np.abs(theirs).max()
 
 
+@pytest.mark.slow
 def test_greedy_output_with_the_mtp_draft_is_the_targets_own_through_a_chat(f32_model):
     with Engine.load(f32_model, **LOAD) as engine:
         first = engine.generate(PROMPTS[0], max_tokens=16, temperature=0)

@@ -69,6 +69,7 @@ def test_format_json_schema_gives_an_answer_of_the_schema(client):
     jsonschema.validate(json.loads(reply.message.content), PERSON)
 
 
+@pytest.mark.slow
 def test_tool_calls_come_back_with_their_arguments_as_objects(client, engine):
     ask = [{"role": "user", "content": "What will the weather be in Paris?"}]
     expected = engine.chat(ask, tools=[WEATHER], temperature=0, max_tokens=60)

@@ -77,6 +77,7 @@ def test_quantized_logits_are_as_close_to_exact_as_llama_cpps(engine, oracle, f3
     assert ours < 1.1 * theirs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_match_llama_cpp(engine, oracle, prompt):
     num_decided = assert_greedy_agrees(engine, oracle, prompt, near_tie=NEAR_TIE)

@@ -352,6 +352,7 @@ def killed_midway(model: Path, signum: int) -> tuple[int, int]:
         child.wait()
 
 
+@pytest.mark.slow
 def test_a_build_killed_midway_leaves_a_temporary_that_cache_list_shows_and_prune_removes(model):
     pid, code = killed_midway(model, signal.SIGKILL)
     assert code == -signal.SIGKILL
@@ -371,6 +372,7 @@ def test_a_build_killed_midway_leaves_a_temporary_that_cache_list_shows_and_prun
     assert listed()["stale_temporaries"] == []
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_build_removes_its_temporary(model):
     pid, code = killed_midway(model, signal.SIGTERM)
     assert code == -signal.SIGTERM  # it still dies of the signal, as without the handler

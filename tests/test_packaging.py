@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tierflow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +37,7 @@ def test_root_package_comes_from_core():
     assert Path(tierflow.__file__).resolve().parent == ROOT / "core"
 
 
+@pytest.mark.slow
 def test_wheel_holds_every_module_of_every_folder(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path), str(ROOT)], check=True, timeout=300)

@@ -188,6 +188,7 @@ def test_a_touched_model_gets_its_pack_rebuilt(model, builds):
     assert recorded_identity(model) == source_identity(model)
 
 
+@pytest.mark.slow
 def test_a_rewritten_model_gets_its_pack_rebuilt_with_the_new_weights(model, tmp_path, builds):
     old = greedy_tokens(model)
     new_spec = ModelSpec(**{**SPEC.__dict__, "seed": 1})  # same size, other weights

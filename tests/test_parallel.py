@@ -119,6 +119,7 @@ def test_a_pass_that_fails_for_one_sequence_fails_no_other(engine):
     assert (healthy.length, poisoned.length) == (len(ids), 0)
 
 
+@pytest.mark.slow
 def test_generations_run_together_each_give_their_own_greedy_answer(parallel_engine, alone):
     served_before = parallel_engine._batcher.sequences_served
     passes_before = parallel_engine._batcher.passes
@@ -137,6 +138,7 @@ def test_prompt_lookup_drafts_per_slot_keep_the_greedy_answers(model_path, alone
         assert run_together(engine, PROMPTS[:2]) == alone[:2]
 
 
+@pytest.mark.slow
 def test_a_draft_model_shared_by_slots_keeps_the_greedy_answers(model_path, alone):
     with Engine.load(model_path, parallel=2, context_length=512, draft=model_path) as engine:
         assert run_together(engine, PROMPTS[:2]) == alone[:2]

@@ -69,6 +69,7 @@ def greedy(path, **load) -> list[int]:
         return engine.generate(PROMPTS[0], max_tokens=12, temperature=0).tokens
 
 
+@pytest.mark.slow
 def test_streamed_qwen3_gives_the_resident_tokens(qwen3):
     with Engine.load(qwen3, threads=2, context_length=128) as engine:
         layers = [engine.weights.packed.globals.nbytes] + [x.nbytes for x in engine.weights.packed.layers]

@@ -116,6 +116,7 @@ def test_a_template_file_that_is_not_jinja_names_the_file_and_line(gemma_tokeniz
         gemma_tokenizer.use_template(template)
 
 
+@pytest.mark.slow
 def test_the_cli_takes_a_builtin_template(gemma_270m_path):
     done = run_tierflow("run", "--chat", "-m", str(gemma_270m_path), "--chat-template", "gemma",
                         "--temperature", "0", "-n", "4", "--json", "Say hello.")

@@ -52,6 +52,7 @@ def test_recursive_and_wide_schemas_with_a_way_out_are_taken(schema):
     assert Grammar.json_schema(schema).kind == "JSON schema"
 
 
+@pytest.mark.slow
 def test_the_widest_schema_taken_is_followed_to_its_end(engine):
     """The parser's rows hold an object of as many properties as the check lets through."""
     schema = {**optional_properties(MAX_ROW_ITEMS // 4 - 10), "additionalProperties": False}

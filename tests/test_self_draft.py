@@ -119,6 +119,7 @@ def auto_with_file(model_path):
             yield engine
 
 
+@pytest.mark.slow
 def test_auto_with_a_draft_file_picks_it_first_for_a_streamed_target(auto_with_file, model_path):
     assert auto_with_file.notices[-1].startswith(f"draft: {model_path.name} first")
 

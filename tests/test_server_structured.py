@@ -27,6 +27,7 @@ def validated(text: str, schema: dict) -> dict:
     return document
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCHEMAS)
 def test_chat_json_schema_answer_parses_and_validates(client, name):
     reply = client.chat.completions.create(model="any", messages=messages(name),

@@ -37,6 +37,7 @@ def only_call(reply):
     return call
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_constrained_tool_choice_gives_a_call_whose_arguments_validate(client, tool_choice):
     reply = client.chat.completions.create(model="any", messages=ASK, tools=TOOLS, tool_choice=tool_choice,

@@ -111,6 +111,7 @@ def test_the_expected_gain_is_the_sum_of_the_nodes_chances_of_being_reached():
     assert widths == [2, 1] and expected == pytest.approx(0.5 + 0.25 + 0.25)
 
 
+@pytest.mark.slow
 def test_what_a_pair_learned_starts_its_next_load(model_path):
     with Engine.load(model_path, threads=2, draft="ngram", context_length=CONTEXT) as first:
         first.generate(PROMPT, max_tokens=48, temperature=0)
@@ -215,6 +216,7 @@ def test_seconds_learned_under_one_placement_survive_a_load_under_another(model_
     store("streamed").path.unlink()
 
 
+@pytest.mark.slow
 def test_a_load_that_measured_nothing_leaves_what_was_learned(model_path):
     with Engine.load(model_path, threads=2, draft="ngram", context_length=CONTEXT) as first:
         first.generate(PROMPT, max_tokens=32, temperature=0)

@@ -66,6 +66,7 @@ def test_max_tokens_and_stop_strings_hold_while_speculating(engine, speculating)
     assert fast.text == plain.text
 
 
+@pytest.mark.slow
 def test_sampled_generations_speculate_and_stay_seeded(speculating):
     first = speculating.generate(REPETITIVE, max_tokens=48, temperature=0.8, seed=3)
     again = speculating.generate(REPETITIVE, max_tokens=48, temperature=0.8, seed=3)

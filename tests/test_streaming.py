@@ -129,6 +129,7 @@ def half(model) -> int:
 # -- exact results ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.9])
 def test_streamed_generation_matches_resident_exactly(model, resident, packed, fraction):
     num_streamed = round(fraction * SPEC.num_layers)
