@@ -36,7 +36,7 @@ from tierflow.runtime.memory.recurrent_state import Recurrence, Steps
 from tierflow.runtime.memory.state_shapes import RecurrentShape
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.config import Metadata, ModelConfig
-from tierflow.runtime.models.layers import FFN, attend, norm_each_head
+from tierflow.runtime.models.layers import FFN, attend, norm_each_head, pre_norm_block
 
 PRE_FFN_NORM = "post_attention_norm"
 SUMMARY = "Gated DeltaNet linear attention with a recurrent state in 3 of 4 layers, gated full attention"
@@ -166,13 +166,9 @@ def layer_kind(config: ModelConfig, layer: int) -> str:
 
 def block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, layout: LinearLayout = SEPARATE
           ) -> Activations:
-    kernels, eps = p.kernels, p.config.rms_norm_eps
-    h = kernels.rms_norm(x, w.attn_norm, eps)
     recurrent = p.config.is_recurrent(p.layer_idx)
-    mixed = linear_attention(p, w, h, layout) if recurrent else gated_attention(p, w, h)
-    h = kernels.add_rms_norm(x, mixed, w.ffn_norm, eps)
-    x += ffn(p, w, h, x)
-    return x
+    mixer = partial(linear_attention, layout=layout) if recurrent else gated_attention
+    return pre_norm_block(x, w, p, ffn, mixer=mixer)
 
 
 def gated_attention(p: LayerPass, w: Weights, x: Activations) -> Activations:

@@ -17,7 +17,7 @@ from tierflow.runtime.models import mamba, ssm_hybrid
 from tierflow.runtime.models import tensor_map as tm
 from tierflow.runtime.models.architecture import Architecture
 from tierflow.runtime.models.config import Metadata, ModelConfig
-from tierflow.runtime.models.layers import attention, dense_ffn, moe_ffn
+from tierflow.runtime.models.layers import dense_ffn, moe_ffn, pre_norm_block
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
@@ -52,12 +52,9 @@ def layer_kind(config: ModelConfig, layer: int) -> str:
 
 
 def block(x: Activations, w: Weights, p: LayerPass) -> Activations:
-    cfg, kernels = p.config, p.kernels
-    h = kernels.rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-    mixed = kernels.take(_normed_mixer(p, w, h) if cfg.is_recurrent(p.layer_idx) else attention(p, w, h))
-    h = kernels.add_rms_norm(x, mixed, w.ffn_norm, cfg.rms_norm_eps)  # x: the residual entering the FFN
-    x += (moe_ffn if cfg.has_experts(p.layer_idx) else dense_ffn)(p, w, h, x)
-    return x
+    cfg, layer = p.config, p.layer_idx
+    return pre_norm_block(x, w, p, moe_ffn if cfg.has_experts(layer) else dense_ffn,
+                          mixer=_normed_mixer if cfg.is_recurrent(layer) else None)
 
 
 _normed_mixer = partial(mamba.mixer, normed=True)

@@ -28,18 +28,21 @@ from tierflow.runtime.models.config import ModelConfig
 
 FFN = Callable[[LayerPass, Weights, Activations, Activations], Activations]  # (p, w, h, residual)
 QKNorm = Callable[[LayerPass, Weights, Activations], Activations]  # qkv -> qkv
+Mixer = Callable[[LayerPass, Weights, Activations], Activations]  # a layer's normed input -> its tokens mixed
 Router = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # logits [T, N], k -> weights,
 # chosen experts, each [T, k]
 ExpertFFN = Callable[[Kernels, Sequence[Weights], Sequence[Activations]], list[Activations]]  # experts
 # on one device, each with its tokens' rows of h -> each one's output
 
 
-def pre_norm_block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, qk_norm: QKNorm | None = None
-                   ) -> Activations:
-    """x + attention(norm(x)), then + ffn(norm(x)): the block of Llama and its descendants."""
+def pre_norm_block(x: Activations, w: Weights, p: LayerPass, ffn: FFN, qk_norm: QKNorm | None = None,
+                   mixer: Mixer | None = None) -> Activations:
+    """x + attention(norm(x)), then + ffn(norm(x)): the block of Llama and its descendants; `mixer`
+    in attention's place where the layer mixes its tokens otherwise (a recurrent layer's)."""
     kernels, eps = p.kernels, p.config.rms_norm_eps
-    attended = attention(p, w, kernels.rms_norm(x, w.attn_norm, eps), qk_norm)
-    h = kernels.add_rms_norm(x, attended, w.ffn_norm, eps)  # x: the residual stream entering the FFN
+    h = kernels.rms_norm(x, w.attn_norm, eps)
+    mixed = attention(p, w, h, qk_norm) if mixer is None else mixer(p, w, h)
+    h = kernels.add_rms_norm(x, mixed, w.ffn_norm, eps)  # x: the residual stream entering the FFN
     x += ffn(p, w, h, x)
     return x
 
