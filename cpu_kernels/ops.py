@@ -10,6 +10,7 @@ import numpy as np
 from tierflow.cpu_kernels import _kernels
 
 DELTA_MAX_DV = _kernels.DELTA_MAX_DV  # the largest value size delta_steps takes
+SCAN_MAX_N = _kernels.SCAN_MAX_N  # the largest state size scan_steps takes
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -63,6 +64,19 @@ def delta_steps(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, 
     out = np.empty(v.shape, np.float32)
     next_state = np.empty(state.shape, np.float32) if next_state is None else next_state
     _kernels.delta_steps(state, q, k, v, g, beta, out, next_state)
+    return out, next_state
+
+
+def scan_steps(state: np.ndarray, x: np.ndarray, dt: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray,
+               d: np.ndarray, next_state: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Mamba's selective scan through T tokens (runtime/compute/selective_scan.py), the heads on the
+    kernels' threads: state [H, P, N], x [T, H, P], dt [T, H] (after softplus), a [H, 1 or N], b, c
+    [T, G, N], d [H], float32 and C-contiguous, N a multiple of 16 -> (outputs [T, H, P], the state
+    after them, written into next_state when given). `state` is left as it was; every token gets the
+    bits a pass of it alone would give."""
+    out = np.empty(x.shape, np.float32)
+    next_state = np.empty(state.shape, np.float32) if next_state is None else next_state
+    _kernels.scan_steps(state, x, dt, a, b, c, d, out, next_state)
     return out, next_state
 
 

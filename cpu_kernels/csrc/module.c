@@ -539,6 +539,43 @@ static PyObject *py_delta_steps(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_scan_steps(PyObject *self, PyObject *args) {
+    PyObject *objs[9];
+    static const char *names[9] = {"state", "x", "dt", "a", "b", "c", "d", "out", "next"};
+    static const int dims[9] = {3, 3, 2, 2, 3, 3, 1, 3, 3};
+    buffer_arg buf[9] = {{.held = 0}};
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO:scan_steps", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5], &objs[6], &objs[7], &objs[8]) ||
+        get_all_floats(objs, buf, names, dims, 9, 2))
+        return NULL;
+    const Py_ssize_t *state = buf[0].view.shape, *x = buf[1].view.shape, *dt = buf[2].view.shape,
+                     *a = buf[3].view.shape, *b = buf[4].view.shape, *c = buf[5].view.shape,
+                     *out = buf[7].view.shape, *next = buf[8].view.shape;
+    const Py_ssize_t heads = state[0], head_dim = state[1], n = state[2], tokens = x[0], groups = b[1];
+    int agree = n % 16 == 0 && n > 0 && n <= SCAN_MAX_N && groups > 0 && heads % groups == 0 &&
+                x[1] == heads && x[2] == head_dim && dt[0] == tokens && dt[1] == heads &&
+                a[0] == heads && (a[1] == 1 || a[1] == n) && b[0] == tokens && b[2] == n &&
+                c[0] == tokens && c[1] == groups && c[2] == n && buf[6].view.shape[0] == heads;
+    for (int i = 0; i < 3; i++) agree = agree && out[i] == x[i] && next[i] == state[i];
+    if (!agree)
+        return shape_error(buf, 9, "scan_steps: state and next [H, P, N] (N a multiple of 16, at most "
+                                   TEXT_OF(SCAN_MAX_N) "), x and out [T, H, P], dt [T, H], a [H, 1 or N], "
+                                   "b and c [T, G, N] (G dividing H) and d [H] disagree");
+    /* about 2048 state elements an item: Mamba-2's heads one each, Mamba-1's channels in runs */
+    const int64_t per_item = head_dim * n >= 2048 ? 1 : 2048 / (head_dim * n);
+    scan_job job = {
+        .state = buf[0].view.buf, .x = buf[1].view.buf, .dt = buf[2].view.buf, .a = buf[3].view.buf,
+        .b = buf[4].view.buf, .c = buf[5].view.buf, .d = buf[6].view.buf, .out = buf[7].view.buf,
+        .next = buf[8].view.buf, .tokens = tokens, .heads = heads, .head_dim = head_dim, .state_size = n,
+        .groups = groups, .decays = a[1], .heads_per_item = per_item,
+    };
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(scan_steps_item, &job, (heads + per_item - 1) / per_item);
+    Py_END_ALLOW_THREADS
+    release(buf, 9);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_conv_silu(PyObject *self, PyObject *args) {
     PyObject *objs[4];
     static const char *names[4] = {"history", "x", "weight", "out"};
@@ -977,6 +1014,8 @@ static PyMethodDef methods[] = {
     {"crc32_folds", py_crc32_folds, METH_NOARGS, "crc32_folds(): whether crc32 folds with PCLMULQDQ on this CPU."},
     {"delta_steps", py_delta_steps, METH_VARARGS,
      "delta_steps(state, q, k, v, g, beta, out, next): the gated delta rule through T tokens for every value head."},
+    {"scan_steps", py_scan_steps, METH_VARARGS,
+     "scan_steps(state, x, dt, a, b, c, d, out, next): Mamba's selective scan through T tokens for every head."},
     {"conv_silu", py_conv_silu, METH_VARARGS,
      "conv_silu(history, x, weight, out): out = silu of each channel's causal convolution of [history, x]."},
     {"delta_split", py_delta_split, METH_VARARGS,
@@ -1006,7 +1045,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "tierflow
 PyMODINIT_FUNC PyInit__kernels(void) {
     best_isa = active_isa = detect_isa();
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "DELTA_MAX_DV", DELTA_MAX_DV)) {
+    if (m && (PyModule_AddIntConstant(m, "DELTA_MAX_DV", DELTA_MAX_DV) ||
+              PyModule_AddIntConstant(m, "SCAN_MAX_N", SCAN_MAX_N))) {
         Py_DECREF(m);
         return NULL;
     }

@@ -260,6 +260,79 @@ TARGET_CLONES void delta_steps_head(void *ctx, int64_t h) {
     }
 }
 
+/* Token t through the rows [first, last) of a scan_job (row r is head r / P's channel r % P, as x
+ * and out order them), the state in place in `state` (read from `from`: the first token reads the
+ * job's state, the rest their own writes). Each row of N decays and takes its write, 16 lanes at a
+ * time (two v8f), and its output is the row read through c, summed across the vectors, then across
+ * the lanes in sum16's order (sums8, eight rows at once). Mamba-2's per-head decay is exp in
+ * double, as the torch form computes it; Mamba-1's N decays are exp16's. `vectors` (N / 16) is a
+ * constant where the caller makes it one. */
+static inline __attribute__((always_inline)) void scan_rows(const scan_job *job, const float *from, float *state,
+                                                             int64_t first, int64_t last, int64_t t,
+                                                             const int64_t vectors) {
+    const int64_t heads = job->heads, p_size = job->head_dim, n = 16 * vectors, shared = heads / job->groups;
+    const float *x = job->x + t * heads * p_size, *dt = job->dt + t * heads;
+    float *out = job->out + t * heads * p_size;
+    v8f decay[SCAN_MAX_N / 8], sums[8];
+    int64_t head = -1;
+    for (int64_t r = first; r < last; r++) {
+        if (r / p_size != head) {
+            head = r / p_size;
+            if (job->decays == 1) {
+                const float scalar = (float)exp((double)(dt[head] * job->a[head]));
+                for (int64_t j = 0; j < 2 * vectors; j++) decay[j] = (v8f){0} + scalar;
+            } else {
+                for (int64_t j = 0; j < vectors; j++) {
+                    const v16f both = exp16(dt[head] * load16(job->a + head * n + 16 * j));
+                    memcpy(&decay[2 * j], &both, sizeof both);
+                }
+            }
+        }
+        const int64_t group = (t * job->groups + head / shared) * n;
+        const float *b = job->b + group, *c = job->c + group;
+        const float written = x[r] * dt[head];
+        v8f low = {0}, high = {0};
+        for (int64_t j = 0; j < vectors; j++) {
+            const v8f updated_low = load8(from + r * n + 16 * j) * decay[2 * j] + written * load8(b + 16 * j);
+            const v8f updated_high = load8(from + r * n + 16 * j + 8) * decay[2 * j + 1] +
+                                     written * load8(b + 16 * j + 8);
+            store8(state + r * n + 16 * j, updated_low);
+            store8(state + r * n + 16 * j + 8, updated_high);
+            low += updated_low * load8(c + 16 * j);
+            high += updated_high * load8(c + 16 * j + 8);
+        }
+        sums[(r - first) % 8] = low + high;
+        if ((r - first) % 8 == 7 || r == last - 1) {
+            const int64_t block = r - (r - first) % 8, count = r - block + 1;
+            float lanes[8];
+            store8(lanes, sums8(sums));
+            for (int64_t i = 0; i < count; i++) out[block + i] = lanes[i] + job->d[(block + i) / p_size] * x[block + i];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void scan_item(const scan_job *job, int64_t item,
+                                                             const int64_t vectors) {
+    const int64_t size = job->head_dim * 16 * vectors, first = item * job->heads_per_item;
+    const int64_t last = first + job->heads_per_item < job->heads ? first + job->heads_per_item : job->heads;
+    if (!job->tokens) {
+        memcpy(job->next + first * size, job->state + first * size, (size_t)((last - first) * size) * sizeof(float));
+        return;
+    }
+    for (int64_t t = 0; t < job->tokens; t++)
+        scan_rows(job, t ? job->next : job->state, job->next, first * job->head_dim, last * job->head_dim, t,
+                  vectors);
+}
+
+TARGET_CLONES void scan_steps_item(void *ctx, int64_t item) {
+    const scan_job *job = ctx;
+    switch (job->state_size) {
+    case 16: scan_item(job, item, 1); break;   /* Mamba-1's */
+    case 128: scan_item(job, item, 8); break;  /* Mamba-2's in Granite 4.0-H, Nemotron-H, Falcon-H1 */
+    default: scan_item(job, item, job->state_size / 16); break;
+    }
+}
+
 /* Rotates the first rope_dim features of one head: adjacent pairs ("normal", llama) or the two
  * halves of the rotary part ("neox", qwen2). */
 static void rotate(float *head, const float *cos, const float *sin, int64_t rope_dim, int neox) {

@@ -62,6 +62,21 @@ typedef struct {
 } delta_step_job;
 void delta_steps_head(void *ctx, int64_t h);
 
+/* Mamba's selective scan (runtime/compute/selective_scan.py's steps) through `tokens` tokens, for
+ * every head h: state and next [H, P, N], x and out [T, H, P], dt [T, H] (after softplus), a [H, A]
+ * (A = 1: one decay per head, Mamba-2's; A = N: one per state element, Mamba-1's, whose heads are
+ * single channels), b and c [T, G, N] (head h reads group h / (H / G)), d [H]:
+ *     S <- S * exp(dt a) + (x dt) b^T,  out = S c + d x
+ * A pool item is `heads_per_item` heads, all of them token by token, so a head's state stays in the
+ * core's cache across the tokens. N is a multiple of 16, at most SCAN_MAX_N. */
+#define SCAN_MAX_N 256
+typedef struct {
+    const float *state, *x, *dt, *a, *b, *c, *d;
+    float *out, *next;
+    int64_t tokens, heads, head_dim, state_size, groups, decays, heads_per_item;
+} scan_job;
+void scan_steps_item(void *ctx, int64_t item);
+
 /* The types a KV cache stores its rows in (tierflow.kv_types; layouts: cpu_kernels/kv_layout.py):
  * a head's key or value at one position is a row of `row` items, head_dim float32 or float16, or
  * head_dim / 32 blocks of llama.cpp's q8_0 (34 bytes) or q4_0 (18 bytes). */

@@ -6,8 +6,12 @@ per state element of each channel, every channel a head of one; Mamba-2: one per
     S <- S * exp(dt A) + (x dt) B^T
     y  = S C + D x
 `steps` runs it over T tokens with the same operations for each token whatever T, so that decoding,
-verification and a token tree give a token the same bits; `long_pass` runs a prefill chunk in chunks
-of tokens, each a few batched tensor operations rather than a Python step per token (the same up to
+verification and a token tree give a token the same bits: on the CPU one call of the C kernels
+(cpu_kernels.ops.scan_steps, each head's state kept in the core's cache across the tokens), elsewhere
+torch operations per token (`steps_in_torch`). `long_pass` runs a prefill chunk: on the CPU the
+kernels' token loop, faster there than the chunked forms (2,048 tokens of a Mamba-2 layer of
+Granite-4.0-H-Micro's shape: 166 ms against dual_blocks' 450, on 2 cores); elsewhere in chunks of
+tokens, each a few batched tensor operations rather than a Python step per token (the same up to
 float rounding): Mamba-2's as state-space duality's matrix products (`dual_blocks`), Mamba-1's by
 recursive doubling (`doubling_blocks`).
 
@@ -18,6 +22,7 @@ L tokens in a chunk.
 import torch
 import torch.nn.functional as F
 
+from tierflow.cpu_kernels import ops
 from tierflow.runtime.compute.delta_rule import StateBuffers, same_bits
 
 DUAL_CHUNK = 64  # tokens per block of Mamba-2's chunked form
@@ -29,12 +34,31 @@ def time_steps(dt: torch.Tensor) -> torch.Tensor:
     return same_bits(F.softplus, dt)
 
 
+def on_kernels(state: torch.Tensor) -> bool:
+    """Whether the C kernels run the scan (cpu_kernels.ops.scan_steps): on the CPU, for the state
+    sizes they take (a multiple of 16, at most ops.SCAN_MAX_N)."""
+    size = state.shape[-1]
+    return state.device.type == "cpu" and size % 16 == 0 and size <= ops.SCAN_MAX_N
+
+
 def steps(a: torch.Tensor, d: torch.Tensor, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor,
           c: torch.Tensor, dt: torch.Tensor, buffers: StateBuffers | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan over T tokens in order: a [H, 1, N] or [H, 1, 1] (negative), d [H], state [H, P, N],
-    x [T, H, P], b, c [T, G, N], dt [T, H] -> (y [T, H, P], the state after the last token).
-    `buffers` are the C kernels' recycled arrays, which the scan, in torch, leaves unused."""
+    x [T, H, P], b, c [T, G, N], dt [T, H] -> (y [T, H, P], the state after the last token). On the
+    kernels one C call, the new state in an array of `buffers` when given; elsewhere
+    `steps_in_torch`."""
+    if on_kernels(state):
+        next_state = buffers.take(tuple(state.shape)) if buffers is not None else None
+        arrays = (state, x, dt, a.reshape(a.shape[0], -1), b, c, d)
+        out, state = ops.scan_steps(*(t.contiguous().numpy() for t in arrays), next_state)
+        return torch.from_numpy(out), torch.from_numpy(state)
+    return steps_in_torch(a, d, state, x, b, c, dt)
+
+
+def steps_in_torch(a: torch.Tensor, d: torch.Tensor, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor,
+                   c: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` as torch operations, on any device."""
     heads, groups = state.shape[0], b.shape[1]
     b, c = (t.repeat_interleave(heads // groups, dim=1)[:, :, None, :] for t in (b, c))  # [T, H, 1, N]
     decays = same_bits(torch.exp, dt[:, :, None, None] * a)  # [T, H, 1, N or 1]
@@ -43,17 +67,27 @@ def steps(a: torch.Tensor, d: torch.Tensor, state: torch.Tensor, x: torch.Tensor
     for t in range(x.shape[0]):
         state = state * decays[t] + scaled[t] * b[t]
         outs.append((state * c[t]).sum(-1))
+    if not outs:
+        return x.clone(), state
     return torch.stack(outs) + x * d[:, None], state
 
 
 def long_pass(a: torch.Tensor, d: torch.Tensor, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor,
               c: torch.Tensor, dt: torch.Tensor, buffers: StateBuffers | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefill chunk's scan, as `steps` up to float rounding: Mamba-2's (a scalar decay per head)
-    in the state-space-duality blocks of `dual_blocks`, Mamba-1's (a decay per state element) in the
-    chunked scan of `doubling_blocks`. `buffers`, as in `steps`, go unused."""
-    chunked = dual_blocks if a.shape[-1] == 1 else doubling_blocks
+    """A prefill chunk's scan, as `steps` up to float rounding: the kernels' token loop where they
+    run it; elsewhere Mamba-2's (a scalar decay per head) in the state-space-duality blocks of
+    `dual_blocks`, Mamba-1's (a decay per state element) in the chunked scan of `doubling_blocks`."""
+    if on_kernels(state):
+        return steps(a, d, state, x, b, c, dt, buffers)
     return chunked(a, d, state, x, b, c, dt)
+
+
+def chunked(a: torch.Tensor, d: torch.Tensor, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor,
+            c: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan in chunks of tokens: `dual_blocks` for Mamba-2's scalar decays, `doubling_blocks` for
+    Mamba-1's per-element ones."""
+    return (dual_blocks if a.shape[-1] == 1 else doubling_blocks)(a, d, state, x, b, c, dt)
 
 
 def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
