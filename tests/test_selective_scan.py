@@ -5,14 +5,19 @@ nonzero state, over passes shorter than a chunk, of whole chunks and between the
 the same in a pass of any length; and the budget's estimate of what a pass holds
 (ScanShape.pass_bytes)."""
 
-import numpy as np
 import pytest
 import torch
 
 from tierflow.cpu_kernels import ops
 from tierflow.runtime.compute.delta_rule import StateBuffers
-from tierflow.runtime.compute.selective_scan import (DUAL_CHUNK, SCAN_CHUNK, chunked, long_pass, steps,
-                                                     steps_in_torch)
+from tierflow.runtime.compute.selective_scan import (
+    DUAL_CHUNK,
+    SCAN_CHUNK,
+    chunked,
+    long_pass,
+    steps,
+    steps_in_torch,
+)
 from tierflow.runtime.memory.state_shapes import ScanShape
 
 # (heads, head size, state size, groups, decay per state element): Mamba-2's and Mamba-1's layouts
