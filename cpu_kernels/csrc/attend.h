@@ -349,7 +349,7 @@ static ALWAYS_INLINE void softmax(float *sg, int64_t first, int64_t length, cons
     v16f lanes = (v16f){0} - INFINITY;
     for (int64_t t = first_block; t < visible_padded; t += 16) {
         const v16f block = load16(sg + t);
-        lanes = select16(block > lanes, block, lanes);
+        lanes = at_least16(lanes, block);
     }
     float best = -INFINITY;
     for (int l = 0; l < 16; l++) best = lanes[l] > best ? lanes[l] : best;

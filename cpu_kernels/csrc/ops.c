@@ -59,8 +59,8 @@ TARGET_CLONES void swiglu_oai_rows(const float *gate_up, int64_t rows, int64_t s
         for (int64_t i = 0; i < size; i += 16) {
             const int64_t n = size - i < 16 ? size - i : 16;
             v16f gv = load_part(gate + i, n), uv = load_part(up + i, n);
-            gv = select16(gv > 7.0f, (v16f){0} + 7.0f, gv);
-            uv = select16(uv > 7.0f, (v16f){0} + 7.0f, select16(uv < -7.0f, (v16f){0} - 7.0f, uv));
+            gv = at_most16(gv, (v16f){0} + 7.0f);
+            uv = at_most16(at_least16(uv, (v16f){0} - 7.0f), (v16f){0} + 7.0f);
             store_part(out + r * size + i, gv / (1.0f + exp16(1.702f * -gv)) * (uv + 1.0f), n);
         }
     }
@@ -197,14 +197,16 @@ TARGET_CLONES void gated_rms_norm_rows(const float *x, const float *weight, cons
     }
 }
 
-/* k^T S and q^T S of one token: for each row i of S in order, read_k += k[i] * row, read_q += q[i] * row. */
+/* k^T S and q^T S of one token: for each row i of S in order, read_k += k[i] * row, read_q += q[i] * row.
+ * The delta rule's vectors are v8f (vec16.h: GCC's avx2 code for v16f is several times slower), `lanes`
+ * of them to a row of Dv = 8 lanes. */
 static inline __attribute__((always_inline)) void delta_reads(const float *state, const float *q, const float *k,
-                                                               int64_t dk, const int64_t vectors, v16f *read_k,
-                                                               v16f *read_q) {
-    for (int64_t j = 0; j < vectors; j++) read_k[j] = read_q[j] = (v16f){0};
+                                                               int64_t dk, const int64_t lanes, v8f *read_k,
+                                                               v8f *read_q) {
+    for (int64_t j = 0; j < lanes; j++) read_k[j] = read_q[j] = (v8f){0};
     for (int64_t i = 0; i < dk; i++) {
-        for (int64_t j = 0; j < vectors; j++) {
-            const v16f row = load16(state + i * 16 * vectors + 16 * j);
+        for (int64_t j = 0; j < lanes; j++) {
+            const v8f row = load8(state + i * 8 * lanes + 8 * j);
             read_k[j] += k[i] * row;
             read_q[j] += q[i] * row;
         }
@@ -215,34 +217,34 @@ static inline __attribute__((always_inline)) void delta_reads(const float *state
  * reads the state (k^T S, q^T S) before it updates it; the reads of token t + 1 are summed in the pass
  * that writes token t's update, row by row in the same order as a pass of their own, so a pass of T
  * tokens goes over the state T + 1 times, not 2T, and gives every token the bits T passes of one token
- * give. `vectors` (Dv / 16) is a constant where the caller makes it one, so that the reads stay in
+ * give. `lanes` (Dv / 8) is a constant where the caller makes it one, so that the reads stay in
  * registers. */
 static inline __attribute__((always_inline)) void delta_head(const delta_step_job *job, int64_t h,
-                                                              const int64_t vectors) {
-    const int64_t heads = job->heads, dk = job->dk, dv = 16 * vectors;
+                                                              const int64_t lanes) {
+    const int64_t heads = job->heads, dk = job->dk, dv = 8 * lanes;
     float *state = job->next + h * dk * dv;
     memcpy(state, job->state + h * dk * dv, (size_t)(dk * dv) * sizeof(float));
     const float scale = 1.0f / sqrtf((float)dk);
-    v16f read_k[DELTA_MAX_DV / 16], read_q[DELTA_MAX_DV / 16], delta[DELTA_MAX_DV / 16];
-    if (job->tokens) delta_reads(state, job->q + h * dk, job->k + h * dk, dk, vectors, read_k, read_q);
+    v8f read_k[DELTA_MAX_DV / 8], read_q[DELTA_MAX_DV / 8], delta[DELTA_MAX_DV / 8];
+    if (job->tokens) delta_reads(state, job->q + h * dk, job->k + h * dk, dk, lanes, read_k, read_q);
     for (int64_t t = 0; t < job->tokens; t++) {
         const int64_t at = t * heads + h; /* token t's head h in the [T, H, ...] inputs */
         const float *q = job->q + at * dk, *k = job->k + at * dk;
         const float decay = expf(job->g[at]), beta = job->beta[at];
         float qk = 0.0f;
         for (int64_t i = 0; i < dk; i++) qk += q[i] * k[i];
-        for (int64_t j = 0; j < vectors; j++) {
-            delta[j] = (load16(job->v + at * dv + 16 * j) - read_k[j] * decay) * beta;
-            store16(job->out + at * dv + 16 * j, (read_q[j] * decay + qk * delta[j]) * scale);
+        for (int64_t j = 0; j < lanes; j++) {
+            delta[j] = (load8(job->v + at * dv + 8 * j) - read_k[j] * decay) * beta;
+            store8(job->out + at * dv + 8 * j, (read_q[j] * decay + qk * delta[j]) * scale);
         }
         const int more = t + 1 < job->tokens; /* then this pass also sums token t + 1's reads */
         const float *next_q = more ? q + heads * dk : NULL, *next_k = more ? k + heads * dk : NULL;
-        for (int64_t j = 0; j < vectors; j++) read_k[j] = read_q[j] = (v16f){0};
+        for (int64_t j = 0; j < lanes; j++) read_k[j] = read_q[j] = (v8f){0};
         for (int64_t i = 0; i < dk; i++) {
-            for (int64_t j = 0; j < vectors; j++) {
-                float *row = state + i * dv + 16 * j;
-                const v16f updated = load16(row) * decay + k[i] * delta[j];
-                store16(row, updated);
+            for (int64_t j = 0; j < lanes; j++) {
+                float *row = state + i * dv + 8 * j;
+                const v8f updated = load8(row) * decay + k[i] * delta[j];
+                store8(row, updated);
                 if (more) {
                     read_k[j] += next_k[i] * updated;
                     read_q[j] += next_q[i] * updated;
@@ -255,8 +257,8 @@ static inline __attribute__((always_inline)) void delta_head(const delta_step_jo
 TARGET_CLONES void delta_steps_head(void *ctx, int64_t h) {
     const delta_step_job *job = ctx;
     switch (job->dv) {
-    case 128: delta_head(job, h, 8); break; /* Qwen3.5's and Qwen3-Next's value heads */
-    default: delta_head(job, h, job->dv / 16); break;
+    case 128: delta_head(job, h, 16); break; /* Qwen3.5's and Qwen3-Next's value heads */
+    default: delta_head(job, h, job->dv / 8); break;
     }
 }
 
