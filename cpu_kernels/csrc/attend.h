@@ -20,35 +20,94 @@
 #include <immintrin.h>
 #endif
 
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 #define MAX_GROUP 64 /* query heads per key/value head */
 #define HEAD_BLOCK 4 /* query heads scored together (accumulators kept in registers) */
+
+/* Sixteen lanes (a block of 16 positions' scores, or 16 features) as PARTS vectors of the ISA's
+ * width: one v16f (AVX-512), two v8f (AVX2) or four v4f (SSE2). GCC keeps a vector the ISA has no
+ * register for in memory and moves it through general registers (vec16.h), which made this
+ * kernel's AVX2 build slower than its SSE2 one; every step here is lane by lane, so the split
+ * changes no bits. */
+#if defined(__AVX512F__)
+typedef v16f part;
+typedef v16i part_bits;
+#define PARTS 1
+static ALWAYS_INLINE part exp_part(part x) { return exp16(x); }
+#elif defined(__AVX2__)
+typedef v8f part;
+typedef v8i part_bits;
+#define PARTS 2
+static ALWAYS_INLINE part exp_part(part x) { return exp8(x); }
+#else
+typedef v4f part;
+typedef v4i part_bits;
+#define PARTS 4
+static ALWAYS_INLINE part exp_part(part x) { return exp4(x); }
+#endif
+
+/* b where b > a, else a, lane by lane */
+static ALWAYS_INLINE part larger_part(part a, part b) {
+    const part_bits mask = b > a;
+    return (part)((mask & (part_bits)b) | (~mask & (part_bits)a));
+}
+#define PART_LANES (16 / PARTS)
+typedef struct {
+    part p[PARTS];
+} lanes16;
+
+static ALWAYS_INLINE lanes16 zero16(void) { return (lanes16){{{0}}}; }
+
+static ALWAYS_INLINE lanes16 load_floats16(const float *x) {
+    lanes16 v;
+    for (int i = 0; i < PARTS; i++) v.p[i] = *(const part *)(x + PART_LANES * i);
+    return v;
+}
+
+static ALWAYS_INLINE void store_floats16(float *x, lanes16 v) {
+    for (int i = 0; i < PARTS; i++) *(part *)(x + PART_LANES * i) = v.p[i];
+}
+
+static ALWAYS_INLINE lanes16 times16(lanes16 a, lanes16 b) {
+    for (int i = 0; i < PARTS; i++) a.p[i] *= b.p[i];
+    return a;
+}
+
+/* sum16's order: lanes l and l + 8, then l + 4, l + 2, l + 1. */
+static ALWAYS_INLINE float lane_total16(lanes16 v) {
+    float lanes[16];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int width = 8; width >= 1; width /= 2) {
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    }
+    return lanes[0];
+}
 #define QBLOCK 32    /* values per q8_0 / q4_0 block */
-#define ALWAYS_INLINE inline __attribute__((always_inline))
 
 /* -- cache items to floats, 16 lanes at a time ---------------------------------------------- */
 
 #if defined(__AVX512F__) && defined(__F16C__)
 
-static ALWAYS_INLINE v16f from_m512(__m512 v) { return (v16f)v; }
+static ALWAYS_INLINE lanes16 from_m512(__m512 v) { return (lanes16){{(v16f)v}}; }
 
-static ALWAYS_INLINE v16f load16_halves(const uint16_t *p) {
+static ALWAYS_INLINE lanes16 load16_halves(const uint16_t *p) {
     return from_m512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
 }
 
 /* The scales of the 16 positions of a transposed q8_0 / q4_0 block: their low bytes, then their
  * high bytes, interleaved back into halves. */
-static ALWAYS_INLINE v16f load16_scales(const uint8_t *p) {
+static ALWAYS_INLINE lanes16 load16_scales(const uint8_t *p) {
     const __m128i low = _mm_loadu_si128((const __m128i *)p), high = _mm_loadu_si128((const __m128i *)(p + 16));
     const __m256i halves = _mm256_set_m128i(_mm_unpackhi_epi8(low, high), _mm_unpacklo_epi8(low, high));
     return from_m512(_mm512_cvtph_ps(halves));
 }
 
-static ALWAYS_INLINE v16f codes16_q8(const int8_t *p) {
+static ALWAYS_INLINE lanes16 codes16_q8(const int8_t *p) {
     return from_m512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
 }
 
 /* Lanes of 16 packed q4_0 bytes: their low nibbles (high = 0) or high nibbles, less 8. */
-static ALWAYS_INLINE v16f codes16_q4(const uint8_t *p, int high) {
+static ALWAYS_INLINE lanes16 codes16_q4(const uint8_t *p, int high) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     if (high) bytes = _mm_srli_epi16(bytes, 4);
     bytes = _mm_sub_epi8(_mm_and_si128(bytes, _mm_set1_epi8(15)), _mm_set1_epi8(8));
@@ -59,31 +118,26 @@ static ALWAYS_INLINE float float_from_half(uint16_t h) { return _cvtsh_ss(h); }
 
 #elif defined(__AVX2__) && defined(__F16C__)
 
-/* Through a union: GCC lowers a shuffle into a 64-byte vector, which AVX2 has no registers for,
- * one lane at a time. */
-static ALWAYS_INLINE v16f from_m256(__m256 low, __m256 high) {
-    union { __m256 halves[2]; v16f whole; } both = {{low, high}};
-    return both.whole;
-}
+static ALWAYS_INLINE lanes16 from_m256(__m256 low, __m256 high) { return (lanes16){{(v8f)low, (v8f)high}}; }
 
-static ALWAYS_INLINE v16f load16_halves(const uint16_t *p) {
+static ALWAYS_INLINE lanes16 load16_halves(const uint16_t *p) {
     return from_m256(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
 }
 
-static ALWAYS_INLINE v16f load16_scales(const uint8_t *p) {
+static ALWAYS_INLINE lanes16 load16_scales(const uint8_t *p) {
     const __m128i low = _mm_loadu_si128((const __m128i *)p), high = _mm_loadu_si128((const __m128i *)(p + 16));
     return from_m256(_mm256_cvtph_ps(_mm_unpacklo_epi8(low, high)), _mm256_cvtph_ps(_mm_unpackhi_epi8(low, high)));
 }
 
-static ALWAYS_INLINE v16f floats_from_bytes(__m128i bytes) {
+static ALWAYS_INLINE lanes16 floats_from_bytes(__m128i bytes) {
     return from_m256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
                      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes))));
 }
 
-static ALWAYS_INLINE v16f codes16_q8(const int8_t *p) { return floats_from_bytes(_mm_loadu_si128((const __m128i *)p)); }
+static ALWAYS_INLINE lanes16 codes16_q8(const int8_t *p) { return floats_from_bytes(_mm_loadu_si128((const __m128i *)p)); }
 
-static ALWAYS_INLINE v16f codes16_q4(const uint8_t *p, int high) {
+static ALWAYS_INLINE lanes16 codes16_q4(const uint8_t *p, int high) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     if (high) bytes = _mm_srli_epi16(bytes, 4);
     return floats_from_bytes(_mm_sub_epi8(_mm_and_si128(bytes, _mm_set1_epi8(15)), _mm_set1_epi8(8)));
@@ -91,34 +145,32 @@ static ALWAYS_INLINE v16f codes16_q4(const uint8_t *p, int high) {
 
 static ALWAYS_INLINE float float_from_half(uint16_t h) { return _cvtsh_ss(h); }
 
-#else /* portable: GCC vectorizes these without the conversion instructions */
+#else /* portable: GCC vectorizes these without the conversion instructions, 4 lanes at a time */
 
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(1)));
-typedef int16_t v16s16 __attribute__((vector_size(32), aligned(1)));
-typedef int8_t v16s8 __attribute__((vector_size(16), aligned(1)));
-typedef uint8_t v16u8 __attribute__((vector_size(16), aligned(1)));
+typedef uint16_t v4h __attribute__((vector_size(8), aligned(1)));
+typedef int16_t v4s16 __attribute__((vector_size(8), aligned(1)));
+typedef int8_t v4s8 __attribute__((vector_size(4), aligned(1)));
+typedef uint8_t v4u8 __attribute__((vector_size(4), aligned(1)));
 
-/* 16 bytes widened to 32-bit lanes through 16 bits: GCC 12 vectorizes each step, not the direct
+/* 4 bytes widened to 32-bit lanes through 16 bits: GCC 12 vectorizes each step, not the direct
  * conversion. */
-static inline v16i widen_signed(const int8_t *p) {
-    return __builtin_convertvector(__builtin_convertvector(*(const v16s8 *)p, v16s16), v16i);
+static inline v4i widen_signed(const int8_t *p) {
+    return __builtin_convertvector(__builtin_convertvector(*(const v4s8 *)p, v4s16), v4i);
 }
 
-static inline v16i widen_unsigned(const uint8_t *p) {
-    return __builtin_convertvector(__builtin_convertvector(*(const v16u8 *)p, v16s16), v16i);
+static inline v4i widen_unsigned(const uint8_t *p) {
+    return __builtin_convertvector(__builtin_convertvector(*(const v4u8 *)p, v4s16), v4i);
 }
 
 /* Half bit patterns (low 16 bits of each lane) to floats, exactly: the magnitude's bits moved to
  * a float's place and scaled by 2^112 (the exponents' bias difference) covers normal and
  * subnormal halves; infinities and NaNs keep an all-ones exponent. */
-static inline v16f floats_from_halves(v16i h) {
-    const v16i magnitude = (h & 0x7fff) << 13;
-    v16f scaled = bits_as_floats(magnitude) * 0x1p112f;
-    v16i bits;
-    memcpy(&bits, &scaled, sizeof bits);
-    const v16i special = (h & 0x7c00) == 0x7c00;
+static inline v4f floats_from_halves(v4i h) {
+    const v4i magnitude = (h & 0x7fff) << 13;
+    v4i bits = (v4i)((v4f)magnitude * 0x1p112f);
+    const v4i special = (h & 0x7c00) == 0x7c00;
     bits = (bits & ~special) | ((magnitude | 0x7f800000) & special);
-    return bits_as_floats(bits | ((h & 0x8000) << 16));
+    return (v4f)(bits | ((h & 0x8000) << 16));
 }
 
 static inline float float_from_half(uint16_t h) {
@@ -134,19 +186,32 @@ static inline float float_from_half(uint16_t h) {
     return scaled;
 }
 
-static inline v16f load16_halves(const uint16_t *p) {
-    return floats_from_halves(__builtin_convertvector(*(const v16h *)p, v16i));
+static inline lanes16 load16_halves(const uint16_t *p) {
+    lanes16 v;
+    for (int i = 0; i < 4; i++) v.p[i] = floats_from_halves(__builtin_convertvector(*(const v4h *)(p + 4 * i), v4i));
+    return v;
 }
 
-static inline v16f load16_scales(const uint8_t *p) {
-    return floats_from_halves(widen_unsigned(p) | widen_unsigned(p + 16) << 8);
+/* The 16 scales' low bytes are p[0 .. 16), their high bytes p[16 .. 32). */
+static inline lanes16 load16_scales(const uint8_t *p) {
+    lanes16 v;
+    for (int i = 0; i < 4; i++) v.p[i] = floats_from_halves(widen_unsigned(p + 4 * i) | widen_unsigned(p + 16 + 4 * i) << 8);
+    return v;
 }
 
-static inline v16f codes16_q8(const int8_t *p) { return __builtin_convertvector(widen_signed(p), v16f); }
+static inline lanes16 codes16_q8(const int8_t *p) {
+    lanes16 v;
+    for (int i = 0; i < 4; i++) v.p[i] = __builtin_convertvector(widen_signed(p + 4 * i), v4f);
+    return v;
+}
 
-static inline v16f codes16_q4(const uint8_t *p, int high) {
-    const v16i bytes = widen_unsigned(p);
-    return __builtin_convertvector(((high ? bytes >> 4 : bytes) & 15) - 8, v16f);
+static inline lanes16 codes16_q4(const uint8_t *p, int high) {
+    lanes16 v;
+    for (int i = 0; i < 4; i++) {
+        const v4i bytes = widen_unsigned(p + 4 * i);
+        v.p[i] = __builtin_convertvector(((high ? bytes >> 4 : bytes) & 15) - 8, v4f);
+    }
+    return v;
 }
 
 #endif
@@ -160,19 +225,22 @@ static ALWAYS_INLINE float block_scale(const uint8_t *block) {
 
 /* Adds q[g] * k, k the keys of one block of 16 positions at feature d, to out[g]: each score one
  * lane, summed over d in order whatever the type. */
-static ALWAYS_INLINE void add_feature(const float *q, const int count, int64_t dim, int64_t d, v16f k,
-                                      v16f out[HEAD_BLOCK]) {
-    for (int g = 0; g < count; g++) out[g] += q[g * dim + d] * k;
+static ALWAYS_INLINE void add_feature(const float *q, const int count, int64_t dim, int64_t d, lanes16 k,
+                                      lanes16 out[HEAD_BLOCK]) {
+    for (int g = 0; g < count; g++) {
+        for (int i = 0; i < PARTS; i++) out[g].p[i] += q[g * dim + d] * k.p[i];
+    }
 }
 
 /* Scores of query heads q[0 .. count) (count <= HEAD_BLOCK) at the 16 positions of one block of
  * keys, stored [row][16]. */
 static ALWAYS_INLINE void score16(const attention_shape *s, const float *q, const int count, const void *block,
-                                  v16f out[HEAD_BLOCK]) {
+                                  lanes16 out[HEAD_BLOCK]) {
     const int64_t dim = s->head_dim;
-    for (int g = 0; g < count; g++) out[g] = (v16f){0};
+    for (int g = 0; g < count; g++) out[g] = zero16();
     if (s->kv == KV_F32) {
-        for (int64_t d = 0; d < dim; d++) add_feature(q, count, dim, d, load16((const float *)block + 16 * d), out);
+        for (int64_t d = 0; d < dim; d++)
+            add_feature(q, count, dim, d, load_floats16((const float *)block + 16 * d), out);
     } else if (s->kv == KV_F16) {
         for (int64_t d = 0; d < dim; d++)
             add_feature(q, count, dim, d, load16_halves((const uint16_t *)block + 16 * d), out);
@@ -180,22 +248,24 @@ static ALWAYS_INLINE void score16(const attention_shape *s, const float *q, cons
         const int64_t block_bytes = s->kv == KV_Q8_0 ? 34 : 18;
         for (int64_t b = 0; b < dim / QBLOCK; b++) {
             const uint8_t *codes = (const uint8_t *)block + b * block_bytes * 16;
-            const v16f scale = load16_scales(codes);
+            const lanes16 scale = load16_scales(codes);
             codes += 32;
             if (s->kv == KV_Q8_0) {
                 for (int j = 0; j < QBLOCK; j++)
-                    add_feature(q, count, dim, b * QBLOCK + j, codes16_q8((const int8_t *)codes + 16 * j) * scale, out);
+                    add_feature(q, count, dim, b * QBLOCK + j, times16(codes16_q8((const int8_t *)codes + 16 * j), scale),
+                                out);
             } else {
                 for (int j = 0; j < QBLOCK; j++)
-                    add_feature(q, count, dim, b * QBLOCK + j, codes16_q4(codes + 16 * (j % 16), j >= 16) * scale, out);
+                    add_feature(q, count, dim, b * QBLOCK + j, times16(codes16_q4(codes + 16 * (j % 16), j >= 16), scale),
+                                out);
             }
         }
     }
 }
 
 /* A block of scores, scaled and, with a soft cap, capped in llama.cpp's order: x * (1 / cap), tanh, * cap. */
-static inline v16f scaled16(v16f score, float scale, float softcap) {
-    score *= scale;
+static ALWAYS_INLINE lanes16 scaled16(lanes16 score, float scale, float softcap) {
+    for (int i = 0; i < PARTS; i++) score.p[i] *= scale;
     if (softcap == 0.0f) return score;
     float lanes[16];
     memcpy(lanes, &score, sizeof lanes);
@@ -212,34 +282,36 @@ static ALWAYS_INLINE void score_heads(const attention_shape *s, const float *q, 
                                       int64_t row_bytes, int64_t from, int64_t padded, float scale, float softcap,
                                       float *scores) {
     for (int64_t t = from, slot = from % s->capacity; t < padded; t += 16, slot = slot + 16 < s->capacity ? slot + 16 : 0) {
-        v16f block[HEAD_BLOCK];
+        lanes16 block[HEAD_BLOCK];
         score16(s, q, count, keys + slot * row_bytes, block);
-        for (int g = 0; g < count; g++) store16(scores + g * padded + t, scaled16(block[g], scale, softcap));
+        for (int g = 0; g < count; g++) store_floats16(scores + g * padded + t, scaled16(block[g], scale, softcap));
     }
 }
 
 /* -- weighted values --------------------------------------------------------------------------- */
 
-#define VALUE_CHUNKS 4 /* 16-feature chunks of a head's output kept in registers: 64 features */
+/* 16-feature chunks of a head's output kept in registers for HEAD_BLOCK heads: 64 features in
+ * AVX-512's 32 registers, 32 in AVX2's 16, 16 in SSE2's 16 */
+#define VALUE_CHUNKS (PARTS == 4 ? 1 : 4 / PARTS)
 
-/* Feature chunks d0 .. d0 + 16 * chunks of a value row, as floats; a q8_0 / q4_0 block's scale is
- * converted once for its two chunks (d0 is a multiple of 32 for them: rows are whole blocks). */
+/* Feature chunks d0 .. d0 + 16 * chunks of a value row, as floats; a q8_0 / q4_0 chunk is half a
+ * block of 32 (rows are whole blocks), its codes times the block's scale. */
 static ALWAYS_INLINE void values16(kv_format kv, const void *row, int64_t d0, const int chunks,
-                                   v16f v[VALUE_CHUNKS]) {
+                                   lanes16 v[VALUE_CHUNKS]) {
     if (kv == KV_F32 || kv == KV_F16) {
         for (int c = 0; c < chunks; c++)
-            v[c] = kv == KV_F32 ? load16((const float *)row + d0 + 16 * c)
+            v[c] = kv == KV_F32 ? load_floats16((const float *)row + d0 + 16 * c)
                                 : load16_halves((const uint16_t *)row + d0 + 16 * c);
         return;
     }
     const int64_t block_bytes = kv == KV_Q8_0 ? 34 : 18;
-    for (int c = 0; c < chunks; c += 2) {
-        const uint8_t *block = (const uint8_t *)row + (d0 + 16 * c) / QBLOCK * block_bytes;
-        const v16f scale = (v16f){0} + block_scale(block);
-        for (int half = 0; half < 2 && c + half < chunks; half++) {
-            v[c + half] = (kv == KV_Q8_0 ? codes16_q8((const int8_t *)block + 2 + 16 * half)
-                                         : codes16_q4(block + 2, half)) * scale;
-        }
+    for (int c = 0; c < chunks; c++) {
+        const int64_t feature = d0 + 16 * c;
+        const uint8_t *block = (const uint8_t *)row + feature / QBLOCK * block_bytes;
+        const int half = feature % QBLOCK / 16;
+        const float scale = block_scale(block);
+        v[c] = kv == KV_Q8_0 ? codes16_q8((const int8_t *)block + 2 + 16 * half) : codes16_q4(block + 2, half);
+        for (int i = 0; i < PARTS; i++) v[c].p[i] *= scale;
     }
 }
 
@@ -269,33 +341,35 @@ static ALWAYS_INLINE void add_values(const attention_job *job, const char *value
                                      const int64_t *path, const int count, int64_t d0, const int chunks, float *out) {
     const attention_shape *s = &job->shape;
     const slot_map slots = slots_from(job, first, path);
-    v16f acc[HEAD_BLOCK][VALUE_CHUNKS];
+    lanes16 acc[HEAD_BLOCK][VALUE_CHUNKS];
     for (int g = 0; g < count; g++) {
-        for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = (v16f){0};
+        for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = zero16();
     }
     for (int64_t t = first; t < length; t++) {
-        v16f v[VALUE_CHUNKS];
+        lanes16 v[VALUE_CHUNKS];
         values16(s->kv, values + value_slot(&slots, t) * row_bytes, d0, chunks, v);
         for (int g = 0; g < count; g++) {
             const float p = probs[g * padded + t];
-            for (int c = 0; c < chunks; c++) acc[g][c] += p * v[c];
+            for (int c = 0; c < chunks; c++) {
+                for (int i = 0; i < PARTS; i++) acc[g][c].p[i] += p * v[c].p[i];
+            }
         }
     }
     for (int g = 0; g < count; g++) {
-        for (int c = 0; c < chunks; c++) store16(out + g * s->head_dim + d0 + 16 * c, acc[g][c]);
+        for (int c = 0; c < chunks; c++) store_floats16(out + g * s->head_dim + d0 + 16 * c, acc[g][c]);
     }
 }
 
-/* add_values over a head's features, in ranges of 64, 32 and 16 (so that the chunks in registers
- * are a constant number). */
+/* add_values over a head's features, in ranges of 16 VALUE_CHUNKS, 32 and 16 (so that the chunks
+ * in registers are a constant number). */
 static ALWAYS_INLINE void add_all_values(const attention_job *job, const char *values, int64_t row_bytes,
                                          const float *probs, int64_t padded, int64_t first, int64_t length,
                                          const int64_t *path, const int count, float *out) {
     const int64_t dim = job->shape.head_dim;
     int64_t d0 = 0;
 #define ADD_CHUNKS(chunks) add_values(job, values, row_bytes, probs, padded, first, length, path, count, d0, chunks, out)
-    for (; d0 + 64 <= dim; d0 += 64) ADD_CHUNKS(4);
-    if (dim - d0 >= 32) {
+    for (; d0 + 16 * VALUE_CHUNKS <= dim; d0 += 16 * VALUE_CHUNKS) ADD_CHUNKS(VALUE_CHUNKS);
+    if (VALUE_CHUNKS > 2 && dim - d0 >= 32) {
         ADD_CHUNKS(2);
         d0 += 32;
     }
@@ -346,22 +420,27 @@ static ALWAYS_INLINE void softmax(float *sg, int64_t first, int64_t length, cons
     for (int64_t t = length; t < visible_padded; t++) sg[t] = -INFINITY;
     /* the largest score, lane by lane over whole blocks (those outside first .. length are -inf
      * now): what a scan in order finds, but 16 at a time */
-    v16f lanes = (v16f){0} - INFINITY;
+    part peaks[PARTS];
+    for (int i = 0; i < PARTS; i++) peaks[i] = (part){0} - INFINITY;
     for (int64_t t = first_block; t < visible_padded; t += 16) {
-        const v16f block = load16(sg + t);
-        lanes = at_least16(lanes, block);
+        const lanes16 block = load_floats16(sg + t);
+        for (int i = 0; i < PARTS; i++) peaks[i] = larger_part(peaks[i], block.p[i]);
     }
-    float best = -INFINITY;
+    float lanes[16], best = -INFINITY;
+    memcpy(lanes, peaks, sizeof lanes);
     for (int l = 0; l < 16; l++) best = lanes[l] > best ? lanes[l] : best;
     if (sink && *sink > best) best = *sink;
-    v16f total = {0};
+    lanes16 total = zero16();
     for (int64_t t = first_block; t < visible_padded; t += 16) {
-        v16f e = exp16(load16(sg + t) - best);
-        store16(sg + t, e);
-        total += e;
+        lanes16 e = load_floats16(sg + t);
+        for (int i = 0; i < PARTS; i++) {
+            e.p[i] = exp_part(e.p[i] - best);
+            total.p[i] += e.p[i];
+        }
+        store_floats16(sg + t, e);
     }
-    float sum = sum16(total);
-    if (sink) sum += exp16((v16f){0} + (*sink - best))[0]; /* exp16, as every score's */
+    float sum = lane_total16(total);
+    if (sink) sum += exp_part((part){0} + (*sink - best))[0]; /* the exp of every score's */
     const float inv_total = 1.0f / sum;
     for (int64_t t = first; t < length; t++) sg[t] *= inv_total;
 }

@@ -65,23 +65,31 @@ static inline v16f at_least16(v16f x, v16f limit) {
 
 /* e^x to about 2 ulp: x = n ln2 + r, e^r by a degree-6 polynomial (Cephes' coefficients), times 2^n
  * built in the exponent bits; 0 below -87 and infinity above 88.3 (where 2^n would no longer fit
- * the exponent bits: silu of a gate below -88.3 must be -0, not the gate). */
-static inline v8f exp8(v8f x) {
-    const v8i underflow = x < -87.0f, overflow = x > 88.3f;
-    x = select8(underflow, (v8f){0} - 87.0f, select8(overflow, (v8f){0}, x));
-    v8f n = x * 1.44269504088896341f;
-    n = (n + 12582912.0f) - 12582912.0f; /* round to nearest (see round_even) */
-    v8f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v8f p = (v8f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = (p * r) * r + r + 1.0f;
-    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return select8(overflow, (v8f){0} + __builtin_inff(), select8(underflow, (v8f){0}, p * (v8f)bits));
-}
+ * the exponent bits: silu of a gate below -88.3 must be -0, not the gate). One body for each width
+ * of vector (vf floats, vi their bits), the same steps in each. */
+#define DEFINE_EXP(name, vf, vi)                                                                        \
+    static inline vf name(vf x) {                                                                      \
+        const vi underflow = x < -87.0f, overflow = x > 88.3f;                                         \
+        x = (vf)((underflow & (vi)((vf){0} - 87.0f)) | (~underflow & (~overflow & (vi)x)));           \
+        vf n = x * 1.44269504088896341f;                                                               \
+        n = (n + 12582912.0f) - 12582912.0f; /* round to nearest (see round_even) */                   \
+        vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;                                           \
+        vf p = (vf){0} + 1.9875691500e-4f;                                                             \
+        p = p * r + 1.3981999507e-3f;                                                                  \
+        p = p * r + 8.3334519073e-3f;                                                                  \
+        p = p * r + 4.1665795894e-2f;                                                                  \
+        p = p * r + 1.6666665459e-1f;                                                                  \
+        p = p * r + 5.0000001201e-1f;                                                                  \
+        p = (p * r) * r + r + 1.0f;                                                                    \
+        const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;                                  \
+        const vi finite = ~underflow & (vi)(p * (vf)bits);                                             \
+        return (vf)((overflow & (vi)((vf){0} + __builtin_inff())) | (~overflow & finite));             \
+    }
+
+typedef float v4f __attribute__((vector_size(16), aligned(4)));
+typedef int32_t v4i __attribute__((vector_size(16), aligned(4)));
+DEFINE_EXP(exp8, v8f, v8i)
+DEFINE_EXP(exp4, v4f, v4i)
 
 static inline v16f exp16(v16f x) { return join_halves(exp8(low_half(x)), exp8(high_half(x))); }
 
