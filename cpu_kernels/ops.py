@@ -80,11 +80,13 @@ def scan_steps(state: np.ndarray, x: np.ndarray, dt: np.ndarray, a: np.ndarray, 
     return out, next_state
 
 
-def conv_silu(history: np.ndarray, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def conv_silu(history: np.ndarray, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
+              ) -> np.ndarray:
     """silu of each channel's causal convolution: history [K-1, C] (the inputs before x), x [T, C],
-    weight [C, K] (tap K-1 multiplies the newest input, the taps summed in order) -> [T, C]."""
+    weight [C, K] (tap K-1 multiplies the newest input, the taps summed in order), plus bias [C]
+    where given -> [T, C]."""
     out = np.empty_like(x)
-    _kernels.conv_silu(history, x, weight, out)
+    _kernels.conv_silu(history, x, weight, bias, out)
     return out
 
 

@@ -104,6 +104,19 @@ def test_conv_silu_matches_torch():
     torch.testing.assert_close(torch.from_numpy(out), causal_conv_in_torch(history, x, weight))
 
 
+def test_conv_silu_with_a_bias_matches_torch():
+    history, x, weight = conv_inputs()
+    bias = random(CHANNELS, seed=3)
+    out = conv_silu(history.numpy(), x.numpy(), weight.numpy(), bias.numpy())
+    torch.testing.assert_close(torch.from_numpy(out), causal_conv_in_torch(history, x, weight, bias))
+
+
+def test_conv_silu_refuses_a_bias_of_another_width():
+    history, x, weight = (t.numpy() for t in conv_inputs())
+    with pytest.raises(ValueError, match=r"bias \[C\]"):
+        conv_silu(history, x, weight, np.zeros(CHANNELS + 1, np.float32))
+
+
 def test_conv_silu_gives_a_token_the_same_bits_alone_as_in_a_pass():
     history, x, weight = (t.numpy() for t in conv_inputs())
     batch = conv_silu(history, x, weight)

@@ -577,23 +577,30 @@ static PyObject *py_scan_steps(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_conv_silu(PyObject *self, PyObject *args) {
-    PyObject *objs[4];
+    PyObject *objs[4], *bias_obj;
     static const char *names[4] = {"history", "x", "weight", "out"};
     static const int dims[4] = {2, 2, 2, 2};
-    buffer_arg buf[4] = {{.held = 0}};
-    if (!PyArg_ParseTuple(args, "OOOO:conv_silu", &objs[0], &objs[1], &objs[2], &objs[3]) ||
+    buffer_arg buf[5] = {{.held = 0}};
+    if (!PyArg_ParseTuple(args, "OOOOO:conv_silu", &objs[0], &objs[1], &objs[2], &bias_obj, &objs[3]) ||
         get_all_floats(objs, buf, names, dims, 4, 1))
         return NULL;
+    const int has_bias = bias_obj != Py_None;
+    if (has_bias && get_floats(bias_obj, &buf[4], "bias", 1, 0)) {
+        release(buf, 5);
+        return NULL;
+    }
     const Py_ssize_t *history = buf[0].view.shape, *x = buf[1].view.shape, *weight = buf[2].view.shape;
     const Py_ssize_t channels = x[1], taps = weight[1];
     if (taps < 1 || taps > CONV_MAX_TAPS || history[0] != taps - 1 || history[1] != channels ||
-        weight[0] != channels || buf[3].view.shape[0] != x[0] || buf[3].view.shape[1] != channels)
-        return shape_error(buf, 4, "conv_silu: history [K-1, C], x and out [T, C] and weight [C, K] (K at most "
-                                   "64) disagree");
+        weight[0] != channels || buf[3].view.shape[0] != x[0] || buf[3].view.shape[1] != channels ||
+        (has_bias && buf[4].view.shape[0] != channels))
+        return shape_error(buf, 5, "conv_silu: history [K-1, C], x and out [T, C], weight [C, K] (K at most "
+                                   "64) and bias [C] (or None) disagree");
     Py_BEGIN_ALLOW_THREADS
-    conv_silu_rows(buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, x[0], channels, taps, buf[3].view.buf);
+    conv_silu_rows(buf[0].view.buf, buf[1].view.buf, buf[2].view.buf, has_bias ? buf[4].view.buf : NULL, x[0],
+                   channels, taps, buf[3].view.buf);
     Py_END_ALLOW_THREADS
-    release(buf, 4);
+    release(buf, 5);
     Py_RETURN_NONE;
 }
 
@@ -1017,7 +1024,8 @@ static PyMethodDef methods[] = {
     {"scan_steps", py_scan_steps, METH_VARARGS,
      "scan_steps(state, x, dt, a, b, c, d, out, next): Mamba's selective scan through T tokens for every head."},
     {"conv_silu", py_conv_silu, METH_VARARGS,
-     "conv_silu(history, x, weight, out): out = silu of each channel's causal convolution of [history, x]."},
+     "conv_silu(history, x, weight, bias, out): out = silu of each channel's causal convolution of [history, x] "
+     "(plus bias, or None)."},
     {"delta_split", py_delta_split, METH_VARARGS,
      "delta_split(conv_out, key_heads, interleaved, eps, q, k): L2-normed queries and keys per value head."},
     {"delta_gates", py_delta_gates, METH_VARARGS,

@@ -135,8 +135,8 @@ static inline void silu_row(float *x, int64_t size) {
     if (i < size) store_part(x + i, silu16(load_part(x + i, size - i)), size - i);
 }
 
-TARGET_CLONES void conv_silu_rows(const float *history, const float *x, const float *weight, int64_t tokens,
-                                  int64_t channels, int64_t taps, float *out) {
+TARGET_CLONES void conv_silu_rows(const float *history, const float *x, const float *weight, const float *bias,
+                                  int64_t tokens, int64_t channels, int64_t taps, float *out) {
     for (int64_t t = 0; t < tokens; t++) {
         float *o = out + t * channels;
         for (int64_t j = 0; j < taps; j++) { /* window row t + j: the history's K-1 rows, then x's */
@@ -147,6 +147,9 @@ TARGET_CLONES void conv_silu_rows(const float *history, const float *x, const fl
             } else {
                 for (int64_t c = 0; c < channels; c++) o[c] += in[c] * weight[c * taps + j];
             }
+        }
+        if (bias) {
+            for (int64_t c = 0; c < channels; c++) o[c] += bias[c];
         }
         silu_row(o, channels);
     }

@@ -34,7 +34,8 @@ void dense_item(void *ctx, int64_t item);
 /* Gated DeltaNet's small steps around the delta rule (runtime/delta_rule.py), each element computed
  * alike in a pass of any length:
  * conv_silu_rows: silu of each channel's causal convolution, history [K-1, C] (the inputs before
- *   x [T, C]) and x through weight [C, K] (tap K-1 on the newest input), taps summed in order -> out [T, C];
+ *   x [T, C]) and x through weight [C, K] (tap K-1 on the newest input), taps summed in order, plus
+ *   bias [C] where it is not NULL (Mamba's) -> out [T, C];
  * delta_split_rows: conv_out [T, C] = [queries, keys (each key_heads x dk), values] -> q and k
  *   [T, value_heads, dk], each key head L2-normed (x / sqrt(|x|^2 + eps)) and copied to the value
  *   heads that read it: h reads h / (value_heads / key_heads) when interleaved, else h % key_heads;
@@ -42,7 +43,7 @@ void dense_item(void *ctx, int64_t item);
  *   dt and a [H]), the functions computed in double;
  * gated_rms_norm_rows: out = rms_norm(x) * weight * silu(gate), rows of x, gate and out [R, size]. */
 #define CONV_MAX_TAPS 64
-void conv_silu_rows(const float *history, const float *x, const float *weight, int64_t tokens,
+void conv_silu_rows(const float *history, const float *x, const float *weight, const float *bias, int64_t tokens,
                     int64_t channels, int64_t taps, float *out);
 void delta_split_rows(const float *conv_out, int64_t tokens, int64_t key_heads, int64_t value_heads, int64_t dk,
                       int interleaved, float eps, float *q, float *k);

@@ -44,9 +44,10 @@ def causal_conv(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bi
                 ) -> torch.Tensor:
     """silu of each channel's causal convolution (plus its bias, where given: Mamba's): history
     [K-1, C] (the inputs before x), x [T, C], weight [C, K] (tap K-1 multiplies the newest input),
-    bias [C] -> [T, C]. One C call on the CPU without a bias."""
-    if x.device.type == "cpu" and bias is None:
-        return torch.from_numpy(ops.conv_silu(*(t.contiguous().numpy() for t in (history, x, weight))))
+    bias [C] -> [T, C]. One C call on the CPU."""
+    if x.device.type == "cpu":
+        arrays = [t.contiguous().numpy() for t in (history, x, weight)]
+        return torch.from_numpy(ops.conv_silu(*arrays, None if bias is None else bias.contiguous().numpy()))
     return causal_conv_in_torch(history, x, weight, bias)
 
 
