@@ -1,19 +1,26 @@
-"""State-space models (issue 53): a Mamba-2 hybrid of Granite-4.0-H-Micro's shape, tierflow against
-llama.cpp, and the chunked prefill scan against the token loop, in one run.
+"""State-space models (issue 53): a Mamba-2 hybrid of Granite-4.0-H-Micro's shape or a Jamba-shaped
+MoE, tierflow against llama.cpp, and the prefill scan's forms against the token loop, in one run.
 
-    python -m benchmarks.ssm [--small] [--layers 40] [--weight-type Q4_0] [--prompt-tokens 2048]
-                             [--decode-tokens 32] [--repeats 1] [--loop-tokens 128] [--threads 2]
-                             [--json]
+    python -m benchmarks.ssm [--shape granite|jamba] [--small] [--layers N] [--weight-type Q4_0]
+                             [--prompt-tokens 2048] [--decode-tokens 32] [--repeats 1]
+                             [--loop-tokens 128] [--threads 2] [--json]
 
-The model is a `granitehybrid` of ibm-granite/granite-4.0-h-micro's config.json: hidden size 2048,
-40 layers of which 5, 15, 25 and 35 are attention (32 query heads and 8 KV heads of 64, no rotary)
-and the rest Mamba-2 (64 heads of 64: 4096 inner channels, a state of 128, one group of B and C, a
-4-tap convolution), a dense FFN of 8192 in every layer and Granite's multipliers, with random
-weights of --weight-type and the bundled tokenizer's 49,152 tokens (llama.cpp takes the embedding's
-rows from the tokenizer; Granite's has 100,352, a head twice as wide), written once by the project's generator
-(tests/support/make_model.py) into the cache folder. --small cuts it to 6 layers (the sixth attention)
-and a 512-token prompt, a quick check; --layers cuts it to any count (attention every tenth layer
-from the sixth).
+--shape granite (the default) is a `granitehybrid` of ibm-granite/granite-4.0-h-micro's config.json:
+hidden size 2048, 40 layers of which 5, 15, 25 and 35 are attention (32 query heads and 8 KV heads
+of 64, no rotary) and the rest Mamba-2 (64 heads of 64: 4096 inner channels, a state of 128, one
+group of B and C, a 4-tap convolution), a dense FFN of 8192 in every layer and Granite's
+multipliers, with random weights of --weight-type and the bundled tokenizer's 49,152 tokens
+(llama.cpp takes the embedding's rows from the tokenizer; Granite's has 100,352, a head twice as
+wide), written once by the project's generator (tests/support/make_model.py) into the cache folder.
+--small cuts it to 6 layers (the sixth attention) and a 512-token prompt, a quick check; --layers
+cuts it to any count (attention every tenth layer from the sixth).
+
+--shape jamba is a `jamba` of ai21labs/Jamba-v0.1's config.json cut to fit this machine: hidden size
+4096, Mamba-1 layers of 8192 inner channels (a state of 16 each, time steps of rank 256, a 4-tap
+convolution), attention (32 query heads and 8 KV heads of 128) in the fifth of every 8 layers and
+16 experts (2 a token) in every other layer from the second, as Jamba's; cut to its first 8 layers
+and an FFN (dense and each expert) of 3,584 rather than 14,336. --small keeps the 8 layers and
+takes a 512-token prompt.
 
 Both systems get the same prompt ids and thread count (llama.cpp through llama-cpp-python), are
 warmed up on a short prompt, then each repeat runs both, alternating the order (medians reported):
@@ -40,6 +47,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,28 +63,67 @@ from tierflow.offload.plan.budgets import layer_kv_bytes
 from tierflow.offload.plan.profile import cache_dir
 from tierflow.runtime.compute import selective_scan
 
-# ibm-granite/granite-4.0-h-micro's config.json (with its layer_types: attention at 5, 15, 25, 35)
-HIDDEN, INNER, STATE, HEADS, GROUPS, KERNEL = 2048, 4096, 128, 64, 1, 4
-GRANITE_MICRO = dict(arch="granitehybrid", hidden_size=HIDDEN, ffn_size=8192, num_heads=32, num_kv_heads=8,
-                     head_size=64, ssm_inner_size=INNER, ssm_state=STATE,
-                     ssm_value_heads=HEADS, ssm_key_heads=GROUPS, ssm_conv_kernel=KERNEL, rope=False,
-                     embedding_scale=12.0, residual_scale=0.22, logit_scale=8.0, attention_scale=0.015625)
 CONTEXTS = (1024, 32768)  # the planner's count per sequence at these lengths
 
 
-def layer_pattern(layers: int) -> str:
-    """Granite-4.0-H-Micro's: attention ("*") every tenth layer from the sixth, Mamba-2 ("M") else."""
-    return "".join("*" if i % 10 == 5 else "M" for i in range(layers))
+@dataclass(frozen=True)
+class ScanLayer:
+    """One state-space layer's scan: heads of head_dim channels, a state of state_size each, B and C
+    in groups; Mamba-1's decays per state element (heads of one channel), Mamba-2's per head."""
+
+    heads: int
+    head_dim: int
+    state_size: int
+    groups: int
+    per_element: bool
+
+    def describe(self) -> str:
+        if self.per_element:
+            return f"Mamba-1: {self.heads} channels, state {self.state_size}"
+        return f"Mamba-2: {self.heads} heads of {self.head_dim}, state {self.state_size}"
 
 
-def model_path(layers: int, weight_type: str) -> Path:
+@dataclass(frozen=True)
+class Shape:
+    stem: str  # the generated file's name before its layer count and weight type
+    spec: dict  # ModelSpec's keywords but the layer count, pattern and expert layers
+    layers: int  # the default count, and --small's
+    small_layers: int
+    attention_layers: Callable[[int], list[int]]
+    expert_layers: Callable[[int], tuple[int, ...]]
+    scan: ScanLayer
+
+
+# ibm-granite/granite-4.0-h-micro's config.json (with its layer_types: attention at 5, 15, 25, 35)
+GRANITE = Shape(
+    "granite-4.0-h-micro-shape",
+    dict(arch="granitehybrid", hidden_size=2048, ffn_size=8192, num_heads=32, num_kv_heads=8, head_size=64,
+         ssm_inner_size=4096, ssm_state=128, ssm_value_heads=64, ssm_key_heads=1, ssm_conv_kernel=4,
+         rope=False, embedding_scale=12.0, residual_scale=0.22, logit_scale=8.0, attention_scale=0.015625),
+    layers=40, small_layers=6, attention_layers=lambda n: [i for i in range(n) if i % 10 == 5],
+    expert_layers=lambda n: (), scan=ScanLayer(64, 64, 128, 1, False))
+# ai21labs/Jamba-v0.1's config.json (attn_layer_period 8, offset 4; expert_layer_period 2, offset 1),
+# its FFN a quarter as wide
+JAMBA = Shape(
+    "jamba-v0.1-shape-ffn3584",
+    dict(arch="jamba", hidden_size=4096, ffn_size=3584, num_heads=32, num_kv_heads=8, ssm_inner_size=8192,
+         ssm_state=16, ssm_value_heads=256, ssm_conv_kernel=4, num_experts=16, experts_used=2),
+    layers=8, small_layers=8, attention_layers=lambda n: [i for i in range(n) if i % 8 == 4],
+    expert_layers=lambda n: tuple(range(1, n, 2)), scan=ScanLayer(8192, 1, 16, 1, True))
+SHAPES = {"granite": GRANITE, "jamba": JAMBA}
+
+
+def model_path(shape: Shape, layers: int, weight_type: str) -> Path:
     """The generated model, written on first use into the cache folder."""
-    path = cache_dir() / "bench" / f"granite-4.0-h-micro-shape-{layers}l-{weight_type}.gguf"
+    path = cache_dir() / "bench" / f"{shape.stem}-{layers}l-{weight_type}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"writing {path.name} ...", file=sys.stderr)
-        spec = ModelSpec(**GRANITE_MICRO, num_layers=layers, layer_pattern=layer_pattern(layers),
-                         weight_type=weight_type, context_length=max(CONTEXTS))
+        attention = shape.attention_layers(layers)
+        pattern = "".join("*" if i in attention else "M" for i in range(layers))
+        spec = ModelSpec(**shape.spec, num_layers=layers, layer_pattern=pattern,
+                         expert_layers=shape.expert_layers(layers), weight_type=weight_type,
+                         context_length=max(CONTEXTS))
         write_model(path.with_suffix(".tmp"), spec).rename(path)
     return path
 
@@ -122,24 +170,25 @@ def memory(engine: Engine, prompt: list[int]) -> dict:
     return {"planned": planned, "measured": measured}
 
 
-def scan_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
-    """One Mamba-2 layer's scan at Granite-4.0-H-Micro's shape: a, D, a nonzero state, and the
-    tokens' x, B, C and time steps (dt a between -0.4 and 0 a token)."""
+def scan_inputs(layer: ScanLayer, tokens: int) -> tuple[torch.Tensor, ...]:
+    """One layer's scan: a, D, a nonzero state, and the tokens' x, B, C and time steps (dt a between
+    -0.4 and 0 a token)."""
     generator = torch.Generator().manual_seed(0)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator)
 
-    head_dim = INNER // HEADS
-    a = -torch.rand(HEADS, 1, 1, generator=generator) * 8 - 0.5
-    dt = torch.rand(tokens, HEADS, generator=generator) * 0.05
-    return (a, normal(HEADS), normal(HEADS, head_dim, STATE) * 0.1, normal(tokens, HEADS, head_dim),
-            normal(tokens, GROUPS, STATE), normal(tokens, GROUPS, STATE), dt)
+    heads, state = layer.heads, layer.state_size
+    a = -torch.rand(heads, 1, state if layer.per_element else 1, generator=generator) * 8 - 0.5
+    dt = torch.rand(tokens, heads, generator=generator) * 0.05
+    x = normal(tokens, heads, layer.head_dim)
+    b, c = normal(tokens, layer.groups, state), normal(tokens, layer.groups, state)
+    return a, normal(heads), normal(heads, layer.head_dim, state) * 0.1, x, b, c, dt
 
 
-def scan(tokens: int, loop_tokens: int, repeats: int) -> dict:
+def scan(layer: ScanLayer, tokens: int, loop_tokens: int, repeats: int) -> dict:
     """The kernels' loop, the chunked form and the torch loop over one layer's `tokens`, and the bound."""
-    inputs, n = scan_inputs(tokens), min(loop_tokens, tokens)
+    inputs, n = scan_inputs(layer, tokens), min(loop_tokens, tokens)
     first = tuple(x[:n] if x.dim() >= 2 and x.shape[0] == tokens else x for x in inputs)
     with torch.inference_mode():
         kernels_s = seconds(lambda: selective_scan.long_pass(*inputs), repeats)
@@ -149,10 +198,10 @@ def scan(tokens: int, loop_tokens: int, repeats: int) -> dict:
         forms = {"kernels": selective_scan.long_pass, "chunked": selective_scan.chunked}
         differences = {name: float((form(*first)[0] - looped).abs().max()) for name, form in forms.items()}
     peak = gemm_flops_per_s(repeats)
-    bound_s = 4 * INNER * STATE * tokens / peak
-    return {"tokens": tokens, "kernels_s": kernels_s, "chunked_s": chunked_s, "token_loop_s": loop_s,
-            "loop_tokens": n, "max_output_difference": differences, "gemm_gflops": peak / 1e9,
-            "bound_s": bound_s}
+    bound_s = 4 * layer.heads * layer.head_dim * layer.state_size * tokens / peak
+    return {"layer": layer.describe(), "tokens": tokens, "kernels_s": kernels_s, "chunked_s": chunked_s,
+            "token_loop_s": loop_s, "loop_tokens": n, "max_output_difference": differences,
+            "gemm_gflops": peak / 1e9, "bound_s": bound_s}
 
 
 def print_report(report: dict) -> None:
@@ -170,7 +219,7 @@ def print_report(report: dict) -> None:
     mib = 2 ** 20
     print("memory per sequence, as the planner counts it:")
     for context, figures in report["memory"]["planned"].items():
-        print(f"  {context:>6} positions: Mamba-2 states {figures['recurrent_bytes'] / mib:8.1f} MiB, "
+        print(f"  {context:>6} positions: Mamba states {figures['recurrent_bytes'] / mib:8.1f} MiB, "
               f"attention rows {figures['attention_bytes'] / mib:8.1f} MiB")
     measured = dict(report["memory"]["measured"])
     loaded = measured.pop("one_position_rss_bytes")
@@ -179,8 +228,8 @@ def print_report(report: dict) -> None:
         print(f"  {positions:>6} positions: the cache holds {figures['cache_bytes'] / mib:8.1f} MiB; RSS "
               f"{figures['rss_bytes'] / mib:.0f} MiB (+{(figures['rss_bytes'] - loaded) / mib:.0f})")
     s = report["scan"]
-    print(f"one Mamba-2 layer's scan over {s['tokens']} tokens ({HEADS} heads of {INNER // HEADS}, "
-          f"state {STATE}), and its largest output difference from the torch loop:")
+    print(f"one layer's scan over {s['tokens']} tokens ({s['layer']}), and its largest output difference "
+          f"from the torch loop:")
     print(f"  torch loop  {s['token_loop_s'] * 1e3:8.0f} ms (from {s['loop_tokens']} tokens)")
     for name, label in (("chunked", "chunked"), ("kernels", "C loop")):
         seconds_taken = s[f"{name}_s"]
@@ -193,9 +242,11 @@ def print_report(report: dict) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="6 layers and a 512-token prompt")
+    parser.add_argument("--shape", choices=SHAPES, default="granite")
+    parser.add_argument("--small", action="store_true", help="granite: 6 layers; and a 512-token prompt")
     parser.add_argument("--layers", type=int, default=None,
-                        help="default 40 (--small: 6); at least 6, so that one is attention")
+                        help="granite: default 40 (--small: 6), at least 6; jamba: 8, at least 5 (one of "
+                             "them attention)")
     parser.add_argument("--weight-type", default="Q4_0")
     parser.add_argument("--prompt-tokens", type=int, default=None, help="default 2048 (--small: 512)")
     parser.add_argument("--decode-tokens", type=int, default=32)
@@ -204,7 +255,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    args.layers = max(6, args.layers or (6 if args.small else 40))
+    shape = SHAPES[args.shape]
+    fewest = max(shape.attention_layers(64)[0] + 1, 2)
+    args.layers = max(fewest, args.layers or (shape.small_layers if args.small else shape.layers))
     args.prompt_tokens = args.prompt_tokens or (512 if args.small else 2048)
     return args
 
@@ -212,7 +265,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
-    path = model_path(args.layers, args.weight_type)
+    shape = SHAPES[args.shape]
+    path = model_path(shape, args.layers, args.weight_type)
     context = args.prompt_tokens + args.decode_tokens + 2
     started = time.perf_counter()
     engine = Engine.load(path, threads=args.threads, context_length=context)
@@ -225,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
               "repeats": args.repeats, **summarize(samples, args.decode_tokens),
               "memory": memory(engine, prompt)}
     engine.close()
-    report["scan"] = scan(args.prompt_tokens, args.loop_tokens, 3)
+    report["scan"] = scan(shape.scan, args.prompt_tokens, args.loop_tokens, 3)
     report["seconds"] = time.perf_counter() - started
     if args.json:
         print(json.dumps(report, indent=2, default=str))

@@ -111,6 +111,15 @@ def delta_gates(alpha: np.ndarray, beta_in: np.ndarray, dt: np.ndarray, a: np.nd
     return g, beta
 
 
+def gate_group_norm(y: np.ndarray, z: np.ndarray, weight: np.ndarray | None, groups: int, eps: float
+                    ) -> np.ndarray:
+    """Mamba's gate: y * silu(z) for y and z [R, N]; with weight [N], each group of N / groups
+    channels then rms-normed and times its weights (Mamba-2's ssm_norm)."""
+    out = np.empty_like(y)
+    _kernels.gate_group_norm(y, z, weight, groups, eps, out)
+    return out
+
+
 def gated_rms_norm(x: np.ndarray, weight: np.ndarray, gate: np.ndarray, eps: float) -> np.ndarray:
     """rms_norm(x) * weight * silu(gate) for x and gate [R, N], weight [N]."""
     out = np.empty_like(x)

@@ -2,9 +2,10 @@
 the CPU) and the chunked forms (`chunked`: Mamba-2's state-space-duality blocks, Mamba-1's recursive
 doubling, which other devices' prefills run) against the torch token loop (`steps_in_torch`), from a
 nonzero state, over passes shorter than a chunk, of whole chunks and between them; every token's bits
-the same in a pass of any length; and the budget's estimate of what a pass holds
-(ScanShape.pass_bytes)."""
+the same in a pass of any length; the budget's estimate of what a pass holds (ScanShape.pass_bytes);
+and the output gate after the scan (`gate`: y * silu(z), Mamba-2's grouped RMSNorm)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,8 @@ from tierflow.runtime.compute.selective_scan import (
     DUAL_CHUNK,
     SCAN_CHUNK,
     chunked,
+    gate,
+    gate_in_torch,
     long_pass,
     steps,
     steps_in_torch,
@@ -140,3 +143,25 @@ def test_a_passs_estimate_covers_the_chunked_scans_largest_arrays(shape):
     else:  # the cumulative log-decays and the writes: [T, H, N] each
         held += 2 * 4 * tokens * shape.heads * shape.state_size
     assert shape.pass_bytes(tokens) >= held
+
+
+@pytest.mark.parametrize("groups", [None, 1, 4])
+def test_the_kernels_gate_gives_the_torch_gates_rows(groups):
+    generator = torch.Generator().manual_seed(5)
+    y, z = (torch.randn(7, 96, generator=generator) * 3 for _ in range(2))
+    weight = None if groups is None else torch.randn(96, generator=generator)
+    expected = gate_in_torch(y, z, weight, groups or 1, 1e-6)
+    torch.testing.assert_close(gate(y, z, weight, groups or 1, 1e-6), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_gate_gives_a_row_the_same_bits_alone_as_among_others():
+    generator = torch.Generator().manual_seed(6)
+    y, z, weight = (torch.randn(*shape, generator=generator) for shape in ((5, 64), (5, 64), (64,)))
+    together = gate(y, z, weight, 2, 1e-6)
+    assert all(torch.equal(gate(y[i:i + 1], z[i:i + 1], weight, 2, 1e-6)[0], together[i]) for i in range(5))
+
+
+def test_the_kernels_gate_refuses_groups_that_do_not_divide_the_channels():
+    y = np.zeros((2, 96), np.float32)
+    with pytest.raises(ValueError, match="gate_group_norm"):
+        ops.gate_group_norm(y, y, np.ones(96, np.float32), 5, 1e-6)

@@ -649,6 +649,36 @@ static PyObject *py_delta_gates(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_gate_group_norm(PyObject *self, PyObject *args) {
+    PyObject *objs[3], *weight_obj;
+    static const char *names[3] = {"y", "z", "out"};
+    static const int dims[3] = {2, 2, 2};
+    Py_ssize_t groups;
+    float eps;
+    buffer_arg buf[4] = {{.held = 0}};
+    if (!PyArg_ParseTuple(args, "OOOnfO:gate_group_norm", &objs[0], &objs[1], &weight_obj, &groups, &eps,
+                          &objs[2]) ||
+        get_all_floats(objs, buf, names, dims, 3, 1))
+        return NULL;
+    const int has_weight = weight_obj != Py_None;
+    if (has_weight && get_floats(weight_obj, &buf[3], "weight", 1, 0)) {
+        release(buf, 4);
+        return NULL;
+    }
+    const Py_ssize_t rows = buf[0].view.shape[0], size = buf[0].view.shape[1];
+    int agree = groups > 0 && size % groups == 0 && (!has_weight || buf[3].view.shape[0] == size);
+    for (int i = 1; i < 3; i++) agree = agree && buf[i].view.shape[0] == rows && buf[i].view.shape[1] == size;
+    if (!agree)
+        return shape_error(buf, 4, "gate_group_norm: y, z and out [R, N], weight [N] (or None) and groups "
+                                   "(dividing N) disagree");
+    Py_BEGIN_ALLOW_THREADS
+    gate_group_norm_rows(buf[0].view.buf, buf[1].view.buf, has_weight ? buf[3].view.buf : NULL, rows, size, groups,
+                         eps, buf[2].view.buf);
+    Py_END_ALLOW_THREADS
+    release(buf, 4);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_gated_rms_norm(PyObject *self, PyObject *args) {
     PyObject *objs[4];
     static const char *names[4] = {"x", "weight", "gate", "out"};
@@ -1030,6 +1060,9 @@ static PyMethodDef methods[] = {
      "delta_split(conv_out, key_heads, interleaved, eps, q, k): L2-normed queries and keys per value head."},
     {"delta_gates", py_delta_gates, METH_VARARGS,
      "delta_gates(alpha, beta_in, dt, a, g, beta): g = softplus(alpha + dt) * a, beta = sigmoid(beta_in)."},
+    {"gate_group_norm", py_gate_group_norm, METH_VARARGS,
+     "gate_group_norm(y, z, weight, groups, eps, out): out = y * silu(z), then (weight not None) each group "
+     "RMS-normed, times weight."},
     {"gated_rms_norm", py_gated_rms_norm, METH_VARARGS,
      "gated_rms_norm(x, weight, gate, eps, out): out = x / rms(x) * weight * silu(gate), per row."},
     {"dense_matmul", py_dense_matmul, METH_VARARGS,

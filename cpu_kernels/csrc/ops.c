@@ -200,6 +200,25 @@ TARGET_CLONES void gated_rms_norm_rows(const float *x, const float *weight, cons
     }
 }
 
+TARGET_CLONES void gate_group_norm_rows(const float *y, const float *z, const float *weight, int64_t rows,
+                                        int64_t size, int64_t groups, float eps, float *out) {
+    const int64_t width = size / groups;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *yr = y + r * size, *zr = z + r * size;
+        float *o = out + r * size;
+        for (int64_t i = 0; i < size; i += 16) {
+            const int64_t n = size - i < 16 ? size - i : 16;
+            store_part(o + i, load_part(yr + i, n) * silu16(load_part(zr + i, n)), n);
+        }
+        if (!weight) continue;
+        for (int64_t g = 0; g < groups; g++) {
+            float *part = o + g * width;
+            const float inv = rms_inverse(part, width, eps);
+            for (int64_t i = 0; i < width; i++) part[i] = part[i] * inv * weight[g * width + i];
+        }
+    }
+}
+
 /* k^T S and q^T S of one token: for each row i of S in order, read_k += k[i] * row, read_q += q[i] * row.
  * The delta rule's vectors are v8f (vec16.h: GCC's avx2 code for v16f is several times slower), `lanes`
  * of them to a row of Dv = 8 lanes. */

@@ -52,6 +52,12 @@ void delta_gates_rows(const float *alpha, const float *beta_in, const float *dt,
 void gated_rms_norm_rows(const float *x, const float *weight, const float *gate, int64_t rows, int64_t size,
                          float eps, float *out);
 
+/* Mamba's gate after the scan: out = y * silu(z), rows of y, z and out [R, size]; with a weight
+ * [size] (Mamba-2's), each group of size / groups channels of it then RMS-normed (its squares
+ * summed in double) and times its weights. */
+void gate_group_norm_rows(const float *y, const float *z, const float *weight, int64_t rows, int64_t size,
+                          int64_t groups, float eps, float *out);
+
 /* The gated delta rule (runtime/delta_rule.py's step) through `tokens` tokens for every value head h:
  * state and next [H, dk, dv], q and k [T, H, dk], v and out [T, H, dv], g and beta [T, H]. A pool
  * item is one head. */

@@ -90,6 +90,30 @@ def chunked(a: torch.Tensor, d: torch.Tensor, state: torch.Tensor, x: torch.Tens
     return (dual_blocks if a.shape[-1] == 1 else doubling_blocks)(a, d, state, x, b, c, dt)
 
 
+def gate(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor | None = None, groups: int = 1,
+         eps: float = 0.0) -> torch.Tensor:
+    """The mixer's output gate after the scan, y * silu(z) [T, D]; with norm_weight [D] (Mamba-2's
+    ssm_norm), each of `groups` groups of channels then RMS-normed and times its weights. One C call
+    on the CPU; elsewhere `gate_in_torch`."""
+    if y.device.type == "cpu":
+        arrays = [t.contiguous().numpy() for t in (y, z)]
+        weight = None if norm_weight is None else norm_weight.contiguous().numpy()
+        return torch.from_numpy(ops.gate_group_norm(*arrays, weight, groups, eps))
+    return gate_in_torch(y, z, norm_weight, groups, eps)
+
+
+def gate_in_torch(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor | None = None, groups: int = 1,
+                  eps: float = 0.0) -> torch.Tensor:
+    """`gate` as torch operations, on any device: the squares summed in double precision, then
+    x * (1 / sqrt(mean + eps)), as ggml_rms_norm."""
+    gated = y * same_bits(F.silu, z)
+    if norm_weight is None:
+        return gated
+    parts = gated.reshape(gated.shape[0], groups, -1)
+    mean = parts.double().square().mean(-1, keepdim=True).to(gated.dtype)
+    return (parts * (1.0 / torch.sqrt(mean + eps))).reshape(gated.shape) * norm_weight
+
+
 def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
     """[T, ...] -> [T / size, size, ...], zeros padding the last block: a padded token has dt = 0, so
     it neither decays nor writes the state."""

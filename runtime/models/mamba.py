@@ -61,7 +61,7 @@ def mixer(p: LayerPass, w: Weights, h: Activations, normed: bool = False) -> Act
     x, z = torch.as_tensor(w.ssm_in(h)).split(s.heads, dim=-1)  # [T, D] each
     a = torch.as_tensor(w.ssm_a).reshape(s.heads, 1, s.state_size)
     y = state_space.scan(p, w, x, (), partial(_selective_inputs, p, w, normed), a)  # [T, D, 1]
-    return w.ssm_out(p.kernels.take(state_space.gate(y.reshape(z.shape), z)))
+    return w.ssm_out(p.kernels.take(selective_scan.gate(y.reshape(z.shape), z)))
 
 
 def _selective_inputs(p: LayerPass, w: Weights, normed: bool, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -5,7 +5,8 @@ G groups of N, each shared by H / G heads:
     x, B, C = split(silu(causal_conv(xBC, ssm_conv1d) + ssm_conv1d.bias))
     dt = softplus(dt + ssm_dt.bias)
     y = selective scan of x with dt, a scalar decay per head A = ssm_a [H], B, C and D = ssm_d [H]
-    out = grouped_rms_norm(y * silu(z)) @ ssm_out             (per group of D / G channels, ssm_norm's)
+    out = grouped_rms_norm(y * silu(z)) @ ssm_out             (per group of D / G channels, ssm_norm's:
+                                                              selective_scan.gate)
 A family whose map makes ssm_norm optional (layer_fields' `norm_optional`) skips the norm where a
 file has none.
 """
@@ -57,10 +58,8 @@ def mixer(p: LayerPass, w: Weights, h: Activations) -> Activations:
     dt = selective_scan.time_steps(dt + torch.as_tensor(w.ssm_dt))  # [T, H]
     a = torch.as_tensor(w.ssm_a).reshape(s.heads, 1, 1)
     y = state_space.scan(p, w, xbc, (dt,), partial(_split, s), a)  # [T, H, P]
-    gated = state_space.gate(y.reshape(z.shape), z)
-    if "ssm_norm" in w.fields:
-        gated = grouped_rms_norm(gated, torch.as_tensor(w.ssm_norm), s.groups, eps)
-    return w.ssm_out(p.kernels.take(gated))
+    norm = torch.as_tensor(w.ssm_norm).reshape(-1) if "ssm_norm" in w.fields else None
+    return w.ssm_out(p.kernels.take(selective_scan.gate(y.reshape(z.shape), z, norm, s.groups, eps)))
 
 
 def _split(s: ScanShape, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -69,14 +68,6 @@ def _split(s: ScanShape, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
     x, b, c = conv_out.split([s.heads * s.head_dim, groups, groups], dim=-1)
     return (x.reshape(tokens, s.heads, s.head_dim), b.reshape(tokens, s.groups, -1),
             c.reshape(tokens, s.groups, -1))
-
-
-def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
-    """RMSNorm of each group of x [T, D]'s channels, times weight [D], as ggml_rms_norm: the squares
-    summed in double precision, then x * (1 / sqrt(mean + eps))."""
-    parts = x.reshape(x.shape[0], groups, -1)
-    mean = parts.double().square().mean(-1, keepdim=True).to(x.dtype)
-    return (parts * (1.0 / torch.sqrt(mean + eps))).reshape(x.shape) * weight
 
 
 ARCHITECTURE = Architecture(name="mamba2", config=config, layer_fields=layer_fields,

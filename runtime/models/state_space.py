@@ -13,7 +13,6 @@ import torch
 
 from tierflow.errors import ModelFileError
 from tierflow.runtime.compute import selective_scan
-from tierflow.runtime.compute.delta_rule import same_bits
 from tierflow.runtime.compute.interfaces import Activations, LayerPass, Weights, stack_rows
 from tierflow.runtime.memory.recurrent_state import Recurrence
 from tierflow.runtime.memory.state_shapes import ScanShape
@@ -82,8 +81,3 @@ def scan(p: LayerPass, w: Weights, conv_in: torch.Tensor, gates: tuple[torch.Ten
                             partial(selective_scan.steps, a, d), partial(selective_scan.long_pass, a, d))
     return stack_rows([seq.recurrent(conv_in[seq.rows], tuple(g[seq.rows] for g in gates), recurrence)
                        for seq in p.sequences])
-
-
-def gate(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """y * silu(z), [T, D]."""
-    return y * same_bits(torch.nn.functional.silu, z)
