@@ -45,6 +45,14 @@ def scan_inputs(tokens: int, heads: int, head_dim: int, state_size: int, groups:
             torch.rand(tokens, heads, generator=generator))
 
 
+def assert_gives_the_torch_loops_result(form, inputs: tuple[torch.Tensor, ...], tolerance: float) -> None:
+    """form(*inputs)'s outputs and state are the torch token loop's within `tolerance`."""
+    expected_out, expected_state = steps_in_torch(*inputs)
+    out, state = form(*inputs)
+    torch.testing.assert_close(out, expected_out, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(state, expected_state, rtol=tolerance, atol=tolerance)
+
+
 def lengths(chunk: int) -> list[int]:
     return [1, 7, chunk - 1, chunk, chunk + 1, 3 * chunk + 5]
 
@@ -52,22 +60,16 @@ def lengths(chunk: int) -> list[int]:
 @pytest.mark.parametrize("layout, tokens", [(MAMBA2, t) for t in lengths(DUAL_CHUNK)]
                          + [(MAMBA1, t) for t in lengths(SCAN_CHUNK)])
 def test_the_chunked_scan_gives_the_token_loops_outputs_and_state_up_to_float_rounding(layout, tokens):
-    inputs = scan_inputs(tokens, *layout)
-    expected_out, expected_state = steps_in_torch(*inputs)
-    out, state = chunked(*inputs)
-    torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(state, expected_state, rtol=1e-4, atol=1e-4)
+    assert_gives_the_torch_loops_result(chunked, scan_inputs(tokens, *layout), 1e-4)
 
 
 @pytest.mark.parametrize("layout", [MAMBA2, MAMBA1])
 def test_strong_decays_leave_the_chunked_scan_finite_and_equal_to_the_token_loop(layout):
     # dt a down to -60 a token: a chunk's cumulative decay reaches thousands, whose exp(-Λ) would overflow
     inputs = scan_inputs(2 * DUAL_CHUNK, *layout, decay=60.0)
-    expected_out, expected_state = steps_in_torch(*inputs)
     out, state = chunked(*inputs)
     assert torch.isfinite(out).all() and torch.isfinite(state).all()
-    torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(state, expected_state, rtol=1e-4, atol=1e-4)
+    assert_gives_the_torch_loops_result(chunked, inputs, 1e-4)
 
 
 @pytest.mark.parametrize("layout", [MAMBA2, MAMBA1])
@@ -82,11 +84,7 @@ def test_a_scan_leaves_the_state_it_was_given(layout, scan):
 @pytest.mark.parametrize("layout", [MAMBA2, MAMBA1, *ODD_SHAPES])
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_the_kernels_scan_gives_the_torch_loops_outputs_and_state_up_to_float_rounding(layout, tokens):
-    inputs = scan_inputs(tokens, *layout)
-    expected_out, expected_state = steps_in_torch(*inputs)
-    out, state = steps(*inputs)
-    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
+    assert_gives_the_torch_loops_result(steps, scan_inputs(tokens, *layout), 1e-5)
 
 
 @pytest.mark.parametrize("layout", [MAMBA2, MAMBA1, *ODD_SHAPES])

@@ -73,14 +73,11 @@ static ALWAYS_INLINE lanes16 times16(lanes16 a, lanes16 b) {
     return a;
 }
 
-/* sum16's order: lanes l and l + 8, then l + 4, l + 2, l + 1. */
+/* The lanes' sum in sum16's order. */
 static ALWAYS_INLINE float lane_total16(lanes16 v) {
-    float lanes[16];
-    memcpy(lanes, &v, sizeof lanes);
-    for (int width = 8; width >= 1; width /= 2) {
-        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
-    }
-    return lanes[0];
+    v16f all;
+    memcpy(&all, &v, sizeof all);
+    return sum16(all);
 }
 #define QBLOCK 32    /* values per q8_0 / q4_0 block */
 
