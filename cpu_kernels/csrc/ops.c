@@ -297,7 +297,7 @@ static inline __attribute__((always_inline)) void scan_rows(const scan_job *job,
     const int64_t heads = job->heads, p_size = job->head_dim, n = 16 * vectors, shared = heads / job->groups;
     const float *x = job->x + t * heads * p_size, *dt = job->dt + t * heads;
     float *out = job->out + t * heads * p_size;
-    v8f decay[SCAN_MAX_N / 8], sums[8];
+    v8f decay[SCAN_MAX_N / 8], sums[8] = {{0}}; /* a last block of fewer rows leaves lanes unread */
     int64_t head = -1;
     for (int64_t r = first; r < last; r++) {
         if (r / p_size != head) {

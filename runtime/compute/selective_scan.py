@@ -67,8 +67,6 @@ def steps_in_torch(a: torch.Tensor, d: torch.Tensor, state: torch.Tensor, x: tor
     for t in range(x.shape[0]):
         state = state * decays[t] + scaled[t] * b[t]
         outs.append((state * c[t]).sum(-1))
-    if not outs:
-        return x.clone(), state
     return torch.stack(outs) + x * d[:, None], state
 
 
