@@ -497,6 +497,14 @@ static int get_all_floats(PyObject **objs, buffer_arg *buf, const char **names, 
     return 0;
 }
 
+/* A 1-D float32 array that may be None (then buf[at] stays unheld); on a failure releases buf[0 .. count)
+ * and returns -1 with the exception set. */
+static int get_optional_vector(PyObject *obj, buffer_arg *buf, int at, const char *name, int count) {
+    if (obj == Py_None || !get_floats(obj, &buf[at], name, 1, 0)) return 0;
+    release(buf, count);
+    return -1;
+}
+
 static PyObject *shape_error(buffer_arg *buf, int count, const char *message) {
     release(buf, count);
     return PyErr_Format(PyExc_ValueError, "%s", message);
@@ -582,13 +590,9 @@ static PyObject *py_conv_silu(PyObject *self, PyObject *args) {
     static const int dims[4] = {2, 2, 2, 2};
     buffer_arg buf[5] = {{.held = 0}};
     if (!PyArg_ParseTuple(args, "OOOOO:conv_silu", &objs[0], &objs[1], &objs[2], &bias_obj, &objs[3]) ||
-        get_all_floats(objs, buf, names, dims, 4, 1))
+        get_all_floats(objs, buf, names, dims, 4, 1) || get_optional_vector(bias_obj, buf, 4, "bias", 5))
         return NULL;
-    const int has_bias = bias_obj != Py_None;
-    if (has_bias && get_floats(bias_obj, &buf[4], "bias", 1, 0)) {
-        release(buf, 5);
-        return NULL;
-    }
+    const int has_bias = buf[4].held;
     const Py_ssize_t *history = buf[0].view.shape, *x = buf[1].view.shape, *weight = buf[2].view.shape;
     const Py_ssize_t channels = x[1], taps = weight[1];
     if (taps < 1 || taps > CONV_MAX_TAPS || history[0] != taps - 1 || history[1] != channels ||
@@ -658,13 +662,9 @@ static PyObject *py_gate_group_norm(PyObject *self, PyObject *args) {
     buffer_arg buf[4] = {{.held = 0}};
     if (!PyArg_ParseTuple(args, "OOOnfO:gate_group_norm", &objs[0], &objs[1], &weight_obj, &groups, &eps,
                           &objs[2]) ||
-        get_all_floats(objs, buf, names, dims, 3, 1))
+        get_all_floats(objs, buf, names, dims, 3, 1) || get_optional_vector(weight_obj, buf, 3, "weight", 4))
         return NULL;
-    const int has_weight = weight_obj != Py_None;
-    if (has_weight && get_floats(weight_obj, &buf[3], "weight", 1, 0)) {
-        release(buf, 4);
-        return NULL;
-    }
+    const int has_weight = buf[3].held;
     const Py_ssize_t rows = buf[0].view.shape[0], size = buf[0].view.shape[1];
     int agree = groups > 0 && size % groups == 0 && (!has_weight || buf[3].view.shape[0] == size);
     for (int i = 1; i < 3; i++) agree = agree && buf[i].view.shape[0] == rows && buf[i].view.shape[1] == size;
@@ -748,12 +748,9 @@ static PyObject *py_dense_matmul(PyObject *self, PyObject *args) {
     static const int dims[3] = {2, 2, 2};
     buffer_arg buf[4] = {{.held = 0}};
     if (!PyArg_ParseTuple(args, "OOOO:dense_matmul", &objs[0], &objs[1], &bias_obj, &objs[2])) return NULL;
-    const int has_bias = bias_obj != Py_None;
-    if (get_all_floats(objs, buf, names, dims, 3, 1)) return NULL;
-    if (has_bias && get_floats(bias_obj, &buf[3], "bias", 1, 0)) {
-        release(buf, 4);
+    if (get_all_floats(objs, buf, names, dims, 3, 1) || get_optional_vector(bias_obj, buf, 3, "bias", 4))
         return NULL;
-    }
+    const int has_bias = buf[3].held;
     const Py_ssize_t tokens = buf[0].view.shape[0], cols = buf[0].view.shape[1], rows = buf[1].view.shape[0];
     if (buf[1].view.shape[1] != cols || buf[2].view.shape[0] != tokens || buf[2].view.shape[1] != rows ||
         (has_bias && buf[3].view.shape[0] != rows))

@@ -211,11 +211,8 @@ TARGET_CLONES void gate_group_norm_rows(const float *y, const float *z, const fl
             store_part(o + i, load_part(yr + i, n) * silu16(load_part(zr + i, n)), n);
         }
         if (!weight) continue;
-        for (int64_t g = 0; g < groups; g++) {
-            float *part = o + g * width;
-            const float inv = rms_inverse(part, width, eps);
-            for (int64_t i = 0; i < width; i++) part[i] = part[i] * inv * weight[g * width + i];
-        }
+        for (int64_t g = 0; g < groups; g++) /* in place: each item is read before it is written */
+            rms_norm_rows(o + g * width, weight + g * width, 1, width, eps, o + g * width);
     }
 }
 

@@ -46,8 +46,6 @@ static inline void store_part(float *p, v16f v, int64_t n) { /* the first n <= 1
     memcpy(p, lanes, (size_t)n * sizeof(float));
 }
 
-static inline v16f bits_as_floats(v16i bits) { return (v16f)bits; }
-
 /* Lanes of a where mask is set (all ones), else of b. */
 static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)((mask & (v8i)a) | (~mask & (v8i)b)); }
 
