@@ -13,6 +13,7 @@ from tierflow.cli.options import (
     CpuMoeOpt,
     CpuOpt,
     CtxOpt,
+    ExpertSkipOpt,
     ExtendOpt,
     GpuOpt,
     KvOnCpuOpt,
@@ -22,7 +23,7 @@ from tierflow.cli.options import (
     NCpuMoeOpt,
     ParallelOpt,
     ThreadsOpt,
-    expert_placement,
+    expert_options,
     option,
 )
 from tierflow.units import format_size
@@ -69,6 +70,7 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
          threads: ThreadsOpt = None, ctx: CtxOpt = None, kv_type: KvTypeOpt = None,
          kv_on_cpu: KvOnCpuOpt = False, allow_context_extension: ExtendOpt = False,
          parallel: ParallelOpt = None, cpu_moe: CpuMoeOpt = False, n_cpu_moe: NCpuMoeOpt = None,
+         expert_skip: ExpertSkipOpt = 0.0,
          prompt_tokens: Annotated[Optional[int], option(
              "--prompt-tokens", help="prompt length of the prefill prediction (default: 512, at most the "
              "context); decode is predicted with the context full")] = None,
@@ -82,7 +84,7 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
     from tierflow.runtime.loading.loader import CacheOptions, plan_file, thread_count
     from tierflow.units import parse_size
 
-    placement = expert_placement(cpu_moe, n_cpu_moe)
+    experts = expert_options(cpu_moe, n_cpu_moe, expert_skip)
     threads = thread_count(threads)
     probing = will_probe(threads, memory_bytes=None if cpu_memory is None else parse_size(cpu_memory))
     if probing is not None:
@@ -91,7 +93,7 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
     cache = CacheOptions(ctx, kv_type, kv_on_cpu, allow_context_extension, sequences)
     result = plan_file(model or model_opt, threads=threads, gpu_memory=gpu_memory, cpu_memory=cpu_memory,
                        cache=cache, prompt_tokens=prompt_tokens,
-                       expert_placement=placement)
+                       **experts)
     if as_json:
         print(json.dumps(result.as_dict()))
         return

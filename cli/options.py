@@ -36,6 +36,10 @@ CpuMoeOpt = Annotated[bool, option(
 NCpuMoeOpt = Annotated[Optional[int], option(
     "--n-cpu-moe", help="keep the experts of a MoE model's layers 0..N-1 off the GPU and put every other "
     "layer's on it, where they must fit (llama.cpp's --n-cpu-moe)")]
+ExpertSkipOpt = Annotated[float, option(
+    "--expert-skip", help="a MoE model's expert that would be read from disk is skipped when the tokens "
+    "that chose it give it less than this share of their router weight, its weight given to their other "
+    "experts (AdapMoE); fewer bytes read, output no longer exact (default 0: never)")]
 ExtendOpt = Annotated[bool, option(
     "--allow-context-extension", help="allow a --ctx past the model's trained context")]
 DraftOpt = Annotated[Optional[str], option(
@@ -64,11 +68,12 @@ StopOpt = Annotated[Optional[list[str]], option("--stop", help="stop string (rep
 LogLevelOpt = Annotated[str, option("--log-level", help="debug, info (a line per request), warning or error")]
 
 
-def expert_placement(cpu_moe: bool, n_cpu_moe: int | None) -> str | int:
-    """Engine.load's expert_placement from --cpu-moe and --n-cpu-moe."""
+def expert_options(cpu_moe: bool, n_cpu_moe: int | None, expert_skip: float) -> dict:
+    """Engine.load's expert_placement from --cpu-moe and --n-cpu-moe, and expert_skip."""
     if cpu_moe and n_cpu_moe is not None:
         raise typer.BadParameter("--cpu-moe and --n-cpu-moe both place the experts: give one of them")
-    return "cpu" if cpu_moe else "auto" if n_cpu_moe is None else n_cpu_moe
+    placement = "cpu" if cpu_moe else "auto" if n_cpu_moe is None else n_cpu_moe
+    return dict(expert_placement=placement, expert_skip=expert_skip)
 
 
 def cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension) -> dict:

@@ -16,6 +16,7 @@ from tierflow.cli.options import (
     DraftOpt,
     DraftShapeOpt,
     DraftTokensOpt,
+    ExpertSkipOpt,
     ExtendOpt,
     GpuOpt,
     KvOnCpuOpt,
@@ -26,7 +27,7 @@ from tierflow.cli.options import (
     ParallelOpt,
     ThreadsOpt,
     cache_options,
-    expert_placement,
+    expert_options,
     option,
 )
 from tierflow.cli.store_commands import pull_missing
@@ -66,7 +67,9 @@ def serve(model: ServedOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
           allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
-          n_cpu_moe: NCpuMoeOpt = None, chat_template: ChatTemplateOpt = None, offline: OfflineOpt = False
+          n_cpu_moe: NCpuMoeOpt = None, expert_skip: ExpertSkipOpt = 0.0,
+          chat_template: ChatTemplateOpt = None,
+          offline: OfflineOpt = False
           ) -> None:
     """Serve OpenAI's API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings,
     /v1/models), ollama's (/api/chat, /api/generate, /api/embed, /api/tags, /api/ps, /api/show),
@@ -97,7 +100,7 @@ def serve(model: ServedOpt = None,
                               context_shift=not no_context_shift, log_level=log_level.lower())
     loader = _Loader(dict(cpu_memory=cpu_memory, gpu_memory=gpu_memory, threads=threads, draft=draft,
                           draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
-                          expert_placement=expert_placement(cpu_moe, n_cpu_moe),
+                          **expert_options(cpu_moe, n_cpu_moe, expert_skip),
                           parallel="auto" if parallel is None else parallel,
                           **cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension)))
     budgets = {tier: parse_size(size) for tier, size in (("cpu", cpu_memory), ("gpu", gpu_memory)) if size}
@@ -153,7 +156,7 @@ class _Loader:
                              options["allow_context_extension"])
         plan = plan_file(source, threads=thread_count(options["threads"]), cpu_memory=options["cpu_memory"],
                          gpu_memory=options["gpu_memory"], cache=cache,
-                         expert_placement=options["expert_placement"])
+                         expert_placement=options["expert_placement"], expert_skip=options["expert_skip"])
         return {tier: plan.used_bytes[tier] for tier in ("cpu", "gpu")}
 
     def load(self, source: str, budgets: dict[str, int]):

@@ -151,6 +151,10 @@ class HybridExperts(ExpertTier):
             self.waited_bytes += read.nbytes
         return read.weights(), read.data()
 
+    def _on_disk(self, layer_idx: int, expert_id: int) -> bool:
+        key = (layer_idx, expert_id)
+        return self.streamed is not None and key not in self.cache and key not in self.streamed.cache
+
     def _weights(self, payload: _DeviceExpert) -> Weights:
         self.tier.ready(payload.data)  # the compute stream waits for the copy, the host does not
         return payload.weights

@@ -38,17 +38,21 @@ NOT_PREDICTED = -1  # in Routing.predicted: no prediction was made (a pass's fir
 
 @dataclass(frozen=True)
 class Routing:
-    """A model's recorded routing: `trace` [T, L, K] (the format above) and `predicted` [T, L, K],
+    """A model's recorded routing: `trace` [T, L, K] (the format above); `predicted` [T, L, K],
     the experts the early router picked for the same token and layer one layer before (NOT_PREDICTED
-    where it made none), or None where only the trace is known."""
+    where it made none); `shares` [T, L, K], each choice's part of its token's router weight at that
+    layer. Either is None where only the trace is known."""
 
     trace: np.ndarray
     predicted: np.ndarray | None = None
+    shares: np.ndarray | None = None
 
     def __post_init__(self):
         check_trace(self.trace)
-        if self.predicted is not None and self.predicted.shape != self.trace.shape:
-            raise ValueError(f"predictions {self.predicted.shape} do not match the trace {self.trace.shape}")
+        for name in ("predicted", "shares"):
+            part = getattr(self, name)
+            if part is not None and part.shape != self.trace.shape:
+                raise ValueError(f"{name} {part.shape} do not match the trace {self.trace.shape}")
 
 
 @dataclass(frozen=True)
@@ -131,15 +135,17 @@ def keep_routing(source: Path, routing: Routing) -> None:
     that cannot be written only loses the recording."""
     try:
         path = routing_path(source)
-        trace, predicted = routing.trace, _predictions(routing)
+        trace, predicted, shares = routing.trace, _predictions(routing), routing.shares
         kept = _readable_routing(path)
         if kept is not None and kept.trace.shape[1:] == trace.shape[1:]:  # both checked already
             trace = np.concatenate([kept.trace, trace])
             predicted = np.concatenate([_predictions(kept), predicted])
+            shares = None if shares is None or kept.shares is None else np.concatenate([kept.shares, shares])
         partial = path.with_name(path.name + ".partial.npz")
         try:
             np.savez(partial, trace=trace[-KEPT_TOKENS:].astype(np.int32),
-                     predicted=predicted[-KEPT_TOKENS:].astype(np.int32))
+                     predicted=predicted[-KEPT_TOKENS:].astype(np.int32),
+                     **({} if shares is None else {"shares": shares[-KEPT_TOKENS:].astype(np.float16)}))
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
@@ -162,7 +168,8 @@ def _predictions(routing: Routing) -> np.ndarray:
 def _readable_routing(path: Path) -> Routing | None:
     try:
         with np.load(path, allow_pickle=False) as saved:
-            return Routing(saved["trace"], saved["predicted"])
+            shares = saved["shares"].astype(np.float32) if "shares" in saved.files else None
+            return Routing(saved["trace"], saved["predicted"], shares)
     except (OSError, ValueError, EOFError, KeyError, AttributeError):
         return None
 
@@ -171,25 +178,28 @@ class RoutingRecorder:
     """Collects a decoder's routing (runtime.decoder.decoder.Decoder.on_routing), pass by pass: every token
     the model computes, in the order computed (prompt chunks, then each step's tokens; a
     speculative pass's rejected guesses included), with the early router's prediction of each MoE
-    layer's experts from the stream entering the layer before, as the expert tiers predict it."""
+    layer's experts from the stream entering the layer before, as the expert tiers predict it, and
+    each choice's share of its token's router weight."""
 
     def __init__(self, config: ModelConfig):
         self.moe_layers = list(config.moe_layers)  # the layers that route (not a model's leading dense ones)
         self._before = dict(zip(self.moe_layers[1:], self.moe_layers))  # MoE layer -> the one before
         self._top_k, self._eps, self._gating = config.experts_used, config.rms_norm_eps, config.expert_gating
         self._routers: dict[int, EarlyRouter] = {}  # from each layer's weights, the first time it routes
-        self._passes: list[tuple[np.ndarray, np.ndarray]] = []  # ([T, L, K] chosen, predicted) each
-        self._layers: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # this pass: layer -> both, [T, K]
+        self._passes: list[tuple[np.ndarray, ...]] = []  # ([T, L, K] chosen, predicted, shares) each
+        self._layers: dict[int, tuple[np.ndarray, ...]] = {}  # this pass: layer -> the three, [T, K]
         self._stream: tuple[int, np.ndarray] | None = None  # (layer, its residual stream [T, H])
 
-    def __call__(self, layer_idx: int, chosen: np.ndarray, residual: Activations, weights: Weights) -> None:
+    def __call__(self, layer_idx: int, chosen: np.ndarray, router_weights: Activations, residual: Activations,
+                 weights: Weights) -> None:
         chosen = np.array(chosen, dtype=np.int32)
-        self._layers[layer_idx] = chosen, self._predicted(layer_idx, weights, len(chosen))
+        self._layers[layer_idx] = chosen, self._predicted(layer_idx, weights, len(chosen)), \
+            router_shares(router_weights)
         # a copy: the layer adds its output to the stream in place
         self._stream = layer_idx, np.array(torch.as_tensor(residual).cpu().numpy(), dtype=np.float32)
         if len(self._layers) == len(self.moe_layers):
             self._passes.append(tuple(np.stack([self._layers[i][part] for i in self.moe_layers], axis=1)
-                                      for part in (0, 1)))
+                                      for part in (0, 1, 2)))
             self._layers, self._stream = {}, None
 
     def _predicted(self, layer_idx: int, weights: Weights, tokens: int) -> np.ndarray:
@@ -216,4 +226,10 @@ class RoutingRecorder:
         """The routing so far with its predictions (a pass cut short is left out)."""
         if not self._passes:
             raise ValueError("no routing was recorded: nothing ran through the model while recording")
-        return Routing(*(np.concatenate([recorded[part] for recorded in self._passes]) for part in (0, 1)))
+        return Routing(*(np.concatenate([recorded[part] for recorded in self._passes]) for part in (0, 1, 2)))
+
+
+def router_shares(weights: Activations) -> np.ndarray:
+    """Each choice's part of its token's router weight: weights [T, k] -> float32 [T, k]."""
+    shares = torch.as_tensor(weights).detach().float().cpu().numpy().copy()
+    return shares / np.maximum(shares.sum(axis=-1, keepdims=True), np.finfo(np.float32).tiny)

@@ -139,5 +139,8 @@ class ExpertStore(ExpertTier):
     def _weights(self, read: ExpertRead) -> Weights:
         return read.weights()
 
+    def _on_disk(self, layer_idx: int, expert_id: int) -> bool:
+        return (layer_idx, expert_id) not in self.cache
+
     def _arrived(self, read: ExpertRead) -> bool:
         return read.future.done()

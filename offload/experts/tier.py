@@ -15,6 +15,11 @@ NextLayerPredictor (prediction.py). A layer step, the same in both:
    then those whose reads arrived while the last group computed, then the others;
 5. releases them, and after the last layer it serves moves the cache's clock on by the step's tokens.
 
+With `skip_below` (AdapMoE's skip, off by default: the output is then no longer the model's own),
+before step 2 the decoder asks which choices to leave out (`dropped`): an expert that would be read
+from disk is skipped when every token that chose it gives it less than that share of its router
+weight, and is not its first choice; the decoder gives its weight to the tokens' other experts.
+
 ExpertStore (store.py) streams experts from disk into a cache in RAM; HybridExperts (hybrid.py)
 keeps a cache of them on the GPU over their home in RAM, or over a cache in RAM of their home on
 disk (three tiers), and schedules each between the devices.
@@ -28,6 +33,7 @@ import torch
 from tierflow.offload.experts.expert_cache import CacheStats, ExpertCache
 from tierflow.offload.experts.next_layer import NextLayerPredictor
 from tierflow.offload.experts.prefetch_gate import PrefetchGate
+from tierflow.offload.experts.routing_trace import router_shares
 from tierflow.runtime.compute.interfaces import Activations, Weights
 from tierflow.runtime.models.config import ModelConfig
 
@@ -50,6 +56,8 @@ class ExpertTier:
         self.waited_bytes = 0  # of the fetches the compute waited for, so far
         self._token_started: int | None = None  # the cost counted when the decode token in progress began
         self._settling = 0  # decode tokens still to come before the gate counts them
+        self.skip_below = 0.0  # a missed expert's router share under which it is skipped (0: never)
+        self.skipped = 0  # expert reads skipped so far
 
     @property
     def stats(self) -> CacheStats:
@@ -58,13 +66,28 @@ class ExpertTier:
     def layer_experts(self, layer_idx: int) -> "LayerExperts":
         return LayerExperts(self, layer_idx)
 
-    def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations
-             ) -> Iterator[list[tuple[int, Weights]]]:
-        """The experts of one layer step (chosen int64 [T, k]), grouped as
+    def dropped(self, layer_idx: int, chosen: np.ndarray, weights: Activations) -> np.ndarray | None:
+        """The choices (bool [T, k]) of experts skipped under `skip_below` (None: none): each would
+        be read from disk, and every token that chose it gives it less than skip_below of its
+        router weight and ranks it below its first choice."""
+        if not self.skip_below:
+            return None
+        small = router_shares(weights) < self.skip_below
+        small[:, 0] = False
+        skipped = [e for e in np.unique(chosen[small]).tolist()
+                   if small[chosen == e].all() and self._on_disk(layer_idx, e)]
+        if not skipped:
+            return None
+        self.skipped += len(skipped)
+        return np.isin(chosen, skipped)
+
+    def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations,
+             dropped: np.ndarray | None = None) -> Iterator[list[tuple[int, Weights]]]:
+        """The experts of one layer step (chosen int64 [T, k], less those `dropped`), grouped as
         runtime.compute.interfaces.Experts hands
         them: the cached ones at hand, then each set of those that arrived while the last computed,
-        then the others."""
-        ids, counts = np.unique(chosen, return_counts=True)
+        then the others. The prediction learns from the whole of chosen: the router's choice."""
+        ids, counts = np.unique(chosen if dropped is None else chosen[~dropped], return_counts=True)
         residual = np.asarray(torch.as_tensor(residual).cpu())
         ahead = self.prefetch and self.gate.reads_ahead  # the gate holds for a whole token
         prediction = self.predictor.step(layer_idx, chosen, residual) if ahead else None
@@ -133,6 +156,10 @@ class ExpertTier:
         """The weights of an expert the cache holds (its payload), once they are there."""
         raise NotImplementedError
 
+    def _on_disk(self, layer_idx: int, expert_id: int) -> bool:
+        """Whether using the expert now would read it from disk (no cache holds it or reads it yet)."""
+        raise NotImplementedError
+
     def _arrived(self, payload) -> bool:
         """Whether _weights(payload) has nothing left to wait for (a read in flight has)."""
         return True
@@ -144,5 +171,9 @@ class LayerExperts:
     def __init__(self, tier: ExpertTier, layer_idx: int):
         self.tier, self.layer_idx = tier, layer_idx
 
-    def groups(self, chosen: np.ndarray, residual: Activations) -> Iterator[list[tuple[int, Weights]]]:
-        return self.tier.step(self.layer_idx, chosen, residual)
+    def dropped(self, chosen: np.ndarray, weights: Activations) -> np.ndarray | None:
+        return self.tier.dropped(self.layer_idx, chosen, weights)
+
+    def groups(self, chosen: np.ndarray, residual: Activations, dropped: np.ndarray | None = None
+               ) -> Iterator[list[tuple[int, Weights]]]:
+        return self.tier.step(self.layer_idx, chosen, residual, dropped)

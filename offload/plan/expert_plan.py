@@ -31,6 +31,7 @@ Cost of a pass, per MoE layer, for `timings` (cost_model.py), k experts used of 
   router asks). With a GPU cache, the schedule's expected makespan is taken over the number of
   cached experts, binomial in k with the GPU's share; experts placed on the GPU by hand compute
   there.
+  With skip_below, the share of uses it skips (`skipped_share`) is neither read nor computed.
 - prefill over T tokens: u = E (1 - (1 - k/E)^T) distinct experts per layer, each computing
   T k / u tokens at the batched kernel rate, each fetched at most once per chunk.
 """
@@ -60,9 +61,12 @@ TIERS = ("gpu", "cpu", "disk")
 class ExpertRequest:
     """Where the user asks the experts to go: "auto" (the planner's caches), or by hand, llama.cpp's
     way: `cpu_layers` N keeps the experts of layers 0..N-1 off the GPU and puts every other layer's
-    there (`--n-cpu-moe N`; every layer's off it: `--cpu-moe`)."""
+    there (`--n-cpu-moe N`; every layer's off it: `--cpu-moe`). skip_below trades exactness for
+    fewer reads: an expert that would be read from disk for tokens that all give it less than this
+    share of their router weight is skipped (offload/experts/tier.py; 0: never)."""
 
     cpu_layers: int | None = None  # None: auto
+    skip_below: float = 0.0
 
     @property
     def manual(self) -> bool:
@@ -85,6 +89,14 @@ class ExpertPlacement:
     manual: bool = False  # placed by hand (ExpertRequest): nothing moves between the tiers
     policy: str = CACHE_POLICY
     scheduler: ExpertCosts | None = None  # the speeds the CPU-GPU schedule balances (a GPU cache only)
+    skip_below: float = 0.0  # ExpertRequest's
+    skipped: float = 0.0  # predicted share of decode expert uses skipped (theirs to read from disk)
+
+    @property
+    def skipped_bytes_per_token(self) -> float:
+        """The predicted decode bytes per token that skip_below leaves unread."""
+        used = sum(self.bytes_per_token.values())  # of the uses not skipped
+        return used * self.skipped / (1 - self.skipped) if self.skipped < 1 else 0.0
 
     @property
     def gpu_cached_experts(self) -> int:
@@ -163,7 +175,9 @@ def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: lis
     uses = expert_uses(config, trace)
     tier_of = _tier_of(uses, config.moe_layers, gpu_layers, gpu_cache // expert_bytes,
                        math.inf if home == "cpu" else ram_cache // expert_bytes)
+    skipped = skipped_share(config, routing, tier_of, request.skip_below) if request.skip_below else 0.0
     served = {tier: float(uses[tier_of == i].sum()) for i, tier in enumerate(TIERS)}
+    served["disk"] = max(served["disk"] - skipped, 0.0)
     read_ahead = None if routing is None else read_ahead_share(config, routing, tier_of)
     per_token = len(config.moe_layers) * config.experts_used * expert_bytes
     return ExpertPlacement(home, ram_cache, gpu_cache, gpu_layers, expert_bytes, total, served,
@@ -171,7 +185,8 @@ def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: lis
                            "uniform routing" if trace is None else f"a routing trace of {len(trace)} tokens",
                            READ_AHEAD_SHARE if read_ahead is None else read_ahead, read_ahead is not None,
                            manual=request.manual,
-                           scheduler=expert_costs(profile) if gpu_cache and profile is not None else None)
+                           scheduler=expert_costs(profile) if gpu_cache and profile is not None else None,
+                           skip_below=request.skip_below, skipped=skipped)
 
 
 def _tier_of(uses: np.ndarray, moe_layers: Sequence[int], gpu_layers: tuple[int, ...], gpu_cached: int,
@@ -204,6 +219,22 @@ def read_ahead_share(config: ModelConfig, routing: Routing, tier_of: np.ndarray)
     return float(predicted[on_disk].mean())
 
 
+def skipped_share(config: ModelConfig, routing: Routing | None, tier_of: np.ndarray, skip_below: float
+                  ) -> float:
+    """Of all decode expert uses, the share skip_below skips: served by disk, not a token's first
+    choice, and under that share of its router weight, by the recorded routing's shares where it
+    has them, else with every choice given an equal share (uniform routing's)."""
+    if routing is None or routing.shares is None:
+        k = config.experts_used
+        on_disk = float((tier_of[list(config.moe_layers)] == TIERS.index("disk")).mean())
+        return on_disk * (k - 1) / k if 1 / k < skip_below else 0.0
+    layers = np.asarray(list(config.moe_layers))
+    on_disk = tier_of[layers[None, :, None], routing.trace] == TIERS.index("disk")  # [T, L, K]
+    small = routing.shares < skip_below
+    small[..., 0] = False
+    return float((on_disk & small).mean())
+
+
 def _refuse_manual(request: ExpertRequest, gpu_layers: tuple[int, ...], on_gpu: int, gpu: tuple[int, int]
                    ) -> PlanBudgetError:
     """The error for experts placed on the GPU by hand that gpu_memory cannot hold."""
@@ -233,12 +264,13 @@ class ExpertStages:
     def layer_s(self, layer_idx: int, tokens: int) -> tuple[float, float]:
         """(compute seconds, seconds of reads that overlap the layer before) of layer `layer_idx`'s
         experts over `tokens` new tokens."""
-        if tokens == 1:
-            active, per_expert = self.used, 1
-        else:
+        p = self.placement
+        if tokens == 1:  # a decode token's reads from disk, less those skip_below skips
+            active, per_expert, reads = self.used * (1 - p.skipped), 1, self.used * p.served["disk"]
+        else:  # a pass of many tokens skips no expert in practice: some token ranks it high
             active = self.num_experts * (1 - (1 - self.used / self.num_experts) ** tokens)
             per_expert = tokens * self.used / active
-        p = self.placement
+            reads = active * (p.served["disk"] + p.skipped)
         if layer_idx in p.gpu_layers:
             return active * self.costs.matmul_s(self.expert.linears, per_expert, "gpu", tokens > 1), 0.0
         if p.gpu_cache_bytes:
@@ -246,7 +278,7 @@ class ExpertStages:
         else:
             compute = active * self.costs.matmul_s(self.expert.linears, per_expert, "cpu", tokens > 1)
         off_gpu = 1.0 - p.served["gpu"] if p.manual else 1.0  # the share of uses in layers like this one
-        misses_s = active * p.served["disk"] / off_gpu * self.costs.read_s(self.expert) if off_gpu else 0.0
+        misses_s = reads / off_gpu * self.costs.read_s(self.expert) if off_gpu else 0.0
         return compute + (1 - p.read_ahead) * misses_s, p.read_ahead * misses_s
 
     def _scheduled_s(self, active: int, tokens: int) -> float:

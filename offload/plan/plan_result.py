@@ -166,6 +166,11 @@ def _describe_experts(p: ExpertPlacement) -> list[tuple[str, str]]:
         source = "as the recorded predictions say" if p.read_ahead_measured else "assumed"
         rows.append(("experts on disk", f"the rest, read when used ({p.read_ahead:.0%} a layer early, "
                                         f"{source}); {served['disk']}"))
+    if p.skip_below:
+        rows.append(("experts skipped", f"a disk read under {p.skip_below:g} of a token's router weight: "
+                                        f"{p.skipped:.0%} of uses predicted, "
+                                        f"{size(round(p.skipped_bytes_per_token))} per token not read "
+                                        f"(not exact: the model's output changes)"))
     return rows
 
 

@@ -247,7 +247,11 @@ class ResidentExperts:
     def __init__(self, experts: list[Weights]):
         self.experts = experts
 
-    def groups(self, chosen: np.ndarray, residual) -> Iterator[list[tuple[int, Weights]]]:
+    def dropped(self, chosen: np.ndarray, weights) -> None:
+        return None  # every expert is at hand
+
+    def groups(self, chosen: np.ndarray, residual, dropped: None = None
+               ) -> Iterator[list[tuple[int, Weights]]]:
         yield [(e, self.experts[e]) for e in np.unique(chosen).tolist()]
 
 
@@ -261,9 +265,13 @@ def _expert_tier(packed: PackedFile, disk: DiskFile | None, config: ModelConfig,
     layers = [i for i in config.moe_layers if i not in placement.gpu_layers]
     streamed = StreamedExperts(packed, disk, placement.ram_cache_bytes) if placement.home == "disk" else None
     if placement.gpu_cache_bytes:
-        return HybridExperts(packed, config, device, device_kernels, placement.gpu_cache_bytes,
-                             placement.scheduler, streamed, layers), streamed
-    return (ExpertStore(streamed, config, layers) if streamed is not None and layers else None), streamed
+        tier = HybridExperts(packed, config, device, device_kernels, placement.gpu_cache_bytes,
+                             placement.scheduler, streamed, layers)
+    else:
+        tier = ExpertStore(streamed, config, layers) if streamed is not None and layers else None
+    if tier is not None:
+        tier.skip_below = placement.skip_below
+    return tier, streamed
 
 
 def _experts_bytes(packed: PackedFile, layer_idx: int) -> int:

@@ -117,7 +117,7 @@ class Engine:
              gpu_device: str | None = None, draft: str | os.PathLike | None = None,
              draft_shape: str = "tree", draft_tokens: int | None = None, kv_cache_type: str | None = None,
              kv_on_cpu: bool = False, allow_context_extension: bool = False,
-             parallel: int | str = 1, expert_placement: str | int = "auto",
+             parallel: int | str = 1, expert_placement: str | int = "auto", expert_skip: float = 0.0,
              chat_template: str | os.PathLike | None = None) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
@@ -153,6 +153,10 @@ class Engine:
         cpu_memory cannot hold them all. expert_placement places them by hand instead, with
         llama.cpp's meanings: "cpu" keeps every expert off the GPU (--cpu-moe), N the experts of
         layers 0..N-1 (--n-cpu-moe N) and puts all the others on the GPU, where they must fit.
+        expert_skip (off: 0) trades exactness for fewer bytes read, as AdapMoE does: an expert that
+        would be read from disk is skipped when every token that chose it gives it less than this
+        share of its router weight (and it is no token's first choice); the token's other experts
+        share its weight. `tierflow plan --expert-skip` predicts the reads it saves.
         draft turns on speculative decoding: "ngram" (prompt lookup: guesses from the context) or
         the path of a smaller GGUF with the same vocabulary (such as the target's own
         `tierflow convert --bits 3` version), which is placed first, within the budgets, and
@@ -213,7 +217,7 @@ class Engine:
                              check_parallel(parallel))
         with open_model_file(path) as target:  # validated before llama.cpp sees the file
             request = parse_draft(draft, target.config.num_layers)
-            experts = expert_request(expert_placement, target.config, target.path.name)
+            experts = expert_request(expert_placement, target.config, target.path.name, expert_skip)
             profile, sizes = profile_source(target, threads, gpu, progress, cpu_memory), pack_sizes(target)
             budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile, experts)
             tokenizer = load_tokenizer(target, chat_template)

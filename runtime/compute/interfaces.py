@@ -105,12 +105,19 @@ class Weights:
 class Experts(Protocol):
     """A MoE layer's experts, wherever they live (resident, cached, streamed: the source's business)."""
 
-    def groups(self, chosen: np.ndarray, residual: Activations) -> Iterator[list[tuple[int, Weights]]]:
+    def dropped(self, chosen: np.ndarray, weights: Activations) -> np.ndarray | None:
+        """The choices (bool [T, k]) to leave out, their weight given to the token's other experts,
+        or None: none. Only where the user traded exactness for fewer bytes read (an expert tier's
+        `skip_below`); weights [T, k] are the router's weights of the choices."""
+        ...
+
+    def groups(self, chosen: np.ndarray, residual: Activations, dropped: np.ndarray | None = None
+               ) -> Iterator[list[tuple[int, Weights]]]:
         """Each expert in chosen (int64 [T, k]: every token's top-k) once, with its weights, in
         groups the decoder computes together, in an order the source picks: those at hand first,
         then those that arrive together (a group waits for none of the later ones). residual
         [T, E] is the stream entering the FFN: with chosen, a hint of what the next layers will
-        route to."""
+        route to. dropped: what `dropped` left out (those experts are not handed over)."""
         ...
 
 
@@ -126,8 +133,9 @@ class WeightSource(Protocol):
     def rope_freq_factors(self) -> torch.Tensor | None: ...  # [rope_dim / 2]
 
 
-# (layer_idx, chosen experts int64 [T, k], the stream entering the FFN [T, E], the layer's weights)
-RoutingHook = Callable[[int, np.ndarray, Activations, Weights], None]
+# (layer_idx, chosen experts int64 [T, k], their router weights [T, k], the stream entering the FFN [T, E],
+# the layer's weights)
+RoutingHook = Callable[[int, np.ndarray, Activations, Activations, Weights], None]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ smaller (offload/plan/probe.py), and the per-layer overhead once per model shape
 import functools
 import os
 from dataclasses import dataclass, field, replace
-from numbers import Integral
+from numbers import Integral, Real
 
 import psutil
 import torch
@@ -192,11 +192,18 @@ def _resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str |
                    experts=experts, routing=routing)
 
 
-def expert_request(placement: object, config: ModelConfig, model: str) -> ExpertRequest:
+def expert_request(placement: object, config: ModelConfig, model: str, skip: object = 0.0) -> ExpertRequest:
     """Engine.load's expert_placement: "auto" (the planner's caches), "cpu" (every expert off the
-    GPU: llama.cpp's --cpu-moe) or N (the experts of layers 0..N-1 off it: --n-cpu-moe N)."""
+    GPU: llama.cpp's --cpu-moe) or N (the experts of layers 0..N-1 off it: --n-cpu-moe N); and
+    expert_skip, the router share under which an expert read from disk is skipped (0: never)."""
+    if not isinstance(skip, Real) or isinstance(skip, bool) or not 0 <= skip < 1:
+        raise InvalidArgumentError(f"expert_skip is a share of a token's router weight, at least 0 and "
+                                   f"under 1 (0: exact, no expert skipped), got {skip!r}")
+    if skip and not config.is_moe:
+        raise InvalidArgumentError(f"expert_skip skips experts, and {model} is not a mixture-of-experts "
+                                   f"model: it has none (leave out expert_skip, --expert-skip)")
     if placement == "auto":
-        return ExpertRequest()
+        return ExpertRequest(skip_below=float(skip))
     if placement == "cpu":
         cpu_layers = config.num_layers
     elif isinstance(placement, Integral) and not isinstance(placement, bool) and placement >= 0:
@@ -207,7 +214,7 @@ def expert_request(placement: object, config: ModelConfig, model: str) -> Expert
     if not config.is_moe:
         raise InvalidArgumentError(f"{model} is not a mixture-of-experts model: it has no experts to place "
                                    f"(leave out expert_placement, --cpu-moe and --n-cpu-moe)")
-    return ExpertRequest(cpu_layers)
+    return ExpertRequest(cpu_layers, float(skip))
 
 
 def gpu_tier(gpu_memory: int | str | None, gpu_device: str | None) -> GpuTier:
@@ -339,12 +346,13 @@ def load_tokenizer(model: ModelFile, chat_template: str | os.PathLike | None = N
 
 def plan_file(model: str | os.PathLike | None, *, threads: int, cpu_memory: int | str | None = None,
               gpu_memory: int | str | None = None, cache: CacheOptions = CacheOptions(),
-              prompt_tokens: int | None = None, expert_placement: str | int = "auto") -> Plan:
+              prompt_tokens: int | None = None, expert_placement: str | int = "auto",
+              expert_skip: float = 0.0) -> Plan:
     """The plan a load of this file under these budgets would follow, with its predictions (the
     machine is measured first if it never was); nothing is loaded."""
     gpu_budget = parse_size(gpu_memory) if gpu_memory is not None else 0
     with open_model_file(resolve_model_path(model)) as opened:
-        experts = expert_request(expert_placement, opened.config, opened.path.name)
+        experts = expert_request(expert_placement, opened.config, opened.path.name, expert_skip)
         profile, sizes = model_profile(opened, threads, cpu_memory=cpu_memory), pack_sizes(opened)
         budgets = resolve_budgets(opened, sizes, cpu_memory, gpu_budget, cache, profile, experts)
         return plan_load(opened, sizes, budgets, profile, prompt_tokens)

@@ -76,7 +76,10 @@ class _CostlessExperts:
     def __init__(self, experts: list[Weights]):
         self.experts = experts
 
-    def groups(self, chosen: np.ndarray, residual):
+    def dropped(self, chosen: np.ndarray, weights) -> None:
+        return None  # every expert is at hand
+
+    def groups(self, chosen: np.ndarray, residual, dropped: None = None):
         yield [(e, self.experts[e]) for e in np.unique(chosen).tolist()]
 
 

@@ -224,35 +224,49 @@ def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activatio
     together; each token sums its experts' outputs, weighted, in the order the router ranked them
     (as llama.cpp does: p.kernels.combine_experts), so the result does not depend on the order
     they came in. residual [T, E] (the stream entering the FFN) lets the experts' source predict
-    the next layer's routing. The bookkeeping is numpy on small arrays: a decode step runs it once
-    per layer, where torch's per-operation cost was a tenth of the layer's time."""
+    the next layer's routing. A choice the source drops (Experts.dropped: an approximation the
+    user asked for) weighs 0 and its token's other experts share its weight, in proportion to
+    theirs. The bookkeeping is numpy on small arrays: a decode step runs it once per layer, where
+    torch's per-operation cost was a tenth of the layer's time."""
     weights, chosen = router(torch.as_tensor(w.router(h)), p.config.experts_used)  # [T, k] each
     chosen_ids = chosen.cpu().numpy()
     if p.on_routing is not None:
-        p.on_routing(p.layer_idx, chosen_ids, residual, w)
-    order, experts, tokens = _choices_by_expert(chosen_ids)
+        p.on_routing(p.layer_idx, chosen_ids, weights, residual, w)
+    dropped = w.experts.dropped(chosen_ids, weights)
+    if dropped is not None:
+        weights = _without(weights, dropped)
+    kept_ids = chosen_ids if dropped is None else np.where(dropped, -1, chosen_ids)
+    order, experts, tokens = _choices_by_expert(kept_ids)
     tokens_of = dict(zip(experts, tokens))
     outputs = {}  # expert id -> its output rows (on its device)
-    for group in w.experts.groups(chosen_ids, residual):
+    for group in w.experts.groups(chosen_ids, residual, dropped):
         for kernels, members in _by_kernels(group).items():
             xs = [kernels.take(_expert_rows(h, tokens_of[e])) for e, _ in members]
             ys = expert_ffn(kernels, [expert for _, expert in members], xs)
             outputs.update(zip((e for e, _ in members), ys))
     picks = np.empty_like(order)
-    picks[order] = np.arange(order.size)  # choice i's row among the outputs taken in expert order
+    picks[order] = np.arange(order.size) - (order.size - sum(map(len, tokens)))  # among the kept rows
+    np.maximum(picks, 0, out=picks)  # a dropped choice (weight 0) points at any row
     return p.kernels.combine_experts([outputs[e] for e in experts], picks.reshape(chosen_ids.shape), weights)
 
 
+def _without(weights: torch.Tensor, dropped: np.ndarray) -> torch.Tensor:
+    """The router weights [T, k] with the dropped choices' given to the token's others, in proportion."""
+    kept = weights * torch.from_numpy(~dropped).to(weights.device)
+    total, left = weights.sum(dim=-1, keepdim=True), kept.sum(dim=-1, keepdim=True)
+    return kept * (total / left.clamp(min=torch.finfo(left.dtype).tiny))
+
+
 def _choices_by_expert(chosen_ids: np.ndarray) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
-    """chosen_ids [T, k] -> the order of the T * k choices by expert (tokens ascending), the
-    experts chosen (ascending) and each one's tokens (ascending)."""
+    """chosen_ids [T, k] -> the order of the T * k choices by expert (tokens ascending; dropped
+    choices, -1, first), the experts chosen (ascending) and each one's tokens (ascending)."""
     choices = chosen_ids.reshape(-1)
     order = np.argsort(choices, kind="stable")
     ranked = choices[order]
     first = np.empty(ranked.size, bool)  # where each expert's run of choices begins
     first[0] = True
     np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
+    starts = np.flatnonzero(first & (ranked >= 0))
     bounds, token_rows = [*starts.tolist(), ranked.size], order // chosen_ids.shape[1]
     return order, ranked[starts].tolist(), [token_rows[a:b] for a, b in zip(bounds, bounds[1:])]
 
