@@ -21,6 +21,7 @@ from tierflow.cli.options import (
     DraftShapeOpt,
     DraftTokensOpt,
     ExpertSkipOpt,
+    ExpertUnionCapOpt,
     ExtendOpt,
     GpuOpt,
     KvOnCpuOpt,
@@ -86,7 +87,8 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it
         ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
         draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
         allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
-        n_cpu_moe: NCpuMoeOpt = None, expert_skip: ExpertSkipOpt = 0.0, chat_template: ChatTemplateOpt = None,
+        n_cpu_moe: NCpuMoeOpt = None, expert_skip: ExpertSkipOpt = 0.0,
+        expert_union_cap: ExpertUnionCapOpt = 0, chat_template: ChatTemplateOpt = None,
         offline: OfflineOpt = False
         ) -> None:
     """Complete PROMPT once and print the completion (with --chat: answer it)."""
@@ -97,7 +99,7 @@ def run(prompt: Annotated[str, typer.Argument(help="text to complete; - reads it
         prompt = _stdin_text()
     engine = load_engine(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
                          draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
-                         **expert_options(cpu_moe, n_cpu_moe, expert_skip),
+                         **expert_options(cpu_moe, n_cpu_moe, expert_skip, expert_union_cap),
                          **cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension))
     stream = (engine.chat_stream([{"role": "user", "content": prompt}], **sampling) if as_chat
               else engine.stream(prompt, **sampling))
@@ -133,6 +135,7 @@ def chat(model: ModelOpt = None,
          draft_shape: DraftShapeOpt = "tree", draft_tokens: DraftTokensOpt = None,
          kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False, allow_context_extension: ExtendOpt = False,
          cpu_moe: CpuMoeOpt = False, n_cpu_moe: NCpuMoeOpt = None, expert_skip: ExpertSkipOpt = 0.0,
+         expert_union_cap: ExpertUnionCapOpt = 0,
          chat_template: ChatTemplateOpt = None,
          offline: OfflineOpt = False,
          plain: Annotated[bool, option("--plain", help="print answers as plain text, not as "
@@ -151,7 +154,7 @@ def chat(model: ModelOpt = None,
         sys.stdin.reconfigure(errors="surrogateescape")
     engine = load_engine(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
                          draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
-                         **expert_options(cpu_moe, n_cpu_moe, expert_skip),
+                         **expert_options(cpu_moe, n_cpu_moe, expert_skip, expert_union_cap),
                          **cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension))
     view = AnswerView(out, err, markdown=out.is_terminal and not plain)
     ChatSession(engine, system, sampling | {"max_tokens": max_tokens}, out,
@@ -173,7 +176,8 @@ def bench(model: ModelOpt = None,
           ctx: CtxOpt = None, draft: DraftOpt = None, draft_shape: DraftShapeOpt = "tree",
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
           allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
-          n_cpu_moe: NCpuMoeOpt = None, expert_skip: ExpertSkipOpt = 0.0) -> None:
+          n_cpu_moe: NCpuMoeOpt = None, expert_skip: ExpertSkipOpt = 0.0,
+          expert_union_cap: ExpertUnionCapOpt = 0) -> None:
     """Time prompt processing and generation (greedy by default): the median of the timed runs,
     after one untimed warm-up; with --draft, also guesses accepted and tokens per target pass."""
     if repetitions < 1 or max_tokens < 1:
@@ -181,7 +185,7 @@ def bench(model: ModelOpt = None,
     sampling = _sampling(temperature=temperature, seed=seed)
     engine = load_engine(model, gpu_memory=gpu_memory, cpu_memory=cpu_memory, threads=threads, draft=draft,
                          draft_shape=draft_shape, draft_tokens=draft_tokens,
-                         **expert_options(cpu_moe, n_cpu_moe, expert_skip),
+                         **expert_options(cpu_moe, n_cpu_moe, expert_skip, expert_union_cap),
                          **cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension))
     with engine:
         engine.generate(prompt, max_tokens=max_tokens, **sampling)

@@ -14,6 +14,7 @@ from tierflow.cli.options import (
     CpuOpt,
     CtxOpt,
     ExpertSkipOpt,
+    ExpertUnionCapOpt,
     ExtendOpt,
     GpuOpt,
     KvOnCpuOpt,
@@ -70,7 +71,7 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
          threads: ThreadsOpt = None, ctx: CtxOpt = None, kv_type: KvTypeOpt = None,
          kv_on_cpu: KvOnCpuOpt = False, allow_context_extension: ExtendOpt = False,
          parallel: ParallelOpt = None, cpu_moe: CpuMoeOpt = False, n_cpu_moe: NCpuMoeOpt = None,
-         expert_skip: ExpertSkipOpt = 0.0,
+         expert_skip: ExpertSkipOpt = 0.0, expert_union_cap: ExpertUnionCapOpt = 0,
          prompt_tokens: Annotated[Optional[int], option(
              "--prompt-tokens", help="prompt length of the prefill prediction (default: 512, at most the "
              "context); decode is predicted with the context full")] = None,
@@ -84,7 +85,7 @@ def plan(model: ModelArg = None, model_opt: ModelOpt = None, gpu_memory: GpuOpt 
     from tierflow.runtime.loading.loader import CacheOptions, plan_file, thread_count
     from tierflow.units import parse_size
 
-    experts = expert_options(cpu_moe, n_cpu_moe, expert_skip)
+    experts = expert_options(cpu_moe, n_cpu_moe, expert_skip, expert_union_cap)
     threads = thread_count(threads)
     probing = will_probe(threads, memory_bytes=None if cpu_memory is None else parse_size(cpu_memory))
     if probing is not None:

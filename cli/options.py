@@ -40,6 +40,10 @@ ExpertSkipOpt = Annotated[float, option(
     "--expert-skip", help="a MoE model's expert that would be read from disk is skipped when the tokens "
     "that chose it give it less than this share of their router weight, its weight given to their other "
     "experts (AdapMoE); fewer bytes read, output no longer exact (default 0: never)")]
+ExpertUnionCapOpt = Annotated[int, option(
+    "--expert-union-cap", help="a MoE model's layer computes at most N distinct experts in a pass that "
+    "verifies a draft's token tree, its tokens' lesser choices past N left out, those to be read from disk "
+    "first; output no longer exact (default 0: no cap)")]
 ExtendOpt = Annotated[bool, option(
     "--allow-context-extension", help="allow a --ctx past the model's trained context")]
 DraftOpt = Annotated[Optional[str], option(
@@ -68,12 +72,12 @@ StopOpt = Annotated[Optional[list[str]], option("--stop", help="stop string (rep
 LogLevelOpt = Annotated[str, option("--log-level", help="debug, info (a line per request), warning or error")]
 
 
-def expert_options(cpu_moe: bool, n_cpu_moe: int | None, expert_skip: float) -> dict:
-    """Engine.load's expert_placement from --cpu-moe and --n-cpu-moe, and expert_skip."""
+def expert_options(cpu_moe: bool, n_cpu_moe: int | None, expert_skip: float, expert_union_cap: int) -> dict:
+    """Engine.load's expert_placement from --cpu-moe and --n-cpu-moe, expert_skip and expert_union_cap."""
     if cpu_moe and n_cpu_moe is not None:
         raise typer.BadParameter("--cpu-moe and --n-cpu-moe both place the experts: give one of them")
     placement = "cpu" if cpu_moe else "auto" if n_cpu_moe is None else n_cpu_moe
-    return dict(expert_placement=placement, expert_skip=expert_skip)
+    return dict(expert_placement=placement, expert_skip=expert_skip, expert_union_cap=expert_union_cap)
 
 
 def cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension) -> dict:

@@ -17,6 +17,7 @@ from tierflow.cli.options import (
     DraftShapeOpt,
     DraftTokensOpt,
     ExpertSkipOpt,
+    ExpertUnionCapOpt,
     ExtendOpt,
     GpuOpt,
     KvOnCpuOpt,
@@ -68,6 +69,7 @@ def serve(model: ServedOpt = None,
           draft_tokens: DraftTokensOpt = None, kv_type: KvTypeOpt = None, kv_on_cpu: KvOnCpuOpt = False,
           allow_context_extension: ExtendOpt = False, cpu_moe: CpuMoeOpt = False,
           n_cpu_moe: NCpuMoeOpt = None, expert_skip: ExpertSkipOpt = 0.0,
+          expert_union_cap: ExpertUnionCapOpt = 0,
           chat_template: ChatTemplateOpt = None,
           offline: OfflineOpt = False
           ) -> None:
@@ -100,7 +102,7 @@ def serve(model: ServedOpt = None,
                               context_shift=not no_context_shift, log_level=log_level.lower())
     loader = _Loader(dict(cpu_memory=cpu_memory, gpu_memory=gpu_memory, threads=threads, draft=draft,
                           draft_shape=draft_shape, draft_tokens=draft_tokens, chat_template=chat_template,
-                          **expert_options(cpu_moe, n_cpu_moe, expert_skip),
+                          **expert_options(cpu_moe, n_cpu_moe, expert_skip, expert_union_cap),
                           parallel="auto" if parallel is None else parallel,
                           **cache_options(ctx, kv_type, kv_on_cpu, allow_context_extension)))
     budgets = {tier: parse_size(size) for tier, size in (("cpu", cpu_memory), ("gpu", gpu_memory)) if size}
@@ -156,7 +158,8 @@ class _Loader:
                              options["allow_context_extension"])
         plan = plan_file(source, threads=thread_count(options["threads"]), cpu_memory=options["cpu_memory"],
                          gpu_memory=options["gpu_memory"], cache=cache,
-                         expert_placement=options["expert_placement"], expert_skip=options["expert_skip"])
+                         expert_placement=options["expert_placement"], expert_skip=options["expert_skip"],
+                         expert_union_cap=options["expert_union_cap"])
         return {tier: plan.used_bytes[tier] for tier in ("cpu", "gpu")}
 
     def load(self, source: str, budgets: dict[str, int]):

@@ -18,6 +18,7 @@ from tierflow.offload.experts.routing_trace import NOT_PREDICTED, Routing
 from tierflow.offload.gguf.model_file import open_model_file
 from tierflow.offload.pack.writer import pack_sizes
 from tierflow.offload.plan.expert_plan import READ_AHEAD_SHARE, ExpertRequest
+from tierflow.offload.plan.pass_costs import PassCosts
 from tierflow.offload.plan.planner import make_plan
 from tierflow.units import parse_size
 
@@ -238,6 +239,27 @@ def test_experts_placed_by_hand_are_on_the_gpu_or_off_it_by_layer(moe):
     homes = {(g.layer, g.home, g.compute) for g in plan.groups if g.name == "expert"}
     assert homes == {(0, "cpu", "cpu"), (1, "cpu", "cpu"), (2, "gpu", "gpu"), (3, "gpu", "gpu")}
     assert plan.experts.served == pytest.approx({"gpu": 0.5, "cpu": 0.5, "disk": 0.0})
+
+
+def verify_seconds(moe, plan, tokens: int) -> float:
+    (_, sizes, _), config, *_ = moe
+    return PassCosts(plan, config, sizes, PROFILE).seconds(tokens)
+
+
+def test_a_verify_pass_over_streamed_experts_is_predicted_to_read_the_experts_its_tokens_fire(moe):
+    _, _, base, one, _ = moe
+    plan = plan_for(moe, base + 8 * one)
+    assert verify_seconds(moe, plan, 8) > 2 * verify_seconds(moe, plan, 1)  # ~6 of 8 experts, not 2
+
+
+def test_a_union_cap_is_predicted_to_make_a_verify_pass_cheaper(moe):
+    (model, sizes, _), _, base, one, _ = moe
+    capped = make_plan(model, sizes, PROFILE, gpu_budget=0, cpu_budget=cpu_memory(moe, base + 8 * one),
+                       context_length=CTX,
+                       expert_request=ExpertRequest(union_cap=2))
+    exact = plan_for(moe, base + 8 * one)
+    assert verify_seconds(moe, capped, 8) < verify_seconds(moe, exact, 8)
+    assert verify_seconds(moe, capped, 1) == pytest.approx(verify_seconds(moe, exact, 1))
 
 
 def test_the_engine_places_experts_as_the_plan_says(moe, moe_path):

@@ -15,10 +15,15 @@ NextLayerPredictor (prediction.py). A layer step, the same in both:
    then those whose reads arrived while the last group computed, then the others;
 5. releases them, and after the last layer it serves moves the cache's clock on by the step's tokens.
 
-With `skip_below` (AdapMoE's skip, off by default: the output is then no longer the model's own),
-before step 2 the decoder asks which choices to leave out (`dropped`): an expert that would be read
-from disk is skipped when every token that chose it gives it less than that share of its router
-weight, and is not its first choice; the decoder gives its weight to the tokens' other experts.
+Two options trade exactness for fewer bytes (off by default: the output is then no longer the
+model's own). Before step 2 the decoder asks which choices to leave out (`dropped`), and gives
+their weight to the tokens' other experts; a token's first choice is never left out.
+- `skip_below` (AdapMoE's skip): an expert that would be read from disk is skipped when every
+  token that chose it gives it less than that share of its router weight.
+- `union_cap`: a pass that verifies a token tree computes at most that many distinct experts per
+  layer (its tokens together fire several times a decode token's: a tree's batch would cost far
+  more than one token's); past it go first those to be read from disk, then those at hand, each by
+  the least router weight over the pass's tokens.
 
 ExpertStore (store.py) streams experts from disk into a cache in RAM; HybridExperts (hybrid.py)
 keeps a cache of them on the GPU over their home in RAM, or over a cache in RAM of their home on
@@ -58,6 +63,8 @@ class ExpertTier:
         self._settling = 0  # decode tokens still to come before the gate counts them
         self.skip_below = 0.0  # a missed expert's router share under which it is skipped (0: never)
         self.skipped = 0  # expert reads skipped so far
+        self.union_cap = 0  # the distinct experts a layer of a verify pass computes at most (0: all)
+        self.capped = 0  # experts the cap left out so far
 
     @property
     def stats(self) -> CacheStats:
@@ -66,20 +73,45 @@ class ExpertTier:
     def layer_experts(self, layer_idx: int) -> "LayerExperts":
         return LayerExperts(self, layer_idx)
 
-    def dropped(self, layer_idx: int, chosen: np.ndarray, weights: Activations) -> np.ndarray | None:
-        """The choices (bool [T, k]) of experts skipped under `skip_below` (None: none): each would
-        be read from disk, and every token that chose it gives it less than skip_below of its
-        router weight and ranks it below its first choice."""
-        if not self.skip_below:
+    def dropped(self, layer_idx: int, chosen: np.ndarray, weights: Activations, verifying: bool = False
+                ) -> np.ndarray | None:
+        """The choices (bool [T, k]) to leave out (None: none): of experts skipped under
+        `skip_below`, and in a pass that verifies a token tree, of those over `union_cap`."""
+        cap = self.union_cap if verifying and len(chosen) > 1 else 0
+        if not self.skip_below and not cap:
             return None
-        small = router_shares(weights) < self.skip_below
-        small[:, 0] = False
+        shares = router_shares(weights)
+        firsts = set(chosen[:, 0].tolist())  # a token's first choice is always computed
+        dropped = np.zeros(chosen.shape, bool)
+        if self.skip_below:
+            dropped |= self._skipped(layer_idx, chosen, shares, firsts)
+        if cap:
+            dropped |= self._over_cap(layer_idx, chosen, shares, firsts, dropped, cap)
+        return dropped if dropped.any() else None
+
+    def _skipped(self, layer_idx: int, chosen: np.ndarray, shares: np.ndarray, firsts: set[int]
+                 ) -> np.ndarray:
+        """The choices of the experts skip_below skips: each would be read from disk, and every
+        token that chose it gives it less than skip_below of its router weight."""
+        small = shares < self.skip_below
         skipped = [e for e in np.unique(chosen[small]).tolist()
-                   if small[chosen == e].all() and self._on_disk(layer_idx, e)]
-        if not skipped:
-            return None
+                   if e not in firsts and small[chosen == e].all() and self._on_disk(layer_idx, e)]
         self.skipped += len(skipped)
         return np.isin(chosen, skipped)
+
+    def _over_cap(self, layer_idx: int, chosen: np.ndarray, shares: np.ndarray, firsts: set[int],
+                  dropped: np.ndarray, cap: int) -> np.ndarray:
+        """The choices of the experts past `cap` distinct ones in this pass: those read from disk
+        go before those at hand, each group by the least router weight summed over the pass's
+        tokens; no token's first choice goes."""
+        kept = np.unique(chosen[~dropped]).tolist()
+        if len(kept) <= cap:
+            return np.zeros(chosen.shape, bool)
+        candidates = sorted((e for e in kept if e not in firsts),
+                            key=lambda e: (not self._on_disk(layer_idx, e), float(shares[chosen == e].sum())))
+        over = candidates[:len(kept) - cap]
+        self.capped += len(over)
+        return np.isin(chosen, over)
 
     def step(self, layer_idx: int, chosen: np.ndarray, residual: Activations,
              dropped: np.ndarray | None = None) -> Iterator[list[tuple[int, Weights]]]:
@@ -171,8 +203,8 @@ class LayerExperts:
     def __init__(self, tier: ExpertTier, layer_idx: int):
         self.tier, self.layer_idx = tier, layer_idx
 
-    def dropped(self, chosen: np.ndarray, weights: Activations) -> np.ndarray | None:
-        return self.tier.dropped(self.layer_idx, chosen, weights)
+    def dropped(self, chosen: np.ndarray, weights: Activations, verifying: bool = False) -> np.ndarray | None:
+        return self.tier.dropped(self.layer_idx, chosen, weights, verifying)
 
     def groups(self, chosen: np.ndarray, residual: Activations, dropped: np.ndarray | None = None
                ) -> Iterator[list[tuple[int, Weights]]]:

@@ -32,6 +32,7 @@ Cost of a pass, per MoE layer, for `timings` (cost_model.py), k experts used of 
   cached experts, binomial in k with the GPU's share; experts placed on the GPU by hand compute
   there.
   With skip_below, the share of uses it skips (`skipped_share`) is neither read nor computed.
+- a verify pass of a token tree, T tokens: as a prefill chunk's, u capped at union_cap.
 - prefill over T tokens: u = E (1 - (1 - k/E)^T) distinct experts per layer, each computing
   T k / u tokens at the batched kernel rate, each fetched at most once per chunk.
 """
@@ -61,12 +62,14 @@ TIERS = ("gpu", "cpu", "disk")
 class ExpertRequest:
     """Where the user asks the experts to go: "auto" (the planner's caches), or by hand, llama.cpp's
     way: `cpu_layers` N keeps the experts of layers 0..N-1 off the GPU and puts every other layer's
-    there (`--n-cpu-moe N`; every layer's off it: `--cpu-moe`). skip_below trades exactness for
-    fewer reads: an expert that would be read from disk for tokens that all give it less than this
-    share of their router weight is skipped (offload/experts/tier.py; 0: never)."""
+    there (`--n-cpu-moe N`; every layer's off it: `--cpu-moe`). Two options trade exactness for
+    fewer bytes (offload/experts/tier.py): skip_below skips an expert that would be read from disk
+    for tokens that all give it less than this share of their router weight (0: never); union_cap
+    caps the distinct experts a layer of a token tree's verify pass computes (0: no cap)."""
 
     cpu_layers: int | None = None  # None: auto
     skip_below: float = 0.0
+    union_cap: int = 0
 
     @property
     def manual(self) -> bool:
@@ -90,6 +93,7 @@ class ExpertPlacement:
     policy: str = CACHE_POLICY
     scheduler: ExpertCosts | None = None  # the speeds the CPU-GPU schedule balances (a GPU cache only)
     skip_below: float = 0.0  # ExpertRequest's
+    union_cap: int = 0  # ExpertRequest's
     skipped: float = 0.0  # predicted share of decode expert uses skipped (theirs to read from disk)
 
     @property
@@ -186,7 +190,7 @@ def place_experts(model: str, config: ModelConfig, base_bytes: int, experts: lis
                            READ_AHEAD_SHARE if read_ahead is None else read_ahead, read_ahead is not None,
                            manual=request.manual,
                            scheduler=expert_costs(profile) if gpu_cache and profile is not None else None,
-                           skip_below=request.skip_below, skipped=skipped)
+                           skip_below=request.skip_below, skipped=skipped, union_cap=request.union_cap)
 
 
 def _tier_of(uses: np.ndarray, moe_layers: Sequence[int], gpu_layers: tuple[int, ...], gpu_cached: int,
@@ -252,6 +256,11 @@ def _refuse_manual(request: ExpertRequest, gpu_layers: tuple[int, ...], on_gpu: 
                            f"needed, or a larger --n-cpu-moe", minimum)
 
 
+def largest_expert(experts: list[list[ExtentSize]]) -> ExtentSize:
+    """The largest of a model's experts (per layer, each expert's extent): what ExpertStages prices."""
+    return max((x for layer in experts for x in layer), key=lambda x: x.nbytes)
+
+
 class ExpertStages:
     """The experts' share of each MoE layer's stage in a pass (cost_model.timings' `experts`)."""
 
@@ -261,14 +270,16 @@ class ExpertStages:
         self.placement, self.expert, self.costs, self.config = placement, expert, costs, config
         self.num_experts, self.used = config.num_experts, config.experts_used
 
-    def layer_s(self, layer_idx: int, tokens: int) -> tuple[float, float]:
+    def layer_s(self, layer_idx: int, tokens: int, verifying: bool = False) -> tuple[float, float]:
         """(compute seconds, seconds of reads that overlap the layer before) of layer `layer_idx`'s
-        experts over `tokens` new tokens."""
+        experts over `tokens` new tokens (verifying: a token tree's, which union_cap caps)."""
         p = self.placement
         if tokens == 1:  # a decode token's reads from disk, less those skip_below skips
             active, per_expert, reads = self.used * (1 - p.skipped), 1, self.used * p.served["disk"]
         else:  # a pass of many tokens skips no expert in practice: some token ranks it high
             active = self.num_experts * (1 - (1 - self.used / self.num_experts) ** tokens)
+            if verifying and p.union_cap:
+                active = min(active, p.union_cap)
             per_expert = tokens * self.used / active
             reads = active * (p.served["disk"] + p.skipped)
         if layer_idx in p.gpu_layers:

@@ -6,7 +6,10 @@ rows wanted. Each stage computes the larger of a decode step's cost (the weights
 memory-bound matrix-vector product) and T tokens at the kernels' batched rate (compute-bound):
 a small tree costs what one token does, a large one grows with T. Both include the measured
 fixed cost per layer (HardwareProfile.layer_overhead_s). A streamed layer's read costs the same
-whatever T. Work done between passes (a draft proposing the next tree) is a stage of its own:
+whatever T. A MoE model's experts add to each layer that has them what its T tokens fire together
+(expert_plan.ExpertStages: many more distinct experts than one token's, those on disk read; at
+most expert_union_cap of them). Work done between passes (a draft proposing the next tree) is a
+stage of its own:
 the reader keeps reading ahead into the free ring slots meanwhile, as LayerStreamer does, so
 the steady-state period says how much of that work the reads hide.
 """
@@ -14,6 +17,7 @@ the steady-state period says how much of that work the reads hide.
 from tierflow.kv_types import KV_TYPES
 from tierflow.offload.pack.writer import PackSizes
 from tierflow.offload.plan.cost_model import Costs, Layout, Stage, steady_pass_seconds
+from tierflow.offload.plan.expert_plan import ExpertStages, largest_expert
 from tierflow.offload.plan.plan_result import Plan
 from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.runtime.models.config import ModelConfig
@@ -27,8 +31,10 @@ class PassCosts:
     def __init__(self, plan: Plan, config: ModelConfig, sizes: PackSizes, profile: HardwareProfile):
         self.costs = Costs(profile, config, KV_TYPES[plan.kv_type], plan.kv_on_cpu)
         self.layout = Layout(plan.gpu_layers, plan.streamed_layers, plan.prefetch_depth)
-        self.sizes = sizes
+        self.sizes, self.config = sizes, config
         self.position = max(min(POSITION, plan.context_length // 2), 0)
+        self.experts = None if plan.experts is None else ExpertStages(plan.experts, largest_expert(sizes.experts),
+                                                                      self.costs, config)
 
     def seconds(self, tokens: int, between_s: float = 0.0, num_layers: int | None = None) -> float:
         """The steady-state time from one pass of `tokens` tokens to the next, with between_s
@@ -44,7 +50,11 @@ class PassCosts:
             device = "gpu" if i in self.layout.gpu else "cpu"
             compute = max(costs.layer_s(i, extent, device, 1, start),
                           costs.layer_s(i, extent, device, tokens, start))
-            stages.append(Stage(compute, costs.read_s(extent) if i in self.layout.streamed else 0.0))
+            read = costs.read_s(extent) if i in self.layout.streamed else 0.0
+            if self.experts is not None and self.config.has_experts(i):
+                expert_compute, expert_read = self.experts.layer_s(i, tokens, verifying=True)
+                compute, read = compute + expert_compute, read + expert_read
+            stages.append(Stage(compute, read))
         head = self.sizes.globals.linears
         head_s = max(costs.matmul_s(head, 1, "cpu", False), costs.matmul_s(head, tokens, "cpu", True))
         return [*stages, Stage(head_s)]

@@ -171,6 +171,9 @@ def _describe_experts(p: ExpertPlacement) -> list[tuple[str, str]]:
                                         f"{p.skipped:.0%} of uses predicted, "
                                         f"{size(round(p.skipped_bytes_per_token))} per token not read "
                                         f"(not exact: the model's output changes)"))
+    if p.union_cap:
+        rows.append(("experts per verify", f"at most {p.union_cap} distinct per layer in a pass verifying a "
+                                           f"token tree (not exact: the model's output changes)"))
     return rows
 
 

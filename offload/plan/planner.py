@@ -84,7 +84,13 @@ from tierflow.offload.pack.layout import ExtentSize
 from tierflow.offload.pack.writer import PackSizes
 from tierflow.offload.plan.budgets import CacheFootprint, RamBudget, scratch_bytes
 from tierflow.offload.plan.cost_model import Costs, Layout, Timing, timings
-from tierflow.offload.plan.expert_plan import ExpertPlacement, ExpertRequest, ExpertStages, place_experts
+from tierflow.offload.plan.expert_plan import (
+    ExpertPlacement,
+    ExpertRequest,
+    ExpertStages,
+    largest_expert,
+    place_experts,
+)
 from tierflow.offload.plan.plan_result import GroupPlacement, Plan
 from tierflow.offload.plan.profile import HardwareProfile
 from tierflow.units import format_size, round_up_as_printed
@@ -227,8 +233,7 @@ def make_plan(model: ModelFile, sizes: PackSizes, profile: ProfileSource, *, gpu
         if gpu_budget and len(gpu) < len(layers):
             notes.append(_layers_left_in_ram(layers, gpu, cache.on_gpu()))
         if costs is not None:
-            stages = ExpertStages(experts, max((x for layer in sizes.experts for x in layer),
-                                               key=lambda x: x.nbytes), costs, config)
+            stages = ExpertStages(experts, largest_expert(sizes.experts), costs, config)
     elif fits:
         gpu, layout = (), Layout((), (), 0)
     else:

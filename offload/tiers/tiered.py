@@ -247,7 +247,7 @@ class ResidentExperts:
     def __init__(self, experts: list[Weights]):
         self.experts = experts
 
-    def dropped(self, chosen: np.ndarray, weights) -> None:
+    def dropped(self, chosen: np.ndarray, weights, verifying: bool = False) -> None:
         return None  # every expert is at hand
 
     def groups(self, chosen: np.ndarray, residual, dropped: None = None
@@ -270,7 +270,7 @@ def _expert_tier(packed: PackedFile, disk: DiskFile | None, config: ModelConfig,
     else:
         tier = ExpertStore(streamed, config, layers) if streamed is not None and layers else None
     if tier is not None:
-        tier.skip_below = placement.skip_below
+        tier.skip_below, tier.union_cap = placement.skip_below, placement.union_cap
     return tier, streamed
 
 

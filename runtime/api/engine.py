@@ -118,7 +118,7 @@ class Engine:
              draft_shape: str = "tree", draft_tokens: int | None = None, kv_cache_type: str | None = None,
              kv_on_cpu: bool = False, allow_context_extension: bool = False,
              parallel: int | str = 1, expert_placement: str | int = "auto", expert_skip: float = 0.0,
-             chat_template: str | os.PathLike | None = None) -> "Engine":
+             expert_union_cap: int = 0, chat_template: str | os.PathLike | None = None) -> "Engine":
         """Loads a GGUF model (default: the bundled SmolLM2-135M-Instruct).
 
         gpu_memory and cpu_memory bound the bytes held on each tier ("4GiB", "512MB" or an int):
@@ -156,7 +156,10 @@ class Engine:
         expert_skip (off: 0) trades exactness for fewer bytes read, as AdapMoE does: an expert that
         would be read from disk is skipped when every token that chose it gives it less than this
         share of its router weight (and it is no token's first choice); the token's other experts
-        share its weight. `tierflow plan --expert-skip` predicts the reads it saves.
+        share its weight. expert_union_cap N (off: 0) caps the distinct experts each MoE layer of
+        a token tree's verify pass computes (a tree's tokens together fire several times a decode
+        token's experts): past N, its tokens' lesser choices are left out, those to be read from disk
+        first. Both change the output; `tierflow plan` predicts what they save.
         draft turns on speculative decoding: "ngram" (prompt lookup: guesses from the context) or
         the path of a smaller GGUF with the same vocabulary (such as the target's own
         `tierflow convert --bits 3` version), which is placed first, within the budgets, and
@@ -217,7 +220,8 @@ class Engine:
                              check_parallel(parallel))
         with open_model_file(path) as target:  # validated before llama.cpp sees the file
             request = parse_draft(draft, target.config.num_layers)
-            experts = expert_request(expert_placement, target.config, target.path.name, expert_skip)
+            experts = expert_request(expert_placement, target.config, target.path.name, expert_skip,
+                                     expert_union_cap)
             profile, sizes = profile_source(target, threads, gpu, progress, cpu_memory), pack_sizes(target)
             budgets = resolve_budgets(target, sizes, cpu_memory, gpu.budget, cache, profile, experts)
             tokenizer = load_tokenizer(target, chat_template)

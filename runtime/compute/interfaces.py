@@ -105,10 +105,11 @@ class Weights:
 class Experts(Protocol):
     """A MoE layer's experts, wherever they live (resident, cached, streamed: the source's business)."""
 
-    def dropped(self, chosen: np.ndarray, weights: Activations) -> np.ndarray | None:
+    def dropped(self, chosen: np.ndarray, weights: Activations, verifying: bool = False) -> np.ndarray | None:
         """The choices (bool [T, k]) to leave out, their weight given to the token's other experts,
         or None: none. Only where the user traded exactness for fewer bytes read (an expert tier's
-        `skip_below`); weights [T, k] are the router's weights of the choices."""
+        `skip_below` and `union_cap`); weights [T, k] are the router's weights of the choices;
+        verifying: the pass verifies a token tree."""
         ...
 
     def groups(self, chosen: np.ndarray, residual: Activations, dropped: np.ndarray | None = None

@@ -192,18 +192,27 @@ def _resolve_budgets(model: ModelFile, sizes: PackSizes, cpu_memory: int | str |
                    experts=experts, routing=routing)
 
 
-def expert_request(placement: object, config: ModelConfig, model: str, skip: object = 0.0) -> ExpertRequest:
+def expert_request(placement: object, config: ModelConfig, model: str, skip: object = 0.0,
+                   union_cap: object = 0) -> ExpertRequest:
     """Engine.load's expert_placement: "auto" (the planner's caches), "cpu" (every expert off the
-    GPU: llama.cpp's --cpu-moe) or N (the experts of layers 0..N-1 off it: --n-cpu-moe N); and
-    expert_skip, the router share under which an expert read from disk is skipped (0: never)."""
+    GPU: llama.cpp's --cpu-moe) or N (the experts of layers 0..N-1 off it: --n-cpu-moe N); expert_skip,
+    the router share under which an expert read from disk is skipped (0: never); and
+    expert_union_cap, the distinct experts a layer of a tree's verify pass computes at most (0: all)."""
     if not isinstance(skip, Real) or isinstance(skip, bool) or not 0 <= skip < 1:
         raise InvalidArgumentError(f"expert_skip is a share of a token's router weight, at least 0 and "
                                    f"under 1 (0: exact, no expert skipped), got {skip!r}")
-    if skip and not config.is_moe:
-        raise InvalidArgumentError(f"expert_skip skips experts, and {model} is not a mixture-of-experts "
-                                   f"model: it has none (leave out expert_skip, --expert-skip)")
+    if not isinstance(union_cap, Integral) or isinstance(union_cap, bool) or union_cap < 0:
+        raise InvalidArgumentError(f"expert_union_cap is a count of experts, at least 0 (0: no cap), "
+                                   f"got {union_cap!r}")
+    for name, value in (("expert_skip", skip), ("expert_union_cap", union_cap)):
+        if value and not config.is_moe:
+            raise InvalidArgumentError(f"{name} leaves experts out, and {model} is not a mixture-of-experts "
+                                       f"model: it has none (leave out {name}, --{name.replace('_', '-')})")
+    if union_cap and union_cap < config.experts_used:
+        raise InvalidArgumentError(f"expert_union_cap {union_cap} is fewer experts than one token of {model} "
+                                   f"uses ({config.experts_used}): give at least that, or 0 for no cap")
     if placement == "auto":
-        return ExpertRequest(skip_below=float(skip))
+        return ExpertRequest(skip_below=float(skip), union_cap=int(union_cap))
     if placement == "cpu":
         cpu_layers = config.num_layers
     elif isinstance(placement, Integral) and not isinstance(placement, bool) and placement >= 0:
@@ -214,7 +223,7 @@ def expert_request(placement: object, config: ModelConfig, model: str, skip: obj
     if not config.is_moe:
         raise InvalidArgumentError(f"{model} is not a mixture-of-experts model: it has no experts to place "
                                    f"(leave out expert_placement, --cpu-moe and --n-cpu-moe)")
-    return ExpertRequest(cpu_layers, float(skip))
+    return ExpertRequest(cpu_layers, float(skip), int(union_cap))
 
 
 def gpu_tier(gpu_memory: int | str | None, gpu_device: str | None) -> GpuTier:
@@ -347,12 +356,13 @@ def load_tokenizer(model: ModelFile, chat_template: str | os.PathLike | None = N
 def plan_file(model: str | os.PathLike | None, *, threads: int, cpu_memory: int | str | None = None,
               gpu_memory: int | str | None = None, cache: CacheOptions = CacheOptions(),
               prompt_tokens: int | None = None, expert_placement: str | int = "auto",
-              expert_skip: float = 0.0) -> Plan:
+              expert_skip: float = 0.0, expert_union_cap: int = 0) -> Plan:
     """The plan a load of this file under these budgets would follow, with its predictions (the
     machine is measured first if it never was); nothing is loaded."""
     gpu_budget = parse_size(gpu_memory) if gpu_memory is not None else 0
     with open_model_file(resolve_model_path(model)) as opened:
-        experts = expert_request(expert_placement, opened.config, opened.path.name, expert_skip)
+        experts = expert_request(expert_placement, opened.config, opened.path.name, expert_skip,
+                                 expert_union_cap)
         profile, sizes = model_profile(opened, threads, cpu_memory=cpu_memory), pack_sizes(opened)
         budgets = resolve_budgets(opened, sizes, cpu_memory, gpu_budget, cache, profile, experts)
         return plan_load(opened, sizes, budgets, profile, prompt_tokens)

@@ -76,7 +76,7 @@ class _CostlessExperts:
     def __init__(self, experts: list[Weights]):
         self.experts = experts
 
-    def dropped(self, chosen: np.ndarray, weights) -> None:
+    def dropped(self, chosen: np.ndarray, weights, verifying: bool = False) -> None:
         return None  # every expert is at hand
 
     def groups(self, chosen: np.ndarray, residual, dropped: None = None):

@@ -232,7 +232,7 @@ def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activatio
     chosen_ids = chosen.cpu().numpy()
     if p.on_routing is not None:
         p.on_routing(p.layer_idx, chosen_ids, weights, residual, w)
-    dropped = w.experts.dropped(chosen_ids, weights)
+    dropped = w.experts.dropped(chosen_ids, weights, any(s.parents is not None for s in p.sequences))
     if dropped is not None:
         weights = _without(weights, dropped)
     kept_ids = chosen_ids if dropped is None else np.where(dropped, -1, chosen_ids)

@@ -1,7 +1,12 @@
-"""expert_skip (AdapMoE's skip, off by default): an expert that would be read from disk, which every
-token that chose it gives a small share of its router weight, is left out, its weight given to the
-tokens' other experts. Its quality against the exact model: benchmarks/moe_decode.py --expert-skip."""
+"""The expert options that trade exactness for bytes, both off by default; a choice left out gives
+its weight to the token's other experts, and a token's first choice is never left out:
+- expert_skip (AdapMoE's skip): an expert that would be read from disk, which every token that chose
+  it gives a small share of its router weight, is skipped;
+- expert_union_cap: a pass verifying a token tree computes at most that many distinct experts per
+  layer, dropping the lesser ones, those to be read from disk first.
+Their quality against the exact model: benchmarks/moe_decode.py --expert-skip, --union-cap."""
 
+import threading
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -52,7 +57,7 @@ class ListedExperts:
     def __init__(self, dropped: np.ndarray | None):
         self.drop, self.handed = dropped, []
 
-    def dropped(self, chosen, weights):
+    def dropped(self, chosen, weights, verifying=False):
         return self.drop
 
     def groups(self, chosen, residual, dropped=None):
@@ -119,8 +124,8 @@ class CachedTier(ExpertTier):
         return (layer_idx, expert_id) not in self.cache
 
 
-def dropped(tier: ExpertTier, chosen, weights) -> list[list[bool]]:
-    mask = tier.dropped(0, np.array(chosen), torch.tensor(weights))
+def dropped(tier: ExpertTier, chosen, weights, verifying: bool = False) -> list[list[bool]]:
+    mask = tier.dropped(0, np.array(chosen), torch.tensor(weights), verifying)
     return np.zeros(np.shape(chosen), bool).tolist() if mask is None else mask.tolist()
 
 
@@ -146,6 +151,30 @@ def test_the_tier_skips_nothing_by_default():
                                                           torch.tensor([[0.9, 0.05, 0.05]])) is None
 
 
+def test_a_verify_pass_computes_at_most_the_cap_of_distinct_experts_those_on_disk_going_first():
+    tier = CachedTier(held={3, 4}, skip_below=0.0)
+    tier.union_cap = 4
+    chosen = [[0, 3, 5], [1, 4, 6], [2, 3, 4]]  # 7 distinct; the firsts 0, 1 and 2 stay
+    weights = [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]
+    # 7 - 4 = 3 go: the two read from disk (6 with 0.1 in all, 5 with 0.2), then 4 (0.4) before 3 (0.7)
+    assert dropped(tier, chosen, weights, verifying=True) == [[False, False, True], [False, True, True],
+                                                               [False, False, True]]
+    assert tier.capped == 3
+
+
+def test_the_cap_never_drops_a_tokens_first_choice():
+    tier = CachedTier(held=set(), skip_below=0.0)
+    tier.union_cap = 3
+    chosen, weights = [[0, 5, 6], [1, 5, 6], [2, 5, 6]], [[0.4, 0.3, 0.3]] * 3
+    assert dropped(tier, chosen, weights, verifying=True) == [[False, True, True]] * 3
+
+
+def test_the_cap_leaves_a_pass_that_verifies_no_tree_alone():
+    tier = CachedTier(held=set(), skip_below=0.0)
+    tier.union_cap = 3
+    assert tier.dropped(0, np.array([[0, 1, 2], [3, 4, 5]]), torch.ones(2, 3), verifying=False) is None
+
+
 def test_expert_skip_reads_fewer_experts_than_the_exact_model(moe_path, one_layer_of_experts):
     fetched = {}
     for skip in (0.0, 0.45):
@@ -165,6 +194,36 @@ def test_expert_skip_leaves_experts_held_in_ram_exact(moe_path):
     assert tokens[0] == tokens[1]
 
 
+def test_a_union_cap_leaves_experts_out_of_verify_passes_only(moe_path, one_layer_of_experts):
+    with Engine.load(moe_path, threads=2, context_length=CONTEXT, cpu_memory=one_layer_of_experts,
+                     expert_union_cap=2) as engine:
+        prompt, experts = engine.tokenize(PROMPT), engine.weights.experts
+        with engine.exclusive(prompt_ids=prompt) as generator:
+            generator.prefill(prompt, threading.Event(), reuse_prefix=False)
+            for token in prompt[:4]:
+                generator.decode_step(token)
+            assert experts.capped == 0  # the prompt's pass and decode steps verify no tree
+            generator.verify_tree(prompt[:6], parents=[-1, 0, 1, 2, 3, 4])
+            assert experts.capped > 0
+
+
+@pytest.mark.parametrize("cap", [-1, 1.5, True])
+def test_a_union_cap_that_is_no_count_is_refused(moe_path, cap):
+    with pytest.raises(InvalidArgumentError, match="expert_union_cap is a count"):
+        Engine.load(moe_path, threads=2, context_length=CONTEXT, expert_union_cap=cap)
+
+
+def test_a_union_cap_under_one_tokens_experts_is_refused_naming_both(moe_path):
+    with pytest.raises(InvalidArgumentError, match=r"expert_union_cap 1 is fewer experts than one token .* "
+                                                   r"uses \(2\)"):
+        Engine.load(moe_path, threads=2, context_length=CONTEXT, expert_union_cap=1)
+
+
+def test_a_union_cap_on_a_dense_model_is_refused_naming_why(model_path):
+    with pytest.raises(InvalidArgumentError, match="expert_union_cap leaves experts out.*not a mixture"):
+        Engine.load(model_path, threads=2, context_length=CONTEXT, expert_union_cap=4)
+
+
 @pytest.mark.parametrize("skip", [-0.1, 1.0, "0.2", True])
 def test_an_expert_skip_outside_0_to_1_is_refused(moe_path, skip):
     with pytest.raises(InvalidArgumentError, match="expert_skip is a share"):
@@ -172,7 +231,8 @@ def test_an_expert_skip_outside_0_to_1_is_refused(moe_path, skip):
 
 
 def test_expert_skip_on_a_dense_model_is_refused_naming_why(model_path):
-    with pytest.raises(InvalidArgumentError, match="not a mixture-of-experts model: it has none"):
+    with pytest.raises(InvalidArgumentError, match="expert_skip leaves experts out.*not a mixture-of-experts "
+                                                   "model: it has none"):
         Engine.load(model_path, threads=2, context_length=CONTEXT, expert_skip=0.1)
 
 
