@@ -41,28 +41,36 @@ def text_windows(engine: Engine, count: int, prompt_tokens: int, decode_tokens: 
 
 
 def forced_decode(engine: Engine, prompt: list[int], text: list[int], log_probs: bool = False,
-                  after_prefill: Callable[[], None] | None = None) -> ForcedRun:
+                  after_prefill: Callable[[], None] | None = None, tokens_per_pass: int = 1) -> ForcedRun:
     """Prefills `prompt` (nothing reused from the cache), then feeds `text` a token a step, timed;
-    after_prefill is called between the two."""
+    after_prefill is called between the two. With tokens_per_pass T > 1, each step feeds T tokens
+    as a draft's chain the model verifies in one pass (verify_tree, then keep_path: every guess
+    accepted), a speculative step's cost on real routing; on an exact model each row equals a
+    decode step's (the decoder is batch-invariant). tokens_per_s counts the text's tokens."""
     steps = []
     with engine.exclusive(prompt_ids=prompt) as generator:
         generator.prefill(prompt, threading.Event(), reuse_prefix=False)
         if after_prefill is not None:
             after_prefill()
         started = time.perf_counter()
-        for token in text:
-            steps.append(generator.decode_step(token))
+        if tokens_per_pass == 1:
+            steps = [generator.decode_step(token) for token in text]
+        for i in range(0, len(text) if tokens_per_pass > 1 else 0, tokens_per_pass):
+            chain, start = text[i:i + tokens_per_pass], generator.cache.length
+            steps.extend(generator.verify_tree(chain, list(range(-1, len(chain) - 1))))
+            generator.keep_path(start, list(range(len(chain))))
         seconds = time.perf_counter() - started
     logits = np.stack(steps)
     return ForcedRun(len(text) / seconds, logits.argmax(axis=-1).tolist(),
                      log_softmax(logits) if log_probs else None)
 
 
-def forced_decode_llama_cpp(llama: llama_cpp.Llama, prompt: list[int], text: list[int]) -> ForcedRun:
+def forced_decode_llama_cpp(llama: llama_cpp.Llama, prompt: list[int], text: list[int],
+                            tokens_per_pass: int = 1) -> ForcedRun:
     """forced_decode's timing on llama.cpp (its logits are not read back)."""
     llama.reset()
     llama.eval(prompt)
     started = time.perf_counter()
-    for token in text:
-        llama.eval([token])
+    for i in range(0, len(text), tokens_per_pass):
+        llama.eval(text[i:i + tokens_per_pass])
     return ForcedRun(len(text) / (time.perf_counter() - started), [], None)

@@ -4,7 +4,8 @@
                                     [--tiers two|three] [--layers 4] [--model MOE.gguf]
                                     [--prompt-tokens 64] [--decode-tokens 48] [--repeats 3]
                                     [--threads N] [--policy score|lru|lfu] [--prefetch gated|all|none]
-                                    [--expert-skip SHARE] [--json]
+                                    [--expert-skip SHARE] [--verify-tokens T] [--union-cap N]
+                                    [--json]
 
 The model is a random-weight Mixtral-style `llama` of about --size with 8 experts per layer, top-2
 routing, written once by the project's generator (tests/support/make_model.py) into the cache directory.
@@ -40,6 +41,12 @@ expert read from disk that its tokens weigh under SHARE, off by default): fewer 
 cost the quality line measures against the exact resident model; the goal with it is 0.8x resident
 at KL <= 0.02 nats a token and top-1 agreement >= 97%. Beside it, the share of expert uses skipped
 per decode step, and the plan's prediction of it (from the routing recorded here, its shares).
+
+--verify-tokens T feeds the text T tokens a pass, each a draft's chain the model verifies in one
+pass with every guess accepted (speculative decoding's step; llama.cpp evaluates the same T at
+once): its tokens fire the union of their experts, several times a decode token's. --union-cap N
+runs the streamed engine with expert_union_cap N, which caps that union per layer (not exact);
+the share of expert uses it left out is printed beside the quality line.
 
 --prefetch says which of the early router's predictions are read ahead: those the prefetch gate
 admits (offload/experts/prefetch_gate.py: a confidence threshold kept where decode tokens cost
@@ -157,20 +164,26 @@ def set_expert_options(engine: Engine, args: argparse.Namespace) -> None:
 
 
 def run_counted(engine: Engine, prompt: list[int], text: list[int], counts: Callable[[], dict[str, int]],
-                log_probs: bool = False) -> tuple[ForcedRun, dict[str, float]]:
-    """forced_decode's run, and how much each of `counts` grew per decode step, counted from the first
+                log_probs: bool = False, tokens_per_pass: int = 1) -> tuple[ForcedRun, dict[str, float]]:
+    """forced_decode's run, and how much each of `counts` grew per fed token, counted from the first
     fed token on (the prefill uses most of every layer's experts)."""
     before: dict[str, int] = {}
-    run = forced_decode(engine, prompt, text, log_probs, after_prefill=lambda: before.update(counts()))
+    run = forced_decode(engine, prompt, text, log_probs, after_prefill=lambda: before.update(counts()),
+                        tokens_per_pass=tokens_per_pass)
     after = counts()
     return run, {key: (after[key] - before.get(key, 0)) / len(text) for key in after}
 
 
-def run_streamed(engine: Engine, prompt: list[int], text: list[int]) -> tuple[ForcedRun, dict[str, float]]:
-    """run_counted with the expert cache's counts: bytes read ("read"), hits, misses and reads skipped."""
+def run_streamed(engine: Engine, prompt: list[int], text: list[int], tokens_per_pass: int = 1
+                 ) -> tuple[ForcedRun, dict[str, float]]:
+    """run_counted with the expert cache's counts: bytes read ("read"), hits, misses, reads skipped
+    and experts the union cap left out."""
     experts = engine.weights.experts
-    counts = lambda: cache_counts(experts.stats) | {"skipped": experts.skipped}  # noqa: E731
-    return run_counted(engine, prompt, text, counts, log_probs=True)
+
+    def counts() -> dict[str, int]:
+        return cache_counts(experts.stats) | {"skipped": experts.skipped, "capped": experts.capped}
+
+    return run_counted(engine, prompt, text, counts, log_probs=True, tokens_per_pass=tokens_per_pass)
 
 
 def record_routing(engine: Engine, prompt: list[int], text: list[int]) -> Routing:
@@ -360,6 +373,10 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a MoE GGUF to run instead of the generated one")
     parser.add_argument("--expert-skip", type=float, default=0.0,
                         help="the streamed engine's expert_skip (0: exact)")
+    parser.add_argument("--verify-tokens", type=int, default=1,
+                        help="tokens fed a pass, as a verified chain (1: decode steps)")
+    parser.add_argument("--union-cap", type=int, default=0,
+                        help="the streamed engine's expert_union_cap (0: exact)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -382,9 +399,9 @@ def main() -> None:
 
     def streamed_run(prompt: list[int], text: list[int]) -> ForcedRun:
         with Engine.load(path, threads=args.threads, context_length=CONTEXT, cpu_memory=cpu_memory,
-                         expert_skip=args.expert_skip) as engine:
+                         expert_skip=args.expert_skip, expert_union_cap=args.union_cap) as engine:
             set_expert_options(engine, args)
-            run, per_step = run_streamed(engine, prompt, text)
+            run, per_step = run_streamed(engine, prompt, text, args.verify_tokens)
             seen.update(cache_bytes=engine.weights.experts.nbytes, gate=engine.weights.experts.gate.best,
                         gbps=seen.get("gbps") or disk_read_gbps(engine), config=engine.config,
                         predicted_skipped=engine.plan.experts.skipped)
@@ -400,8 +417,10 @@ def main() -> None:
 
     runners: dict[str, Callable[[list[int], list[int]], ForcedRun]] = {
         "tierflow streamed": streamed_run,
-        "tierflow resident": lambda prompt, text: forced_decode(resident, prompt, text, log_probs=True),
-        "llama.cpp resident": lambda prompt, text: forced_decode_llama_cpp(llama, prompt, text)}
+        "tierflow resident": lambda prompt, text: forced_decode(resident, prompt, text, log_probs=True,
+                                                                tokens_per_pass=args.verify_tokens),
+        "llama.cpp resident": lambda prompt, text: forced_decode_llama_cpp(llama, prompt, text,
+                                                                           args.verify_tokens)}
     if three_tiers:
         runners["tierflow three tiers"] = three_tier_run
     samples: dict[str, list[ForcedRun]] = {name: [] for name in runners}
@@ -426,6 +445,8 @@ def main() -> None:
         "expert_skip": args.expert_skip, "predicted_skipped": seen["predicted_skipped"],
         "skipped": statistics.fmean(step["skipped"] for step in decode_steps) / (
             len(config.moe_layers) * config.experts_used),
+        "verify_tokens": args.verify_tokens, "union_cap": args.union_cap,
+        "capped_per_token": statistics.fmean(step["capped"] for step in decode_steps),
         "prefetch_threshold": seen["gate"], "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens, "decode_tokens_per_s": decode,
         "streamed_vs_resident": decode["tierflow streamed"] / decode["tierflow resident"],
@@ -454,13 +475,14 @@ def main() -> None:
 
 
 def print_report(report: dict, args: argparse.Namespace) -> None:
+    fed = "one a step" if args.verify_tokens == 1 else f"{args.verify_tokens} a verify pass"
     decode, replayed, q = report["decode_tokens_per_s"], report["replayed_hit_rates"], report["quality"]
     print(f"{report['model']}: {format_size(report['file_bytes'])}, experts "
           f"{format_size(report['expert_bytes'])}; cpu_memory {format_size(report['cpu_memory'])} (expert "
           f"cache {format_size(report['expert_cache_bytes'])}, {args.fraction:.0%} of the experts, policy "
           f"{args.policy}, {PREFETCH[args.prefetch]}); {args.threads} threads; {args.repeats} runs, each a "
           f"fresh streamed engine on its own window of held-out text: prompt {args.prompt_tokens}, "
-          f"{args.decode_tokens} fed tokens decoded one a step; medians")
+          f"{args.decode_tokens} fed tokens, {fed}; medians")
     for name, rate in decode.items():
         print(f"  {name:<20} {rate:7.2f} tok/s")
     goal = "0.5" if not report["expert_skip"] else "0.8 at KL <= 0.02 and top-1 >= 97%"
@@ -469,6 +491,10 @@ def print_report(report: dict, args: argparse.Namespace) -> None:
           f"{'agree' if report['tokens_agree'] else 'DIFFER'} with resident at every step (KL "
           f"{q['kl']:.4f} nats, top-1 {q['top1']:.1%}; perplexity {q['perplexity']:.1f} against "
           f"{q['resident_perplexity']:.1f})")
+    if report["verify_tokens"] > 1:
+        print(f"text fed {report['verify_tokens']} tokens a pass, each a verified chain (the hit rate below "
+              f"counts an expert once a pass, the replays once a token); expert_union_cap "
+              f"{report['union_cap']}: {report['capped_per_token']:.2f} experts left out per token")
     if report["expert_skip"]:
         print(f"expert_skip {report['expert_skip']:g}: {report['skipped']:.1%} of decode expert uses skipped "
               f"(the plan predicted {report['predicted_skipped']:.1%})")

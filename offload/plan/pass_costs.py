@@ -33,8 +33,8 @@ class PassCosts:
         self.layout = Layout(plan.gpu_layers, plan.streamed_layers, plan.prefetch_depth)
         self.sizes, self.config = sizes, config
         self.position = max(min(POSITION, plan.context_length // 2), 0)
-        self.experts = None if plan.experts is None else ExpertStages(plan.experts, largest_expert(sizes.experts),
-                                                                      self.costs, config)
+        self.experts = None if plan.experts is None else ExpertStages(
+            plan.experts, largest_expert(sizes.experts), self.costs, config)
 
     def seconds(self, tokens: int, between_s: float = 0.0, num_layers: int | None = None) -> float:
         """The steady-state time from one pass of `tokens` tokens to the next, with between_s
