@@ -198,18 +198,19 @@ def test_gpt_oss_with_mxfp4_experts_matches_llama_cpp_but_where_routing_is_a_nea
     assert_moe_agrees_but_where_routing_is_a_near_tie(engine, llama, engine.tokenize(LONG_TEXT)[:64])
 
 
-# -- state-space models: mamba, mamba2 and the hybrids (their generic specs, and Granite 4.0-H's
-# experts with a shared one), past two prefill chunks -------------------------------------------
+# -- state-space models: mamba, mamba2 and the hybrids (their generic specs, Granite 4.0-H's
+# experts with a shared one, Falcon-Mamba's norms of dt, B and C), past two prefill chunks ------
 
 STATE_SPACE_TOKENS = 2 * PREFILL_CHUNK + 100  # the state carried across two prefill passes' ends
 STATE_SPACE_SPECS = {"mamba": {}, "mamba2": {}, "granitehybrid": {}, "nemotron_h": {}, "falcon-h1": {},
                      "granitehybrid-moe": dict(num_experts=4, experts_used=2, shared_expert_ffn_size=96),
-                     "jamba": {}}
+                     "jamba": {}, "falcon-mamba": dict(ssm_dt_b_c_rms=True)}
+STATE_SPACE_FAMILIES = {"granitehybrid-moe": "granitehybrid", "falcon-mamba": "mamba"}  # else: the name
 STATE_SPACE_MOE = ("granitehybrid-moe", "jamba")
 
 
 def state_space_pair(tmp_path, name: str, weight_type: str):
-    spec = replace(family_spec(name.removesuffix("-moe")), weight_type=weight_type,
+    spec = replace(family_spec(STATE_SPACE_FAMILIES.get(name, name)), weight_type=weight_type,
                    embedding_type=weight_type, context_length=2048, **STATE_SPACE_SPECS[name])
     path = write_model(tmp_path / "model.gguf", spec)
     context = STATE_SPACE_TOKENS + 32

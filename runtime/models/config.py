@@ -111,6 +111,7 @@ class ModelConfig:
     # what `--draft mtp` drafts with (speculative/mtp.py) where the family computes them.
     nextn_layers: int = 0
     ssm_time_step_rank: int = 0  # Mamba-1's time steps' low-rank projection (ssm_x's first outputs); 0: none
+    ssm_dt_b_c_rms: bool = False  # Falcon-Mamba's: Mamba-1's dt, B and C RMS-normed, with no weight
     # Each layer's kind of memory (runtime/memory/kinds.py) where the family declares it: a kind the
     # fields above do not imply (a new state, say) is declared here; () derives it from them.
     layer_kinds: tuple[LayerMemory, ...] = ()

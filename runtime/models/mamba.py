@@ -7,18 +7,18 @@ size, R the time steps' rank:
     dt = softplus(dt @ ssm_dt + ssm_dt.bias)                  [T, D]
     y = selective scan of x (each channel a head of one) with dt, A = ssm_a [D, N], B, C and D = ssm_d
     out = (y * silu(z)) @ ssm_out
-ssm_a is A itself, -exp(A_log), as llama.cpp's converter stores it. Falcon-Mamba's RMS norms of dt,
-B and C (ssm.dt_b_c_rms) are not computed; Jamba's (jamba.py: ssm_dt_norm, ssm_b_norm and
-ssm_c_norm, each an RMS norm with its weight, of dt, B and C before dt's projection) are, where
-layer_fields and the mixer are asked for them (`normed`).
+ssm_a is A itself, -exp(A_log), as llama.cpp's converter stores it. dt, B and C are RMS-normed
+before dt's projection in two variants: Falcon-Mamba's (ssm.dt_b_c_rms: no weights) and Jamba's
+(jamba.py: ssm_dt_norm, ssm_b_norm and ssm_c_norm, each with its weight), where layer_fields and
+the mixer are asked for them (`normed`).
 """
 
 from dataclasses import replace
-from functools import partial
+from functools import cache, partial
 
+import numpy as np
 import torch
 
-from tierflow.errors import UnsupportedModelError
 from tierflow.runtime.compute import selective_scan
 from tierflow.runtime.compute.interfaces import Activations, LayerPass, Weights
 from tierflow.runtime.memory.state_shapes import ScanShape
@@ -29,12 +29,10 @@ from tierflow.runtime.models.config import Metadata, ModelConfig
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
-    if meta.flag("ssm.dt_b_c_rms", False):
-        raise UnsupportedModelError(f"{meta.arch}.ssm.dt_b_c_rms is set: tierflow does not compute "
-                                    f"Falcon-Mamba's norms of the time steps, B and C")
     shape = scan_shape(meta)
     base = state_space.config(meta, vocab_size, tied, shape, shape.heads)
-    return replace(base, ssm_time_step_rank=meta.count("ssm.time_step_rank"))
+    return replace(base, ssm_time_step_rank=meta.count("ssm.time_step_rank"),
+                   ssm_dt_b_c_rms=meta.flag("ssm.dt_b_c_rms", False))
 
 
 def scan_shape(meta: Metadata) -> ScanShape:
@@ -69,12 +67,20 @@ def _selective_inputs(p: LayerPass, w: Weights, normed: bool, x: torch.Tensor) -
     time steps [T, D], projected from x (dt, B and C each RMS-normed first where `normed`)."""
     rank, n, take = p.config.ssm_time_step_rank, p.config.recurrent.state_size, p.kernels.take
     dt, b, c = torch.as_tensor(w.ssm_x(take(x))).split([rank, n, n], dim=-1)
-    if normed:
+    if normed or p.config.ssm_dt_b_c_rms:
         eps = p.config.rms_norm_eps
+        weights = ((w.ssm_dt_norm, w.ssm_b_norm, w.ssm_c_norm) if normed
+                   else (take(_ones(rank)), take(_ones(n)), take(_ones(n))))
         dt, b, c = (torch.as_tensor(p.kernels.rms_norm(take(v.contiguous()), weight, eps))
-                    for v, weight in ((dt, w.ssm_dt_norm), (b, w.ssm_b_norm), (c, w.ssm_c_norm)))
+                    for v, weight in zip((dt, b, c), weights))
     dt = selective_scan.time_steps(torch.as_tensor(w.ssm_dt(take(dt.contiguous()))))
     return x[:, :, None], b[:, None, :], c[:, None, :], dt
+
+
+@cache
+def _ones(width: int) -> np.ndarray:
+    """Falcon-Mamba's norms' weight: none, as ones."""
+    return np.ones(width, np.float32)
 
 
 ARCHITECTURE = Architecture(name="mamba", config=config, layer_fields=layer_fields,

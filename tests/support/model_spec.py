@@ -153,6 +153,7 @@ class ModelSpec:
     ssm_value_heads: int = 4
     ssm_conv_kernel: int = 4
     ssm_inner_size: int | None = None  # ssm.inner_size; None: ssm_value_heads * ssm_state (DeltaNet's)
+    ssm_dt_b_c_rms: bool = False     # Falcon-Mamba's ssm.dt_b_c_rms (mamba): dt, B and C RMS-normed
     expert_groups_used: int = 1      # expert_group_used_count (V3's topk_group)
     # Hybrids (layer_pattern archs): each layer's kind, one character per layer as Nemotron-H's
     # hybrid_override_pattern writes it: "M" Mamba-2 (ssm_* sizes as mamba2's), "*" attention, "-" an
@@ -678,8 +679,9 @@ def _state_space_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
     """mamba's and mamba2's keys as llama.cpp's converter writes them: no FFN and no attention heads,
     the norms' epsilon and the ssm.* sizes."""
     keys = {"feed_forward_length": 0, "attention.head_count": 0, "attention.head_count_kv": 0}
+    flag = [(f"{spec.arch}.ssm.dt_b_c_rms", Typed(BOOL, True))] if spec.ssm_dt_b_c_rms else []
     return [(f"{spec.arch}.{key}", Typed(UINT32, value)) for key, value in keys.items()] + [
-        *_ssm_sizes(spec), (f"{spec.arch}.attention.layer_norm_rms_epsilon", Typed(FLOAT32, 1e-5))]
+        *_ssm_sizes(spec), (f"{spec.arch}.attention.layer_norm_rms_epsilon", Typed(FLOAT32, 1e-5)), *flag]
 
 
 def _ssm_sizes(spec: ModelSpec) -> list[tuple[str, Typed]]:
