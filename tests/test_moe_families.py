@@ -32,6 +32,10 @@ FAMILIES = {
     # Qwen3.5's: Gated DeltaNet layers with a recurrent state, a gated shared expert
     "qwen35moe": ModelSpec(arch="qwen35moe", expert_ffn_size=64, head_size=32, rope_dim=16, **SHAPE),
     "qwen3next": ModelSpec(arch="qwen3next", expert_ffn_size=64, head_size=32, rope_dim=16, **SHAPE),
+    # Nemotron 3 Super's: a Mamba-2 layer, then squared-ReLU experts in a latent width with a shared one
+    "nemotron_h_moe": ModelSpec(arch="nemotron_h_moe", layer_pattern="M--", ssm_inner_size=128,
+                                ssm_state=16, ssm_value_heads=8, ssm_key_heads=2, expert_ffn_size=64,
+                                shared_expert_ffn_size=96, moe_latent_size=64, **SHAPE),
 }
 
 

@@ -204,9 +204,11 @@ def test_gpt_oss_with_mxfp4_experts_matches_llama_cpp_but_where_routing_is_a_nea
 STATE_SPACE_TOKENS = 2 * PREFILL_CHUNK + 100  # the state carried across two prefill passes' ends
 STATE_SPACE_SPECS = {"mamba": {}, "mamba2": {}, "granitehybrid": {}, "nemotron_h": {}, "falcon-h1": {},
                      "granitehybrid-moe": dict(num_experts=4, experts_used=2, shared_expert_ffn_size=96),
-                     "jamba": {}, "falcon-mamba": dict(ssm_dt_b_c_rms=True)}
-STATE_SPACE_FAMILIES = {"granitehybrid-moe": "granitehybrid", "falcon-mamba": "mamba"}  # else: the name
-STATE_SPACE_MOE = ("granitehybrid-moe", "jamba")
+                     "jamba": {}, "falcon-mamba": dict(ssm_dt_b_c_rms=True), "nemotron_h_moe": {},
+                     "nemotron_h_moe-latent": dict(moe_latent_size=32)}
+STATE_SPACE_FAMILIES = {"granitehybrid-moe": "granitehybrid", "falcon-mamba": "mamba",
+                        "nemotron_h_moe-latent": "nemotron_h_moe"}  # else: the name
+STATE_SPACE_MOE = ("granitehybrid-moe", "jamba", "nemotron_h_moe", "nemotron_h_moe-latent")
 
 
 def state_space_pair(tmp_path, name: str, weight_type: str):

@@ -37,10 +37,11 @@ from tierflow.runtime.models import (
 from tierflow.runtime.models.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
-    family.ARCHITECTURE.name: family.ARCHITECTURE
-    for family in (llama, qwen2, qwen2moe, olmoe, qwen3, qwen3moe, gemma2, gemma3, glm4moe, gptoss,
-                   deepseek2, qwen3next, qwen35, qwen35moe, mamba, mamba2, granitehybrid,
-                   nemotron_h, falcon_h1, jamba)
+    arch.name: arch
+    for arch in (*(family.ARCHITECTURE for family in (
+        llama, qwen2, qwen2moe, olmoe, qwen3, qwen3moe, gemma2, gemma3, glm4moe, gptoss, deepseek2, qwen3next,
+        qwen35, qwen35moe, mamba, mamba2, granitehybrid, nemotron_h, falcon_h1, jamba)),
+        nemotron_h.MOE_ARCHITECTURE)
 }
 
 

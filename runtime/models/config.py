@@ -112,6 +112,7 @@ class ModelConfig:
     nextn_layers: int = 0
     ssm_time_step_rank: int = 0  # Mamba-1's time steps' low-rank projection (ssm_x's first outputs); 0: none
     ssm_dt_b_c_rms: bool = False  # Falcon-Mamba's: Mamba-1's dt, B and C RMS-normed, with no weight
+    moe_latent_size: int = 0  # Nemotron-3 Super's: experts compute in a latent width (0: the hidden size)
     # Each layer's kind of memory (runtime/memory/kinds.py) where the family declares it: a kind the
     # fields above do not imply (a new state, say) is declared here; () derives it from them.
     layer_kinds: tuple[LayerMemory, ...] = ()

@@ -218,17 +218,21 @@ def shared_expert_output(p: LayerPass, w: Weights, h: Activations) -> torch.Tens
 
 
 def routed_experts(p: LayerPass, w: Weights, h: Activations, residual: Activations, router: Router,
-                   expert_ffn: ExpertFFN = swiglu_experts) -> Activations:
+                   expert_ffn: ExpertFFN = swiglu_experts, router_input: Activations | None = None
+                   ) -> Activations:
     """Each expert computes all the tokens routed to it at once, and the experts of a group that
     `w.experts` hands over (wherever they live, in the order it picks) on one device compute
     together; each token sums its experts' outputs, weighted, in the order the router ranked them
     (as llama.cpp does: p.kernels.combine_experts), so the result does not depend on the order
     they came in. residual [T, E] (the stream entering the FFN) lets the experts' source predict
-    the next layer's routing. A choice the source drops (Experts.dropped: an approximation the
-    user asked for) weighs 0 and its token's other experts share its weight, in proportion to
-    theirs. The bookkeeping is numpy on small arrays: a decode step runs it once per layer, where
-    torch's per-operation cost was a tenth of the layer's time."""
-    weights, chosen = router(torch.as_tensor(w.router(h)), p.config.experts_used)  # [T, k] each
+    the next layer's routing; router_input is what the router reads where it is not h (Nemotron
+    3 Super's experts compute in a latent width, its router on the hidden state). A choice the
+    source drops (Experts.dropped: an approximation the user asked for) weighs 0 and its token's
+    other experts share its weight, in proportion to theirs. The bookkeeping is numpy on small
+    arrays: a decode step runs it once per layer, where torch's per-operation cost was a tenth of
+    the layer's time."""
+    logits = w.router(h if router_input is None else router_input)
+    weights, chosen = router(torch.as_tensor(logits), p.config.experts_used)  # [T, k] each
     chosen_ids = chosen.cpu().numpy()
     if p.on_routing is not None:
         p.on_routing(p.layer_idx, chosen_ids, weights, residual, w)

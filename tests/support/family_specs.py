@@ -51,6 +51,7 @@ class FamilyTraits:
                                       # beside the RMS one (nemotron_h), and reads no more of it
     parallel_hybrid: bool = False   # attention and Mamba-2 in every layer (falcon-h1): the transformer's
                                     # keys and the ssm.* keys
+    latent_experts: bool = False    # reads {arch}.moe_latent_size: experts in a latent width (nemotron_h_moe)
     granite_multipliers: bool = False  # reads embedding_scale, residual_scale, logit_scale,
                                        # attention.scale and rope.scaling.finetuned (see ModelSpec)
 
@@ -123,6 +124,11 @@ FAMILIES: dict[str, Family] = {
                                          granite_multipliers=True), GRANITE),
     "nemotron_h": Family(FamilyTraits(layer_pattern="M*-", layer_norm_eps_key=True),
                          SSM_HYBRID | dict(num_layers=6, layer_pattern="M-*M-M")),
+    "nemotron_h_moe": Family(
+        FamilyTraits(experts="always", expert_width_key=True, shared_expert=True, scored_router=True,
+                     layer_pattern="M*-", layer_norm_eps_key=True, latent_experts=True),
+        SSM_HYBRID | dict(num_layers=6, layer_pattern="M-*M-M", num_experts=4, experts_used=2,
+                          expert_ffn_size=64, shared_expert_ffn_size=96)),
     "falcon-h1": Family(FamilyTraits(parallel_hybrid=True), SSM_HYBRID | dict(layer_pattern=None)),
     "jamba": Family(FamilyTraits(experts="always", time_step_projection=True, layer_pattern="M*",
                                  interleaved_experts=True), JAMBA),

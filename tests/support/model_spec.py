@@ -154,6 +154,7 @@ class ModelSpec:
     ssm_conv_kernel: int = 4
     ssm_inner_size: int | None = None  # ssm.inner_size; None: ssm_value_heads * ssm_state (DeltaNet's)
     ssm_dt_b_c_rms: bool = False     # Falcon-Mamba's ssm.dt_b_c_rms (mamba): dt, B and C RMS-normed
+    moe_latent_size: int = 0         # latent_experts archs: the experts' latent width (0: the hidden size)
     expert_groups_used: int = 1      # expert_group_used_count (V3's topk_group)
     # Hybrids (layer_pattern archs): each layer's kind, one character per layer as Nemotron-H's
     # hybrid_override_pattern writes it: "M" Mamba-2 (ssm_* sizes as mamba2's), "*" attention, "-" an
@@ -243,7 +244,8 @@ class ModelSpec:
         knobs = {"leading_dense_layers": (self.leading_dense_layers != 0, traits.leading_dense),
                  "nextn_layers": (self.nextn_layers != 0, traits.nextn),
                  "shared_experts": (self.shared_experts != 1, shared),
-                 "qk_norm": (self.qk_norm, traits.optional_attention)}
+                 "qk_norm": (self.qk_norm, traits.optional_attention),
+                 "moe_latent_size": (self.moe_latent_size != 0, traits.latent_experts)}
         for name, (given, read) in knobs.items():
             if given and not read:
                 raise ValueError(f"llama.cpp reads no {name} for arch {self.arch!r}")
@@ -336,7 +338,7 @@ class ModelSpec:
             return (self.hidden_size, self.ssm_inner) + rank
         if ARCHS[self.arch].layer_pattern or ARCHS[self.arch].parallel_hybrid:
             ffn = ((self.expert_ffn_width, self.shared_expert_ffn_width) if self.num_experts
-                   else (self.ffn_size,))
+                   else (self.ffn_size,)) + ((self.moe_latent_size,) if self.moe_latent_size else ())
             rank = (self.ssm_value_heads,) if ARCHS[self.arch].time_step_projection else ()
             return (self.hidden_size, self.ssm_inner, self.num_heads * self.head_dim) + ffn + rank
         if ARCHS[self.arch].linear_attention:
@@ -766,4 +768,6 @@ def _expert_metadata(spec: ModelSpec) -> list[tuple[str, Typed]]:
                      (f"{arch}.expert_weights_scale", Typed(FLOAT32, _EXPERT_WEIGHTS_SCALE))]
     if traits.leading_dense:
         metadata.append((f"{arch}.leading_dense_block_count", Typed(UINT32, spec.leading_dense_layers)))
+    if spec.moe_latent_size:
+        metadata.append((f"{arch}.moe_latent_size", Typed(UINT32, spec.moe_latent_size)))
     return metadata
