@@ -1,10 +1,10 @@
-"""The hybrids of Mamba-2 and attention (granitehybrid, nemotron_h, falcon-h1): the memory each kind
-of layer keeps, and layer patterns tierflow refuses. (Their logits against llama.cpp:
+"""The hybrids of Mamba-2 and attention (granitehybrid, nemotron_h and nemotron_h_moe, falcon-h1): the
+memory each kind of layer keeps, and layer patterns tierflow refuses. (Their logits against llama.cpp:
 tests/test_families.py and tests/test_oracle.py.)"""
 
 import pytest
 
-from tests.support.gguf_bytes import ARRAY, INT32, Typed
+from tests.support.gguf_bytes import ARRAY, INT32, UINT32, Typed
 from tests.support.gguf_writing import rewrite_metadata
 from tests.support.make_model import write_model
 from tests.support.model_spec import family_spec
@@ -17,7 +17,7 @@ from tierflow.runtime.memory.kv_cache import KVCache
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     return {name: write_model(tmp_path_factory.mktemp(name) / "model.gguf", family_spec(name))
-            for name in ("granitehybrid", "nemotron_h", "falcon-h1")}
+            for name in ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1")}
 
 
 def load(path):
@@ -35,6 +35,18 @@ def test_each_nemotron_h_layer_keeps_the_memory_of_its_kind(models):
     with load(models["nemotron_h"]) as engine:
         kinds = [type(kind) for kind in engine.config.memory]
     assert kinds == [RecurrentState, NoMemory, FullCache, RecurrentState, NoMemory, RecurrentState]
+
+
+def test_a_nemotron_h_moe_model_has_experts_in_its_ffn_layers_only(models):
+    with load(models["nemotron_h_moe"]) as engine:
+        assert engine.config.moe_layers == (1, 4)  # "M-*M-M"
+
+
+def test_a_nemotron_h_moe_file_with_multi_token_prediction_blocks_is_refused_naming_the_key(tmp_path, models):
+    changed = rewrite_metadata(models["nemotron_h_moe"], tmp_path / "mtp.gguf",
+                               {"nemotron_h_moe.nextn_predict_layers": Typed(UINT32, 1)})
+    with pytest.raises(UnsupportedModelError, match="nemotron_h_moe.nextn_predict_layers is set"):
+        load(changed)
 
 
 def test_each_falcon_h1_layer_keeps_the_whole_contexts_rows_and_a_recurrent_state(models):

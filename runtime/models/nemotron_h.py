@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from tierflow.errors import ModelFileError
+from tierflow.errors import ModelFileError, UnsupportedModelError
 from tierflow.runtime.compute.interfaces import Activations, Kernels, LayerPass, Weights
 from tierflow.runtime.models import mamba2, ssm_hybrid
 from tierflow.runtime.models import tensor_map as tm
@@ -29,6 +29,10 @@ from tierflow.runtime.models.layers import attention, routed_experts, scored_top
 
 
 def config(meta: Metadata, vocab_size: int, tied: bool) -> ModelConfig:
+    if meta.count("nextn_predict_layers", 0, minimum=0):
+        raise UnsupportedModelError(f"{meta.arch}.nextn_predict_layers is set: tierflow does not read "
+                                    f"Nemotron 3's multi-token-prediction blocks yet (a file without "
+                                    f"them runs)")
     layers = meta.count("block_count")
     kv = ssm_hybrid.per_layer(meta, "attention.head_count_kv", layers)
     ffn = ssm_hybrid.per_layer(meta, "feed_forward_length", layers)
