@@ -14,6 +14,7 @@ import torch
 from tests.support.gpu import load_gpu_kernels_or_skip
 from tests.support.kv_shift import shifted_and_fresh_keys, text_ids, within_float_error
 from tests.support.make_model import ModelSpec, write_model
+from tests.support.model_spec import family_spec
 from tests.support.together import generate_together
 from tierflow import Engine
 from tierflow.errors import BudgetError
@@ -65,6 +66,19 @@ def test_layers_on_the_gpu_give_the_cpu_tokens_and_logits(models, name):
         got = engine.logits(engine.tokenize(PROMPT) + tokens)
     assert np.abs(got - logits).max() < 0.05 * np.abs(logits).max()
     assert np.abs(got - logits).mean() < 0.005 * np.abs(logits).max()
+
+
+STATE_SPACE_FAMILIES = ("mamba", "mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1",
+                        "jamba")
+
+
+@pytest.mark.parametrize("family", STATE_SPACE_FAMILIES)
+def test_each_state_space_familys_layers_on_the_gpu_give_the_cpu_tokens(tmp_path, family):
+    path = write_model(tmp_path / "model.gguf", family_spec(family))
+    tokens, _ = cpu_result(path)
+    with Engine.load(path, threads=2, context_length=CONTEXT, gpu_memory="64MiB", **GPU) as engine:
+        assert engine.plan.gpu_layers == tuple(range(engine.config.num_layers))  # their states there too
+        assert engine.generate(PROMPT, max_tokens=TOKENS, temperature=0).tokens == tokens
 
 
 @pytest.mark.parametrize("kv_on_cpu", [False, True])
