@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tierflow.cpu_kernels import matmul as kernels
+from tierflow.offload.tiers.tiered import ResidentExperts
 from tierflow.runtime.compute.interfaces import Weights
 from tierflow.runtime.decoder.decoder import Decoder
 from tierflow.runtime.memory.kv_cache import KVCache
@@ -72,17 +73,6 @@ class _ZeroLinear:
         return np.zeros((x.shape[0], self.out_features), np.float32)
 
 
-class _CostlessExperts:
-    def __init__(self, experts: list[Weights]):
-        self.experts = experts
-
-    def dropped(self, chosen: np.ndarray, weights, verifying: bool = False) -> None:
-        return None  # every expert is at hand
-
-    def groups(self, chosen: np.ndarray, residual, dropped: None = None):
-        yield [(e, self.experts[e]) for e in np.unique(chosen).tolist()]
-
-
 class _CostlessWeights:
     """A WeightSource of the family's fields: norms of ones, linears of zeros."""
 
@@ -92,11 +82,11 @@ class _CostlessWeights:
         self.hidden = config.hidden_size
 
     @staticmethod
-    def _experts(arch: Architecture, config: ModelConfig, layer: int) -> "_CostlessExperts | None":
+    def _experts(arch: Architecture, config: ModelConfig, layer: int) -> ResidentExperts | None:
         if not config.has_experts(layer):
             return None
-        return _CostlessExperts([Weights(_fields(arch.expert_fields(config, layer, e)))
-                                 for e in range(config.num_experts)])
+        return ResidentExperts([Weights(_fields(arch.expert_fields(config, layer, e)))
+                                for e in range(config.num_experts)])
 
     def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
         return np.ones((len(token_ids), self.hidden), np.float32)
