@@ -2,11 +2,11 @@
 inter-layer predictors and the routing-trace format."""
 
 import threading
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
+from tests.support.hand_tier import HandReadTier
 from tierflow.errors import BudgetError
 from tierflow.offload.experts.expert_cache import ExpertCache
 from tierflow.offload.experts.next_layer import (
@@ -23,8 +23,6 @@ from tierflow.offload.experts.routing_trace import (
     make_synthetic_trace,
     save_trace,
 )
-from tierflow.offload.experts.tier import ExpertTier
-from tierflow.runtime.models.config import ModelConfig, RopeScaling
 
 
 def array_cache(budget_bytes: int, policy: str = "lru", expert_bytes=8, **options) -> ExpertCache:
@@ -355,40 +353,6 @@ def test_the_next_layer_predictor_adds_experts_that_affinity_makes_likely():
         predictor.step(1, np.array([[3]]), residual)
     ids, _ = predictor.step(0, np.array([[1]]), residual)
     assert sorted(ids.tolist()) == [0, 3]
-
-
-class HandRead(Future):
-    nbytes = 8  # what the cache counts
-
-
-class HandReadTier(ExpertTier):
-    """An expert tier whose reads (payloads: futures) complete at once, except those of the experts
-    in `held`, which the test completes by hand."""
-
-    def __init__(self):
-        config = ModelConfig(arch="qwen3moe", name="hand", num_layers=2, hidden_size=8, ffn_size=8,
-                             num_heads=1, num_kv_heads=1, head_dim=8, vocab_size=8, context_length=8,
-                             rms_norm_eps=1e-6, rope_theta=1e4, rope_dim=8, rope_scaling=RopeScaling(),
-                             tied_embeddings=True, num_experts=4, experts_used=3, expert_ffn_size=8)
-        self.reads: dict[int, HandRead] = {}
-        self.held: set[int] = set()
-        super().__init__(config, ExpertCache(64, lambda key: 8, self._read, "lru"))
-        self.prefetch = False
-
-    def _read(self, key) -> HandRead:
-        read = self.reads[key[1]] = HandRead()
-        if key[1] not in self.held:
-            read.set_result(f"expert {key[1]}")
-        return read
-
-    def _route(self, layer_idx, expert_tokens):
-        return list(expert_tokens), iter(())
-
-    def _weights(self, read: Future):
-        return read.result()
-
-    def _arrived(self, read: Future) -> bool:
-        return read.done()
 
 
 def test_a_tier_hands_over_the_experts_at_hand_before_a_read_in_flight_arrives():

@@ -7,7 +7,6 @@ its weight to the token's other experts, and a token's first choice is never lef
 Their quality against the exact model: benchmarks/moe_decode.py --expert-skip, --union-cap."""
 
 import threading
-from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,10 +15,10 @@ import torch
 
 from tests.support.budgets import ram_beside_weights
 from tests.support.cli import run_tierflow
+from tests.support.hand_tier import HandReadTier
 from tests.support.make_model import ModelSpec, write_model
 from tierflow import Engine
 from tierflow.errors import InvalidArgumentError
-from tierflow.offload.experts.expert_cache import ExpertCache
 from tierflow.offload.experts.routing_trace import Routing, keep_routing, kept_routing
 from tierflow.offload.experts.tier import ExpertTier
 from tierflow.offload.plan.expert_plan import TIERS, skipped_share
@@ -99,29 +98,13 @@ CONFIG = ModelConfig(arch="qwen3moe", name="skip", num_layers=2, hidden_size=8, 
                      num_experts=8, experts_used=3, expert_ffn_size=8)
 
 
-class CachedTier(ExpertTier):
+def cached_tier(held: set[int], skip_below: float) -> HandReadTier:
     """A tier whose cache holds the experts `held` (of layer 0); the others would be read from disk."""
-
-    def __init__(self, held: set[int], skip_below: float):
-        super().__init__(CONFIG, ExpertCache(1 << 20, lambda key: 8, self._read, "lru"))
-        self.prefetch, self.skip_below = False, skip_below
-        for expert in held:
-            list(self.step(0, np.array([[expert]]), np.zeros((1, 8), np.float32)))
-
-    def _read(self, key) -> Future:
-        read = Future()
-        read.nbytes = 8  # what the cache counts
-        read.set_result(f"expert {key[1]}")
-        return read
-
-    def _route(self, layer_idx, expert_tokens):
-        return list(expert_tokens), iter(())
-
-    def _weights(self, read: Future):
-        return read.result()
-
-    def _on_disk(self, layer_idx, expert_id):
-        return (layer_idx, expert_id) not in self.cache
+    tier = HandReadTier()
+    tier.skip_below = skip_below
+    for expert in held:
+        list(tier.step(0, np.array([[expert]]), np.zeros((1, 8), np.float32)))
+    return tier
 
 
 def dropped(tier: ExpertTier, chosen, weights, verifying: bool = False) -> list[list[bool]]:
@@ -130,29 +113,29 @@ def dropped(tier: ExpertTier, chosen, weights, verifying: bool = False) -> list[
 
 
 def test_the_tier_skips_a_missed_expert_under_the_share():
-    tier = CachedTier(held={0}, skip_below=0.2)
+    tier = cached_tier(held={0}, skip_below=0.2)
     assert dropped(tier, [[0, 1, 2]], [[0.5, 0.35, 0.15]]) == [[False, False, True]]
     assert tier.skipped == 1
 
 
 def test_the_tier_never_skips_a_cached_expert_or_a_tokens_first_choice():
-    tier = CachedTier(held={2}, skip_below=0.5)
+    tier = cached_tier(held={2}, skip_below=0.5)
     assert dropped(tier, [[1, 3, 2]], [[0.45, 0.4, 0.15]]) == [[False, True, False]]
 
 
 def test_the_tier_keeps_a_missed_expert_that_any_token_ranks_high():
-    tier = CachedTier(held=set(), skip_below=0.2)
+    tier = cached_tier(held=set(), skip_below=0.2)
     chosen, weights = [[0, 1, 2], [3, 2, 4]], [[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]
     assert dropped(tier, chosen, weights) == [[False, False, False], [False, False, True]]
 
 
 def test_the_tier_skips_nothing_by_default():
-    assert CachedTier(held=set(), skip_below=0.0).dropped(0, np.array([[0, 1, 2]]),
+    assert cached_tier(held=set(), skip_below=0.0).dropped(0, np.array([[0, 1, 2]]),
                                                           torch.tensor([[0.9, 0.05, 0.05]])) is None
 
 
 def test_a_verify_pass_computes_at_most_the_cap_of_distinct_experts_those_on_disk_going_first():
-    tier = CachedTier(held={3, 4}, skip_below=0.0)
+    tier = cached_tier(held={3, 4}, skip_below=0.0)
     tier.union_cap = 4
     chosen = [[0, 3, 5], [1, 4, 6], [2, 3, 4]]  # 7 distinct; the firsts 0, 1 and 2 stay
     weights = [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]
@@ -163,14 +146,14 @@ def test_a_verify_pass_computes_at_most_the_cap_of_distinct_experts_those_on_dis
 
 
 def test_the_cap_never_drops_a_tokens_first_choice():
-    tier = CachedTier(held=set(), skip_below=0.0)
+    tier = cached_tier(held=set(), skip_below=0.0)
     tier.union_cap = 3
     chosen, weights = [[0, 5, 6], [1, 5, 6], [2, 5, 6]], [[0.4, 0.3, 0.3]] * 3
     assert dropped(tier, chosen, weights, verifying=True) == [[False, True, True]] * 3
 
 
 def test_the_cap_leaves_a_pass_that_verifies_no_tree_alone():
-    tier = CachedTier(held=set(), skip_below=0.0)
+    tier = cached_tier(held=set(), skip_below=0.0)
     tier.union_cap = 3
     assert tier.dropped(0, np.array([[0, 1, 2], [3, 4, 5]]), torch.ones(2, 3), verifying=False) is None
 
