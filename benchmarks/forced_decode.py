@@ -55,10 +55,11 @@ def forced_decode(engine: Engine, prompt: list[int], text: list[int], log_probs:
         started = time.perf_counter()
         if tokens_per_pass == 1:
             steps = [generator.decode_step(token) for token in text]
-        for i in range(0, len(text) if tokens_per_pass > 1 else 0, tokens_per_pass):
-            chain, start = text[i:i + tokens_per_pass], generator.cache.length
-            steps.extend(generator.verify_tree(chain, list(range(-1, len(chain) - 1))))
-            generator.keep_path(start, list(range(len(chain))))
+        else:
+            for i in range(0, len(text), tokens_per_pass):
+                chain, start = text[i:i + tokens_per_pass], generator.cache.length
+                steps.extend(generator.verify_tree(chain, list(range(-1, len(chain) - 1))))
+                generator.keep_path(start, list(range(len(chain))))
         seconds = time.perf_counter() - started
     logits = np.stack(steps)
     return ForcedRun(len(text) / seconds, logits.argmax(axis=-1).tolist(),
